@@ -1,0 +1,70 @@
+// rewind/error.h: the exception hierarchy.
+//
+// Every error rewind reports is a rwd::Error. Messages say what was asked,
+// what is allowed, and where (which layer, which argument). An operation that
+// throws leaves the cache exactly as it was before the call.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <stdexcept>
+#include <string>
+
+namespace rwd {
+
+// Base of every exception thrown by rewind.
+class Error : public std::runtime_error {
+ public:
+  explicit Error(const std::string& message) : std::runtime_error(message) {}
+};
+
+// A tensor argument has the wrong rank, shape, dtype, batch size or stride,
+// or an option / argument value is outside its allowed range.
+class InvalidArgument : public Error {
+ public:
+  using Error::Error;
+};
+
+// A layer, state or side-tensor index is out of range.
+class IndexError : public Error {
+ public:
+  using Error::Error;
+};
+
+// A static layer or a memory budget cannot hold what was asked.
+class CapacityError : public Error {
+ public:
+  using Error::Error;
+};
+
+// A crop the layer cannot perform exactly: too deep, not recording, or a
+// positive (legacy) crop on a layer that cannot keep a prefix.
+class RollbackError : public Error {
+ public:
+  using Error::Error;
+};
+
+// The operation is not valid in the current state (an operation that needs
+// the parts of a layer in step while one part was updated ahead of another,
+// a method that does not apply to this layer kind, a stale handle).
+class StateError : public Error {
+ public:
+  using Error::Error;
+};
+
+// A model file or configuration is malformed (used by the runtime).
+class FormatError : public Error {
+ public:
+  using Error::Error;
+};
+
+// Receives rewind's warnings (today only the one-time deprecation warning of
+// a positive crop). The default handler writes the message to stderr.
+using WarningHandler = std::function<void(const std::string& message)>;
+// Installs `handler` (an empty function restores the default) and returns
+// the previous one. Not thread-safe against concurrent warnings.
+WarningHandler set_warning_handler(WarningHandler handler);
+// Makes one-time warnings fire again (for tests).
+void reset_one_time_warnings();
+
+}  // namespace rwd

@@ -1,0 +1,271 @@
+// rewind/layer.h: one model layer's inference state, with exact rollback.
+//
+// A Layer holds what one decoder layer needs to run its next forward: the
+// attention keys / values it attends to (full, sliding-window or chunked
+// retention), per-token side tensors that ride with those keys, the inputs of
+// short causal convolutions, and recurrent (SSM / gated-delta) states. Which
+// of those parts it has follows from its LayerKind (transformers'
+// `layer_types` strings).
+//
+// Every part counts tokens. `crop(-k)` removes the k most recent tokens from
+// every part, exactly, or throws and changes nothing (docs/semantics.md is
+// the full contract). With `activate_past_recording(R)` a layer keeps enough
+// history to remove up to R tokens, and never more than that: memory of
+// sliding, chunked, conv and recurrent parts stays bounded however long the
+// sequence grows.
+//
+// Storage is token-major: position p of a keys part lives in one row of
+// [B, H, D] elements, so an update of q tokens is one copy of q rows and a
+// crop only moves an index. Views returned by the layer point into its
+// storage and stay valid until the next call that mutates this layer.
+//
+// Thread safety: none inside. One owner per layer (and per Cache); distinct
+// layers / caches may be used from distinct threads.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <span>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "rewind/dtype.h"
+#include "rewind/tensor.h"
+
+namespace rwd {
+
+enum class LayerKind : std::uint8_t {
+  FullAttention,     // "full_attention"
+  SlidingAttention,  // "sliding_attention"
+  ChunkedAttention,  // "chunked_attention"
+  LinearAttention,   // "linear_attention": conv states + recurrent states
+  Conv,              // "conv": conv states only (LFM2 short conv)
+  Hybrid,            // "hybrid": linear attention + full attention
+  HybridSliding,     // "hybrid_sliding": linear attention + sliding window
+  SparseAttention,   // "deepseek_sparse_attention": full attention + indexer keys
+  Moe,               // "moe": no state
+  Mlp,               // "mlp": no state
+};
+
+// Maps a transformers `layer_types` string to its kind.
+// Throws InvalidArgument listing the accepted names for anything else.
+LayerKind parse_layer_kind(std::string_view name);
+// The transformers string of a kind ("sliding_attention", ...).
+std::string_view layer_kind_name(LayerKind kind);
+
+// Shapes and policies of a layer. Fields a kind does not use are ignored;
+// fields it needs are validated by the Layer constructor.
+struct LayerOptions {
+  DType dtype = DType::F32;       // keys, values, side tensors, conv inputs
+  std::int64_t batch_size = 1;    // B of every stored tensor
+
+  // Attention parts (full / sliding / chunked / hybrid / sparse):
+  // keys are [B, num_kv_heads, L, key_dim], values [B, num_kv_heads, L, value_dim].
+  std::int64_t num_kv_heads = 0;
+  std::int64_t key_dim = 0;
+  std::int64_t value_dim = 0;           // 0: same as key_dim
+  std::int64_t sliding_window = 0;      // W, sliding kinds
+  std::int64_t chunk_size = 0;          // C, chunked kind
+  // 0: dynamic storage that grows. > 0: static storage of exactly this many
+  // token slots per attention / side tensor, allocated once. A static full
+  // layer holds at most that many tokens; a static sliding or chunked layer
+  // reuses its slots and holds any number of tokens as long as what it must
+  // retain plus one update fits.
+  std::int64_t static_capacity = 0;
+  // Per-token side tensors riding with the keys: one entry per tensor, its
+  // row width D (stored as [B, L, D]). Kind SparseAttention needs >= 1 entry.
+  std::vector<std::int64_t> side_dims;
+
+  // Linear-attention parts (linear / conv / hybrid kinds):
+  std::int64_t conv_kernel_size = 0;            // K
+  std::vector<std::int64_t> conv_channels;      // one conv state per entry, [B, channels, K]
+  // One recurrent state per entry, its per-sequence shape (rank 1..3), e.g.
+  // {num_v_heads, head_k_dim, head_v_dim}; stored as [B, shape...].
+  std::vector<std::vector<std::int64_t>> recurrent_shapes;
+  DType recurrent_dtype = DType::F32;
+};
+
+struct KeyValueView {
+  TensorView keys;    // [B, H, n, key_dim]
+  TensorView values;  // [B, H, n, value_dim]
+};
+
+struct MaskSizes {
+  std::int64_t kv_length = 0;  // number of keys the next update returns
+  std::int64_t kv_offset = 0;  // absolute position of the first of them
+};
+
+// Bytes held by one layer.
+struct LayerMemory {
+  std::string kind;                // layer_kind_name
+  std::size_t bytes_reserved = 0;  // allocated capacity
+  std::size_t bytes_used = 0;      // occupied by retained tokens / states
+};
+
+// Positions [first, end) a part retains right now.
+struct PositionRange {
+  std::int64_t first = 0;
+  std::int64_t end = 0;
+  std::int64_t size() const { return end - first; }
+};
+
+class Layer;
+
+// Zero-copy write of recurrent states, from Layer::begin_recurrent_update.
+// The kernel reads S(L) from previous() and writes S(L+t) into next(t) for
+// t = 1..q, straight into cache-owned slots; commit() then advances the
+// state's length by q. Only the last min(q, R) + 1 states are kept.
+// Without recording (R = 0) every next(t) is the same slot as previous(): the
+// kernel must support updating the state in place. With R >= 1, next(t) never
+// aliases next(t - 1). Dropping the handle without commit() leaves the length
+// unchanged; slots already written may then hold the new values, so S(L) is
+// intact only when q <= R. Move-only; the layer must outlive the handle.
+class RecurrentUpdate {
+ public:
+  RecurrentUpdate(RecurrentUpdate&&) noexcept;
+  RecurrentUpdate& operator=(RecurrentUpdate&&) noexcept;
+  RecurrentUpdate(const RecurrentUpdate&) = delete;
+  RecurrentUpdate& operator=(const RecurrentUpdate&) = delete;
+  ~RecurrentUpdate();
+
+  std::int64_t num_tokens() const { return q_; }
+  // S(L): [B, shape...].
+  TensorView previous() const;
+  // Slot for S(L+t). REQUIRES 1 <= t <= q (throws IndexError).
+  TensorView next(std::int64_t t) const;
+  // Advances the state by q tokens. Throws StateError when called twice, or
+  // when this state was advanced, or the layer cropped, re-batched, reset or
+  // its recording changed, since begin_recurrent_update.
+  void commit();
+
+ private:
+  friend class Layer;
+  RecurrentUpdate(Layer* layer, int state, std::int64_t q, std::uint64_t generation, std::uint64_t version);
+  Layer* layer_ = nullptr;
+  int state_ = 0;
+  std::int64_t q_ = 0;
+  std::uint64_t generation_ = 0;
+  std::uint64_t version_ = 0;
+};
+
+class Layer {
+ public:
+  // Builds an empty layer (L = 0). `index` names the layer in messages
+  // ("layer 3"); Cache sets it. Throws InvalidArgument when an option the
+  // kind needs is missing or out of range (message names the option).
+  Layer(LayerKind kind, const LayerOptions& options, int index = -1);
+  ~Layer();
+  Layer(Layer&&) noexcept;
+  Layer& operator=(Layer&&) noexcept;
+  Layer(const Layer&) = delete;
+  Layer& operator=(const Layer&) = delete;
+
+  LayerKind kind() const;
+  const LayerOptions& options() const;
+  bool has_attention() const;  // full / sliding / chunked / hybrid / sparse
+  bool is_linear() const;      // linear / conv / hybrid kinds
+  bool is_stateless() const;   // moe / mlp
+  // Index used in error messages ("layer 3"); set by Cache. -1 when standalone.
+  void set_index(int index);
+  int index() const;
+
+  // Tokens seen (the position of the next token). 0 for moe / mlp.
+  std::int64_t get_seq_length() const;
+  // Batch size of every stored tensor.
+  std::int64_t batch_size() const;
+
+  // ---- attention ----
+  // Range the next update of q tokens returns (docs/semantics.md section 5).
+  // Throws StateError on a layer without attention, InvalidArgument for q < 1.
+  MaskSizes get_mask_sizes(std::int64_t q) const;
+  // Appends q tokens, keys [B, H, q, key_dim] and values [B, H, q, value_dim]
+  // (any strides, the layer's dtype), and returns every key / value the new
+  // queries attend to, positions [kv_offset, L + q). Throws InvalidArgument
+  // on rank / shape / dtype / batch mismatch, CapacityError when a static
+  // layer cannot hold the tokens; nothing is written then.
+  KeyValueView update(const TensorView& keys, const TensorView& values);
+  // Appends q rows [B, q, D] to side tensor `side` and returns the rows of
+  // the positions the keys range covers: [B, n, D]. Same errors as update,
+  // plus IndexError for a bad `side`.
+  TensorView update_side(int side, const TensorView& rows);
+  // Retained keys / values / side rows, positions stored_range(). For
+  // inspection; what the next forward needs is what update returns.
+  KeyValueView keys_values() const;
+  TensorView side(int side) const;
+  // Positions the attention part retains; throws StateError without attention.
+  PositionRange stored_range() const;
+
+  // ---- linear attention ----
+  // Appends x [B, channels, q] to conv state `state` and returns the window
+  // [B, channels, K - 1 + q]: the K - 1 inputs before the new ones (zeros
+  // before position 0) followed by the q new inputs. Throws StateError with
+  // the transformers message on a layer without conv states.
+  TensorView update_conv_state(int state, const TensorView& x);
+  // The last K inputs [B, channels, K] (zeros before position 0).
+  TensorView get_conv_state(int state) const;
+  // Retained conv inputs [B, channels, n] and their positions (may start
+  // below 0: the zero padding before the first token).
+  TensorView conv_inputs(int state) const;
+  PositionRange conv_range(int state) const;
+  // Starts a zero-copy update of recurrent state `state` by q >= 1 tokens.
+  RecurrentUpdate begin_recurrent_update(int state, std::int64_t q);
+  // Convenience over begin/commit for one token (transformers'
+  // update_recurrent_state): copies new_state [B, shape...] in as S(L+1).
+  void update_recurrent_state(int state, const TensorView& new_state);
+  // S(L): [B, shape...] (zeros when L = 0).
+  TensorView get_recurrent_state(int state) const;
+  // S(pos) for a snapshot still held, pos in [L - held + 1, L]; throws
+  // IndexError naming the held range otherwise.
+  TensorView recurrent_snapshot(int state, std::int64_t pos) const;
+  // True once the linear part has seen a token. Throws StateError with the
+  // transformers message on a layer without linear parts.
+  bool has_previous_state() const;
+
+  // ---- rollback ----
+  // crop(n), docs/semantics.md section 3: n < 0 removes |n| tokens; n == 0
+  // shrinks to the minimal working state; n > 0 (deprecated) keeps the first
+  // n tokens. Throws RollbackError (too deep, not recording, positive crop a
+  // part cannot do) or StateError (parts out of step); nothing changes then.
+  void crop(std::int64_t n);
+  // Throws exactly what crop(n) would throw, changes nothing.
+  void check_crop(std::int64_t n) const;
+  // Largest k for which crop(-k) is exact now; L means any k. 0 for a part
+  // that cannot roll back (not recording).
+  std::int64_t max_rollback() const;
+  // Keeps enough history to remove up to R >= 0 tokens exactly. Can be
+  // called again to change R (a smaller R drops history now). Throws
+  // InvalidArgument for R < 0, CapacityError when a static layer's slots
+  // cannot hold W - 1 + R + 1 tokens.
+  void activate_past_recording(std::int64_t max_tokens);
+  // Stops recording and drops the history (crop then raises where section 4 says).
+  void deactivate_past_recording();
+  bool is_recording() const;
+  std::int64_t recording_capacity() const;  // R, 0 when not recording
+
+  // ---- batch ----
+  // Keeps batch rows `indices` (any order, repeats allowed) of every stored
+  // tensor; B becomes indices.size(). Throws IndexError for an index outside
+  // [0, B), InvalidArgument for an empty list.
+  void batch_select_indices(std::span<const std::int64_t> indices);
+  // Repeats every batch row `repeats` >= 1 times in place (beam expansion).
+  void batch_repeat_interleave(std::int64_t repeats);
+  // Reorders batch rows: row i becomes old row beam_idx[i]; size must be B.
+  void reorder_cache(std::span<const std::int64_t> beam_idx);
+  // Back to the state of a new layer with the same options (L = 0, zero
+  // states, no history, B = options().batch_size); recording stays active
+  // with the same R.
+  void reset();
+
+  LayerMemory memory() const;
+
+  struct Impl;  // defined in src/cache
+
+ private:
+  friend class RecurrentUpdate;
+  friend class Cache;
+  friend class EncoderDecoderCache;
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace rwd

@@ -1,0 +1,87 @@
+#include "cache/position_buffer.h"
+
+#include <algorithm>
+#include <cstdlib>
+#include <cstring>
+#include <new>
+
+namespace rwd::detail {
+
+void AlignedBuffer::Free::operator()(std::byte* p) const noexcept { std::free(p); }
+
+AlignedBuffer::AlignedBuffer(std::size_t bytes) {
+  const std::size_t rounded = (bytes + 63) / 64 * 64;
+  if (rounded == 0) return;
+  data_.reset(static_cast<std::byte*>(std::aligned_alloc(64, rounded)));
+  if (!data_) throw std::bad_alloc();
+  std::memset(data_.get(), 0, rounded);
+  size_ = bytes;
+}
+
+PositionBuffer::PositionBuffer(std::size_t row_bytes, std::int64_t origin, std::int64_t static_slots)
+    : row_bytes_(row_bytes), origin_(origin), base_(origin), first_(origin), end_(origin),
+      static_(static_slots > 0) {
+  if (static_) {
+    buffer_ = AlignedBuffer(static_cast<std::size_t>(static_slots) * row_bytes_);
+    slots_ = static_slots;
+  }
+}
+
+void PositionBuffer::reserve_append(std::int64_t q) {
+  if (end_ + q - base_ <= slots_) return;
+  const std::int64_t kept = end_ - first_;
+  // Compact (move the retained rows to the front) when the allocation is at
+  // least twice what is needed: the free room then exceeds what is copied,
+  // so compaction costs amortised O(1) per token. A static buffer always
+  // compacts (the caller checked can_append).
+  if (static_ || 2 * (kept + q) <= slots_) {
+    if (kept > 0 && first_ != base_) {
+      std::memmove(buffer_.data(), row(first_), static_cast<std::size_t>(kept) * row_bytes_);
+    }
+    base_ = first_;
+    return;
+  }
+  const std::int64_t wanted = std::max({slots_ * 2, 2 * (kept + q), std::int64_t{16}});
+  AlignedBuffer grown(static_cast<std::size_t>(wanted) * row_bytes_);
+  if (kept > 0) std::memcpy(grown.data(), row(first_), static_cast<std::size_t>(kept) * row_bytes_);
+  buffer_ = std::move(grown);
+  slots_ = wanted;
+  base_ = first_;
+}
+
+void PositionBuffer::clear(std::int64_t zero_rows) {
+  base_ = first_ = origin_;
+  end_ = origin_ + zero_rows;
+  if (zero_rows > 0) {
+    if (slots_ < zero_rows) {
+      const std::int64_t wanted = std::max(zero_rows, std::int64_t{16});
+      buffer_ = AlignedBuffer(static_cast<std::size_t>(wanted) * row_bytes_);
+      slots_ = wanted;
+    } else {
+      std::memset(buffer_.data(), 0, static_cast<std::size_t>(zero_rows) * row_bytes_);
+    }
+  }
+}
+
+PositionBuffer PositionBuffer::gathered(std::span<const std::int64_t> rows, std::size_t entry_bytes) const {
+  PositionBuffer out;
+  out.row_bytes_ = rows.size() * entry_bytes;
+  out.origin_ = origin_;
+  out.static_ = static_;
+  out.base_ = first_;
+  out.first_ = first_;
+  out.end_ = end_;
+  const std::int64_t kept = end_ - first_;
+  out.slots_ = static_ ? slots_ : std::max(kept, std::int64_t{16});
+  out.buffer_ = AlignedBuffer(static_cast<std::size_t>(out.slots_) * out.row_bytes_);
+  for (std::int64_t pos = first_; pos < end_; ++pos) {
+    const std::byte* src = row(pos);
+    std::byte* dst = out.row(pos);
+    for (std::size_t i = 0; i < rows.size(); ++i) {
+      std::memcpy(dst + i * entry_bytes, src + static_cast<std::size_t>(rows[i]) * entry_bytes, entry_bytes);
+    }
+  }
+  return out;
+}
+
+}  // namespace rwd::detail

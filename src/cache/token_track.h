@@ -1,0 +1,77 @@
+// A per-token part of a layer: keys, values, a side tensor or a conv state's
+// inputs. Each track is a PositionBuffer plus the retention rule of its layer
+// kind, which decides what an update returns, what must be kept for the next
+// forward, and how deep a rollback can go.
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+#include "cache/position_buffer.h"
+#include "rewind/tensor.h"
+
+namespace rwd::detail {
+
+// What a part must retain, as a function of its length. `size` is W, C or K.
+struct RetentionRule {
+  enum class Kind { Full, Sliding, Chunked, Conv };
+  Kind kind = Kind::Full;
+  std::int64_t size = 0;
+
+  // First position an update at length L returns (docs/semantics.md section 5).
+  std::int64_t visible_first(std::int64_t L) const;
+  // First position to keep at length `end` when rollbacks of up to R tokens
+  // must stay exact (R = 0: the minimal working state).
+  std::int64_t keep_first(std::int64_t end, std::int64_t R) const;
+  // Largest exact rollback given what `buffer` retains (L means any depth).
+  std::int64_t max_rollback(const PositionBuffer& buffer) const;
+  // Position of an empty part: 0, or -K for conv inputs (zero padding rows).
+  std::int64_t origin() const { return kind == Kind::Conv ? -size : 0; }
+  // Zero rows an empty part holds (the conv padding).
+  std::int64_t padding_rows() const { return kind == Kind::Conv ? size : 0; }
+};
+
+// How a track's rows map to the user-facing tensor: keys / values
+// [B, H, n, D], side tensors [B, n, D], conv inputs [B, C, n].
+struct TrackShape {
+  enum class Layout { Heads, Rows, Channels };
+  Layout layout = Layout::Heads;
+  std::int64_t batch = 1;
+  std::int64_t heads = 1;  // H for Heads, unused otherwise
+  std::int64_t width = 1;  // D for Heads / Rows, C for Channels
+  DType dtype = DType::F32;
+
+  std::size_t entry_bytes() const {  // one batch entry of one position
+    return static_cast<std::size_t>((layout == Layout::Heads ? heads : 1) * width) * dtype_size(dtype);
+  }
+  std::size_t row_bytes() const { return static_cast<std::size_t>(batch) * entry_bytes(); }
+  // The view of n positions starting at row pointer `data`.
+  TensorView view(std::byte* data, std::int64_t n) const;
+  // Which input dimension counts tokens (2 for Heads and Channels, 1 for Rows).
+  int token_dim() const { return layout == Layout::Rows ? 1 : 2; }
+  int rank() const { return layout == Layout::Heads ? 4 : 3; }
+  // "[B=2, H=8, q, D=64]", for messages.
+  std::string expected(const char* token_name) const;
+};
+
+struct TokenTrack {
+  TrackShape shape;
+  RetentionRule rule;
+  PositionBuffer buffer;
+
+  TokenTrack() = default;
+  TokenTrack(TrackShape s, RetentionRule r, std::int64_t static_slots);
+
+  std::int64_t length() const { return buffer.end(); }
+  TensorView view(std::int64_t first, std::int64_t n) const { return shape.view(buffer.row(first), n); }
+  TensorView retained() const { return view(buffer.first(), buffer.stored()); }
+  // Writes the q positions of `input` (shape checked by the caller) after
+  // the end; returns the range [visible_first(L), L + q) and evicts what a
+  // rollback of up to R tokens no longer needs. REQUIRES buffer.can_append(q).
+  TensorView append(const TensorView& input, std::int64_t q, std::int64_t R);
+  // Back to empty (conv: zero padding rows).
+  void clear() { buffer.clear(rule.padding_rows()); }
+  TokenTrack gathered(std::span<const std::int64_t> rows) const;
+};
+
+}  // namespace rwd::detail

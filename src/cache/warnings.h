@@ -1,0 +1,10 @@
+// One-time warnings routed through rwd::set_warning_handler.
+#pragma once
+
+namespace rwd::detail {
+
+// Emits the deprecation warning of a positive crop, once per process (or
+// once after each reset_one_time_warnings()).
+void warn_positive_crop_once();
+
+}  // namespace rwd::detail

@@ -1,0 +1,173 @@
+#include "rewind/tensor.h"
+
+#include <cstdlib>
+#include <new>
+#include <sstream>
+
+#include "rewind/error.h"
+
+namespace rwd {
+namespace {
+
+void set_shape(TensorView& v, std::initializer_list<std::int64_t> shape) {
+  if (shape.size() > kMaxRank) {
+    throw InvalidArgument("tensor rank " + std::to_string(shape.size()) + " exceeds the maximum of 4");
+  }
+  v.rank = static_cast<int>(shape.size());
+  v.shape.fill(1);
+  v.strides.fill(0);
+  std::size_t i = 0;
+  for (std::int64_t extent : shape) {
+    if (extent < 0) throw InvalidArgument("tensor extent " + std::to_string(extent) + " is negative");
+    v.shape[i++] = extent;
+  }
+}
+
+void set_contiguous_strides(TensorView& v) {
+  std::int64_t stride = 1;
+  for (int d = v.rank - 1; d >= 0; --d) {
+    v.strides[static_cast<std::size_t>(d)] = stride;
+    stride *= v.shape[static_cast<std::size_t>(d)];
+  }
+}
+
+}  // namespace
+
+TensorView TensorView::contiguous(void* data, DType dtype, std::initializer_list<std::int64_t> shape) {
+  TensorView v;
+  v.data = data;
+  v.dtype = dtype;
+  set_shape(v, shape);
+  set_contiguous_strides(v);
+  return v;
+}
+
+TensorView TensorView::strided(void* data, DType dtype, std::initializer_list<std::int64_t> shape,
+                               std::initializer_list<std::int64_t> strides) {
+  if (shape.size() != strides.size()) {
+    throw InvalidArgument("tensor view has " + std::to_string(shape.size()) + " extents but " +
+                          std::to_string(strides.size()) + " strides");
+  }
+  TensorView v;
+  v.data = data;
+  v.dtype = dtype;
+  set_shape(v, shape);
+  std::size_t i = 0;
+  for (std::int64_t s : strides) v.strides[i++] = s;
+  return v;
+}
+
+std::int64_t TensorView::numel() const {
+  std::int64_t n = 1;
+  for (int d = 0; d < rank; ++d) n *= shape[static_cast<std::size_t>(d)];
+  return n;
+}
+
+bool TensorView::is_contiguous() const {
+  std::int64_t expected = 1;
+  for (int d = rank - 1; d >= 0; --d) {
+    const auto i = static_cast<std::size_t>(d);
+    if (shape[i] != 1 && strides[i] != expected) return false;
+    expected *= shape[i];
+  }
+  return true;
+}
+
+std::string TensorView::describe() const {
+  std::ostringstream out;
+  out << '[';
+  for (int d = 0; d < rank; ++d) out << (d ? ", " : "") << shape[static_cast<std::size_t>(d)];
+  out << "] " << dtype_name(dtype);
+  return out.str();
+}
+
+namespace {
+
+void check_same_layout(const TensorView& a, const TensorView& b, const char* what) {
+  if (a.rank != b.rank || a.dtype != b.dtype || a.shape != b.shape) {
+    throw InvalidArgument(std::string(what) + ": tensors differ: " + a.describe() + " vs " + b.describe());
+  }
+}
+
+// Calls fn(pa, pb) with byte pointers to each pair of corresponding elements'
+// innermost rows of `row` elements (the last dimension).
+template <typename Fn>
+void for_each_row(const TensorView& a, const TensorView& b, Fn&& fn) {
+  std::array<std::int64_t, 3> outer{1, 1, 1};
+  for (int d = 0; d + 1 < a.rank; ++d) outer[static_cast<std::size_t>(d)] = a.shape[static_cast<std::size_t>(d)];
+  for (std::int64_t i = 0; i < outer[0]; ++i)
+    for (std::int64_t j = 0; j < outer[1]; ++j)
+      for (std::int64_t k = 0; k < outer[2]; ++k)
+        if (!fn(a.ptr(i, j, k, 0), b.ptr(i, j, k, 0))) return;
+}
+
+}  // namespace
+
+void copy_tensor(const TensorView& src, const TensorView& dst) {
+  check_same_layout(src, dst, "copy_tensor");
+  if (src.numel() == 0) return;
+  const int last = src.rank == 0 ? 0 : src.rank - 1;
+  const auto li = static_cast<std::size_t>(last);
+  const std::int64_t n = src.rank == 0 ? 1 : src.shape[li];
+  const std::size_t es = dtype_size(src.dtype);
+  const bool dense = src.rank == 0 || (src.strides[li] == 1 && dst.strides[li] == 1);
+  for_each_row(src, dst, [&](void* ps, void* pd) {
+    if (dense) {
+      std::memmove(pd, ps, static_cast<std::size_t>(n) * es);
+    } else {
+      for (std::int64_t e = 0; e < n; ++e) {
+        std::memmove(static_cast<std::byte*>(pd) + e * dst.strides[li] * static_cast<std::int64_t>(es),
+                     static_cast<const std::byte*>(ps) + e * src.strides[li] * static_cast<std::int64_t>(es), es);
+      }
+    }
+    return true;
+  });
+}
+
+bool bitwise_equal(const TensorView& a, const TensorView& b) {
+  if (a.rank != b.rank || a.dtype != b.dtype || a.shape != b.shape) return false;
+  if (a.numel() == 0) return true;
+  const int last = a.rank == 0 ? 0 : a.rank - 1;
+  const auto li = static_cast<std::size_t>(last);
+  const std::int64_t n = a.rank == 0 ? 1 : a.shape[li];
+  const auto es = static_cast<std::int64_t>(dtype_size(a.dtype));
+  bool equal = true;
+  for_each_row(a, b, [&](void* pa, void* pb) {
+    for (std::int64_t e = 0; e < n && equal; ++e) {
+      equal = std::memcmp(static_cast<const std::byte*>(pa) + e * a.strides[li] * es,
+                          static_cast<const std::byte*>(pb) + e * b.strides[li] * es,
+                          static_cast<std::size_t>(es)) == 0;
+    }
+    return equal;
+  });
+  return equal;
+}
+
+void Tensor::Free::operator()(std::byte* p) const noexcept { std::free(p); }
+
+Tensor::Tensor(DType dtype, std::initializer_list<std::int64_t> shape) {
+  set_shape(view_, shape);
+  view_.dtype = dtype;
+  set_contiguous_strides(view_);
+  const std::size_t bytes = static_cast<std::size_t>(view_.numel()) * dtype_size(dtype);
+  const std::size_t rounded = (bytes + 63) / 64 * 64;
+  if (rounded > 0) {
+    storage_.reset(static_cast<std::byte*>(std::aligned_alloc(64, rounded)));
+    if (!storage_) throw std::bad_alloc();
+    std::memset(storage_.get(), 0, rounded);
+  }
+  view_.data = storage_.get();
+}
+
+Tensor::Tensor(DType dtype, const std::int64_t* shape, int rank) {
+  if (rank < 0 || rank > kMaxRank) throw InvalidArgument("tensor rank " + std::to_string(rank) + " is outside 0..4");
+  switch (rank) {
+    case 0: *this = Tensor(dtype, {}); break;
+    case 1: *this = Tensor(dtype, {shape[0]}); break;
+    case 2: *this = Tensor(dtype, {shape[0], shape[1]}); break;
+    case 3: *this = Tensor(dtype, {shape[0], shape[1], shape[2]}); break;
+    default: *this = Tensor(dtype, {shape[0], shape[1], shape[2], shape[3]}); break;
+  }
+}
+
+}  // namespace rwd
