@@ -1,0 +1,343 @@
+#include "runtime/generate.h"
+
+#include <algorithm>
+#include <chrono>
+#include <numeric>
+
+#include <nlohmann/json.hpp>
+
+#include "rewind/error.h"
+#include "runtime/kernels.h"
+
+namespace rwd::runtime {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+double seconds_since(Clock::time_point t0) {
+  return std::chrono::duration<double>(Clock::now() - t0).count();
+}
+
+double uniform01(std::mt19937_64& rng) { return static_cast<double>(rng() >> 11) * 0x1.0p-53; }
+
+std::int32_t pick(std::span<const float> logits, const SamplingParams& params, std::mt19937_64& rng) {
+  if (params.greedy()) {
+    return static_cast<std::int32_t>(kernels::argmax(logits.data(), static_cast<std::int64_t>(logits.size())));
+  }
+  const std::vector<float> p = sampling_distribution(logits, params);
+  return sample_from(p, rng);
+}
+
+void check_prompt(std::span<const std::int32_t> prompt) {
+  if (prompt.empty()) throw InvalidArgument("generation needs a non-empty prompt (at least the BOS token)");
+}
+
+// Emits `token`; returns false when generation must stop after it.
+bool emit(std::int32_t token, const Model& model, const GenerationOptions& options, std::vector<std::int32_t>& out) {
+  out.push_back(token);
+  if (options.on_token) options.on_token(token);
+  if (options.stop_at_eos && token == model.config().eos_token_id) return false;
+  return static_cast<std::int64_t>(out.size()) < options.max_new_tokens;
+}
+
+}  // namespace
+
+void validate(const SamplingParams& p) {
+  if (!(p.temperature >= 0.0f)) {
+    throw InvalidArgument("temperature must be >= 0 (0 = greedy), got " + std::to_string(p.temperature));
+  }
+  if (p.top_k < 0) throw InvalidArgument("top_k must be >= 0 (0 = off), got " + std::to_string(p.top_k));
+  if (!(p.top_p > 0.0f && p.top_p <= 1.0f)) {
+    throw InvalidArgument("top_p must be in (0, 1], got " + std::to_string(p.top_p));
+  }
+}
+
+std::vector<float> sampling_distribution(std::span<const float> logits, const SamplingParams& params) {
+  const auto n = static_cast<std::int64_t>(logits.size());
+  std::vector<float> scaled(logits.begin(), logits.end());
+  kernels::scale_inplace(scaled.data(), n, 1.0f / params.temperature);
+  std::vector<float> p(scaled.size());
+  kernels::softmax(scaled.data(), n, p.data());
+  if (params.top_k == 0 && params.top_p >= 1.0f) return p;
+  std::vector<std::int32_t> order(p.size());
+  std::iota(order.begin(), order.end(), 0);
+  std::stable_sort(order.begin(), order.end(), [&](std::int32_t a, std::int32_t b) {
+    return p[static_cast<std::size_t>(a)] > p[static_cast<std::size_t>(b)];
+  });
+  std::size_t keep = order.size();
+  if (params.top_k > 0) keep = std::min(keep, static_cast<std::size_t>(params.top_k));
+  if (params.top_p < 1.0f) {
+    double mass = 0.0;
+    for (std::size_t i = 0; i < keep; ++i) {
+      mass += p[static_cast<std::size_t>(order[i])];
+      if (mass >= params.top_p) {
+        keep = i + 1;
+        break;
+      }
+    }
+  }
+  std::vector<float> out(p.size(), 0.0f);
+  double total = 0.0;
+  for (std::size_t i = 0; i < keep; ++i) total += p[static_cast<std::size_t>(order[i])];
+  for (std::size_t i = 0; i < keep; ++i) {
+    const auto t = static_cast<std::size_t>(order[i]);
+    out[t] = static_cast<float>(p[t] / total);
+  }
+  return out;
+}
+
+std::int32_t sample_from(std::span<const float> probs, std::mt19937_64& rng) {
+  const double u = uniform01(rng);
+  double cumulative = 0.0;
+  std::int32_t last = 0;
+  for (std::size_t i = 0; i < probs.size(); ++i) {
+    if (probs[i] <= 0.0f) continue;
+    cumulative += probs[i];
+    last = static_cast<std::int32_t>(i);
+    if (u < cumulative) return last;
+  }
+  return last;  // rounding left u above the total: the last possible token
+}
+
+std::string GenerationStats::to_json() const {
+  nlohmann::json j;
+  j["new_tokens"] = new_tokens;
+  j["seconds"] = seconds;
+  j["tokens_per_second"] = tokens_per_second();
+  j["drafted"] = drafted;
+  j["accepted"] = accepted;
+  j["acceptance_rate"] = acceptance_rate();
+  j["rollbacks"] = rollbacks;
+  j["rounds"] = rounds;
+  j["forwards"] = forwards;
+  j["cache_seconds"] = cache_seconds;
+  j["peak_cache_bytes"] = peak_cache_bytes;
+  return j.dump();
+}
+
+std::vector<std::int32_t> generate(const Model& model, std::span<const std::int32_t> prompt,
+                                   const GenerationOptions& options, GenerationStats* stats) {
+  validate(options.sampling);
+  check_prompt(prompt);
+  const auto t0 = Clock::now();
+  GenerationStats local;
+  std::mt19937_64 rng(options.sampling.seed);
+  Cache cache = model.make_cache();
+  std::vector<float> logits;
+  std::vector<std::int32_t> out;
+  if (options.max_new_tokens > 0) {
+    model.forward(prompt, cache, logits, false);
+    ++local.forwards;
+    while (true) {
+      const std::int32_t token = pick(logits, options.sampling, rng);
+      if (!emit(token, model, options, out)) break;
+      model.forward(std::span<const std::int32_t>(&token, 1), cache, logits, false);
+      ++local.forwards;
+    }
+  }
+  local.peak_cache_bytes = cache.memory().bytes_reserved;
+  local.new_tokens = static_cast<std::int64_t>(out.size());
+  local.seconds = seconds_since(t0);
+  if (stats) *stats = local;
+  return out;
+}
+
+// ---- draft sources -------------------------------------------------------------
+
+ModelDraft::ModelDraft(const Model& draft, SamplingParams sampling, std::int64_t max_draft)
+    : model_(draft), sampling_(sampling), rng_(sampling.seed ^ 0x9e3779b97f4a7c15ull), cache_(draft.make_cache()) {
+  cache_.activate_past_recording(std::max<std::int64_t>(max_draft, 1));
+}
+
+void ModelDraft::begin(std::span<const std::int32_t>) {
+  cache_.reset();
+  seen_ = 0;
+}
+
+std::vector<std::int32_t> ModelDraft::propose(std::span<const std::int32_t> sequence, std::int64_t k,
+                                              std::vector<std::vector<float>>* probs) {
+  std::vector<std::int32_t> out;
+  if (k <= 0) return out;
+  std::vector<float> logits;
+  const auto size = static_cast<std::int64_t>(sequence.size());
+  model_.forward(sequence.subspan(static_cast<std::size_t>(seen_)), cache_, logits, false);
+  seen_ = size;
+  for (std::int64_t i = 0; i < k; ++i) {
+    std::int32_t token;
+    if (sampling_.greedy()) {
+      token = static_cast<std::int32_t>(kernels::argmax(logits.data(), static_cast<std::int64_t>(logits.size())));
+    } else {
+      std::vector<float> q = sampling_distribution(logits, sampling_);
+      token = sample_from(q, rng_);
+      if (probs) probs->push_back(std::move(q));
+    }
+    out.push_back(token);
+    if (i + 1 < k) {
+      model_.forward(std::span<const std::int32_t>(&token, 1), cache_, logits, false);
+      ++seen_;
+    }
+  }
+  return out;
+}
+
+void ModelDraft::accept(std::int64_t proposed, std::int64_t accepted) {
+  if (proposed <= 0) return;
+  // The cache holds the sequence plus the first proposed - 1 drafts; the
+  // accepted ones stay, the rest go (crop(0) when nothing is rejected).
+  const std::int64_t fed_drafts = proposed - 1;
+  const std::int64_t remove = fed_drafts - std::min(accepted, fed_drafts);
+  const auto t0 = Clock::now();
+  cache_.crop(-remove);
+  crop_seconds_ += seconds_since(t0);
+  seen_ -= remove;
+}
+
+std::size_t ModelDraft::cache_bytes() const { return cache_.memory().bytes_reserved; }
+
+LookupDraft::LookupDraft(std::int64_t max_ngram) : max_ngram_(max_ngram) {
+  if (max_ngram < 1) throw InvalidArgument("prompt lookup needs an n-gram size >= 1, got " + std::to_string(max_ngram));
+}
+
+std::vector<std::int32_t> LookupDraft::propose(std::span<const std::int32_t> s, std::int64_t k,
+                                               std::vector<std::vector<float>>*) {
+  const auto n = static_cast<std::int64_t>(s.size());
+  for (std::int64_t ng = std::min(max_ngram_, n - 1); ng >= 1; --ng) {
+    const std::int32_t* pattern = s.data() + (n - ng);
+    for (std::int64_t i = n - ng - 1; i >= 0; --i) {
+      if (!std::equal(pattern, pattern + ng, s.data() + i)) continue;
+      const std::int64_t from = i + ng, to = std::min(from + k, n);
+      return std::vector<std::int32_t>(s.data() + from, s.data() + to);
+    }
+  }
+  return {};
+}
+
+RandomDraft::RandomDraft(std::int64_t vocab, std::uint64_t seed) : vocab_(vocab), rng_(seed) {}
+
+std::vector<std::int32_t> RandomDraft::propose(std::span<const std::int32_t>, std::int64_t k,
+                                               std::vector<std::vector<float>>*) {
+  std::vector<std::int32_t> out;
+  for (std::int64_t i = 0; i < k; ++i) out.push_back(static_cast<std::int32_t>(rng_() % static_cast<std::uint64_t>(vocab_)));
+  return out;
+}
+
+// ---- the speculative loop --------------------------------------------------------
+
+std::vector<std::int32_t> speculative_generate(const Model& target, DraftSource& draft,
+                                               std::span<const std::int32_t> prompt,
+                                               const GenerationOptions& options, const SpeculativeOptions& spec,
+                                               GenerationStats* stats) {
+  validate(options.sampling);
+  check_prompt(prompt);
+  if (spec.num_draft < 1 || spec.num_draft > 64) {
+    throw InvalidArgument("num_draft (K) must be in [1, 64], got " + std::to_string(spec.num_draft));
+  }
+  const auto t0 = Clock::now();
+  GenerationStats local;
+  std::mt19937_64 rng(options.sampling.seed);
+  const SamplingParams& sampling = options.sampling;
+  const std::int64_t V = target.vocab_size();
+
+  Cache cache = target.make_cache();
+  cache.activate_past_recording(spec.num_draft);  // a round rolls back at most K tokens
+  std::vector<std::int32_t> sequence(prompt.begin(), prompt.end());
+  std::vector<std::int32_t> out;
+  std::vector<float> logits;
+  draft.begin(prompt);
+  // The target sees every token but the last one; that "pending" token
+  // leads each verify forward.
+  if (prompt.size() > 1 && options.max_new_tokens > 0) {
+    target.forward(prompt.first(prompt.size() - 1), cache, logits, false);
+    ++local.forwards;
+  }
+  std::int64_t k_now = spec.num_draft;
+  bool running = options.max_new_tokens > 0;
+  while (running) {
+    const std::int64_t budget = options.max_new_tokens - static_cast<std::int64_t>(out.size());
+    const std::int64_t k = std::min(k_now, budget - 1);  // a round emits accepted + 1 tokens
+    std::vector<std::vector<float>> q;
+    std::vector<std::int32_t> drafts;
+    if (k > 0) drafts = draft.propose(sequence, k, sampling.greedy() ? nullptr : &q);
+    if (static_cast<std::int64_t>(drafts.size()) > k) drafts.resize(static_cast<std::size_t>(k));
+    const auto kd = static_cast<std::int64_t>(drafts.size());
+
+    std::vector<std::int32_t> verify;
+    verify.reserve(drafts.size() + 1);
+    verify.push_back(sequence.back());
+    verify.insert(verify.end(), drafts.begin(), drafts.end());
+    target.forward(verify, cache, logits, true);
+    ++local.forwards;
+    auto row = [&](std::int64_t j) { return std::span<const float>(logits.data() + j * V, static_cast<std::size_t>(V)); };
+
+    std::vector<std::int32_t> emitted;
+    std::int64_t accepted = 0;
+    if (sampling.greedy()) {
+      while (accepted < kd && kernels::argmax(row(accepted).data(), V) == drafts[static_cast<std::size_t>(accepted)]) {
+        ++accepted;
+      }
+      emitted.assign(drafts.begin(), drafts.begin() + accepted);
+      emitted.push_back(static_cast<std::int32_t>(kernels::argmax(row(accepted).data(), V)));
+    } else {
+      // Speculative sampling: accept draft d with probability min(1, p(d) / q(d));
+      // on rejection draw from the residual max(0, p - q), renormalised. A
+      // deterministic draft has q = one-hot.
+      bool rejected = false;
+      for (std::int64_t j = 0; j < kd && !rejected; ++j) {
+        const std::vector<float> p = sampling_distribution(row(j), sampling);
+        const auto d = static_cast<std::size_t>(drafts[static_cast<std::size_t>(j)]);
+        const bool has_q = static_cast<std::size_t>(j) < q.size();
+        const double qd = has_q ? q[static_cast<std::size_t>(j)][d] : 1.0;
+        if (qd > 0.0 && uniform01(rng) < std::min(1.0, static_cast<double>(p[d]) / qd)) {
+          emitted.push_back(static_cast<std::int32_t>(d));
+          ++accepted;
+          continue;
+        }
+        std::vector<float> residual(p.size());
+        double total = 0.0;
+        for (std::size_t t = 0; t < p.size(); ++t) {
+          const double qt = has_q ? q[static_cast<std::size_t>(j)][t] : (t == d ? 1.0 : 0.0);
+          residual[t] = static_cast<float>(std::max(0.0, static_cast<double>(p[t]) - qt));
+          total += residual[t];
+        }
+        if (total > 0.0) {
+          for (float& r : residual) r = static_cast<float>(r / total);
+          emitted.push_back(sample_from(residual, rng));
+        } else {
+          emitted.push_back(sample_from(p, rng));
+        }
+        rejected = true;
+      }
+      if (!rejected) emitted.push_back(sample_from(sampling_distribution(row(kd), sampling), rng));
+    }
+
+    // Remove the rejected drafts from every layer (crop(0) when none were).
+    const std::int64_t remove = kd - accepted;
+    const auto tc = Clock::now();
+    cache.crop(-remove);
+    local.cache_seconds += seconds_since(tc);
+    if (remove > 0) ++local.rollbacks;
+    if (k > 0) draft.accept(kd, accepted);
+    ++local.rounds;
+    local.drafted += kd;
+    local.accepted += accepted;
+    local.peak_cache_bytes = std::max(local.peak_cache_bytes, cache.memory().bytes_reserved + draft.cache_bytes());
+
+    for (std::int32_t token : emitted) {
+      sequence.push_back(token);
+      if (!emit(token, target, options, out)) {
+        running = false;
+        break;
+      }
+    }
+    if (spec.adaptive && kd > 0) {
+      k_now = accepted == kd ? std::min(k_now + 2, spec.num_draft) : std::max<std::int64_t>(k_now - 1, 1);
+    }
+  }
+  local.cache_seconds += draft.cache_seconds();
+  local.new_tokens = static_cast<std::int64_t>(out.size());
+  local.seconds = seconds_since(t0);
+  if (stats) *stats = local;
+  return out;
+}
+
+}  // namespace rwd::runtime

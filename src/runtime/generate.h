@@ -1,0 +1,169 @@
+// runtime/generate.h: greedy / sampled generation and speculative decoding.
+//
+// generate() runs the plain loop: prefill the prompt, then one token per
+// forward. speculative_generate() runs transformers' assisted-generation
+// loop with rewind's crop semantics: it records past states, lets a
+// DraftSource propose up to K tokens, verifies them in one forward of
+// (pending token + drafts), keeps the longest accepted prefix (greedy) or
+// applies speculative sampling (temperature > 0), then calls
+// crop(-(drafted - accepted)) on the target cache (also when that is 0, so
+// sliding and conv states shrink back) and the draft's own crop.
+//
+// Losslessness: with greedy decoding the emitted tokens equal generate()'s
+// token for token, because the model's forward is batch invariant
+// (runtime/model.h) and every crop restores the cache exactly. With
+// sampling, the tokens follow the same distribution as generate()'s (the
+// random streams differ).
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <random>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "runtime/model.h"
+
+namespace rwd::runtime {
+
+struct SamplingParams {
+  float temperature = 0.0f;  // 0: greedy (argmax)
+  std::int64_t top_k = 0;    // 0: no top-k filter
+  float top_p = 1.0f;        // 1: no nucleus filter
+  std::uint64_t seed = 0;
+  bool greedy() const { return temperature <= 0.0f; }
+};
+
+// Throws InvalidArgument for temperature < 0, top_k < 0, or top_p outside (0, 1].
+void validate(const SamplingParams& params);
+
+// The distribution sampling draws from: softmax(logits / T) restricted to
+// the top_k most likely tokens and to the smallest set whose mass reaches
+// top_p (ties broken by token id), renormalised. REQUIRES !params.greedy().
+std::vector<float> sampling_distribution(std::span<const float> logits, const SamplingParams& params);
+
+// Draws an index from `probs` (sums to ~1) with one uniform from `rng`.
+std::int32_t sample_from(std::span<const float> probs, std::mt19937_64& rng);
+
+struct GenerationOptions {
+  std::int64_t max_new_tokens = 128;
+  bool stop_at_eos = true;
+  SamplingParams sampling;
+  // Called for every emitted token, in order, as soon as it is final.
+  std::function<void(std::int32_t)> on_token;
+};
+
+struct GenerationStats {
+  std::int64_t new_tokens = 0;
+  double seconds = 0.0;      // wall time of prefill + decoding
+  std::int64_t forwards = 0;  // target forwards
+  std::int64_t rounds = 0;    // speculative rounds
+  std::int64_t drafted = 0;
+  std::int64_t accepted = 0;
+  std::int64_t rollbacks = 0;  // crops that removed at least one token (target)
+  double cache_seconds = 0.0;  // time inside crop calls (target and draft)
+  std::size_t peak_cache_bytes = 0;  // reserved by the target (+ draft) caches
+  double tokens_per_second() const { return seconds > 0 ? static_cast<double>(new_tokens) / seconds : 0.0; }
+  double acceptance_rate() const { return drafted > 0 ? static_cast<double>(accepted) / static_cast<double>(drafted) : 0.0; }
+  // One JSON object on one line.
+  std::string to_json() const;
+};
+
+// Plain decoding. REQUIRES: prompt non-empty. Returns the new tokens (an
+// EOS that stopped generation is included).
+std::vector<std::int32_t> generate(const Model& model, std::span<const std::int32_t> prompt,
+                                   const GenerationOptions& options, GenerationStats* stats = nullptr);
+
+// Proposes draft tokens. begin() is called once with the prompt; propose()
+// with the whole sequence so far (prompt + emitted, the last token not yet
+// seen by the target) and at most `k` tokens; it may return fewer (0 means
+// "no guess": the round verifies the pending token alone). In sampling mode
+// it also fills `probs` with the draft distribution of each proposed token
+// (vocab floats per token), or leaves it empty for a deterministic draft.
+// After verification, accept() tells how many of the proposed tokens the
+// target kept.
+class DraftSource {
+ public:
+  virtual ~DraftSource() = default;
+  virtual void begin(std::span<const std::int32_t> prompt) = 0;
+  virtual std::vector<std::int32_t> propose(std::span<const std::int32_t> sequence, std::int64_t k,
+                                            std::vector<std::vector<float>>* probs) = 0;
+  virtual void accept(std::int64_t proposed, std::int64_t accepted) = 0;
+  // Bytes of cache this source holds (0 for model-free sources).
+  virtual std::size_t cache_bytes() const { return 0; }
+  // Seconds spent in its cache crops.
+  virtual double cache_seconds() const { return 0.0; }
+};
+
+// A draft model with its own cache (may be the target itself: a perfect
+// draft). Feeds the tokens its cache has not seen, drafts greedily or by
+// sampling with `sampling`, and crops its cache back to the accepted prefix.
+// REQUIRES: the draft's vocabulary equals the target's (checked by
+// speculative_generate).
+class ModelDraft : public DraftSource {
+ public:
+  ModelDraft(const Model& draft, SamplingParams sampling, std::int64_t max_draft);
+  void begin(std::span<const std::int32_t> prompt) override;
+  std::vector<std::int32_t> propose(std::span<const std::int32_t> sequence, std::int64_t k,
+                                    std::vector<std::vector<float>>* probs) override;
+  void accept(std::int64_t proposed, std::int64_t accepted) override;
+  std::size_t cache_bytes() const override;
+  double cache_seconds() const override { return crop_seconds_; }
+  const Model& model() const { return model_; }
+
+ private:
+  const Model& model_;
+  SamplingParams sampling_;
+  std::mt19937_64 rng_;
+  Cache cache_;
+  std::int64_t seen_ = 0;  // tokens of the sequence in cache_
+  double crop_seconds_ = 0.0;
+};
+
+// Prompt lookup: finds the most recent earlier occurrence of the last n
+// tokens (n = max_ngram down to 1) and proposes the tokens that followed it.
+class LookupDraft : public DraftSource {
+ public:
+  explicit LookupDraft(std::int64_t max_ngram);
+  void begin(std::span<const std::int32_t>) override {}
+  std::vector<std::int32_t> propose(std::span<const std::int32_t> sequence, std::int64_t k,
+                                    std::vector<std::vector<float>>* probs) override;
+  void accept(std::int64_t, std::int64_t) override {}
+
+ private:
+  std::int64_t max_ngram_;
+};
+
+// Uniformly random tokens (an adversarial draft: rejections every round).
+class RandomDraft : public DraftSource {
+ public:
+  RandomDraft(std::int64_t vocab, std::uint64_t seed);
+  void begin(std::span<const std::int32_t>) override {}
+  std::vector<std::int32_t> propose(std::span<const std::int32_t> sequence, std::int64_t k,
+                                    std::vector<std::vector<float>>* probs) override;
+  void accept(std::int64_t, std::int64_t) override {}
+
+ private:
+  std::int64_t vocab_;
+  std::mt19937_64 rng_;
+};
+
+struct SpeculativeOptions {
+  std::int64_t num_draft = 4;  // K (the maximum when adaptive)
+  // Adapt K from the acceptance (transformers' heuristic): +2 after a round
+  // that accepted everything, -1 otherwise, within [1, num_draft].
+  bool adaptive = false;
+};
+
+// Speculative decoding. REQUIRES: prompt non-empty, num_draft in [1, 64].
+// Throws InvalidArgument for a bad num_draft. Same result contract as
+// generate() (identical tokens in greedy mode).
+std::vector<std::int32_t> speculative_generate(const Model& target, DraftSource& draft,
+                                               std::span<const std::int32_t> prompt,
+                                               const GenerationOptions& options,
+                                               const SpeculativeOptions& spec,
+                                               GenerationStats* stats = nullptr);
+
+}  // namespace rwd::runtime

@@ -1,0 +1,212 @@
+// runtime/kernels.h: the f32 compute kernels of the reference runtime.
+//
+// Contract: every kernel is batch invariant. The bits of one output row (one
+// token) depend only on that row's inputs and on the sizes that define the
+// operation (in, dim, head_dim, ...), never on how many rows are processed
+// in the same call, on their order, or on the number of OpenMP threads.
+// Speculative decoding relies on this: verifying K + 1 draft tokens in one
+// forward must give exactly the logits of K + 1 single-token forwards, so
+// speculative and greedy decoding emit the same tokens bit for bit.
+//
+// How it is kept: every reduction has one fixed order (8 partial sums over
+// the reduced index, combined in a fixed tree, then the remainder in order,
+// or a plain in-order sum), each output element is always computed by the
+// same code path (chosen by its index and the sizes only), and threads only
+// split independent outputs, never a reduction. Do not build this file with
+// -ffast-math: it lets the compiler reassociate sums differently per path.
+// Hot loops also exist as an AVX2 clone chosen once per process; it does the
+// same IEEE operations in the same order, so results equal the baseline's.
+// Built for an FMA target (-march=native), the compiler may contract a*b+c:
+// results then differ from a baseline build but stay batch invariant, since
+// an element's code path is still fixed.
+//
+// Conventions: f32, row-major, contiguous unless strides are given; sizes
+// and strides count elements. Arguments are not validated (hot path); the
+// REQUIRES lines are the caller's obligations (checked by assert in debug
+// builds where cheap). Outputs must not alias inputs unless stated.
+// Depends on the C++ standard library and OpenMP only.
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+
+namespace rwd::runtime::kernels {
+
+// ---- scalar activations ---------------------------------------------------
+
+// 1 / (1 + exp(-x)) without overflow for large |x|.
+inline float sigmoid(float x) {
+  if (x >= 0.0f) return 1.0f / (1.0f + std::exp(-x));
+  const float e = std::exp(x);
+  return e / (1.0f + e);
+}
+
+// x * sigmoid(x), written as PyTorch's x / (1 + exp(-x)); exp overflowing to
+// inf for very negative x gives the correct limit -0.
+inline float silu(float x) { return x / (1.0f + std::exp(-x)); }
+
+// log(1 + exp(x)) with PyTorch's threshold (beta 1, threshold 20): returns x
+// above 20, where exp would dominate and could overflow.
+inline float softplus(float x) { return x > 20.0f ? x : std::log1p(std::exp(x)); }
+
+// ---- dense linear algebra ---------------------------------------------------
+
+// y[r, o] = sum_i x[r, i] * w[o, i] (+ bias[o]).
+// x: [rows, in], w: [out, in] (nn.Linear layout), bias: [out] or nullptr,
+// y: [rows, out]. Each block of weight rows is read once for all rows, so
+// when the weights come from memory one call with K + 1 rows costs much less
+// than K + 1 one-row calls. Multithreaded over blocks of output features.
+// REQUIRES: rows, in, out >= 0; y does not alias x or w.
+void matmul(const float* x, std::int64_t rows, std::int64_t in, const float* w, std::int64_t out,
+            float* y, const float* bias = nullptr);
+
+// The fixed-order dot product every reduction here uses: 8 partial sums over
+// i, combined pairwise in a fixed tree, then the n % 8 remainder in order.
+// a, b: [n].
+float dot(const float* a, const float* b, std::int64_t n);
+
+// ---- normalisation ----------------------------------------------------------
+
+// Per row: y = weight * (x * (1 / sqrt(mean(x^2) + eps))), in f32 as
+// transformers' LlamaRMSNorm computes it. Models whose norm multiplies by
+// (1 + weight) (Gemma, Qwen3-Next) fold the 1 into the weight at load time:
+// 1 + w in f32 is the same single rounding either way.
+// x, y: [rows, dim]; weight: [dim]. y may equal x (in place).
+void rms_norm(const float* x, const float* weight, std::int64_t rows, std::int64_t dim, double eps,
+              float* y);
+
+// Per row: y = (weight * rmsnorm(x)) * silu(z), the gated norm at the output
+// of a Gated DeltaNet block (Qwen3NextRMSNormGated).
+// x, z, y: [rows, dim]; weight: [dim]. y may equal x or z.
+void gated_rms_norm(const float* x, const float* z, const float* weight, std::int64_t rows,
+                    std::int64_t dim, double eps, float* y);
+
+// Per row, in place: x = x * (1 / sqrt(sum(x^2) + eps)), the l2norm that
+// Qwen3-Next applies to gated-delta queries and keys (eps 1e-6 inside the
+// square root of the sum of squares). x: [rows, dim].
+void l2_normalize(float* x, std::int64_t rows, std::int64_t dim, float eps);
+
+// ---- position encoding ------------------------------------------------------
+
+// Rotate-half RoPE in place (Llama / transformers convention). In each head
+// the first rotary_dim elements form pairs (j, j + rotary_dim / 2) rotated by
+// angle positions[r] * theta^(-2j / rotary_dim); elements from rotary_dim on
+// pass through (partial rotary, e.g. Qwen3-Next's factor 0.25). The angle and
+// its cos / sin are computed in double from the position alone, then rounded
+// to f32: a row's result never depends on the other rows.
+// x: [rows, heads, head_dim]; positions: [rows].
+// REQUIRES: rotary_dim even and <= head_dim; 0 means rotary_dim = head_dim.
+void rope_inplace(float* x, std::int64_t rows, std::int64_t heads, std::int64_t head_dim,
+                  const std::int64_t* positions, double theta, std::int64_t rotary_dim = 0);
+
+// ---- attention --------------------------------------------------------------
+
+// Keys or values of consecutive positions, read in place from a strided
+// buffer (such as the cache's token-major views): the head_dim contiguous
+// elements of kv head h at the j-th position start at
+// data + h * head_stride + j * pos_stride. For the cache's [B=1, H, n, D]
+// view with strides (H*D, D, B*H*D, 1): head_stride = D, pos_stride = B*H*D.
+struct StridedKV {
+  const float* data = nullptr;
+  std::int64_t head_stride = 0;
+  std::int64_t pos_stride = 0;
+};
+
+// Which keys a query at absolute position p attends to, besides p itself and
+// the positions before it: window W > 0 keeps only [p - W + 1, p] (sliding
+// attention); chunk C > 0 keeps only [floor(p / C) * C, p] (chunked-local
+// attention). Both 0: full causal attention.
+struct AttentionMask {
+  std::int64_t window = 0;
+  std::int64_t chunk = 0;
+};
+
+// Grouped-query causal attention of q_len query rows at absolute positions
+// pos0 .. pos0 + q_len - 1 over the keys / values of positions
+// kv_offset .. kv_offset + kv_len - 1. Query head h uses kv head
+// h / (num_heads / num_kv_heads); scores are scaled by 1 / sqrt(head_dim).
+// The query at p attends to the positions in [lo, min(p, kv_offset+kv_len-1)]
+// where lo = max(kv_offset, the mask's lower bound for p); the softmax (max
+// subtracted, exponentials summed in position order) and the weighted sum of
+// values run over exactly those keys, so a query's output is bitwise the same
+// whether the range passed in is wider (a multi-token forward) or exactly its
+// own (a single-token forward). A query with no key in range gets zeros.
+// q: [q_len, num_heads, head_dim]; out: [q_len, num_heads, head_dim].
+// REQUIRES: num_heads % num_kv_heads == 0; the caller passes every key its
+// queries need (kv_offset <= the mask's lower bound), else they see fewer.
+void attention(const float* q, std::int64_t q_len, std::int64_t pos0, std::int64_t num_heads,
+               std::int64_t num_kv_heads, std::int64_t head_dim, const StridedKV& k,
+               const StridedKV& v, std::int64_t kv_offset, std::int64_t kv_len, AttentionMask mask,
+               float* out);
+
+// ---- linear attention -------------------------------------------------------
+
+// Depthwise causal convolution over a window of inputs, the form the cache's
+// conv state returns: element (c, s) of the window, s in [0, K - 1 + q), is
+// at window[c * channel_stride + s * time_stride] (the cache's [B=1, C, K-1+q]
+// view has channel_stride 1, time_stride B * channels).
+// out[t, c] = sum_{i < K} weight[c, i] * window(c, t + i) (+ bias[c]), summed
+// in order of i, then silu applied when fuse_silu.
+// weight: [channels, K]; bias: [channels] or nullptr; out: [q, channels].
+void causal_conv1d(const float* window, std::int64_t channels, std::int64_t kernel_size,
+                   std::int64_t q, std::int64_t channel_stride, std::int64_t time_stride,
+                   const float* weight, const float* bias, bool fuse_silu, float* out);
+
+// One token of the Gated DeltaNet recurrence (Qwen3-Next) for one value head:
+//   S = S * exp(g); kv[j] = sum_i S[i][j] k[i]; delta[j] = (v[j] - kv[j]) beta;
+//   S[i][j] += k[i] delta[j]; o[j] = sum_i S[i][j] q[i].
+// The caller passes q and k already L2-normalised and q already multiplied by
+// 1 / sqrt(k_dim), as transformers does before its recurrent kernel.
+// q, k: [k_dim]; v, o: [v_dim]; g (log decay, <= 0) and beta are scalars;
+// state_in, state_out: [k_dim, v_dim]. Reads S from state_in and writes the
+// new S to state_out; state_out == state_in (in place) gives the same bits.
+// Sums over i run in order of i. REQUIRES: state_out either equals state_in
+// or does not overlap it.
+void gated_delta_rule_step(const float* q, const float* k, const float* v, float g, float beta,
+                           std::int64_t k_dim, std::int64_t v_dim, const float* state_in,
+                           float* state_out, float* o);
+
+// The recurrence over `tokens` tokens for all value heads, writing every
+// intermediate state (so a rollback can restore any of them):
+// state_out[t] receives S(L + t + 1), the state after token t, and token t
+// reads S(L + t) from state_out[t - 1] (state_in for t = 0). Value head h
+// uses key head h / (num_v_heads / num_k_heads) (repeat_interleave). Parallel
+// over heads; each head runs its tokens in order with gated_delta_rule_step,
+// so processing q tokens in one call or in q calls gives the same bits.
+// q, k: [tokens, num_k_heads, k_dim] (normalised, q scaled, as above);
+// v: [tokens, num_v_heads, v_dim]; g, beta: [tokens, num_v_heads];
+// state_in and each state_out[t]: [num_v_heads, k_dim, v_dim];
+// out: [tokens, num_v_heads, v_dim].
+// REQUIRES: num_v_heads % num_k_heads == 0; any two of state_in and the
+// state_out[t] are either the same pointer (in place, as the cache hands out
+// without recording) or do not overlap.
+void gated_delta_rule(const float* q, const float* k, const float* v, const float* g,
+                      const float* beta, std::int64_t tokens, std::int64_t num_v_heads,
+                      std::int64_t num_k_heads, std::int64_t k_dim, std::int64_t v_dim,
+                      const float* state_in, float* const* state_out, float* out);
+
+// ---- element-wise and sampling helpers ----------------------------------------
+
+// x[i] = silu(x[i]) for i < n.
+void silu_inplace(float* x, std::int64_t n);
+
+// out[i] = silu(gate[i]) * up[i] for i < n (the SwiGLU MLP activation).
+// out may equal gate or up.
+void swiglu(const float* gate, const float* up, std::int64_t n, float* out);
+
+// y[i] += x[i] for i < n (residual connections).
+void add_inplace(float* y, const float* x, std::int64_t n);
+
+// x[i] *= s for i < n.
+void scale_inplace(float* x, std::int64_t n, float s);
+
+// Index of the largest of x[0..n), the first one on ties (greedy decoding).
+// NaNs never win; returns 0 when n <= 0 or every element is NaN.
+std::int64_t argmax(const float* x, std::int64_t n);
+
+// y = softmax(x) over n elements for sampling: max subtracted, exponentials
+// summed in index order in double. y may equal x.
+// REQUIRES: n >= 1 and at least one finite element.
+void softmax(const float* x, std::int64_t n, float* y);
+
+}  // namespace rwd::runtime::kernels

@@ -1,0 +1,411 @@
+// The reference decoder and speculative decoding: batch invariance of the
+// forward, losslessness of speculative decoding for every draft source, the
+// distribution of speculative sampling, and the rewind CLI end to end.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <map>
+#include <string>
+#include <vector>
+
+#include "rewind/error.h"
+#include "runtime/generate.h"
+#include "runtime/kernels.h"
+#include "runtime/model.h"
+
+namespace rwd::runtime {
+namespace {
+
+// A hybrid config with every layer kind the runtime implements; the window
+// (5) is far below the generated length so sliding eviction happens.
+ModelConfig hybrid(std::vector<std::string> types, std::int64_t hidden = 32, std::int64_t window = 5) {
+  ModelConfig c;
+  c.hidden_size = hidden;
+  c.num_hidden_layers = static_cast<std::int64_t>(types.size());
+  c.num_attention_heads = 4;
+  c.num_key_value_heads = 2;
+  c.head_dim = hidden / 4;
+  c.intermediate_size = 2 * hidden;
+  c.vocab_size = 258;
+  c.layer_types = std::move(types);
+  c.sliding_window = window;
+  c.linear_conv_kernel_dim = 4;
+  c.linear_num_key_heads = 2;
+  c.linear_num_value_heads = 4;
+  c.linear_key_head_dim = 8;
+  c.linear_value_head_dim = 8;
+  c.conv_L_cache = 3;
+  return c;
+}
+
+const std::vector<std::string> kEveryKind = {"linear_attention", "sliding_attention", "conv", "full_attention"};
+
+Model random_model(const ModelConfig& c, std::uint64_t seed) { return Model(ModelWeights::random(c, seed)); }
+
+std::vector<std::int32_t> prompt_tokens(const Model& m, const std::string& text) {
+  return encode_prompt(text, m.config());
+}
+
+GenerationOptions greedy_options(std::int64_t n) {
+  GenerationOptions o;
+  o.max_new_tokens = n;
+  o.stop_at_eos = false;
+  return o;
+}
+
+// ---- batch invariance --------------------------------------------------------------
+
+TEST(ModelForward, MultiTokenLogitsEqualSingleTokenLogitsBitwise) {
+  for (std::uint64_t seed : {1u, 2u, 3u}) {
+    const Model m = random_model(hybrid(kEveryKind), seed);
+    const std::vector<std::int32_t> tokens = prompt_tokens(m, "And God said, Let there be light");
+    const auto V = static_cast<std::size_t>(m.vocab_size());
+    Cache all = m.make_cache();
+    std::vector<float> batched;
+    m.forward(tokens, all, batched, true);
+    ASSERT_EQ(batched.size(), tokens.size() * V);
+    Cache one = m.make_cache();
+    std::vector<float> single;
+    for (std::size_t t = 0; t < tokens.size(); ++t) {
+      m.forward(std::span<const std::int32_t>(&tokens[t], 1), one, single, true);
+      ASSERT_EQ(0, std::memcmp(single.data(), batched.data() + t * V, V * sizeof(float)))
+          << "seed " << seed << ", token " << t << " (window 5: eviction happens from token 5 on)";
+    }
+    // Uneven chunks (3, 1, rest) give the same bits too.
+    Cache chunks = m.make_cache();
+    std::vector<float> part, joined;
+    std::span<const std::int32_t> all_tokens(tokens);
+    for (auto [from, count] : {std::pair<std::size_t, std::size_t>{0, 3}, {3, 1}, {4, tokens.size() - 4}}) {
+      m.forward(all_tokens.subspan(from, count), chunks, part, true);
+      joined.insert(joined.end(), part.begin(), part.end());
+    }
+    EXPECT_EQ(0, std::memcmp(joined.data(), batched.data(), batched.size() * sizeof(float)));
+  }
+}
+
+TEST(ModelForward, RejectsBadTokensWithoutTouchingTheCache) {
+  const Model m = random_model(hybrid(kEveryKind), 1);
+  Cache cache = m.make_cache();
+  std::vector<float> logits;
+  const std::vector<std::int32_t> bad = {256, 12, 258};
+  EXPECT_THROW(m.forward(bad, cache, logits), InvalidArgument);
+  EXPECT_EQ(cache.get_seq_length(), 0);
+  EXPECT_THROW(m.forward(std::span<const std::int32_t>(), cache, logits), InvalidArgument);
+}
+
+TEST(ModelForward, LastRowOnlyEqualsTheLastRowOfAllLogits) {
+  const Model m = random_model(hybrid(kEveryKind), 4);
+  const std::vector<std::int32_t> tokens = prompt_tokens(m, "abcdefgh");
+  Cache a = m.make_cache(), b = m.make_cache();
+  std::vector<float> all, last;
+  m.forward(tokens, a, all, true);
+  m.forward(tokens, b, last, false);
+  const auto V = static_cast<std::size_t>(m.vocab_size());
+  ASSERT_EQ(last.size(), V);
+  EXPECT_EQ(0, std::memcmp(last.data(), all.data() + (tokens.size() - 1) * V, V * sizeof(float)));
+}
+
+// ---- lossless speculative decoding -------------------------------------------------------
+
+struct Case {
+  std::string name;
+  std::vector<std::string> types;
+  std::uint64_t seed;
+};
+
+class Lossless : public ::testing::TestWithParam<Case> {};
+
+TEST_P(Lossless, EveryDraftSourceReproducesGreedyTokenForToken) {
+  const Case& c = GetParam();
+  const Model target = random_model(hybrid(c.types), c.seed);
+  const Model small = random_model(hybrid({"conv", "sliding_attention"}, 16, 4), c.seed + 100);
+  // A prompt with repeats so that prompt lookup finds matches.
+  const std::vector<std::int32_t> prompt = prompt_tokens(target, "the lord is my shepherd; the lord is my");
+  const GenerationOptions options = greedy_options(60);
+  const std::vector<std::int32_t> greedy = generate(target, prompt, options);
+  ASSERT_EQ(greedy.size(), 60u);
+
+  for (std::int64_t K : {1, 3, 6}) {
+    ModelDraft perfect(target, {}, K);
+    RandomDraft adversarial(target.vocab_size(), c.seed * 31 + static_cast<std::uint64_t>(K));
+    ModelDraft small_draft(small, {}, K);
+    LookupDraft lookup(3);
+    struct Source {
+      const char* name;
+      DraftSource* source;
+    };
+    for (Source s : {Source{"perfect", &perfect}, Source{"adversarial", &adversarial},
+                     Source{"small model", &small_draft}, Source{"prompt lookup", &lookup}}) {
+      for (bool adaptive : {false, true}) {
+        GenerationStats stats;
+        const std::vector<std::int32_t> spec =
+            speculative_generate(target, *s.source, prompt, options, {K, adaptive}, &stats);
+        EXPECT_EQ(spec, greedy) << s.name << ", K=" << K << (adaptive ? ", adaptive" : "");
+        EXPECT_EQ(stats.new_tokens, 60);
+        if (std::string(s.name) == "perfect") {
+          EXPECT_EQ(stats.accepted, stats.drafted) << "the target drafting for itself is always right";
+          EXPECT_EQ(stats.rollbacks, 0) << "every round ends with crop(0)";
+          EXPECT_GT(stats.drafted, 0);
+        }
+        if (std::string(s.name) == "adversarial") {
+          EXPECT_GT(stats.rollbacks, stats.rounds / 2) << "random drafts are rejected most rounds";
+        }
+      }
+    }
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    RandomHybrids, Lossless,
+    ::testing::Values(Case{"every_kind", kEveryKind, 1},
+                      Case{"attention_first", {"full_attention", "linear_attention", "sliding_attention", "conv"}, 2},
+                      Case{"two_linear", {"linear_attention", "conv", "linear_attention", "sliding_attention",
+                                          "full_attention"}, 3}),
+    [](const ::testing::TestParamInfo<Case>& param_info) { return param_info.param.name; });
+
+TEST(Speculative, RejectsBadDraftLength) {
+  const Model m = random_model(hybrid(kEveryKind), 1);
+  LookupDraft lookup(2);
+  const auto prompt = prompt_tokens(m, "x");
+  EXPECT_THROW(speculative_generate(m, lookup, prompt, greedy_options(4), {0, false}), InvalidArgument);
+  EXPECT_THROW(speculative_generate(m, lookup, prompt, greedy_options(4), {65, false}), InvalidArgument);
+}
+
+TEST(Speculative, StopsAtEosAndBudgetLikeGreedy) {
+  const Model m = random_model(hybrid(kEveryKind), 9);
+  const auto prompt = prompt_tokens(m, "abc");
+  for (std::int64_t budget : {0, 1, 2, 7}) {
+    GenerationOptions o = greedy_options(budget);
+    o.stop_at_eos = true;
+    ModelDraft perfect(m, {}, 4);
+    EXPECT_EQ(speculative_generate(m, perfect, prompt, o, {4, false}), generate(m, prompt, o)) << budget;
+  }
+}
+
+TEST(PromptLookup, ProposesWhatFollowedTheLatestMatch) {
+  LookupDraft lookup(2);
+  const std::vector<std::int32_t> s = {1, 2, 3, 4, 9, 2, 3, 5, 6, 2, 3};
+  // Last bigram (2, 3) occurred at 5..6 (followed by 5, 6) and 1..2.
+  EXPECT_EQ(lookup.propose(s, 2, nullptr), (std::vector<std::int32_t>{5, 6}));
+  EXPECT_EQ(lookup.propose(s, 5, nullptr), (std::vector<std::int32_t>{5, 6, 2, 3}));
+  const std::vector<std::int32_t> none = {1, 2, 3};
+  EXPECT_TRUE(lookup.propose(none, 3, nullptr).empty());
+}
+
+// ---- sampling ------------------------------------------------------------------------
+
+TEST(Sampling, DistributionAppliesTemperatureTopKAndTopP) {
+  const std::vector<float> logits = {1.0f, 3.0f, 2.0f, 0.0f};
+  SamplingParams p;
+  p.temperature = 1.0f;
+  std::vector<float> d = sampling_distribution(logits, p);
+  double z = std::exp(1.0) + std::exp(3.0) + std::exp(2.0) + 1.0;
+  EXPECT_NEAR(d[1], std::exp(3.0) / z, 1e-6);
+  p.top_k = 2;
+  d = sampling_distribution(logits, p);
+  EXPECT_EQ(d[0], 0.0f);
+  EXPECT_EQ(d[3], 0.0f);
+  EXPECT_NEAR(d[1], std::exp(3.0) / (std::exp(3.0) + std::exp(2.0)), 1e-6);
+  p.top_k = 0;
+  p.top_p = 0.5f;  // the top token alone has mass 0.66 >= 0.5
+  d = sampling_distribution(logits, p);
+  EXPECT_EQ(d[1], 1.0f);
+  EXPECT_EQ(d[2], 0.0f);
+  p.temperature = -1.0f;
+  EXPECT_THROW(validate(p), InvalidArgument);
+}
+
+// Chi-square goodness of fit of `counts` (n draws) against `probs`; bins
+// with expected count < 5 are pooled.
+double chi_square(const std::map<std::int32_t, int>& counts, const std::vector<double>& probs, int n, int* dof) {
+  double stat = 0.0, pooled_expected = 0.0, pooled_observed = 0.0;
+  int bins = 0;
+  for (std::size_t t = 0; t < probs.size(); ++t) {
+    const double expected = probs[t] * n;
+    const auto it = counts.find(static_cast<std::int32_t>(t));
+    const double observed = it == counts.end() ? 0.0 : it->second;
+    if (expected < 5.0) {
+      pooled_expected += expected;
+      pooled_observed += observed;
+      continue;
+    }
+    stat += (observed - expected) * (observed - expected) / expected;
+    ++bins;
+  }
+  if (pooled_expected > 0.0) {
+    stat += (pooled_observed - pooled_expected) * (pooled_observed - pooled_expected) / std::max(pooled_expected, 1e-9);
+    ++bins;
+  }
+  *dof = bins - 1;
+  return stat;
+}
+
+// Upper 0.1 % point of chi-square with `dof` degrees of freedom
+// (Wilson-Hilferty approximation, accurate to a few percent for dof >= 3).
+double chi_square_critical(int dof) {
+  const double z = 3.090;  // standard normal 0.999 quantile
+  const double k = dof;
+  const double a = 2.0 / (9.0 * k);
+  return k * std::pow(1.0 - a + z * std::sqrt(a), 3.0);
+}
+
+TEST(Sampling, SpeculativeSamplingPreservesTheTargetDistribution) {
+  // Exact marginals of the first two sampled tokens are computed from the
+  // target's logits; speculative sampling with a different model as draft
+  // (so drafts are often rejected) and with prompt lookup must match them.
+  const Model target = random_model(hybrid(kEveryKind, 16), 21);
+  const Model draft = random_model(hybrid({"conv", "full_attention"}, 16), 22);
+  SamplingParams params;
+  params.temperature = 1.5f;
+  params.top_k = 6;
+  const std::vector<std::int32_t> prompt = prompt_tokens(target, "ab ab a");
+
+  std::vector<float> logits;
+  Cache cache = target.make_cache();
+  target.forward(prompt, cache, logits, false);
+  const std::vector<float> p1 = sampling_distribution(logits, params);
+  const auto V = p1.size();
+  std::vector<double> first(V), second(V, 0.0);
+  for (std::size_t t = 0; t < V; ++t) {
+    first[t] = p1[t];
+    if (p1[t] == 0.0f) continue;
+    std::vector<std::int32_t> extended = prompt;
+    extended.push_back(static_cast<std::int32_t>(t));
+    Cache c2 = target.make_cache();
+    target.forward(extended, c2, logits, false);
+    const std::vector<float> p2 = sampling_distribution(logits, params);
+    for (std::size_t u = 0; u < V; ++u) second[u] += static_cast<double>(p1[t]) * p2[u];
+  }
+
+  // Sources: 0 plain sampling; 1 a different model as draft (disjoint top-k:
+  // mostly rejections); 2 the target itself drafting at a flatter
+  // temperature (same support, q != p: exercises the min(1, p/q) test);
+  // 3 prompt lookup (a deterministic draft, q one-hot).
+  const int trials = 1500;
+  for (int source = 0; source < 4; ++source) {
+    std::map<std::int32_t, int> c1, c2;
+    for (int i = 0; i < trials; ++i) {
+      GenerationOptions o;
+      o.max_new_tokens = 2;
+      o.stop_at_eos = false;
+      o.sampling = params;
+      o.sampling.seed = 1000 + static_cast<std::uint64_t>(i);
+      std::vector<std::int32_t> out;
+      if (source == 0) {
+        out = generate(target, prompt, o);
+      } else if (source == 1) {
+        ModelDraft d(draft, o.sampling, 2);
+        out = speculative_generate(target, d, prompt, o, {2, false});
+      } else if (source == 2) {
+        SamplingParams flatter = o.sampling;
+        flatter.temperature = 3.0f;
+        ModelDraft d(target, flatter, 2);
+        out = speculative_generate(target, d, prompt, o, {2, false});
+      } else {
+        LookupDraft d(2);
+        out = speculative_generate(target, d, prompt, o, {2, false});
+      }
+      ASSERT_EQ(out.size(), 2u);
+      ++c1[out[0]];
+      ++c2[out[1]];
+    }
+    int dof1 = 0, dof2 = 0;
+    const double x1 = chi_square(c1, first, trials, &dof1);
+    const double x2 = chi_square(c2, second, trials, &dof2);
+    EXPECT_LT(x1, chi_square_critical(dof1)) << "source " << source << ", first token, dof " << dof1;
+    EXPECT_LT(x2, chi_square_critical(dof2)) << "source " << source << ", second token, dof " << dof2;
+  }
+}
+
+// ---- CLI ------------------------------------------------------------------------------
+
+#ifdef REWIND_CLI_PATH
+struct CliResult {
+  int status;
+  std::string output;
+};
+
+CliResult run_cli(const std::string& args) {
+  const std::string out_file = ::testing::TempDir() + "/rewind_cli_out.txt";
+  const std::string cmd = std::string(REWIND_CLI_PATH) + " " + args + " > " + out_file + " 2>&1";
+  const int raw = std::system(cmd.c_str());
+  std::ifstream in(out_file);
+  std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  return {WIFEXITED(raw) ? WEXITSTATUS(raw) : -1, text};
+}
+
+class Cli : public ::testing::Test {
+ protected:
+  static void SetUpTestSuite() {
+    dir_ = ::testing::TempDir() + "/rewind_cli_models";
+    std::filesystem::remove_all(dir_);
+    std::filesystem::create_directories(dir_);
+    write_random_model(hybrid(kEveryKind), dir_ + "/target", 5, DType::BF16);
+    write_random_model(hybrid({"conv", "sliding_attention"}, 16, 4), dir_ + "/draft", 6, DType::F16);
+    ModelConfig other = hybrid({"full_attention"}, 16);
+    other.vocab_size = 300;
+    write_random_model(other, dir_ + "/other_vocab", 7, DType::F32);
+  }
+  static std::string dir_;
+};
+std::string Cli::dir_;
+
+TEST_F(Cli, VerifyReportsIdenticalForDraftModelAndLookup) {
+  for (const std::string& source : {"--draft " + dir_ + "/draft", std::string("--lookup 3")}) {
+    const CliResult r = run_cli("verify --model " + dir_ + "/target " + source +
+                                " --prompt 'in the beginning in the' --max-new-tokens 40");
+    EXPECT_EQ(r.status, 0) << r.output;
+    EXPECT_NE(r.output.find("IDENTICAL"), std::string::npos) << r.output;
+  }
+}
+
+TEST_F(Cli, GenerateWithStatsEndsWithOneJsonLine) {
+  const CliResult r = run_cli("generate --model " + dir_ + "/target --draft " + dir_ +
+                              "/draft --prompt hello --max-new-tokens 12 --stats");
+  ASSERT_EQ(r.status, 0) << r.output;
+  const std::string last = r.output.substr(r.output.rfind('{'));
+  for (const char* key : {"\"new_tokens\"", "\"seconds\"", "\"tokens_per_second\"", "\"drafted\"", "\"accepted\"",
+                          "\"acceptance_rate\"", "\"rollbacks\"", "\"peak_cache_bytes\""}) {
+    EXPECT_NE(last.find(key), std::string::npos) << key << " in " << last;
+  }
+}
+
+TEST_F(Cli, InspectListsLayersAndMemory) {
+  const CliResult r = run_cli("inspect --model " + dir_ + "/target --rollback 4");
+  ASSERT_EQ(r.status, 0) << r.output;
+  EXPECT_NE(r.output.find("linear_attention"), std::string::npos);
+  EXPECT_NE(r.output.find("KV bytes per token"), std::string::npos);
+  // 2 attention layers x K and V x 2 kv heads x 8 dims x 4 bytes = 256 B.
+  EXPECT_NE(r.output.find("KV bytes per token (full + sliding layers, f32): 256 B"), std::string::npos) << r.output;
+}
+
+TEST_F(Cli, MisuseGivesAClearMessageAndExitStatus2) {
+  const std::string model = " --model " + dir_ + "/target";
+  struct Misuse {
+    std::string args;
+    std::string phrase;
+  };
+  for (const Misuse& m : std::vector<Misuse>{
+           {"generate --model /nonexistent/dir --prompt x", "Directory does not exist"},
+           {"generate" + model + " --prompt ''", "--prompt is empty"},
+           {"generate" + model + " --prompt x --lookup 2 --num-draft 0", "--num-draft must be in [1, 64]"},
+           {"generate" + model + " --prompt x --lookup 2 --num-draft 1000", "--num-draft must be in [1, 64]"},
+           {"generate" + model + " --prompt x --frobnicate", "frobnicate"},
+           {"generate" + model + " --prompt x --draft " + dir_ + "/other_vocab", "incompatible"},
+           {"verify" + model + " --prompt x", "needs a draft source"},
+           {"generate" + model + " --prompt x --temperature -1", "temperature must be >= 0"},
+           {"inspect --model " + dir_, "config.json"},
+       }) {
+    const CliResult r = run_cli(m.args);
+    EXPECT_EQ(r.status, 2) << m.args << "\n" << r.output;
+    EXPECT_NE(r.output.find(m.phrase), std::string::npos) << m.args << "\n" << r.output;
+  }
+}
+#endif
+
+}  // namespace
+}  // namespace rwd::runtime
