@@ -126,12 +126,12 @@ std::vector<std::int32_t> generate(const Model& model, std::span<const std::int3
   std::vector<float> logits;
   std::vector<std::int32_t> out;
   if (options.max_new_tokens > 0) {
-    model.forward(prompt, cache, logits, false);
+    model.forward(prompt, cache, logits, false, &local.cache_seconds);
     ++local.forwards;
     while (true) {
       const std::int32_t token = pick(logits, options.sampling, rng);
       if (!emit(token, model, options, out)) break;
-      model.forward(std::span<const std::int32_t>(&token, 1), cache, logits, false);
+      model.forward(std::span<const std::int32_t>(&token, 1), cache, logits, false, &local.cache_seconds);
       ++local.forwards;
     }
   }
@@ -160,7 +160,7 @@ std::vector<std::int32_t> ModelDraft::propose(std::span<const std::int32_t> sequ
   if (k <= 0) return out;
   std::vector<float> logits;
   const auto size = static_cast<std::int64_t>(sequence.size());
-  model_.forward(sequence.subspan(static_cast<std::size_t>(seen_)), cache_, logits, false);
+  model_.forward(sequence.subspan(static_cast<std::size_t>(seen_)), cache_, logits, false, &cache_seconds_);
   seen_ = size;
   for (std::int64_t i = 0; i < k; ++i) {
     std::int32_t token;
@@ -173,7 +173,7 @@ std::vector<std::int32_t> ModelDraft::propose(std::span<const std::int32_t> sequ
     }
     out.push_back(token);
     if (i + 1 < k) {
-      model_.forward(std::span<const std::int32_t>(&token, 1), cache_, logits, false);
+      model_.forward(std::span<const std::int32_t>(&token, 1), cache_, logits, false, &cache_seconds_);
       ++seen_;
     }
   }
@@ -188,7 +188,7 @@ void ModelDraft::accept(std::int64_t proposed, std::int64_t accepted) {
   const std::int64_t remove = fed_drafts - std::min(accepted, fed_drafts);
   const auto t0 = Clock::now();
   cache_.crop(-remove);
-  crop_seconds_ += seconds_since(t0);
+  cache_seconds_ += seconds_since(t0);
   seen_ -= remove;
 }
 
@@ -247,7 +247,7 @@ std::vector<std::int32_t> speculative_generate(const Model& target, DraftSource&
   // The target sees every token but the last one; that "pending" token
   // leads each verify forward.
   if (prompt.size() > 1 && options.max_new_tokens > 0) {
-    target.forward(prompt.first(prompt.size() - 1), cache, logits, false);
+    target.forward(prompt.first(prompt.size() - 1), cache, logits, false, &local.cache_seconds);
     ++local.forwards;
   }
   std::int64_t k_now = spec.num_draft;
@@ -265,7 +265,7 @@ std::vector<std::int32_t> speculative_generate(const Model& target, DraftSource&
     verify.reserve(drafts.size() + 1);
     verify.push_back(sequence.back());
     verify.insert(verify.end(), drafts.begin(), drafts.end());
-    target.forward(verify, cache, logits, true);
+    target.forward(verify, cache, logits, true, &local.cache_seconds);
     ++local.forwards;
     auto row = [&](std::int64_t j) { return std::span<const float>(logits.data() + j * V, static_cast<std::size_t>(V)); };
 

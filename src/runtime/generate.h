@@ -63,7 +63,7 @@ struct GenerationStats {
   std::int64_t drafted = 0;
   std::int64_t accepted = 0;
   std::int64_t rollbacks = 0;  // crops that removed at least one token (target)
-  double cache_seconds = 0.0;  // time inside crop calls (target and draft)
+  double cache_seconds = 0.0;  // time inside cache calls: updates, slots, crops (target + draft)
   std::size_t peak_cache_bytes = 0;  // reserved by the target (+ draft) caches
   double tokens_per_second() const { return seconds > 0 ? static_cast<double>(new_tokens) / seconds : 0.0; }
   double acceptance_rate() const { return drafted > 0 ? static_cast<double>(accepted) / static_cast<double>(drafted) : 0.0; }
@@ -93,7 +93,7 @@ class DraftSource {
   virtual void accept(std::int64_t proposed, std::int64_t accepted) = 0;
   // Bytes of cache this source holds (0 for model-free sources).
   virtual std::size_t cache_bytes() const { return 0; }
-  // Seconds spent in its cache crops.
+  // Seconds spent in its cache calls (updates and crops).
   virtual double cache_seconds() const { return 0.0; }
 };
 
@@ -110,7 +110,7 @@ class ModelDraft : public DraftSource {
                                     std::vector<std::vector<float>>* probs) override;
   void accept(std::int64_t proposed, std::int64_t accepted) override;
   std::size_t cache_bytes() const override;
-  double cache_seconds() const override { return crop_seconds_; }
+  double cache_seconds() const override { return cache_seconds_; }
   const Model& model() const { return model_; }
 
  private:
@@ -119,7 +119,7 @@ class ModelDraft : public DraftSource {
   std::mt19937_64 rng_;
   Cache cache_;
   std::int64_t seen_ = 0;  // tokens of the sequence in cache_
-  double crop_seconds_ = 0.0;
+  double cache_seconds_ = 0.0;
 };
 
 // Prompt lookup: finds the most recent earlier occurrence of the last n

@@ -1,8 +1,10 @@
 #include "runtime/model.h"
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <cstring>
+#include <optional>
 
 #include "rewind/error.h"
 #include "runtime/kernels.h"
@@ -24,6 +26,23 @@ TensorView heads_view(float* rows, std::int64_t n, std::int64_t heads, std::int6
 TensorView channels_view(float* rows, std::int64_t n, std::int64_t channels) {
   return TensorView::strided(rows, DType::F32, {1, channels, n}, {n * channels, 1, channels});
 }
+
+// Adds the wall time of its scope to *sink (when sink is non-null).
+class CacheTimer {
+ public:
+  explicit CacheTimer(double* sink) : sink_(sink) {
+    if (sink_) start_ = std::chrono::steady_clock::now();
+  }
+  ~CacheTimer() {
+    if (sink_) *sink_ += std::chrono::duration<double>(std::chrono::steady_clock::now() - start_).count();
+  }
+  CacheTimer(const CacheTimer&) = delete;
+  CacheTimer& operator=(const CacheTimer&) = delete;
+
+ private:
+  double* sink_;
+  std::chrono::steady_clock::time_point start_;
+};
 
 }  // namespace
 
@@ -110,7 +129,7 @@ Cache Model::make_cache() const {
 }
 
 void Model::attention_block(int layer, const LayerWeights& w, const float* h, std::int64_t n, std::int64_t pos0,
-                            Cache& cache, float* out) const {
+                            Cache& cache, float* out, double* cache_seconds) const {
   const ModelConfig& c = config();
   const std::int64_t d = c.hidden_size, nh = c.num_attention_heads, nkv = c.num_key_value_heads, hd = c.head_dim;
   std::vector<float> q(static_cast<std::size_t>(n * nh * hd)), key(static_cast<std::size_t>(n * nkv * hd)),
@@ -122,8 +141,13 @@ void Model::attention_block(int layer, const LayerWeights& w, const float* h, st
   for (std::int64_t t = 0; t < n; ++t) positions[static_cast<std::size_t>(t)] = pos0 + t;
   k::rope_inplace(q.data(), n, nh, hd, positions.data(), c.rope_theta);
   k::rope_inplace(key.data(), n, nkv, hd, positions.data(), c.rope_theta);
-  const MaskSizes mask = cache.get_mask_sizes(n, layer);
-  const KeyValueView kv = cache.update(heads_view(key.data(), n, nkv, hd), heads_view(val.data(), n, nkv, hd), layer);
+  MaskSizes mask;
+  KeyValueView kv;
+  {
+    CacheTimer timer(cache_seconds);
+    mask = cache.get_mask_sizes(n, layer);
+    kv = cache.update(heads_view(key.data(), n, nkv, hd), heads_view(val.data(), n, nkv, hd), layer);
+  }
   const k::StridedKV keys{static_cast<const float*>(kv.keys.data), kv.keys.stride(1), kv.keys.stride(2)};
   const k::StridedKV values{static_cast<const float*>(kv.values.data), kv.values.stride(1), kv.values.stride(2)};
   k::AttentionMask m;
@@ -133,7 +157,7 @@ void Model::attention_block(int layer, const LayerWeights& w, const float* h, st
 }
 
 void Model::gated_deltanet_block(int layer, const LayerWeights& w, const float* h, std::int64_t n, Cache& cache,
-                                 float* out) const {
+                                 float* out, double* cache_seconds) const {
   const ModelConfig& c = config();
   const std::int64_t d = c.hidden_size, nk = c.linear_num_key_heads, nv = c.linear_num_value_heads;
   const std::int64_t kd = c.linear_key_head_dim, vd = c.linear_value_head_dim, K = c.linear_conv_kernel_dim;
@@ -144,7 +168,11 @@ void Model::gated_deltanet_block(int layer, const LayerWeights& w, const float* 
   k::matmul(h, n, d, w.in_z, vv, z.data());
   k::matmul(h, n, d, w.in_b, nv, b.data());
   k::matmul(h, n, d, w.in_a, nv, a.data());
-  const TensorView window = cache.update_conv_state(channels_view(qkv.data(), n, channels), layer);
+  TensorView window;
+  {
+    CacheTimer timer(cache_seconds);
+    window = cache.update_conv_state(channels_view(qkv.data(), n, channels), layer);
+  }
   k::causal_conv1d(static_cast<const float*>(window.data), channels, K, n, window.stride(1), window.stride(2), w.conv,
                    nullptr, /*fuse_silu=*/true, mixed.data());
   std::vector<float> q(sz(n * qk)), key(sz(n * qk)), v(sz(n * vv)), g(sz(n * nv)), beta(sz(n * nv)),
@@ -163,18 +191,27 @@ void Model::gated_deltanet_block(int layer, const LayerWeights& w, const float* 
   k::l2_normalize(q.data(), n * nk, kd, 1e-6f);
   k::l2_normalize(key.data(), n * nk, kd, 1e-6f);
   k::scale_inplace(q.data(), n * qk, 1.0f / std::sqrt(static_cast<float>(kd)));
-  RecurrentUpdate update = cache.begin_recurrent_update(layer, n);
   std::vector<float*> states(sz(n));
-  for (std::int64_t t = 0; t < n; ++t) states[sz(t)] = static_cast<float*>(update.next(t + 1).data);
-  k::gated_delta_rule(q.data(), key.data(), v.data(), g.data(), beta.data(), n, nv, nk, kd, vd,
-                      static_cast<const float*>(update.previous().data), states.data(), o.data());
-  update.commit();
+  const float* previous = nullptr;
+  std::optional<RecurrentUpdate> update;
+  {
+    CacheTimer timer(cache_seconds);
+    update.emplace(cache.begin_recurrent_update(layer, n));
+    for (std::int64_t t = 0; t < n; ++t) states[sz(t)] = static_cast<float*>(update->next(t + 1).data);
+    previous = static_cast<const float*>(update->previous().data);
+  }
+  k::gated_delta_rule(q.data(), key.data(), v.data(), g.data(), beta.data(), n, nv, nk, kd, vd, previous,
+                      states.data(), o.data());
+  {
+    CacheTimer timer(cache_seconds);
+    update->commit();
+  }
   k::gated_rms_norm(o.data(), z.data(), w.out_norm, n * nv, vd, c.rms_norm_eps, o.data());
   k::matmul(o.data(), n, vv, w.out, d, out);
 }
 
 void Model::short_conv_block(int layer, const LayerWeights& w, const float* h, std::int64_t n, Cache& cache,
-                             float* out) const {
+                             float* out, double* cache_seconds) const {
   const ModelConfig& c = config();
   const std::int64_t d = c.hidden_size, K = c.conv_L_cache;
   auto sz = [](std::int64_t v) { return static_cast<std::size_t>(v); };
@@ -184,7 +221,11 @@ void Model::short_conv_block(int layer, const LayerWeights& w, const float* h, s
     const float* row = bcx.data() + t * 3 * d;
     for (std::int64_t i = 0; i < d; ++i) bx[sz(t * d + i)] = row[i] * row[2 * d + i];
   }
-  const TensorView window = cache.update_conv_state(channels_view(bx.data(), n, d), layer);
+  TensorView window;
+  {
+    CacheTimer timer(cache_seconds);
+    window = cache.update_conv_state(channels_view(bx.data(), n, d), layer);
+  }
   k::causal_conv1d(static_cast<const float*>(window.data), d, K, n, window.stride(1), window.stride(2), w.conv,
                    nullptr, /*fuse_silu=*/false, conv.data());
   for (std::int64_t t = 0; t < n; ++t) {
@@ -195,7 +236,7 @@ void Model::short_conv_block(int layer, const LayerWeights& w, const float* h, s
 }
 
 void Model::forward(std::span<const std::int32_t> tokens, Cache& cache, std::vector<float>& logits,
-                    bool all_logits) const {
+                    bool all_logits, double* cache_seconds) const {
   const ModelConfig& c = config();
   const auto n = static_cast<std::int64_t>(tokens.size());
   if (n < 1) throw InvalidArgument("Model::forward needs at least one token");
@@ -218,9 +259,10 @@ void Model::forward(std::span<const std::int32_t> tokens, Cache& cache, std::vec
     k::rms_norm(x.data(), w.input_norm, n, d, c.rms_norm_eps, h.data());
     switch (w.kind) {
       case LayerWeights::Kind::Attention:
-      case LayerWeights::Kind::Sliding: attention_block(layer, w, h.data(), n, pos0, cache, mix.data()); break;
-      case LayerWeights::Kind::GatedDeltaNet: gated_deltanet_block(layer, w, h.data(), n, cache, mix.data()); break;
-      case LayerWeights::Kind::ShortConv: short_conv_block(layer, w, h.data(), n, cache, mix.data()); break;
+      case LayerWeights::Kind::Sliding: attention_block(layer, w, h.data(), n, pos0, cache, mix.data(), cache_seconds); break;
+      case LayerWeights::Kind::GatedDeltaNet: gated_deltanet_block(layer, w, h.data(), n, cache, mix.data(), cache_seconds);
+        break;
+      case LayerWeights::Kind::ShortConv: short_conv_block(layer, w, h.data(), n, cache, mix.data(), cache_seconds); break;
     }
     k::add_inplace(x.data(), mix.data(), n * d);
     k::rms_norm(x.data(), w.post_norm, n, d, c.rms_norm_eps, h.data());

@@ -52,8 +52,10 @@ class Model {
   // Writes logits to `logits`: [n, vocab] when all_logits, else only the
   // last row [vocab]. Throws InvalidArgument for an empty span or a token
   // outside the vocabulary (nothing appended then).
+  // When `cache_seconds` is given, the time spent inside cache calls
+  // (update, update_conv_state, recurrent slots, mask sizes) is added to it.
   void forward(std::span<const std::int32_t> tokens, Cache& cache, std::vector<float>& logits,
-               bool all_logits = true) const;
+               bool all_logits = true, double* cache_seconds = nullptr) const;
 
   // Bytes of cache memory one more token costs in attention layers
   // (keys + values, f32), and the fixed state of the linear layers.
@@ -90,11 +92,11 @@ class Model {
     const float* in_bcx = nullptr;  // [3d, d]
   };
   void attention_block(int layer, const LayerWeights& w, const float* h, std::int64_t n,
-                       std::int64_t pos0, Cache& cache, float* out) const;
+                       std::int64_t pos0, Cache& cache, float* out, double* cache_seconds) const;
   void gated_deltanet_block(int layer, const LayerWeights& w, const float* h, std::int64_t n,
-                            Cache& cache, float* out) const;
+                            Cache& cache, float* out, double* cache_seconds) const;
   void short_conv_block(int layer, const LayerWeights& w, const float* h, std::int64_t n,
-                        Cache& cache, float* out) const;
+                        Cache& cache, float* out, double* cache_seconds) const;
 
   ModelWeights weights_;
   std::vector<LayerWeights> layers_;
