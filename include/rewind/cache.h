@@ -28,6 +28,10 @@
 
 namespace rwd {
 
+namespace detail {
+struct MemoryBudget;
+}
+
 struct MemoryReport {
   std::vector<LayerMemory> layers;
   std::size_t bytes_reserved = 0;  // sum over layers
@@ -43,8 +47,9 @@ class Cache {
   // Takes ownership of ready-made layers (they may differ in shapes).
   // REQUIRES: layers are empty (L = 0), else throws StateError.
   explicit Cache(std::vector<Layer> layers);
-  Cache(Cache&&) noexcept = default;
-  Cache& operator=(Cache&&) noexcept = default;
+  ~Cache();
+  Cache(Cache&&) noexcept;
+  Cache& operator=(Cache&&) noexcept;
   Cache(const Cache&) = delete;
   Cache& operator=(const Cache&) = delete;
 
@@ -89,6 +94,13 @@ class Cache {
   void reset();
 
   MemoryReport memory() const;
+  // Caps the bytes this cache may reserve (0: no cap, the default). An
+  // operation that would allocate past the cap throws CapacityError before
+  // allocating and changes nothing; growth counts old and new buffer while
+  // both exist. Throws CapacityError, keeping the old cap, when more than
+  // `bytes` are already reserved.
+  void set_memory_budget(std::size_t bytes);
+  std::size_t memory_budget() const;
 
  private:
   friend class EncoderDecoderCache;
@@ -103,6 +115,9 @@ class Cache {
   std::vector<std::unique_ptr<Layer::Impl>> prepare_reset() const;
   void commit_layers(std::vector<std::unique_ptr<Layer::Impl>> next) noexcept;
   void check_index(int layer_idx) const;
+  // Declared before layers_ so that it outlives them: buffers release their
+  // bytes into it when destroyed.
+  std::unique_ptr<detail::MemoryBudget> budget_;  // null until a budget is set
   std::vector<Layer> layers_;
 };
 

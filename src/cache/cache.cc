@@ -78,6 +78,31 @@ Cache::Cache(std::vector<Layer> layers) : layers_(std::move(layers)) {
   for (std::size_t i = 0; i < layers_.size(); ++i) layers_[i].set_index(static_cast<int>(i));
 }
 
+Cache::~Cache() = default;
+Cache::Cache(Cache&&) noexcept = default;
+Cache& Cache::operator=(Cache&& other) noexcept {
+  // Swap, so that the old layers die (in `gone`) before their budget does.
+  Cache gone(std::move(other));
+  std::swap(budget_, gone.budget_);
+  std::swap(layers_, gone.layers_);
+  return *this;
+}
+
+void Cache::set_memory_budget(std::size_t bytes) {
+  const std::size_t reserved = budget_ ? budget_->reserved : memory().bytes_reserved;
+  if (bytes != 0 && reserved > bytes) {
+    throw CapacityError("set_memory_budget(" + std::to_string(bytes) + "): the cache already reserves " +
+                        std::to_string(reserved) + " bytes; free some first (crop(0), reset) or set a larger budget");
+  }
+  if (!budget_) {
+    budget_ = std::make_unique<detail::MemoryBudget>();
+    for (auto& l : layers_) l.impl_->attach_budget(budget_.get());
+  }
+  budget_->limit = bytes;
+}
+
+std::size_t Cache::memory_budget() const { return budget_ ? budget_->limit : 0; }
+
 void Cache::check_index(int layer_idx) const {
   if (layer_idx < 0 || layer_idx >= num_layers()) {
     throw IndexError("layer index " + std::to_string(layer_idx) + " is outside [0, " + std::to_string(num_layers()) +

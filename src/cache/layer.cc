@@ -70,8 +70,8 @@ std::size_t checked_bytes(std::initializer_list<std::int64_t> factors, std::size
 
 // ---- construction ----------------------------------------------------------
 
-Layer::Impl::Impl(LayerKind k, const LayerOptions& o, int layer_index)
-    : kind(k), options(o), index(layer_index), batch(o.batch_size) {
+Layer::Impl::Impl(LayerKind k, const LayerOptions& o, int layer_index, detail::MemoryBudget* memory_budget)
+    : kind(k), options(o), index(layer_index), batch(o.batch_size), budget(memory_budget) {
   auto require = [&](bool ok, const std::string& what) {
     if (!ok) throw InvalidArgument(where() + ": " + what);
   };
@@ -104,13 +104,13 @@ Layer::Impl::Impl(LayerKind k, const LayerOptions& o, int layer_index)
                   dtype_size(o.dtype), where());
     TrackShape ks{TrackShape::Layout::Heads, o.batch_size, o.num_kv_heads, o.key_dim, o.dtype};
     TrackShape vs{TrackShape::Layout::Heads, o.batch_size, o.num_kv_heads, vdim, o.dtype};
-    keys = TokenTrack(ks, rule, o.static_capacity);
-    values = TokenTrack(vs, rule, o.static_capacity);
+    keys = TokenTrack(ks, rule, o.static_capacity, budget);
+    values = TokenTrack(vs, rule, o.static_capacity, budget);
     for (std::size_t i = 0; i < o.side_dims.size(); ++i) {
       require(o.side_dims[i] >= 1, "side_dims[" + num(static_cast<std::int64_t>(i)) + "] must be >= 1, got " +
                                        num(o.side_dims[i]));
       TrackShape ss{TrackShape::Layout::Rows, o.batch_size, 1, o.side_dims[i], o.dtype};
-      sides.emplace_back(ss, rule, o.static_capacity);
+      sides.emplace_back(ss, rule, o.static_capacity, budget);
     }
   }
   if (kind_is_linear(k)) {
@@ -127,7 +127,7 @@ Layer::Impl::Impl(LayerKind k, const LayerOptions& o, int layer_index)
                                            num(o.conv_channels[i]));
       checked_bytes({o.batch_size, o.conv_channels[i], o.conv_kernel_size}, dtype_size(o.dtype), where());
       TrackShape cs{TrackShape::Layout::Channels, o.batch_size, 1, o.conv_channels[i], o.dtype};
-      convs.emplace_back(cs, RetentionRule{RetentionRule::Kind::Conv, o.conv_kernel_size}, 0);
+      convs.emplace_back(cs, RetentionRule{RetentionRule::Kind::Conv, o.conv_kernel_size}, 0, budget);
     }
     if (!conv_only) {
       for (std::size_t i = 0; i < o.recurrent_shapes.size(); ++i) {
@@ -142,7 +142,7 @@ Layer::Impl::Impl(LayerKind k, const LayerOptions& o, int layer_index)
         std::int64_t per_sequence = 1;
         for (std::int64_t e : shape) per_sequence *= std::min<std::int64_t>(e, std::int64_t{1} << 24);
         checked_bytes({o.batch_size, per_sequence}, dtype_size(o.recurrent_dtype), where());
-        recurrents.emplace_back(shape, o.recurrent_dtype, o.batch_size, 1);
+        recurrents.emplace_back(shape, o.recurrent_dtype, o.batch_size, 1, budget);
       }
     }
   }
@@ -212,7 +212,7 @@ void Layer::Impl::check_crop(std::int64_t n) const {
   if (n > 0) {
     if (linear()) throw RollbackError(kLinearPositive + context());
     if (is_sliding(*this) && L >= keys.rule.size) throw RollbackError(kSlidingPositive + context());
-    if (attention && keys.rule.kind == RetentionRule::Kind::Chunked && keys.buffer.first() > 0 && n < L) {
+    if (attention && keys.rule.kind == RetentionRule::Kind::Chunked && keys.buffer.first() > 0) {
       throw RollbackError(where() + ": crop(" + num(n) + ") keeps the first " + num(n) +
                           " tokens, but this chunked layer no longer holds positions [0, " +
                           num(keys.buffer.first()) + "); crop with a negative int to remove tokens from the end");
@@ -287,7 +287,7 @@ Layer::Impl::RecordingPlan Layer::Impl::prepare_recording(bool on, std::int64_t 
   for (const auto& r : recurrents) {
     if (r.slots == slots) continue;
     checked_bytes({slots, static_cast<std::int64_t>(r.state_bytes())}, 1, where());
-    plan.recurrents.push_back(r.resized(slots));
+    plan.recurrents.push_back(budgeted("activate_past_recording", [&] { return r.resized(slots); }));
   }
   return plan;
 }
@@ -325,6 +325,10 @@ void Layer::Impl::check_batch_rows(std::span<const std::int64_t> rows, const cha
 
 std::unique_ptr<Layer::Impl> Layer::Impl::gathered(std::span<const std::int64_t> rows) const {
   check_in_step("a batch operation");
+  return budgeted("a batch operation", [&] { return gathered_unchecked(rows); });
+}
+
+std::unique_ptr<Layer::Impl> Layer::Impl::gathered_unchecked(std::span<const std::int64_t> rows) const {
   auto out = std::make_unique<Impl>();
   out->kind = kind;
   out->options = options;
@@ -333,6 +337,7 @@ std::unique_ptr<Layer::Impl> Layer::Impl::gathered(std::span<const std::int64_t>
   out->recording = recording;
   out->history = history;
   out->generation = generation + 1;
+  out->budget = budget;
   out->attention = attention;
   if (attention) {
     out->keys = keys.gathered(rows);
@@ -345,10 +350,25 @@ std::unique_ptr<Layer::Impl> Layer::Impl::gathered(std::span<const std::int64_t>
 }
 
 std::unique_ptr<Layer::Impl> Layer::Impl::fresh() const {
-  auto out = std::make_unique<Impl>(kind, options, index);
+  return budgeted("reset", [&] { return fresh_unchecked(); });
+}
+
+std::unique_ptr<Layer::Impl> Layer::Impl::fresh_unchecked() const {
+  auto out = std::make_unique<Impl>(kind, options, index, budget);
   out->commit_recording(recording, history, out->prepare_recording(recording, history));
   out->generation = generation + 1;
   return out;
+}
+
+void Layer::Impl::attach_budget(detail::MemoryBudget* b) noexcept {
+  budget = b;
+  if (attention) {
+    keys.buffer.attach(b);
+    values.buffer.attach(b);
+    for (auto& s : sides) s.buffer.attach(b);
+  }
+  for (auto& c : convs) c.buffer.attach(b);
+  for (auto& r : recurrents) r.ring.attach(b);
 }
 
 std::vector<std::int64_t> repeat_rows(std::int64_t batch, std::int64_t repeats) {
@@ -476,8 +496,10 @@ KeyValueView Layer::update(const TensorView& keys, const TensorView& values) {
   if (l.values.length() != l.keys.length()) l.check_in_step("update");
   check_room(l, l.keys, q, "update");
   // Reserve both before writing either, so an allocation failure changes nothing.
-  l.keys.buffer.reserve_append(q);
-  l.values.buffer.reserve_append(q);
+  l.budgeted("update", [&] {
+    l.keys.buffer.reserve_append(q);
+    l.values.buffer.reserve_append(q);
+  });
   return {l.keys.append(keys, q, l.history), l.values.append(values, q, l.history)};
 }
 
@@ -486,6 +508,7 @@ TensorView Layer::update_side(int side, const TensorView& rows) {
   auto& track = const_cast<TokenTrack&>(l.side(side, "update_side"));
   const std::int64_t q = check_tokens(l, track, rows, "side rows");
   check_room(l, track, q, "update_side");
+  l.budgeted("update_side", [&] { track.buffer.reserve_append(q); });
   return track.append(rows, q, l.history);
 }
 
@@ -505,6 +528,7 @@ TensorView Layer::update_conv_state(int state, const TensorView& x) {
   Impl& l = *impl_;
   auto& track = const_cast<TokenTrack&>(l.conv(state, "update_conv_state"));
   const std::int64_t q = check_tokens(l, track, x, "conv input");
+  l.budgeted("update_conv_state", [&] { track.buffer.reserve_append(q); });
   return track.append(x, q, l.history);
 }
 

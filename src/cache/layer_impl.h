@@ -22,7 +22,8 @@ struct Layer::Impl {
   std::int64_t batch = 1;
   bool recording = false;
   std::int64_t history = 0;       // R while recording
-  std::uint64_t generation = 0;   // bumped by every mutation (stale handles)
+  std::uint64_t generation = 0;   // bumped by crop, recording, batch ops, reset (stale handles)
+  detail::MemoryBudget* budget = nullptr;  // the owning cache's, or none
 
   bool attention = false;
   detail::TokenTrack keys, values;
@@ -31,7 +32,7 @@ struct Layer::Impl {
   std::vector<detail::RecurrentState> recurrents;
 
   // Builds an empty layer; throws InvalidArgument for missing options.
-  Impl(LayerKind k, const LayerOptions& o, int layer_index);
+  Impl(LayerKind k, const LayerOptions& o, int layer_index, detail::MemoryBudget* memory_budget = nullptr);
   Impl() = default;
 
   // "layer 3 (sliding_attention)".
@@ -55,9 +56,23 @@ struct Layer::Impl {
 
   // A new Impl holding batch rows `rows` of every stored tensor; throws.
   std::unique_ptr<Impl> gathered(std::span<const std::int64_t> rows) const;
+  std::unique_ptr<Impl> gathered_unchecked(std::span<const std::int64_t> rows) const;
   void check_batch_rows(std::span<const std::int64_t> rows, const char* operation) const;
-  // A new, empty Impl with the same options, index and recording; throws.
+  // A new, empty Impl with the same options, index, budget and recording; throws.
   std::unique_ptr<Impl> fresh() const;
+  std::unique_ptr<Impl> fresh_unchecked() const;
+  // Counts every buffer against `b` from now on.
+  void attach_budget(detail::MemoryBudget* b) noexcept;
+
+  // Runs fn(); a budget refusal inside gets this layer's name in front.
+  template <typename Fn>
+  decltype(auto) budgeted(const char* operation, Fn&& fn) const {
+    try {
+      return fn();
+    } catch (const detail::BudgetExceeded& e) {
+      throw CapacityError(where() + ": " + operation + ": " + e.what() + "; nothing was changed");
+    }
+  }
 
   const detail::TokenTrack& conv(int state, const char* operation) const;
   const detail::RecurrentState& recurrent(int state, const char* operation) const;

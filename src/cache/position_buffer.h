@@ -18,16 +18,46 @@
 #include <memory>
 #include <span>
 
+#include "rewind/error.h"
+
 namespace rwd::detail {
 
-// 64-byte aligned, move-only byte buffer.
+// A budget refusal (CapacityError); layers add their name to its message.
+class BudgetExceeded : public CapacityError {
+ public:
+  using CapacityError::CapacityError;
+};
+
+// Bytes the buffers of one cache may reserve (Cache::set_memory_budget).
+// Shared by the layers of a cache, which has a single owner: no locking.
+struct MemoryBudget {
+  std::size_t limit = 0;  // 0: unlimited
+  std::size_t reserved = 0;
+  // Counts `bytes` against the limit; throws BudgetExceeded (reserved, limit
+  // and request in the message) when they do not fit, counting nothing.
+  void acquire(std::size_t bytes);
+  void release(std::size_t bytes) noexcept { reserved -= bytes; }
+};
+
+// 64-byte aligned, move-only byte buffer, counted against an optional budget.
 class AlignedBuffer {
  public:
   AlignedBuffer() = default;
-  // Allocates `bytes` (rounded up to 64), zero-filled. Throws std::bad_alloc.
-  explicit AlignedBuffer(std::size_t bytes);
+  explicit AlignedBuffer(MemoryBudget* budget) : budget_(budget) {}
+  // Allocates `bytes` (rounded up to 64), zero-filled, after acquiring them
+  // from `budget`. Throws CapacityError (budget) or std::bad_alloc.
+  AlignedBuffer(std::size_t bytes, MemoryBudget* budget);
+  AlignedBuffer(AlignedBuffer&& other) noexcept;
+  AlignedBuffer& operator=(AlignedBuffer&& other) noexcept;
+  AlignedBuffer(const AlignedBuffer&) = delete;
+  AlignedBuffer& operator=(const AlignedBuffer&) = delete;
+  ~AlignedBuffer();
+
   std::byte* data() const { return data_.get(); }
   std::size_t size() const { return size_; }
+  MemoryBudget* budget() const { return budget_; }
+  // Starts counting this buffer against `budget` (REQUIRES: none yet).
+  void attach(MemoryBudget* budget) noexcept;
 
  private:
   struct Free {
@@ -35,6 +65,7 @@ class AlignedBuffer {
   };
   std::unique_ptr<std::byte, Free> data_;
   std::size_t size_ = 0;
+  MemoryBudget* budget_ = nullptr;
 };
 
 class PositionBuffer {
@@ -44,7 +75,8 @@ class PositionBuffer {
   // position of an empty buffer (0, or -K for conv inputs whose zero padding
   // is stored as rows). `static_slots` > 0 allocates exactly that many rows
   // now and never reallocates.
-  PositionBuffer(std::size_t row_bytes, std::int64_t origin, std::int64_t static_slots);
+  PositionBuffer(std::size_t row_bytes, std::int64_t origin, std::int64_t static_slots, MemoryBudget* budget);
+  void attach(MemoryBudget* budget) noexcept { buffer_.attach(budget); }
 
   std::int64_t first() const { return first_; }
   std::int64_t end() const { return end_; }

@@ -5,9 +5,9 @@
 namespace rwd::detail {
 
 RecurrentState::RecurrentState(std::vector<std::int64_t> state_shape, DType t, std::int64_t b,
-                               std::int64_t num_slots)
+                               std::int64_t num_slots, MemoryBudget* budget)
     : shape(std::move(state_shape)), dtype(t), batch(b), slots(num_slots),
-      ring(static_cast<std::size_t>(num_slots) * static_cast<std::size_t>(b) * entry_bytes()) {}
+      ring(static_cast<std::size_t>(num_slots) * static_cast<std::size_t>(b) * entry_bytes(), budget) {}
 
 std::size_t RecurrentState::entry_bytes() const {
   std::size_t n = dtype_size(dtype);
@@ -40,7 +40,7 @@ void RecurrentState::clear() {
 }
 
 RecurrentState RecurrentState::resized(std::int64_t num_slots) const {
-  RecurrentState out(shape, dtype, batch, num_slots);
+  RecurrentState out(shape, dtype, batch, num_slots, ring.budget());
   out.length = length;
   out.held = std::min(held, num_slots);
   for (std::int64_t pos = length - out.held + 1; pos <= length; ++pos) {
@@ -50,7 +50,7 @@ RecurrentState RecurrentState::resized(std::int64_t num_slots) const {
 }
 
 RecurrentState RecurrentState::gathered(std::span<const std::int64_t> rows) const {
-  RecurrentState out(shape, dtype, static_cast<std::int64_t>(rows.size()), slots);
+  RecurrentState out(shape, dtype, static_cast<std::int64_t>(rows.size()), slots, ring.budget());
   out.length = length;
   out.held = held;
   const std::size_t entry = entry_bytes();

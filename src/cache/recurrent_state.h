@@ -28,7 +28,8 @@ struct RecurrentState {
   AlignedBuffer ring;
 
   RecurrentState() = default;
-  RecurrentState(std::vector<std::int64_t> state_shape, DType t, std::int64_t b, std::int64_t num_slots);
+  RecurrentState(std::vector<std::int64_t> state_shape, DType t, std::int64_t b, std::int64_t num_slots,
+                 MemoryBudget* budget);
 
   std::size_t entry_bytes() const;  // one sequence's state
   std::size_t state_bytes() const { return static_cast<std::size_t>(batch) * entry_bytes(); }

@@ -72,8 +72,8 @@ std::string TrackShape::expected(const char* token_name) const {
   return {};
 }
 
-TokenTrack::TokenTrack(TrackShape s, RetentionRule r, std::int64_t static_slots)
-    : shape(s), rule(r), buffer(s.row_bytes(), r.origin(), static_slots) {
+TokenTrack::TokenTrack(TrackShape s, RetentionRule r, std::int64_t static_slots, MemoryBudget* budget)
+    : shape(s), rule(r), buffer(s.row_bytes(), r.origin(), static_slots, budget) {
   clear();
 }
 

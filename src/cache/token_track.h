@@ -60,7 +60,7 @@ struct TokenTrack {
   PositionBuffer buffer;
 
   TokenTrack() = default;
-  TokenTrack(TrackShape s, RetentionRule r, std::int64_t static_slots);
+  TokenTrack(TrackShape s, RetentionRule r, std::int64_t static_slots, MemoryBudget* budget);
 
   std::int64_t length() const { return buffer.end(); }
   TensorView view(std::int64_t first, std::int64_t n) const { return shape.view(buffer.row(first), n); }
