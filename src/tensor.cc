@@ -103,25 +103,97 @@ void for_each_row(const TensorView& a, const TensorView& b, Fn&& fn) {
 
 }  // namespace
 
+namespace {
+
+struct CopyDim {
+  std::int64_t extent, src_stride, dst_stride;  // strides in elements
+};
+
+// Fixed-size memcpy compiles to one load and one store, without the
+// aliasing and alignment assumptions a typed pointer would make.
+template <std::size_t kBytes>
+void copy_elements(const std::byte* src, std::byte* dst, std::int64_t n, std::int64_t src_stride,
+                   std::int64_t dst_stride) {
+  const auto sb = src_stride * static_cast<std::int64_t>(kBytes);
+  const auto db = dst_stride * static_cast<std::int64_t>(kBytes);
+  for (std::int64_t e = 0; e < n; ++e) std::memcpy(dst + e * db, src + e * sb, kBytes);
+}
+
+}  // namespace
+
 void copy_tensor(const TensorView& src, const TensorView& dst) {
   check_same_layout(src, dst, "copy_tensor");
   if (src.numel() == 0) return;
-  const int last = src.rank == 0 ? 0 : src.rank - 1;
-  const auto li = static_cast<std::size_t>(last);
-  const std::int64_t n = src.rank == 0 ? 1 : src.shape[li];
-  const std::size_t es = dtype_size(src.dtype);
-  const bool dense = src.rank == 0 || (src.strides[li] == 1 && dst.strides[li] == 1);
-  for_each_row(src, dst, [&](void* ps, void* pd) {
-    if (dense) {
-      std::memmove(pd, ps, static_cast<std::size_t>(n) * es);
-    } else {
-      for (std::int64_t e = 0; e < n; ++e) {
-        std::memmove(static_cast<std::byte*>(pd) + e * dst.strides[li] * static_cast<std::int64_t>(es),
-                     static_cast<const std::byte*>(ps) + e * src.strides[li] * static_cast<std::int64_t>(es), es);
+  const auto es = static_cast<std::int64_t>(dtype_size(src.dtype));
+  std::array<CopyDim, kMaxRank> dims{};
+  int count = 0;
+  for (int d = 0; d < src.rank; ++d) {
+    const auto i = static_cast<std::size_t>(d);
+    if (src.shape[i] > 1) dims[static_cast<std::size_t>(count++)] = {src.shape[i], src.strides[i], dst.strides[i]};
+  }
+  auto take = [&](int i) {
+    const CopyDim d = dims[static_cast<std::size_t>(i)];
+    for (int j = i; j + 1 < count; ++j) dims[static_cast<std::size_t>(j)] = dims[static_cast<std::size_t>(j + 1)];
+    --count;
+    return d;
+  };
+  // The innermost loop: a run contiguous in both views, grown by every
+  // dimension that continues it in both (e.g. heads x head_dim of one
+  // token), copied with memcpy. Without one (a transposing copy such as
+  // [B, C, q] time-major into the cache's token-major rows), an element loop
+  // along the destination's densest dimension.
+  std::int64_t run = 1;
+  for (int i = 0; i < count; ++i) {
+    if (dims[static_cast<std::size_t>(i)].src_stride == 1 && dims[static_cast<std::size_t>(i)].dst_stride == 1) {
+      run = take(i).extent;
+      for (bool grown = true; grown;) {
+        grown = false;
+        for (int j = 0; j < count; ++j) {
+          const CopyDim& d = dims[static_cast<std::size_t>(j)];
+          if (d.src_stride == run && d.dst_stride == run) {
+            run *= take(j).extent;
+            grown = true;
+            break;
+          }
+        }
       }
+      break;
     }
-    return true;
-  });
+  }
+  CopyDim inner{1, 0, 0};
+  if (run == 1 && count > 0) {
+    int best = 0;
+    for (int i = 1; i < count; ++i)
+      if (std::abs(dims[static_cast<std::size_t>(i)].dst_stride) < std::abs(dims[static_cast<std::size_t>(best)].dst_stride))
+        best = i;
+    inner = take(best);
+  }
+  const auto* s0 = static_cast<const std::byte*>(src.data);
+  auto* d0 = static_cast<std::byte*>(dst.data);
+  std::array<std::int64_t, kMaxRank> index{};
+  while (true) {
+    std::int64_t so = 0, dof = 0;
+    for (int i = 0; i < count; ++i) {
+      so += index[static_cast<std::size_t>(i)] * dims[static_cast<std::size_t>(i)].src_stride;
+      dof += index[static_cast<std::size_t>(i)] * dims[static_cast<std::size_t>(i)].dst_stride;
+    }
+    const std::byte* ps = s0 + so * es;
+    std::byte* pd = d0 + dof * es;
+    if (run > 1 || inner.extent == 1) {
+      std::memmove(pd, ps, static_cast<std::size_t>(run * es));
+    } else if (es == 4) {
+      copy_elements<4>(ps, pd, inner.extent, inner.src_stride, inner.dst_stride);
+    } else {
+      copy_elements<2>(ps, pd, inner.extent, inner.src_stride, inner.dst_stride);
+    }
+    int d = count - 1;
+    for (; d >= 0; --d) {
+      auto& i = index[static_cast<std::size_t>(d)];
+      if (++i < dims[static_cast<std::size_t>(d)].extent) break;
+      i = 0;
+    }
+    if (d < 0) break;
+  }
 }
 
 bool bitwise_equal(const TensorView& a, const TensorView& b) {

@@ -31,7 +31,6 @@ AlignedBuffer::AlignedBuffer(std::size_t bytes, MemoryBudget* budget) : budget_(
     if (budget_) budget_->release(bytes);
     throw std::bad_alloc();
   }
-  std::memset(data_.get(), 0, rounded);
   size_ = bytes;
 }
 
@@ -97,9 +96,8 @@ void PositionBuffer::clear(std::int64_t zero_rows) {
       const std::int64_t wanted = std::max(zero_rows, std::int64_t{16});
       buffer_ = AlignedBuffer(static_cast<std::size_t>(wanted) * row_bytes_, buffer_.budget());
       slots_ = wanted;
-    } else {
-      std::memset(buffer_.data(), 0, static_cast<std::size_t>(zero_rows) * row_bytes_);
     }
+    std::memset(buffer_.data(), 0, static_cast<std::size_t>(zero_rows) * row_bytes_);
   }
 }
 

@@ -44,8 +44,9 @@ class AlignedBuffer {
  public:
   AlignedBuffer() = default;
   explicit AlignedBuffer(MemoryBudget* budget) : budget_(budget) {}
-  // Allocates `bytes` (rounded up to 64), zero-filled, after acquiring them
-  // from `budget`. Throws CapacityError (budget) or std::bad_alloc.
+  // Allocates `bytes` (rounded up to 64, contents undefined: every user
+  // writes before it reads) after acquiring them from `budget`. Throws
+  // BudgetExceeded or std::bad_alloc.
   AlignedBuffer(std::size_t bytes, MemoryBudget* budget);
   AlignedBuffer(AlignedBuffer&& other) noexcept;
   AlignedBuffer& operator=(AlignedBuffer&& other) noexcept;

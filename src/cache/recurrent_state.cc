@@ -7,7 +7,9 @@ namespace rwd::detail {
 RecurrentState::RecurrentState(std::vector<std::int64_t> state_shape, DType t, std::int64_t b,
                                std::int64_t num_slots, MemoryBudget* budget)
     : shape(std::move(state_shape)), dtype(t), batch(b), slots(num_slots),
-      ring(static_cast<std::size_t>(num_slots) * static_cast<std::size_t>(b) * entry_bytes(), budget) {}
+      ring(static_cast<std::size_t>(num_slots) * static_cast<std::size_t>(b) * entry_bytes(), budget) {
+  std::memset(slot(0), 0, state_bytes());  // S(0), the zero state
+}
 
 std::size_t RecurrentState::entry_bytes() const {
   std::size_t n = dtype_size(dtype);
