@@ -1,15 +1,19 @@
 # Single entry point. `make test` installs missing Debian build dependencies
 # (as root), configures, builds and runs every test, plain and under
 # AddressSanitizer + UndefinedBehaviorSanitizer.
+SHELL := /bin/bash
 JOBS ?= 2
 BUILD ?= build
 ASAN_BUILD ?= build-asan
+TSAN_BUILD ?= build-tsan
+FUZZ_BUILD ?= build-fuzz
+FUZZ_SECONDS ?= 30
 CMAKE_FLAGS ?=
 
 DEB_PACKAGES := cmake g++ make pkg-config libgtest-dev libgmock-dev libbenchmark-dev \
-                nlohmann-json3-dev libcli11-dev libomp-dev
+                nlohmann-json3-dev libcli11-dev libomp-dev clang libclang-rt-14-dev
 
-.PHONY: all deps build test test-plain test-asan bench install clean
+.PHONY: all deps build test test-plain test-asan test-tsan test-fuzz fuzz bench install clean demo train-models
 
 all: build
 
@@ -39,13 +43,60 @@ test-asan: deps
 	cd $(ASAN_BUILD) && ASAN_OPTIONS=detect_leaks=1 UBSAN_OPTIONS=print_stacktrace=1 \
 	  ctest --output-on-failure -j $(JOBS)
 
-test: test-plain test-asan
+# ThreadSanitizer: threads decoding with their own caches over shared
+# weights (tests/runtime/test_concurrency.cc). OpenMP stays at one thread:
+# libgomp is not instrumented and would only add false reports. ASLR is
+# switched off for the run (setarch -R): libtsan of GCC 12 cannot map its
+# shadow memory under the 32-bit mmap randomisation of current kernels.
+test-tsan: deps
+	cmake -S . -B $(TSAN_BUILD) -DCMAKE_BUILD_TYPE=Debug -DREWIND_TSAN=ON -DREWIND_BUILD_BENCH=OFF $(CMAKE_FLAGS)
+	cmake --build $(TSAN_BUILD) -j $(JOBS) --target rewind_runtime_tests
+	OMP_NUM_THREADS=1 TSAN_OPTIONS=halt_on_error=1 setarch $$(uname -m) -R \
+	  $(TSAN_BUILD)/tests/rewind_runtime_tests --gtest_filter='Concurrency.*'
+
+# libFuzzer targets (clang, ASan + UBSan), each run for FUZZ_SECONDS from the
+# seed corpus in fuzz/corpus/ (new inputs go to $(FUZZ_BUILD)/corpus, not the
+# repository). A crash fails the target and leaves crash-* files there.
+fuzz: deps
+	CC=clang CXX=clang++ cmake -S . -B $(FUZZ_BUILD) -DCMAKE_BUILD_TYPE=RelWithDebInfo -DREWIND_FUZZ=ON \
+	  -DREWIND_BUILD_TESTS=OFF -DREWIND_BUILD_BENCH=OFF $(CMAKE_FLAGS)
+	cmake --build $(FUZZ_BUILD) -j $(JOBS) --target fuzz_safetensors fuzz_config fuzz_cache_ops
+	@for t in fuzz_safetensors fuzz_config fuzz_cache_ops; do \
+	  c=$${t#fuzz_}; mkdir -p $(FUZZ_BUILD)/corpus/$$c $(FUZZ_BUILD)/artifacts; \
+	  echo "== $$t for $(FUZZ_SECONDS) s"; \
+	  OMP_NUM_THREADS=1 $(FUZZ_BUILD)/fuzz/$$t -max_total_time=$(FUZZ_SECONDS) -rss_limit_mb=2048 -timeout=20 \
+	    -print_final_stats=1 -artifact_prefix=$(FUZZ_BUILD)/artifacts/ \
+	    $(FUZZ_BUILD)/corpus/$$c fuzz/corpus/$$c 2>&1 | grep -E "^(#[0-9]+.*DONE|stat::number_of_executed_units|stat::peak_rss|==[0-9]+==|SUMMARY|Test unit written)" ; \
+	  test $${PIPESTATUS[0]} -eq 0 || exit 1; \
+	done
+
+test-fuzz: fuzz
+
+test: test-plain test-asan test-tsan test-fuzz
 
 bench: build
 	$(BUILD)/bench/rewind_bench --benchmark_min_time=0.1
+
+# Speculative decoding with the shipped models (models/kjv-hybrid drafted by
+# models/kjv-draft): builds the CLI (Release), streams a continuation, then
+# compares greedy and speculative tokens/s (scripts/demo.sh; DEMO_PROMPT,
+# DEMO_TOKENS, DEMO_DRAFT_K, OMP_NUM_THREADS override its defaults).
+demo: deps
+	cmake -S . -B $(BUILD) -DCMAKE_BUILD_TYPE=Release -DREWIND_WERROR=ON $(CMAKE_FLAGS)
+	cmake --build $(BUILD) -j $(JOBS) --target rewind_cli
+	@scripts/demo.sh $(BUILD)/tools/rewind
+
+# Retrains both shipped models from the KJV text (Debian's python3-torch,
+# about 55 minutes on 2 cores) and rewrites the logit fixtures; see
+# scripts/train/README.md. The model cards' numbers then need updating.
+train-models:
+	scripts/train/setup.sh
+	/usr/bin/python3 scripts/train/train.py --config scripts/train/configs/target.json --out models/kjv-hybrid --minutes 42 --lr 2e-3
+	/usr/bin/python3 scripts/train/train.py --config scripts/train/configs/draft.json --out models/kjv-draft --minutes 12 --lr 3e-3 --threads 1
+	/usr/bin/python3 scripts/train/make_fixtures.py
 
 install: build
 	cmake --install $(BUILD) --prefix $(or $(PREFIX),/usr/local)
 
 clean:
-	rm -rf $(BUILD) $(ASAN_BUILD)
+	rm -rf $(BUILD) $(ASAN_BUILD) $(TSAN_BUILD) $(FUZZ_BUILD)
