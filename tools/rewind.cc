@@ -2,6 +2,7 @@
 //
 //   rewind generate    stream text, greedy / sampled / speculative
 //   rewind verify      compare speculative with greedy decoding token by token
+//   rewind eval        bits per byte of a text file (teacher forcing, chunked)
 //   rewind inspect     layers, parameters and memory of a model
 //   rewind init-random write a model with random weights
 //
@@ -19,6 +20,8 @@
 #include <CLI/CLI.hpp>
 
 #include "rewind/error.h"
+#include "runtime/decode_bench.h"
+#include "runtime/eval.h"
 #include "runtime/generate.h"
 #include "runtime/model.h"
 #include "runtime/model_config.h"
@@ -45,6 +48,40 @@ class Progress {
     std::fflush(stderr);
   }
   ~Progress() {
+    if (shown_) std::fprintf(stderr, "\n");
+  }
+
+ private:
+  std::string what_;
+  Clock::time_point start_, last_;
+  bool shown_ = false;
+};
+
+// A progress bar on stderr, redrawn at most 5 times a second and only once
+// the work has taken half a second; cleared by a newline at the end.
+class ProgressBar {
+ public:
+  explicit ProgressBar(std::string what) : what_(std::move(what)), start_(Clock::now()), last_(start_) {}
+  void update(std::int64_t done, std::int64_t total) {
+    const auto now = Clock::now();
+    if (done < total && (now - last_ < std::chrono::milliseconds(200) || now - start_ < std::chrono::milliseconds(500))) {
+      return;
+    }
+    last_ = now;
+    shown_ = true;
+    const double s = std::chrono::duration<double>(now - start_).count();
+    const double frac = total > 0 ? static_cast<double>(done) / static_cast<double>(total) : 1.0;
+    constexpr int kWidth = 30;
+    const int filled = static_cast<int>(frac * kWidth);
+    std::string bar(static_cast<std::size_t>(filled), '=');
+    if (filled < kWidth) bar += '>' + std::string(static_cast<std::size_t>(kWidth - filled - 1), ' ');
+    const double rate = s > 0 ? static_cast<double>(done) / s : 0.0;
+    const double eta = rate > 0 ? static_cast<double>(total - done) / rate : 0.0;
+    std::fprintf(stderr, "\r%s [%s] %3.0f%% %lld/%lld, %.0f/s, %.0f s, ETA %.0f s  ", what_.c_str(), bar.c_str(),
+                 100.0 * frac, static_cast<long long>(done), static_cast<long long>(total), rate, s, eta);
+    std::fflush(stderr);
+  }
+  ~ProgressBar() {
     if (shown_) std::fprintf(stderr, "\n");
   }
 
@@ -166,6 +203,33 @@ int run_verify(const std::string& model_dir, const std::string& prompt, std::int
   return 0;
 }
 
+int run_eval(const std::string& model_dir, const std::string& text_path, std::int64_t chunk, std::int64_t context) {
+  if (chunk < 1) throw InvalidArgument("--chunk must be >= 1, got " + std::to_string(chunk));
+  if (context < 0) throw InvalidArgument("--context must be >= 0 (0 = the whole file), got " + std::to_string(context));
+  std::ifstream in(text_path, std::ios::binary);
+  if (!in) throw Error("cannot open " + text_path);
+  std::ostringstream buffer;
+  buffer << in.rdbuf();
+  const std::string text = buffer.str();
+  if (text.empty()) throw InvalidArgument(text_path + " is empty");
+  const Model model = Model::load(model_dir);
+  EvalOptions options;
+  options.chunk = chunk;
+  options.context = context;
+  EvalResult r;
+  {
+    ProgressBar bar("eval bytes");
+    options.on_progress = [&](std::int64_t done, std::int64_t total) { bar.update(done, total); };
+    r = evaluate_text(model, text, options);
+  }
+  std::printf("%s on %s: %.4f bits per byte (%lld bytes, %lld segments of <= %lld bytes, chunk %lld; %.1f s, "
+              "%.0f bytes/s)\n",
+              model_dir.c_str(), text_path.c_str(), r.bits_per_byte(), static_cast<long long>(r.bytes),
+              static_cast<long long>(r.segments), static_cast<long long>(context > 0 ? context : r.bytes),
+              static_cast<long long>(chunk), r.seconds, r.seconds > 0 ? static_cast<double>(r.bytes) / r.seconds : 0.0);
+  return 0;
+}
+
 std::string human_bytes(double b) {
   const char* units[] = {"B", "KiB", "MiB", "GiB"};
   int u = 0;
@@ -211,6 +275,35 @@ int run_inspect(const std::string& model_dir, std::int64_t rollback) {
   return 0;
 }
 
+int run_bench(const std::string& model_dir, const std::string& draft_dir, std::int64_t max_new, int repeats,
+              const std::vector<std::int64_t>& ks, const std::string& json_path) {
+  const Model model = Model::load(model_dir);
+  DraftChoice choice;
+  choice.draft_dir = draft_dir;
+  const std::optional<Model> draft = load_draft(choice, model);
+  DecodeBenchOptions options;
+  options.max_new_tokens = max_new;
+  options.repeats = repeats;
+  if (!ks.empty()) options.ks = ks;
+  const auto rows = run_decode_bench(model, draft ? &*draft : nullptr, options, [](const std::string& line) {
+    std::fprintf(stderr, "bench: %s\n", line.c_str());
+  });
+  std::printf("%-8s %3s %12s %9s %11s %12s %10s\n", "method", "K", "tokens/s", "speedup", "acceptance",
+              "cache share", "identical");
+  bool all_identical = true;
+  for (const auto& r : rows) {
+    std::printf("%-8s %3lld %12.1f %8.2fx %11.3f %11.3f%% %10s\n", r.method.c_str(), static_cast<long long>(r.k),
+                r.tokens_per_second, r.speedup, r.acceptance_rate, 100.0 * r.cache_share, r.identical ? "yes" : "NO");
+    all_identical = all_identical && r.identical;
+  }
+  if (!json_path.empty()) {
+    std::ofstream out(json_path);
+    out << decode_bench_json(rows) << "\n";
+    if (!out) throw Error("cannot write " + json_path);
+  }
+  return all_identical ? 0 : 1;
+}
+
 int run_init_random(const std::string& config_path, const std::string& out_dir, std::uint64_t seed,
                     const std::string& dtype) {
   const ModelConfig config = load_model_config(config_path);
@@ -226,8 +319,8 @@ int main(int argc, char** argv) {
   CLI::App app{"rewind: reference runtime for exact-rollback inference caches"};
   app.require_subcommand(1);
 
-  std::string model_dir, prompt, draft_dir, config_path, out_dir, dtype = "f32";
-  std::int64_t max_new = 128, rollback = 8;
+  std::string model_dir, prompt, draft_dir, config_path, out_dir, dtype = "f32", text_path;
+  std::int64_t max_new = 128, rollback = 8, chunk = 128, context = 512;
   std::uint64_t seed = 0;
   bool stats = false;
   DraftChoice choice;
@@ -258,9 +351,29 @@ int main(int argc, char** argv) {
   ver->add_option("--max-new-tokens", max_new, "token budget")->check(CLI::Range(std::int64_t{0}, std::int64_t{1} << 30));
   add_draft_options(ver);
 
+  auto* evl = app.add_subcommand("eval", "bits per byte of a text file under a model (teacher forcing)");
+  evl->add_option("--model", model_dir, "model directory")->required()->check(CLI::ExistingDirectory);
+  evl->add_option("--text", text_path, "text file, scored byte by byte")->required()->check(CLI::ExistingFile);
+  evl->add_option("--chunk", chunk, "tokens per forward (the result does not depend on it)")->capture_default_str();
+  evl->add_option("--context", context,
+                  "bytes per segment: each is fed as its own sequence (BOS + bytes) through a fresh cache; "
+                  "0 = the whole file as one sequence")
+      ->capture_default_str();
+
   auto* ins = app.add_subcommand("inspect", "describe a model's layers and memory");
   ins->add_option("--model", model_dir, "model directory")->required()->check(CLI::ExistingDirectory);
   ins->add_option("--rollback", rollback, "R for the rollback-memory figure");
+
+  std::string bench_json;
+  int repeats = 3;
+  std::vector<std::int64_t> bench_ks;
+  auto* ben = app.add_subcommand("bench", "tokens/s of greedy and speculative decoding over a fixed prompt set");
+  ben->add_option("--model", model_dir, "target model directory")->required()->check(CLI::ExistingDirectory);
+  ben->add_option("--draft", choice.draft_dir, "draft model directory")->check(CLI::ExistingDirectory);
+  ben->add_option("--max-new-tokens", max_new, "tokens per prompt")->check(CLI::Range(std::int64_t{1}, std::int64_t{1} << 20));
+  ben->add_option("--repeats", repeats, "runs per configuration (median reported)")->check(CLI::Range(1, 100));
+  ben->add_option("--k", bench_ks, "draft lengths to try (default 2..8)")->delimiter(',');
+  ben->add_option("--json", bench_json, "also write the rows as JSON to this file");
 
   auto* ini = app.add_subcommand("init-random", "write a model with random weights");
   ini->add_option("--config", config_path, "config.json to use")->required()->check(CLI::ExistingFile);
@@ -279,13 +392,15 @@ int main(int argc, char** argv) {
   try {
     if (*gen) return run_generate(model_dir, prompt, max_new, choice, sampling, stats);
     if (*ver) return run_verify(model_dir, prompt, max_new, choice);
+    if (*evl) return run_eval(model_dir, text_path, chunk, context);
     if (*ins) return run_inspect(model_dir, rollback);
     if (*ini) return run_init_random(config_path, out_dir, seed, dtype);
+    if (*ben) return run_bench(model_dir, choice.draft_dir, max_new, repeats, bench_ks, bench_json);
   } catch (const rwd::Error& e) {
-    std::fprintf(stderr, "\nrewind: error: %s\n", e.what());
+    std::fprintf(stderr, "rewind: error: %s\n", e.what());
     return 2;
   } catch (const std::exception& e) {
-    std::fprintf(stderr, "\nrewind: error: %s\n", e.what());
+    std::fprintf(stderr, "rewind: error: %s\n", e.what());
     return 2;
   }
   return 2;

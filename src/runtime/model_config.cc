@@ -60,16 +60,16 @@ class KeyReader {
 
   std::int64_t integer(const char* key, const json& v, std::int64_t lo, std::int64_t hi) const {
     if (!v.is_number_integer()) {
-      fail("'" + std::string(key) + "' must be an integer, got " + json_type(v));
+      fail(std::string("'") + key + "' must be an integer, got " + json_type(v));
     }
     if (v.is_number_unsigned() &&
         v.get<std::uint64_t>() > static_cast<std::uint64_t>(std::numeric_limits<std::int64_t>::max())) {
-      fail("'" + std::string(key) + "' must be in [" + std::to_string(lo) + ", " +
+      fail(std::string("'") + key + "' must be in [" + std::to_string(lo) + ", " +
            std::to_string(hi) + "], got " + v.dump());
     }
     const auto i = v.get<std::int64_t>();
     if (i < lo || i > hi) {
-      fail("'" + std::string(key) + "' must be in [" + std::to_string(lo) + ", " +
+      fail(std::string("'") + key + "' must be in [" + std::to_string(lo) + ", " +
            std::to_string(hi) + "], got " + std::to_string(i));
     }
     return i;
@@ -87,10 +87,10 @@ class KeyReader {
   }
 
   double positive_number(const char* key, const json& v) const {
-    if (!v.is_number()) fail("'" + std::string(key) + "' must be a number, got " + json_type(v));
+    if (!v.is_number()) fail(std::string("'") + key + "' must be a number, got " + json_type(v));
     const double d = v.get<double>();
     if (!(d > 0.0) || !std::isfinite(d)) {
-      fail("'" + std::string(key) + "' must be a positive finite number, got " + v.dump());
+      fail(std::string("'") + key + "' must be a positive finite number, got " + v.dump());
     }
     return d;
   }
@@ -103,14 +103,14 @@ class KeyReader {
       // The default is checked too: the model looks every id up in the
       // embedding table.
       if (fallback >= vocab) {
-        fail("'" + std::string(key) + "' is absent and its default " + std::to_string(fallback) +
+        fail(std::string("'") + key + "' is absent and its default " + std::to_string(fallback) +
              " is outside the vocabulary ('vocab_size' " + std::to_string(vocab) + ")");
       }
       return fallback;
     }
     const json* id = v;
     if (v->is_array()) {
-      if (v->empty()) fail("'" + std::string(key) + "' is an empty list");
+      if (v->empty()) fail(std::string("'") + key + "' is an empty list");
       id = &v->front();
     }
     return integer(key, *id, 0, vocab - 1);
@@ -128,7 +128,7 @@ DType parse_torch_dtype(const KeyReader& r, const char* key, const json& v) {
     if (s == "float16") return DType::F16;
     if (s == "bfloat16") return DType::BF16;
   }
-  r.fail("'" + std::string(key) + "' must be one of \"float32\", \"float16\", \"bfloat16\", got " +
+  r.fail(std::string("'") + key + "' must be one of \"float32\", \"float16\", \"bfloat16\", got " +
          v.dump());
 }
 

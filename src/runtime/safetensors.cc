@@ -66,7 +66,7 @@ bool as_u64(const json& v, std::uint64_t limit, std::uint64_t* out) {
   return false;
 }
 
-std::string in_quotes(std::string_view name) { return "'" + std::string(name) + "'"; }
+std::string in_quotes(std::string_view name) { return std::string("'").append(name).append("'"); }
 
 std::string shape_string_u64(const std::vector<std::uint64_t>& dims) {
   std::string s = "[";

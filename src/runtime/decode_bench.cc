@@ -1,0 +1,112 @@
+#include "runtime/decode_bench.h"
+
+#include <algorithm>
+
+#include <nlohmann/json.hpp>
+
+#include "rewind/error.h"
+
+namespace rwd::runtime {
+namespace {
+
+double median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  const std::size_t n = v.size();
+  return n == 0 ? 0.0 : n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
+}
+
+}  // namespace
+
+const std::vector<std::string>& default_bench_prompts() {
+  static const std::vector<std::string> prompts = {
+      "In the beginning God created the heaven and the earth. And the earth was",
+      "And it came to pass, when the king heard the words of the law, that",
+      "The LORD is my shepherd; I shall not want. He maketh me to lie down",
+      "Then said Jesus unto his disciples, Verily I say unto you, That",
+  };
+  return prompts;
+}
+
+std::vector<DecodeBenchRow> run_decode_bench(const Model& target, const Model* draft,
+                                             const DecodeBenchOptions& options,
+                                             const std::function<void(const std::string&)>& progress) {
+  if (options.ks.empty()) throw InvalidArgument("bench needs at least one K");
+  for (std::int64_t k : options.ks)
+    if (k < 1 || k > 64) throw InvalidArgument("bench: K must be in [1, 64], got " + std::to_string(k));
+  if (options.repeats < 1) throw InvalidArgument("bench: repeats must be >= 1");
+  if (options.max_new_tokens < 1) throw InvalidArgument("bench: max_new_tokens must be >= 1");
+  const std::vector<std::string>& prompts = options.prompts.empty() ? default_bench_prompts() : options.prompts;
+  std::vector<std::vector<std::int32_t>> encoded;
+  for (const auto& p : prompts) encoded.push_back(encode_prompt(p, target.config()));
+
+  GenerationOptions gen;
+  gen.max_new_tokens = options.max_new_tokens;
+  gen.stop_at_eos = false;  // every run produces the same number of tokens
+
+  std::vector<std::vector<std::int32_t>> reference(encoded.size());
+  // Runs one configuration over every prompt, `repeats` times.
+  auto measure = [&](const std::string& method, std::int64_t k) {
+    if (progress) progress(method + (k ? " K=" + std::to_string(k) : std::string()));
+    DecodeBenchRow row;
+    row.method = method;
+    row.k = k;
+    std::vector<double> rates, shares;
+    std::int64_t drafted = 0, accepted = 0;
+    for (int r = 0; r < options.repeats; ++r) {
+      double seconds = 0.0, cache_seconds = 0.0;
+      std::int64_t tokens = 0;
+      for (std::size_t p = 0; p < encoded.size(); ++p) {
+        GenerationStats stats;
+        std::vector<std::int32_t> out;
+        if (method == "greedy") {
+          out = generate(target, encoded[p], gen, &stats);
+          if (r == 0) reference[p] = out;
+        } else if (method == "draft") {
+          ModelDraft source(*draft, gen.sampling, k);
+          out = speculative_generate(target, source, encoded[p], gen, {k, false}, &stats);
+        } else {
+          LookupDraft source(options.lookup_ngram);
+          out = speculative_generate(target, source, encoded[p], gen, {k, false}, &stats);
+        }
+        row.identical = row.identical && out == reference[p];
+        seconds += stats.seconds;
+        cache_seconds += stats.cache_seconds;
+        tokens += stats.new_tokens;
+        drafted += stats.drafted;
+        accepted += stats.accepted;
+      }
+      rates.push_back(seconds > 0 ? static_cast<double>(tokens) / seconds : 0.0);
+      shares.push_back(seconds > 0 ? cache_seconds / seconds : 0.0);
+    }
+    row.tokens_per_second = median(rates);
+    row.cache_share = median(shares);
+    row.acceptance_rate = drafted > 0 ? static_cast<double>(accepted) / static_cast<double>(drafted) : 0.0;
+    return row;
+  };
+
+  std::vector<DecodeBenchRow> rows;
+  rows.push_back(measure("greedy", 0));
+  if (draft) {
+    for (std::int64_t k : options.ks) rows.push_back(measure("draft", k));
+  }
+  for (std::int64_t k : options.ks) rows.push_back(measure("lookup", k));
+  const double greedy = rows.front().tokens_per_second;
+  for (auto& row : rows) row.speedup = greedy > 0 ? row.tokens_per_second / greedy : 0.0;
+  return rows;
+}
+
+std::string decode_bench_json(const std::vector<DecodeBenchRow>& rows) {
+  nlohmann::json out = nlohmann::json::array();
+  for (const auto& r : rows) {
+    out.push_back({{"method", r.method},
+                   {"k", r.k},
+                   {"tokens_per_second", r.tokens_per_second},
+                   {"acceptance_rate", r.acceptance_rate},
+                   {"cache_share", r.cache_share},
+                   {"speedup", r.speedup},
+                   {"identical", r.identical}});
+  }
+  return out.dump(1);
+}
+
+}  // namespace rwd::runtime

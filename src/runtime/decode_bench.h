@@ -1,0 +1,52 @@
+// runtime/decode_bench.h: end-to-end decoding throughput (`rewind bench`).
+//
+// Runs greedy decoding, speculative decoding with a draft model and with
+// prompt lookup for each K of a list, over a fixed prompt set, several times,
+// and reports medians: tokens/s, acceptance rate, and the share of decode
+// time spent inside cache calls (updates, recurrent slots, crops). Every
+// speculative run is also checked token for token against greedy.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "runtime/generate.h"
+#include "runtime/model.h"
+
+namespace rwd::runtime {
+
+struct DecodeBenchOptions {
+  std::vector<std::string> prompts;       // empty: the built-in prompt set
+  std::vector<std::int64_t> ks = {2, 3, 4, 5, 6, 7, 8};
+  std::int64_t max_new_tokens = 200;
+  int repeats = 3;
+  std::int64_t lookup_ngram = 3;
+};
+
+struct DecodeBenchRow {
+  std::string method;   // "greedy", "draft", "lookup"
+  std::int64_t k = 0;   // 0 for greedy
+  double tokens_per_second = 0.0;  // median over repeats of (all prompts' tokens / their seconds)
+  double acceptance_rate = 0.0;    // accepted / drafted over all runs
+  double cache_share = 0.0;        // median of cache_seconds / seconds
+  double speedup = 0.0;            // tokens_per_second / greedy's
+  bool identical = true;           // tokens equal greedy's for every prompt
+};
+
+// The built-in prompts (KJV-style openings).
+const std::vector<std::string>& default_bench_prompts();
+
+// Runs the grid. `draft` may be null (then no "draft" rows). `progress` is
+// called with a line before each configuration. Throws InvalidArgument for
+// an empty K list, a K outside [1, 64], repeats < 1 or max_new_tokens < 1.
+std::vector<DecodeBenchRow> run_decode_bench(const Model& target, const Model* draft,
+                                             const DecodeBenchOptions& options,
+                                             const std::function<void(const std::string&)>& progress = {});
+
+// The rows as a JSON array (one object per row).
+std::string decode_bench_json(const std::vector<DecodeBenchRow>& rows);
+
+}  // namespace rwd::runtime
