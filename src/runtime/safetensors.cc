@@ -492,14 +492,22 @@ void write_safetensors(const std::string& path, const std::vector<TensorToWrite>
   std::uint64_t len = text.size();
   for (int i = 0; i < 8; ++i) len_bytes[i] = static_cast<unsigned char>(len >> (8 * i));
 
+  std::vector<std::span<const std::byte>> parts;
+  parts.push_back(std::as_bytes(std::span<const unsigned char>(len_bytes)));
+  parts.push_back(std::as_bytes(std::span<const char>(text.data(), text.size())));
+  for (std::size_t i : order) parts.push_back(tensors[i].bytes);
+  write_file_atomically(path, parts);
+}
+
+void write_file_atomically(const std::string& path, std::span<const std::span<const std::byte>> parts) {
   const std::string tmp = path + ".tmp-" + std::to_string(::getpid()) + "-" +
                           std::to_string(g_temp_counter.fetch_add(1));
   int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
   if (fd < 0) throw Error(path + ": cannot create " + tmp + ": " + errno_text(errno));
-  bool ok = write_all(fd, len_bytes, sizeof len_bytes) && write_all(fd, text.data(), text.size());
-  for (std::size_t i : order) {
+  bool ok = true;
+  for (const auto& part : parts) {
     if (!ok) break;
-    ok = write_all(fd, tensors[i].bytes.data(), tensors[i].bytes.size());
+    ok = write_all(fd, part.data(), part.size());
   }
   int err = ok ? 0 : errno;
   if (ok && ::fsync(fd) != 0) {

@@ -107,6 +107,11 @@ struct TensorToWrite {
 void write_safetensors(const std::string& path, const std::vector<TensorToWrite>& tensors,
                        const std::map<std::string, std::string>& metadata = {});
 
+// Writes the concatenation of `parts` to `path` atomically: a temporary file
+// next to it, synced, then renamed over it (readers never see a partial
+// file). Throws rwd::Error naming `path` and the system error otherwise.
+void write_file_atomically(const std::string& path, std::span<const std::span<const std::byte>> parts);
+
 // "F32", "F16", "BF16": the dtype spellings of the safetensors header.
 std::string_view safetensors_dtype_name(DType dtype);
 

@@ -118,39 +118,8 @@ Tensor to_f32_tensor(const std::vector<std::int64_t>& shape, DType dtype, const 
 }
 
 void write_text_file_atomically(const std::string& path, const std::string& text) {
-  const std::string tmp = path + ".tmp-" + std::to_string(::getpid());
-  int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
-  if (fd < 0) throw Error(path + ": cannot create " + tmp + ": " + std::strerror(errno));
-  const char* p = text.data();
-  std::size_t left = text.size();
-  bool ok = true;
-  while (ok && left > 0) {
-    ssize_t n = ::write(fd, p, left);
-    if (n < 0 && errno == EINTR) continue;
-    if (n < 0) {
-      ok = false;
-      break;
-    }
-    p += n;
-    left -= static_cast<std::size_t>(n);
-  }
-  int err = ok ? 0 : errno;
-  if (ok && ::fsync(fd) != 0) {
-    ok = false;
-    err = errno;
-  }
-  if (::close(fd) != 0 && ok) {
-    ok = false;
-    err = errno;
-  }
-  if (ok && ::rename(tmp.c_str(), path.c_str()) != 0) {
-    ok = false;
-    err = errno;
-  }
-  if (!ok) {
-    ::unlink(tmp.c_str());
-    throw Error(path + ": cannot write: " + std::strerror(err));
-  }
+  const std::span<const std::byte> part = std::as_bytes(std::span<const char>(text.data(), text.size()));
+  write_file_atomically(path, std::span<const std::span<const std::byte>>(&part, 1));
 }
 
 }  // namespace
