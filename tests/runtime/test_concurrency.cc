@@ -8,29 +8,12 @@
 
 #include "runtime/generate.h"
 #include "runtime/model.h"
+#include "runtime/test_configs.h"
 
 namespace rwd::runtime {
 namespace {
 
-ModelConfig small_hybrid() {
-  ModelConfig c;
-  c.hidden_size = 32;
-  c.num_hidden_layers = 4;
-  c.num_attention_heads = 4;
-  c.num_key_value_heads = 2;
-  c.head_dim = 8;
-  c.intermediate_size = 64;
-  c.vocab_size = 258;
-  c.layer_types = {"linear_attention", "sliding_attention", "conv", "full_attention"};
-  c.sliding_window = 6;
-  c.linear_conv_kernel_dim = 4;
-  c.linear_num_key_heads = 2;
-  c.linear_num_value_heads = 4;
-  c.linear_key_head_dim = 8;
-  c.linear_value_head_dim = 8;
-  c.conv_L_cache = 3;
-  return c;
-}
+ModelConfig small_hybrid() { return testing_configs::hybrid(testing_configs::kEveryKind, 32, 6); }
 
 TEST(Concurrency, ThreadsDecodingWithTheirOwnCachesOverSharedWeights) {
   const Model model(ModelWeights::random(small_hybrid(), 77));

@@ -10,30 +10,13 @@
 
 #include "rewind/error.h"
 #include "runtime/model.h"
+#include "runtime/test_configs.h"
 
 namespace rwd::runtime {
 namespace {
 
 // Every layer kind; window 5 so that eviction happens inside a segment.
-ModelConfig every_kind() {
-  ModelConfig c;
-  c.hidden_size = 32;
-  c.num_hidden_layers = 4;
-  c.num_attention_heads = 4;
-  c.num_key_value_heads = 2;
-  c.head_dim = 8;
-  c.intermediate_size = 64;
-  c.vocab_size = 258;
-  c.layer_types = {"linear_attention", "sliding_attention", "conv", "full_attention"};
-  c.sliding_window = 5;
-  c.linear_conv_kernel_dim = 4;
-  c.linear_num_key_heads = 2;
-  c.linear_num_value_heads = 4;
-  c.linear_key_head_dim = 8;
-  c.linear_value_head_dim = 8;
-  c.conv_L_cache = 3;
-  return c;
-}
+ModelConfig every_kind() { return testing_configs::hybrid(); }
 
 const std::string kText =
     "In the beginning God created the heaven and the earth. And the earth was without form, and void.";

@@ -16,33 +16,13 @@
 #include "runtime/generate.h"
 #include "runtime/kernels.h"
 #include "runtime/model.h"
+#include "runtime/test_configs.h"
 
 namespace rwd::runtime {
 namespace {
 
-// A hybrid config with every layer kind the runtime implements; the window
-// (5) is far below the generated length so sliding eviction happens.
-ModelConfig hybrid(std::vector<std::string> types, std::int64_t hidden = 32, std::int64_t window = 5) {
-  ModelConfig c;
-  c.hidden_size = hidden;
-  c.num_hidden_layers = static_cast<std::int64_t>(types.size());
-  c.num_attention_heads = 4;
-  c.num_key_value_heads = 2;
-  c.head_dim = hidden / 4;
-  c.intermediate_size = 2 * hidden;
-  c.vocab_size = 258;
-  c.layer_types = std::move(types);
-  c.sliding_window = window;
-  c.linear_conv_kernel_dim = 4;
-  c.linear_num_key_heads = 2;
-  c.linear_num_value_heads = 4;
-  c.linear_key_head_dim = 8;
-  c.linear_value_head_dim = 8;
-  c.conv_L_cache = 3;
-  return c;
-}
-
-const std::vector<std::string> kEveryKind = {"linear_attention", "sliding_attention", "conv", "full_attention"};
+using testing_configs::hybrid;
+using testing_configs::kEveryKind;
 
 Model random_model(const ModelConfig& c, std::uint64_t seed) { return Model(ModelWeights::random(c, seed)); }
 
