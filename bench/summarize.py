@@ -3,7 +3,11 @@
 
 usage: rewind_bench --benchmark_repetitions=3 --benchmark_report_aggregates_only=true \\
            --benchmark_out=results.json --benchmark_out_format=json ...
-       python3 bench/summarize.py results.json
+       python3 bench/summarize.py results.json [e2e.json ...]
+
+Each optional e2e.json is the --json output of `rewind bench` (end-to-end
+decoding); it adds a table of tokens/s, acceptance and cache share per
+method and K, and the cache share to the headline ratios.
 
 Times are medians over the repetitions. Automatically timed cases use CPU
 time (the process's own time: on a shared machine wall time also counts the
@@ -53,7 +57,22 @@ def ratio(x):
     return f"{x:.2f}x" if x < 10 else f"{x:.1f}x"
 
 
-def main(path):
+def e2e_table(path, p):
+    with open(path) as f:
+        rows = json.load(f)
+    p("")
+    p(f"**End to end** ({path})")
+    p("")
+    p("| method | K | tokens/s | vs greedy | acceptance | cache share | output = greedy |")
+    p("|---|---|---|---|---|---|---|")
+    for row in rows:
+        p(f"| {row['method']} | {row['k'] if row['method'] != 'greedy' else '-'} | {row['tokens_per_second']:,.0f} | "
+          f"{row['speedup']:.2f}x | {row['acceptance_rate']:.3f} | {100 * row['cache_share']:.2f} % | "
+          f"{'yes' if row['identical'] else 'NO'} |")
+    return rows
+
+
+def main(path, e2e_paths=()):
     ctx, r = load(path)
     out = []
     p = out.append
@@ -174,6 +193,8 @@ def main(path):
               f"{m[pre + '_peak_MiB']:.3f} |")
         p(f"| total | {m['total_used_MiB']:.3f} | {m['total_reserved_MiB']:.3f} | |")
 
+    e2e = {e: e2e_table(e, p) for e in e2e_paths}
+
     # Headline ratios
     p("")
     p("**Headline ratios**")
@@ -197,8 +218,20 @@ def main(path):
           f"{ratio(cpu_ns(sc) / rb)} cheaper")
     except (KeyError, TypeError) as e:
         p(f"- (missing case: {e})")
+    for e, rows in e2e.items():
+        shares = [row["cache_share"] for row in rows]
+        greedy = [row for row in rows if row["method"] == "greedy"]
+        best = max((row for row in rows if row["method"] != "greedy"), key=lambda row: row["tokens_per_second"],
+                   default=None)
+        line = f"- end to end ({e}): cache share {100 * min(shares):.2f} % to {100 * max(shares):.2f} % (target < 2 %)"
+        if greedy:
+            line += f"; greedy {greedy[0]['tokens_per_second']:,.0f} tokens/s"
+        if best:
+            line += (f", best speculative {best['method']} K={best['k']} {best['tokens_per_second']:,.0f} tokens/s "
+                     f"({best['speedup']:.2f}x, acceptance {best['acceptance_rate']:.3f})")
+        p(line)
     print("\n".join(out))
 
 
 if __name__ == "__main__":
-    main(sys.argv[1] if len(sys.argv) > 1 else "results.json")
+    main(sys.argv[1] if len(sys.argv) > 1 else "results.json", sys.argv[2:])
