@@ -28,24 +28,13 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-UNIT_NS = {"ns": 1.0, "us": 1e3, "ms": 1e6, "s": 1e9}
-LENGTHS = [("1k", 1024), ("8k", 8192), ("64k", 65536)]
+# The benchmark JSON is read the way the report's tables read it.
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "bench"))
+from summarize import cpu_ns, load  # noqa: E402
 
 
 def load_bench(path):
-    with open(path) as f:
-        data = json.load(f)
-    runs = {}
-    for b in data["benchmarks"]:
-        if b.get("run_type") == "aggregate" and b.get("aggregate_name") != "median":
-            continue
-        name = b.get("run_name", b["name"]).split("/iterations:")[0].split("/repeats:")[0]
-        runs[name] = b
-    return runs
-
-
-def cpu_ns(b):
-    return b["cpu_time"] * UNIT_NS[b["time_unit"]]
+    return load(path)[1]
 
 
 def label_time(ns):
