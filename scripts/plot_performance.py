@@ -33,6 +33,9 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from summarize import cpu_ns, load  # noqa: E402
 
 
+LENGTHS = [("1k", 1024), ("8k", 8192), ("64k", 65536)]
+
+
 def load_bench(path):
     return load(path)[1]
 
