@@ -114,6 +114,8 @@ class Cache {
   std::vector<std::unique_ptr<Layer::Impl>> prepare_gather(const char* operation, const RowsFor& rows_for) const;
   std::vector<std::unique_ptr<Layer::Impl>> prepare_reset() const;
   void commit_layers(std::vector<std::unique_ptr<Layer::Impl>> next) noexcept;
+  // Prepares every layer's recording change (may throw), then commits all.
+  void set_recording(bool on, std::int64_t max_tokens);
   void check_index(int layer_idx) const;
   // Declared before layers_ so that it outlives them: buffers release their
   // bytes into it when destroyed.

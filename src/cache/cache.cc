@@ -162,11 +162,7 @@ bool Cache::has_previous_state() const {
   for (auto it = layers_.rbegin(); it != layers_.rend(); ++it)
     if (it->is_linear()) return it->has_previous_state();
   // No linear layer: the message of transformers.
-  if (layers_.empty()) {
-    throw StateError(
-        "`has_previous_state` can only be called on LinearAttention layers, and the current Cache seem to only "
-        "contain Attention layers. [empty cache]");
-  }
+  if (layers_.empty()) throw StateError(std::string(kHasPreviousOnAttention) + " [empty cache]");
   return layers_.front().has_previous_state();  // throws with the layer named
 }
 
@@ -194,20 +190,17 @@ std::int64_t Cache::max_rollback() const {
   return any ? depth : get_seq_length();
 }
 
-void Cache::activate_past_recording(std::int64_t max_tokens) {
+void Cache::set_recording(bool on, std::int64_t max_tokens) {
   std::vector<Layer::Impl::RecordingPlan> plans;
   plans.reserve(layers_.size());
-  for (const auto& l : layers_) plans.push_back(l.impl_->prepare_recording(true, max_tokens));
+  for (const auto& l : layers_) plans.push_back(l.impl_->prepare_recording(on, max_tokens));
   for (std::size_t i = 0; i < layers_.size(); ++i)
-    layers_[i].impl_->commit_recording(true, max_tokens, std::move(plans[i]));
+    layers_[i].impl_->commit_recording(on, max_tokens, std::move(plans[i]));
 }
 
-void Cache::deactivate_past_recording() {
-  std::vector<Layer::Impl::RecordingPlan> plans;
-  plans.reserve(layers_.size());
-  for (const auto& l : layers_) plans.push_back(l.impl_->prepare_recording(false, 0));
-  for (std::size_t i = 0; i < layers_.size(); ++i) layers_[i].impl_->commit_recording(false, 0, std::move(plans[i]));
-}
+void Cache::activate_past_recording(std::int64_t max_tokens) { set_recording(true, max_tokens); }
+
+void Cache::deactivate_past_recording() { set_recording(false, 0); }
 
 bool Cache::is_recording() const {
   for (const auto& l : layers_)

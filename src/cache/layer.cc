@@ -28,9 +28,7 @@ constexpr const char* kSlidingPositive =
     "Once the sliding window size has been reached, `DynamicSlidingWindowLayer` can only be cropped "
     "by passing a negative int, to specify how many tokens to remove";
 constexpr const char* kConvOnNonLinear = "Cannot call `update_conv_state` on a non-LinearAttention layer!";
-constexpr const char* kHasPreviousOnAttention =
-    "`has_previous_state` can only be called on LinearAttention layers, and the current Cache seem to "
-    "only contain Attention layers.";
+
 
 bool kind_has_attention(LayerKind k) {
   switch (k) {
@@ -293,13 +291,9 @@ Layer::Impl::RecordingPlan Layer::Impl::prepare_recording(bool on, std::int64_t 
 }
 
 void Layer::Impl::commit_recording(bool on, std::int64_t R, RecordingPlan plan) noexcept {
-  if (stateless()) {
-    recording = on;
-    history = on ? R : 0;
-    return;
-  }
   recording = on;
   history = on ? R : 0;
+  if (stateless()) return;
   if (!plan.recurrents.empty()) recurrents = std::move(plan.recurrents);
   auto evict = [&](TokenTrack& t) { t.buffer.evict_before(t.rule.keep_first(t.length(), history)); };
   if (attention) {

@@ -15,6 +15,12 @@
 
 namespace rwd {
 
+// transformers' message when has_previous_state meets no linear layer
+// (docs/semantics.md section 8); raised by Layer and by Cache.
+inline constexpr const char* kHasPreviousOnAttention =
+    "`has_previous_state` can only be called on LinearAttention layers, and the current Cache seem to "
+    "only contain Attention layers.";
+
 struct Layer::Impl {
   LayerKind kind = LayerKind::Mlp;
   LayerOptions options;

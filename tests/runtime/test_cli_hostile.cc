@@ -12,6 +12,7 @@
 #include <string>
 #include <vector>
 
+#include "runtime/test_configs.h"
 #include "runtime/weights_io.h"
 
 #ifdef REWIND_CLI_PATH
@@ -36,19 +37,8 @@ std::string u64le(std::uint64_t v) {
   return s;
 }
 
-ModelConfig tiny() {
-  ModelConfig c;
-  c.hidden_size = 16;
-  c.num_hidden_layers = 2;
-  c.num_attention_heads = 2;
-  c.num_key_value_heads = 1;
-  c.head_dim = 8;
-  c.intermediate_size = 32;
-  c.vocab_size = 258;
-  c.layer_types = {"full_attention", "conv"};
-  c.conv_L_cache = 3;
-  return c;
-}
+// Two layers, the second a conv layer (the config edits below rename it).
+ModelConfig tiny() { return testing_configs::hybrid({"full_attention", "conv"}, 16); }
 
 struct Hostile {
   std::string name;
