@@ -1,24 +1,31 @@
 // Implementation notes. Batch invariance (see kernels.h) rests on three
 // rules followed everywhere below:
-//  - a reduction is written once (dot_inline / dot4 / in-order loops) and
-//    its order depends only on the reduced length;
-//  - the code path that computes an output element is chosen by the
-//    element's index and the sizes, never by the row count or the thread;
-//  - OpenMP splits independent outputs (output features, (row, head) pairs,
-//    heads), never a sum. `if` clauses only keep tiny calls on the calling
-//    thread; they cannot change results.
-// matmul computes two input rows at a time where it can (dot4x2), so each
-// weight load serves both rows: a K + 1 token verify forward costs less than
-// K + 1 single-token forwards (about 0.6 (K + 1) of them for the shipped
-// 2.6M-parameter target, whose weights stay in L3). Pairing decides only
-// which loads are shared; every output still does dot_inline's arithmetic.
+//  - a reduction is written once per kind (dot_inline, matmul_micro's
+//    in-order sum, in-order loops) and its order depends only on the
+//    reduced length;
+//  - code specialised for a number of rows (matmul's row groups of 1 to 6)
+//    or for a vector width (the 8-lane loops and their scalar tails) does
+//    the same IEEE operations per element as every other path;
+//  - work is split across threads by independent outputs (output panels,
+//    (row, head) pairs, heads), never inside a sum.
+// Why matmul is shaped as it is: a one-token forward of the shipped
+// 2.6M-parameter target streams its 10.6 MB of f32 weights from L3, while
+// a forward of K + 1 tokens must cost far less than K + 1 of those for
+// speculative decoding to pay. Packed panels let one load of 8 weights
+// serve up to 6 rows (8 outputs x 6 rows of accumulators in registers),
+// which takes the multi-row case from memory-bound to close to the FP
+// peak of separate multiplies and adds (measured 79-85 GFLOPS of ~91 with
+// 5-6 rows on this 2.85 GHz Zen 4 core; one row: ~31 GFLOPS, L3-bound).
 #include "runtime/kernels.h"
 
 #include <algorithm>
 #include <cassert>
 #include <cmath>
 #include <cstddef>
+#include <cstdint>
 #include <limits>
+#include <new>
+#include <omp.h>
 #include <vector>
 
 // Hot loops are also compiled for AVX2 and picked at load time (GCC / Clang
@@ -49,6 +56,22 @@ constexpr int kLanes = 8;
 // Multiply-adds below which a kernel stays on the calling thread (waking the
 // team costs a few microseconds).
 constexpr int64_t kParallelWork = int64_t{1} << 16;
+
+// Runs body(i) for i in [0, n), split statically across the OpenMP team when
+// `worth_it` and more than one thread is allowed; otherwise on the calling
+// thread without entering a parallel region at all (libgomp makes a futex
+// system call per region even for a team of one, a few microseconds each,
+// and a forward runs dozens of kernels). Which thread runs which i never
+// changes a result: bodies write disjoint outputs.
+template <class F>
+void parallel_for(int64_t n, bool worth_it, F&& body) {
+  if (worth_it && n > 1 && omp_get_max_threads() > 1) {
+#pragma omp parallel for schedule(static)
+    for (int64_t i = 0; i < n; ++i) body(i);
+  } else {
+    for (int64_t i = 0; i < n; ++i) body(i);
+  }
+}
 
 REWIND_INLINE float combine(const float (&a)[kLanes]) {
   return ((a[0] + a[4]) + (a[1] + a[5])) + ((a[2] + a[6]) + (a[3] + a[7]));
@@ -90,74 +113,39 @@ REWIND_INLINE float combine(Lanes a) {
   return ((a[0] + a[4]) + (a[1] + a[5])) + ((a[2] + a[6]) + (a[3] + a[7]));
 }
 
-// Four dot products of x with w0..w3 sharing each load of x. Per product the
-// arithmetic is exactly that of dot_inline: same lanes, same tree, same tail.
-REWIND_INLINE void dot4(const float* x, const float* w0, const float* w1, const float* w2,
-                        const float* w3, int64_t n, float* r) {
-  Lanes a0 = {}, a1 = {}, a2 = {}, a3 = {};
-  int64_t i = 0;
-  for (; i + kLanes <= n; i += kLanes) {
-    const Lanes xv = load_lanes(x + i);
-    a0 += xv * load_lanes(w0 + i);
-    a1 += xv * load_lanes(w1 + i);
-    a2 += xv * load_lanes(w2 + i);
-    a3 += xv * load_lanes(w3 + i);
-  }
-  float s0 = combine(a0), s1 = combine(a1), s2 = combine(a2), s3 = combine(a3);
-  for (; i < n; ++i) {
-    s0 += x[i] * w0[i];
-    s1 += x[i] * w1[i];
-    s2 += x[i] * w2[i];
-    s3 += x[i] * w3[i];
-  }
-  r[0] = s0;
-  r[1] = s1;
-  r[2] = s2;
-  r[3] = s3;
+// exp_f32 (kernels.h) on kLanes values at once: the same operations in the
+// same order per lane, written on vectors because GCC does not if-convert
+// and vectorise the scalar version's selects by itself.
+typedef std::uint32_t ULanes __attribute__((vector_size(kLanes * sizeof(float))));
+
+REWIND_INLINE Lanes splat(float v) { return Lanes{} + v; }
+
+REWIND_INLINE Lanes exp_lanes(Lanes x) {
+  Lanes xc = x > splat(88.0f) ? splat(88.0f) : x;
+  xc = xc < splat(-87.0f) ? splat(-87.0f) : xc;
+  const Lanes t = xc * splat(1.44269504088896341f) + splat(12582912.0f);
+  const Lanes kf = t - splat(12582912.0f);
+  const Lanes r = (xc - kf * splat(0.693145751953125f)) - kf * splat(1.42860682030941723e-6f);
+  Lanes p = splat(1.0f / 5040.0f);
+  p = p * r + splat(1.0f / 720.0f);
+  p = p * r + splat(1.0f / 120.0f);
+  p = p * r + splat(1.0f / 24.0f);
+  p = p * r + splat(1.0f / 6.0f);
+  p = p * r + splat(0.5f);
+  p = p * r + splat(1.0f);
+  p = p * r + splat(1.0f);
+  ULanes bits;
+  __builtin_memcpy(&bits, &t, sizeof bits);
+  const ULanes scale_bits = (bits - 0x4B400000u + 127u) << 23;
+  Lanes scale;
+  __builtin_memcpy(&scale, &scale_bits, sizeof scale);
+  Lanes e = p * scale;
+  e = x > splat(88.0f) ? splat(std::numeric_limits<float>::infinity()) : e;
+  e = x < splat(-87.0f) ? splat(0.0f) : e;
+  return e;
 }
 
-// dot4 for two input rows at once (x0 into r0[0..4), x1 into r1[0..4)):
-// each weight load serves both rows. Per product the arithmetic is again
-// exactly dot_inline's, so a row's outputs do not depend on whether it was
-// paired with another row.
-REWIND_INLINE void dot4x2(const float* x0, const float* x1, const float* w0, const float* w1,
-                          const float* w2, const float* w3, int64_t n, float* r0, float* r1) {
-  Lanes a0 = {}, a1 = {}, a2 = {}, a3 = {}, b0 = {}, b1 = {}, b2 = {}, b3 = {};
-  int64_t i = 0;
-  for (; i + kLanes <= n; i += kLanes) {
-    const Lanes u = load_lanes(x0 + i), v = load_lanes(x1 + i);
-    const Lanes c0 = load_lanes(w0 + i), c1 = load_lanes(w1 + i), c2 = load_lanes(w2 + i),
-                c3 = load_lanes(w3 + i);
-    a0 += u * c0;
-    a1 += u * c1;
-    a2 += u * c2;
-    a3 += u * c3;
-    b0 += v * c0;
-    b1 += v * c1;
-    b2 += v * c2;
-    b3 += v * c3;
-  }
-  float s0 = combine(a0), s1 = combine(a1), s2 = combine(a2), s3 = combine(a3);
-  float t0 = combine(b0), t1 = combine(b1), t2 = combine(b2), t3 = combine(b3);
-  for (; i < n; ++i) {
-    s0 += x0[i] * w0[i];
-    s1 += x0[i] * w1[i];
-    s2 += x0[i] * w2[i];
-    s3 += x0[i] * w3[i];
-    t0 += x1[i] * w0[i];
-    t1 += x1[i] * w1[i];
-    t2 += x1[i] * w2[i];
-    t3 += x1[i] * w3[i];
-  }
-  r0[0] = s0;
-  r0[1] = s1;
-  r0[2] = s2;
-  r0[3] = s3;
-  r1[0] = t0;
-  r1[1] = t1;
-  r1[2] = t2;
-  r1[3] = t3;
-}
+REWIND_INLINE Lanes silu_lanes(Lanes x) { return x / (splat(1.0f) + exp_lanes(-x)); }
 
 // Calls f(j) for j in [0, n) with the main part in fixed chunks of kLanes:
 // GCC's -O2 cost model vectorises only loops without a scalar epilogue, so
@@ -178,52 +166,140 @@ float rms_inverse(const float* x, int64_t dim, double eps) {
   return 1.0f / std::sqrt(mean + static_cast<float>(eps));
 }
 
-// Output features per block of matmul: the block's weight rows (about
-// 64 KiB) stay in L2 while every input row is multiplied by them, so each
-// weight row comes from memory once per call. A multiple of 4 so that output
-// o is always computed by the dot4 group starting at o - o % 4 (or by the
-// single-row tail when out % 4 leaves one): never a path chosen by rows.
-int64_t matmul_block(int64_t in) {
-  const int64_t rows_in_64k = (int64_t{64} * 1024 / 4) / std::max<int64_t>(in, 1);
-  return std::clamp<int64_t>(rows_in_64k / 4 * 4, 4, 64);
+// Rows of x that share one pass over the weights, and the panels each
+// micro-kernel keeps in flight for that many rows: rows * panels
+// accumulators + panels weight vectors + one broadcast fit the 16 vector
+// registers of AVX2. One row alone still needs 4 independent accumulator
+// chains to hide the latency of the adds.
+constexpr int kMaxGroupRows = 6;
+constexpr int panels_for_rows(int rows) { return rows <= 2 ? 4 : rows == 3 ? 3 : 2; }
+
+constexpr int64_t kPanel = PackedMatrix::kPanelWidth;
+static_assert(kPanel == kLanes, "a panel row is one vector of lanes");
+
+// y rows [0, R) of panels [p, p + V): acc[r][v] lane l accumulates
+// x[r, i] * w[(p + v) * 8 + l, i] over i in order, starting from 0, then
+// the bias is added: the arithmetic of an in-order f32 dot product, whatever
+// R and V are. x: R rows with stride `in`; y: R rows with stride `out`.
+template <int R, int V>
+REWIND_INLINE void matmul_micro(const float* x, const PackedMatrix& w, int64_t p, float* y,
+                                const float* bias) {
+  const int64_t in = w.in(), out = w.out();
+  const float* panel[V];
+#pragma GCC unroll 8
+  for (int v = 0; v < V; ++v) panel[v] = w.panel(p + v);
+  Lanes acc[R][V] = {};
+  for (int64_t i = 0; i < in; ++i) {
+    Lanes wv[V];
+#pragma GCC unroll 8
+    for (int v = 0; v < V; ++v) wv[v] = load_lanes(panel[v] + i * kPanel);
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) {
+      const float xr = x[r * in + i];
+#pragma GCC unroll 8
+      for (int v = 0; v < V; ++v) acc[r][v] += xr * wv[v];
+    }
+  }
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r) {
+#pragma GCC unroll 8
+    for (int v = 0; v < V; ++v) {
+      const int64_t o0 = (p + v) * kPanel;
+      float* yo = y + r * out + o0;
+      const int64_t n = std::min<int64_t>(kPanel, out - o0);
+      if (bias != nullptr && n == kPanel) {
+        const Lanes s = acc[r][v] + load_lanes(bias + o0);
+        __builtin_memcpy(yo, &s, sizeof s);
+      } else if (n == kPanel) {
+        __builtin_memcpy(yo, &acc[r][v], sizeof(Lanes));
+      } else {
+        for (int64_t l = 0; l < n; ++l) yo[l] = bias != nullptr ? acc[r][v][l] + bias[o0 + l] : acc[r][v][l];
+      }
+    }
+  }
 }
 
-// Output features [o_begin, o_end) of every row.
+// Panels [p, p + count) for R rows, in steps of panels_for_rows(R).
+template <int R>
+REWIND_INLINE void matmul_row_group(const float* x, const PackedMatrix& w, int64_t p_begin,
+                                    int64_t p_end, float* y, const float* bias) {
+  constexpr int V = panels_for_rows(R);
+  int64_t p = p_begin;
+  for (; p + V <= p_end; p += V) matmul_micro<R, V>(x, w, p, y, bias);
+  for (; p < p_end; ++p) matmul_micro<R, 1>(x, w, p, y, bias);
+}
+
+// Output panels per block of matmul: the block's weights (about 64 KiB)
+// stay in L2 while every group of rows passes over them, so each weight
+// comes from memory once per call.
+int64_t matmul_block_panels(int64_t in) {
+  const int64_t panel_bytes = std::max<int64_t>(in, 1) * kPanel * int64_t{sizeof(float)};
+  return std::clamp<int64_t>(int64_t{64} * 1024 / panel_bytes, 1, 16);
+}
+
+// Panels [p_begin, p_end) of every row. Rows go in groups of at most
+// kMaxGroupRows, sized as evenly as possible (7 rows: 4 + 3): the grouping
+// decides which loads are shared, never an output's arithmetic.
 REWIND_KERNEL_CLONES
-void matmul_block_rows(const float* x, int64_t rows, int64_t in, const float* w, int64_t out,
-                       float* y, const float* bias, int64_t o_begin, int64_t o_end) {
-  // Rows in pairs (the last one alone when rows is odd): the pairing only
-  // decides which loads are shared, never an output's arithmetic.
+void matmul_block(const float* x, int64_t rows, const PackedMatrix& w, float* y, const float* bias,
+                  int64_t p_begin, int64_t p_end) {
+  const int64_t groups = (rows + kMaxGroupRows - 1) / kMaxGroupRows;
   int64_t r = 0;
-  for (; r + 2 <= rows; r += 2) {
-    const float* x0 = x + r * in;
-    const float* x1 = x0 + in;
-    float* y0 = y + r * out;
-    float* y1 = y0 + out;
-    int64_t o = o_begin;
-    for (; o + 4 <= o_end; o += 4) {
-      dot4x2(x0, x1, w + o * in, w + (o + 1) * in, w + (o + 2) * in, w + (o + 3) * in, in, y0 + o,
-             y1 + o);
+  for (int64_t g = 0; g < groups; ++g) {
+    const int64_t size = rows / groups + (g < rows % groups ? 1 : 0);
+    const float* xg = x + r * w.in();
+    float* yg = y + r * w.out();
+    switch (size) {
+      case 1: matmul_row_group<1>(xg, w, p_begin, p_end, yg, bias); break;
+      case 2: matmul_row_group<2>(xg, w, p_begin, p_end, yg, bias); break;
+      case 3: matmul_row_group<3>(xg, w, p_begin, p_end, yg, bias); break;
+      case 4: matmul_row_group<4>(xg, w, p_begin, p_end, yg, bias); break;
+      case 5: matmul_row_group<5>(xg, w, p_begin, p_end, yg, bias); break;
+      default: matmul_row_group<6>(xg, w, p_begin, p_end, yg, bias); break;
     }
-    for (; o < o_end; ++o) {
-      y0[o] = dot_inline(x0, w + o * in, in);
-      y1[o] = dot_inline(x1, w + o * in, in);
-    }
+    r += size;
   }
-  for (; r < rows; ++r) {
-    const float* xr = x + r * in;
-    float* yr = y + r * out;
-    int64_t o = o_begin;
-    for (; o + 4 <= o_end; o += 4) {
-      dot4(xr, w + o * in, w + (o + 1) * in, w + (o + 2) * in, w + (o + 3) * in, in, yr + o);
-    }
-    for (; o < o_end; ++o) yr[o] = dot_inline(xr, w + o * in, in);
+}
+
+// out[0, B * 8) = sum_j e[j] * rows[j * stride + (0 .. B * 8)], in order of
+// j from 0, with the B vectors of sums held in registers.
+template <int B>
+REWIND_INLINE void weighted_sum_of_rows(const float* e, const float* rows, int64_t stride, int64_t n,
+                                        float* out) {
+  Lanes acc[B] = {};
+  for (int64_t j = 0; j < n; ++j) {
+    const float ej = e[j];
+#pragma GCC unroll 8
+    for (int b = 0; b < B; ++b) acc[b] += ej * load_lanes(rows + j * stride + b * kLanes);
   }
-  if (bias != nullptr) {
-    for (int64_t rr = 0; rr < rows; ++rr) {
-      for (int64_t j = o_begin; j < o_end; ++j) y[rr * out + j] += bias[j];
-    }
+#pragma GCC unroll 8
+  for (int b = 0; b < B; ++b) __builtin_memcpy(out + b * kLanes, &acc[b], sizeof(Lanes));
+}
+
+// out[i] = silu(gate[i]) * up[i] for i < n, or silu(gate[i]) when up is
+// null. The out-of-line, cloned home of the element-wise SiLU loops, so
+// that exp_f32 runs 8 lanes wide.
+REWIND_KERNEL_CLONES
+void swiglu_span(const float* gate, const float* up, int64_t n, float* out) {
+  int64_t i = 0;
+  for (; i + kLanes <= n; i += kLanes) {
+    Lanes v = silu_lanes(load_lanes(gate + i));
+    if (up != nullptr) v *= load_lanes(up + i);
+    __builtin_memcpy(out + i, &v, sizeof v);
   }
+  for (; i < n; ++i) out[i] = up != nullptr ? silu(gate[i]) * up[i] : silu(gate[i]);
+}
+
+// One row of gated_rms_norm, given the row's 1 / rms.
+REWIND_KERNEL_CLONES
+void gated_norm_row(const float* x, const float* z, const float* weight, float inv, int64_t dim,
+                    float* y) {
+  int64_t i = 0;
+  for (; i + kLanes <= dim; i += kLanes) {
+    const Lanes v = (load_lanes(weight + i) * (load_lanes(x + i) * splat(inv))) * silu_lanes(load_lanes(z + i));
+    __builtin_memcpy(y + i, &v, sizeof v);
+  }
+  for (; i < dim; ++i) y[i] = (weight[i] * (x[i] * inv)) * silu(z[i]);
 }
 
 // One (query, head) of attention over its n keys, the first at kh / vh.
@@ -238,19 +314,28 @@ void attend_one(const float* __restrict qh, const float* kh, int64_t k_pos_strid
     weights[j] = s;
     max_score = std::max(max_score, s);
   }
-  float sum = 0.0f;
-  for (int64_t j = 0; j < n; ++j) {
-    const float e = std::exp(weights[j] - max_score);
-    weights[j] = e;
-    sum += e;
+  // The exponentials first (a loop the compiler vectorises), then their
+  // sum in order of position.
+  int64_t j = 0;
+  for (; j + kLanes <= n; j += kLanes) {
+    const Lanes e = exp_lanes(load_lanes(weights + j) - splat(max_score));
+    __builtin_memcpy(weights + j, &e, sizeof e);
   }
-  // Each o[d] accumulates over positions in order; the vectorised loop is
-  // the one over d, so no sum is reassociated.
-  std::fill(o, o + head_dim, 0.0f);
-  for (int64_t j = 0; j < n; ++j) {
-    const float e = weights[j];
-    const float* __restrict vj = vh + j * v_pos_stride;
-    for_each_lane_chunked(head_dim, [&](int64_t d) { o[d] += e * vj[d]; });
+  for (; j < n; ++j) weights[j] = exp_f32(weights[j] - max_score);
+  float sum = 0.0f;
+  for (j = 0; j < n; ++j) sum += weights[j];
+  // Each o[d] accumulates e_j * v_j[d] over positions j in order, from 0.
+  // Blocks of 32 and then 8 elements of o stay in registers for the whole
+  // pass over the positions (storing o after every position would chain
+  // each step to the previous store); the rest goes element by element.
+  // Every path does the same operations per element.
+  int64_t d0 = 0;
+  for (; d0 + 4 * kLanes <= head_dim; d0 += 4 * kLanes) weighted_sum_of_rows<4>(weights, vh + d0, v_pos_stride, n, o + d0);
+  for (; d0 + kLanes <= head_dim; d0 += kLanes) weighted_sum_of_rows<1>(weights, vh + d0, v_pos_stride, n, o + d0);
+  for (; d0 < head_dim; ++d0) {
+    float acc = 0.0f;
+    for (int64_t i = 0; i < n; ++i) acc += weights[i] * vh[i * v_pos_stride + d0];
+    o[d0] = acc;
   }
   const float inv_sum = 1.0f / sum;
   for_each_lane_chunked(head_dim, [&](int64_t d) { o[d] *= inv_sum; });
@@ -294,82 +379,110 @@ void delta_step_inplace(const float* __restrict q, const float* __restrict k,
 
 float dot(const float* a, const float* b, int64_t n) { return dot_inline(a, b, n); }
 
-void matmul(const float* x, int64_t rows, int64_t in, const float* w, int64_t out, float* y,
-            const float* bias) {
-  if (rows <= 0 || out <= 0) return;
-  const int64_t block = matmul_block(in);
-  const int64_t num_blocks = (out + block - 1) / block;
-  const bool parallel = num_blocks > 1 && rows * in * out >= kParallelWork;
-#pragma omp parallel for schedule(static) if (parallel)
-  for (int64_t b = 0; b < num_blocks; ++b) {
-    matmul_block_rows(x, rows, in, w, out, y, bias, b * block, std::min(out, (b + 1) * block));
+void PackedMatrix::AlignedFree::operator()(float* p) const {
+  ::operator delete[](p, std::align_val_t{64});
+}
+
+PackedMatrix::PackedMatrix(const float* w, int64_t out, int64_t in) : out_(out), in_(in) {
+  assert(out >= 0 && in >= 0);
+  const auto n = static_cast<std::size_t>(panels() * in * kPanel);
+  if (n == 0) return;
+  data_.reset(static_cast<float*>(::operator new[](n * sizeof(float), std::align_val_t{64})));
+  for (int64_t p = 0; p < panels(); ++p) {
+    float* dst = data_.get() + p * in * kPanel;
+    for (int64_t i = 0; i < in; ++i) {
+      for (int64_t l = 0; l < kPanel; ++l) {
+        const int64_t o = p * kPanel + l;
+        dst[i * kPanel + l] = o < out ? w[o * in + i] : 0.0f;
+      }
+    }
   }
+}
+
+void matmul(const float* x, int64_t rows, const PackedMatrix& w, float* y, const float* bias) {
+  if (rows <= 0 || w.out() <= 0) return;
+  const int64_t block = matmul_block_panels(w.in());
+  const int64_t num_blocks = (w.panels() + block - 1) / block;
+  const bool parallel = num_blocks > 1 && rows * w.in() * w.out() >= kParallelWork;
+  parallel_for(num_blocks, parallel, [&](int64_t b) {
+    matmul_block(x, rows, w, y, bias, b * block, std::min(w.panels(), (b + 1) * block));
+  });
 }
 
 void rms_norm(const float* x, const float* weight, int64_t rows, int64_t dim, double eps,
               float* y) {
-#pragma omp parallel for schedule(static) if (rows > 1 && rows * dim >= kParallelWork)
-  for (int64_t r = 0; r < rows; ++r) {
+  parallel_for(rows, rows * dim >= kParallelWork, [&](int64_t r) {
     const float* xr = x + r * dim;
     float* yr = y + r * dim;
     const float inv = rms_inverse(xr, dim, eps);
     for (int64_t i = 0; i < dim; ++i) yr[i] = weight[i] * (xr[i] * inv);
-  }
+  });
 }
 
 void gated_rms_norm(const float* x, const float* z, const float* weight, int64_t rows, int64_t dim,
                     double eps, float* y) {
-#pragma omp parallel for schedule(static) if (rows > 1 && rows * dim >= kParallelWork)
-  for (int64_t r = 0; r < rows; ++r) {
+  parallel_for(rows, rows * dim >= kParallelWork, [&](int64_t r) {
     const float* xr = x + r * dim;
     const float* zr = z + r * dim;
     float* yr = y + r * dim;
-    const float inv = rms_inverse(xr, dim, eps);
-    for (int64_t i = 0; i < dim; ++i) yr[i] = (weight[i] * (xr[i] * inv)) * silu(zr[i]);
-  }
+    gated_norm_row(xr, zr, weight, rms_inverse(xr, dim, eps), dim, yr);
+  });
 }
 
 void l2_normalize(float* x, int64_t rows, int64_t dim, float eps) {
-#pragma omp parallel for schedule(static) if (rows > 1 && rows * dim >= kParallelWork)
-  for (int64_t r = 0; r < rows; ++r) {
+  parallel_for(rows, rows * dim >= kParallelWork, [&](int64_t r) {
     float* xr = x + r * dim;
     const float inv = 1.0f / std::sqrt(dot_inline(xr, xr, dim) + eps);
     for (int64_t i = 0; i < dim; ++i) xr[i] *= inv;
+  });
+}
+
+RopeTable::RopeTable(const int64_t* positions, int64_t rows, double theta, int64_t rotary_dim)
+    : rows_(rows), half_(rotary_dim / 2) {
+  assert(rotary_dim % 2 == 0 && rows >= 0);
+  const auto n = static_cast<std::size_t>(rows * half_);
+  cos_.resize(n);
+  sin_.resize(n);
+  std::vector<double> inv_freq(static_cast<std::size_t>(half_));
+  for (int64_t j = 0; j < half_; ++j) {
+    inv_freq[static_cast<std::size_t>(j)] =
+        std::pow(theta, -2.0 * static_cast<double>(j) / static_cast<double>(rotary_dim));
   }
+  for (int64_t r = 0; r < rows; ++r) {
+    // A function of the position alone, so a row at position p is rotated
+    // by the same f32 values whatever else is in the call.
+    const double pos = static_cast<double>(positions[r]);
+    for (int64_t j = 0; j < half_; ++j) {
+      const double angle = pos * inv_freq[static_cast<std::size_t>(j)];
+      cos_[static_cast<std::size_t>(r * half_ + j)] = static_cast<float>(std::cos(angle));
+      sin_[static_cast<std::size_t>(r * half_ + j)] = static_cast<float>(std::sin(angle));
+    }
+  }
+}
+
+void rope_inplace(float* x, int64_t rows, int64_t heads, int64_t head_dim, const RopeTable& table) {
+  const int64_t half = table.half();
+  assert(rows <= table.rows() && 2 * half <= head_dim);
+  parallel_for(rows, rows * heads * head_dim >= kParallelWork, [&](int64_t r) {
+    const float* cos_t = table.cos(r);
+    const float* sin_t = table.sin(r);
+    for (int64_t h = 0; h < heads; ++h) {
+      float* xh = x + (r * heads + h) * head_dim;
+      for (int64_t j = 0; j < half; ++j) {
+        const float x1 = xh[j];
+        const float x2 = xh[j + half];
+        xh[j] = x1 * cos_t[j] - x2 * sin_t[j];
+        xh[j + half] = x2 * cos_t[j] + x1 * sin_t[j];
+      }
+    }
+  });
 }
 
 void rope_inplace(float* x, int64_t rows, int64_t heads, int64_t head_dim, const int64_t* positions,
                   double theta, int64_t rotary_dim) {
   if (rotary_dim == 0) rotary_dim = head_dim;
   assert(rotary_dim % 2 == 0 && rotary_dim <= head_dim);
-  const auto half = static_cast<std::size_t>(rotary_dim / 2);
-#pragma omp parallel if (rows > 1 && rows * heads * head_dim >= kParallelWork)
-  {
-    std::vector<float> cos_t(half);
-    std::vector<float> sin_t(half);
-#pragma omp for schedule(static)
-    for (int64_t r = 0; r < rows; ++r) {
-      // The table is a function of the position alone, so a row at position
-      // p is rotated by the same f32 values whatever else is in the call.
-      const double pos = static_cast<double>(positions[r]);
-      for (std::size_t j = 0; j < half; ++j) {
-        const double inv_freq =
-            std::pow(theta, -2.0 * static_cast<double>(j) / static_cast<double>(rotary_dim));
-        const double angle = pos * inv_freq;
-        cos_t[j] = static_cast<float>(std::cos(angle));
-        sin_t[j] = static_cast<float>(std::sin(angle));
-      }
-      for (int64_t h = 0; h < heads; ++h) {
-        float* xh = x + (r * heads + h) * head_dim;
-        for (std::size_t j = 0; j < half; ++j) {
-          const float x1 = xh[j];
-          const float x2 = xh[j + half];
-          xh[j] = x1 * cos_t[j] - x2 * sin_t[j];
-          xh[j + half] = x2 * cos_t[j] + x1 * sin_t[j];
-        }
-      }
-    }
-  }
+  rope_inplace(x, rows, heads, head_dim, RopeTable(positions, rows, theta, rotary_dim));
 }
 
 void attention(const float* q, int64_t q_len, int64_t pos0, int64_t num_heads, int64_t num_kv_heads,
@@ -380,11 +493,10 @@ void attention(const float* q, int64_t q_len, int64_t pos0, int64_t num_heads, i
   const float scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(head_dim)));
   const int64_t kv_last = kv_offset + kv_len - 1;
   const int64_t tasks = q_len * num_heads;
-#pragma omp parallel if (tasks > 1 && tasks * kv_len * head_dim >= kParallelWork)
-  {
-    std::vector<float> weights;
-#pragma omp for schedule(static)
-    for (int64_t task = 0; task < tasks; ++task) {
+  parallel_for(tasks, tasks * kv_len * head_dim >= kParallelWork, [&](int64_t task) {
+    // Per-thread scratch for the softmax weights, reused across calls.
+    thread_local std::vector<float> weights;
+    {
       const int64_t p = pos0 + task / num_heads;
       const int64_t kv_head = (task % num_heads) / group;
       float* o = out + task * head_dim;
@@ -396,7 +508,7 @@ void attention(const float* q, int64_t q_len, int64_t pos0, int64_t num_heads, i
       const int64_t hi = std::min(p, kv_last);
       if (hi < lo) {
         std::fill(o, o + head_dim, 0.0f);
-        continue;
+        return;
       }
       const int64_t n = hi - lo + 1;
       weights.resize(static_cast<std::size_t>(n));
@@ -405,7 +517,7 @@ void attention(const float* q, int64_t q_len, int64_t pos0, int64_t num_heads, i
                  v.data + kv_head * v.head_stride + (lo - kv_offset) * v.pos_stride, v.pos_stride,
                  n, head_dim, scale, weights.data(), o);
     }
-  }
+  });
 }
 
 void causal_conv1d(const float* window, int64_t channels, int64_t kernel_size, int64_t q,
@@ -416,9 +528,7 @@ void causal_conv1d(const float* window, int64_t channels, int64_t kernel_size, i
   constexpr int64_t kBlock = 256;
   const int64_t blocks = (channels + kBlock - 1) / kBlock;
   const int64_t tasks = q * blocks;
-  const bool parallel = tasks > 1 && q * channels * kernel_size >= kParallelWork;
-#pragma omp parallel for schedule(static) if (parallel)
-  for (int64_t task = 0; task < tasks; ++task) {
+  parallel_for(tasks, q * channels * kernel_size >= kParallelWork, [&](int64_t task) {
     const int64_t t = task / blocks;
     const int64_t c0 = (task % blocks) * kBlock;
     const int64_t nc = std::min(kBlock, channels - c0);
@@ -434,7 +544,7 @@ void causal_conv1d(const float* window, int64_t channels, int64_t kernel_size, i
       if (bias != nullptr) s += bias[c0 + c];
       ot[c] = fuse_silu ? silu(s) : s;
     }
-  }
+  });
 }
 
 void gated_delta_rule_step(const float* q, const float* k, const float* v, float g, float beta,
@@ -454,9 +564,7 @@ void gated_delta_rule(const float* q, const float* k, const float* v, const floa
   assert(num_k_heads > 0 && num_v_heads % num_k_heads == 0);
   const int64_t ratio = num_v_heads / num_k_heads;
   const int64_t head_state = k_dim * v_dim;
-  const bool parallel = num_v_heads > 1 && tokens * num_v_heads * head_state >= kParallelWork;
-#pragma omp parallel for schedule(static) if (parallel)
-  for (int64_t h = 0; h < num_v_heads; ++h) {
+  parallel_for(num_v_heads, tokens * num_v_heads * head_state >= kParallelWork, [&](int64_t h) {
     const int64_t kh = h / ratio;
     for (int64_t t = 0; t < tokens; ++t) {
       const float* prev = (t == 0 ? state_in : state_out[t - 1]) + h * head_state;
@@ -465,16 +573,17 @@ void gated_delta_rule(const float* q, const float* k, const float* v, const floa
       gated_delta_rule_step(q + qk, k + qk, v + vo * v_dim, g[vo], beta[vo], k_dim, v_dim, prev,
                             state_out[t] + h * head_state, out + vo * v_dim);
     }
-  }
+  });
 }
 
-void silu_inplace(float* x, int64_t n) {
-  for (int64_t i = 0; i < n; ++i) x[i] = silu(x[i]);
-}
+void silu_inplace(float* x, int64_t n) { swiglu_span(x, nullptr, n, x); }
 
 void swiglu(const float* gate, const float* up, int64_t n, float* out) {
-#pragma omp parallel for schedule(static) if (n >= kParallelWork)
-  for (int64_t i = 0; i < n; ++i) out[i] = silu(gate[i]) * up[i];
+  constexpr int64_t kChunk = 4096;
+  parallel_for((n + kChunk - 1) / kChunk, n >= kParallelWork, [&](int64_t c) {
+    const int64_t begin = c * kChunk;
+    swiglu_span(gate + begin, up + begin, std::min(n, begin + kChunk) - begin, out + begin);
+  });
 }
 
 void add_inplace(float* y, const float* x, int64_t n) {

@@ -10,15 +10,16 @@
 //
 // How it is kept: every reduction has one fixed order (8 partial sums over
 // the reduced index, combined in a fixed tree, then the remainder in order,
-// or a plain in-order sum), each output element is always computed by the
-// same code path (chosen by its index and the sizes only), and threads only
+// or a plain in-order sum), chosen by the sizes that define the operation
+// only; code paths specialised for a number of rows (matmul's row groups)
+// do exactly the same IEEE operations in the same order; and threads only
 // split independent outputs, never a reduction. Do not build this file with
-// -ffast-math: it lets the compiler reassociate sums differently per path.
-// Hot loops also exist as an AVX2 clone chosen once per process; it does the
-// same IEEE operations in the same order, so results equal the baseline's.
-// Built for an FMA target (-march=native), the compiler may contract a*b+c:
-// results then differ from a baseline build but stay batch invariant, since
-// an element's code path is still fixed.
+// -ffast-math (it lets the compiler reassociate sums differently per path)
+// nor with floating-point contraction: the runtime's CMake passes
+// -ffp-contract=off so that a * b + c is never fused in one path and not in
+// another. Hot loops also exist as an AVX2 clone chosen once per process;
+// it does the same operations in the same order, so its results equal the
+// baseline's bit for bit.
 //
 // Conventions: f32, row-major, contiguous unless strides are given; sizes
 // and strides count elements. Arguments are not validated (hot path); the
@@ -28,7 +29,13 @@
 #pragma once
 
 #include <cmath>
+#include <cstddef>
 #include <cstdint>
+#include <cstring>
+#include <limits>
+#include <memory>
+#include <utility>
+#include <vector>
 
 namespace rwd::runtime::kernels {
 
@@ -41,9 +48,43 @@ inline float sigmoid(float x) {
   return e / (1.0f + e);
 }
 
-// x * sigmoid(x), written as PyTorch's x / (1 + exp(-x)); exp overflowing to
-// inf for very negative x gives the correct limit -0.
-inline float silu(float x) { return x / (1.0f + std::exp(-x)); }
+// e^x in f32 without a libm call, as branch-free code the compiler
+// vectorises (attention's softmax and every SiLU need thousands per token):
+// x = k ln2 + r with k = round(x / ln2) (ln2 split in two parts so that r is
+// exact), e^r by its degree-7 Taylor polynomial, 2^k set in the exponent
+// bits. Within 1.3 ulp of e^x for x in [-87, 88] (checked for every f32
+// there); 0 below -87 (results under about 1.6e-38 are flushed) and +inf
+// above 88; NaN stays NaN. Deterministic: the same bits on every path.
+inline float exp_f32(float x) {
+  float xc = x > 88.0f ? 88.0f : x;
+  xc = xc < -87.0f ? -87.0f : xc;
+  // Adding 1.5 * 2^23 rounds to an integer held in the low mantissa bits.
+  constexpr float kRound = 12582912.0f;
+  const float t = xc * 1.44269504088896341f + kRound;
+  const float kf = t - kRound;
+  const float r = (xc - kf * 0.693145751953125f) - kf * 1.42860682030941723e-6f;
+  float p = 1.0f / 5040.0f;
+  p = p * r + 1.0f / 720.0f;
+  p = p * r + 1.0f / 120.0f;
+  p = p * r + 1.0f / 24.0f;
+  p = p * r + 1.0f / 6.0f;
+  p = p * r + 0.5f;
+  p = p * r + 1.0f;
+  p = p * r + 1.0f;
+  std::uint32_t bits;
+  std::memcpy(&bits, &t, sizeof bits);
+  const std::uint32_t scale_bits = (bits - 0x4B400000u + 127u) << 23;  // k + 127 in the exponent
+  float scale;
+  std::memcpy(&scale, &scale_bits, sizeof scale);
+  float e = p * scale;
+  e = x > 88.0f ? std::numeric_limits<float>::infinity() : e;
+  e = x < -87.0f ? 0.0f : e;
+  return e;
+}
+
+// x * sigmoid(x), written as PyTorch's x / (1 + exp(-x)) with exp_f32;
+// exp overflowing to inf for very negative x gives the correct limit -0.
+inline float silu(float x) { return x / (1.0f + exp_f32(-x)); }
 
 // log(1 + exp(x)) with PyTorch's threshold (beta 1, threshold 20): returns x
 // above 20, where exp would dominate and could overflow.
@@ -51,14 +92,67 @@ inline float softplus(float x) { return x > 20.0f ? x : std::log1p(std::exp(x));
 
 // ---- dense linear algebra ---------------------------------------------------
 
-// y[r, o] = sum_i x[r, i] * w[o, i] (+ bias[o]).
-// x: [rows, in], w: [out, in] (nn.Linear layout), bias: [out] or nullptr,
-// y: [rows, out]. Each block of weight rows is read once for all rows, so
-// when the weights come from memory one call with K + 1 rows costs much less
-// than K + 1 one-row calls. Multithreaded over blocks of output features.
-// REQUIRES: rows, in, out >= 0; y does not alias x or w.
-void matmul(const float* x, std::int64_t rows, std::int64_t in, const float* w, std::int64_t out,
-            float* y, const float* bias = nullptr);
+// A weight matrix w: [out, in] (nn.Linear layout) repacked for matmul.
+// Output features are grouped in panels of kPanelWidth; panel p stores
+// w[p * 8 + l, i] at element i * 8 + l (zeros past `out`), so the kernel
+// streams each panel front to back and one load of it serves eight outputs
+// and several input rows. Holds 64-byte aligned storage of its own (the
+// source can be freed after packing); movable, not copyable.
+class PackedMatrix {
+ public:
+  static constexpr std::int64_t kPanelWidth = 8;
+
+  // An empty 0 x 0 matrix.
+  PackedMatrix() = default;
+  // Copies w: [out, in] into panels. REQUIRES: out, in >= 0; w points to
+  // out * in floats (may be null when that is 0). Throws std::bad_alloc.
+  PackedMatrix(const float* w, std::int64_t out, std::int64_t in);
+  // A moved-from matrix is the empty 0 x 0 one.
+  PackedMatrix(PackedMatrix&& other) noexcept
+      : data_(std::move(other.data_)), out_(std::exchange(other.out_, 0)), in_(std::exchange(other.in_, 0)) {}
+  PackedMatrix& operator=(PackedMatrix&& other) noexcept {
+    data_ = std::move(other.data_);
+    out_ = std::exchange(other.out_, 0);
+    in_ = std::exchange(other.in_, 0);
+    return *this;
+  }
+  PackedMatrix(const PackedMatrix&) = delete;
+  PackedMatrix& operator=(const PackedMatrix&) = delete;
+
+  std::int64_t out() const { return out_; }
+  std::int64_t in() const { return in_; }
+  std::int64_t panels() const { return (out_ + kPanelWidth - 1) / kPanelWidth; }
+  // Panel p: [in][kPanelWidth]. REQUIRES: 0 <= p < panels().
+  const float* panel(std::int64_t p) const { return data_.get() + p * in_ * kPanelWidth; }
+  // w[o, i] as packed. REQUIRES: 0 <= o < out(), 0 <= i < in().
+  float at(std::int64_t o, std::int64_t i) const {
+    return panel(o / kPanelWidth)[i * kPanelWidth + o % kPanelWidth];
+  }
+  // Bytes of the packed storage (padding included).
+  std::size_t bytes() const {
+    return static_cast<std::size_t>(panels() * in_ * kPanelWidth) * sizeof(float);
+  }
+
+ private:
+  struct AlignedFree {
+    void operator()(float* p) const;
+  };
+  std::unique_ptr<float[], AlignedFree> data_;
+  std::int64_t out_ = 0;
+  std::int64_t in_ = 0;
+};
+
+// y[r, o] = sum_i x[r, i] * w[o, i] (+ bias[o]), each sum taken in order of
+// i in f32 from 0 (one rounded multiply and one rounded add per term), the
+// bias added last: an output's bits depend on its own row and weights only.
+// x: [rows, w.in()], bias: [w.out()] or nullptr, y: [rows, w.out()].
+// Up to 6 rows share each load of a weight panel, and panels are visited in
+// blocks that stay in L2 while all rows pass over them, so one call with
+// K + 1 rows costs far less than K + 1 one-row calls (the point of
+// verifying draft tokens in one forward). Multithreaded over blocks of
+// output panels. REQUIRES: rows >= 0; y does not alias x.
+void matmul(const float* x, std::int64_t rows, const PackedMatrix& w, float* y,
+            const float* bias = nullptr);
 
 // The fixed-order dot product every reduction here uses: 8 partial sums over
 // i, combined pairwise in a fixed tree, then the n % 8 remainder in order.
@@ -88,14 +182,40 @@ void l2_normalize(float* x, std::int64_t rows, std::int64_t dim, float eps);
 
 // ---- position encoding ------------------------------------------------------
 
-// Rotate-half RoPE in place (Llama / transformers convention). In each head
-// the first rotary_dim elements form pairs (j, j + rotary_dim / 2) rotated by
-// angle positions[r] * theta^(-2j / rotary_dim); elements from rotary_dim on
-// pass through (partial rotary, e.g. Qwen3-Next's factor 0.25). The angle and
-// its cos / sin are computed in double from the position alone, then rounded
-// to f32: a row's result never depends on the other rows.
-// x: [rows, heads, head_dim]; positions: [rows].
-// REQUIRES: rotary_dim even and <= head_dim; 0 means rotary_dim = head_dim.
+// The cos / sin of the RoPE angles of `rows` positions: for row r and pair
+// j < rotary_dim / 2 the angle is positions[r] * theta^(-2j / rotary_dim),
+// computed in double from the position alone and rounded to f32. A forward
+// builds one table for its positions and rotates the queries and keys of
+// every attention layer with it (the angles would otherwise be recomputed
+// per layer and per tensor). REQUIRES: rows >= 0, rotary_dim even and >= 0.
+class RopeTable {
+ public:
+  RopeTable(const std::int64_t* positions, std::int64_t rows, double theta, std::int64_t rotary_dim);
+  std::int64_t rows() const { return rows_; }
+  std::int64_t half() const { return half_; }
+  // [half] values of row r. REQUIRES: 0 <= r < rows().
+  const float* cos(std::int64_t r) const { return cos_.data() + r * half_; }
+  const float* sin(std::int64_t r) const { return sin_.data() + r * half_; }
+
+ private:
+  std::int64_t rows_;
+  std::int64_t half_;
+  std::vector<float> cos_;
+  std::vector<float> sin_;
+};
+
+// Rotate-half RoPE in place (Llama / transformers convention) with the
+// angles of `table`: in each head the first 2 * table.half() elements form
+// pairs (j, j + half) rotated by row r's angle j; the elements after them
+// pass through (partial rotary, e.g. Qwen3-Next's factor 0.25). A row's
+// result depends only on its own values and position.
+// x: [rows, heads, head_dim]. REQUIRES: rows <= table.rows(),
+// 2 * table.half() <= head_dim.
+void rope_inplace(float* x, std::int64_t rows, std::int64_t heads, std::int64_t head_dim,
+                  const RopeTable& table);
+
+// The same with a table built for this call: positions: [rows];
+// rotary_dim 0 means head_dim. REQUIRES: rotary_dim even and <= head_dim.
 void rope_inplace(float* x, std::int64_t rows, std::int64_t heads, std::int64_t head_dim,
                   const std::int64_t* positions, double theta, std::int64_t rotary_dim = 0);
 

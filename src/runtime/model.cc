@@ -17,6 +17,12 @@ namespace {
 
 const float* data_of(const ModelWeights& w, const std::string& name) { return w.get(name).data<float>(); }
 
+// The linear weight `name` ([out, in]) packed for kernels::matmul.
+k::PackedMatrix packed(const ModelWeights& w, const std::string& name) {
+  const Tensor& t = w.get(name);
+  return k::PackedMatrix(t.data<float>(), t.view().size(0), t.view().size(1));
+}
+
 // The [B=1, H, n, D] keys / values view of token-major rows [n, H, D].
 TensorView heads_view(float* rows, std::int64_t n, std::int64_t heads, std::int64_t dim) {
   return TensorView::strided(rows, DType::F32, {1, heads, n, dim}, {n * heads * dim, dim, heads * dim, 1});
@@ -48,56 +54,61 @@ class CacheTimer {
 
 Model::Model(ModelWeights weights) : weights_(std::move(weights)) {
   const ModelConfig& c = weights_.config();
+  for (const auto& name : weights_.names()) parameter_count_ += weights_.get(name).numel();
   embed_ = data_of(weights_, "model.embed_tokens.weight");
   final_norm_ = data_of(weights_, "model.norm.weight");
-  lm_head_ = c.tie_word_embeddings ? embed_ : data_of(weights_, "lm_head.weight");
+  lm_head_ = packed(weights_, c.tie_word_embeddings ? "model.embed_tokens.weight" : "lm_head.weight");
+  // Linear weights whose packed copy is the only one used from here on (a
+  // tied embedding stays: the lookup reads it).
+  std::vector<std::string> packed_names;
+  if (!c.tie_word_embeddings) packed_names.push_back("lm_head.weight");
   for (std::int64_t i = 0; i < c.num_hidden_layers; ++i) {
     const std::string p = "model.layers." + std::to_string(i) + ".";
     auto get = [&](const std::string& name) { return data_of(weights_, p + name); };
+    auto linear = [&](const std::string& name) {
+      packed_names.push_back(p + name);
+      return packed(weights_, p + name);
+    };
     LayerWeights w;
     w.input_norm = get("input_layernorm.weight");
     w.post_norm = get("post_attention_layernorm.weight");
-    w.gate = get("mlp.gate_proj.weight");
-    w.up = get("mlp.up_proj.weight");
-    w.down = get("mlp.down_proj.weight");
+    w.gate = linear("mlp.gate_proj.weight");
+    w.up = linear("mlp.up_proj.weight");
+    w.down = linear("mlp.down_proj.weight");
     const std::string& type = c.layer_types[static_cast<std::size_t>(i)];
     if (type == "full_attention" || type == "sliding_attention") {
       w.kind = type == "full_attention" ? LayerWeights::Kind::Attention : LayerWeights::Kind::Sliding;
-      w.wq = get("self_attn.q_proj.weight");
-      w.wk = get("self_attn.k_proj.weight");
-      w.wv = get("self_attn.v_proj.weight");
-      w.wo = get("self_attn.o_proj.weight");
+      has_attention_ = true;
+      w.wq = linear("self_attn.q_proj.weight");
+      w.wk = linear("self_attn.k_proj.weight");
+      w.wv = linear("self_attn.v_proj.weight");
+      w.wo = linear("self_attn.o_proj.weight");
     } else if (type == "linear_attention") {
       w.kind = LayerWeights::Kind::GatedDeltaNet;
-      w.in_qkv = get("linear_attn.in_proj_qkv.weight");
-      w.in_z = get("linear_attn.in_proj_z.weight");
-      w.in_b = get("linear_attn.in_proj_b.weight");
-      w.in_a = get("linear_attn.in_proj_a.weight");
+      w.in_qkv = linear("linear_attn.in_proj_qkv.weight");
+      w.in_z = linear("linear_attn.in_proj_z.weight");
+      w.in_b = linear("linear_attn.in_proj_b.weight");
+      w.in_a = linear("linear_attn.in_proj_a.weight");
       w.conv = get("linear_attn.conv1d.weight");
       w.dt_bias = get("linear_attn.dt_bias");
       w.a_log = get("linear_attn.A_log");
       w.out_norm = get("linear_attn.norm.weight");
-      w.out = get("linear_attn.out_proj.weight");
+      w.out = linear("linear_attn.out_proj.weight");
     } else if (type == "conv") {
       w.kind = LayerWeights::Kind::ShortConv;
-      w.in_bcx = get("conv.in_proj.weight");
+      w.in_bcx = linear("conv.in_proj.weight");
       w.conv = get("conv.conv.weight");
-      w.out = get("conv.out_proj.weight");
+      w.out = linear("conv.out_proj.weight");
     } else {
       throw FormatError("config.json: layer type '" + type + "' of layer " + std::to_string(i) +
                         " is not implemented by the runtime");
     }
-    layers_.push_back(w);
+    layers_.push_back(std::move(w));
   }
+  for (const auto& name : packed_names) weights_.release(name);
 }
 
 Model Model::load(const std::string& dir) { return Model(ModelWeights::load(dir)); }
-
-std::int64_t Model::parameter_count() const {
-  std::int64_t n = 0;
-  for (const auto& name : weights_.names()) n += weights_.get(name).numel();
-  return n;
-}
 
 Cache Model::make_cache() const {
   const ModelConfig& c = config();
@@ -129,18 +140,17 @@ Cache Model::make_cache() const {
 }
 
 void Model::attention_block(int layer, const LayerWeights& w, const float* h, std::int64_t n, std::int64_t pos0,
+                            const kernels::RopeTable& rope,
                             Cache& cache, float* out, double* cache_seconds) const {
   const ModelConfig& c = config();
-  const std::int64_t d = c.hidden_size, nh = c.num_attention_heads, nkv = c.num_key_value_heads, hd = c.head_dim;
+  const std::int64_t nh = c.num_attention_heads, nkv = c.num_key_value_heads, hd = c.head_dim;
   std::vector<float> q(static_cast<std::size_t>(n * nh * hd)), key(static_cast<std::size_t>(n * nkv * hd)),
       val(key.size()), att(q.size());
-  k::matmul(h, n, d, w.wq, nh * hd, q.data());
-  k::matmul(h, n, d, w.wk, nkv * hd, key.data());
-  k::matmul(h, n, d, w.wv, nkv * hd, val.data());
-  std::vector<std::int64_t> positions(static_cast<std::size_t>(n));
-  for (std::int64_t t = 0; t < n; ++t) positions[static_cast<std::size_t>(t)] = pos0 + t;
-  k::rope_inplace(q.data(), n, nh, hd, positions.data(), c.rope_theta);
-  k::rope_inplace(key.data(), n, nkv, hd, positions.data(), c.rope_theta);
+  k::matmul(h, n, w.wq, q.data());
+  k::matmul(h, n, w.wk, key.data());
+  k::matmul(h, n, w.wv, val.data());
+  k::rope_inplace(q.data(), n, nh, hd, rope);
+  k::rope_inplace(key.data(), n, nkv, hd, rope);
   MaskSizes mask;
   KeyValueView kv;
   {
@@ -153,21 +163,21 @@ void Model::attention_block(int layer, const LayerWeights& w, const float* h, st
   k::AttentionMask m;
   if (w.kind == LayerWeights::Kind::Sliding) m.window = c.sliding_window;
   k::attention(q.data(), n, pos0, nh, nkv, hd, keys, values, mask.kv_offset, mask.kv_length, m, att.data());
-  k::matmul(att.data(), n, nh * hd, w.wo, d, out);
+  k::matmul(att.data(), n, w.wo, out);
 }
 
 void Model::gated_deltanet_block(int layer, const LayerWeights& w, const float* h, std::int64_t n, Cache& cache,
                                  float* out, double* cache_seconds) const {
   const ModelConfig& c = config();
-  const std::int64_t d = c.hidden_size, nk = c.linear_num_key_heads, nv = c.linear_num_value_heads;
+  const std::int64_t nk = c.linear_num_key_heads, nv = c.linear_num_value_heads;
   const std::int64_t kd = c.linear_key_head_dim, vd = c.linear_value_head_dim, K = c.linear_conv_kernel_dim;
   const std::int64_t channels = c.linear_conv_dim(), qk = nk * kd, vv = nv * vd;
   auto sz = [](std::int64_t v) { return static_cast<std::size_t>(v); };
   std::vector<float> qkv(sz(n * channels)), z(sz(n * vv)), b(sz(n * nv)), a(sz(n * nv)), mixed(sz(n * channels));
-  k::matmul(h, n, d, w.in_qkv, channels, qkv.data());
-  k::matmul(h, n, d, w.in_z, vv, z.data());
-  k::matmul(h, n, d, w.in_b, nv, b.data());
-  k::matmul(h, n, d, w.in_a, nv, a.data());
+  k::matmul(h, n, w.in_qkv, qkv.data());
+  k::matmul(h, n, w.in_z, z.data());
+  k::matmul(h, n, w.in_b, b.data());
+  k::matmul(h, n, w.in_a, a.data());
   TensorView window;
   {
     CacheTimer timer(cache_seconds);
@@ -207,7 +217,7 @@ void Model::gated_deltanet_block(int layer, const LayerWeights& w, const float* 
     update->commit();
   }
   k::gated_rms_norm(o.data(), z.data(), w.out_norm, n * nv, vd, c.rms_norm_eps, o.data());
-  k::matmul(o.data(), n, vv, w.out, d, out);
+  k::matmul(o.data(), n, w.out, out);
 }
 
 void Model::short_conv_block(int layer, const LayerWeights& w, const float* h, std::int64_t n, Cache& cache,
@@ -216,7 +226,7 @@ void Model::short_conv_block(int layer, const LayerWeights& w, const float* h, s
   const std::int64_t d = c.hidden_size, K = c.conv_L_cache;
   auto sz = [](std::int64_t v) { return static_cast<std::size_t>(v); };
   std::vector<float> bcx(sz(n * 3 * d)), bx(sz(n * d)), conv(sz(n * d));
-  k::matmul(h, n, d, w.in_bcx, 3 * d, bcx.data());
+  k::matmul(h, n, w.in_bcx, bcx.data());
   for (std::int64_t t = 0; t < n; ++t) {
     const float* row = bcx.data() + t * 3 * d;
     for (std::int64_t i = 0; i < d; ++i) bx[sz(t * d + i)] = row[i] * row[2 * d + i];
@@ -232,7 +242,7 @@ void Model::short_conv_block(int layer, const LayerWeights& w, const float* h, s
     const float* gate = bcx.data() + t * 3 * d + d;
     for (std::int64_t i = 0; i < d; ++i) conv[sz(t * d + i)] *= gate[i];
   }
-  k::matmul(conv.data(), n, d, w.out, d, out);
+  k::matmul(conv.data(), n, w.out, out);
 }
 
 void Model::forward(std::span<const std::int32_t> tokens, Cache& cache, std::vector<float>& logits,
@@ -253,30 +263,35 @@ void Model::forward(std::span<const std::int32_t> tokens, Cache& cache, std::vec
   for (std::int64_t t = 0; t < n; ++t) {
     std::memcpy(x.data() + t * d, embed_ + tokens[sz(t)] * d, sz(d) * sizeof(float));
   }
+  // One table of RoPE angles for the positions of this forward, shared by
+  // every attention layer.
+  std::vector<std::int64_t> positions(sz(n));
+  for (std::int64_t t = 0; t < n; ++t) positions[sz(t)] = pos0 + t;
+  const k::RopeTable rope(positions.data(), has_attention_ ? n : 0, c.rope_theta, c.head_dim);
   for (std::size_t i = 0; i < layers_.size(); ++i) {
     const LayerWeights& w = layers_[i];
     const int layer = static_cast<int>(i);
     k::rms_norm(x.data(), w.input_norm, n, d, c.rms_norm_eps, h.data());
     switch (w.kind) {
       case LayerWeights::Kind::Attention:
-      case LayerWeights::Kind::Sliding: attention_block(layer, w, h.data(), n, pos0, cache, mix.data(), cache_seconds); break;
+      case LayerWeights::Kind::Sliding: attention_block(layer, w, h.data(), n, pos0, rope, cache, mix.data(), cache_seconds); break;
       case LayerWeights::Kind::GatedDeltaNet: gated_deltanet_block(layer, w, h.data(), n, cache, mix.data(), cache_seconds);
         break;
       case LayerWeights::Kind::ShortConv: short_conv_block(layer, w, h.data(), n, cache, mix.data(), cache_seconds); break;
     }
     k::add_inplace(x.data(), mix.data(), n * d);
     k::rms_norm(x.data(), w.post_norm, n, d, c.rms_norm_eps, h.data());
-    k::matmul(h.data(), n, d, w.gate, ff, gate.data());
-    k::matmul(h.data(), n, d, w.up, ff, up.data());
+    k::matmul(h.data(), n, w.gate, gate.data());
+    k::matmul(h.data(), n, w.up, up.data());
     k::swiglu(gate.data(), up.data(), n * ff, gate.data());
-    k::matmul(gate.data(), n, ff, w.down, d, mix.data());
+    k::matmul(gate.data(), n, w.down, mix.data());
     k::add_inplace(x.data(), mix.data(), n * d);
   }
   const std::int64_t first = all_logits ? 0 : n - 1;
   const std::int64_t rows = n - first;
   k::rms_norm(x.data() + first * d, final_norm_, rows, d, c.rms_norm_eps, h.data());
   logits.resize(sz(rows * V));
-  k::matmul(h.data(), rows, d, lm_head_, V, logits.data());
+  k::matmul(h.data(), rows, lm_head_, logits.data());
 }
 
 std::size_t Model::kv_bytes_per_token() const {

@@ -22,6 +22,7 @@
 #include <vector>
 
 #include "rewind/cache.h"
+#include "runtime/kernels.h"
 #include "runtime/model_config.h"
 #include "runtime/weights_io.h"
 
@@ -42,7 +43,8 @@ class Model {
 
   const ModelConfig& config() const { return weights_.config(); }
   std::int64_t vocab_size() const { return config().vocab_size; }
-  std::int64_t parameter_count() const;
+  // Parameters in the model file (tied embeddings counted once).
+  std::int64_t parameter_count() const { return parameter_count_; }
 
   // An empty cache for one sequence (batch 1) with one layer per model layer.
   Cache make_cache() const;
@@ -65,44 +67,50 @@ class Model {
   std::size_t rollback_bytes(std::int64_t R) const;
 
  private:
-  // Pointers into weights_ (f32, nn.Linear layout [out, in]); unused ones null.
+  // Linear weights packed for kernels::matmul (shapes [out, in] as in
+  // nn.Linear); the rest point into weights_ (f32). Unused ones empty / null.
   struct LayerWeights {
     enum class Kind { Attention, Sliding, GatedDeltaNet, ShortConv } kind = Kind::Attention;
     const float* input_norm = nullptr;  // [d]
     const float* post_norm = nullptr;   // [d]
-    const float* gate = nullptr;        // [ff, d]
-    const float* up = nullptr;          // [ff, d]
-    const float* down = nullptr;        // [d, ff]
+    kernels::PackedMatrix gate;        // [ff, d]
+    kernels::PackedMatrix up;          // [ff, d]
+    kernels::PackedMatrix down;        // [d, ff]
     // attention
-    const float* wq = nullptr;  // [nh*hd, d]
-    const float* wk = nullptr;  // [nkv*hd, d]
-    const float* wv = nullptr;  // [nkv*hd, d]
-    const float* wo = nullptr;  // [d, nh*hd]
+    kernels::PackedMatrix wq;  // [nh*hd, d]
+    kernels::PackedMatrix wk;  // [nkv*hd, d]
+    kernels::PackedMatrix wv;  // [nkv*hd, d]
+    kernels::PackedMatrix wo;  // [d, nh*hd]
     // Gated DeltaNet
-    const float* in_qkv = nullptr;  // [conv_dim, d]
-    const float* in_z = nullptr;    // [lnv*lvd, d]
-    const float* in_b = nullptr;    // [lnv, d]
-    const float* in_a = nullptr;    // [lnv, d]
+    kernels::PackedMatrix in_qkv;  // [conv_dim, d]
+    kernels::PackedMatrix in_z;    // [lnv*lvd, d]
+    kernels::PackedMatrix in_b;    // [lnv, d]
+    kernels::PackedMatrix in_a;    // [lnv, d]
     const float* conv = nullptr;    // [channels, K] (conv_dim for GDN, d for short conv)
     const float* dt_bias = nullptr;  // [lnv]
     const float* a_log = nullptr;    // [lnv]
     const float* out_norm = nullptr;  // [lvd]
-    const float* out = nullptr;       // [d, lnv*lvd] or [d, d]
+    kernels::PackedMatrix out;       // [d, lnv*lvd] or [d, d]
     // short conv
-    const float* in_bcx = nullptr;  // [3d, d]
+    kernels::PackedMatrix in_bcx;  // [3d, d]
   };
   void attention_block(int layer, const LayerWeights& w, const float* h, std::int64_t n,
-                       std::int64_t pos0, Cache& cache, float* out, double* cache_seconds) const;
+                       std::int64_t pos0, const kernels::RopeTable& rope, Cache& cache, float* out,
+                       double* cache_seconds) const;
   void gated_deltanet_block(int layer, const LayerWeights& w, const float* h, std::int64_t n,
                             Cache& cache, float* out, double* cache_seconds) const;
   void short_conv_block(int layer, const LayerWeights& w, const float* h, std::int64_t n,
                         Cache& cache, float* out, double* cache_seconds) const;
 
+  // Config, embedding, norms, conv and gate parameters; the linear weights
+  // are released after packing (their copies live in layers_ / lm_head_).
   ModelWeights weights_;
+  std::int64_t parameter_count_ = 0;
+  bool has_attention_ = false;  // any full / sliding attention layer (needs RoPE)
   std::vector<LayerWeights> layers_;
   const float* embed_ = nullptr;     // [vocab, d]
   const float* final_norm_ = nullptr;  // [d]
-  const float* lm_head_ = nullptr;   // [vocab, d] (the embedding when tied)
+  kernels::PackedMatrix lm_head_;  // [vocab, d] (a copy of the embedding when tied)
 };
 
 // Byte-level tokenizer: a text becomes BOS followed by its bytes.

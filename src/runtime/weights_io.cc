@@ -1,3 +1,4 @@
+#include <algorithm>
 #include "runtime/weights_io.h"
 
 #include <fcntl.h>
@@ -183,6 +184,13 @@ const Tensor& ModelWeights::get(std::string_view name) const {
   const Tensor* t = find(name);
   if (t == nullptr) throw InvalidArgument("ModelWeights: no tensor named '" + std::string(name) + "'");
   return *t;
+}
+
+void ModelWeights::release(std::string_view name) {
+  auto it = tensors_.find(name);
+  if (it == tensors_.end()) throw InvalidArgument("ModelWeights::release: no tensor named '" + std::string(name) + "'");
+  tensors_.erase(it);
+  names_.erase(std::find(names_.begin(), names_.end(), name));
 }
 
 std::size_t ModelWeights::bytes() const {

@@ -57,6 +57,11 @@ class ModelWeights {
   const Tensor* find(std::string_view name) const;
   // As find(), but throws InvalidArgument naming the tensor when absent.
   const Tensor& get(std::string_view name) const;
+  // Frees tensor `name` for a caller that keeps its own copy (Model packs
+  // the linear weights and releases the originals, so they are not held
+  // twice). Afterwards find(name) is nullptr and names() omits it.
+  // Throws InvalidArgument naming the tensor when absent (nothing changes).
+  void release(std::string_view name);
   // Names in expected_weights() order.
   const std::vector<std::string>& names() const { return names_; }
   std::size_t size() const { return names_.size(); }

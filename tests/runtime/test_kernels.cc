@@ -18,8 +18,11 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <iterator>
 #include <limits>
 #include <random>
+#include <type_traits>
+#include <utility>
 #include <vector>
 
 namespace rwd::runtime::kernels {
@@ -67,16 +70,36 @@ struct MatmulCase {
   std::int64_t rows, in, out;
 };
 
+// The contract of one matmul output, written naively: an in-order f32 sum of
+// x[r, i] * w[o, i] from 0.0f, then the bias added. w: [out, in] as given to
+// PackedMatrix.
+Vec naive_matmul(const Vec& x, std::int64_t rows, const Vec& w, std::int64_t out, std::int64_t in,
+                 const float* bias) {
+  Vec y(static_cast<std::size_t>(rows * out));
+  for (std::int64_t r = 0; r < rows; ++r) {
+    for (std::int64_t o = 0; o < out; ++o) {
+      float s = 0.0f;
+      for (std::int64_t i = 0; i < in; ++i) {
+        s += x[static_cast<std::size_t>(r * in + i)] * w[static_cast<std::size_t>(o * in + i)];
+      }
+      if (bias != nullptr) s = s + bias[o];
+      y[static_cast<std::size_t>(r * out + o)] = s;
+    }
+  }
+  return y;
+}
+
 TEST(KernelsMatmul, MatchesDoubleReference) {
-  // Sizes cover in % 8 != 0 (dot tail), out % 4 != 0 (single-row tail) and
-  // several weight blocks.
+  // Sizes cover in % 8 != 0, out % 8 != 0 (a padded last panel), one panel
+  // only, and several blocks of panels.
   for (const MatmulCase c : {MatmulCase{1, 1, 1}, MatmulCase{3, 37, 13}, MatmulCase{5, 259, 67},
                              MatmulCase{9, 1024, 130}}) {
     const Vec x = random_vec(static_cast<std::size_t>(c.rows * c.in), 1);
     const Vec w = random_vec(static_cast<std::size_t>(c.out * c.in), 2);
     const Vec bias = random_vec(static_cast<std::size_t>(c.out), 3);
+    const PackedMatrix pw(w.data(), c.out, c.in);
     Vec y(static_cast<std::size_t>(c.rows * c.out));
-    matmul(x.data(), c.rows, c.in, w.data(), c.out, y.data(), bias.data());
+    matmul(x.data(), c.rows, pw, y.data(), bias.data());
     for (std::int64_t r = 0; r < c.rows; ++r) {
       for (std::int64_t o = 0; o < c.out; ++o) {
         double ref = bias[static_cast<std::size_t>(o)], abs_sum = std::abs(ref);
@@ -96,71 +119,188 @@ TEST(KernelsMatmul, MatchesDoubleReference) {
 }
 
 TEST(KernelsMatmul, RowsComputedTogetherEqualRowsAloneBitwise) {
-  const std::int64_t rows = 9, in = 515, out = 262;  // big enough to run threaded
-  const Vec x = random_vec(static_cast<std::size_t>(rows * in), 4);
-  const Vec w = random_vec(static_cast<std::size_t>(out * in), 5);
-  Vec together(static_cast<std::size_t>(rows * out));
-  matmul(x.data(), rows, in, w.data(), out, together.data());
-  Vec alone(together.size());
-  for (std::int64_t r = 0; r < rows; ++r) {
-    matmul(x.data() + r * in, 1, in, w.data(), out, alone.data() + r * out);
+  // Every row count 1..13, so every row-group size 1..6 and uneven splits
+  // (7 = 4 + 3, 13 = 5 + 4 + 4) occur, on shapes whose blocks use each
+  // micro-kernel width: in = 515 gives 3-panel blocks (threaded), in = 203
+  // 10-panel blocks (the 4-panel kernel of 1-2 rows runs), in = 13 one block.
+  // out % 8 != 0 everywhere (a padded last panel), in % 8 != 0.
+  for (const MatmulCase c : {MatmulCase{13, 515, 262}, MatmulCase{13, 203, 179},
+                             MatmulCase{13, 13, 21}}) {
+    const Vec x = random_vec(static_cast<std::size_t>(c.rows * c.in), 4);
+    const Vec w = random_vec(static_cast<std::size_t>(c.out * c.in), 5);
+    const Vec bias = random_vec(static_cast<std::size_t>(c.out), 6);
+    const PackedMatrix pw(w.data(), c.out, c.in);
+    for (const float* b : {static_cast<const float*>(nullptr), bias.data()}) {
+      Vec alone(static_cast<std::size_t>(c.rows * c.out));
+      for (std::int64_t r = 0; r < c.rows; ++r) {
+        matmul(x.data() + r * c.in, 1, pw, alone.data() + r * c.out, b);
+      }
+      for (std::int64_t rows = 1; rows <= c.rows; ++rows) {
+        Vec together(static_cast<std::size_t>(rows * c.out));
+        matmul(x.data(), rows, pw, together.data(), b);
+        for (std::int64_t r = 0; r < rows; ++r) {
+          EXPECT_TRUE(same_bits(together.data() + r * c.out, alone.data() + r * c.out,
+                                static_cast<std::size_t>(c.out)))
+              << "in " << c.in << " out " << c.out << " bias " << (b != nullptr) << ": row " << r
+              << " of " << rows;
+        }
+      }
+      // Any subset of rows: rows 3..9 as one call (7 rows: 4 + 3).
+      Vec middle(static_cast<std::size_t>(7 * c.out));
+      matmul(x.data() + 3 * c.in, 7, pw, middle.data(), b);
+      EXPECT_TRUE(same_bits(middle.data(), alone.data() + 3 * c.out, middle.size()))
+          << "in " << c.in << " out " << c.out;
+    }
   }
-  EXPECT_TRUE(same_bits(together, alone));
-  // Any subset of rows: rows 3..6 as one call.
-  Vec middle(static_cast<std::size_t>(4 * out));
-  matmul(x.data() + 3 * in, 4, in, w.data(), out, middle.data());
-  EXPECT_TRUE(same_bits(middle.data(), together.data() + 3 * out, middle.size()));
 }
 
 TEST(KernelsMatmul, IndependentOfThreadCount) {
   const std::int64_t rows = 5, in = 700, out = 301;
   const Vec x = random_vec(static_cast<std::size_t>(rows * in), 6);
   const Vec w = random_vec(static_cast<std::size_t>(out * in), 7);
-  Vec one(static_cast<std::size_t>(rows * out)), two(one.size()), single_one(out), single_two(out);
+  const Vec bias = random_vec(static_cast<std::size_t>(out), 8);
+  const PackedMatrix pw(w.data(), out, in);
+  Vec one(static_cast<std::size_t>(rows * out)), two(one.size()), three(one.size());
+  Vec single_one(static_cast<std::size_t>(out)), single_two(single_one.size());
   with_threads(1, [&] {
-    matmul(x.data(), rows, in, w.data(), out, one.data());
-    matmul(x.data(), 1, in, w.data(), out, single_one.data());
+    matmul(x.data(), rows, pw, one.data(), bias.data());
+    matmul(x.data(), 1, pw, single_one.data(), bias.data());
   });
   with_threads(2, [&] {
-    matmul(x.data(), rows, in, w.data(), out, two.data());
-    matmul(x.data(), 1, in, w.data(), out, single_two.data());
+    matmul(x.data(), rows, pw, two.data(), bias.data());
+    matmul(x.data(), 1, pw, single_two.data(), bias.data());
   });
+  with_threads(3, [&] { matmul(x.data(), rows, pw, three.data(), bias.data()); });
   EXPECT_TRUE(same_bits(one, two));
+  EXPECT_TRUE(same_bits(one, three));
   EXPECT_TRUE(same_bits(single_one, single_two));
   EXPECT_TRUE(same_bits(single_one.data(), one.data(), single_one.size()));
 }
 
-TEST(KernelsMatmul, EveryOutputEqualsDotBitwise) {
-  // matmul's 4-wide and ISA-specific paths do the arithmetic of dot(): a
-  // clone or tail path that reassociated would show up here.
+TEST(KernelsMatmul, EveryOutputEqualsNaiveInOrderSumBitwise) {
+  // The documented arithmetic of every output, whatever the row group,
+  // panel, micro-kernel width or ISA clone computed it: a clone or path that
+  // reassociated, started from the bias, or mixed up padding shows up here.
 #if defined(__FMA__)
   // Built for an FMA target, the compiler may contract a * b + c into fma()
-  // differently in dot() and in matmul's loops; batch invariance still
-  // holds (each output always takes the same path), equality with dot not.
+  // in this file's reference loop but not in the kernels (built with
+  // -ffp-contract=off); batch invariance still holds, equality here not.
   GTEST_SKIP() << "FMA contraction enabled in this build";
 #endif
-  const std::int64_t rows = 3, in = 203, out = 23;
-  const Vec x = random_vec(static_cast<std::size_t>(rows * in), 8);
-  const Vec w = random_vec(static_cast<std::size_t>(out * in), 9);
-  Vec y(static_cast<std::size_t>(rows * out));
-  matmul(x.data(), rows, in, w.data(), out, y.data());
-  for (std::int64_t r = 0; r < rows; ++r) {
-    for (std::int64_t o = 0; o < out; ++o) {
-      const float d = dot(x.data() + r * in, w.data() + o * in, in);
-      ASSERT_TRUE(same_bits(&d, &y[static_cast<std::size_t>(r * out + o)], 1)) << r << "," << o;
+  for (const MatmulCase c : {MatmulCase{7, 203, 23}, MatmulCase{13, 515, 262},
+                             MatmulCase{6, 8, 8}, MatmulCase{2, 1, 9}}) {
+    const Vec x = random_vec(static_cast<std::size_t>(c.rows * c.in), 9);
+    const Vec w = random_vec(static_cast<std::size_t>(c.out * c.in), 10);
+    const Vec bias = random_vec(static_cast<std::size_t>(c.out), 11);
+    const PackedMatrix pw(w.data(), c.out, c.in);
+    for (const float* b : {static_cast<const float*>(nullptr), bias.data()}) {
+      Vec y(static_cast<std::size_t>(c.rows * c.out));
+      matmul(x.data(), c.rows, pw, y.data(), b);
+      const Vec ref = naive_matmul(x, c.rows, w, c.out, c.in, b);
+      EXPECT_TRUE(same_bits(y, ref))
+          << "rows " << c.rows << " in " << c.in << " out " << c.out << " bias " << (b != nullptr);
     }
   }
 }
 
 TEST(KernelsMatmul, EmptyShapes) {
-  const Vec w = random_vec(12, 10);
+  const Vec w = random_vec(12, 12);
+  const PackedMatrix pw(w.data(), 3, 4);
   const Vec bias = {1.0f, 2.0f, 3.0f};
   Vec y(6, -7.0f);
-  matmul(nullptr, 0, 4, w.data(), 3, y.data(), bias.data());  // no rows: nothing written
+  matmul(nullptr, 0, pw, y.data(), bias.data());  // no rows: nothing written
   EXPECT_EQ(y, Vec(6, -7.0f));
-  const Vec x(2, 0.0f);
-  matmul(x.data(), 2, 0, w.data(), 3, y.data(), bias.data());  // in = 0: y = bias
+  const Vec x(2, 0.5f);
+  const PackedMatrix no_inputs(nullptr, 3, 0);
+  EXPECT_EQ(no_inputs.panels(), 1);
+  EXPECT_EQ(no_inputs.bytes(), 0u);
+  matmul(x.data(), 2, no_inputs, y.data(), bias.data());  // in = 0: y = bias
   EXPECT_EQ(y, (Vec{1.0f, 2.0f, 3.0f, 1.0f, 2.0f, 3.0f}));
+  matmul(x.data(), 2, no_inputs, y.data());  // in = 0, no bias: y = 0
+  EXPECT_EQ(y, Vec(6, 0.0f));
+  Vec untouched(4, -7.0f);
+  const PackedMatrix no_outputs(nullptr, 0, 2);  // out = 0: nothing written
+  matmul(x.data(), 2, no_outputs, untouched.data());
+  EXPECT_EQ(untouched, Vec(4, -7.0f));
+  const PackedMatrix empty;
+  EXPECT_EQ(empty.out(), 0);
+  EXPECT_EQ(empty.in(), 0);
+  EXPECT_EQ(empty.panels(), 0);
+  EXPECT_EQ(empty.bytes(), 0u);
+  matmul(x.data(), 2, empty, untouched.data());
+  EXPECT_EQ(untouched, Vec(4, -7.0f));
+}
+
+TEST(KernelsMatmul, PackedMatrixHoldsTheWeightsInPanels) {
+  const std::int64_t out = 13, in = 5;
+  const Vec w = random_vec(static_cast<std::size_t>(out * in), 13);
+  PackedMatrix pw(w.data(), out, in);
+  EXPECT_EQ(pw.out(), out);
+  EXPECT_EQ(pw.in(), in);
+  EXPECT_EQ(pw.panels(), 2);
+  EXPECT_EQ(pw.bytes(), std::size_t{2 * 5 * 8 * 4});
+  for (std::int64_t o = 0; o < out; ++o) {
+    for (std::int64_t i = 0; i < in; ++i) {
+      const float v = pw.at(o, i);
+      EXPECT_TRUE(same_bits(&v, &w[static_cast<std::size_t>(o * in + i)], 1)) << o << "," << i;
+    }
+  }
+  // Panel layout as documented: w[p * 8 + l, i] at element i * 8 + l, zeros
+  // past out; the storage (panel 0) starts 64-byte aligned.
+  EXPECT_EQ(reinterpret_cast<std::uintptr_t>(pw.panel(0)) % 64, 0u);
+  for (std::int64_t p = 0; p < pw.panels(); ++p) {
+    for (std::int64_t i = 0; i < in; ++i) {
+      for (std::int64_t l = 0; l < PackedMatrix::kPanelWidth; ++l) {
+        const std::int64_t o = p * PackedMatrix::kPanelWidth + l;
+        const float expected = o < out ? w[static_cast<std::size_t>(o * in + i)] : 0.0f;
+        const float got = pw.panel(p)[i * PackedMatrix::kPanelWidth + l];
+        EXPECT_TRUE(same_bits(&got, &expected, 1)) << "panel " << p << " i " << i << " l " << l;
+      }
+    }
+  }
+  // The packed copy owns its storage: the source can change or go away.
+  const Vec x = random_vec(static_cast<std::size_t>(3 * in), 14);
+  Vec before(static_cast<std::size_t>(3 * out));
+  {
+    Vec scratch = w;
+    const PackedMatrix from_scratch(scratch.data(), out, in);
+    std::fill(scratch.begin(), scratch.end(), 99.0f);
+    matmul(x.data(), 3, from_scratch, before.data());
+  }
+  Vec direct(before.size());
+  matmul(x.data(), 3, pw, direct.data());
+  EXPECT_TRUE(same_bits(before, direct));
+
+  // Moved to: same shape and results; the moved-from matrix can be destroyed
+  // or assigned again.
+  PackedMatrix moved(std::move(pw));
+  EXPECT_EQ(moved.out(), out);
+  EXPECT_EQ(moved.in(), in);
+  EXPECT_EQ(moved.bytes(), std::size_t{2 * 5 * 8 * 4});
+  Vec after(before.size());
+  matmul(x.data(), 3, moved, after.data());
+  EXPECT_TRUE(same_bits(before, after));
+  // The moved-from matrix is the empty one: matmul writes nothing.
+  EXPECT_EQ(pw.out(), 0);
+  EXPECT_EQ(pw.in(), 0);
+  EXPECT_EQ(pw.bytes(), std::size_t{0});
+  Vec untouched(4, -3.0f);
+  matmul(x.data(), 1, pw, untouched.data());
+  EXPECT_EQ(untouched, Vec(4, -3.0f));
+  const Vec w2 = random_vec(static_cast<std::size_t>(9 * 2), 15);
+  pw = PackedMatrix(w2.data(), 9, 2);
+  EXPECT_EQ(pw.out(), 9);
+  EXPECT_EQ(pw.panels(), 2);
+  EXPECT_EQ(pw.at(8, 1), w2[17]);
+  PackedMatrix assigned;
+  assigned = std::move(moved);
+  Vec assigned_y(before.size());
+  matmul(x.data(), 3, assigned, assigned_y.data());
+  EXPECT_TRUE(same_bits(before, assigned_y));
+  EXPECT_EQ(moved.out(), 0);
+  EXPECT_EQ(moved.bytes(), std::size_t{0});
+  static_assert(!std::is_copy_constructible_v<PackedMatrix>);
+  static_assert(std::is_nothrow_move_constructible_v<PackedMatrix>);
 }
 
 // ---- normalisation --------------------------------------------------------------
@@ -658,6 +798,166 @@ TEST(KernelsGatedDelta, IndependentOfThreadCount) {
   EXPECT_TRUE(same_bits(s1.back(), s2.back()));
 }
 
+// ---- exp_f32 and the SiLU loops ------------------------------------------------------
+
+// The spacing of floats at f (f finite, nonzero): 2^(e - 24) for |f| in
+// [2^(e-1), 2^e).
+double ulp_at(float f) {
+  int e = 0;
+  std::frexp(f, &e);
+  return std::ldexp(1.0, e - 24);
+}
+
+TEST(KernelsExp, Within1Point3UlpOnItsRange) {
+  // Every 61st f32 bit pattern of [-87, 88] (about 37M values), plus the
+  // ends: the error against e^x in double, in units of the spacing at the
+  // float-rounded exact value.
+  std::uint32_t lo_bits = 0, hi_bits = 0;
+  const float lo = -87.0f, hi = 88.0f;
+  std::memcpy(&lo_bits, &lo, sizeof lo_bits);
+  std::memcpy(&hi_bits, &hi, sizeof hi_bits);
+  double worst = 0.0;
+  float worst_x = 0.0f;
+  std::int64_t checked = 0;
+  const auto check = [&](float x) {
+    const double exact = std::exp(static_cast<double>(x));
+    const double err = std::abs(static_cast<double>(exp_f32(x)) - exact) /
+                       ulp_at(static_cast<float>(exact));
+    if (!(err <= worst)) {  // also catches NaN
+      worst = err;
+      worst_x = x;
+    }
+    ++checked;
+  };
+  constexpr std::uint32_t kStep = 61;
+  // Positive floats from +0 up to 88, negative from -0 down to -87 (the
+  // sign bit set, magnitude growing with the bits).
+  for (std::uint32_t b = 0; b <= hi_bits; b += kStep) {
+    float x;
+    std::memcpy(&x, &b, sizeof x);
+    check(x);
+  }
+  for (std::uint32_t b = 0x80000000u; b <= lo_bits; b += kStep) {
+    float x;
+    std::memcpy(&x, &b, sizeof x);
+    check(x);
+  }
+  for (const float x : {lo, hi, std::nextafter(lo, 0.0f), std::nextafter(hi, 0.0f), 1.0f, -1.0f,
+                        0.5f, -0.5f, 1e-30f, -1e-30f}) {
+    check(x);
+  }
+  EXPECT_GT(checked, 30000000);
+  EXPECT_LE(worst, 1.3) << "at x = " << worst_x;
+
+  const float inf = std::numeric_limits<float>::infinity();
+  for (const float x : {-87.5f, std::nextafter(-87.0f, -inf), -1000.0f, -inf}) {
+    EXPECT_TRUE(exp_f32(x) == 0.0f && !std::signbit(exp_f32(x))) << x;
+  }
+  for (const float x : {88.5f, std::nextafter(88.0f, inf), 1000.0f, inf}) {
+    EXPECT_EQ(exp_f32(x), inf) << x;
+  }
+  EXPECT_TRUE(std::isnan(exp_f32(std::numeric_limits<float>::quiet_NaN())));
+  EXPECT_TRUE(std::isnan(exp_f32(-std::numeric_limits<float>::quiet_NaN())));
+  EXPECT_EQ(exp_f32(0.0f), 1.0f);
+  EXPECT_EQ(exp_f32(-0.0f), 1.0f);
+}
+
+// Inputs for the SiLU loops: random values with saturating ones (|x| > 88,
+// where exp_f32 gives 0 or inf, and the clamp bounds themselves) spread so
+// that some land in the 8-lane main part and some in the n % 8 tail.
+Vec silu_inputs(std::size_t n, std::uint32_t seed) {
+  Vec v = random_vec(n, seed, -12.0f, 12.0f);
+  const float special[] = {-1000.0f, 1000.0f, -88.5f, 88.5f, -88.25f, 88.25f, -88.0f, 88.0f,
+                           -87.5f,   87.5f,   -87.25f, 87.25f, -87.0f, 87.0f, 0.0f, -0.0f,
+                           -100.0f,  100.0f};
+  for (std::size_t i = 0; i < n; ++i) {
+    if (i % 3 == 1) v[i] = special[(i / 3 + seed) % std::size(special)];
+  }
+  if (n > 0) v[n - 1] = -1000.0f;  // the last tail element saturates
+  return v;
+}
+
+constexpr std::int64_t kSiluLengths[] = {1, 7, 8, 9, 15, 16, 37, 64};
+
+TEST(KernelsHelpers, SiluLoopsEqualScalarSiluBitwise) {
+  // The loops run exp_f32 8 lanes wide for the main part and the scalar
+  // exp_f32 / silu from the header for the n % 8 tail: both must give the
+  // scalar's bits at every index, saturated inputs included.
+#if defined(__FMA__)
+  // The scalar silu inlined here may be contracted differently from the
+  // kernels (built with -ffp-contract=off).
+  GTEST_SKIP() << "FMA contraction enabled in this build";
+#endif
+  for (const std::int64_t n : kSiluLengths) {
+    const std::size_t un = static_cast<std::size_t>(n);
+    const Vec gate = silu_inputs(un, static_cast<std::uint32_t>(200 + n));
+    const Vec up = random_vec(un, static_cast<std::uint32_t>(300 + n), -2.0f, 2.0f);
+    Vec expected_act(un), expected_out(un);
+    for (std::size_t i = 0; i < un; ++i) {
+      expected_act[i] = silu(gate[i]);
+      expected_out[i] = silu(gate[i]) * up[i];
+    }
+    Vec act = gate;
+    silu_inplace(act.data(), n);
+    EXPECT_TRUE(same_bits(act, expected_act)) << "silu_inplace n " << n;
+    Vec out(un);
+    swiglu(gate.data(), up.data(), n, out.data());
+    EXPECT_TRUE(same_bits(out, expected_out)) << "swiglu n " << n;
+    Vec in_gate = gate;  // out may equal gate or up
+    swiglu(in_gate.data(), up.data(), n, in_gate.data());
+    EXPECT_TRUE(same_bits(in_gate, expected_out)) << "swiglu out == gate, n " << n;
+    Vec in_up = up;
+    swiglu(gate.data(), in_up.data(), n, in_up.data());
+    EXPECT_TRUE(same_bits(in_up, expected_out)) << "swiglu out == up, n " << n;
+  }
+  // Large enough to be split in 4096-element chunks across threads.
+  const std::int64_t big = 70001;
+  const Vec gate = silu_inputs(static_cast<std::size_t>(big), 400);
+  const Vec up = random_vec(gate.size(), 401);
+  Vec out(gate.size());
+  with_threads(2, [&] { swiglu(gate.data(), up.data(), big, out.data()); });
+  for (std::size_t i = 0; i < out.size(); ++i) {
+    const float expected = silu(gate[i]) * up[i];
+    ASSERT_TRUE(same_bits(&out[i], &expected, 1)) << "swiglu n " << big << " at " << i;
+  }
+}
+
+TEST(KernelsNorm, GatedRmsNormEqualsScalarFormulaBitwise) {
+  // Each element is (weight * (x * inv)) * silu(z) with the row's
+  // inv = 1 / sqrt(dot(x, x) / dim + eps) in f32, whether it falls in the
+  // 8-lane main part or the dim % 8 tail; z includes saturating values.
+#if defined(__FMA__)
+  GTEST_SKIP() << "FMA contraction enabled in this build";
+#endif
+  const std::int64_t rows = 3;
+  for (const std::int64_t dim : kSiluLengths) {
+    const std::size_t n = static_cast<std::size_t>(rows * dim);
+    const Vec x = random_vec(n, static_cast<std::uint32_t>(500 + dim), -3.0f, 3.0f);
+    const Vec z = silu_inputs(n, static_cast<std::uint32_t>(600 + dim));
+    const Vec weight = random_vec(static_cast<std::size_t>(dim), 700, 0.5f, 1.5f);
+    const double eps = 1e-6;
+    Vec expected(n);
+    for (std::int64_t r = 0; r < rows; ++r) {
+      const float* xr = x.data() + r * dim;
+      const float mean = dot(xr, xr, dim) / static_cast<float>(dim);
+      const float inv = 1.0f / std::sqrt(mean + static_cast<float>(eps));
+      for (std::int64_t i = 0; i < dim; ++i) {
+        const std::size_t at = static_cast<std::size_t>(r * dim + i);
+        expected[at] = (weight[static_cast<std::size_t>(i)] * (x[at] * inv)) * silu(z[at]);
+      }
+    }
+    Vec y(n);
+    gated_rms_norm(x.data(), z.data(), weight.data(), rows, dim, eps, y.data());
+    EXPECT_TRUE(same_bits(y, expected)) << "dim " << dim;
+    Vec in_x = x;  // y may equal x or z
+    gated_rms_norm(in_x.data(), z.data(), weight.data(), rows, dim, eps, in_x.data());
+    EXPECT_TRUE(same_bits(in_x, expected)) << "y == x, dim " << dim;
+    Vec in_z = z;
+    gated_rms_norm(x.data(), in_z.data(), weight.data(), rows, dim, eps, in_z.data());
+    EXPECT_TRUE(same_bits(in_z, expected)) << "y == z, dim " << dim;
+  }
+}
+
 // ---- helpers ----------------------------------------------------------------------
 
 TEST(KernelsHelpers, ActivationsMatchDoubleAndStayFinite) {
@@ -675,7 +975,12 @@ TEST(KernelsHelpers, ActivationsMatchDoubleAndStayFinite) {
   }
   EXPECT_EQ(sigmoid(-1000.0f), 0.0f);
   EXPECT_EQ(sigmoid(1000.0f), 1.0f);
+  // silu(x) = x / (1 + exp_f32(-x)): exp_f32(1000) = inf gives the limit -0,
+  // exp_f32(-1000) = 0 gives x itself.
   EXPECT_EQ(silu(-1000.0f), 0.0f);
+  EXPECT_TRUE(std::signbit(silu(-1000.0f)));
+  EXPECT_EQ(silu(1000.0f), 1000.0f);
+  EXPECT_EQ(silu(88.5f), 88.5f);
   EXPECT_EQ(softplus(1000.0f), 1000.0f);
 }
 

@@ -5,6 +5,7 @@
 #include <gtest/gtest.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cmath>
 #include <cstring>
@@ -657,6 +658,32 @@ TEST_F(ModelWeightsTest, GetUnknownNameThrows) {
   EXPECT_EQ(w.find("nope"), nullptr);
   EXPECT_THROW(w.get("nope"), InvalidArgument);
   EXPECT_NO_THROW(w.get("model.norm.weight"));
+}
+
+TEST_F(ModelWeightsTest, ReleaseFreesOneTensorAndRefusesUnknownNames) {
+  ModelWeights w = ModelWeights::random(attention_config(), 5);
+  const std::vector<std::string> names = w.names();
+  const std::size_t bytes = w.bytes();
+  const std::string victim = "model.layers.0.mlp.up_proj.weight";
+  const std::size_t victim_bytes = w.get(victim).bytes();
+  ASSERT_GT(victim_bytes, 0u);
+  w.release(victim);
+  EXPECT_EQ(w.find(victim), nullptr);
+  EXPECT_EQ(w.bytes(), bytes - victim_bytes);
+  std::vector<std::string> expected = names;
+  expected.erase(std::find(expected.begin(), expected.end(), victim));
+  EXPECT_EQ(w.names(), expected);
+  // Unknown or already released: InvalidArgument naming it, nothing changes.
+  for (const std::string& name : {std::string("nope"), victim}) {
+    try {
+      w.release(name);
+      ADD_FAILURE() << "released " << name;
+    } catch (const InvalidArgument& e) {
+      EXPECT_NE(std::string(e.what()).find("'" + name + "'"), std::string::npos) << e.what();
+    }
+    EXPECT_EQ(w.names(), expected);
+    EXPECT_EQ(w.bytes(), bytes - victim_bytes);
+  }
 }
 
 }  // namespace
