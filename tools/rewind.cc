@@ -8,6 +8,7 @@
 //
 // Exit status: 0 success, 1 verify found a divergence, 2 bad input (unknown
 // flag, missing or malformed model, bad value).
+#include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <fstream>
@@ -156,8 +157,18 @@ int run_generate(const std::string& model_dir, const std::string& prompt, std::i
   return 0;
 }
 
+double median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  const std::size_t n = v.size();
+  return n % 2 == 1 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
+}
+
+// Decodes greedily and speculatively `repeats` times each, alternating (so
+// that a burst of load on a shared machine hits both), checks every
+// speculative run against the greedy output token by token and reports the
+// median tokens/s of each.
 int run_verify(const std::string& model_dir, const std::string& prompt, std::int64_t max_new,
-               const DraftChoice& choice) {
+               const DraftChoice& choice, int repeats) {
   check_prompt_text(prompt);
   check_num_draft(choice.num_draft);
   if (!choice.any()) throw InvalidArgument("verify needs a draft source: --draft DIR or --lookup N");
@@ -167,39 +178,49 @@ int run_verify(const std::string& model_dir, const std::string& prompt, std::int
   GenerationOptions options;
   options.max_new_tokens = max_new;
   GenerationStats greedy_stats, spec_stats;
-  std::vector<std::int32_t> greedy, spec;
-  {
-    Progress progress("greedy");
-    std::int64_t n = 0;
-    options.on_token = [&](std::int32_t) { progress.update(++n, max_new); };
-    greedy = generate(model, tokens, options, &greedy_stats);
-  }
-  {
-    Progress progress("speculative");
-    std::int64_t n = 0;
-    options.on_token = [&](std::int32_t) { progress.update(++n, max_new); };
-    auto source = make_source(choice, draft, options.sampling);
-    spec = speculative_generate(model, *source, tokens, options, {choice.num_draft, choice.adaptive}, &spec_stats);
-  }
-  const std::size_t common = std::min(greedy.size(), spec.size());
-  for (std::size_t i = 0; i < common; ++i) {
-    if (greedy[i] != spec[i]) {
-      std::printf("DIVERGED at new token %zu: greedy %d, speculative %d\n", i, greedy[i], spec[i]);
+  std::vector<std::int32_t> greedy;
+  std::vector<double> greedy_rates, spec_rates;
+  for (int run = 1; run <= repeats; ++run) {
+    const std::string suffix = repeats > 1 ? " " + std::to_string(run) + "/" + std::to_string(repeats) : "";
+    {
+      Progress progress("greedy" + suffix);
+      std::int64_t n = 0;
+      options.on_token = [&](std::int32_t) { progress.update(++n, max_new); };
+      std::vector<std::int32_t> out = generate(model, tokens, options, &greedy_stats);
+      // Greedy decoding is deterministic; a difference between its runs
+      // would be a bug of its own.
+      if (run == 1) greedy = std::move(out);
+      else if (out != greedy) throw StateError("verify: greedy decoding gave different tokens in run " + std::to_string(run));
+    }
+    greedy_rates.push_back(greedy_stats.tokens_per_second());
+    std::vector<std::int32_t> spec;
+    {
+      Progress progress("speculative" + suffix);
+      std::int64_t n = 0;
+      options.on_token = [&](std::int32_t) { progress.update(++n, max_new); };
+      auto source = make_source(choice, draft, options.sampling);
+      spec = speculative_generate(model, *source, tokens, options, {choice.num_draft, choice.adaptive}, &spec_stats);
+    }
+    spec_rates.push_back(spec_stats.tokens_per_second());
+    const std::size_t common = std::min(greedy.size(), spec.size());
+    for (std::size_t i = 0; i < common; ++i) {
+      if (greedy[i] != spec[i]) {
+        std::printf("DIVERGED at new token %zu: greedy %d, speculative %d\n", i, greedy[i], spec[i]);
+        return 1;
+      }
+    }
+    if (greedy.size() != spec.size()) {
+      std::printf("DIVERGED: greedy produced %zu tokens, speculative %zu\n", greedy.size(), spec.size());
       return 1;
     }
   }
-  if (greedy.size() != spec.size()) {
-    std::printf("DIVERGED: greedy produced %zu tokens, speculative %zu\n", greedy.size(), spec.size());
-    return 1;
-  }
+  const double g = median(greedy_rates), sp = median(spec_rates);
   std::printf("IDENTICAL: %zu new tokens; greedy %.1f tok/s, speculative %.1f tok/s (%.2fx), acceptance %.3f "
-              "(%lld/%lld), %lld rounds, %lld rollbacks\n",
-              greedy.size(), greedy_stats.tokens_per_second(), spec_stats.tokens_per_second(),
-              greedy_stats.tokens_per_second() > 0 ? spec_stats.tokens_per_second() / greedy_stats.tokens_per_second()
-                                                   : 0.0,
-              spec_stats.acceptance_rate(), static_cast<long long>(spec_stats.accepted),
-              static_cast<long long>(spec_stats.drafted), static_cast<long long>(spec_stats.rounds),
-              static_cast<long long>(spec_stats.rollbacks));
+              "(%lld/%lld), %lld rounds, %lld rollbacks%s\n",
+              greedy.size(), g, sp, g > 0 ? sp / g : 0.0, spec_stats.acceptance_rate(),
+              static_cast<long long>(spec_stats.accepted), static_cast<long long>(spec_stats.drafted),
+              static_cast<long long>(spec_stats.rounds), static_cast<long long>(spec_stats.rollbacks),
+              repeats > 1 ? ("; tok/s are medians of " + std::to_string(repeats) + " runs each").c_str() : "");
   return 0;
 }
 
@@ -345,11 +366,17 @@ int main(int argc, char** argv) {
   gen->add_option("--seed", sampling.seed, "sampling seed");
   gen->add_flag("--stats", stats, "end with one JSON line of statistics");
 
+  int verify_repeats = 1;
   auto* ver = app.add_subcommand("verify", "check that speculative decoding equals greedy decoding");
   ver->add_option("--model", model_dir, "model directory")->required()->check(CLI::ExistingDirectory);
   ver->add_option("--prompt", prompt, "prompt text")->required();
   ver->add_option("--max-new-tokens", max_new, "token budget")->check(CLI::Range(std::int64_t{0}, std::int64_t{1} << 30));
   add_draft_options(ver);
+  ver->add_option("--repeats", verify_repeats,
+                  "decode greedily and speculatively this many times each, alternating; every run is "
+                  "checked and tok/s are medians")
+      ->check(CLI::Range(1, 100))
+      ->capture_default_str();
 
   auto* evl = app.add_subcommand("eval", "bits per byte of a text file under a model (teacher forcing)");
   evl->add_option("--model", model_dir, "model directory")->required()->check(CLI::ExistingDirectory);
@@ -391,7 +418,7 @@ int main(int argc, char** argv) {
   }
   try {
     if (*gen) return run_generate(model_dir, prompt, max_new, choice, sampling, stats);
-    if (*ver) return run_verify(model_dir, prompt, max_new, choice);
+    if (*ver) return run_verify(model_dir, prompt, max_new, choice, verify_repeats);
     if (*evl) return run_eval(model_dir, text_path, chunk, context);
     if (*ins) return run_inspect(model_dir, rollback);
     if (*ini) return run_init_random(config_path, out_dir, seed, dtype);

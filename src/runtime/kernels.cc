@@ -261,6 +261,36 @@ void matmul_block(const float* x, int64_t rows, const PackedMatrix& w, float* y,
   }
 }
 
+// r[u] = dot_inline(x, k + u * stride, n) for u < 4, sharing the loads of
+// x: per product exactly dot_inline's arithmetic (same lanes, same tree,
+// same tail).
+REWIND_INLINE void dot4_strided(const float* x, const float* k, int64_t stride, int64_t n, float* r) {
+  const float* k0 = k;
+  const float* k1 = k + stride;
+  const float* k2 = k + 2 * stride;
+  const float* k3 = k + 3 * stride;
+  Lanes a0 = {}, a1 = {}, a2 = {}, a3 = {};
+  int64_t i = 0;
+  for (; i + kLanes <= n; i += kLanes) {
+    const Lanes xv = load_lanes(x + i);
+    a0 += xv * load_lanes(k0 + i);
+    a1 += xv * load_lanes(k1 + i);
+    a2 += xv * load_lanes(k2 + i);
+    a3 += xv * load_lanes(k3 + i);
+  }
+  float s0 = combine(a0), s1 = combine(a1), s2 = combine(a2), s3 = combine(a3);
+  for (; i < n; ++i) {
+    s0 += x[i] * k0[i];
+    s1 += x[i] * k1[i];
+    s2 += x[i] * k2[i];
+    s3 += x[i] * k3[i];
+  }
+  r[0] = s0;
+  r[1] = s1;
+  r[2] = s2;
+  r[3] = s3;
+}
+
 // out[0, B * 8) = sum_j e[j] * rows[j * stride + (0 .. B * 8)], in order of
 // j from 0, with the B vectors of sums held in registers.
 template <int B>
@@ -308,10 +338,20 @@ REWIND_KERNEL_CLONES
 void attend_one(const float* __restrict qh, const float* kh, int64_t k_pos_stride, const float* vh,
                 int64_t v_pos_stride, int64_t n, int64_t head_dim, float scale,
                 float* __restrict weights, float* __restrict o) {
+  // Scores four keys at a time (independent chains that overlap), each
+  // with dot_inline's arithmetic, then the rest one by one.
   float max_score = -std::numeric_limits<float>::infinity();
-  for (int64_t j = 0; j < n; ++j) {
-    const float s = dot_inline(qh, kh + j * k_pos_stride, head_dim) * scale;
-    weights[j] = s;
+  int64_t key = 0;
+  for (; key + 4 <= n; key += 4) {
+    dot4_strided(qh, kh + key * k_pos_stride, k_pos_stride, head_dim, weights + key);
+    for (int64_t u = key; u < key + 4; ++u) {
+      weights[u] *= scale;
+      max_score = std::max(max_score, weights[u]);
+    }
+  }
+  for (; key < n; ++key) {
+    const float s = dot_inline(qh, kh + key * k_pos_stride, head_dim) * scale;
+    weights[key] = s;
     max_score = std::max(max_score, s);
   }
   // The exponentials first (a loop the compiler vectorises), then their
@@ -325,13 +365,26 @@ void attend_one(const float* __restrict qh, const float* kh, int64_t k_pos_strid
   float sum = 0.0f;
   for (j = 0; j < n; ++j) sum += weights[j];
   // Each o[d] accumulates e_j * v_j[d] over positions j in order, from 0.
-  // Blocks of 32 and then 8 elements of o stay in registers for the whole
-  // pass over the positions (storing o after every position would chain
-  // each step to the previous store); the rest goes element by element.
-  // Every path does the same operations per element.
+  // Up to 64 elements of o stay in registers for a whole pass over the
+  // positions (storing o after every position would chain each step to
+  // the previous store); the rest goes element by element. Every path does
+  // the same operations per element.
   int64_t d0 = 0;
-  for (; d0 + 4 * kLanes <= head_dim; d0 += 4 * kLanes) weighted_sum_of_rows<4>(weights, vh + d0, v_pos_stride, n, o + d0);
-  for (; d0 + kLanes <= head_dim; d0 += kLanes) weighted_sum_of_rows<1>(weights, vh + d0, v_pos_stride, n, o + d0);
+  for (; d0 + kLanes <= head_dim;) {
+    const int64_t vectors = std::min<int64_t>(8, (head_dim - d0) / kLanes);
+    const float* vd = vh + d0;
+    switch (vectors) {
+      case 1: weighted_sum_of_rows<1>(weights, vd, v_pos_stride, n, o + d0); break;
+      case 2: weighted_sum_of_rows<2>(weights, vd, v_pos_stride, n, o + d0); break;
+      case 3: weighted_sum_of_rows<3>(weights, vd, v_pos_stride, n, o + d0); break;
+      case 4: weighted_sum_of_rows<4>(weights, vd, v_pos_stride, n, o + d0); break;
+      case 5: weighted_sum_of_rows<5>(weights, vd, v_pos_stride, n, o + d0); break;
+      case 6: weighted_sum_of_rows<6>(weights, vd, v_pos_stride, n, o + d0); break;
+      case 7: weighted_sum_of_rows<7>(weights, vd, v_pos_stride, n, o + d0); break;
+      default: weighted_sum_of_rows<8>(weights, vd, v_pos_stride, n, o + d0); break;
+    }
+    d0 += vectors * kLanes;
+  }
   for (; d0 < head_dim; ++d0) {
     float acc = 0.0f;
     for (int64_t i = 0; i < n; ++i) acc += weights[i] * vh[i * v_pos_stride + d0];

@@ -343,6 +343,16 @@ TEST_F(Cli, VerifyReportsIdenticalForDraftModelAndLookup) {
   }
 }
 
+TEST_F(Cli, VerifyRepeatsChecksEveryRunAndReportsMedians) {
+  const CliResult r = run_cli("verify --model " + dir_ + "/target --draft " + dir_ +
+                              "/draft --prompt 'in the beginning' --max-new-tokens 24 --repeats 3");
+  EXPECT_EQ(r.status, 0) << r.output;
+  EXPECT_NE(r.output.find("IDENTICAL: 24 new tokens"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("medians of 3 runs each"), std::string::npos) << r.output;
+  const CliResult bad = run_cli("verify --model " + dir_ + "/target --lookup 2 --prompt x --repeats 0");
+  EXPECT_EQ(bad.status, 2) << bad.output;
+}
+
 TEST_F(Cli, GenerateWithStatsEndsWithOneJsonLine) {
   const CliResult r = run_cli("generate --model " + dir_ + "/target --draft " + dir_ +
                               "/draft --prompt hello --max-new-tokens 12 --stats");
