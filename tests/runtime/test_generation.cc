@@ -2,6 +2,7 @@
 // forward, losslessness of speculative decoding for every draft source, the
 // distribution of speculative sampling, and the rewind CLI end to end.
 #include <gtest/gtest.h>
+#include <unistd.h>
 
 #include <cmath>
 #include <cstdio>
@@ -310,7 +311,8 @@ struct CliResult {
 };
 
 CliResult run_cli(const std::string& args) {
-  const std::string out_file = ::testing::TempDir() + "/rewind_cli_out.txt";
+  // Per process: ctest runs each test in its own process, possibly in parallel.
+  const std::string out_file = ::testing::TempDir() + "/rewind_cli_out_" + std::to_string(::getpid()) + ".txt";
   const std::string cmd = std::string(REWIND_CLI_PATH) + " " + args + " > " + out_file + " 2>&1";
   const int raw = std::system(cmd.c_str());
   std::ifstream in(out_file);
@@ -321,7 +323,7 @@ CliResult run_cli(const std::string& args) {
 class Cli : public ::testing::Test {
  protected:
   static void SetUpTestSuite() {
-    dir_ = ::testing::TempDir() + "/rewind_cli_models";
+    dir_ = ::testing::TempDir() + "/rewind_cli_models_" + std::to_string(::getpid());
     std::filesystem::remove_all(dir_);
     std::filesystem::create_directories(dir_);
     write_random_model(hybrid(kEveryKind), dir_ + "/target", 5, DType::BF16);
@@ -329,6 +331,10 @@ class Cli : public ::testing::Test {
     ModelConfig other = hybrid({"full_attention"}, 16);
     other.vocab_size = 300;
     write_random_model(other, dir_ + "/other_vocab", 7, DType::F32);
+  }
+  static void TearDownTestSuite() {
+    std::filesystem::remove_all(dir_);
+    std::filesystem::remove(::testing::TempDir() + "/rewind_cli_out_" + std::to_string(::getpid()) + ".txt");
   }
   static std::string dir_;
 };
