@@ -309,8 +309,12 @@ REWIND_INLINE void weighted_sum_of_rows(const float* e, const float* rows, int64
 // out[i] = silu(gate[i]) * up[i] for i < n, or silu(gate[i]) when up is
 // null. The out-of-line, cloned home of the element-wise SiLU loops, so
 // that exp_f32 runs 8 lanes wide.
-REWIND_KERNEL_CLONES
-void swiglu_span(const float* gate, const float* up, int64_t n, float* out) {
+// Clang checks the vector ABI of every call made directly from a cloned
+// function's baseline (SSE2) version, even to always-inlined helpers, and
+// rejects passing Lanes by value there; calls made from inside an inlined
+// helper pass. So each cloned function below only calls a helper that
+// holds its body.
+REWIND_INLINE void swiglu_span_body(const float* gate, const float* up, int64_t n, float* out) {
   int64_t i = 0;
   for (; i + kLanes <= n; i += kLanes) {
     Lanes v = silu_lanes(load_lanes(gate + i));
@@ -320,16 +324,34 @@ void swiglu_span(const float* gate, const float* up, int64_t n, float* out) {
   for (; i < n; ++i) out[i] = up != nullptr ? silu(gate[i]) * up[i] : silu(gate[i]);
 }
 
-// One row of gated_rms_norm, given the row's 1 / rms.
 REWIND_KERNEL_CLONES
-void gated_norm_row(const float* x, const float* z, const float* weight, float inv, int64_t dim,
-                    float* y) {
+void swiglu_span(const float* gate, const float* up, int64_t n, float* out) { swiglu_span_body(gate, up, n, out); }
+
+// One row of gated_rms_norm, given the row's 1 / rms.
+REWIND_INLINE void gated_norm_row_body(const float* x, const float* z, const float* weight, float inv,
+                                       int64_t dim, float* y) {
   int64_t i = 0;
   for (; i + kLanes <= dim; i += kLanes) {
     const Lanes v = (load_lanes(weight + i) * (load_lanes(x + i) * splat(inv))) * silu_lanes(load_lanes(z + i));
     __builtin_memcpy(y + i, &v, sizeof v);
   }
   for (; i < dim; ++i) y[i] = (weight[i] * (x[i] * inv)) * silu(z[i]);
+}
+
+REWIND_KERNEL_CLONES
+void gated_norm_row(const float* x, const float* z, const float* weight, float inv, int64_t dim,
+                    float* y) {
+  gated_norm_row_body(x, z, weight, inv, dim, y);
+}
+
+// w[j] = exp_f32(w[j] - shift) for j < n, 8 lanes at a time.
+REWIND_INLINE void exp_shifted_inplace(float* w, int64_t n, float shift) {
+  int64_t j = 0;
+  for (; j + kLanes <= n; j += kLanes) {
+    const Lanes e = exp_lanes(load_lanes(w + j) - splat(shift));
+    __builtin_memcpy(w + j, &e, sizeof e);
+  }
+  for (; j < n; ++j) w[j] = exp_f32(w[j] - shift);
 }
 
 // One (query, head) of attention over its n keys, the first at kh / vh.
@@ -343,10 +365,14 @@ void attend_one(const float* __restrict qh, const float* kh, int64_t k_pos_strid
   float max_score = -std::numeric_limits<float>::infinity();
   int64_t key = 0;
   for (; key + 4 <= n; key += 4) {
-    dot4_strided(qh, kh + key * k_pos_stride, k_pos_stride, head_dim, weights + key);
-    for (int64_t u = key; u < key + 4; ++u) {
-      weights[u] *= scale;
-      max_score = std::max(max_score, weights[u]);
+    // Into registers first: reading the scores back from `weights` right
+    // after a wide store of them stalls on store-to-load forwarding.
+    float r[4];
+    dot4_strided(qh, kh + key * k_pos_stride, k_pos_stride, head_dim, r);
+    for (int u = 0; u < 4; ++u) {
+      const float s = r[u] * scale;
+      weights[key + u] = s;
+      max_score = std::max(max_score, s);
     }
   }
   for (; key < n; ++key) {
@@ -356,14 +382,9 @@ void attend_one(const float* __restrict qh, const float* kh, int64_t k_pos_strid
   }
   // The exponentials first (a loop the compiler vectorises), then their
   // sum in order of position.
-  int64_t j = 0;
-  for (; j + kLanes <= n; j += kLanes) {
-    const Lanes e = exp_lanes(load_lanes(weights + j) - splat(max_score));
-    __builtin_memcpy(weights + j, &e, sizeof e);
-  }
-  for (; j < n; ++j) weights[j] = exp_f32(weights[j] - max_score);
+  exp_shifted_inplace(weights, n, max_score);
   float sum = 0.0f;
-  for (j = 0; j < n; ++j) sum += weights[j];
+  for (int64_t j = 0; j < n; ++j) sum += weights[j];
   // Each o[d] accumulates e_j * v_j[d] over positions j in order, from 0.
   // Up to 64 elements of o stay in registers for a whole pass over the
   // positions (storing o after every position would chain each step to
@@ -550,9 +571,14 @@ void attention(const float* q, int64_t q_len, int64_t pos0, int64_t num_heads, i
     // Per-thread scratch for the softmax weights, reused across calls.
     thread_local std::vector<float> weights;
     {
-      const int64_t p = pos0 + task / num_heads;
-      const int64_t kv_head = (task % num_heads) / group;
-      float* o = out + task * head_dim;
+      // Tasks run kv head by kv head: the queries of all rows that read the
+      // same keys and values come one after another, so those stay in L2
+      // instead of being fetched again for every row.
+      const int64_t kv_head = task / (q_len * group);
+      const int64_t row = task % (q_len * group) / group;
+      const int64_t head = kv_head * group + task % group;
+      const int64_t p = pos0 + row;
+      float* o = out + (row * num_heads + head) * head_dim;
       // [lo, hi] is the query's own key range, whatever range was passed in:
       // this is what makes the result batch invariant.
       int64_t lo = kv_offset;
@@ -565,7 +591,7 @@ void attention(const float* q, int64_t q_len, int64_t pos0, int64_t num_heads, i
       }
       const int64_t n = hi - lo + 1;
       weights.resize(static_cast<std::size_t>(n));
-      attend_one(q + task * head_dim,
+      attend_one(q + (row * num_heads + head) * head_dim,
                  k.data + kv_head * k.head_stride + (lo - kv_offset) * k.pos_stride, k.pos_stride,
                  v.data + kv_head * v.head_stride + (lo - kv_offset) * v.pos_stride, v.pos_stride,
                  n, head_dim, scale, weights.data(), o);
