@@ -157,12 +157,6 @@ int run_generate(const std::string& model_dir, const std::string& prompt, std::i
   return 0;
 }
 
-double median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  const std::size_t n = v.size();
-  return n % 2 == 1 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
-}
-
 // Decodes greedily and speculatively `repeats` times each, alternating (so
 // that a burst of load on a shared machine hits both), checks every
 // speculative run against the greedy output token by token and reports the

@@ -7,15 +7,12 @@
 #include "rewind/error.h"
 
 namespace rwd::runtime {
-namespace {
 
 double median(std::vector<double> v) {
   std::sort(v.begin(), v.end());
   const std::size_t n = v.size();
   return n == 0 ? 0.0 : n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
 }
-
-}  // namespace
 
 const std::vector<std::string>& default_bench_prompts() {
   static const std::vector<std::string> prompts = {

@@ -18,6 +18,10 @@
 
 namespace rwd::runtime {
 
+// The median of v (the mean of the middle two for an even count); 0 when
+// v is empty.
+double median(std::vector<double> v);
+
 struct DecodeBenchOptions {
   std::vector<std::string> prompts;       // empty: the built-in prompt set
   std::vector<std::int64_t> ks = {2, 3, 4, 5, 6, 7, 8};

@@ -113,39 +113,12 @@ REWIND_INLINE float combine(Lanes a) {
   return ((a[0] + a[4]) + (a[1] + a[5])) + ((a[2] + a[6]) + (a[3] + a[7]));
 }
 
-// exp_f32 (kernels.h) on kLanes values at once: the same operations in the
-// same order per lane, written on vectors because GCC does not if-convert
-// and vectorise the scalar version's selects by itself.
+// exp_of / silu_of (kernels.h) on kLanes values at once.
 typedef std::uint32_t ULanes __attribute__((vector_size(kLanes * sizeof(float))));
 
 REWIND_INLINE Lanes splat(float v) { return Lanes{} + v; }
-
-REWIND_INLINE Lanes exp_lanes(Lanes x) {
-  Lanes xc = x > splat(88.0f) ? splat(88.0f) : x;
-  xc = xc < splat(-87.0f) ? splat(-87.0f) : xc;
-  const Lanes t = xc * splat(1.44269504088896341f) + splat(12582912.0f);
-  const Lanes kf = t - splat(12582912.0f);
-  const Lanes r = (xc - kf * splat(0.693145751953125f)) - kf * splat(1.42860682030941723e-6f);
-  Lanes p = splat(1.0f / 5040.0f);
-  p = p * r + splat(1.0f / 720.0f);
-  p = p * r + splat(1.0f / 120.0f);
-  p = p * r + splat(1.0f / 24.0f);
-  p = p * r + splat(1.0f / 6.0f);
-  p = p * r + splat(0.5f);
-  p = p * r + splat(1.0f);
-  p = p * r + splat(1.0f);
-  ULanes bits;
-  __builtin_memcpy(&bits, &t, sizeof bits);
-  const ULanes scale_bits = (bits - 0x4B400000u + 127u) << 23;
-  Lanes scale;
-  __builtin_memcpy(&scale, &scale_bits, sizeof scale);
-  Lanes e = p * scale;
-  e = x > splat(88.0f) ? splat(std::numeric_limits<float>::infinity()) : e;
-  e = x < splat(-87.0f) ? splat(0.0f) : e;
-  return e;
-}
-
-REWIND_INLINE Lanes silu_lanes(Lanes x) { return x / (splat(1.0f) + exp_lanes(-x)); }
+REWIND_INLINE Lanes exp_lanes(Lanes x) { return exp_of<Lanes, ULanes>(x); }
+REWIND_INLINE Lanes silu_lanes(Lanes x) { return silu_of<Lanes, ULanes>(x); }
 
 // Calls f(j) for j in [0, n) with the main part in fixed chunks of kLanes:
 // GCC's -O2 cost model vectorises only loops without a scalar epilogue, so
@@ -207,11 +180,10 @@ REWIND_INLINE void matmul_micro(const float* x, const PackedMatrix& w, int64_t p
       const int64_t o0 = (p + v) * kPanel;
       float* yo = y + r * out + o0;
       const int64_t n = std::min<int64_t>(kPanel, out - o0);
-      if (bias != nullptr && n == kPanel) {
-        const Lanes s = acc[r][v] + load_lanes(bias + o0);
+      if (n == kPanel) {
+        Lanes s = acc[r][v];
+        if (bias != nullptr) s += load_lanes(bias + o0);
         __builtin_memcpy(yo, &s, sizeof s);
-      } else if (n == kPanel) {
-        __builtin_memcpy(yo, &acc[r][v], sizeof(Lanes));
       } else {
         for (int64_t l = 0; l < n; ++l) yo[l] = bias != nullptr ? acc[r][v][l] + bias[o0 + l] : acc[r][v][l];
       }
@@ -219,7 +191,7 @@ REWIND_INLINE void matmul_micro(const float* x, const PackedMatrix& w, int64_t p
   }
 }
 
-// Panels [p, p + count) for R rows, in steps of panels_for_rows(R).
+// Panels [p_begin, p_end) for R rows, in steps of panels_for_rows(R).
 template <int R>
 REWIND_INLINE void matmul_row_group(const float* x, const PackedMatrix& w, int64_t p_begin,
                                     int64_t p_end, float* y, const float* bias) {

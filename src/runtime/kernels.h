@@ -55,36 +55,48 @@ inline float sigmoid(float x) {
 // bits. Within 1.3 ulp of e^x for x in [-87, 88] (checked for every f32
 // there); 0 below -87 (results under about 1.6e-38 are flushed) and +inf
 // above 88; NaN stays NaN. Deterministic: the same bits on every path.
-inline float exp_f32(float x) {
-  float xc = x > 88.0f ? 88.0f : x;
-  xc = xc < -87.0f ? -87.0f : xc;
+// F is float or a GCC vector of floats (the kernels' 8-lane loops) and U
+// the unsigned integer type of the same shape: one definition, so every
+// lane computes exactly what the scalar version computes.
+template <class F, class U>
+inline F exp_of(F x) {
+  auto splat = [](float v) { return F{} + v; };  // v itself for F = float
+  F xc = x > splat(88.0f) ? splat(88.0f) : x;
+  xc = xc < splat(-87.0f) ? splat(-87.0f) : xc;
   // Adding 1.5 * 2^23 rounds to an integer held in the low mantissa bits.
-  constexpr float kRound = 12582912.0f;
-  const float t = xc * 1.44269504088896341f + kRound;
-  const float kf = t - kRound;
-  const float r = (xc - kf * 0.693145751953125f) - kf * 1.42860682030941723e-6f;
-  float p = 1.0f / 5040.0f;
-  p = p * r + 1.0f / 720.0f;
-  p = p * r + 1.0f / 120.0f;
-  p = p * r + 1.0f / 24.0f;
-  p = p * r + 1.0f / 6.0f;
-  p = p * r + 0.5f;
-  p = p * r + 1.0f;
-  p = p * r + 1.0f;
-  std::uint32_t bits;
+  const F t = xc * splat(1.44269504088896341f) + splat(12582912.0f);
+  const F kf = t - splat(12582912.0f);
+  const F r = (xc - kf * splat(0.693145751953125f)) - kf * splat(1.42860682030941723e-6f);
+  F p = splat(1.0f / 5040.0f);
+  p = p * r + splat(1.0f / 720.0f);
+  p = p * r + splat(1.0f / 120.0f);
+  p = p * r + splat(1.0f / 24.0f);
+  p = p * r + splat(1.0f / 6.0f);
+  p = p * r + splat(0.5f);
+  p = p * r + splat(1.0f);
+  p = p * r + splat(1.0f);
+  U bits;
   std::memcpy(&bits, &t, sizeof bits);
-  const std::uint32_t scale_bits = (bits - 0x4B400000u + 127u) << 23;  // k + 127 in the exponent
-  float scale;
+  const U scale_bits = (bits - 0x4B400000u + 127u) << 23;  // k + 127 in the exponent
+  F scale;
   std::memcpy(&scale, &scale_bits, sizeof scale);
-  float e = p * scale;
-  e = x > 88.0f ? std::numeric_limits<float>::infinity() : e;
-  e = x < -87.0f ? 0.0f : e;
+  F e = p * scale;
+  e = x > splat(88.0f) ? splat(std::numeric_limits<float>::infinity()) : e;
+  e = x < splat(-87.0f) ? splat(0.0f) : e;
   return e;
 }
 
-// x * sigmoid(x), written as PyTorch's x / (1 + exp(-x)) with exp_f32;
+inline float exp_f32(float x) { return exp_of<float, std::uint32_t>(x); }
+
+// x * sigmoid(x), written as PyTorch's x / (1 + exp(-x)) with exp_of;
 // exp overflowing to inf for very negative x gives the correct limit -0.
-inline float silu(float x) { return x / (1.0f + exp_f32(-x)); }
+// F, U as for exp_of.
+template <class F, class U>
+inline F silu_of(F x) {
+  return x / ((F{} + 1.0f) + exp_of<F, U>(-x));
+}
+
+inline float silu(float x) { return silu_of<float, std::uint32_t>(x); }
 
 // log(1 + exp(x)) with PyTorch's threshold (beta 1, threshold 20): returns x
 // above 20, where exp would dominate and could overflow.
@@ -154,9 +166,9 @@ class PackedMatrix {
 void matmul(const float* x, std::int64_t rows, const PackedMatrix& w, float* y,
             const float* bias = nullptr);
 
-// The fixed-order dot product every reduction here uses: 8 partial sums over
-// i, combined pairwise in a fixed tree, then the n % 8 remainder in order.
-// a, b: [n].
+// The fixed-order dot product of the norms and attention scores (matmul
+// sums in order instead, see above): 8 partial sums over i, combined
+// pairwise in a fixed tree, then the n % 8 remainder in order. a, b: [n].
 float dot(const float* a, const float* b, std::int64_t n);
 
 // ---- normalisation ----------------------------------------------------------
