@@ -116,7 +116,6 @@ REWIND_INLINE float combine(Lanes a) {
 // exp_of / silu_of (kernels.h) on kLanes values at once.
 typedef std::uint32_t ULanes __attribute__((vector_size(kLanes * sizeof(float))));
 
-REWIND_INLINE Lanes splat(float v) { return Lanes{} + v; }
 REWIND_INLINE Lanes exp_lanes(Lanes x) { return exp_of<Lanes, ULanes>(x); }
 REWIND_INLINE Lanes silu_lanes(Lanes x) { return silu_of<Lanes, ULanes>(x); }
 
@@ -304,7 +303,7 @@ REWIND_INLINE void gated_norm_row_body(const float* x, const float* z, const flo
                                        int64_t dim, float* y) {
   int64_t i = 0;
   for (; i + kLanes <= dim; i += kLanes) {
-    const Lanes v = (load_lanes(weight + i) * (load_lanes(x + i) * splat(inv))) * silu_lanes(load_lanes(z + i));
+    const Lanes v = (load_lanes(weight + i) * (load_lanes(x + i) * broadcast<Lanes>(inv))) * silu_lanes(load_lanes(z + i));
     __builtin_memcpy(y + i, &v, sizeof v);
   }
   for (; i < dim; ++i) y[i] = (weight[i] * (x[i] * inv)) * silu(z[i]);
@@ -320,7 +319,7 @@ void gated_norm_row(const float* x, const float* z, const float* weight, float i
 REWIND_INLINE void exp_shifted_inplace(float* w, int64_t n, float shift) {
   int64_t j = 0;
   for (; j + kLanes <= n; j += kLanes) {
-    const Lanes e = exp_lanes(load_lanes(w + j) - splat(shift));
+    const Lanes e = exp_lanes(load_lanes(w + j) - broadcast<Lanes>(shift));
     __builtin_memcpy(w + j, &e, sizeof e);
   }
   for (; j < n; ++j) w[j] = exp_f32(w[j] - shift);

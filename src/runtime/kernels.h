@@ -37,6 +37,12 @@
 #include <utility>
 #include <vector>
 
+#if defined(__GNUC__)
+#define REWIND_ALWAYS_INLINE __attribute__((always_inline)) inline
+#else
+#define REWIND_ALWAYS_INLINE inline
+#endif
+
 namespace rwd::runtime::kernels {
 
 // ---- scalar activations ---------------------------------------------------
@@ -48,6 +54,12 @@ inline float sigmoid(float x) {
   return e / (1.0f + e);
 }
 
+// v in every lane of F (float or a GCC vector of floats; v itself for float).
+template <class F>
+REWIND_ALWAYS_INLINE F broadcast(float v) {
+  return F{} + v;
+}
+
 // e^x in f32 without a libm call, as branch-free code the compiler
 // vectorises (attention's softmax and every SiLU need thousands per token):
 // x = k ln2 + r with k = round(x / ln2) (ln2 split in two parts so that r is
@@ -57,32 +69,34 @@ inline float sigmoid(float x) {
 // above 88; NaN stays NaN. Deterministic: the same bits on every path.
 // F is float or a GCC vector of floats (the kernels' 8-lane loops) and U
 // the unsigned integer type of the same shape: one definition, so every
-// lane computes exactly what the scalar version computes.
+// lane computes exactly what the scalar version computes. Always inlined,
+// like everything it calls: an out-of-line copy would be compiled for the
+// baseline ISA and receive the AVX2 clones' vectors with the wrong calling
+// convention (unoptimised builds do not inline otherwise).
 template <class F, class U>
-inline F exp_of(F x) {
-  auto splat = [](float v) { return F{} + v; };  // v itself for F = float
-  F xc = x > splat(88.0f) ? splat(88.0f) : x;
-  xc = xc < splat(-87.0f) ? splat(-87.0f) : xc;
+REWIND_ALWAYS_INLINE F exp_of(F x) {
+  F xc = x > broadcast<F>(88.0f) ? broadcast<F>(88.0f) : x;
+  xc = xc < broadcast<F>(-87.0f) ? broadcast<F>(-87.0f) : xc;
   // Adding 1.5 * 2^23 rounds to an integer held in the low mantissa bits.
-  const F t = xc * splat(1.44269504088896341f) + splat(12582912.0f);
-  const F kf = t - splat(12582912.0f);
-  const F r = (xc - kf * splat(0.693145751953125f)) - kf * splat(1.42860682030941723e-6f);
-  F p = splat(1.0f / 5040.0f);
-  p = p * r + splat(1.0f / 720.0f);
-  p = p * r + splat(1.0f / 120.0f);
-  p = p * r + splat(1.0f / 24.0f);
-  p = p * r + splat(1.0f / 6.0f);
-  p = p * r + splat(0.5f);
-  p = p * r + splat(1.0f);
-  p = p * r + splat(1.0f);
+  const F t = xc * broadcast<F>(1.44269504088896341f) + broadcast<F>(12582912.0f);
+  const F kf = t - broadcast<F>(12582912.0f);
+  const F r = (xc - kf * broadcast<F>(0.693145751953125f)) - kf * broadcast<F>(1.42860682030941723e-6f);
+  F p = broadcast<F>(1.0f / 5040.0f);
+  p = p * r + broadcast<F>(1.0f / 720.0f);
+  p = p * r + broadcast<F>(1.0f / 120.0f);
+  p = p * r + broadcast<F>(1.0f / 24.0f);
+  p = p * r + broadcast<F>(1.0f / 6.0f);
+  p = p * r + broadcast<F>(0.5f);
+  p = p * r + broadcast<F>(1.0f);
+  p = p * r + broadcast<F>(1.0f);
   U bits;
   std::memcpy(&bits, &t, sizeof bits);
   const U scale_bits = (bits - 0x4B400000u + 127u) << 23;  // k + 127 in the exponent
   F scale;
   std::memcpy(&scale, &scale_bits, sizeof scale);
   F e = p * scale;
-  e = x > splat(88.0f) ? splat(std::numeric_limits<float>::infinity()) : e;
-  e = x < splat(-87.0f) ? splat(0.0f) : e;
+  e = x > broadcast<F>(88.0f) ? broadcast<F>(std::numeric_limits<float>::infinity()) : e;
+  e = x < broadcast<F>(-87.0f) ? broadcast<F>(0.0f) : e;
   return e;
 }
 
@@ -92,8 +106,8 @@ inline float exp_f32(float x) { return exp_of<float, std::uint32_t>(x); }
 // exp overflowing to inf for very negative x gives the correct limit -0.
 // F, U as for exp_of.
 template <class F, class U>
-inline F silu_of(F x) {
-  return x / ((F{} + 1.0f) + exp_of<F, U>(-x));
+REWIND_ALWAYS_INLINE F silu_of(F x) {
+  return x / (broadcast<F>(1.0f) + exp_of<F, U>(-x));
 }
 
 inline float silu(float x) { return silu_of<float, std::uint32_t>(x); }
