@@ -1,7 +1,7 @@
 """Writes tests/fixtures/shipped_models_logits.json: logits that the PyTorch
 model (scripts/train/model.py) computes for fixed prompts on the shipped
 models, loaded back from their exported f16 files and run in f32.
-tests/runtime/test_shipped_models.cc feeds the same prompts to the C++
+tests/runtime/shipped_models_test.cc feeds the same prompts to the C++
 runtime in uneven chunks and compares.
 
   /usr/bin/python3 scripts/train/make_fixtures.py

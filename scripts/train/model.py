@@ -1,8 +1,8 @@
 """The rewind hybrid decoder in PyTorch: the architecture of
-src/runtime/model.cc, defined once for training, export and the fixtures.
+runtime/model.cc, defined once for training, export and the fixtures.
 
 Everything here must compute what the C++ runtime computes (up to f32
-rounding order): tests/runtime/test_shipped_models.cc checks the shipped
+rounding order): tests/runtime/shipped_models_test.cc checks the shipped
 models against logits produced by this file (tests/fixtures/).
 
   decoder     pre-norm: h = x + mixer(norm1(x)); x = h + mlp(norm2(h));

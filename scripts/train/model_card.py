@@ -69,7 +69,7 @@ def main():
     card = f"""# {args.name}
 
 A byte-level language model of the King James Bible in the rewind hybrid
-architecture (`src/runtime/model.cc`, `scripts/train/model.py`), {role}.
+architecture (`runtime/model.cc`, `scripts/train/model.py`), {role}.
 Small and quickly trained on a 2-core CPU: it writes KJV-flavoured English,
 not sense. Public domain text; the weights are part of rewind.
 
@@ -134,7 +134,7 @@ training length, the model scores {bpb_long:.3f} bits per byte
 
 ## Cross-check with PyTorch
 
-`tests/runtime/test_shipped_models.cc` compares the runtime's logits with
+`tests/runtime/shipped_models_test.cc` compares the runtime's logits with
 `tests/fixtures/shipped_models_logits.json`, computed by `scripts/train/model.py`
 from this file (f16 weights, f32 compute), prompts longer than the sliding
 window fed in chunks of 1, 5, 17, 64 and the rest. Tolerance per logit row:

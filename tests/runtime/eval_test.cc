@@ -10,7 +10,7 @@
 
 #include "rewind/error.h"
 #include "runtime/model.h"
-#include "runtime/test_configs.h"
+#include "test_configs.h"
 
 namespace rwd::runtime {
 namespace {

@@ -8,7 +8,7 @@
 #include <utility>
 #include <vector>
 
-#include "cache/harness.h"
+#include "conformance/harness.h"
 
 namespace rwt {
 namespace {

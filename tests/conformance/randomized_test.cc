@@ -10,7 +10,7 @@
 #include <string>
 #include <vector>
 
-#include "cache/harness.h"
+#include "conformance/harness.h"
 
 namespace rwt {
 namespace {

@@ -6,7 +6,7 @@
 #include <string>
 #include <vector>
 
-#include "cache/harness.h"
+#include "conformance/harness.h"
 
 namespace rwt {
 namespace {

@@ -17,7 +17,7 @@
 #include "runtime/generate.h"
 #include "runtime/kernels.h"
 #include "runtime/model.h"
-#include "runtime/test_configs.h"
+#include "test_configs.h"
 
 namespace rwd::runtime {
 namespace {

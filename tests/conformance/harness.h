@@ -8,7 +8,7 @@
 #include <utility>
 #include <vector>
 
-#include "cache/reference.h"
+#include "conformance/reference.h"
 
 namespace rwt {
 

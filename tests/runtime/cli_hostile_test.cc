@@ -1,7 +1,7 @@
 // Hostile model directories through the CLI: every one gives exit status 2
 // and a single "rewind: error:" line naming the file and the problem, never
 // a crash or a huge allocation (the library-level tables are in
-// test_safetensors.cc and test_model_config.cc).
+// safetensors_test.cc and model_config_test.cc).
 #include <gtest/gtest.h>
 
 #include <cstdint>
@@ -12,7 +12,7 @@
 #include <string>
 #include <vector>
 
-#include "runtime/test_configs.h"
+#include "test_configs.h"
 #include "runtime/weights_io.h"
 
 #ifdef REWIND_CLI_PATH

@@ -11,7 +11,7 @@
 #include <tuple>
 #include <vector>
 
-#include "cache/harness.h"
+#include "conformance/harness.h"
 
 namespace rwt {
 namespace {

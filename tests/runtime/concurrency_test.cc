@@ -8,7 +8,7 @@
 
 #include "runtime/generate.h"
 #include "runtime/model.h"
-#include "runtime/test_configs.h"
+#include "test_configs.h"
 
 namespace rwd::runtime {
 namespace {

@@ -7,7 +7,7 @@
 #include <string>
 #include <vector>
 
-#include "cache/harness.h"
+#include "conformance/harness.h"
 
 namespace rwt {
 namespace {
