@@ -167,20 +167,38 @@ bool has_recurrent(const Layer& layer) {
   return layer.is_linear() && layer.kind() != LayerKind::Conv && !layer.options().recurrent_shapes.empty();
 }
 
-// Appends n <= feed.cap tokens to every part of `layer`. Recurrent states go
-// through begin_recurrent_update / commit; when `state_src` is given it is
-// copied into every slot S(L+1)..S(L+n), as a kernel writes them.
-void append(Layer& layer, const Feed& feed, std::int64_t n, const void* state_src = nullptr) {
+// Layer `i` of a cache, with the per-layer calls of a Layer (the cache
+// owns its layers; every change goes through it).
+struct CacheLayer {
+  rwd::Cache& cache;
+  int i;
+  const Layer& get() const { return cache.layer(i); }
+  rwd::KeyValueView update(const TensorView& k, const TensorView& v) { return cache.update(k, v, i); }
+  TensorView update_conv_state(const TensorView& x) { return cache.update_conv_state(x, i); }
+  rwd::RecurrentUpdate begin_recurrent_update(std::int64_t q) { return cache.begin_recurrent_update(q, i); }
+  std::int64_t get_seq_length() const { return cache.get_seq_length(i); }
+};
+
+const Layer& layer_of(const Layer& layer) { return layer; }
+const Layer& layer_of(const CacheLayer& target) { return target.get(); }
+
+// Appends n <= feed.cap tokens to every part of `target` (a Layer or a
+// CacheLayer). Recurrent states go through begin_recurrent_update / commit;
+// when `state_src` is given it is copied into every slot S(L+1)..S(L+n), as
+// a kernel writes them.
+template <typename Target>
+void append(Target&& target, const Feed& feed, std::int64_t n, const void* state_src = nullptr) {
+  const Layer& layer = layer_of(target);
   if (layer.has_attention()) {
-    const rwd::KeyValueView kv = layer.update(feed.keys(n), feed.values(n));
+    const rwd::KeyValueView kv = target.update(feed.keys(n), feed.values(n));
     benchmark::DoNotOptimize(kv.keys.data);
   }
   if (has_conv(layer)) {
-    const TensorView window = layer.update_conv_state(0, feed.conv(n));
+    const TensorView window = target.update_conv_state(feed.conv(n));
     benchmark::DoNotOptimize(window.data);
   }
   if (has_recurrent(layer)) {
-    rwd::RecurrentUpdate u = layer.begin_recurrent_update(0, n);
+    rwd::RecurrentUpdate u = target.begin_recurrent_update(n);
     if (state_src != nullptr) {
       for (std::int64_t t = 1; t <= n; ++t) std::memcpy(u.next(t).data, state_src, kStateBytes);
     }
@@ -188,10 +206,11 @@ void append(Layer& layer, const Feed& feed, std::int64_t n, const void* state_sr
   }
 }
 
-// Fills `layer` to L tokens, feed.cap at a time (recurrent states are
+// Fills `target` to L tokens, feed.cap at a time (recurrent states are
 // advanced without writing: their contents do not matter here).
-void prefill(Layer& layer, const Feed& feed, std::int64_t L) {
-  while (layer.get_seq_length() < L) append(layer, feed, std::min(feed.cap, L - layer.get_seq_length()));
+template <typename Target>
+void prefill(Target&& target, const Feed& feed, std::int64_t L) {
+  while (target.get_seq_length() < L) append(target, feed, std::min(feed.cap, L - target.get_seq_length()));
 }
 void prefill(Layer& layer, DType dt, std::int64_t L) {
   if (L <= layer.get_seq_length()) return;
@@ -385,7 +404,7 @@ void BM_UpdateConv(benchmark::State& st, const std::string& key, DType dt, std::
   auto& s = prepared<LayerAtLength>(key, Kind::Conv, dt, L, q, std::max(kRecord, q), 0);
   const TensorView x = s.feed.conv(q);
   for (auto _ : st) {
-    const TensorView window = s.layer.update_conv_state(0, x);
+    const TensorView window = s.layer.update_conv_state(x);
     benchmark::DoNotOptimize(window.data);
     s.layer.crop(-q);
   }
@@ -410,7 +429,7 @@ void BM_UpdateRecurrent(benchmark::State& st, const std::string& key, std::int64
   auto& s = prepared<LayerAtLength>(key, Kind::Recurrent, DType::F32, L, q, std::max(kRecord, q), 0);
   const void* src = s.state_src.view().data;
   for (auto _ : st) {
-    rwd::RecurrentUpdate u = s.layer.begin_recurrent_update(0, q);
+    rwd::RecurrentUpdate u = s.layer.begin_recurrent_update(q);
     for (std::int64_t t = 1; t <= q; ++t) std::memcpy(u.next(t).data, src, kStateBytes);
     u.commit();
     s.layer.crop(-q);
@@ -581,7 +600,7 @@ struct SpecState {
     // (L drifts up by < 4k tokens over all of them) never reallocate; growth
     // is amortised and is not what a round costs at steady state.
     const Feed prompt(DType::F16, kSpecLength, true, true);
-    for (int i = 0; i < cache.num_layers(); ++i) prefill(cache.layer(i), prompt, kSpecLength);
+    for (int i = 0; i < cache.num_layers(); ++i) prefill(CacheLayer{cache, i}, prompt, kSpecLength);
   }
   static LayerOptions options() {
     LayerOptions o = attention_options(DType::F16);
@@ -620,7 +639,7 @@ void BM_SpecRound(benchmark::State& st, bool write_states) {
       const TensorView window = s.cache.update_conv_state(x, i);
       benchmark::DoNotOptimize(window.data);
       const auto t1 = Clock::now();
-      rwd::RecurrentUpdate u = s.cache.begin_recurrent_update(i, q);
+      rwd::RecurrentUpdate u = s.cache.begin_recurrent_update(q, i);
       if (write_states) {
         for (std::int64_t t = 1; t <= q; ++t) std::memcpy(u.next(t).data, src, kStateBytes);
       }
@@ -673,7 +692,7 @@ void BM_Memory(benchmark::State& st) {
     std::uniform_int_distribution<std::int64_t> rejected(0, kDraft);
     std::fill(peak.begin(), peak.end(), 0);
     while (cache.get_seq_length() < kTokens) {
-      for (int i = 0; i < cache.num_layers(); ++i) append(cache.layer(i), feed, kDraft + 1);
+      for (int i = 0; i < cache.num_layers(); ++i) append(CacheLayer{cache, i}, feed, kDraft + 1);
       cache.crop(-rejected(rng));
       for (int i = 0; i < cache.num_layers(); ++i) {
         const auto u = static_cast<std::size_t>(i);

@@ -31,17 +31,21 @@ int main() {
   const TensorView conv_in = TensorView::contiguous(x.data(), DType::F32, {1, 6, q});
   auto linear_layer = [&](Cache& c) {
     TensorView window = c.update_conv_state(conv_in, 0);  // [1, 6, K-1+q]: the conv's input
-    RecurrentUpdate step = c.begin_recurrent_update(0, q);  // reads S(L) from step.previous()
+    RecurrentUpdate step = c.begin_recurrent_update(q, 0);  // reads S(L) from step.previous()
     for (std::int64_t t = 1; t <= q; ++t) {
       step.next(t).set(static_cast<float>(t), 0, 0, 0, 0);  // the kernel writes S(L+t) in place
     }
     step.commit();
     return window;
   };
+  // All or nothing: room for q tokens is reserved in every layer first, and
+  // an exception before commit() (or a forgotten commit) restores them all.
+  Forward forward = cache.begin_forward(q);
   const TensorView window = linear_layer(cache);
   const MaskSizes mask = cache.get_mask_sizes(q, 1);
   const KeyValueView kv = cache.update(keys, values, 1);  // keys of positions [0, 5)
   cache.update(keys, values, 2);
+  forward.commit();
 
   // The target accepted 1 of the 4 drafts: remove the other 3 everywhere.
   cache.crop(-3);

@@ -206,7 +206,7 @@ void Model::gated_deltanet_block(int layer, const LayerWeights& w, const float* 
   std::optional<RecurrentUpdate> update;
   {
     CacheTimer timer(cache_seconds);
-    update.emplace(cache.begin_recurrent_update(layer, n));
+    update.emplace(cache.begin_recurrent_update(n, layer));
     for (std::int64_t t = 0; t < n; ++t) states[sz(t)] = static_cast<float*>(update->next(t + 1).data);
     previous = static_cast<const float*>(update->previous().data);
   }
@@ -259,6 +259,14 @@ void Model::forward(std::span<const std::int32_t> tokens, Cache& cache, std::vec
   const std::int64_t d = c.hidden_size, ff = c.intermediate_size, V = c.vocab_size;
   auto sz = [](std::int64_t v) { return static_cast<std::size_t>(v); };
   const std::int64_t pos0 = cache.get_seq_length();
+  // All or nothing: room and budget for n tokens in every layer are reserved
+  // before any layer changes, and an exception anywhere below (a kernel, an
+  // allocation) abandons the forward, restoring every layer exactly.
+  std::optional<Forward> transaction;
+  {
+    CacheTimer timer(cache_seconds);
+    transaction.emplace(cache.begin_forward(n));
+  }
   std::vector<float> x(sz(n * d)), h(sz(n * d)), mix(sz(n * d)), gate(sz(n * ff)), up(sz(n * ff));
   for (std::int64_t t = 0; t < n; ++t) {
     std::memcpy(x.data() + t * d, embed_ + tokens[sz(t)] * d, sz(d) * sizeof(float));
@@ -292,6 +300,8 @@ void Model::forward(std::span<const std::int32_t> tokens, Cache& cache, std::vec
   k::rms_norm(x.data() + first * d, final_norm_, rows, d, c.rms_norm_eps, h.data());
   logits.resize(sz(rows * V));
   k::matmul(h.data(), rows, lm_head_, logits.data());
+  CacheTimer timer(cache_seconds);
+  transaction->commit();
 }
 
 std::size_t Model::kv_bytes_per_token() const {

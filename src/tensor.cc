@@ -4,6 +4,7 @@
 #include <new>
 #include <sstream>
 
+#include "aligned_memory.h"
 #include "rewind/error.h"
 
 namespace rwd {
@@ -23,7 +24,23 @@ void set_shape(TensorView& v, std::initializer_list<std::int64_t> shape) {
   }
 }
 
+constexpr std::int64_t kMaxElements = std::int64_t{1} << 62;
+
+// Product of the extents, or InvalidArgument when it passes 2^62.
+std::int64_t checked_numel(const TensorView& v) {
+  std::int64_t n = 1;
+  for (int d = 0; d < v.rank; ++d) {
+    const std::int64_t e = v.shape[static_cast<std::size_t>(d)];
+    if (e != 0 && n > kMaxElements / e) {
+      throw InvalidArgument("tensor " + v.describe() + " has more than 2^62 elements");
+    }
+    n *= e;
+  }
+  return n;
+}
+
 void set_contiguous_strides(TensorView& v) {
+  checked_numel(v);
   std::int64_t stride = 1;
   for (int d = v.rank - 1; d >= 0; --d) {
     v.strides[static_cast<std::size_t>(d)] = stride;
@@ -57,10 +74,23 @@ TensorView TensorView::strided(void* data, DType dtype, std::initializer_list<st
   return v;
 }
 
-std::int64_t TensorView::numel() const {
-  std::int64_t n = 1;
-  for (int d = 0; d < rank; ++d) n *= shape[static_cast<std::size_t>(d)];
-  return n;
+std::int64_t TensorView::numel() const { return checked_numel(*this); }
+
+TensorView TensorView::slice(int dim, std::int64_t start, std::int64_t length) const {
+  if (dim < 0 || dim >= rank) {
+    throw IndexError("slice(" + std::to_string(dim) + ", ...) of " + describe() + ": dimension outside [0, " +
+                     std::to_string(rank) + ")");
+  }
+  const std::int64_t extent = size(dim);
+  if (start < 0 || length < 0 || start > extent || length > extent - start) {
+    throw IndexError("slice(" + std::to_string(dim) + ", " + std::to_string(start) + ", " + std::to_string(length) +
+                     ") of " + describe() + ": the range must lie within [0, " + std::to_string(extent) + ")");
+  }
+  TensorView out = *this;
+  out.shape[static_cast<std::size_t>(dim)] = length;
+  if (length > 0 && start > 0) out.data = ptr(dim == 0 ? start : 0, dim == 1 ? start : 0, dim == 2 ? start : 0,
+                                              dim == 3 ? start : 0);
+  return out;
 }
 
 bool TensorView::is_contiguous() const {
@@ -215,19 +245,16 @@ bool bitwise_equal(const TensorView& a, const TensorView& b) {
   return equal;
 }
 
-void Tensor::Free::operator()(std::byte* p) const noexcept { std::free(p); }
+void Tensor::Free::operator()(std::byte* p) const noexcept { detail::AlignedFree()(p); }
 
 Tensor::Tensor(DType dtype, std::initializer_list<std::int64_t> shape) {
   set_shape(view_, shape);
   view_.dtype = dtype;
   set_contiguous_strides(view_);
-  const std::size_t bytes = static_cast<std::size_t>(view_.numel()) * dtype_size(dtype);
-  const std::size_t rounded = (bytes + 63) / 64 * 64;
-  if (rounded > 0) {
-    storage_.reset(static_cast<std::byte*>(std::aligned_alloc(64, rounded)));
-    if (!storage_) throw std::bad_alloc();
-    std::memset(storage_.get(), 0, rounded);
-  }
+  const std::size_t bytes = detail::checked_mul(view_.numel(), static_cast<std::int64_t>(dtype_size(dtype)),
+                                                "tensor " + view_.describe());
+  storage_.reset(detail::aligned_allocate(bytes).release());
+  if (bytes > 0) std::memset(storage_.get(), 0, (bytes + 63) / 64 * 64);
   view_.data = storage_.get();
 }
 

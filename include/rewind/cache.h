@@ -3,22 +3,27 @@
 // A Cache holds one Layer per model layer, built from transformers'
 // `layer_types` strings (so a config.json maps directly) or from Layer
 // objects. Per-layer operations take the layer index; whole-cache operations
-// (crop, recording, batch operations, reset) are transactional: every layer
-// is checked (and any memory allocated) before any layer changes, so an error
-// leaves the whole cache untouched.
+// (crop, recording, batch operations, reset, shrink_to_fit) are
+// transactional: every layer is checked (and any memory allocated) before
+// any layer changes, so an error leaves the whole cache untouched. The cache
+// owns its layers: it hands out read-only access to them, and every change
+// goes through the cache, which keeps the layers in step.
 //
 // Typical speculative-decoding round (docs/semantics.md has the contract):
 //   cache.activate_past_recording(8);        // once, before the first forward
-//   ... forward K + 1 tokens through every layer (update / update_conv_state /
-//       begin_recurrent_update) ...
+//   Forward f = cache.begin_forward(K + 1);  // all-or-nothing forward
+//   ... every layer: update / update_conv_state / begin_recurrent_update ...
+//   f.commit();                              // (an exception abandons it)
 //   cache.crop(-(K - accepted));             // also when that is 0
+//
+// Conventions: see rewind/layer.h ("REQUIRES" is the caller's duty, "Throws
+// E when" is checked and changes nothing).
 //
 // Thread safety: none inside; one owner per cache. Separate caches may be
 // used concurrently.
 #pragma once
 
 #include <cstdint>
-#include <functional>
 #include <memory>
 #include <span>
 #include <string>
@@ -28,24 +33,24 @@
 
 namespace rwd {
 
-namespace detail {
-struct MemoryBudget;
-}
-
 struct MemoryReport {
   std::vector<LayerMemory> layers;
   std::size_t bytes_reserved = 0;  // sum over layers
   std::size_t bytes_used = 0;
 };
 
+class Forward;
+
 class Cache {
  public:
   // One layer per entry of `layer_types`, each built with `options`.
-  // Throws InvalidArgument for an unknown type (message lists the accepted
-  // names and the entry's index) or an option a kind needs and lacks.
+  // Throws InvalidArgument for an empty list, an unknown type (message lists
+  // the accepted names and the entry's index) or an option a kind needs and
+  // lacks; CapacityError when the shapes need more than 2^48 bytes.
   Cache(const std::vector<std::string>& layer_types, const LayerOptions& options);
   // Takes ownership of ready-made layers (they may differ in shapes).
-  // REQUIRES: layers are empty (L = 0), else throws StateError.
+  // Throws InvalidArgument for an empty list, StateError when a layer is not
+  // empty (L > 0).
   explicit Cache(std::vector<Layer> layers);
   ~Cache();
   Cache(Cache&&) noexcept;
@@ -53,22 +58,25 @@ class Cache {
   Cache(const Cache&) = delete;
   Cache& operator=(const Cache&) = delete;
 
-  int num_layers() const { return static_cast<int>(layers_.size()); }
+  int num_layers() const;
+  // Read-only access to a layer (its kind, options, stored views, memory).
   // Throws IndexError for an index outside [0, num_layers()).
-  Layer& layer(int layer_idx);
   const Layer& layer(int layer_idx) const;
 
-  // Sequence length of `layer_idx` (default: the first layer that has
-  // state; 0 when none has).
+  // Sequence length of `layer_idx`, or (no index) of the first layer that
+  // has state (0 when none has). Inside an open forward, layers already
+  // updated report L + q and the others L.
   std::int64_t get_seq_length() const;
   std::int64_t get_seq_length(int layer_idx) const;
   MaskSizes get_mask_sizes(std::int64_t query_length, int layer_idx) const;
 
-  // Per-layer forwards; see Layer for shapes, results and errors.
+  // Per-layer forwards; see Layer for shapes, results and errors. Every one
+  // also throws IndexError for a bad layer_idx.
   KeyValueView update(const TensorView& keys, const TensorView& values, int layer_idx);
   TensorView update_side(const TensorView& rows, int layer_idx, int side = 0);
+  // Window layout and how a conv kernel reads it: Layer::update_conv_state.
   TensorView update_conv_state(const TensorView& x, int layer_idx, int state = 0);
-  RecurrentUpdate begin_recurrent_update(int layer_idx, std::int64_t q, int state = 0);
+  RecurrentUpdate begin_recurrent_update(std::int64_t q, int layer_idx, int state = 0);
   void update_recurrent_state(const TensorView& new_state, int layer_idx, int state = 0);
   TensorView get_recurrent_state(int layer_idx, int state = 0) const;
   TensorView get_conv_state(int layer_idx, int state = 0) const;
@@ -77,23 +85,56 @@ class Cache {
   bool has_previous_state() const;
   bool has_previous_state(int layer_idx) const;
 
+  // Starts an all-or-nothing forward of q tokens through every layer
+  // (docs/semantics.md section 11). Checks that every stateful layer is in
+  // step, then reserves, for every part of every layer, the room and the
+  // budget q tokens need, before any layer changes. Until the returned
+  // handle commits or abandons, each part takes at most q tokens (a
+  // recurrent state exactly q, in one update) without allocating, and the
+  // whole-cache operations below throw StateError. Abandoning (explicitly,
+  // or by destroying the handle uncommitted, e.g. while an exception
+  // unwinds) restores every layer exactly, recurrent states and rollback
+  // history included, whatever q and R are.
+  // Throws InvalidArgument unless 1 <= q <= 2^40, StateError when a forward
+  // is already open or the layers are out of step, CapacityError when a
+  // static layer, the budget or the system cannot hold q more tokens;
+  // nothing changes then.
+  Forward begin_forward(std::int64_t q);
+  bool forward_open() const;
+
   // Transactional crop of every layer (docs/semantics.md section 3).
+  // Throws RollbackError when a layer cannot crop exactly, StateError when
+  // the stateful layers are at different lengths (a forward that failed
+  // halfway without begin_forward; the message names each layer's length)
+  // or a forward is open; nothing changes then.
   void crop(std::int64_t n);
   // Throws what crop(n) would, changes nothing.
   void check_crop(std::int64_t n) const;
   // Smallest max_rollback over stateful layers (the cache's L when none).
+  // Throws StateError as crop does when the layers are out of step.
   std::int64_t max_rollback() const;
+  // Throws InvalidArgument for R < 0, CapacityError (static layers, budget),
+  // StateError as crop does.
   void activate_past_recording(std::int64_t max_tokens);
   void deactivate_past_recording();
   bool is_recording() const;
 
-  // Transactional batch operations over every layer (see Layer).
+  // Transactional batch operations over every layer (see Layer). Throw
+  // StateError as crop does, and what the Layer operation throws.
   void batch_select_indices(std::span<const std::int64_t> indices);
   void batch_repeat_interleave(std::int64_t repeats);
   void reorder_cache(std::span<const std::int64_t> beam_idx);
+  // Every layer back to new (works on out-of-step layers: the way back from
+  // a failed forward made without begin_forward). Throws StateError while a
+  // forward is open, CapacityError when the budget or the system refuses.
   void reset();
 
   MemoryReport memory() const;
+  // Releases the slack of every dynamic buffer (full attention keeps up to
+  // 2x what it holds after growing). Best effort: a buffer whose smaller
+  // copy cannot be allocated keeps its allocation. Changes no content.
+  // Throws StateError while a forward is open.
+  void shrink_to_fit();
   // Caps the bytes this cache may reserve (0: no cap, the default). An
   // operation that would allocate past the cap throws CapacityError before
   // allocating and changes nothing; growth counts old and new buffer while
@@ -102,25 +143,45 @@ class Cache {
   void set_memory_budget(std::size_t bytes);
   std::size_t memory_budget() const;
 
+  struct Impl;  // defined in src/cache
+
  private:
   friend class EncoderDecoderCache;
-  // Batch rows to keep, per layer (layers may differ in batch size).
-  using RowsFor = std::function<std::vector<std::int64_t>(const Layer::Impl&)>;
-  static RowsFor select_rows(std::span<const std::int64_t> indices);
-  static RowsFor repeat_rows_for(std::int64_t repeats);
-  static RowsFor reorder_rows(std::span<const std::int64_t> beam_idx);
-  // Two phases that make whole-cache changes transactional: build every
-  // layer's new state (may throw), then swap them all in (cannot fail).
-  std::vector<std::unique_ptr<Layer::Impl>> prepare_gather(const char* operation, const RowsFor& rows_for) const;
-  std::vector<std::unique_ptr<Layer::Impl>> prepare_reset() const;
-  void commit_layers(std::vector<std::unique_ptr<Layer::Impl>> next) noexcept;
-  // Prepares every layer's recording change (may throw), then commits all.
-  void set_recording(bool on, std::int64_t max_tokens);
-  void check_index(int layer_idx) const;
-  // Declared before layers_ so that it outlives them: buffers release their
-  // bytes into it when destroyed.
-  std::unique_ptr<detail::MemoryBudget> budget_;  // null until a budget is set
-  std::vector<Layer> layers_;
+  friend class Forward;
+  // The state; throws StateError on a moved-from cache.
+  Impl& state() const;
+  std::unique_ptr<Impl> impl_;
+};
+
+// An open forward (Cache::begin_forward). Move-only. Destroying it while it
+// is open abandons it; a handle whose cache was destroyed is inert.
+class Forward {
+ public:
+  Forward(Forward&& other) noexcept;
+  Forward& operator=(Forward&& other) noexcept;
+  Forward(const Forward&) = delete;
+  Forward& operator=(const Forward&) = delete;
+  ~Forward();
+
+  std::int64_t num_tokens() const { return q_; }
+  std::int64_t start_length() const { return start_; }  // L at begin_forward
+  bool is_open() const { return cache_ != nullptr; }
+  // Ends the forward, keeping its tokens. Throws StateError, naming each
+  // layer and part, when a stateful layer did not receive exactly q tokens
+  // in every part (the forward stays open then), or when the handle is not
+  // open.
+  void commit();
+  // Ends the forward, restoring every layer to its state at begin_forward.
+  // A no-op when the handle is not open.
+  void abandon() noexcept;
+
+ private:
+  friend class Cache;
+  friend struct Cache::Impl;
+  Forward(Cache::Impl* cache, std::int64_t q, std::int64_t start) : cache_(cache), q_(q), start_(start) {}
+  Cache::Impl* cache_ = nullptr;
+  std::int64_t q_ = 0;
+  std::int64_t start_ = 0;
 };
 
 // Encoder-decoder state: a self-attention cache that rolls back like any
@@ -152,7 +213,6 @@ class EncoderDecoderCache {
   void reset();
 
  private:
-  void gather_both(const char* operation, const Cache::RowsFor& rows_for);
   Cache self_;
   Cache cross_;
 };

@@ -19,6 +19,20 @@
 // crop only moves an index. Views returned by the layer point into its
 // storage and stay valid until the next call that mutates this layer.
 //
+// Views returned by the layer point into its storage and stay valid until the
+// next call that mutates this layer (an update, crop, recording change,
+// batch operation, reset, or a Cache's begin_forward / commit / abandon).
+// Builds with REWIND_DEBUG_VIEWS under AddressSanitizer mark rows and states
+// that no valid view may read, so reading a stale view is reported.
+//
+// Conventions of every rewind header: "REQUIRES: x" is the caller's duty and
+// is not checked (breaking it is undefined behaviour); "Throws E when x"
+// is a checked precondition: the call throws E and changes nothing.
+//
+// Inputs may alias the layer's own storage (a view this layer returned can
+// be appended again, as std::vector::push_back(v[0]) can): such an input is
+// copied before the layer moves or overwrites anything.
+//
 // Thread safety: none inside. One owner per layer (and per Cache); distinct
 // layers / caches may be used from distinct threads.
 #pragma once
@@ -115,12 +129,13 @@ class Layer;
 // Zero-copy write of recurrent states, from Layer::begin_recurrent_update.
 // The kernel reads S(L) from previous() and writes S(L+t) into next(t) for
 // t = 1..q, straight into cache-owned slots; commit() then advances the
-// state's length by q. Only the last min(q, R) + 1 states are kept.
-// Without recording (R = 0) every next(t) is the same slot as previous(): the
-// kernel must support updating the state in place. With R >= 1, next(t) never
-// aliases next(t - 1). Dropping the handle without commit() leaves the length
-// unchanged; slots already written may then hold the new values, so S(L) is
-// intact only when q <= R. Move-only; the layer must outlive the handle.
+// state's length by q and keeps the last min(q, R) + 1 states as snapshots.
+// next(t) never aliases previous() nor any held snapshot: dropping the handle
+// without commit() leaves S(L) and every snapshot exactly as they were.
+// Without recording (R = 0) next(2), ..., next(q) are the slot of next(1):
+// the kernel must support updating S in place after the first token. With
+// R >= 1, next(t) never aliases next(t - 1). Move-only; the layer must
+// outlive the handle (REQUIRES).
 class RecurrentUpdate {
  public:
   RecurrentUpdate(RecurrentUpdate&&) noexcept;
@@ -130,30 +145,35 @@ class RecurrentUpdate {
   ~RecurrentUpdate();
 
   std::int64_t num_tokens() const { return q_; }
-  // S(L): [B, shape...].
+  // S(L): [B, shape...]. Throws StateError on a stale handle (see commit).
   TensorView previous() const;
-  // Slot for S(L+t). REQUIRES 1 <= t <= q (throws IndexError).
+  // Slot for S(L+t). Throws IndexError unless 1 <= t <= q, StateError on a
+  // stale handle.
   TensorView next(std::int64_t t) const;
   // Advances the state by q tokens. Throws StateError when called twice, or
-  // when this state was advanced, or the layer cropped, re-batched, reset or
-  // its recording changed, since begin_recurrent_update.
+  // when this state was advanced, or the layer cropped, re-batched, reset,
+  // its recording changed or its forward abandoned, since
+  // begin_recurrent_update.
   void commit();
 
  private:
   friend class Layer;
-  RecurrentUpdate(Layer* layer, int state, std::int64_t q, std::uint64_t generation, std::uint64_t version);
+  RecurrentUpdate(Layer* layer, int state, std::int64_t q, std::uint64_t generation, std::uint64_t version,
+                  std::vector<std::int32_t> fresh);
   Layer* layer_ = nullptr;
   int state_ = 0;
   std::int64_t q_ = 0;
   std::uint64_t generation_ = 0;
   std::uint64_t version_ = 0;
+  std::vector<std::int32_t> fresh_;  // physical slots next(t) writes into
 };
 
 class Layer {
  public:
   // Builds an empty layer (L = 0). `index` names the layer in messages
   // ("layer 3"); Cache sets it. Throws InvalidArgument when an option the
-  // kind needs is missing or out of range (message names the option).
+  // kind needs is missing or out of range (message names the option),
+  // CapacityError when the shapes need more than 2^48 bytes.
   Layer(LayerKind kind, const LayerOptions& options, int index = -1);
   ~Layer();
   Layer(Layer&&) noexcept;
@@ -180,15 +200,17 @@ class Layer {
   // Throws StateError on a layer without attention, InvalidArgument for q < 1.
   MaskSizes get_mask_sizes(std::int64_t q) const;
   // Appends q tokens, keys [B, H, q, key_dim] and values [B, H, q, value_dim]
-  // (any strides, the layer's dtype), and returns every key / value the new
-  // queries attend to, positions [kv_offset, L + q). Throws InvalidArgument
-  // on rank / shape / dtype / batch mismatch, CapacityError when a static
-  // layer cannot hold the tokens; nothing is written then.
+  // (any strides, including 0, the layer's dtype), and returns every key /
+  // value the new queries attend to, positions [kv_offset, L + q). Throws
+  // InvalidArgument on rank / shape / dtype / batch mismatch, CapacityError
+  // when a static layer, the memory budget or the system cannot hold the
+  // tokens (sizes past 2^48 bytes or 2^40 tokens included), StateError when
+  // it would pass what an open forward allows; nothing is written then.
   KeyValueView update(const TensorView& keys, const TensorView& values);
   // Appends q rows [B, q, D] to side tensor `side` and returns the rows of
   // the positions the keys range covers: [B, n, D]. Same errors as update,
   // plus IndexError for a bad `side`.
-  TensorView update_side(int side, const TensorView& rows);
+  TensorView update_side(const TensorView& rows, int side = 0);
   // Retained keys / values / side rows, positions stored_range(). For
   // inspection; what the next forward needs is what update returns.
   KeyValueView keys_values() const;
@@ -200,21 +222,34 @@ class Layer {
   // Appends x [B, channels, q] to conv state `state` and returns the window
   // [B, channels, K - 1 + q]: the K - 1 inputs before the new ones (zeros
   // before position 0) followed by the q new inputs. Throws StateError with
-  // the transformers message on a layer without conv states.
-  TensorView update_conv_state(int state, const TensorView& x);
-  // The last K inputs [B, channels, K] (zeros before position 0).
-  TensorView get_conv_state(int state) const;
+  // the transformers message on a layer without conv states, IndexError for
+  // a bad `state`, and what update throws for a bad input.
+  //
+  // Layout: the window is token-major, like all per-token storage: element
+  // (b, c, t) lives at data + t * (B * channels) + b * channels + c, i.e.
+  // strides [channels, 1, B * channels]. A depthwise causal conv reads it
+  // cheaply with the time loop outside and the channel loop inside (each
+  // window row is `channels` contiguous values, so the inner loop vectorises
+  // across channels): out[b, c, j] = sum_i w[c, i] * window[b, c, j + i].
+  // Channel-major input (x contiguous as [B, channels, q]) is accepted as is.
+  TensorView update_conv_state(const TensorView& x, int state = 0);
+  // The last K inputs [B, channels, K] (zeros before position 0), same layout.
+  TensorView get_conv_state(int state = 0) const;
   // Retained conv inputs [B, channels, n] and their positions (may start
   // below 0: the zero padding before the first token).
-  TensorView conv_inputs(int state) const;
-  PositionRange conv_range(int state) const;
-  // Starts a zero-copy update of recurrent state `state` by q >= 1 tokens.
-  RecurrentUpdate begin_recurrent_update(int state, std::int64_t q);
+  TensorView conv_inputs(int state = 0) const;
+  PositionRange conv_range(int state = 0) const;
+  // Starts a zero-copy update of recurrent state `state` by q tokens. Throws
+  // InvalidArgument for q < 1, StateError / IndexError for a layer without
+  // that state, CapacityError when the fresh slots cannot be allocated,
+  // StateError inside an open forward unless q is the forward's whole q.
+  RecurrentUpdate begin_recurrent_update(std::int64_t q, int state = 0);
   // Convenience over begin/commit for one token (transformers'
   // update_recurrent_state): copies new_state [B, shape...] in as S(L+1).
-  void update_recurrent_state(int state, const TensorView& new_state);
+  // Throws InvalidArgument for a shape or dtype mismatch.
+  void update_recurrent_state(const TensorView& new_state, int state = 0);
   // S(L): [B, shape...] (zeros when L = 0).
-  TensorView get_recurrent_state(int state) const;
+  TensorView get_recurrent_state(int state = 0) const;
   // S(pos) for a snapshot still held, pos in [L - held + 1, L]; throws
   // IndexError naming the held range otherwise.
   TensorView recurrent_snapshot(int state, std::int64_t pos) const;
@@ -246,7 +281,8 @@ class Layer {
   // ---- batch ----
   // Keeps batch rows `indices` (any order, repeats allowed) of every stored
   // tensor; B becomes indices.size(). Throws IndexError for an index outside
-  // [0, B), InvalidArgument for an empty list.
+  // [0, B), InvalidArgument for an empty list, StateError when the parts are
+  // out of step, CapacityError when the copy cannot be allocated.
   void batch_select_indices(std::span<const std::int64_t> indices);
   // Repeats every batch row `repeats` >= 1 times in place (beam expansion).
   void batch_repeat_interleave(std::int64_t repeats);
@@ -258,6 +294,9 @@ class Layer {
   void reset();
 
   LayerMemory memory() const;
+  // Best effort: releases the slack of dynamic buffers (full attention keeps
+  // up to 2x what it holds after growing by doubling). Changes no content.
+  void shrink_to_fit();
 
   struct Impl;  // defined in src/cache
 

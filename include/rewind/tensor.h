@@ -5,6 +5,9 @@
 // cache takes its inputs as views and returns views into its own storage; a
 // returned view stays valid until the next call that mutates the same layer.
 // Tensor owns a 64-byte aligned, contiguous, zero-initialised buffer.
+//
+// Conventions: "REQUIRES: x" is the caller's duty and is not checked;
+// "Throws E when x" is checked.
 #pragma once
 
 #include <array>
@@ -27,19 +30,27 @@ struct TensorView {
   std::array<std::int64_t, kMaxRank> shape{};    // unused dims are 1
   std::array<std::int64_t, kMaxRank> strides{};  // in elements; unused dims 0
 
-  // A contiguous (row-major) view of `shape`.
-  // REQUIRES: 0 <= shape.size() <= 4, every extent >= 0 (throws InvalidArgument).
+  // A contiguous (row-major) view of `shape`. Throws InvalidArgument for
+  // more than 4 extents, a negative extent, or more than 2^62 elements.
   static TensorView contiguous(void* data, DType dtype, std::initializer_list<std::int64_t> shape);
 
-  // A view with explicit strides (in elements).
-  // REQUIRES: shape.size() == strides.size() <= 4 (throws InvalidArgument).
+  // A view with explicit strides (in elements; 0 broadcasts, negative runs
+  // backwards). Throws InvalidArgument when shape.size() != strides.size(),
+  // for more than 4 extents or a negative extent.
   static TensorView strided(void* data, DType dtype, std::initializer_list<std::int64_t> shape,
                             std::initializer_list<std::int64_t> strides);
 
+  // REQUIRES: 0 <= dim < 4 (not checked: hot path).
   std::int64_t size(int dim) const { return shape[static_cast<std::size_t>(dim)]; }
   std::int64_t stride(int dim) const { return strides[static_cast<std::size_t>(dim)]; }
-  // Number of elements (product of the extents; 1 for rank 0).
+  // Number of elements (product of the extents; 1 for rank 0). Throws
+  // InvalidArgument when the product passes 2^62 (a broadcast view may
+  // describe that many).
   std::int64_t numel() const;
+  // The sub-range [start, start + length) of dimension `dim`, same strides.
+  // Throws IndexError unless 0 <= dim < rank and 0 <= start <= start +
+  // length <= size(dim).
+  TensorView slice(int dim, std::int64_t start, std::int64_t length) const;
   // True when the strides are the row-major strides of the shape (extents of
   // 1 may carry any stride).
   bool is_contiguous() const;
@@ -65,8 +76,9 @@ struct TensorView {
   std::string describe() const;
 };
 
-// Copies every element of `src` into `dst` bit for bit, whatever their strides.
-// REQUIRES: same rank, shape and dtype (throws InvalidArgument otherwise).
+// Copies every element of `src` into `dst` bit for bit, whatever their
+// strides. Throws InvalidArgument unless both have the same rank, shape and
+// dtype. REQUIRES: `dst` does not overlap `src` unless both are the same view.
 void copy_tensor(const TensorView& src, const TensorView& dst);
 
 // True when both views have the same shape and dtype and every element has
@@ -77,8 +89,10 @@ bool bitwise_equal(const TensorView& a, const TensorView& b);
 class Tensor {
  public:
   Tensor() = default;
-  // Throws InvalidArgument for negative extents or rank > 4.
+  // Throws InvalidArgument for negative extents or rank > 4, CapacityError
+  // when the bytes pass 2^48 or the system cannot allocate them.
   Tensor(DType dtype, std::initializer_list<std::int64_t> shape);
+  // REQUIRES: `shape` points to `rank` extents.
   Tensor(DType dtype, const std::int64_t* shape, int rank);
   Tensor(Tensor&&) noexcept = default;
   Tensor& operator=(Tensor&&) noexcept = default;
@@ -96,7 +110,7 @@ class Tensor {
   struct Free {
     void operator()(std::byte* p) const noexcept;
   };
-  std::unique_ptr<std::byte, Free> storage_;
+  std::unique_ptr<std::byte, Free> storage_;  // from the library's one aligned allocator
   TensorView view_;
 };
 

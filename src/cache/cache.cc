@@ -1,36 +1,112 @@
 #include "rewind/cache.h"
 
-#include <array>
+#include <functional>
+#include <string>
 #include <utility>
 
+#include "aligned_memory.h"
 #include "cache/layer_impl.h"
 #include "cache/warnings.h"
 
 namespace rwd {
-namespace {
 
-struct KindName {
-  LayerKind kind;
-  std::string_view name;
+// The cache's state behind its public face: the budget, the layers (which
+// must die before the budget: they release their bytes into it), and the
+// open forward's handle, if any.
+struct Cache::Impl {
+  std::unique_ptr<detail::MemoryBudget> budget;  // null until a budget is set
+  std::vector<Layer> layers;
+  Forward* open = nullptr;  // the handle of the open forward
+
+  ~Impl() {
+    if (open) open->cache_ = nullptr;  // the handle outlives us: make it inert
+  }
+
+  Layer::Impl& layer_impl(std::size_t i) { return *layers[i].impl_; }
+  const Layer::Impl& layer_impl(std::size_t i) const { return *layers[i].impl_; }
+
+  void check_index(int layer_idx) const {
+    if (layer_idx < 0 || layer_idx >= static_cast<int>(layers.size())) {
+      throw IndexError("layer index " + std::to_string(layer_idx) + " is outside [0, " +
+                       std::to_string(layers.size()) + ")");
+    }
+  }
+
+  // Whole-cache operations need the stateful layers in step: a forward that
+  // stopped halfway leaves some layers ahead, and cropping "the last k
+  // tokens" would then remove real tokens from the layers behind.
+  void check_whole(const std::string& operation) const {
+    if (open) {
+      throw StateError(operation + " while a forward of " + std::to_string(open->num_tokens()) +
+                       " tokens is open (begin_forward); commit() or abandon() it first");
+    }
+    bool any = false, same = true;
+    std::int64_t L = 0;
+    for (const auto& l : layers) {
+      const Layer::Impl& impl = *l.impl_;
+      if (impl.stateless()) continue;
+      const std::int64_t n = impl.length();
+      same = same && (!any || n == L) && impl.in_step();
+      L = any ? L : n;
+      any = true;
+    }
+    if (same) return;
+    std::string lengths;
+    for (std::size_t i = 0; i < layers.size(); ++i) {
+      const Layer::Impl& impl = *layers[i].impl_;
+      if (impl.stateless()) continue;
+      lengths += (lengths.empty() ? "" : ", ") + std::string("layer ") + std::to_string(i) + ": " +
+                 std::to_string(impl.length()) + (impl.in_step() ? "" : " (its parts differ)");
+    }
+    throw StateError(operation + " needs every stateful layer at the same length, but they are out of step (" +
+                     lengths +
+                     "): a forward stopped halfway. Nothing was changed; reset() the cache, or make forwards "
+                     "all-or-nothing with begin_forward");
+  }
+
+  // Two phases that make whole-cache changes transactional: build every
+  // layer's new state (may throw), then swap them all in (cannot fail).
+  using RowsFor = std::function<std::vector<std::int64_t>(const Layer::Impl&)>;
+  std::vector<std::unique_ptr<Layer::Impl>> prepare_gather(const char* operation, const RowsFor& rows_for,
+                                                           bool check_step = true) const {
+    if (check_step) check_whole(operation);
+    std::vector<std::unique_ptr<Layer::Impl>> next;
+    next.reserve(layers.size());
+    for (const auto& l : layers) {
+      const std::vector<std::int64_t> rows = rows_for(*l.impl_);
+      l.impl_->check_batch_rows(rows, operation);
+      next.push_back(l.impl_->gathered(rows));
+    }
+    return next;
+  }
+  std::vector<std::unique_ptr<Layer::Impl>> prepare_reset() const {
+    if (open) check_whole("reset");
+    std::vector<std::unique_ptr<Layer::Impl>> next;
+    next.reserve(layers.size());
+    for (const auto& l : layers) next.push_back(l.impl_->fresh());
+    return next;
+  }
+  void commit_layers(std::vector<std::unique_ptr<Layer::Impl>> next) noexcept {
+    for (std::size_t i = 0; i < layers.size(); ++i) layers[i].impl_ = std::move(next[i]);
+  }
+  // Prepares every layer's recording change (may throw), then commits all.
+  void set_recording(bool on, std::int64_t max_tokens) {
+    check_whole(on ? "activate_past_recording(" + std::to_string(max_tokens) + ")" : "deactivate_past_recording");
+    std::vector<Layer::Impl::RecordingPlan> plans;
+    plans.reserve(layers.size());
+    for (const auto& l : layers) plans.push_back(l.impl_->prepare_recording(on, max_tokens));
+    for (std::size_t i = 0; i < layers.size(); ++i)
+      layers[i].impl_->commit_recording(on, max_tokens, std::move(plans[i]));
+  }
+
+  void abandon_forward() noexcept {
+    for (auto& l : layers) l.impl_->abandon_forward();
+    if (open) open->cache_ = nullptr;
+    open = nullptr;
+  }
 };
-constexpr std::array<KindName, 10> kKindNames{{
-    {LayerKind::FullAttention, "full_attention"},
-    {LayerKind::SlidingAttention, "sliding_attention"},
-    {LayerKind::ChunkedAttention, "chunked_attention"},
-    {LayerKind::LinearAttention, "linear_attention"},
-    {LayerKind::Conv, "conv"},
-    {LayerKind::Hybrid, "hybrid"},
-    {LayerKind::HybridSliding, "hybrid_sliding"},
-    {LayerKind::SparseAttention, "deepseek_sparse_attention"},
-    {LayerKind::Moe, "moe"},
-    {LayerKind::Mlp, "mlp"},
-}};
 
-std::string accepted_kind_names() {
-  std::string all;
-  for (const auto& k : kKindNames) all += (all.empty() ? "" : ", ") + std::string(k.name);
-  return all;
-}
+namespace {
 
 LayerOptions options_for(LayerKind kind, const LayerOptions& options) {
   LayerOptions o = options;
@@ -38,204 +114,19 @@ LayerOptions options_for(LayerKind kind, const LayerOptions& options) {
   return o;
 }
 
-}  // namespace
-
-LayerKind parse_layer_kind(std::string_view name) {
-  for (const auto& k : kKindNames)
-    if (k.name == name) return k.kind;
-  throw InvalidArgument("unknown layer type '" + std::string(name) + "'; accepted: " + accepted_kind_names());
-}
-
-std::string_view layer_kind_name(LayerKind kind) {
-  for (const auto& k : kKindNames)
-    if (k.kind == kind) return k.name;
-  return "unknown";
-}
-
-// ---- Cache -------------------------------------------------------------------
-
-Cache::Cache(const std::vector<std::string>& layer_types, const LayerOptions& options) {
-  layers_.reserve(layer_types.size());
-  for (std::size_t i = 0; i < layer_types.size(); ++i) {
-    LayerKind kind;
-    try {
-      kind = parse_layer_kind(layer_types[i]);
-    } catch (const InvalidArgument& e) {
-      throw InvalidArgument("layer_types[" + std::to_string(i) + "]: " + e.what());
-    }
-    layers_.emplace_back(kind, options_for(kind, options), static_cast<int>(i));
-  }
-}
-
-Cache::Cache(std::vector<Layer> layers) : layers_(std::move(layers)) {
-  for (std::size_t i = 0; i < layers_.size(); ++i) {
-    const Layer::Impl& l = *layers_[i].impl_;
-    if (l.length() != 0) {
-      throw StateError("Cache(layers): layer " + std::to_string(i) + " (" + std::string(layer_kind_name(l.kind)) +
-                       ") already holds " + std::to_string(l.length()) + " tokens; a cache starts empty");
-    }
-  }
-  for (std::size_t i = 0; i < layers_.size(); ++i) layers_[i].set_index(static_cast<int>(i));
-}
-
-Cache::~Cache() = default;
-Cache::Cache(Cache&&) noexcept = default;
-Cache& Cache::operator=(Cache&& other) noexcept {
-  // Swap, so that the old layers die (in `gone`) before their budget does.
-  Cache gone(std::move(other));
-  std::swap(budget_, gone.budget_);
-  std::swap(layers_, gone.layers_);
-  return *this;
-}
-
-void Cache::set_memory_budget(std::size_t bytes) {
-  const std::size_t reserved = budget_ ? budget_->reserved : memory().bytes_reserved;
-  if (bytes != 0 && reserved > bytes) {
-    throw CapacityError("set_memory_budget(" + std::to_string(bytes) + "): the cache already reserves " +
-                        std::to_string(reserved) + " bytes; free some first (crop(0), reset) or set a larger budget");
-  }
-  if (!budget_) {
-    budget_ = std::make_unique<detail::MemoryBudget>();
-    for (auto& l : layers_) l.impl_->attach_budget(budget_.get());
-  }
-  budget_->limit = bytes;
-}
-
-std::size_t Cache::memory_budget() const { return budget_ ? budget_->limit : 0; }
-
-void Cache::check_index(int layer_idx) const {
-  if (layer_idx < 0 || layer_idx >= num_layers()) {
-    throw IndexError("layer index " + std::to_string(layer_idx) + " is outside [0, " + std::to_string(num_layers()) +
-                     ")");
-  }
-}
-
-Layer& Cache::layer(int layer_idx) {
-  check_index(layer_idx);
-  return layers_[static_cast<std::size_t>(layer_idx)];
-}
-
-const Layer& Cache::layer(int layer_idx) const {
-  check_index(layer_idx);
-  return layers_[static_cast<std::size_t>(layer_idx)];
-}
-
-std::int64_t Cache::get_seq_length() const {
-  for (const auto& l : layers_)
-    if (!l.is_stateless()) return l.get_seq_length();
-  return 0;
-}
-
-std::int64_t Cache::get_seq_length(int layer_idx) const { return layer(layer_idx).get_seq_length(); }
-
-MaskSizes Cache::get_mask_sizes(std::int64_t query_length, int layer_idx) const {
-  return layer(layer_idx).get_mask_sizes(query_length);
-}
-
-KeyValueView Cache::update(const TensorView& keys, const TensorView& values, int layer_idx) {
-  return layer(layer_idx).update(keys, values);
-}
-
-TensorView Cache::update_side(const TensorView& rows, int layer_idx, int side) {
-  return layer(layer_idx).update_side(side, rows);
-}
-
-TensorView Cache::update_conv_state(const TensorView& x, int layer_idx, int state) {
-  return layer(layer_idx).update_conv_state(state, x);
-}
-
-RecurrentUpdate Cache::begin_recurrent_update(int layer_idx, std::int64_t q, int state) {
-  return layer(layer_idx).begin_recurrent_update(state, q);
-}
-
-void Cache::update_recurrent_state(const TensorView& new_state, int layer_idx, int state) {
-  layer(layer_idx).update_recurrent_state(state, new_state);
-}
-
-TensorView Cache::get_recurrent_state(int layer_idx, int state) const {
-  return layer(layer_idx).get_recurrent_state(state);
-}
-
-TensorView Cache::get_conv_state(int layer_idx, int state) const { return layer(layer_idx).get_conv_state(state); }
-
-bool Cache::has_previous_state() const {
-  for (auto it = layers_.rbegin(); it != layers_.rend(); ++it)
-    if (it->is_linear()) return it->has_previous_state();
-  // No linear layer: the message of transformers.
-  if (layers_.empty()) throw StateError(std::string(kHasPreviousOnAttention) + " [empty cache]");
-  return layers_.front().has_previous_state();  // throws with the layer named
-}
-
-bool Cache::has_previous_state(int layer_idx) const { return layer(layer_idx).has_previous_state(); }
-
-void Cache::check_crop(std::int64_t n) const {
-  for (const auto& l : layers_) l.impl_->check_crop(n);
-}
-
-void Cache::crop(std::int64_t n) {
-  check_crop(n);  // every layer first: an error leaves the whole cache untouched
-  if (n > 0) detail::warn_positive_crop_once();
-  for (auto& l : layers_) l.impl_->apply_crop(n);
-}
-
-std::int64_t Cache::max_rollback() const {
-  bool any = false;
-  std::int64_t depth = 0;
-  for (const auto& l : layers_) {
-    if (l.is_stateless()) continue;
-    const std::int64_t d = l.max_rollback();
-    depth = any ? std::min(depth, d) : d;
-    any = true;
-  }
-  return any ? depth : get_seq_length();
-}
-
-void Cache::set_recording(bool on, std::int64_t max_tokens) {
-  std::vector<Layer::Impl::RecordingPlan> plans;
-  plans.reserve(layers_.size());
-  for (const auto& l : layers_) plans.push_back(l.impl_->prepare_recording(on, max_tokens));
-  for (std::size_t i = 0; i < layers_.size(); ++i)
-    layers_[i].impl_->commit_recording(on, max_tokens, std::move(plans[i]));
-}
-
-void Cache::activate_past_recording(std::int64_t max_tokens) { set_recording(true, max_tokens); }
-
-void Cache::deactivate_past_recording() { set_recording(false, 0); }
-
-bool Cache::is_recording() const {
-  for (const auto& l : layers_)
-    if (!l.is_recording()) return false;
-  return !layers_.empty();
-}
-
-std::vector<std::unique_ptr<Layer::Impl>> Cache::prepare_gather(const char* operation, const RowsFor& rows_for) const {
-  std::vector<std::unique_ptr<Layer::Impl>> next;
-  next.reserve(layers_.size());
-  for (const auto& l : layers_) {
-    const std::vector<std::int64_t> rows = rows_for(*l.impl_);
-    l.impl_->check_batch_rows(rows, operation);
-    next.push_back(l.impl_->gathered(rows));
-  }
-  return next;
-}
-
-void Cache::commit_layers(std::vector<std::unique_ptr<Layer::Impl>> next) noexcept {
-  for (std::size_t i = 0; i < layers_.size(); ++i) layers_[i].impl_ = std::move(next[i]);
-}
-
-Cache::RowsFor Cache::select_rows(std::span<const std::int64_t> indices) {
+Cache::Impl::RowsFor select_rows(std::span<const std::int64_t> indices) {
   std::vector<std::int64_t> rows(indices.begin(), indices.end());
   return [rows](const Layer::Impl&) { return rows; };
 }
 
-Cache::RowsFor Cache::repeat_rows_for(std::int64_t repeats) {
+Cache::Impl::RowsFor repeat_rows_for(std::int64_t repeats) {
   if (repeats < 1) {
     throw InvalidArgument("batch_repeat_interleave(" + std::to_string(repeats) + ") needs repeats >= 1");
   }
   return [repeats](const Layer::Impl& l) { return repeat_rows(l.batch, repeats); };
 }
 
-Cache::RowsFor Cache::reorder_rows(std::span<const std::int64_t> beam_idx) {
+Cache::Impl::RowsFor reorder_rows(std::span<const std::int64_t> beam_idx) {
   std::vector<std::int64_t> rows(beam_idx.begin(), beam_idx.end());
   return [rows](const Layer::Impl& l) {
     if (static_cast<std::int64_t>(rows.size()) != l.batch) {
@@ -246,30 +137,235 @@ Cache::RowsFor Cache::reorder_rows(std::span<const std::int64_t> beam_idx) {
   };
 }
 
+}  // namespace
+
+// ---- Cache -------------------------------------------------------------------
+
+Cache::Cache(const std::vector<std::string>& layer_types, const LayerOptions& options)
+    : impl_(std::make_unique<Impl>()) {
+  if (layer_types.empty()) {
+    throw InvalidArgument("Cache(layer_types): the list is empty; a cache needs one entry per model layer");
+  }
+  state().layers.reserve(layer_types.size());
+  for (std::size_t i = 0; i < layer_types.size(); ++i) {
+    LayerKind kind;
+    try {
+      kind = parse_layer_kind(layer_types[i]);
+    } catch (const InvalidArgument& e) {
+      throw InvalidArgument("layer_types[" + std::to_string(i) + "]: " + e.what());
+    }
+    state().layers.emplace_back(kind, options_for(kind, options), static_cast<int>(i));
+  }
+}
+
+Cache::Cache(std::vector<Layer> layers) : impl_(std::make_unique<Impl>()) {
+  if (layers.empty()) {
+    throw InvalidArgument("Cache(layers): the list is empty; a cache needs one layer per model layer");
+  }
+  for (std::size_t i = 0; i < layers.size(); ++i) {
+    const Layer::Impl& l = *layers[i].impl_;
+    if (l.length() != 0) {
+      throw StateError("Cache(layers): layer " + std::to_string(i) + " (" + std::string(layer_kind_name(l.kind)) +
+                       ") already holds " + std::to_string(l.length()) + " tokens; a cache starts empty");
+    }
+  }
+  state().layers = std::move(layers);
+  for (std::size_t i = 0; i < state().layers.size(); ++i) state().layers[i].set_index(static_cast<int>(i));
+}
+
+Cache::~Cache() = default;
+Cache::Cache(Cache&&) noexcept = default;
+Cache& Cache::operator=(Cache&& other) noexcept = default;
+
+int Cache::num_layers() const { return static_cast<int>(state().layers.size()); }
+
+Cache::Impl& Cache::state() const {
+  if (!impl_) throw StateError("this Cache was moved from; it holds no layers");
+  return *impl_;
+}
+
+void Cache::set_memory_budget(std::size_t bytes) {
+  if (state().open) state().check_whole("set_memory_budget");
+  const std::size_t reserved = state().budget ? state().budget->reserved : memory().bytes_reserved;
+  if (bytes != 0 && reserved > bytes) {
+    throw CapacityError("set_memory_budget(" + std::to_string(bytes) + "): the cache already reserves " +
+                        std::to_string(reserved) + " bytes; free some first (crop(0), shrink_to_fit, reset) or "
+                        "set a larger budget");
+  }
+  if (!state().budget) {
+    state().budget = std::make_unique<detail::MemoryBudget>();
+    for (auto& l : state().layers) l.impl_->attach_budget(state().budget.get());
+  }
+  state().budget->limit = bytes;
+}
+
+std::size_t Cache::memory_budget() const { return state().budget ? state().budget->limit : 0; }
+
+const Layer& Cache::layer(int layer_idx) const {
+  state().check_index(layer_idx);
+  return state().layers[static_cast<std::size_t>(layer_idx)];
+}
+
+std::int64_t Cache::get_seq_length() const {
+  for (const auto& l : state().layers)
+    if (!l.is_stateless()) return l.get_seq_length();
+  return 0;
+}
+
+std::int64_t Cache::get_seq_length(int layer_idx) const { return layer(layer_idx).get_seq_length(); }
+
+MaskSizes Cache::get_mask_sizes(std::int64_t query_length, int layer_idx) const {
+  return layer(layer_idx).get_mask_sizes(query_length);
+}
+
+namespace {
+Layer& mutable_layer(Cache::Impl& impl, int layer_idx) {
+  impl.check_index(layer_idx);
+  return impl.layers[static_cast<std::size_t>(layer_idx)];
+}
+}  // namespace
+
+KeyValueView Cache::update(const TensorView& keys, const TensorView& values, int layer_idx) {
+  return mutable_layer(Cache::state(), layer_idx).update(keys, values);
+}
+
+TensorView Cache::update_side(const TensorView& rows, int layer_idx, int side) {
+  return mutable_layer(Cache::state(), layer_idx).update_side(rows, side);
+}
+
+TensorView Cache::update_conv_state(const TensorView& x, int layer_idx, int state) {
+  return mutable_layer(Cache::state(), layer_idx).update_conv_state(x, state);
+}
+
+RecurrentUpdate Cache::begin_recurrent_update(std::int64_t q, int layer_idx, int state) {
+  return mutable_layer(Cache::state(), layer_idx).begin_recurrent_update(q, state);
+}
+
+void Cache::update_recurrent_state(const TensorView& new_state, int layer_idx, int state) {
+  mutable_layer(Cache::state(), layer_idx).update_recurrent_state(new_state, state);
+}
+
+TensorView Cache::get_recurrent_state(int layer_idx, int state) const {
+  return layer(layer_idx).get_recurrent_state(state);
+}
+
+TensorView Cache::get_conv_state(int layer_idx, int state) const { return layer(layer_idx).get_conv_state(state); }
+
+bool Cache::has_previous_state() const {
+  const auto& layers = state().layers;
+  for (auto it = layers.rbegin(); it != layers.rend(); ++it)
+    if (it->is_linear()) return it->has_previous_state();
+  // No linear layer: the message of transformers.
+  return layers.front().has_previous_state();  // throws with the layer named
+}
+
+bool Cache::has_previous_state(int layer_idx) const { return layer(layer_idx).has_previous_state(); }
+
+// ---- forwards ------------------------------------------------------------------
+
+Forward Cache::begin_forward(std::int64_t q) {
+  const std::string operation = "begin_forward(" + std::to_string(q) + ")";
+  if (q < 1 || q > detail::kMaxTokens) throw InvalidArgument(operation + " needs a token count in [1, 2^40]");
+  state().check_whole(operation);
+  std::vector<Layer::Impl::ForwardPlan> plans;
+  plans.reserve(state().layers.size());
+  for (const auto& l : state().layers) plans.push_back(l.impl_->plan_forward(q));
+  for (std::size_t i = 0; i < state().layers.size(); ++i) state().layer_impl(i).open_forward(q, std::move(plans[i]));
+  Forward handle(&state(), q, get_seq_length());
+  state().open = &handle;
+  return handle;
+}
+
+bool Cache::forward_open() const { return state().open != nullptr; }
+
+Forward::Forward(Forward&& other) noexcept
+    : cache_(std::exchange(other.cache_, nullptr)), q_(other.q_), start_(other.start_) {
+  if (cache_) cache_->open = this;
+}
+
+Forward& Forward::operator=(Forward&& other) noexcept {
+  if (this != &other) {
+    abandon();
+    cache_ = std::exchange(other.cache_, nullptr);
+    q_ = other.q_;
+    start_ = other.start_;
+    if (cache_) cache_->open = this;
+  }
+  return *this;
+}
+
+Forward::~Forward() { abandon(); }
+
+void Forward::commit() {
+  if (!cache_) throw StateError("Forward::commit: the forward is not open (committed, abandoned or moved from)");
+  for (std::size_t i = 0; i < cache_->layers.size(); ++i) cache_->layer_impl(i).check_forward_complete();
+  for (std::size_t i = 0; i < cache_->layers.size(); ++i) cache_->layer_impl(i).close_forward();
+  cache_->open = nullptr;
+  cache_ = nullptr;
+}
+
+void Forward::abandon() noexcept {
+  if (cache_) cache_->abandon_forward();
+}
+
+// ---- whole-cache operations -------------------------------------------------------
+
+void Cache::check_crop(std::int64_t n) const {
+  state().check_whole("crop(" + std::to_string(n) + ")");
+  for (const auto& l : state().layers) l.impl_->check_crop(n);
+}
+
+void Cache::crop(std::int64_t n) {
+  check_crop(n);  // every layer first: an error leaves the whole cache untouched
+  if (n > 0) detail::warn_positive_crop_once();
+  for (auto& l : state().layers) l.impl_->apply_crop(n);
+}
+
+std::int64_t Cache::max_rollback() const {
+  state().check_whole("max_rollback");
+  bool any = false;
+  std::int64_t depth = 0;
+  for (const auto& l : state().layers) {
+    if (l.is_stateless()) continue;
+    const std::int64_t d = l.max_rollback();
+    depth = any ? std::min(depth, d) : d;
+    any = true;
+  }
+  return any ? depth : get_seq_length();
+}
+
+void Cache::activate_past_recording(std::int64_t max_tokens) { state().set_recording(true, max_tokens); }
+
+void Cache::deactivate_past_recording() { state().set_recording(false, 0); }
+
+bool Cache::is_recording() const {
+  for (const auto& l : state().layers)
+    if (!l.is_recording()) return false;
+  return true;
+}
+
 void Cache::batch_select_indices(std::span<const std::int64_t> indices) {
-  commit_layers(prepare_gather("batch_select_indices", select_rows(indices)));
+  state().commit_layers(state().prepare_gather("batch_select_indices", select_rows(indices)));
 }
 
 void Cache::batch_repeat_interleave(std::int64_t repeats) {
-  commit_layers(prepare_gather("batch_repeat_interleave", repeat_rows_for(repeats)));
+  state().commit_layers(state().prepare_gather("batch_repeat_interleave", repeat_rows_for(repeats)));
 }
 
 void Cache::reorder_cache(std::span<const std::int64_t> beam_idx) {
-  commit_layers(prepare_gather("reorder_cache", reorder_rows(beam_idx)));
+  state().commit_layers(state().prepare_gather("reorder_cache", reorder_rows(beam_idx)));
 }
 
-std::vector<std::unique_ptr<Layer::Impl>> Cache::prepare_reset() const {
-  std::vector<std::unique_ptr<Layer::Impl>> next;
-  next.reserve(layers_.size());
-  for (const auto& l : layers_) next.push_back(l.impl_->fresh());
-  return next;
-}
+void Cache::reset() { state().commit_layers(state().prepare_reset()); }
 
-void Cache::reset() { commit_layers(prepare_reset()); }
+void Cache::shrink_to_fit() {
+  if (state().open) state().check_whole("shrink_to_fit");
+  for (auto& l : state().layers) l.impl_->shrink_to_fit();
+}
 
 MemoryReport Cache::memory() const {
   MemoryReport report;
-  for (const auto& l : layers_) {
+  for (const auto& l : state().layers) {
     report.layers.push_back(l.memory());
     report.bytes_reserved += report.layers.back().bytes_reserved;
     report.bytes_used += report.layers.back().bytes_used;
@@ -284,7 +380,7 @@ EncoderDecoderCache::EncoderDecoderCache(Cache self_attention, Cache cross_atten
 
 KeyValueView EncoderDecoderCache::update_cross_attention(const TensorView& keys, const TensorView& values,
                                                          int layer_idx) {
-  Layer& l = cross_.layer(layer_idx);
+  Layer& l = mutable_layer(cross_.state(), layer_idx);
   if (l.has_attention() && l.get_seq_length() > 0) return l.keys_values();
   return l.update(keys, values);
 }
@@ -294,30 +390,34 @@ bool EncoderDecoderCache::is_cross_attention_updated(int layer_idx) const {
   return l.has_attention() && l.get_seq_length() > 0;
 }
 
-void EncoderDecoderCache::gather_both(const char* operation, const Cache::RowsFor& rows_for) {
-  auto next_self = self_.prepare_gather(operation, rows_for);
-  auto next_cross = cross_.prepare_gather(operation, rows_for);
-  self_.commit_layers(std::move(next_self));
-  cross_.commit_layers(std::move(next_cross));
+namespace {
+// The cross-attention part may be half written (its layers are written one
+// by one during the first forward): only the self-attention part must be in step.
+void gather_both(Cache::Impl& self, Cache::Impl& cross, const char* operation, const Cache::Impl::RowsFor& rows_for) {
+  auto next_self = self.prepare_gather(operation, rows_for);
+  auto next_cross = cross.prepare_gather(operation, rows_for, false);
+  self.commit_layers(std::move(next_self));
+  cross.commit_layers(std::move(next_cross));
 }
+}  // namespace
 
 void EncoderDecoderCache::batch_select_indices(std::span<const std::int64_t> indices) {
-  gather_both("batch_select_indices", Cache::select_rows(indices));
+  gather_both(self_.state(), cross_.state(), "batch_select_indices", select_rows(indices));
 }
 
 void EncoderDecoderCache::batch_repeat_interleave(std::int64_t repeats) {
-  gather_both("batch_repeat_interleave", Cache::repeat_rows_for(repeats));
+  gather_both(self_.state(), cross_.state(), "batch_repeat_interleave", repeat_rows_for(repeats));
 }
 
 void EncoderDecoderCache::reorder_cache(std::span<const std::int64_t> beam_idx) {
-  gather_both("reorder_cache", Cache::reorder_rows(beam_idx));
+  gather_both(self_.state(), cross_.state(), "reorder_cache", reorder_rows(beam_idx));
 }
 
 void EncoderDecoderCache::reset() {
-  auto next_self = self_.prepare_reset();
-  auto next_cross = cross_.prepare_reset();
-  self_.commit_layers(std::move(next_self));
-  cross_.commit_layers(std::move(next_cross));
+  auto next_self = self_.state().prepare_reset();
+  auto next_cross = cross_.state().prepare_reset();
+  self_.state().commit_layers(std::move(next_self));
+  cross_.state().commit_layers(std::move(next_cross));
 }
 
 }  // namespace rwd

@@ -1,8 +1,10 @@
 #include <algorithm>
+#include <array>
 #include <cstring>
 #include <limits>
 #include <utility>
 
+#include "aligned_memory.h"
 #include "cache/layer_impl.h"
 #include "cache/warnings.h"
 
@@ -52,19 +54,54 @@ std::string num(std::int64_t v) { return std::to_string(v); }
 // Multiplies sizes, throwing CapacityError instead of overflowing.
 std::size_t checked_bytes(std::initializer_list<std::int64_t> factors, std::size_t element,
                           const std::string& where) {
-  constexpr std::uint64_t kLimit = std::uint64_t{1} << 48;
-  std::uint64_t total = element;
-  for (std::int64_t f : factors) {
-    const auto factor = static_cast<std::uint64_t>(f);
-    if (factor != 0 && total > kLimit / factor) {
-      throw CapacityError(where + ": the requested sizes need more than 2^48 bytes");
-    }
-    total *= factor;
-  }
-  return static_cast<std::size_t>(total);
+  std::size_t total = element;
+  for (std::int64_t f : factors) total = detail::checked_mul(static_cast<std::int64_t>(total), f, where);
+  return total;
 }
 
 }  // namespace
+
+// ---- layer kind names (the one table) ------------------------------------
+
+namespace {
+
+struct KindName {
+  LayerKind kind;
+  std::string_view name;
+};
+constexpr std::array<KindName, 10> kKindNames{{
+    {LayerKind::FullAttention, "full_attention"},
+    {LayerKind::SlidingAttention, "sliding_attention"},
+    {LayerKind::ChunkedAttention, "chunked_attention"},
+    {LayerKind::LinearAttention, "linear_attention"},
+    {LayerKind::Conv, "conv"},
+    {LayerKind::Hybrid, "hybrid"},
+    {LayerKind::HybridSliding, "hybrid_sliding"},
+    {LayerKind::SparseAttention, "deepseek_sparse_attention"},
+    {LayerKind::Moe, "moe"},
+    {LayerKind::Mlp, "mlp"},
+}};
+
+std::string accepted_kind_names() {
+  std::string all;
+  for (const auto& k : kKindNames) all += (all.empty() ? "" : ", ") + std::string(k.name);
+  return all;
+}
+
+}  // namespace
+
+LayerKind parse_layer_kind(std::string_view name) {
+  for (const auto& k : kKindNames)
+    if (k.name == name) return k.kind;
+  throw InvalidArgument("unknown layer type '" + std::string(name) + "'; accepted: " + accepted_kind_names());
+}
+
+std::string_view layer_kind_name(LayerKind kind) {
+  for (const auto& k : kKindNames)
+    if (k.kind == kind) return k.name;
+  return "unknown";
+}
+
 
 // ---- construction ----------------------------------------------------------
 
@@ -107,6 +144,8 @@ Layer::Impl::Impl(LayerKind k, const LayerOptions& o, int layer_index, detail::M
     for (std::size_t i = 0; i < o.side_dims.size(); ++i) {
       require(o.side_dims[i] >= 1, "side_dims[" + num(static_cast<std::int64_t>(i)) + "] must be >= 1, got " +
                                        num(o.side_dims[i]));
+      checked_bytes({o.batch_size, o.side_dims[i], std::max<std::int64_t>(o.static_capacity, 1)}, dtype_size(o.dtype),
+                    where());
       TrackShape ss{TrackShape::Layout::Rows, o.batch_size, 1, o.side_dims[i], o.dtype};
       sides.emplace_back(ss, rule, o.static_capacity, budget);
     }
@@ -137,10 +176,10 @@ Layer::Impl::Impl(LayerKind k, const LayerOptions& o, int layer_index, detail::M
           require(e >= 1, "recurrent_shapes[" + num(static_cast<std::int64_t>(i)) + "] has extent " + num(e) +
                               "; extents must be >= 1");
         }
-        std::int64_t per_sequence = 1;
-        for (std::int64_t e : shape) per_sequence *= std::min<std::int64_t>(e, std::int64_t{1} << 24);
-        checked_bytes({o.batch_size, per_sequence}, dtype_size(o.recurrent_dtype), where());
-        recurrents.emplace_back(shape, o.recurrent_dtype, o.batch_size, 1, budget);
+        std::size_t bytes = checked_bytes({o.batch_size, 2}, dtype_size(o.recurrent_dtype), where());
+        for (std::int64_t e : shape) bytes = checked_bytes({e}, bytes, where());
+        // R + 1 = 1 snapshot, plus the fresh slot an update writes into.
+        recurrents.emplace_back(shape, o.recurrent_dtype, o.batch_size, 1, 2, budget);
       }
     }
   }
@@ -158,6 +197,14 @@ std::int64_t Layer::Impl::length() const {
   if (!convs.empty()) return convs.front().length();
   if (!recurrents.empty()) return recurrents.front().length;
   return 0;
+}
+
+bool Layer::Impl::in_step() const {
+  const std::int64_t L = length();
+  bool ok = true;
+  for_tracks([&](const TokenTrack& t) { ok = ok && t.length() == L; });
+  for (const auto& r : recurrents) ok = ok && r.length == L;
+  return ok;
 }
 
 void Layer::Impl::check_in_step(const char* operation) const {
@@ -199,6 +246,9 @@ std::int64_t Layer::Impl::max_rollback() const {
 
 void Layer::Impl::check_crop(std::int64_t n) const {
   if (stateless()) return;
+  if (forward) {
+    throw StateError(where() + ": crop(" + num(n) + ") during an open forward; commit() or abandon() it first");
+  }
   check_in_step("crop");
   const std::int64_t L = length();
   auto context = [&]() {
@@ -235,19 +285,14 @@ void Layer::Impl::check_crop(std::int64_t n) const {
 void Layer::Impl::apply_crop(std::int64_t n) noexcept {
   if (stateless()) return;
   const std::int64_t L = length();
-  auto for_tracks = [&](auto&& fn) {
-    if (attention) {
-      fn(keys);
-      fn(values);
-      for (auto& s : sides) fn(s);
-    }
-    for (auto& c : convs) fn(c);
-  };
   std::int64_t remove = 0;
   if (n > 0) {
     remove = std::max<std::int64_t>(0, L - n);
   } else if (n == 0) {
-    for_tracks([](TokenTrack& t) { t.buffer.evict_before(t.rule.keep_first(t.length(), 0)); });
+    for_tracks([](TokenTrack& t) {
+      t.buffer.evict_before(t.rule.keep_first(t.length(), 0));
+      t.buffer.shrink_if_oversized();
+    });
     for (auto& r : recurrents) r.drop_history();
   } else {
     remove = n == std::numeric_limits<std::int64_t>::min() ? L : std::min(-n, L);
@@ -259,6 +304,8 @@ void Layer::Impl::apply_crop(std::int64_t n) noexcept {
     for_tracks([&](TokenTrack& t) { t.buffer.truncate(t.length() - remove); });
     for (auto& r : recurrents) r.rollback(remove);
   }
+  for_tracks([](const TokenTrack& t) { t.protect(); });
+  for (const auto& r : recurrents) r.protect();
   ++generation;
 }
 
@@ -266,12 +313,14 @@ void Layer::Impl::apply_crop(std::int64_t n) noexcept {
 
 Layer::Impl::RecordingPlan Layer::Impl::prepare_recording(bool on, std::int64_t R) const {
   RecordingPlan plan;
-  if (on && R < 0) {
+  const char* operation = on ? "activate_past_recording" : "deactivate_past_recording";
+  if (on && (R < 0 || R > detail::kMaxTokens)) {
     throw InvalidArgument(where() + ": activate_past_recording(" + num(R) +
-                          ") needs a non-negative number of tokens to keep");
+                          ") needs a number of tokens to keep in [0, 2^40]");
   }
   if (stateless()) return plan;
-  check_in_step(on ? "activate_past_recording" : "deactivate_past_recording");
+  if (forward) throw StateError(where() + ": " + operation + " during an open forward; commit() or abandon() it first");
+  check_in_step(operation);
   const std::int64_t history_tokens = on ? R : 0;
   if (attention && keys.buffer.is_static() && keys.rule.kind != RetentionRule::Kind::Full) {
     const std::int64_t needed = keys.rule.size + history_tokens;  // retained (W-1+R or C-1+R) plus one update
@@ -281,11 +330,11 @@ Layer::Impl::RecordingPlan Layer::Impl::prepare_recording(bool on, std::int64_t 
                           num(keys.buffer.slots()));
     }
   }
-  const std::int64_t slots = history_tokens + 1;
+  const std::int64_t snapshots = history_tokens + 1;
   for (const auto& r : recurrents) {
-    if (r.slots == slots) continue;
-    checked_bytes({slots, static_cast<std::int64_t>(r.state_bytes())}, 1, where());
-    plan.recurrents.push_back(budgeted("activate_past_recording", [&] { return r.resized(slots); }));
+    if (r.history == snapshots) continue;
+    checked_bytes({snapshots + 1, static_cast<std::int64_t>(r.state_bytes())}, 1, where());
+    plan.recurrents.push_back(budgeted(operation, [&] { return r.resized(snapshots); }));
   }
   return plan;
 }
@@ -295,13 +344,105 @@ void Layer::Impl::commit_recording(bool on, std::int64_t R, RecordingPlan plan) 
   history = on ? R : 0;
   if (stateless()) return;
   if (!plan.recurrents.empty()) recurrents = std::move(plan.recurrents);
-  auto evict = [&](TokenTrack& t) { t.buffer.evict_before(t.rule.keep_first(t.length(), history)); };
-  if (attention) {
-    evict(keys);
-    evict(values);
-    for (auto& s : sides) evict(s);
+  for_tracks([&](TokenTrack& t) {
+    t.buffer.evict_before(t.rule.keep_first(t.length(), history));
+    t.protect();
+  });
+  ++generation;
+}
+
+// ---- forward transactions --------------------------------------------------
+
+Layer::Impl::ForwardPlan Layer::Impl::plan_forward(std::int64_t q) const {
+  ForwardPlan plan;
+  if (stateless()) return plan;
+  check_in_step("begin_forward");
+  auto room = [&](const TokenTrack& t, const char* part) {
+    if (!t.buffer.can_append(q)) {
+      throw CapacityError(where() + ": begin_forward(" + num(q) + ") needs " + num(t.buffer.rows_needed(q)) +
+                          " token slots for its " + part + " (" + num(t.buffer.stored()) + " retained + " + num(q) +
+                          " new), but static_capacity is " + num(t.buffer.slots()));
+    }
+  };
+  for_tracks([&](const TokenTrack& t) { room(t, t.shape.layout == detail::TrackShape::Layout::Channels ? "conv inputs" : "keys"); });
+  budgeted("begin_forward", [&] {
+    for_tracks([&](const TokenTrack& t) { plan.tracks.push_back(t.buffer.plan_append(q)); });
+    for (const auto& r : recurrents) {
+      if (r.has_room(q)) {
+        plan.recurrents.emplace_back();
+      } else {
+        plan.recurrents.emplace_back(r.with_room(q));
+      }
+    }
+  });
+  return plan;
+}
+
+void Layer::Impl::open_forward(std::int64_t q, ForwardPlan plan) noexcept {
+  if (stateless()) return;
+  SavedState saved;
+  std::size_t i = 0;
+  for_tracks([&](TokenTrack& t) {
+    t.buffer.apply(std::move(plan.tracks[i++]), q);
+    saved.tracks.push_back({t.buffer.first(), t.buffer.end()});
+    t.protect();
+  });
+  for (std::size_t j = 0; j < recurrents.size(); ++j) {
+    if (plan.recurrents[j]) recurrents[j] = std::move(*plan.recurrents[j]);
+    const auto& r = recurrents[j];
+    saved.recurrents.push_back({r.length, r.held, r.table});
   }
-  for (auto& c : convs) evict(c);
+  forward = std::move(saved);
+  forward_start = length();
+  forward_end = forward_start + q;
+  ++generation;
+}
+
+void Layer::Impl::check_forward_room(std::int64_t part_length, std::int64_t q, const std::string& part) const {
+  if (!forward || q <= forward_end - part_length) return;
+  throw StateError(where() + ": an update of " + num(q) + " tokens to " + part + " at length " + num(part_length) +
+                   " passes the open forward, which ends at length " + num(forward_end) +
+                   " (begin_forward reserved room for that many tokens per part)");
+}
+
+void Layer::Impl::check_forward_complete() const {
+  if (!forward) return;
+  std::string missing;
+  auto check = [&](std::int64_t n, const std::string& part) {
+    if (n != forward_end) missing += (missing.empty() ? "" : ", ") + part + " at " + num(n);
+  };
+  if (attention) {
+    check(keys.length(), "keys");
+    check(values.length(), "values");
+    for (std::size_t i = 0; i < sides.size(); ++i) check(sides[i].length(), "side tensor " + num(static_cast<std::int64_t>(i)));
+  }
+  for (std::size_t i = 0; i < convs.size(); ++i) check(convs[i].length(), "conv state " + num(static_cast<std::int64_t>(i)));
+  for (std::size_t i = 0; i < recurrents.size(); ++i)
+    check(recurrents[i].length, "recurrent state " + num(static_cast<std::int64_t>(i)));
+  if (!missing.empty()) {
+    throw StateError(where() + ": the forward must bring every part to length " + num(forward_end) + ", but " +
+                     missing);
+  }
+}
+
+void Layer::Impl::abandon_forward() noexcept {
+  if (!forward) return;
+  std::size_t i = 0;
+  for_tracks([&](TokenTrack& t) {
+    const PositionRange& range = forward->tracks[i++];
+    t.buffer.restore(range.first, range.end);
+    t.protect();
+  });
+  for (std::size_t j = 0; j < recurrents.size(); ++j) {
+    auto& r = recurrents[j];
+    const auto& saved = forward->recurrents[j];
+    r.length = saved.length;
+    r.held = saved.held;
+    r.table = saved.table;
+    ++r.version;
+    r.protect();
+  }
+  close_forward();
   ++generation;
 }
 
@@ -309,6 +450,7 @@ void Layer::Impl::commit_recording(bool on, std::int64_t R, RecordingPlan plan) 
 
 void Layer::Impl::check_batch_rows(std::span<const std::int64_t> rows, const char* operation) const {
   if (rows.empty()) throw InvalidArgument(where() + ": " + operation + " needs at least one batch index");
+  if (forward) throw StateError(where() + ": " + operation + " during an open forward; commit() or abandon() it first");
   for (std::size_t i = 0; i < rows.size(); ++i) {
     if (rows[i] < 0 || rows[i] >= batch) {
       throw IndexError(where() + ": " + operation + " index " + num(rows[i]) + " (entry " +
@@ -319,55 +461,62 @@ void Layer::Impl::check_batch_rows(std::span<const std::int64_t> rows, const cha
 
 std::unique_ptr<Layer::Impl> Layer::Impl::gathered(std::span<const std::int64_t> rows) const {
   check_in_step("a batch operation");
-  return budgeted("a batch operation", [&] { return gathered_unchecked(rows); });
-}
-
-std::unique_ptr<Layer::Impl> Layer::Impl::gathered_unchecked(std::span<const std::int64_t> rows) const {
-  auto out = std::make_unique<Impl>();
-  out->kind = kind;
-  out->options = options;
-  out->index = index;
-  out->batch = static_cast<std::int64_t>(rows.size());
-  out->recording = recording;
-  out->history = history;
-  out->generation = generation + 1;
-  out->budget = budget;
-  out->attention = attention;
-  if (attention) {
-    out->keys = keys.gathered(rows);
-    out->values = values.gathered(rows);
-    for (const auto& s : sides) out->sides.push_back(s.gathered(rows));
-  }
-  for (const auto& c : convs) out->convs.push_back(c.gathered(rows));
-  for (const auto& r : recurrents) out->recurrents.push_back(r.gathered(rows));
-  return out;
+  return budgeted("a batch operation", [&] {
+    auto out = std::make_unique<Impl>();
+    out->kind = kind;
+    out->options = options;
+    out->index = index;
+    out->batch = static_cast<std::int64_t>(rows.size());
+    out->recording = recording;
+    out->history = history;
+    out->generation = generation + 1;
+    out->budget = budget;
+    out->attention = attention;
+    if (attention) {
+      out->keys = keys.gathered(rows);
+      out->values = values.gathered(rows);
+      for (const auto& s : sides) out->sides.push_back(s.gathered(rows));
+    }
+    for (const auto& c : convs) out->convs.push_back(c.gathered(rows));
+    for (const auto& r : recurrents) out->recurrents.push_back(r.gathered(rows));
+    return out;
+  });
 }
 
 std::unique_ptr<Layer::Impl> Layer::Impl::fresh() const {
-  return budgeted("reset", [&] { return fresh_unchecked(); });
-}
-
-std::unique_ptr<Layer::Impl> Layer::Impl::fresh_unchecked() const {
-  auto out = std::make_unique<Impl>(kind, options, index, budget);
-  out->commit_recording(recording, history, out->prepare_recording(recording, history));
-  out->generation = generation + 1;
-  return out;
+  if (forward) throw StateError(where() + ": reset during an open forward; commit() or abandon() it first");
+  return budgeted("reset", [&] {
+    auto out = std::make_unique<Impl>(kind, options, index, budget);
+    out->commit_recording(recording, history, out->prepare_recording(recording, history));
+    out->generation = generation + 1;
+    return out;
+  });
 }
 
 void Layer::Impl::attach_budget(detail::MemoryBudget* b) noexcept {
   budget = b;
-  if (attention) {
-    keys.buffer.attach(b);
-    values.buffer.attach(b);
-    for (auto& s : sides) s.buffer.attach(b);
-  }
-  for (auto& c : convs) c.buffer.attach(b);
+  for_tracks([&](TokenTrack& t) { t.buffer.attach(b); });
   for (auto& r : recurrents) r.ring.attach(b);
+}
+
+void Layer::Impl::shrink_to_fit() noexcept {
+  if (forward) return;  // the open forward's room must stay
+  for_tracks([](TokenTrack& t) {
+    t.buffer.shrink_to_fit();
+    t.protect();
+  });
+}
+
+bool Layer::Impl::overlaps_storage(const std::byte* lo, const std::byte* hi) const {
+  bool hit = false;
+  for_tracks([&](const TokenTrack& t) { hit = hit || t.buffer.allocation().overlaps(lo, hi); });
+  for (const auto& r : recurrents) hit = hit || r.ring.overlaps(lo, hi);
+  return hit;
 }
 
 std::vector<std::int64_t> repeat_rows(std::int64_t batch, std::int64_t repeats) {
   std::vector<std::int64_t> rows;
-  rows.reserve(static_cast<std::size_t>(batch * repeats));
+  rows.reserve(checked_bytes({batch, repeats}, 1, "batch_repeat_interleave"));
   for (std::int64_t b = 0; b < batch; ++b)
     for (std::int64_t r = 0; r < repeats; ++r) rows.push_back(b);
   return rows;
@@ -393,6 +542,10 @@ const TokenTrack& Layer::Impl::conv(int state, const char* operation) const {
   return convs[static_cast<std::size_t>(state)];
 }
 
+TokenTrack& Layer::Impl::conv(int state, const char* operation) {
+  return const_cast<TokenTrack&>(std::as_const(*this).conv(state, operation));
+}
+
 const detail::RecurrentState& Layer::Impl::recurrent(int state, const char* operation) const {
   if (recurrents.empty()) {
     throw StateError(where() + ": " + operation + " needs a recurrent state; this " +
@@ -405,6 +558,10 @@ const detail::RecurrentState& Layer::Impl::recurrent(int state, const char* oper
   return recurrents[static_cast<std::size_t>(state)];
 }
 
+detail::RecurrentState& Layer::Impl::recurrent(int state, const char* operation) {
+  return const_cast<detail::RecurrentState&>(std::as_const(*this).recurrent(state, operation));
+}
+
 const TokenTrack& Layer::Impl::side(int s, const char* operation) const {
   check_attention(operation);
   if (s < 0 || static_cast<std::size_t>(s) >= sides.size()) {
@@ -412,6 +569,10 @@ const TokenTrack& Layer::Impl::side(int s, const char* operation) const {
                      num(static_cast<std::int64_t>(sides.size())) + ")");
   }
   return sides[static_cast<std::size_t>(s)];
+}
+
+TokenTrack& Layer::Impl::side(int s, const char* operation) {
+  return const_cast<TokenTrack&>(std::as_const(*this).side(s, operation));
 }
 
 namespace {
@@ -451,6 +612,49 @@ void check_room(const Layer::Impl& l, const TokenTrack& track, std::int64_t q, c
                       " retained + " + num(q) + " new), but static_capacity is " + num(track.buffer.slots()));
 }
 
+// Bytes [lo, hi) an input view may touch (saturating: a view whose span
+// cannot be computed is treated as touching everything).
+struct Span {
+  const std::byte* lo;
+  const std::byte* hi;
+};
+Span byte_span(const TensorView& v) {
+  std::int64_t lo = 0, hi = 0;
+  bool overflow = false;
+  for (int d = 0; d < v.rank; ++d) {
+    const std::int64_t extent = v.size(d);
+    if (extent <= 1) continue;
+    std::int64_t reach = 0;
+    overflow = overflow || __builtin_mul_overflow(v.stride(d), extent - 1, &reach);
+    overflow = overflow || (reach >= 0 ? __builtin_add_overflow(hi, reach, &hi) : __builtin_add_overflow(lo, reach, &lo));
+  }
+  const auto es = static_cast<std::int64_t>(dtype_size(v.dtype));
+  overflow = overflow || __builtin_mul_overflow(lo, es, &lo) || __builtin_mul_overflow(hi + 1, es, &hi);
+  const auto base = reinterpret_cast<std::uintptr_t>(v.data);
+  if (overflow || (lo < 0 && static_cast<std::uint64_t>(-lo) > base) ||
+      (hi > 0 && static_cast<std::uint64_t>(hi) > UINTPTR_MAX - base)) {
+    return {nullptr, reinterpret_cast<const std::byte*>(UINTPTR_MAX)};
+  }
+  return {static_cast<const std::byte*>(v.data) + lo, static_cast<const std::byte*>(v.data) + hi};
+}
+
+// An input that aliases this layer's storage (a view the layer returned,
+// passed back in) is copied first: growth may free, and compaction or the
+// append itself may overwrite, the memory it points to.
+struct StagedInput {
+  Tensor copy;
+  TensorView view;
+};
+StagedInput stage(const Layer::Impl& l, const TensorView& input, const char* operation) {
+  const Span span = byte_span(input);
+  if (!l.overlaps_storage(span.lo, span.hi)) return {Tensor(), input};
+  StagedInput staged;
+  l.budgeted(operation, [&] { staged.copy = Tensor(input.dtype, input.shape.data(), input.rank); });
+  copy_tensor(input, staged.copy.view());
+  staged.view = staged.copy.view();
+  return staged;
+}
+
 }  // namespace
 
 // ---- Layer -----------------------------------------------------------------
@@ -473,7 +677,9 @@ std::int64_t Layer::batch_size() const { return impl_->batch; }
 
 MaskSizes Layer::get_mask_sizes(std::int64_t q) const {
   impl_->check_attention("get_mask_sizes");
-  if (q < 1) throw InvalidArgument(impl_->where() + ": get_mask_sizes(" + num(q) + ") needs a query length >= 1");
+  if (q < 1 || q > detail::kMaxTokens) {
+    throw InvalidArgument(impl_->where() + ": get_mask_sizes(" + num(q) + ") needs a query length in [1, 2^40]");
+  }
   const std::int64_t L = impl_->keys.length();
   const std::int64_t first = impl_->keys.rule.visible_first(L);
   return {L + q - first, first};
@@ -488,22 +694,37 @@ KeyValueView Layer::update(const TensorView& keys, const TensorView& values) {
     throw InvalidArgument(l.where() + ": update got " + num(q) + " key tokens but " + num(qv) + " value tokens");
   }
   if (l.values.length() != l.keys.length()) l.check_in_step("update");
+  l.check_forward_room(l.keys.length(), q, "keys");
   check_room(l, l.keys, q, "update");
-  // Reserve both before writing either, so an allocation failure changes nothing.
-  l.budgeted("update", [&] {
-    l.keys.buffer.reserve_append(q);
-    l.values.buffer.reserve_append(q);
+  // Plan both before moving either, so a refusal changes nothing.
+  auto plans = l.budgeted("update", [&] {
+    return std::make_pair(l.keys.buffer.plan_append(q), l.values.buffer.plan_append(q));
   });
-  return {l.keys.append(keys, q, l.history), l.values.append(values, q, l.history)};
+  const StagedInput k = stage(l, keys, "update");
+  const StagedInput v = stage(l, values, "update");
+  l.keys.buffer.apply(std::move(plans.first), q);
+  l.values.buffer.apply(std::move(plans.second), q);
+  return {l.keys.append(k.view, q, l.history), l.values.append(v.view, q, l.history)};
 }
 
-TensorView Layer::update_side(int side, const TensorView& rows) {
+namespace {
+
+TensorView append_one(Layer::Impl& l, TokenTrack& track, const TensorView& input, const char* operation,
+                      const char* what, const std::string& part) {
+  const std::int64_t q = check_tokens(l, track, input, what);
+  l.check_forward_room(track.length(), q, part);
+  check_room(l, track, q, operation);
+  auto plan = l.budgeted(operation, [&] { return track.buffer.plan_append(q); });
+  const StagedInput staged = stage(l, input, operation);
+  track.buffer.apply(std::move(plan), q);
+  return track.append(staged.view, q, l.history);
+}
+
+}  // namespace
+
+TensorView Layer::update_side(const TensorView& rows, int side) {
   Impl& l = *impl_;
-  auto& track = const_cast<TokenTrack&>(l.side(side, "update_side"));
-  const std::int64_t q = check_tokens(l, track, rows, "side rows");
-  check_room(l, track, q, "update_side");
-  l.budgeted("update_side", [&] { track.buffer.reserve_append(q); });
-  return track.append(rows, q, l.history);
+  return append_one(l, l.side(side, "update_side"), rows, "update_side", "side rows", "side tensor " + num(side));
 }
 
 KeyValueView Layer::keys_values() const {
@@ -518,12 +739,10 @@ PositionRange Layer::stored_range() const {
   return {impl_->keys.buffer.first(), impl_->keys.buffer.end()};
 }
 
-TensorView Layer::update_conv_state(int state, const TensorView& x) {
+TensorView Layer::update_conv_state(const TensorView& x, int state) {
   Impl& l = *impl_;
-  auto& track = const_cast<TokenTrack&>(l.conv(state, "update_conv_state"));
-  const std::int64_t q = check_tokens(l, track, x, "conv input");
-  l.budgeted("update_conv_state", [&] { track.buffer.reserve_append(q); });
-  return track.append(x, q, l.history);
+  return append_one(l, l.conv(state, "update_conv_state"), x, "update_conv_state", "conv input",
+                    "conv state " + num(state));
 }
 
 TensorView Layer::get_conv_state(int state) const {
@@ -538,16 +757,29 @@ PositionRange Layer::conv_range(int state) const {
   return {t.buffer.first(), t.buffer.end()};
 }
 
-RecurrentUpdate Layer::begin_recurrent_update(int state, std::int64_t q) {
-  impl_->recurrent(state, "begin_recurrent_update");
-  if (q < 1) {
-    throw InvalidArgument(impl_->where() + ": begin_recurrent_update(" + num(q) + ") needs at least one token");
+RecurrentUpdate Layer::begin_recurrent_update(std::int64_t q, int state) {
+  Impl& l = *impl_;
+  auto& r = l.recurrent(state, "begin_recurrent_update");
+  if (q < 1 || q > detail::kMaxTokens || r.length > detail::kMaxTokens - q) {
+    throw InvalidArgument(l.where() + ": begin_recurrent_update(" + num(q) + ") needs a token count in [1, 2^40] " +
+                          "that keeps the length within 2^40 (length is " + num(r.length) + ")");
   }
-  return RecurrentUpdate(this, state, q, impl_->generation,
-                         impl_->recurrents[static_cast<std::size_t>(state)].version);
+  if (l.forward && (r.length != l.forward_start || q != l.forward_end - l.forward_start)) {
+    throw StateError(l.where() + ": begin_recurrent_update(" + num(q) + ") of recurrent state " + num(state) +
+                     " at length " + num(r.length) + " inside a forward from length " + num(l.forward_start) +
+                     " to " + num(l.forward_end) +
+                     ": a recurrent state takes the forward's tokens in one update");
+  }
+  if (!r.has_room(q)) {
+    detail::RecurrentState grown = l.budgeted("begin_recurrent_update", [&] { return r.with_room(q); });
+    r = std::move(grown);
+  }
+  std::vector<std::int32_t> fresh = r.fresh_slots(q);
+  for (std::int32_t s : fresh) detail::unpoison(r.physical(s), r.state_bytes());
+  return RecurrentUpdate(this, state, q, l.generation, r.version, std::move(fresh));
 }
 
-void Layer::update_recurrent_state(int state, const TensorView& new_state) {
+void Layer::update_recurrent_state(const TensorView& new_state, int state) {
   const auto& r = impl_->recurrent(state, "update_recurrent_state");
   const TensorView expected = r.view(r.length);
   if (new_state.rank != expected.rank || new_state.shape != expected.shape || new_state.dtype != r.dtype ||
@@ -555,7 +787,9 @@ void Layer::update_recurrent_state(int state, const TensorView& new_state) {
     throw InvalidArgument(impl_->where() + ": update_recurrent_state got " + new_state.describe() + "; expected " +
                           expected.describe());
   }
-  RecurrentUpdate u = begin_recurrent_update(state, 1);
+  RecurrentUpdate u = begin_recurrent_update(1, state);
+  // next(1) never aliases a held snapshot, so new_state may be a view of
+  // this layer's own S(L): copying it reads what is still there.
   copy_tensor(new_state, u.next(1));
   u.commit();
 }
@@ -606,7 +840,8 @@ void Layer::batch_repeat_interleave(std::int64_t repeats) {
   if (repeats < 1) {
     throw InvalidArgument(impl_->where() + ": batch_repeat_interleave(" + num(repeats) + ") needs repeats >= 1");
   }
-  const auto rows = repeat_rows(impl_->batch, repeats);
+  const auto rows = impl_->budgeted("batch_repeat_interleave", [&] { return repeat_rows(impl_->batch, repeats); });
+  impl_->check_batch_rows(rows, "batch_repeat_interleave");
   impl_ = impl_->gathered(rows);
 }
 
@@ -621,19 +856,15 @@ void Layer::reorder_cache(std::span<const std::int64_t> beam_idx) {
 
 void Layer::reset() { impl_ = impl_->fresh(); }
 
+void Layer::shrink_to_fit() { impl_->shrink_to_fit(); }
+
 LayerMemory Layer::memory() const {
   LayerMemory m;
   m.kind = std::string(layer_kind_name(impl_->kind));
-  auto add = [&](const TokenTrack& t) {
+  impl_->for_tracks([&](const TokenTrack& t) {
     m.bytes_reserved += t.buffer.bytes_reserved();
     m.bytes_used += t.buffer.bytes_used();
-  };
-  if (impl_->attention) {
-    add(impl_->keys);
-    add(impl_->values);
-    for (const auto& s : impl_->sides) add(s);
-  }
-  for (const auto& c : impl_->convs) add(c);
+  });
   for (const auto& r : impl_->recurrents) {
     m.bytes_reserved += r.bytes_reserved();
     m.bytes_used += r.bytes_used();
@@ -644,24 +875,25 @@ LayerMemory Layer::memory() const {
 // ---- RecurrentUpdate ---------------------------------------------------------
 
 RecurrentUpdate::RecurrentUpdate(Layer* layer, int state, std::int64_t q, std::uint64_t generation,
-                                 std::uint64_t version)
-    : layer_(layer), state_(state), q_(q), generation_(generation), version_(version) {}
+                                 std::uint64_t version, std::vector<std::int32_t> fresh)
+    : layer_(layer), state_(state), q_(q), generation_(generation), version_(version), fresh_(std::move(fresh)) {}
 RecurrentUpdate::RecurrentUpdate(RecurrentUpdate&& o) noexcept
     : layer_(std::exchange(o.layer_, nullptr)), state_(o.state_), q_(o.q_), generation_(o.generation_),
-      version_(o.version_) {}
+      version_(o.version_), fresh_(std::move(o.fresh_)) {}
 RecurrentUpdate& RecurrentUpdate::operator=(RecurrentUpdate&& o) noexcept {
   layer_ = std::exchange(o.layer_, nullptr);
   state_ = o.state_;
   q_ = o.q_;
   generation_ = o.generation_;
   version_ = o.version_;
+  fresh_ = std::move(o.fresh_);
   return *this;
 }
 RecurrentUpdate::~RecurrentUpdate() = default;
 
 namespace {
-const detail::RecurrentState& live_state(Layer* layer, const Layer::Impl* impl, int state, std::uint64_t generation,
-                                         std::uint64_t version, const char* operation) {
+detail::RecurrentState& live_state(Layer* layer, Layer::Impl* impl, int state, std::uint64_t generation,
+                                   std::uint64_t version, const char* operation) {
   if (layer == nullptr) {
     throw StateError(std::string("RecurrentUpdate::") + operation + ": the update was already committed or moved from");
   }
@@ -683,13 +915,13 @@ TensorView RecurrentUpdate::next(std::int64_t t) const {
   if (t < 1 || t > q_) {
     throw IndexError(layer_->impl_->where() + ": RecurrentUpdate::next(" + num(t) + ") is outside [1, " + num(q_) + "]");
   }
-  return r.view(r.length + t);
+  const auto Q = static_cast<std::int64_t>(fresh_.size());
+  return r.view_of(r.physical(fresh_[static_cast<std::size_t>((t - 1) % Q)]));
 }
 
 void RecurrentUpdate::commit() {
-  live_state(layer_, layer_ ? layer_->impl_.get() : nullptr, state_, generation_, version_, "commit");
-  Layer::Impl& impl = *layer_->impl_;
-  impl.recurrents[static_cast<std::size_t>(state_)].advance(q_);
+  auto& r = live_state(layer_, layer_ ? layer_->impl_.get() : nullptr, state_, generation_, version_, "commit");
+  r.advance(q_, fresh_);
   layer_ = nullptr;
 }
 

@@ -1,9 +1,10 @@
 // Layer::Impl: the parts of one layer and the logic that keeps them in step.
 // Shared by layer.cc and cache.cc (which needs the two-phase operations that
-// make whole-cache changes transactional).
+// make whole-cache changes and forwards transactional).
 #pragma once
 
 #include <cstdint>
+#include <memory>
 #include <optional>
 #include <string>
 #include <vector>
@@ -28,7 +29,7 @@ struct Layer::Impl {
   std::int64_t batch = 1;
   bool recording = false;
   std::int64_t history = 0;       // R while recording
-  std::uint64_t generation = 0;   // bumped by crop, recording, batch ops, reset (stale handles)
+  std::uint64_t generation = 0;   // bumped by crop, recording, batch ops, reset, abandon (stale handles)
   detail::MemoryBudget* budget = nullptr;  // the owning cache's, or none
 
   bool attention = false;
@@ -48,9 +49,29 @@ struct Layer::Impl {
   std::int64_t length() const;
   // Throws StateError when parts are at different lengths.
   void check_in_step(const char* operation) const;
+  bool in_step() const;
   std::int64_t max_rollback() const;
   void check_crop(std::int64_t n) const;
   void apply_crop(std::int64_t n) noexcept;
+
+  template <typename Fn>
+  void for_tracks(Fn&& fn) {
+    if (attention) {
+      fn(keys);
+      fn(values);
+      for (auto& s : sides) fn(s);
+    }
+    for (auto& c : convs) fn(c);
+  }
+  template <typename Fn>
+  void for_tracks(Fn&& fn) const {
+    if (attention) {
+      fn(keys);
+      fn(values);
+      for (const auto& s : sides) fn(s);
+    }
+    for (const auto& c : convs) fn(c);
+  }
 
   // Two-phase recording change: `prepare` allocates (may throw), `commit`
   // cannot fail.
@@ -60,15 +81,50 @@ struct Layer::Impl {
   RecordingPlan prepare_recording(bool on, std::int64_t R) const;
   void commit_recording(bool on, std::int64_t R, RecordingPlan plan) noexcept;
 
+  // ---- forward transactions (Cache::begin_forward) ----
+  struct ForwardPlan {
+    std::vector<detail::PositionBuffer::Plan> tracks;        // for_tracks order
+    std::vector<std::optional<detail::RecurrentState>> recurrents;  // with room, where needed
+  };
+  struct SavedState {
+    std::vector<PositionRange> tracks;  // [first, end) per track
+    struct Recurrent {
+      std::int64_t length, held;
+      std::vector<std::int32_t> table;
+    };
+    std::vector<Recurrent> recurrents;
+  };
+  // Checks and allocates room for q tokens in every part; changes nothing.
+  ForwardPlan plan_forward(std::int64_t q) const;
+  // Applies the plan (cannot fail) and opens the forward: every part may
+  // then take q tokens, no more, without allocating.
+  void open_forward(std::int64_t q, ForwardPlan plan) noexcept;
+  // Throws StateError naming every part not at L + q.
+  void check_forward_complete() const;
+  void close_forward() noexcept {
+    forward.reset();
+    forward_start = forward_end = -1;
+  }
+  // Restores every part to its state at open_forward.
+  void abandon_forward() noexcept;
+  std::optional<SavedState> forward;
+  std::int64_t forward_start = -1;  // L at begin_forward while a forward is open
+  std::int64_t forward_end = -1;    // L + q while a forward is open
+  // Throws StateError when an update of q tokens to a part now at `length`
+  // would pass the open forward's L + q.
+  void check_forward_room(std::int64_t part_length, std::int64_t q, const std::string& part) const;
+
   // A new Impl holding batch rows `rows` of every stored tensor; throws.
   std::unique_ptr<Impl> gathered(std::span<const std::int64_t> rows) const;
-  std::unique_ptr<Impl> gathered_unchecked(std::span<const std::int64_t> rows) const;
   void check_batch_rows(std::span<const std::int64_t> rows, const char* operation) const;
   // A new, empty Impl with the same options, index, budget and recording; throws.
   std::unique_ptr<Impl> fresh() const;
-  std::unique_ptr<Impl> fresh_unchecked() const;
   // Counts every buffer against `b` from now on.
   void attach_budget(detail::MemoryBudget* b) noexcept;
+  // Best effort: dynamic buffers shrunk to what they retain.
+  void shrink_to_fit() noexcept;
+  // True when [lo, hi) intersects any buffer of this layer.
+  bool overlaps_storage(const std::byte* lo, const std::byte* hi) const;
 
   // Runs fn(); a budget refusal inside gets this layer's name in front.
   template <typename Fn>
@@ -77,11 +133,16 @@ struct Layer::Impl {
       return fn();
     } catch (const detail::BudgetExceeded& e) {
       throw CapacityError(where() + ": " + operation + ": " + e.what() + "; nothing was changed");
+    } catch (const CapacityError& e) {
+      throw CapacityError(where() + ": " + operation + ": " + e.what());
     }
   }
 
+  detail::TokenTrack& conv(int state, const char* operation);
   const detail::TokenTrack& conv(int state, const char* operation) const;
+  detail::RecurrentState& recurrent(int state, const char* operation);
   const detail::RecurrentState& recurrent(int state, const char* operation) const;
+  detail::TokenTrack& side(int s, const char* operation);
   const detail::TokenTrack& side(int s, const char* operation) const;
   void check_attention(const char* operation) const;
 };

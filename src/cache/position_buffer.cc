@@ -1,15 +1,21 @@
 #include "cache/position_buffer.h"
 
 #include <algorithm>
-#include <cstdlib>
 #include <cstring>
-#include <new>
 #include <string>
 #include <utility>
 
 #include "rewind/error.h"
 
 namespace rwd::detail {
+
+#if defined(REWIND_DEBUG_VIEWS)
+// Relocations always go to a new allocation, so a view into the old one
+// reads freed memory (reported by ASan) rather than rows that moved.
+constexpr bool kRelocateToNewAllocation = true;
+#else
+constexpr bool kRelocateToNewAllocation = false;
+#endif
 
 void MemoryBudget::acquire(std::size_t bytes) {
   if (limit != 0 && (reserved > limit || bytes > limit - reserved)) {
@@ -20,16 +26,17 @@ void MemoryBudget::acquire(std::size_t bytes) {
   reserved += bytes;
 }
 
-void AlignedBuffer::Free::operator()(std::byte* p) const noexcept { std::free(p); }
-
 AlignedBuffer::AlignedBuffer(std::size_t bytes, MemoryBudget* budget) : budget_(budget) {
-  const std::size_t rounded = (bytes + 63) / 64 * 64;
-  if (rounded == 0) return;
+  if (bytes == 0) return;
+  if (bytes > kMaxBufferBytes) {
+    throw CapacityError("an allocation of " + std::to_string(bytes) + " bytes exceeds the limit of 2^48 bytes");
+  }
   if (budget_) budget_->acquire(bytes);
-  data_.reset(static_cast<std::byte*>(std::aligned_alloc(64, rounded)));
-  if (!data_) {
+  try {
+    data_ = aligned_allocate(bytes);
+  } catch (...) {
     if (budget_) budget_->release(bytes);
-    throw std::bad_alloc();
+    throw;
   }
   size_ = bytes;
 }
@@ -40,6 +47,7 @@ AlignedBuffer::AlignedBuffer(AlignedBuffer&& other) noexcept
 AlignedBuffer& AlignedBuffer::operator=(AlignedBuffer&& other) noexcept {
   if (this != &other) {
     if (budget_ && size_) budget_->release(size_);
+    unpoison(data_.get(), size_);
     data_ = std::move(other.data_);
     size_ = std::exchange(other.size_, 0);
     budget_ = other.budget_;
@@ -49,6 +57,7 @@ AlignedBuffer& AlignedBuffer::operator=(AlignedBuffer&& other) noexcept {
 
 AlignedBuffer::~AlignedBuffer() {
   if (budget_ && size_) budget_->release(size_);
+  unpoison(data_.get(), size_);
 }
 
 void AlignedBuffer::attach(MemoryBudget* budget) noexcept {
@@ -61,49 +70,125 @@ PositionBuffer::PositionBuffer(std::size_t row_bytes, std::int64_t origin, std::
     : buffer_(budget), row_bytes_(row_bytes), origin_(origin), base_(origin), first_(origin), end_(origin),
       static_(static_slots > 0) {
   if (static_) {
-    buffer_ = AlignedBuffer(static_cast<std::size_t>(static_slots) * row_bytes_, budget);
+    buffer_ = AlignedBuffer(checked_mul(static_slots, static_cast<std::int64_t>(row_bytes_), "static_capacity"),
+                            budget);
     slots_ = static_slots;
+  } else if (origin < 0) {
+    // Room for the zero padding rows (conv inputs before position 0) that
+    // clear() writes: a dynamic buffer never holds fewer rows than that.
+    slots_ = std::max(-origin, std::int64_t{16});
+    buffer_ = AlignedBuffer(checked_mul(slots_, static_cast<std::int64_t>(row_bytes_), "a conv state"), budget);
   }
 }
 
-void PositionBuffer::reserve_append(std::int64_t q) {
-  if (end_ + q - base_ <= slots_) return;
+std::int64_t PositionBuffer::planned_slots(std::int64_t needed, std::int64_t q) const {
+  if (static_) {
+    if (has_room(q)) return 0;
+    return kRelocateToNewAllocation ? slots_ : 0;
+  }
+  const std::int64_t floor = std::max(needed, std::int64_t{16});
+  const bool oversized = slots_ > 4 * floor;
+  if (oversized) return 2 * floor;
+  if (has_room(q)) return 0;
+  // Compacting costs amortised O(1) per token when the free room exceeds
+  // what is copied, i.e. when the allocation is at least twice the need.
+  if (2 * needed <= slots_) return kRelocateToNewAllocation ? slots_ : 0;
+  return std::max(slots_ * 2, 2 * floor);
+}
+
+PositionBuffer::Plan PositionBuffer::plan_append(std::int64_t q) const {
+  Plan plan;
+  if (q > kMaxTokens || end_ > kMaxTokens - q) {
+    throw CapacityError("an append of " + std::to_string(q) + " tokens at length " + std::to_string(end_) +
+                        " passes the limit of 2^40 tokens per sequence");
+  }
+  const std::int64_t needed = rows_needed(q);
+  // Every size below is checked before anything is allocated: a wrapped
+  // product would allocate too little and the copy would overflow it.
+  checked_mul(needed, static_cast<std::int64_t>(row_bytes_), "an append of " + std::to_string(q) + " tokens");
+  const std::int64_t slots = planned_slots(needed, q);
+  if (slots == 0) return plan;
+  const std::size_t bytes =
+      checked_mul(slots, static_cast<std::int64_t>(row_bytes_), "an append of " + std::to_string(q) + " tokens");
+  const bool same_size = static_ || slots == slots_;
+  // A same-size relocation (debug mode) does not count twice against the budget.
+  plan.grown = AlignedBuffer(bytes, same_size ? nullptr : buffer_.budget());
+  plan.slots = slots;
+  return plan;
+}
+
+void PositionBuffer::move_into(AlignedBuffer grown, std::int64_t slots) noexcept {
   const std::int64_t kept = end_ - first_;
-  // Compact (move the retained rows to the front) when the allocation is at
-  // least twice what is needed: the free room then exceeds what is copied,
-  // so compaction costs amortised O(1) per token. A static buffer always
-  // compacts (the caller checked can_append).
-  if (static_ || 2 * (kept + q) <= slots_) {
+  unpoison(buffer_.data(), buffer_.size());
+  if (kept > 0) std::memcpy(grown.data(), row(first_), static_cast<std::size_t>(kept) * row_bytes_);
+  MemoryBudget* budget = buffer_.budget();
+  const bool counted = grown.budget() != nullptr;
+  buffer_ = std::move(grown);
+  if (!counted && budget) buffer_.attach(budget);
+  slots_ = slots;
+  base_ = first_;
+}
+
+void PositionBuffer::apply(Plan plan, std::int64_t q) noexcept {
+  unpoison(buffer_.data(), buffer_.size());
+  if (plan.slots != 0) {
+    move_into(std::move(plan.grown), plan.slots);
+  } else if (!has_room(q)) {
+    const std::int64_t kept = end_ - first_;
     if (kept > 0 && first_ != base_) {
       std::memmove(buffer_.data(), row(first_), static_cast<std::size_t>(kept) * row_bytes_);
     }
     base_ = first_;
-    return;
   }
-  const std::int64_t wanted = std::max({slots_ * 2, 2 * (kept + q), std::int64_t{16}});
-  AlignedBuffer grown(static_cast<std::size_t>(wanted) * row_bytes_, buffer_.budget());
-  if (kept > 0) std::memcpy(grown.data(), row(first_), static_cast<std::size_t>(kept) * row_bytes_);
-  buffer_ = std::move(grown);
-  slots_ = wanted;
-  base_ = first_;
+  unpoison(buffer_.data(), buffer_.size());
 }
 
-void PositionBuffer::clear(std::int64_t zero_rows) {
+void PositionBuffer::clear(std::int64_t zero_rows) noexcept {
+  // zero_rows (the conv padding, K rows) was allocated with the buffer:
+  // a dynamic buffer starts with max(16, K) rows and never goes below.
+  unpoison(buffer_.data(), buffer_.size());
   base_ = first_ = origin_;
-  end_ = origin_ + zero_rows;
-  if (zero_rows > 0) {
-    if (slots_ < zero_rows) {
-      const std::int64_t wanted = std::max(zero_rows, std::int64_t{16});
-      buffer_ = AlignedBuffer(static_cast<std::size_t>(wanted) * row_bytes_, buffer_.budget());
-      slots_ = wanted;
+  end_ = origin_;
+  if (!static_ && slots_ > 4 * std::max(zero_rows, std::int64_t{16})) {
+    try {
+      const std::int64_t slots = 2 * std::max(zero_rows, std::int64_t{16});
+      AlignedBuffer smaller(static_cast<std::size_t>(slots) * row_bytes_, buffer_.budget());
+      buffer_ = std::move(smaller);
+      slots_ = slots;
+    } catch (const Error&) {
+      // keep the larger allocation: nothing is lost
     }
-    std::memset(buffer_.data(), 0, static_cast<std::size_t>(zero_rows) * row_bytes_);
+  }
+  end_ = origin_ + zero_rows;
+  if (zero_rows > 0) std::memset(buffer_.data(), 0, static_cast<std::size_t>(zero_rows) * row_bytes_);
+}
+
+void PositionBuffer::shrink_if_oversized() noexcept {
+  if (static_) return;
+  const std::int64_t floor = std::max(stored(), std::int64_t{16});
+  if (slots_ <= 4 * floor) return;
+  try {
+    AlignedBuffer smaller(static_cast<std::size_t>(2 * floor) * row_bytes_, buffer_.budget());
+    move_into(std::move(smaller), 2 * floor);
+  } catch (const Error&) {
+    // keep the larger allocation: nothing is lost
+  }
+}
+
+void PositionBuffer::shrink_to_fit() noexcept {
+  if (static_) return;
+  const std::int64_t fit = std::max(stored(), std::int64_t{1});
+  if (slots_ == fit) return;
+  try {
+    AlignedBuffer exact(static_cast<std::size_t>(fit) * row_bytes_, buffer_.budget());
+    move_into(std::move(exact), fit);
+  } catch (const Error&) {
   }
 }
 
 PositionBuffer PositionBuffer::gathered(std::span<const std::int64_t> rows, std::size_t entry_bytes) const {
   PositionBuffer out;
-  out.row_bytes_ = rows.size() * entry_bytes;
+  out.row_bytes_ = checked_mul(rows.size(), entry_bytes, "a batch operation");
   out.origin_ = origin_;
   out.static_ = static_;
   out.base_ = first_;
@@ -111,7 +196,8 @@ PositionBuffer PositionBuffer::gathered(std::span<const std::int64_t> rows, std:
   out.end_ = end_;
   const std::int64_t kept = end_ - first_;
   out.slots_ = static_ ? slots_ : std::max(kept, std::int64_t{16});
-  out.buffer_ = AlignedBuffer(static_cast<std::size_t>(out.slots_) * out.row_bytes_, buffer_.budget());
+  out.buffer_ = AlignedBuffer(checked_mul(out.slots_, static_cast<std::int64_t>(out.row_bytes_), "a batch operation"),
+                              buffer_.budget());
   for (std::int64_t pos = first_; pos < end_; ++pos) {
     const std::byte* src = row(pos);
     std::byte* dst = out.row(pos);
@@ -120,6 +206,17 @@ PositionBuffer PositionBuffer::gathered(std::span<const std::int64_t> rows, std:
     }
   }
   return out;
+}
+
+void PositionBuffer::protect(std::int64_t visible_first) const noexcept {
+#if defined(REWIND_DEBUG_VIEWS)
+  if (buffer_.size() == 0) return;
+  const std::int64_t lo = std::max(std::min(visible_first, first_), base_);
+  poison(buffer_.data(), buffer_.size());
+  if (end_ > lo) unpoison(row(lo), static_cast<std::size_t>(end_ - lo) * row_bytes_);
+#else
+  (void)visible_first;
+#endif
 }
 
 }  // namespace rwd::detail

@@ -6,18 +6,25 @@
 // one position (e.g. [B, H, D] elements for keys). Appending q tokens writes
 // q rows; cropping moves `end`; eviction moves `first`. Rows before `first`
 // stay in memory until the next append needs their room, so views returned
-// by the last update remain valid until the next mutation. When the end of
-// the allocation is reached the retained rows are moved to the front
-// (compaction, amortised O(1) per token because the buffer keeps at least as
-// much free room as it retains) or, for dynamic buffers, the allocation
-// doubles.
+// by the last update remain valid until the next mutation.
+//
+// Room for an append is planned, then applied: plan_append() allocates what
+// the append needs (may throw, changes nothing), apply() moves the retained
+// rows into place (cannot fail, changes no position). Whole-cache and
+// whole-forward operations plan every buffer before applying any.
+//
+// Reservation policy (docs/semantics.md section 11): a dynamic buffer grows
+// by doubling (amortised O(1) per token), compacts in place when it holds
+// at least twice what is needed, and shrinks to twice what is needed when it
+// holds more than four times that (at the next append or crop(0)), so the
+// bytes it reserves stay within 4x of (retained + current update).
 #pragma once
 
 #include <cstddef>
 #include <cstdint>
-#include <memory>
 #include <span>
 
+#include "aligned_memory.h"
 #include "rewind/error.h"
 
 namespace rwd::detail {
@@ -44,9 +51,9 @@ class AlignedBuffer {
  public:
   AlignedBuffer() = default;
   explicit AlignedBuffer(MemoryBudget* budget) : budget_(budget) {}
-  // Allocates `bytes` (rounded up to 64, contents undefined: every user
-  // writes before it reads) after acquiring them from `budget`. Throws
-  // BudgetExceeded or std::bad_alloc.
+  // Allocates `bytes` (contents undefined: every user writes before it
+  // reads) after acquiring them from `budget`. Throws BudgetExceeded or
+  // CapacityError; nothing is counted then.
   AlignedBuffer(std::size_t bytes, MemoryBudget* budget);
   AlignedBuffer(AlignedBuffer&& other) noexcept;
   AlignedBuffer& operator=(AlignedBuffer&& other) noexcept;
@@ -59,12 +66,13 @@ class AlignedBuffer {
   MemoryBudget* budget() const { return budget_; }
   // Starts counting this buffer against `budget` (REQUIRES: none yet).
   void attach(MemoryBudget* budget) noexcept;
+  // True when [p, p + bytes) intersects this allocation.
+  bool overlaps(const std::byte* lo, const std::byte* hi) const {
+    return size_ != 0 && lo < data_.get() + size_ && data_.get() < hi;
+  }
 
  private:
-  struct Free {
-    void operator()(std::byte* p) const noexcept;
-  };
-  std::unique_ptr<std::byte, Free> data_;
+  AlignedBytes data_;
   std::size_t size_ = 0;
   MemoryBudget* budget_ = nullptr;
 };
@@ -75,7 +83,7 @@ class PositionBuffer {
   // `row_bytes`: bytes of one position (all batch entries). `origin`: the
   // position of an empty buffer (0, or -K for conv inputs whose zero padding
   // is stored as rows). `static_slots` > 0 allocates exactly that many rows
-  // now and never reallocates.
+  // now and never changes the row count. Throws CapacityError / BudgetExceeded.
   PositionBuffer(std::size_t row_bytes, std::int64_t origin, std::int64_t static_slots, MemoryBudget* budget);
   void attach(MemoryBudget* budget) noexcept { buffer_.attach(budget); }
 
@@ -85,6 +93,7 @@ class PositionBuffer {
   std::size_t row_bytes() const { return row_bytes_; }
   bool is_static() const { return static_; }
   std::int64_t slots() const { return slots_; }
+  const AlignedBuffer& allocation() const { return buffer_; }
 
   // Address of position `pos`'s row. REQUIRES: pos in [first, end] and the
   // row inside the allocation (not checked).
@@ -96,9 +105,24 @@ class PositionBuffer {
   std::int64_t rows_needed(std::int64_t q) const { return end_ - first_ + q; }
   // False when a static buffer cannot hold retained + q rows.
   bool can_append(std::int64_t q) const { return !static_ || rows_needed(q) <= slots_; }
-  // Makes rows [end, end + q) writable (compacting or growing); the logical
-  // state is unchanged. REQUIRES can_append(q). Throws std::bad_alloc only.
-  void reserve_append(std::int64_t q);
+
+  // Room for an append of q tokens: a new allocation when the current one
+  // must grow or shrink, nothing when it fits (after compaction).
+  struct Plan {
+    AlignedBuffer grown;
+    std::int64_t slots = 0;  // rows of `grown`; 0: keep the allocation
+  };
+  // REQUIRES can_append(q), q >= 0. Throws CapacityError (sizes past 2^48
+  // bytes, or the system refuses) or BudgetExceeded; changes nothing.
+  Plan plan_append(std::int64_t q) const;
+  // Makes rows [end, end + q) writable, moving the retained rows into the
+  // planned allocation or to the front of the current one. Cannot fail; the
+  // logical state (first, end, contents) is unchanged.
+  void apply(Plan plan, std::int64_t q) noexcept;
+  void reserve_append(std::int64_t q) { apply(plan_append(q), q); }
+  // True when rows [end, end + q) are writable without apply().
+  bool has_room(std::int64_t q) const { return end_ + q - base_ <= slots_; }
+
   // Declares rows [end, end + q) written.
   void commit_append(std::int64_t q) { end_ += q; }
   // Drops positions below `pos` (no-op when pos <= first).
@@ -107,18 +131,40 @@ class PositionBuffer {
   }
   // Forgets positions >= new_end. REQUIRES first <= new_end <= end.
   void truncate(std::int64_t new_end) { end_ = new_end; }
-  // Empties the buffer back to `origin` (keeps the allocation). Rows for
-  // positions [origin, origin + zero_rows) are zero-filled and retained.
-  void clear(std::int64_t zero_rows);
+  // Restores a range saved earlier (an abandoned forward). REQUIRES: the
+  // rows of [first, end) were not overwritten since (no append or apply
+  // beyond the room reserved then).
+  void restore(std::int64_t first, std::int64_t end) {
+    first_ = first;
+    end_ = end;
+  }
+  // Empties the buffer back to `origin`. Rows for positions
+  // [origin, origin + zero_rows) are zero-filled and retained. Keeps the
+  // allocation unless it holds more than four times what is retained.
+  void clear(std::int64_t zero_rows) noexcept;
+  // Best effort: when a dynamic buffer reserves more than four times what
+  // it retains, moves the rows into an allocation of twice that. An
+  // allocation failure keeps the old one (nothing is lost).
+  void shrink_if_oversized() noexcept;
+  // Best effort: reallocates a dynamic buffer to exactly what it retains.
+  void shrink_to_fit() noexcept;
 
   // A copy holding, for every retained position, the batch entries
-  // `rows[i]` of `entry_bytes` each. Throws std::bad_alloc.
+  // `rows[i]` of `entry_bytes` each. Throws CapacityError / BudgetExceeded.
   PositionBuffer gathered(std::span<const std::int64_t> rows, std::size_t entry_bytes) const;
+
+  // Debug aid (REWIND_DEBUG_VIEWS under ASan): rows outside
+  // [min(visible_first, first), end) are marked unreadable, so a view kept
+  // past its validity reads poison instead of replaced data.
+  void protect(std::int64_t visible_first) const noexcept;
 
   std::size_t bytes_reserved() const { return buffer_.size(); }
   std::size_t bytes_used() const { return static_cast<std::size_t>(stored()) * row_bytes_; }
 
  private:
+  // Rows of a new allocation for `needed` rows, or 0 to keep the current one.
+  std::int64_t planned_slots(std::int64_t needed, std::int64_t q) const;
+  void move_into(AlignedBuffer grown, std::int64_t slots) noexcept;
   AlignedBuffer buffer_;
   std::size_t row_bytes_ = 0;
   std::int64_t origin_ = 0;

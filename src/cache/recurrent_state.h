@@ -1,11 +1,17 @@
 // A recurrent (SSM / gated-delta) state with its rollback snapshots.
 //
-// The state after j tokens, S(j), lives in slot j mod N of a ring of
-// N = R + 1 slots, each [B, shape...]. A kernel reads S(L) and writes
-// S(L+1)..S(L+q) straight into their slots; `held` counts the consecutive
-// snapshots S(L-held+1)..S(L) still intact. Rolling back k <= held - 1
-// tokens only moves L: no state is copied. S(0) is the zero state and can
-// always be restored.
+// The state after j tokens, S(j), is a whole [B, shape...] tensor. The
+// snapshots S(L-held+1)..S(L) live in physical slots of one allocation;
+// `table[pos % capacity]` names the slot of S(pos). An update of q tokens
+// writes S(L+1)..S(L+q) into *fresh* slots, never into a held snapshot, and
+// only commit() makes them part of the state: an update that is dropped, or
+// a forward that is abandoned, leaves S(L) and every snapshot intact.
+// Rolling back k <= held - 1 tokens only moves L: no state is copied.
+// S(0) is the zero state and can always be restored.
+//
+// Slots: R + 1 snapshots (`history`) plus Q = min(q, R + 1) fresh slots for
+// the update in flight, so capacity <= 2 (R + 1). With R = 0 the fresh slot
+// is reused for every token of an update (in place after the first).
 #pragma once
 
 #include <cstdint>
@@ -21,38 +27,52 @@ struct RecurrentState {
   std::vector<std::int64_t> shape;  // per sequence, rank 1..3
   DType dtype = DType::F32;
   std::int64_t batch = 1;
-  std::int64_t slots = 1;
+  std::int64_t history = 1;   // R + 1: snapshots kept after an update
+  std::int64_t capacity = 1;  // physical slots
   std::int64_t length = 0;
   std::int64_t held = 1;
   std::uint64_t version = 0;  // bumped by advance (stale RecurrentUpdate handles)
   AlignedBuffer ring;
+  std::vector<std::int32_t> table;  // capacity entries
 
   RecurrentState() = default;
-  RecurrentState(std::vector<std::int64_t> state_shape, DType t, std::int64_t b, std::int64_t num_slots,
-                 MemoryBudget* budget);
+  // S(0) = 0 with `history_slots` = R + 1 and `num_slots` >= 1 physical slots.
+  // Throws CapacityError / BudgetExceeded.
+  RecurrentState(std::vector<std::int64_t> state_shape, DType t, std::int64_t b, std::int64_t history_slots,
+                 std::int64_t num_slots, MemoryBudget* budget);
 
   std::size_t entry_bytes() const;  // one sequence's state
   std::size_t state_bytes() const { return static_cast<std::size_t>(batch) * entry_bytes(); }
+  std::byte* physical(std::int64_t s) const { return ring.data() + static_cast<std::size_t>(s) * state_bytes(); }
   std::byte* slot(std::int64_t pos) const {
-    return ring.data() + static_cast<std::size_t>(pos % slots) * state_bytes();
+    return physical(table[static_cast<std::size_t>(pos % capacity)]);
   }
-  TensorView view(std::int64_t pos) const;  // [B, shape...]
+  TensorView view_of(std::byte* data) const;  // [B, shape...]
+  TensorView view(std::int64_t pos) const { return view_of(slot(pos)); }
   std::int64_t oldest() const { return length - held + 1; }
   std::int64_t max_rollback() const { return oldest() <= 1 ? length : held - 1; }
 
-  void advance(std::int64_t q) {
-    length += q;
-    held = std::min(held + q, slots);
-    ++version;
-  }
-  // REQUIRES k < length and the snapshot S(length - k) held or k >= length.
+  // Fresh slots an update of q tokens writes into.
+  std::int64_t fresh_count(std::int64_t q) const { return std::min(std::max<std::int64_t>(q, 1), history); }
+  bool has_room(std::int64_t q) const { return capacity - held >= fresh_count(q); }
+  // Physical slots not holding a snapshot, the first fresh_count(q) of them.
+  // REQUIRES has_room(q).
+  std::vector<std::int32_t> fresh_slots(std::int64_t q) const;
+  // A copy with room for an update of q tokens (same snapshots). Throws.
+  RecurrentState with_room(std::int64_t q) const;
+  // Makes S(L+1)..S(L+q), written into `fresh` (fresh_slots(q)), the state.
+  void advance(std::int64_t q, std::span<const std::int32_t> fresh);
+
+  // REQUIRES k < length and the snapshot S(length - k) held, or k >= length.
   void rollback(std::int64_t k);
   // Back to S(0) = 0 with no history.
   void clear();
   void drop_history() { held = 1; }
-  // Copy with `num_slots` slots keeping the newest snapshots that fit.
-  RecurrentState resized(std::int64_t num_slots) const;
+  // Copy keeping R + 1 = `history_slots` snapshots at most (the newest).
+  RecurrentState resized(std::int64_t history_slots) const;
   RecurrentState gathered(std::span<const std::int64_t> rows) const;
+  // Debug aid: marks every slot that holds no snapshot unreadable.
+  void protect() const noexcept;
   std::size_t bytes_reserved() const { return ring.size(); }
   std::size_t bytes_used() const { return static_cast<std::size_t>(held) * state_bytes(); }
 };

@@ -78,13 +78,13 @@ TokenTrack::TokenTrack(TrackShape s, RetentionRule r, std::int64_t static_slots,
 }
 
 TensorView TokenTrack::append(const TensorView& input, std::int64_t q, std::int64_t R) {
-  buffer.reserve_append(q);
   const std::int64_t L = buffer.end();
   copy_tensor(input, view(L, q));
   buffer.commit_append(q);
   const std::int64_t first = rule.visible_first(L);
   TensorView out = view(first, L + q - first);
   buffer.evict_before(rule.keep_first(L + q, R));
+  buffer.protect(first);
   return out;
 }
 

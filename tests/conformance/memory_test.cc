@@ -28,7 +28,7 @@ std::string cache_step_unchecked(Cache& cache, RefCache& ref, i64 q, std::uint64
         (void)cache.update_conv_state(x.view(), i, static_cast<int>(s));
       }
       for (std::size_t s = 0; s < r.rec_shapes.size(); ++s) {
-        rwd::RecurrentUpdate u = cache.begin_recurrent_update(i, q, static_cast<int>(s));
+        rwd::RecurrentUpdate u = cache.begin_recurrent_update(q, i, static_cast<int>(s));
         for (i64 t = 1; t <= q; ++t) scatter(st.rec[s][static_cast<std::size_t>(t - 1)], u.next(t));
         u.commit();
       }

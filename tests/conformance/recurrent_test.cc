@@ -23,7 +23,7 @@ LayerOptions linear_options(std::vector<std::vector<i64>> shapes = {{2, 3}, {4}}
 void update_convs(Layer& layer, const RefLayer& ref, const StepData& st) {
   for (std::size_t s = 0; s < ref.conv_ch.size(); ++s) {
     const HostTensor x = ref.conv_input(st, s);
-    (void)layer.update_conv_state(static_cast<int>(s), x.view());
+    (void)layer.update_conv_state(x.view(), static_cast<int>(s));
   }
 }
 
@@ -34,7 +34,7 @@ std::vector<const void*> forward(Layer& layer, RefLayer& ref, i64 q, std::uint64
   update_convs(layer, ref, st);
   std::vector<const void*> ptrs;
   for (std::size_t s = 0; s < ref.rec_shapes.size(); ++s) {
-    rwd::RecurrentUpdate u = layer.begin_recurrent_update(static_cast<int>(s), q);
+    rwd::RecurrentUpdate u = layer.begin_recurrent_update(q, static_cast<int>(s));
     if (s == 0) {
       ptrs.push_back(u.previous().data);
       for (i64 t = 1; t <= q; ++t) ptrs.push_back(u.next(t).data);
@@ -46,20 +46,22 @@ std::vector<const void*> forward(Layer& layer, RefLayer& ref, i64 q, std::uint64
   return ptrs;
 }
 
-TEST(RecurrentSlots, WithoutRecordingEverySlotAliasesTheState) {
+TEST(RecurrentSlots, WithoutRecordingOneFreshSlotUpdatedInPlace) {
   Layer layer(LayerKind::LinearAttention, linear_options(), 0);
   RefLayer ref(LayerKind::LinearAttention, linear_options(), 0);
   ASSERT_EQ(do_update(Target::of(layer), ref, 2, 1), "");
   const StepData st = ref.make_step(3, 2);
   update_convs(layer, ref, st);
-  rwd::RecurrentUpdate u = layer.begin_recurrent_update(0, 3);
+  rwd::RecurrentUpdate u = layer.begin_recurrent_update(3, 0);
   EXPECT_EQ(u.num_tokens(), 3);
   EXPECT_EQ(check_view("previous", u.previous(), DType::F32, {2, 2, 3}, ref.expect_rec(0, 2)), "");
-  for (i64 t = 1; t <= 3; ++t) EXPECT_EQ(u.next(t).data, u.previous().data) << "next(" << t << ")";
-  // The kernel updates in place, token after token.
+  // One slot apart from S(L), so that S(L) survives until commit; the
+  // kernel updates it in place after the first token.
+  EXPECT_NE(u.next(1).data, u.previous().data);
+  for (i64 t = 2; t <= 3; ++t) EXPECT_EQ(u.next(t).data, u.next(1).data) << "next(" << t << ")";
   for (i64 t = 1; t <= 3; ++t) scatter(st.rec[0][static_cast<std::size_t>(t - 1)], u.next(t));
   u.commit();
-  rwd::RecurrentUpdate u1 = layer.begin_recurrent_update(1, 3);
+  rwd::RecurrentUpdate u1 = layer.begin_recurrent_update(3, 1);
   for (i64 t = 1; t <= 3; ++t) scatter(st.rec[1][static_cast<std::size_t>(t - 1)], u1.next(t));
   u1.commit();
   ref.apply_update(st);
@@ -79,7 +81,7 @@ TEST(RecurrentSlots, WithRecordingSlotsNeverAliasTheirPredecessor) {
       const StepData st = ref.make_step(q, 2);
       update_convs(layer, ref, st);
       for (std::size_t s = 0; s < 2; ++s) {
-        rwd::RecurrentUpdate u = layer.begin_recurrent_update(static_cast<int>(s), q);
+        rwd::RecurrentUpdate u = layer.begin_recurrent_update(q, static_cast<int>(s));
         EXPECT_EQ(check_view("previous", u.previous(), DType::F32, ref.rec_state_shape(s),
                              ref.expect_rec(s, 4)),
                   "");
@@ -162,7 +164,7 @@ TEST(RecurrentSlots, DroppedHandleLeavesTheLengthAndLiveState) {
   ref.activate(3);
   ASSERT_EQ(do_update(Target::of(layer), ref, 5, 1), "");
   {
-    rwd::RecurrentUpdate u = layer.begin_recurrent_update(0, 2);
+    rwd::RecurrentUpdate u = layer.begin_recurrent_update(2, 0);
     const Bytes junk(static_cast<std::size_t>(2 * 6 * 4), 0xAB);
     scatter(junk, u.next(1));
     scatter(junk, u.next(2));
@@ -198,7 +200,7 @@ TEST(RecurrentSlots, StaleHandleCommitThrows) {
       {"deactivate_past_recording", [](Layer& l) { l.deactivate_past_recording(); }},
       {"the same state advanced",
        [](Layer& l) {
-         rwd::RecurrentUpdate other = l.begin_recurrent_update(0, 1);
+         rwd::RecurrentUpdate other = l.begin_recurrent_update(1, 0);
          other.commit();
        }},
   };
@@ -209,7 +211,7 @@ TEST(RecurrentSlots, StaleHandleCommitThrows) {
     RefLayer ref(LayerKind::LinearAttention, o, 0);
     ref.activate(3);
     ASSERT_EQ(do_update(Target::of(layer), ref, 4, 1), "");
-    rwd::RecurrentUpdate u = layer.begin_recurrent_update(0, 1);
+    rwd::RecurrentUpdate u = layer.begin_recurrent_update(1, 0);
     m.apply(layer);
     const i64 L = layer.get_seq_length();
     EXPECT_THROW(u.commit(), rwd::StateError);
@@ -230,8 +232,8 @@ TEST(RecurrentSlots, OtherPartsMayBeUpdatedWhileAHandleIsOpen) {
   ref.activate(2);
   ASSERT_EQ(do_update(Target::of(layer), ref, 3, 1), "");
   const StepData st = ref.make_step(2, 2);
-  rwd::RecurrentUpdate u0 = layer.begin_recurrent_update(0, 2);
-  rwd::RecurrentUpdate u1 = layer.begin_recurrent_update(1, 2);
+  rwd::RecurrentUpdate u0 = layer.begin_recurrent_update(2, 0);
+  rwd::RecurrentUpdate u1 = layer.begin_recurrent_update(2, 1);
   update_convs(layer, ref, st);
   const HostTensor k = ref.kv_input(st, true, false), v = ref.kv_input(st, false, false);
   (void)layer.update(k.view(), v.view());

@@ -760,6 +760,13 @@ class RefCache {
       if (!l.stateless()) return l.L;
     return 0;
   }
+  // Whole-cache operations need every stateful layer at one length (a
+  // forward that stopped halfway leaves them out of step: StateError).
+  bool in_step() const {
+    for (const auto& l : layers)
+      if (!l.stateless() && l.L != seq_length()) return false;
+    return true;
+  }
   i64 max_rollback() const {
     bool any = false;
     i64 m = 0;
@@ -772,6 +779,7 @@ class RefCache {
   }
   // Every layer's refusal (the cache may report any one of them).
   std::vector<Expect> crop_expect(i64 n) const {
+    if (!in_step()) return {Expect{Err::State, -1, {}}};
     std::vector<Expect> out;
     for (const auto& l : layers) {
       Expect x = l.crop_expect(n);
@@ -797,6 +805,7 @@ class RefCache {
     for (auto& l : layers) l.reset();
   }
   Expect select_expect(const std::vector<i64>& idx) const {
+    if (!in_step()) return Expect{Err::State, -1, {}};
     for (const auto& l : layers) {
       Expect x = l.select_expect(idx);
       if (!x.ok()) return x;
@@ -804,6 +813,7 @@ class RefCache {
     return {};
   }
   Expect reorder_expect(const std::vector<i64>& idx) const {
+    if (!in_step()) return Expect{Err::State, -1, {}};
     for (const auto& l : layers) {
       Expect x = l.reorder_expect(idx);
       if (!x.ok()) return x;

@@ -1,0 +1,39 @@
+// Library-internal memory helpers: the one aligned allocator of rewind
+// (Tensor and the cache's buffers both use it) and overflow-checked size
+// arithmetic for every extent a user supplies.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <string>
+
+namespace rwd::detail {
+
+// No single buffer may exceed this many bytes (256 TiB): far beyond any
+// machine, small enough that every product below it fits in 64 bits.
+inline constexpr std::uint64_t kMaxBufferBytes = std::uint64_t{1} << 48;
+// No sequence may exceed this many tokens; positions stay far from overflow.
+inline constexpr std::int64_t kMaxTokens = std::int64_t{1} << 40;
+
+// a * b for sizes, or CapacityError "<what> needs more than 2^48 bytes"
+// when the product passes kMaxBufferBytes (negative factors count as huge).
+std::size_t checked_mul(std::int64_t a, std::int64_t b, const std::string& what);
+std::size_t checked_mul(std::size_t a, std::size_t b, const std::string& what);
+
+struct AlignedFree {
+  void operator()(std::byte* p) const noexcept;
+};
+using AlignedBytes = std::unique_ptr<std::byte, AlignedFree>;
+
+// `bytes` of 64-byte aligned memory (rounded up to a multiple of 64; null
+// for 0). Throws CapacityError (never std::bad_alloc) when the system
+// refuses or bytes > kMaxBufferBytes.
+AlignedBytes aligned_allocate(std::size_t bytes);
+
+// Debug aid (REWIND_DEBUG_VIEWS under AddressSanitizer): marks memory that
+// no valid view may read. No-ops otherwise.
+void poison(const void* p, std::size_t bytes) noexcept;
+void unpoison(const void* p, std::size_t bytes) noexcept;
+
+}  // namespace rwd::detail
