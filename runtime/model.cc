@@ -304,52 +304,23 @@ void Model::forward(std::span<const std::int32_t> tokens, Cache& cache, std::vec
   transaction->commit();
 }
 
-std::size_t Model::kv_bytes_per_token() const {
-  const ModelConfig& c = config();
-  std::size_t bytes = 0;
-  for (const auto& t : c.layer_types) {
-    if (t == "full_attention" || t == "sliding_attention") {
-      bytes += 2 * static_cast<std::size_t>(c.num_key_value_heads * c.head_dim) * sizeof(float);
-    }
+// The library owns the retention rules: ask a cache of this model's shapes.
+RetentionBytes Model::retention_bytes(std::int64_t R) const {
+  const Cache cache = make_cache();
+  RetentionBytes total;
+  for (int i = 0; i < cache.num_layers(); ++i) {
+    const RetentionBytes layer = cache.layer(i).retention_bytes(R);
+    total.bounded += layer.bounded;
+    total.per_token += layer.per_token;
   }
-  return bytes;
+  return total;
 }
 
-std::size_t Model::fixed_state_bytes() const {
-  const ModelConfig& c = config();
-  std::size_t bytes = 0;
-  for (const auto& t : c.layer_types) {
-    if (t == "linear_attention") {
-      bytes += static_cast<std::size_t>(c.linear_conv_dim() * c.linear_conv_kernel_dim) * sizeof(float);
-      bytes += static_cast<std::size_t>(c.linear_num_value_heads * c.linear_key_head_dim * c.linear_value_head_dim) *
-               sizeof(float);
-    } else if (t == "conv") {
-      bytes += static_cast<std::size_t>(c.hidden_size * c.conv_L_cache) * sizeof(float);
-    } else if (t == "sliding_attention") {
-      bytes += static_cast<std::size_t>(c.sliding_window - 1) * 2 *
-               static_cast<std::size_t>(c.num_key_value_heads * c.head_dim) * sizeof(float);
-    }
-  }
-  return bytes;
-}
+std::size_t Model::kv_bytes_per_token() const { return retention_bytes(0).per_token; }
 
-std::size_t Model::rollback_bytes(std::int64_t R) const {
-  const ModelConfig& c = config();
-  const auto r = static_cast<std::size_t>(R);
-  std::size_t bytes = 0;
-  for (const auto& t : c.layer_types) {
-    if (t == "linear_attention") {
-      bytes += r * static_cast<std::size_t>(c.linear_conv_dim()) * sizeof(float);
-      bytes += r * static_cast<std::size_t>(c.linear_num_value_heads * c.linear_key_head_dim *
-                                            c.linear_value_head_dim) * sizeof(float);
-    } else if (t == "conv") {
-      bytes += r * static_cast<std::size_t>(c.hidden_size) * sizeof(float);
-    } else if (t == "sliding_attention") {
-      bytes += r * 2 * static_cast<std::size_t>(c.num_key_value_heads * c.head_dim) * sizeof(float);
-    }
-  }
-  return bytes;
-}
+std::size_t Model::fixed_state_bytes() const { return retention_bytes(0).bounded; }
+
+std::size_t Model::rollback_bytes(std::int64_t R) const { return retention_bytes(R).bounded - fixed_state_bytes(); }
 
 std::vector<std::int32_t> encode_prompt(const std::string& text, const ModelConfig& config) {
   std::vector<std::int32_t> tokens;

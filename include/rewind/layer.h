@@ -117,6 +117,12 @@ struct LayerMemory {
   std::size_t bytes_used = 0;      // occupied by retained tokens / states
 };
 
+// What a layer retains, in bytes, when recording R tokens (Layer::retention_bytes).
+struct RetentionBytes {
+  std::size_t bounded = 0;    // sliding W-1+R, chunked up to C-1+R, conv K+R inputs, recurrent R+1 states
+  std::size_t per_token = 0;  // each token of unbounded history (full attention and its side tensors)
+};
+
 // Positions [first, end) a part retains right now.
 struct PositionRange {
   std::int64_t first = 0;
@@ -294,6 +300,11 @@ class Layer {
   void reset();
 
   LayerMemory memory() const;
+  // The retention rule in bytes (docs/semantics.md section 4): after any
+  // update with recording R, memory().bytes_used <= bounded + per_token * L,
+  // with equality for sliding, conv and recurrent parts once L >= W-1+R
+  // (resp. K+R, R). Throws InvalidArgument for R < 0 or R > 2^40.
+  RetentionBytes retention_bytes(std::int64_t R) const;
   // Best effort: releases the slack of dynamic buffers (full attention keeps
   // up to 2x what it holds after growing by doubling). Changes no content.
   void shrink_to_fit();

@@ -858,6 +858,27 @@ void Layer::reset() { impl_ = impl_->fresh(); }
 
 void Layer::shrink_to_fit() { impl_->shrink_to_fit(); }
 
+RetentionBytes Layer::retention_bytes(std::int64_t R) const {
+  if (R < 0 || R > detail::kMaxTokens) {
+    throw InvalidArgument(impl_->where() + ": retention_bytes(" + num(R) + ") needs R in [0, 2^40]");
+  }
+  RetentionBytes out;
+  const std::string where = impl_->where() + ": retention_bytes";
+  impl_->for_tracks([&](const TokenTrack& t) {
+    const auto row = static_cast<std::int64_t>(t.buffer.row_bytes());
+    switch (t.rule.kind) {
+      case RetentionRule::Kind::Full: out.per_token += static_cast<std::size_t>(row); break;
+      case RetentionRule::Kind::Sliding:
+      case RetentionRule::Kind::Chunked: out.bounded += checked_bytes({t.rule.size - 1 + R, row}, 1, where); break;
+      case RetentionRule::Kind::Conv: out.bounded += checked_bytes({t.rule.size + R, row}, 1, where); break;
+    }
+  });
+  for (const auto& r : impl_->recurrents) {
+    out.bounded += checked_bytes({R + 1, static_cast<std::int64_t>(r.state_bytes())}, 1, where);
+  }
+  return out;
+}
+
 LayerMemory Layer::memory() const {
   LayerMemory m;
   m.kind = std::string(layer_kind_name(impl_->kind));

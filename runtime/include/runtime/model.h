@@ -59,12 +59,16 @@ class Model {
   void forward(std::span<const std::int32_t> tokens, Cache& cache, std::vector<float>& logits,
                bool all_logits = true, double* cache_seconds = nullptr) const;
 
-  // Bytes of cache memory one more token costs in attention layers
-  // (keys + values, f32), and the fixed state of the linear layers.
+  // Cache memory of one sequence, from the library's retention rules
+  // (Layer::retention_bytes over make_cache()'s layers): what one more
+  // token costs in full-attention layers (keys + values), the bounded state
+  // (sliding windows, conv inputs, recurrent states) without recording, and
+  // what activate_past_recording(R) adds to the bounded state. Throws
+  // InvalidArgument for R < 0 or R > 2^40, CapacityError past 2^48 bytes.
   std::size_t kv_bytes_per_token() const;
   std::size_t fixed_state_bytes() const;
-  // Extra bytes that activate_past_recording(R) costs at most.
   std::size_t rollback_bytes(std::int64_t R) const;
+  RetentionBytes retention_bytes(std::int64_t R) const;
 
  private:
   // Linear weights packed for kernels::matmul (shapes [out, in] as in
