@@ -45,6 +45,7 @@ std::vector<std::int32_t> RecurrentState::fresh_slots(std::int64_t q) const {
 
 RecurrentState RecurrentState::with_room(std::int64_t q) const {
   RecurrentState out(shape, dtype, batch, history, history + fresh_count(q), ring.budget());
+  unpoison(out.ring.data(), out.ring.size());
   out.length = length;
   out.held = held;
   out.version = version + 1;  // handles that named the old slots are stale
@@ -88,6 +89,7 @@ void RecurrentState::clear() {
 
 RecurrentState RecurrentState::resized(std::int64_t history_slots) const {
   RecurrentState out(shape, dtype, batch, history_slots, history_slots + 1, ring.budget());
+  unpoison(out.ring.data(), out.ring.size());
   out.length = length;
   out.held = std::min(held, history_slots);
   for (std::int64_t pos = out.oldest(), s = 0; pos <= length; ++pos, ++s) {
@@ -100,6 +102,7 @@ RecurrentState RecurrentState::resized(std::int64_t history_slots) const {
 
 RecurrentState RecurrentState::gathered(std::span<const std::int64_t> rows) const {
   RecurrentState out(shape, dtype, static_cast<std::int64_t>(rows.size()), history, history + 1, ring.budget());
+  unpoison(out.ring.data(), out.ring.size());
   out.length = length;
   out.held = held;
   for (std::int64_t pos = oldest(), s = 0; pos <= length; ++pos, ++s) {
