@@ -1,8 +1,10 @@
 // rewind/error.h: the exception hierarchy.
 //
-// Every error rewind reports is a rwd::Error. Messages say what was asked,
-// what is allowed, and where (which layer, which argument). An operation that
-// throws leaves the cache exactly as it was before the call.
+// Every error rewind reports is a rwd::Error, allocation failures included
+// (a refused allocation is a CapacityError, never std::bad_alloc). Messages
+// say what was asked, what is allowed, and where (which layer, which
+// argument). An operation that throws leaves the cache exactly as it was
+// before the call.
 #pragma once
 
 #include <cstdint>
@@ -31,7 +33,9 @@ class IndexError : public Error {
   using Error::Error;
 };
 
-// A static layer or a memory budget cannot hold what was asked.
+// A static layer, the memory budget or the system cannot hold what was
+// asked, or a size passes rewind's limits (2^48 bytes per buffer, 2^40
+// tokens per sequence).
 class CapacityError : public Error {
  public:
   using Error::Error;
@@ -62,7 +66,9 @@ class FormatError : public Error {
 // a positive crop). The default handler writes the message to stderr.
 using WarningHandler = std::function<void(const std::string& message)>;
 // Installs `handler` (an empty function restores the default) and returns
-// the previous one. Not thread-safe against concurrent warnings.
+// the previous one. Thread-safe: installing and emitting take one lock, so a
+// handler runs with that lock held. REQUIRES: the handler does not call
+// set_warning_handler (it would deadlock).
 WarningHandler set_warning_handler(WarningHandler handler);
 // Makes one-time warnings fire again (for tests).
 void reset_one_time_warnings();

@@ -140,8 +140,8 @@ class Layer;
 // without commit() leaves S(L) and every snapshot exactly as they were.
 // Without recording (R = 0) next(2), ..., next(q) are the slot of next(1):
 // the kernel must support updating S in place after the first token. With
-// R >= 1, next(t) never aliases next(t - 1). Move-only; the layer must
-// outlive the handle (REQUIRES).
+// R >= 1, next(t) never aliases next(t - 1). Move-only.
+// REQUIRES: the layer outlives the handle.
 class RecurrentUpdate {
  public:
   RecurrentUpdate(RecurrentUpdate&&) noexcept;
