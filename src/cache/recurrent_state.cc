@@ -1,6 +1,7 @@
 #include "cache/recurrent_state.h"
 
 #include <algorithm>
+#include <array>
 #include <cstring>
 #include <string>
 
@@ -33,13 +34,23 @@ TensorView RecurrentState::view_of(std::byte* data) const {
 }
 
 std::vector<std::int32_t> RecurrentState::fresh_slots(std::int64_t q) const {
-  std::vector<bool> used(static_cast<std::size_t>(capacity), false);
-  for (std::int64_t pos = oldest(); pos <= length; ++pos)
-    used[static_cast<std::size_t>(table[static_cast<std::size_t>(pos % capacity)])] = true;
+  // The decode path calls this once per state and forward: no allocation
+  // for the marks while the ring is small (capacity <= 2 (R + 1)).
+  std::array<bool, 64> small{};
+  std::vector<bool> large;
+  if (capacity > 64) large.assign(static_cast<std::size_t>(capacity), false);
+  auto mark = [&](std::int64_t s) {
+    if (capacity > 64) large[static_cast<std::size_t>(s)] = true; else small[static_cast<std::size_t>(s)] = true;
+  };
+  auto marked = [&](std::int64_t s) {
+    return capacity > 64 ? static_cast<bool>(large[static_cast<std::size_t>(s)]) : small[static_cast<std::size_t>(s)];
+  };
+  for (std::int64_t pos = oldest(); pos <= length; ++pos) mark(table[static_cast<std::size_t>(pos % capacity)]);
   std::vector<std::int32_t> fresh;
   const std::int64_t want = fresh_count(q);
+  fresh.reserve(static_cast<std::size_t>(want));
   for (std::int64_t s = 0; s < capacity && static_cast<std::int64_t>(fresh.size()) < want; ++s)
-    if (!used[static_cast<std::size_t>(s)]) fresh.push_back(static_cast<std::int32_t>(s));
+    if (!marked(s)) fresh.push_back(static_cast<std::int32_t>(s));
   return fresh;
 }
 
