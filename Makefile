@@ -12,14 +12,23 @@ CMAKE_FLAGS ?=
 
 DEB_PACKAGES := cmake g++ make pkg-config libgtest-dev libgmock-dev libbenchmark-dev \
                 nlohmann-json3-dev libcli11-dev libomp-dev clang libclang-rt-14-dev
+# `make install` builds the library alone (no tests, benchmarks, runtime or
+# CLI) in its own directory, and needs only these.
+INSTALL_DEB_PACKAGES := cmake g++ make
+INSTALL_BUILD ?= build-install
+INSTALL_PREFIX = $(abspath $(or $(PREFIX),/usr/local))
 
-.PHONY: all deps build test test-plain test-asan test-tsan test-fuzz fuzz bench install clean demo train-models
+.PHONY: all deps install-deps build test test-plain test-asan test-tsan test-fuzz fuzz bench install clean demo train-models
 
 all: build
 
 # Installs only what is missing; skips apt entirely when nothing is.
-deps:
-	@missing=""; for p in $(DEB_PACKAGES); do \
+# `deps` installs everything the full build needs, `install-deps` what
+# `make install` needs.
+deps: APT_PACKAGES = $(DEB_PACKAGES)
+install-deps: APT_PACKAGES = $(INSTALL_DEB_PACKAGES)
+deps install-deps:
+	@missing=""; for p in $(APT_PACKAGES); do \
 	  dpkg-query -W -f='$${Status}' $$p 2>/dev/null | grep -q "install ok installed" || missing="$$missing $$p"; \
 	done; \
 	if [ -n "$$missing" ]; then \
@@ -44,7 +53,7 @@ test-asan: deps
 	  ctest --output-on-failure -j $(JOBS)
 
 # ThreadSanitizer: threads decoding with their own caches over shared
-# weights (tests/runtime/test_concurrency.cc). OpenMP stays at one thread:
+# weights (tests/runtime/concurrency_test.cc). OpenMP stays at one thread:
 # libgomp is not instrumented and would only add false reports. ASLR is
 # switched off for the run (setarch -R): libtsan of GCC 12 cannot map its
 # shadow memory under the 32-bit mmap randomisation of current kernels.
@@ -95,8 +104,18 @@ train-models:
 	/usr/bin/python3 scripts/train/train.py --config scripts/train/configs/draft.json --out models/kjv-draft --minutes 12 --lr 3e-3 --threads 1
 	/usr/bin/python3 scripts/train/make_fixtures.py
 
-install: build
-	cmake --install $(BUILD) --prefix $(or $(PREFIX),/usr/local)
+# The headers and the shared library (librewind.so.0.1), the CMake package
+# and the pkg-config file, into PREFIX (default /usr/local): a Release build
+# of the library alone in $(INSTALL_BUILD)/, without -Werror so that a newer
+# compiler's new warnings cannot stop an install. As root it refreshes the
+# dynamic linker's cache.
+install: install-deps
+	cmake -S . -B $(INSTALL_BUILD) -DCMAKE_BUILD_TYPE=Release -DCMAKE_INSTALL_PREFIX=$(INSTALL_PREFIX) \
+	  -DREWIND_BUILD_TESTS=OFF -DREWIND_BUILD_BENCH=OFF -DREWIND_BUILD_RUNTIME=OFF \
+	  -DREWIND_SANITIZE=OFF -DREWIND_TSAN=OFF -DREWIND_FUZZ=OFF -DREWIND_WERROR=OFF $(CMAKE_FLAGS)
+	cmake --build $(INSTALL_BUILD) -j $(JOBS)
+	cmake --install $(INSTALL_BUILD) --prefix $(INSTALL_PREFIX)
+	@if [ "$$(id -u)" = 0 ] && command -v ldconfig > /dev/null; then ldconfig; fi
 
 clean:
-	rm -rf $(BUILD) $(ASAN_BUILD) $(TSAN_BUILD) $(FUZZ_BUILD)
+	rm -rf $(BUILD) $(ASAN_BUILD) $(TSAN_BUILD) $(FUZZ_BUILD) $(INSTALL_BUILD)

@@ -1,21 +1,105 @@
 #!/usr/bin/env bash
-# Installs the library into a temporary prefix, then builds the README's
-# example against it twice: with find_package(rewind) and with pkg-config.
+# Installs the library into a temporary prefix and checks what a user gets:
+#   - librewind.so with a versioned SONAME (0.x: librewind.so.MAJOR.MINOR),
+#     exporting the public API (rwd::*) and no rwd::detail symbol;
+#   - no dependency on the test / benchmark / runtime libraries (GoogleTest,
+#     Google Benchmark, OpenMP);
+#   - the README's example and abi_check.cc, built with -std=c++23 (C++20 is
+#     the minimum, not a pin) through find_package(rewind) and through
+#     pkg-config, run against the installed library: an exception thrown in
+#     the library is caught by type in the consumer.
+# Works on any configured and built tree: `make install`'s library-only one
+# or the full build (Release, tests on; ctest runs it as
+# install_and_find_package).
 # Usage: install_test.sh BUILD_DIR SOURCE_DIR
 set -euo pipefail
 build=$1
 src=$2
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
-cmake --install "$build" --prefix "$work/prefix" > /dev/null
-test -f "$work/prefix/include/rewind/cache.h"
-cmake -S "$src/tests/install/consumer" -B "$work/consumer" -DCMAKE_PREFIX_PATH="$work/prefix" \
-  -DCMAKE_BUILD_TYPE=Release > /dev/null
-cmake --build "$work/consumer" > /dev/null
-"$work/consumer/consumer" > "$work/out.txt"
-grep -q "after crop(-3): L = 2" "$work/out.txt"
-libdir=$(ls -d "$work"/prefix/lib*/pkgconfig | head -n 1)
-PKG_CONFIG_PATH="$libdir" c++ "$src/examples/quickstart.cc" $(PKG_CONFIG_PATH="$libdir" pkg-config --cflags --libs rewind) \
-  -o "$work/pc_consumer"
-"$work/pc_consumer" | grep -q "after crop(-3): L = 2"
-echo "installed rewind works through find_package and pkg-config"
+fail() {
+  echo "install_test: FAIL: $*" >&2
+  exit 1
+}
+prefix=$work/prefix
+
+cmake --install "$build" --prefix "$prefix" > "$work/install.log" || { cat "$work/install.log"; fail "cmake --install"; }
+test -f "$prefix/include/rewind/cache.h" || fail "headers not installed"
+
+# ---- the shared library: SONAME, exports, dependencies -------------------
+link=$(find "$prefix" -name librewind.so | head -n 1)
+test -n "$link" || fail "no librewind.so under $prefix"
+libdir=$(dirname "$link")
+version=$(sed -n 's/^set(PACKAGE_VERSION "\(.*\)")$/\1/p' "$libdir/cmake/rewind/rewindConfigVersion.cmake")
+IFS=. read -r major minor _ <<< "$version"
+if [ "$major" = 0 ]; then soname=librewind.so.$major.$minor; else soname=librewind.so.$major; fi
+test -f "$libdir/librewind.so.$version" && ! test -L "$libdir/librewind.so.$version" ||
+  fail "librewind.so.$version is not a regular file"
+test "$(readlink "$libdir/$soname")" = "librewind.so.$version" || fail "$soname does not point to librewind.so.$version"
+test "$(readlink "$link")" = "$soname" || fail "librewind.so does not point to $soname"
+got=$(readelf -d "$libdir/librewind.so.$version" | sed -n 's/.*(SONAME).*\[\(.*\)\]/\1/p')
+test "$got" = "$soname" || fail "SONAME is '$got', expected '$soname'"
+
+exports=$(nm -DC --defined-only "$libdir/librewind.so.$version")
+detail=$(grep -c 'rwd::detail' <<< "$exports" || true)
+test "$detail" = 0 || { grep 'rwd::detail' <<< "$exports" | head >&2; fail "$detail rwd::detail symbols exported"; }
+for symbol in 'rwd::Cache::crop(long)' 'rwd::Layer::crop(long)' 'typeinfo for rwd::RollbackError' \
+              'vtable for rwd::Error'; do
+  grep -qF " $symbol" <<< "$exports" || fail "'$symbol' is not exported"
+done
+if grep -v ' rwd::\| typeinfo for rwd::\| typeinfo name for rwd::\| vtable for rwd::' <<< "$exports" | grep -q .; then
+  grep -v ' rwd::\| typeinfo for rwd::\| typeinfo name for rwd::\| vtable for rwd::' <<< "$exports" | head >&2
+  fail "symbols outside rwd are exported"
+fi
+
+needed=$(readelf -d "$libdir/librewind.so.$version" | sed -n 's/.*(NEEDED).*\[\(.*\)\]/\1/p')
+for lib in $needed; do
+  case $lib in
+    libstdc++.so.* | libm.so.* | libgcc_s.so.* | libc.so.* | ld-linux*) ;;
+    *) fail "librewind.so needs $lib (only the C++ runtime is expected)" ;;
+  esac
+done
+if ldd "$libdir/librewind.so.$version" | grep -E 'libgomp|libomp|libbenchmark|libgtest|libgmock'; then
+  fail "librewind.so pulls in a test, benchmark or OpenMP library"
+fi
+
+# ---- consumers: C++23, find_package and pkg-config -------------------------
+std=c++23
+echo 'int main() {}' | c++ -std=c++23 -x c++ -fsyntax-only - 2> /dev/null || std=c++2b  # GCC < 11
+
+# Both consumers must print the README's result, the refused crop (a
+# RollbackError thrown inside librewind.so, caught by type in the example),
+# and catch an IndexError as rwd::Error; and run on the installed .so.
+check_consumer() {  # NAME QUICKSTART ABI_CHECK
+  local name=$1 quickstart=$2 abi=$3
+  "$quickstart" > "$work/$name.out" || { cat "$work/$name.out"; fail "$name: example failed"; }
+  grep -q "after crop(-3): L = 2" "$work/$name.out" || { cat "$work/$name.out"; fail "$name: wrong example output"; }
+  grep -q "^refused: " "$work/$name.out" || { cat "$work/$name.out"; fail "$name: RollbackError not caught"; }
+  "$abi" > "$work/$name.abi" || { cat "$work/$name.abi"; fail "$name: abi_check failed"; }
+  grep -q "^caught rwd::Error (IndexError)" "$work/$name.abi" || fail "$name: IndexError not caught as rwd::Error"
+  local cplusplus
+  cplusplus=$(sed -n 's/^__cplusplus //p' "$work/$name.abi")
+  test "$cplusplus" -gt 202002 || fail "$name: compiled as __cplusplus $cplusplus, not the requested $std"
+  for exe in "$quickstart" "$abi"; do
+    ldd "$exe" | grep -q "$soname => $libdir/$soname" || { ldd "$exe"; fail "$name: $exe does not load $libdir/$soname"; }
+  done
+}
+
+cmake -S "$src/tests/install/consumer" -B "$work/consumer" -DCMAKE_PREFIX_PATH="$prefix" \
+  -DCMAKE_BUILD_TYPE=Release -DCMAKE_CXX_STANDARD=${std#c++} -DCMAKE_CXX_STANDARD_REQUIRED=ON \
+  > "$work/consumer.log" 2>&1 || { cat "$work/consumer.log"; fail "find_package consumer: configure"; }
+cmake --build "$work/consumer" > "$work/consumer.log" 2>&1 || { cat "$work/consumer.log"; fail "find_package consumer: build"; }
+check_consumer find_package "$work/consumer/consumer" "$work/consumer/abi_check"
+
+export PKG_CONFIG_PATH=$libdir/pkgconfig
+cflags=$(pkg-config --cflags rewind)
+libs=$(pkg-config --libs rewind)
+case " $cflags " in *" -std="*) fail "pkg-config --cflags forces a standard: $cflags" ;; esac
+# shellcheck disable=SC2086  # the flags are words
+c++ -std=$std "$src/examples/quickstart.cc" $cflags $libs -Wl,-rpath,"$libdir" -o "$work/pc_consumer"
+# shellcheck disable=SC2086
+c++ -std=$std "$src/tests/install/consumer/abi_check.cc" $cflags $libs -Wl,-rpath,"$libdir" -o "$work/pc_abi_check"
+check_consumer pkg-config "$work/pc_consumer" "$work/pc_abi_check"
+
+echo "installed rewind works: $soname ($(grep -c . <<< "$exports") exported symbols, none in rwd::detail;" \
+  "needs ${needed//$'\n'/ }); find_package and pkg-config consumers built with -std=$std catch its exceptions by type"
