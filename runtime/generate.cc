@@ -1,7 +1,10 @@
 #include "runtime/generate.h"
 
+#include <omp.h>
+
 #include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <numeric>
 
 #include <nlohmann/json.hpp>
@@ -32,8 +35,20 @@ void check_prompt(std::span<const std::int32_t> prompt) {
   if (prompt.empty()) throw InvalidArgument("generation needs a non-empty prompt (at least the BOS token)");
 }
 
-// Emits `token`; returns false when generation must stop after it.
-bool emit(std::int32_t token, const Model& model, const GenerationOptions& options, std::vector<std::int32_t>& out) {
+// What every call records before it starts: the prompt, the seed, the threads.
+GenerationStats start_stats(std::span<const std::int32_t> prompt, const SamplingParams& sampling) {
+  GenerationStats s;
+  s.prompt_tokens = static_cast<std::int64_t>(prompt.size());
+  if (!sampling.greedy()) s.seed = sampling.seed;
+  s.threads = omp_get_max_threads();
+  return s;
+}
+
+// Emits `token`; returns false when generation must stop after it. The first
+// token stops the time-to-first-token clock (before on_token, which may be slow).
+bool emit(std::int32_t token, const Model& model, const GenerationOptions& options, std::vector<std::int32_t>& out,
+          Clock::time_point t0, GenerationStats& stats) {
+  if (out.empty()) stats.time_to_first_token = seconds_since(t0);
   out.push_back(token);
   if (options.on_token) options.on_token(token);
   if (options.stop_at_eos && token == model.config().eos_token_id) return false;
@@ -43,8 +58,9 @@ bool emit(std::int32_t token, const Model& model, const GenerationOptions& optio
 }  // namespace
 
 void validate(const SamplingParams& p) {
-  if (!(p.temperature >= 0.0f)) {
-    throw InvalidArgument("temperature must be >= 0 (0 = greedy), got " + std::to_string(p.temperature));
+  if (!(p.temperature >= 0.0f) || !std::isfinite(p.temperature)) {
+    throw InvalidArgument("temperature must be a finite number >= 0 (0 = greedy), got " +
+                          std::to_string(p.temperature));
   }
   if (p.top_k < 0) throw InvalidArgument("top_k must be >= 0 (0 = off), got " + std::to_string(p.top_k));
   if (!(p.top_p > 0.0f && p.top_p <= 1.0f)) {
@@ -102,8 +118,11 @@ std::int32_t sample_from(std::span<const float> probs, std::mt19937_64& rng) {
 std::string GenerationStats::to_json() const {
   nlohmann::json j;
   j["new_tokens"] = new_tokens;
+  j["prompt_tokens"] = prompt_tokens;
   j["seconds"] = seconds;
+  j["time_to_first_token_s"] = time_to_first_token;
   j["tokens_per_second"] = tokens_per_second();
+  j["decode_tokens_per_second"] = decode_tokens_per_second();
   j["drafted"] = drafted;
   j["accepted"] = accepted;
   j["acceptance_rate"] = acceptance_rate();
@@ -112,6 +131,8 @@ std::string GenerationStats::to_json() const {
   j["forwards"] = forwards;
   j["cache_seconds"] = cache_seconds;
   j["peak_cache_bytes"] = peak_cache_bytes;
+  j["seed"] = seed ? nlohmann::json(*seed) : nlohmann::json(nullptr);
+  j["threads"] = threads;
   return j.dump();
 }
 
@@ -120,7 +141,7 @@ std::vector<std::int32_t> generate(const Model& model, std::span<const std::int3
   validate(options.sampling);
   check_prompt(prompt);
   const auto t0 = Clock::now();
-  GenerationStats local;
+  GenerationStats local = start_stats(prompt, options.sampling);
   std::mt19937_64 rng(options.sampling.seed);
   Cache cache = model.make_cache();
   std::vector<float> logits;
@@ -130,7 +151,7 @@ std::vector<std::int32_t> generate(const Model& model, std::span<const std::int3
     ++local.forwards;
     while (true) {
       const std::int32_t token = pick(logits, options.sampling, rng);
-      if (!emit(token, model, options, out)) break;
+      if (!emit(token, model, options, out, t0, local)) break;
       model.forward(std::span<const std::int32_t>(&token, 1), cache, logits, false, &local.cache_seconds);
       ++local.forwards;
     }
@@ -233,7 +254,7 @@ std::vector<std::int32_t> speculative_generate(const Model& target, DraftSource&
     throw InvalidArgument("num_draft (K) must be in [1, 64], got " + std::to_string(spec.num_draft));
   }
   const auto t0 = Clock::now();
-  GenerationStats local;
+  GenerationStats local = start_stats(prompt, options.sampling);
   std::mt19937_64 rng(options.sampling.seed);
   const SamplingParams& sampling = options.sampling;
   const std::int64_t V = target.vocab_size();
@@ -324,7 +345,7 @@ std::vector<std::int32_t> speculative_generate(const Model& target, DraftSource&
 
     for (std::int32_t token : emitted) {
       sequence.push_back(token);
-      if (!emit(token, target, options, out)) {
+      if (!emit(token, target, options, out, t0, local)) {
         running = false;
         break;
       }

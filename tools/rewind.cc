@@ -4,19 +4,31 @@
 //   rewind verify      compare speculative with greedy decoding token by token
 //   rewind eval        bits per byte of a text file (teacher forcing, chunked)
 //   rewind inspect     layers, parameters and memory of a model
+//   rewind bench       tokens/s of greedy and speculative decoding
 //   rewind init-random write a model with random weights
 //
-// Exit status: 0 success, 1 verify found a divergence, 2 bad input (unknown
-// flag, missing or malformed model, bad value).
+// Exit status: 0 success, 1 verify or bench found a divergence, 2 bad input
+// (unknown flag, missing or malformed model, bad value, a flag that would
+// have no effect).
+#include <omp.h>
+#include <unistd.h>
+
 #include <algorithm>
+#include <charconv>
 #include <chrono>
+#include <cmath>
 #include <cstdio>
+#include <cstdlib>
+#include <filesystem>
 #include <fstream>
 #include <iostream>
+#include <limits>
 #include <memory>
 #include <optional>
+#include <random>
 #include <sstream>
 #include <string>
+#include <system_error>
 
 #include <CLI/CLI.hpp>
 
@@ -33,37 +45,76 @@ namespace {
 using namespace rwd;
 using namespace rwd::runtime;
 using Clock = std::chrono::steady_clock;
+namespace fs = std::filesystem;
 
-// A line on stderr at most once a second, only once work has taken a second.
+// ---- option values ---------------------------------------------------------------
+
+// Validators that say what is wrong with a value: not a number at all, or a
+// number outside the allowed range (CLI11's Range says "not in range" for
+// both). CLI11 prefixes the option's name.
+CLI::Validator integer_in(std::int64_t lo, std::int64_t hi) {
+  return CLI::Validator(
+      [lo, hi](std::string& s) -> std::string {
+        std::int64_t v = 0;
+        const auto [end, ec] = std::from_chars(s.data(), s.data() + s.size(), v);
+        const bool whole = end == s.data() + s.size();
+        if (ec == std::errc::result_out_of_range && whole) {
+          return "'" + s + "' is outside [" + std::to_string(lo) + ", " + std::to_string(hi) + "]";
+        }
+        if (ec != std::errc() || !whole || s.empty()) return "'" + s + "' is not an integer";
+        if (v < lo || v > hi) {
+          return "'" + s + "' is outside [" + std::to_string(lo) + ", " + std::to_string(hi) + "]";
+        }
+        return {};
+      },
+      "INT in [" + std::to_string(lo) + ", " + std::to_string(hi) + "]", "integer_in");
+}
+
+// A seed: any integer in [0, 2^64).
+CLI::Validator unsigned_integer() {
+  return CLI::Validator(
+      [](std::string& s) -> std::string {
+        std::uint64_t v = 0;
+        const auto [end, ec] = std::from_chars(s.data(), s.data() + s.size(), v);
+        if (!s.empty() && s[0] == '-') return "'" + s + "' is negative; a seed is an integer in [0, 2^64)";
+        if (ec != std::errc() || end != s.data() + s.size() || s.empty()) {
+          return "'" + s + "' is not an integer in [0, 2^64)";
+        }
+        return {};
+      },
+      "UINT64", "unsigned_integer");
+}
+
+// A finite number in [lo, hi] (lo_open: lo itself excluded). Refuses "inf",
+// "nan" and numbers that overflow to infinity as a float.
+CLI::Validator finite_number(double lo, double hi, bool lo_open, std::string range) {
+  return CLI::Validator(
+      [=](std::string& s) -> std::string {
+        char* end = nullptr;
+        const double v = std::strtod(s.c_str(), &end);
+        if (s.empty() || end != s.c_str() + s.size()) return "'" + s + "' is not a number";
+        if (!std::isfinite(v) || !std::isfinite(static_cast<float>(v))) {
+          return "'" + s + "' is not a finite number; it must be in " + range;
+        }
+        if (v < lo || v > hi || (lo_open && v == lo)) return "'" + s + "' is outside " + range;
+        return {};
+      },
+      "FLOAT in " + range, "finite_number");
+}
+
+// ---- progress ----------------------------------------------------------------------
+
+// A progress bar on stderr, drawn only when stderr is a terminal (a log file
+// or a pipe gets no carriage-return frames), redrawn at most 5 times a
+// second and only once the work has taken half a second; ended by a newline.
 class Progress {
  public:
-  explicit Progress(std::string what) : what_(std::move(what)), start_(Clock::now()), last_(start_) {}
+  Progress(std::string what, std::string unit)
+      : what_(std::move(what)), unit_(std::move(unit)), tty_(::isatty(2) == 1), start_(Clock::now()), last_(start_) {}
+  Progress(const Progress&) = delete;
+  Progress& operator=(const Progress&) = delete;
   void update(std::int64_t done, std::int64_t total) {
-    const auto now = Clock::now();
-    if (now - last_ < std::chrono::seconds(1)) return;
-    last_ = now;
-    shown_ = true;
-    const double s = std::chrono::duration<double>(now - start_).count();
-    std::fprintf(stderr, "\r%s: %lld/%lld tokens, %.1f s, %.1f tok/s   ", what_.c_str(), static_cast<long long>(done),
-                 static_cast<long long>(total), s, static_cast<double>(done) / s);
-    std::fflush(stderr);
-  }
-  ~Progress() {
-    if (shown_) std::fprintf(stderr, "\n");
-  }
-
- private:
-  std::string what_;
-  Clock::time_point start_, last_;
-  bool shown_ = false;
-};
-
-// A progress bar on stderr, redrawn at most 5 times a second and only once
-// the work has taken half a second; cleared by a newline at the end.
-class ProgressBar {
- public:
-  explicit ProgressBar(std::string what) : what_(std::move(what)), start_(Clock::now()), last_(start_) {}
-  void update(std::int64_t done, std::int64_t total) {
+    if (!tty_) return;
     const auto now = Clock::now();
     if (done < total && (now - last_ < std::chrono::milliseconds(200) || now - start_ < std::chrono::milliseconds(500))) {
       return;
@@ -71,25 +122,63 @@ class ProgressBar {
     last_ = now;
     shown_ = true;
     const double s = std::chrono::duration<double>(now - start_).count();
-    const double frac = total > 0 ? static_cast<double>(done) / static_cast<double>(total) : 1.0;
+    const double frac = total > 0 ? std::min(1.0, static_cast<double>(done) / static_cast<double>(total)) : 1.0;
     constexpr int kWidth = 30;
     const int filled = static_cast<int>(frac * kWidth);
     std::string bar(static_cast<std::size_t>(filled), '=');
     if (filled < kWidth) bar += '>' + std::string(static_cast<std::size_t>(kWidth - filled - 1), ' ');
     const double rate = s > 0 ? static_cast<double>(done) / s : 0.0;
     const double eta = rate > 0 ? static_cast<double>(total - done) / rate : 0.0;
-    std::fprintf(stderr, "\r%s [%s] %3.0f%% %lld/%lld, %.0f/s, %.0f s, ETA %.0f s  ", what_.c_str(), bar.c_str(),
-                 100.0 * frac, static_cast<long long>(done), static_cast<long long>(total), rate, s, eta);
+    std::fprintf(stderr, "\r%s [%s] %3.0f%% %lld/%lld %s, %.0f/s, %.0f s, ETA %.0f s  ", what_.c_str(), bar.c_str(),
+                 100.0 * frac, static_cast<long long>(done), static_cast<long long>(total), unit_.c_str(), rate, s, eta);
     std::fflush(stderr);
   }
-  ~ProgressBar() {
+  ~Progress() {
     if (shown_) std::fprintf(stderr, "\n");
   }
 
  private:
-  std::string what_;
+  std::string what_, unit_;
+  bool tty_;
   Clock::time_point start_, last_;
   bool shown_ = false;
+};
+
+// ---- prompts, draft and sampling choices ------------------------------------------------
+
+// The choices below are shared by subcommands; `cmd` is the one that ran,
+// whose options tell which flags were given.
+struct PromptChoice {
+  std::string text;
+  std::string file;  // "-": standard input
+
+  // The prompt text: --prompt TEXT or the bytes of --prompt-file FILE (a
+  // long prompt does not fit in argv: Linux caps one argument at 128 KiB).
+  std::string read(const CLI::App& cmd) const {
+    const bool has_text = cmd.count("--prompt") > 0, has_file = cmd.count("--prompt-file") > 0;
+    if (!has_text && !has_file) {
+      throw InvalidArgument("no prompt: give --prompt TEXT or --prompt-file FILE ('-' reads standard input)");
+    }
+    if (has_text) {
+      if (text.empty()) throw InvalidArgument("--prompt is empty; give some text to continue");
+      return text;
+    }
+    std::ostringstream buffer;
+    if (file == "-") {
+      buffer << std::cin.rdbuf();
+    } else {
+      std::ifstream in(file, std::ios::binary);
+      if (!in) throw InvalidArgument("--prompt-file " + file + ": cannot open it");
+      buffer << in.rdbuf();
+      if (in.bad()) throw InvalidArgument("--prompt-file " + file + ": read error");
+    }
+    std::string prompt = buffer.str();
+    if (prompt.empty()) {
+      throw InvalidArgument("--prompt-file " + (file == "-" ? std::string("- (standard input)") : file) +
+                            " is empty; give some text to continue");
+    }
+    return prompt;
+  }
 };
 
 struct DraftChoice {
@@ -98,11 +187,43 @@ struct DraftChoice {
   std::int64_t num_draft = 4;
   bool adaptive = false;
   bool any() const { return !draft_dir.empty() || lookup > 0; }
+
+  // --num-draft and --adaptive shape speculative decoding; without a draft
+  // source they would be ignored.
+  void check(const CLI::App& cmd) const {
+    if (any()) return;
+    for (const char* flag : {"--num-draft", "--adaptive"}) {
+      if (cmd.count(flag) > 0) {
+        throw InvalidArgument(std::string(flag) + " applies to speculative decoding: it needs a draft source, " +
+                              "--draft DIR or --lookup N");
+      }
+    }
+  }
 };
 
-void check_prompt_text(const std::string& prompt) {
-  if (prompt.empty()) throw InvalidArgument("--prompt is empty; give some text to continue");
-}
+struct SamplingChoice {
+  SamplingParams params;
+
+  // Refuses sampling flags without sampling, and draws a seed when sampling
+  // without --seed (std::random_device: a fresh seed per run, reported by
+  // --stats so the run can be repeated with --seed N). 32 bits, so that any
+  // JSON reader (many parse numbers as doubles) gets it exactly.
+  SamplingParams resolve(const CLI::App& cmd) const {
+    SamplingParams p = params;
+    validate(p);
+    if (p.greedy()) {
+      for (const char* flag : {"--top-k", "--top-p", "--seed"}) {
+        if (cmd.count(flag) > 0) {
+          throw InvalidArgument(std::string(flag) + " applies to sampling only: it needs --temperature T with T > 0 " +
+                                "(without it decoding is greedy)");
+        }
+      }
+      return p;
+    }
+    if (cmd.count("--seed") == 0) p.seed = std::random_device{}();
+    return p;
+  }
+};
 
 std::optional<Model> load_draft(const DraftChoice& choice, const Model& target) {
   if (choice.draft_dir.empty()) return std::nullopt;
@@ -124,15 +245,39 @@ std::unique_ptr<DraftSource> make_source(const DraftChoice& choice, const std::o
   return std::make_unique<LookupDraft>(choice.lookup);
 }
 
-void check_num_draft(std::int64_t k) {
-  if (k < 1 || k > 64) throw InvalidArgument("--num-draft must be in [1, 64], got " + std::to_string(k));
+// ---- threads ---------------------------------------------------------------------------
+
+// The OpenMP thread count: --threads N, else OMP_NUM_THREADS when the user
+// set it, else one thread. OpenMP's own default, one thread per core, is the
+// wrong default here: a forward of the shipped models (2.6M and 0.35M
+// parameters) takes about 0.2 ms and runs dozens of small parallel kernels,
+// each ending in a barrier. When another process holds a core, each barrier
+// waits for a descheduled thread (time slices are milliseconds). On a busy
+// 2-core machine two threads ran speculative decoding at a third of greedy's
+// speed (322 vs 955 tok/s) where one thread ran it at twice greedy's, and in
+// another run greedy decoding fell to 26 tok/s against 4,103 with one
+// thread. One thread waits for nobody. Larger models, whose weights stream
+// from main memory, and the prefill of long prompts gain from more threads
+// on an idle machine: the user asks for them with --threads or
+// OMP_NUM_THREADS.
+void set_threads(const std::optional<int>& threads) {
+  if (threads) {
+    omp_set_num_threads(*threads);
+    return;
+  }
+  const char* env = std::getenv("OMP_NUM_THREADS");
+  if (env != nullptr && *env != '\0') return;  // OpenMP read it at start-up
+  omp_set_num_threads(1);
 }
 
-int run_generate(const std::string& model_dir, const std::string& prompt, std::int64_t max_new,
-                 const DraftChoice& choice, const SamplingParams& sampling, bool stats_wanted) {
-  check_prompt_text(prompt);
-  check_num_draft(choice.num_draft);
-  validate(sampling);
+// ---- subcommands -------------------------------------------------------------------
+
+int run_generate(const CLI::App& cmd, const std::string& model_dir, const PromptChoice& prompt_choice,
+                 std::int64_t max_new, const DraftChoice& choice, const SamplingChoice& sampling_choice,
+                 bool stats_wanted) {
+  choice.check(cmd);
+  const SamplingParams sampling = sampling_choice.resolve(cmd);
+  const std::string prompt = prompt_choice.read(cmd);
   const Model model = Model::load(model_dir);
   const std::optional<Model> draft = load_draft(choice, model);
   const std::vector<std::int32_t> tokens = encode_prompt(prompt, model.config());
@@ -161,11 +306,10 @@ int run_generate(const std::string& model_dir, const std::string& prompt, std::i
 // that a burst of load on a shared machine hits both), checks every
 // speculative run against the greedy output token by token and reports the
 // median tokens/s of each.
-int run_verify(const std::string& model_dir, const std::string& prompt, std::int64_t max_new,
-               const DraftChoice& choice, int repeats) {
-  check_prompt_text(prompt);
-  check_num_draft(choice.num_draft);
+int run_verify(const CLI::App& cmd, const std::string& model_dir, const PromptChoice& prompt_choice,
+               std::int64_t max_new, const DraftChoice& choice, int repeats) {
   if (!choice.any()) throw InvalidArgument("verify needs a draft source: --draft DIR or --lookup N");
+  const std::string prompt = prompt_choice.read(cmd);
   const Model model = Model::load(model_dir);
   const std::optional<Model> draft = load_draft(choice, model);
   const std::vector<std::int32_t> tokens = encode_prompt(prompt, model.config());
@@ -177,7 +321,7 @@ int run_verify(const std::string& model_dir, const std::string& prompt, std::int
   for (int run = 1; run <= repeats; ++run) {
     const std::string suffix = repeats > 1 ? " " + std::to_string(run) + "/" + std::to_string(repeats) : "";
     {
-      Progress progress("greedy" + suffix);
+      Progress progress("greedy" + suffix, "tokens");
       std::int64_t n = 0;
       options.on_token = [&](std::int32_t) { progress.update(++n, max_new); };
       std::vector<std::int32_t> out = generate(model, tokens, options, &greedy_stats);
@@ -189,7 +333,7 @@ int run_verify(const std::string& model_dir, const std::string& prompt, std::int
     greedy_rates.push_back(greedy_stats.tokens_per_second());
     std::vector<std::int32_t> spec;
     {
-      Progress progress("speculative" + suffix);
+      Progress progress("speculative" + suffix, "tokens");
       std::int64_t n = 0;
       options.on_token = [&](std::int32_t) { progress.update(++n, max_new); };
       auto source = make_source(choice, draft, options.sampling);
@@ -219,8 +363,6 @@ int run_verify(const std::string& model_dir, const std::string& prompt, std::int
 }
 
 int run_eval(const std::string& model_dir, const std::string& text_path, std::int64_t chunk, std::int64_t context) {
-  if (chunk < 1) throw InvalidArgument("--chunk must be >= 1, got " + std::to_string(chunk));
-  if (context < 0) throw InvalidArgument("--context must be >= 0 (0 = the whole file), got " + std::to_string(context));
   std::ifstream in(text_path, std::ios::binary);
   if (!in) throw Error("cannot open " + text_path);
   std::ostringstream buffer;
@@ -233,7 +375,7 @@ int run_eval(const std::string& model_dir, const std::string& text_path, std::in
   options.context = context;
   EvalResult r;
   {
-    ProgressBar bar("eval bytes");
+    Progress bar("eval", "bytes");
     options.on_progress = [&](std::int64_t done, std::int64_t total) { bar.update(done, total); };
     r = evaluate_text(model, text, options);
   }
@@ -246,9 +388,9 @@ int run_eval(const std::string& model_dir, const std::string& text_path, std::in
 }
 
 std::string human_bytes(double b) {
-  const char* units[] = {"B", "KiB", "MiB", "GiB"};
+  const char* units[] = {"B", "KiB", "MiB", "GiB", "TiB", "PiB", "EiB"};
   int u = 0;
-  while (b >= 1024.0 && u < 3) {
+  while (b >= 1024.0 && u < 6) {
     b /= 1024.0;
     ++u;
   }
@@ -258,9 +400,16 @@ std::string human_bytes(double b) {
 }
 
 int run_inspect(const std::string& model_dir, std::int64_t rollback) {
-  if (rollback < 0) throw InvalidArgument("--rollback must be >= 0, got " + std::to_string(rollback));
   const Model model = Model::load(model_dir);
   const ModelConfig& c = model.config();
+  // The library refuses R above 2^40 and figures above 2^48 bytes (rather
+  // than wrap around); either is a bad --rollback here.
+  std::size_t rollback_total = 0;
+  try {
+    rollback_total = model.rollback_bytes(rollback);
+  } catch (const rwd::Error& e) {
+    throw InvalidArgument("--rollback " + std::to_string(rollback) + ": " + e.what());
+  }
   std::printf("model %s: %s, %lld layers, hidden %lld, vocab %lld, weights stored as %s\n", model_dir.c_str(),
               c.model_type.c_str(), static_cast<long long>(c.num_hidden_layers), static_cast<long long>(c.hidden_size),
               static_cast<long long>(c.vocab_size), std::string(dtype_name(c.torch_dtype)).c_str());
@@ -281,12 +430,12 @@ int run_inspect(const std::string& model_dir, std::int64_t rollback) {
     }
     std::printf("  layer %2zu  %-18s %s\n", i, t.c_str(), detail.c_str());
   }
-  std::printf("KV bytes per token (full + sliding layers, f32): %s\n",
+  std::printf("KV bytes per token (full-attention layers, f32): %s\n",
               human_bytes(static_cast<double>(model.kv_bytes_per_token())).c_str());
-  std::printf("fixed state bytes per sequence (conv + recurrent + sliding windows): %s\n",
+  std::printf("fixed state bytes per sequence (sliding windows + conv + recurrent states): %s\n",
               human_bytes(static_cast<double>(model.fixed_state_bytes())).c_str());
   std::printf("rollback memory for R = %lld: at most %s more\n", static_cast<long long>(rollback),
-              human_bytes(static_cast<double>(model.rollback_bytes(rollback))).c_str());
+              human_bytes(static_cast<double>(rollback_total)).c_str());
   return 0;
 }
 
@@ -319,12 +468,52 @@ int run_bench(const std::string& model_dir, const std::string& draft_dir, std::i
   return all_identical ? 0 : 1;
 }
 
+// The files of a model directory that init-random would overwrite or leave
+// stale: config.json and any *.safetensors.
+std::vector<std::string> model_files_in(const fs::path& dir) {
+  std::vector<std::string> found;
+  std::error_code ec;
+  if (!fs::is_directory(dir, ec)) return found;
+  for (const auto& entry : fs::directory_iterator(dir, ec)) {
+    const std::string name = entry.path().filename().string();
+    if (name == "config.json" || entry.path().extension() == ".safetensors") found.push_back(name);
+  }
+  std::sort(found.begin(), found.end());
+  return found;
+}
+
 int run_init_random(const std::string& config_path, const std::string& out_dir, std::uint64_t seed,
-                    const std::string& dtype) {
+                    const std::string& dtype, bool force) {
   const ModelConfig config = load_model_config(config_path);
-  write_random_model(config, out_dir, seed, parse_dtype(dtype));
+  const DType stored = parse_dtype(dtype);
+  const fs::path dir(out_dir);
+  const std::vector<std::string> existing = model_files_in(dir);
+  if (!existing.empty() && !force) {
+    std::string list;
+    for (const auto& f : existing) list += (list.empty() ? "" : ", ") + f;
+    throw InvalidArgument("--out " + out_dir + " already holds a model (" + list +
+                          "); init-random would overwrite its weights: pass --force to replace it, or choose "
+                          "another directory");
+  }
+  write_random_model(config, out_dir, seed, stored);
   std::printf("wrote %s/config.json and %s/model.safetensors (seed %llu, %s)\n", out_dir.c_str(), out_dir.c_str(),
               static_cast<unsigned long long>(seed), dtype.c_str());
+  if (!existing.empty()) {
+    // The model card and the training record describe the weights just
+    // replaced: a card of the new, untrained weights takes the old card's place.
+    std::error_code ec;
+    if (fs::remove(dir / "training.json", ec)) std::printf("removed the stale %s/training.json\n", out_dir.c_str());
+    const bool had_card = fs::exists(dir / "README.md", ec);
+    std::ofstream card(dir / "README.md", std::ios::trunc);
+    card << "# " << dir.filename().string() << "\n\n"
+         << "Random weights written by `rewind init-random --config " << config_path << " --seed " << seed
+         << " --dtype " << dtype << "`: an untrained model, for tests and benchmarks only. "
+         << "It replaced an earlier model in this directory (" << existing.size() << " file(s) overwritten); "
+         << "that model's card and training record were removed.\n";
+    if (!card) throw Error(out_dir + "/README.md: cannot write the model card");
+    std::printf("%s %s/README.md: the card now describes these random weights\n", had_card ? "replaced" : "wrote",
+                out_dir.c_str());
+  }
   return 0;
 }
 
@@ -333,74 +522,131 @@ int run_init_random(const std::string& config_path, const std::string& out_dir, 
 int main(int argc, char** argv) {
   CLI::App app{"rewind: reference runtime for exact-rollback inference caches"};
   app.require_subcommand(1);
+  // Every option's help line shows its default (subcommands copy this).
+  app.option_defaults()->always_capture_default();
+  app.footer(
+      "Threads: one OpenMP thread unless --threads N or the environment variable OMP_NUM_THREADS says otherwise "
+      "(OpenMP's one-thread-per-core default made small models several times slower on a busy machine).\n"
+      "Exit status: 0 success, 1 verify/bench found a divergence, 2 bad input or usage.");
 
-  std::string model_dir, prompt, draft_dir, config_path, out_dir, dtype = "f32", text_path;
+  std::string model_dir, text_path, config_path, out_dir, dtype = "f32";
   std::int64_t max_new = 128, rollback = 8, chunk = 128, context = 512;
-  std::uint64_t seed = 0;
-  bool stats = false;
+  std::uint64_t init_seed = 0;
+  bool stats = false, force = false;
+  std::optional<int> threads;
+  PromptChoice prompt;
   DraftChoice choice;
-  SamplingParams sampling;
+  SamplingChoice sampling;
 
+  const CLI::Validator max_new_range = integer_in(0, std::int64_t{1} << 30);
+  auto add_prompt_options = [&](CLI::App* cmd) {
+    auto* text = cmd->add_option("--prompt", prompt.text, "prompt text (or --prompt-file)");
+    auto* file = cmd->add_option("--prompt-file", prompt.file,
+                                 "read the prompt from FILE ('-' = standard input), for prompts too long for "
+                                 "the command line (Linux caps one argument at 128 KiB)")
+                     ->type_name("FILE");
+    text->excludes(file);
+  };
   auto add_draft_options = [&](CLI::App* cmd) {
-    auto* d = cmd->add_option("--draft", choice.draft_dir, "draft model directory")->check(CLI::ExistingDirectory);
-    auto* l = cmd->add_option("--lookup", choice.lookup, "prompt lookup with n-grams up to N")->check(CLI::Range(1, 64));
+    auto* d = cmd->add_option("--draft", choice.draft_dir, "draft model directory")
+                  ->check(CLI::ExistingDirectory)
+                  ->default_str("none");
+    auto* l = cmd->add_option("--lookup", choice.lookup, "prompt lookup with n-grams up to N")
+                  ->check(integer_in(1, 64))
+                  ->default_str("off");
     d->excludes(l);
-    cmd->add_option("--num-draft", choice.num_draft, "draft tokens per round K (1..64)");
-    cmd->add_flag("--adaptive", choice.adaptive, "adapt K from the acceptance (K is the maximum)");
+    cmd->add_option("--num-draft", choice.num_draft, "draft tokens per round K; needs --draft or --lookup")
+        ->check(integer_in(1, 64));
+    cmd->add_flag("--adaptive", choice.adaptive,
+                  "adapt K from the acceptance (K is the maximum); needs --draft or --lookup");
+  };
+  auto add_threads_option = [&](CLI::App* cmd) {
+    cmd->add_option("--threads", threads,
+                    "OpenMP threads; default 1, or OMP_NUM_THREADS when set. More threads help only models "
+                    "too big for the caches, or long prompts, on an idle machine: on a busy one they can make "
+                    "decoding many times slower")
+        ->check(integer_in(1, 1024))
+        ->default_str("1 or $OMP_NUM_THREADS");
   };
 
   auto* gen = app.add_subcommand("generate", "generate text (greedy, sampled or speculative)");
   gen->add_option("--model", model_dir, "model directory")->required()->check(CLI::ExistingDirectory);
-  gen->add_option("--prompt", prompt, "prompt text")->required();
-  gen->add_option("--max-new-tokens", max_new, "token budget")->check(CLI::Range(std::int64_t{0}, std::int64_t{1} << 30));
+  add_prompt_options(gen);
+  gen->add_option("--max-new-tokens", max_new, "token budget")->check(max_new_range);
   add_draft_options(gen);
-  gen->add_option("--temperature", sampling.temperature, "0 = greedy");
-  gen->add_option("--top-k", sampling.top_k, "0 = off");
-  gen->add_option("--top-p", sampling.top_p, "1 = off");
-  gen->add_option("--seed", sampling.seed, "sampling seed");
-  gen->add_flag("--stats", stats, "end with one JSON line of statistics");
+  gen->add_option("--temperature", sampling.params.temperature, "sampling temperature; 0 = greedy decoding")
+      ->check(finite_number(0.0, 1e30, false, "[0, 1e30]"));
+  gen->add_option("--top-k", sampling.params.top_k, "sample among the K likeliest (0 = off); needs --temperature")
+      ->check(integer_in(0, std::numeric_limits<std::int32_t>::max()));
+  gen->add_option("--top-p", sampling.params.top_p, "nucleus mass (1 = off); needs --temperature")
+      ->check(finite_number(0.0, 1.0, true, "(0, 1]"));
+  gen->add_option("--seed", sampling.params.seed,
+                  "sampling seed; needs --temperature; default: a random seed, printed by --stats")
+      ->check(unsigned_integer())
+      ->default_str("random");
+  add_threads_option(gen);
+  gen->add_flag("--stats", stats,
+                "end with one JSON line: new_tokens, prompt_tokens, seconds (wall time of prefill + decoding), "
+                "time_to_first_token_s (prefill + the forward of the first token), tokens_per_second "
+                "(end to end: new_tokens / seconds, prefill included), decode_tokens_per_second "
+                "(decoding alone: (new_tokens - 1) / (seconds - time_to_first_token_s)), drafted, accepted, "
+                "acceptance_rate, rollbacks, rounds, forwards, cache_seconds, peak_cache_bytes, seed (null "
+                "when greedy), threads");
 
   int verify_repeats = 1;
   auto* ver = app.add_subcommand("verify", "check that speculative decoding equals greedy decoding");
   ver->add_option("--model", model_dir, "model directory")->required()->check(CLI::ExistingDirectory);
-  ver->add_option("--prompt", prompt, "prompt text")->required();
-  ver->add_option("--max-new-tokens", max_new, "token budget")->check(CLI::Range(std::int64_t{0}, std::int64_t{1} << 30));
+  add_prompt_options(ver);
+  ver->add_option("--max-new-tokens", max_new, "token budget")->check(max_new_range);
   add_draft_options(ver);
   ver->add_option("--repeats", verify_repeats,
                   "decode greedily and speculatively this many times each, alternating; every run is "
-                  "checked and tok/s are medians")
-      ->check(CLI::Range(1, 100))
-      ->capture_default_str();
+                  "checked and tok/s (end to end, prefill included) are medians")
+      ->check(integer_in(1, 100));
+  add_threads_option(ver);
 
   auto* evl = app.add_subcommand("eval", "bits per byte of a text file under a model (teacher forcing)");
   evl->add_option("--model", model_dir, "model directory")->required()->check(CLI::ExistingDirectory);
   evl->add_option("--text", text_path, "text file, scored byte by byte")->required()->check(CLI::ExistingFile);
-  evl->add_option("--chunk", chunk, "tokens per forward (the result does not depend on it)")->capture_default_str();
+  evl->add_option("--chunk", chunk, "tokens per forward (the result does not depend on it)")
+      ->check(integer_in(1, std::int64_t{1} << 30));
   evl->add_option("--context", context,
                   "bytes per segment: each is fed as its own sequence (BOS + bytes) through a fresh cache; "
                   "0 = the whole file as one sequence")
-      ->capture_default_str();
+      ->check(integer_in(0, std::numeric_limits<std::int64_t>::max()));
+  add_threads_option(evl);
 
   auto* ins = app.add_subcommand("inspect", "describe a model's layers and memory");
   ins->add_option("--model", model_dir, "model directory")->required()->check(CLI::ExistingDirectory);
-  ins->add_option("--rollback", rollback, "R for the rollback-memory figure");
+  ins->add_option("--rollback", rollback, "R for the rollback-memory figure")
+      ->check(integer_in(0, std::numeric_limits<std::int64_t>::max()));
 
   std::string bench_json;
   int repeats = 3;
   std::vector<std::int64_t> bench_ks;
+  std::int64_t bench_max_new = 128;
   auto* ben = app.add_subcommand("bench", "tokens/s of greedy and speculative decoding over a fixed prompt set");
   ben->add_option("--model", model_dir, "target model directory")->required()->check(CLI::ExistingDirectory);
-  ben->add_option("--draft", choice.draft_dir, "draft model directory")->check(CLI::ExistingDirectory);
-  ben->add_option("--max-new-tokens", max_new, "tokens per prompt")->check(CLI::Range(std::int64_t{1}, std::int64_t{1} << 20));
-  ben->add_option("--repeats", repeats, "runs per configuration (median reported)")->check(CLI::Range(1, 100));
-  ben->add_option("--k", bench_ks, "draft lengths to try (default 2..8)")->delimiter(',');
-  ben->add_option("--json", bench_json, "also write the rows as JSON to this file");
+  ben->add_option("--draft", choice.draft_dir, "draft model directory (none: no draft-model rows)")
+      ->check(CLI::ExistingDirectory)
+      ->default_str("none");
+  ben->add_option("--max-new-tokens", bench_max_new, "tokens per prompt")->check(integer_in(1, std::int64_t{1} << 20));
+  ben->add_option("--repeats", repeats, "runs per configuration (median reported)")->check(integer_in(1, 100));
+  ben->add_option("--k", bench_ks, "draft lengths to try, comma-separated")
+      ->delimiter(',')
+      ->check(integer_in(1, 64))
+      ->default_str("2,3,4,5,6,7,8");
+  ben->add_option("--json", bench_json, "also write the rows as JSON to this file")->default_str("none");
+  add_threads_option(ben);
 
   auto* ini = app.add_subcommand("init-random", "write a model with random weights");
   ini->add_option("--config", config_path, "config.json to use")->required()->check(CLI::ExistingFile);
-  ini->add_option("--out", out_dir, "output directory")->required();
-  ini->add_option("--seed", seed, "random seed")->required();
+  ini->add_option("--out", out_dir, "output directory (refused if it already holds a model, unless --force)")
+      ->required();
+  ini->add_option("--seed", init_seed, "random seed")->required()->check(unsigned_integer())->default_str("");
   ini->add_option("--dtype", dtype, "f32, f16 or bf16");
+  ini->add_flag("--force", force,
+                "overwrite the model in --out; its model card (README.md) is replaced and training.json removed");
 
   try {
     app.parse(argc, argv);
@@ -411,12 +657,13 @@ int main(int argc, char** argv) {
     return 2;
   }
   try {
-    if (*gen) return run_generate(model_dir, prompt, max_new, choice, sampling, stats);
-    if (*ver) return run_verify(model_dir, prompt, max_new, choice, verify_repeats);
+    set_threads(threads);
+    if (*gen) return run_generate(*gen, model_dir, prompt, max_new, choice, sampling, stats);
+    if (*ver) return run_verify(*ver, model_dir, prompt, max_new, choice, verify_repeats);
     if (*evl) return run_eval(model_dir, text_path, chunk, context);
     if (*ins) return run_inspect(model_dir, rollback);
-    if (*ini) return run_init_random(config_path, out_dir, seed, dtype);
-    if (*ben) return run_bench(model_dir, choice.draft_dir, max_new, repeats, bench_ks, bench_json);
+    if (*ini) return run_init_random(config_path, out_dir, init_seed, dtype, force);
+    if (*ben) return run_bench(model_dir, choice.draft_dir, bench_max_new, repeats, bench_ks, bench_json);
   } catch (const rwd::Error& e) {
     std::fprintf(stderr, "rewind: error: %s\n", e.what());
     return 2;

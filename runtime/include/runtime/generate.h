@@ -19,6 +19,7 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <random>
 #include <span>
 #include <string>
@@ -36,7 +37,8 @@ struct SamplingParams {
   bool greedy() const { return temperature <= 0.0f; }
 };
 
-// Throws InvalidArgument for temperature < 0, top_k < 0, or top_p outside (0, 1].
+// Throws InvalidArgument for a temperature that is negative or not finite
+// (NaN, infinity), top_k < 0, or top_p outside (0, 1].
 void validate(const SamplingParams& params);
 
 // The distribution sampling draws from: softmax(logits / T) restricted to
@@ -57,7 +59,12 @@ struct GenerationOptions {
 
 struct GenerationStats {
   std::int64_t new_tokens = 0;
-  double seconds = 0.0;      // wall time of prefill + decoding
+  std::int64_t prompt_tokens = 0;  // tokens of the prompt (BOS included)
+  double seconds = 0.0;      // wall time of the whole call: prompt prefill + decoding
+  // Wall time from the start of the call until the first new token was
+  // final: the prompt's prefill plus the forward (or, speculative, the first
+  // round) that produced it. 0 when no token was generated.
+  double time_to_first_token = 0.0;
   std::int64_t forwards = 0;  // target forwards
   std::int64_t rounds = 0;    // speculative rounds
   std::int64_t drafted = 0;
@@ -65,9 +72,24 @@ struct GenerationStats {
   std::int64_t rollbacks = 0;  // crops that removed at least one token (target)
   double cache_seconds = 0.0;  // time inside cache calls: updates, slots, crops (target + draft)
   std::size_t peak_cache_bytes = 0;  // reserved by the target (+ draft) caches
+  std::optional<std::uint64_t> seed;  // the sampling seed; empty for greedy decoding
+  int threads = 1;                    // OpenMP threads the forwards could use
+  // End to end: new tokens / seconds, the prompt's prefill included (so a
+  // long prompt lowers it however fast decoding is).
   double tokens_per_second() const { return seconds > 0 ? static_cast<double>(new_tokens) / seconds : 0.0; }
+  // Decoding alone: the tokens after the first over the time after the
+  // first, (new_tokens - 1) / (seconds - time_to_first_token), as inference
+  // servers define the time per output token. Speculative decoding's first
+  // round may emit several tokens at once; those after the first count
+  // here. 0 with fewer than 2 new tokens.
+  double decode_tokens_per_second() const {
+    const double t = seconds - time_to_first_token;
+    return new_tokens > 1 && t > 0 ? static_cast<double>(new_tokens - 1) / t : 0.0;
+  }
   double acceptance_rate() const { return drafted > 0 ? static_cast<double>(accepted) / static_cast<double>(drafted) : 0.0; }
-  // One JSON object on one line.
+  // One JSON object on one line: every field above plus tokens_per_second,
+  // decode_tokens_per_second and acceptance_rate; "seed" is null for greedy
+  // decoding.
   std::string to_json() const;
 };
 

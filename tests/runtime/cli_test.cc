@@ -1,0 +1,423 @@
+// The rewind CLI end to end, as a new user meets it: every subcommand's
+// output, exit status (0 ok, 1 divergence, 2 bad input) and messages, long
+// prompts from files, --stats, seeds, threads, refused flags and values,
+// --help, and init-random's protection of existing models. Hostile model
+// files are in cli_hostile_test.cc.
+#include <gtest/gtest.h>
+
+#include <cstdint>
+#include <filesystem>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "cli_test_util.h"
+#include "runtime/model.h"
+#include "runtime/weights_io.h"
+#include "test_configs.h"
+
+#ifdef REWIND_CLI_PATH
+namespace rwd::runtime {
+namespace {
+
+using namespace cli_test;
+using testing_configs::hybrid;
+using testing_configs::kEveryKind;
+
+class Cli : public ::testing::Test {
+ protected:
+  static void SetUpTestSuite() {
+    dir_ = (scratch_dir() / "models").string();
+    fs::remove_all(dir_);
+    fs::create_directories(dir_);
+    write_random_model(hybrid(kEveryKind), dir_ + "/target", 5, DType::BF16);
+    write_random_model(hybrid({"conv", "sliding_attention"}, 16, 4), dir_ + "/draft", 6, DType::F16);
+    ModelConfig other = hybrid({"full_attention"}, 16);
+    other.vocab_size = 300;
+    write_random_model(other, dir_ + "/other_vocab", 7, DType::F32);
+    // Linear in the prompt length (no full attention): for very long prompts.
+    write_random_model(hybrid({"conv", "sliding_attention", "linear_attention"}, 16, 8), dir_ + "/linear", 8,
+                       DType::F32);
+  }
+  static void TearDownTestSuite() { fs::remove_all(scratch_dir()); }
+
+  static std::string model(const std::string& name) { return " --model " + quote(dir_ + "/" + name); }
+
+  // The JSON object --stats prints on the last line of stdout.
+  static nlohmann::json stats_of(const CliResult& r) {
+    const std::size_t end = r.out.size() - 1;  // the final newline
+    const std::size_t start = r.out.rfind('\n', end - 1) + 1;
+    return nlohmann::json::parse(r.out.substr(start, end - start));
+  }
+  // The generated text: stdout before the newline that precedes the JSON line.
+  static std::string text_of(const CliResult& r) {
+    const std::size_t json_start = r.out.rfind('\n', r.out.size() - 2) + 1;
+    return r.out.substr(0, json_start - 1);
+  }
+
+  static std::string dir_;
+};
+std::string Cli::dir_;
+
+// ---- subcommands working ----------------------------------------------------------
+
+TEST_F(Cli, VerifyReportsIdenticalForDraftModelAndLookup) {
+  for (const std::string& source : {"--draft " + quote(dir_ + "/draft"), std::string("--lookup 3")}) {
+    const CliResult r =
+        run_cli("verify" + model("target") + " " + source + " --prompt 'in the beginning in the' --max-new-tokens 40");
+    EXPECT_EQ(r.status, 0) << r.all();
+    EXPECT_NE(r.out.find("IDENTICAL"), std::string::npos) << r.all();
+  }
+}
+
+TEST_F(Cli, VerifyRepeatsChecksEveryRunAndReportsMedians) {
+  const CliResult r = run_cli("verify" + model("target") + " --draft " + quote(dir_ + "/draft") +
+                              " --prompt 'in the beginning' --max-new-tokens 24 --repeats 3");
+  EXPECT_EQ(r.status, 0) << r.all();
+  EXPECT_NE(r.out.find("IDENTICAL: 24 new tokens"), std::string::npos) << r.all();
+  EXPECT_NE(r.out.find("medians of 3 runs each"), std::string::npos) << r.all();
+  const CliResult bad = run_cli("verify" + model("target") + " --lookup 2 --prompt x --repeats 0");
+  EXPECT_EQ(bad.status, 2) << bad.all();
+}
+
+TEST_F(Cli, GenerateWithStatsEndsWithOneJsonLine) {
+  const CliResult r =
+      run_cli("generate" + model("target") + " --draft " + quote(dir_ + "/draft") +
+              " --prompt hello --max-new-tokens 12 --stats");
+  ASSERT_EQ(r.status, 0) << r.all();
+  const nlohmann::json j = stats_of(r);
+  for (const char* key : {"new_tokens", "prompt_tokens", "seconds", "time_to_first_token_s", "tokens_per_second",
+                          "decode_tokens_per_second", "drafted", "accepted", "acceptance_rate", "rollbacks", "rounds",
+                          "forwards", "cache_seconds", "peak_cache_bytes", "seed", "threads"}) {
+    EXPECT_TRUE(j.contains(key)) << key << " in " << j.dump();
+  }
+  EXPECT_GE(j.at("new_tokens"), 1);  // a random model may emit EOS before the budget
+  EXPECT_LE(j.at("new_tokens"), 12);
+  EXPECT_EQ(j.at("prompt_tokens"), 6);  // BOS + 5 bytes
+  EXPECT_TRUE(j.at("seed").is_null()) << "greedy decoding has no seed: " << j.dump();
+}
+
+TEST_F(Cli, InspectListsLayersAndMemory) {
+  const CliResult r = run_cli("inspect" + model("target") + " --rollback 4");
+  ASSERT_EQ(r.status, 0) << r.all();
+  EXPECT_NE(r.out.find("linear_attention"), std::string::npos);
+  // 1 full-attention layer x K and V x 2 kv heads x 8 dims x 4 bytes = 128 B
+  // (the sliding layer's window is part of the fixed state).
+  EXPECT_NE(r.out.find("KV bytes per token (full-attention layers, f32): 128 B"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("rollback memory for R = 4: at most "), std::string::npos) << r.out;
+}
+
+TEST_F(Cli, MisuseGivesAClearMessageAndExitStatus2) {
+  const std::string target = model("target");
+  struct Misuse {
+    std::string args;
+    std::string phrase;
+  };
+  for (const Misuse& m : std::vector<Misuse>{
+           {"generate --model /nonexistent/dir --prompt x", "Directory does not exist"},
+           {"generate" + target + " --prompt ''", "--prompt is empty"},
+           {"generate" + target + " --prompt x --lookup 2 --num-draft 0", "--num-draft: '0' is outside [1, 64]"},
+           {"generate" + target + " --prompt x --lookup 2 --num-draft 1000", "--num-draft: '1000' is outside [1, 64]"},
+           {"generate" + target + " --prompt x --frobnicate", "frobnicate"},
+           {"generate" + target + " --prompt x --draft " + quote(dir_ + "/other_vocab"), "incompatible"},
+           {"verify" + target + " --prompt x", "needs a draft source"},
+           {"generate" + target + " --prompt x --temperature -1", "--temperature: '-1' is outside [0, 1e30]"},
+           {"inspect --model " + quote(dir_), "config.json"},
+       }) {
+    const CliResult r = run_cli(m.args);
+    EXPECT_EQ(r.status, 2) << m.args << "\n" << r.all();
+    EXPECT_NE(r.all().find(m.phrase), std::string::npos) << m.args << "\n" << r.all();
+  }
+}
+
+// ---- 1. prompts from files --------------------------------------------------------
+
+// 140 KB exceeds Linux's 128 KiB limit on one argument: as --prompt the shell
+// cannot even start the CLI ("Argument list too long").
+TEST_F(Cli, PromptFileTakesA140KBPromptFromAFileOrStandardInput) {
+  std::string long_prompt;
+  while (long_prompt.size() < 140 * 1000) long_prompt += "And God said, Let there be light: and there was light. ";
+  const fs::path file = scratch_dir() / "long_prompt.txt";
+  write_file(file, long_prompt);
+  const std::string expected_prompt_tokens = std::to_string(long_prompt.size() + 1);
+
+  const CliResult from_file =
+      run_cli("generate" + model("draft") + " --prompt-file " + quote(file.string()) + " --max-new-tokens 6 --stats");
+  ASSERT_EQ(from_file.status, 0) << from_file.err;
+  EXPECT_EQ(stats_of(from_file).at("prompt_tokens").dump(), expected_prompt_tokens);
+
+  const CliResult from_stdin =
+      run_cli("generate" + model("draft") + " --prompt-file - --max-new-tokens 6 --stats", file.string());
+  ASSERT_EQ(from_stdin.status, 0) << from_stdin.err;
+  EXPECT_EQ(stats_of(from_stdin).at("prompt_tokens").dump(), expected_prompt_tokens);
+  EXPECT_EQ(text_of(from_stdin), text_of(from_file));
+
+  // verify reads prompt files too; a short prompt gives the same text from
+  // a file as from --prompt.
+  write_file(scratch_dir() / "short_prompt.txt", "in the beginning");
+  const CliResult verify = run_cli("verify" + model("target") + " --lookup 3 --prompt-file " +
+                                   quote((scratch_dir() / "short_prompt.txt").string()) + " --max-new-tokens 16");
+  EXPECT_EQ(verify.status, 0) << verify.all();
+  EXPECT_NE(verify.out.find("IDENTICAL: "), std::string::npos) << verify.all();
+  const CliResult a = run_cli("generate" + model("target") + " --prompt 'in the beginning' --max-new-tokens 20");
+  const CliResult b = run_cli("generate" + model("target") + " --prompt-file " +
+                              quote((scratch_dir() / "short_prompt.txt").string()) + " --max-new-tokens 20");
+  ASSERT_EQ(a.status, 0) << a.err;
+  ASSERT_EQ(b.status, 0) << b.err;
+  EXPECT_EQ(a.out, b.out);
+}
+
+TEST_F(Cli, PromptAndPromptFileAreRefusedTogetherAndOneIsNeeded) {
+  write_file(scratch_dir() / "p.txt", "text");
+  write_file(scratch_dir() / "empty.txt", "");
+  const std::string p = quote((scratch_dir() / "p.txt").string());
+  struct Case {
+    std::string args;
+    std::string phrase;
+  };
+  for (const Case& c : std::vector<Case>{
+           {"generate" + model("target") + " --prompt x --prompt-file " + p, "--prompt excludes --prompt-file"},
+           {"verify" + model("target") + " --lookup 2 --prompt x --prompt-file " + p,
+            "--prompt excludes --prompt-file"},
+           {"generate" + model("target"), "--prompt TEXT or --prompt-file FILE"},
+           {"verify" + model("target") + " --lookup 2", "--prompt TEXT or --prompt-file FILE"},
+           {"generate" + model("target") + " --prompt-file /nonexistent/prompt.txt", "/nonexistent/prompt.txt"},
+           {"generate" + model("target") + " --prompt-file " + quote((scratch_dir() / "empty.txt").string()),
+            "is empty"},
+           {"generate" + model("target") + " --prompt-file -", "(standard input) is empty"},
+       }) {
+    const CliResult r = run_cli(c.args);
+    EXPECT_EQ(r.status, 2) << c.args << "\n" << r.all();
+    EXPECT_NE(r.all().find(c.phrase), std::string::npos) << c.args << "\n" << r.all();
+  }
+}
+
+// ---- 2. --stats: prefill and decoding apart ------------------------------------------
+
+TEST_F(Cli, StatsSeparateTimeToFirstTokenFromTheDecodeRate) {
+  // A prompt long enough that its prefill dominates the wall time.
+  std::string prompt;
+  while (prompt.size() < 20000) prompt += "the LORD spake unto Moses, saying, ";
+  const fs::path file = scratch_dir() / "prompt_20k.txt";
+  write_file(file, prompt);
+  const CliResult r =
+      run_cli("generate" + model("linear") + " --prompt-file " + quote(file.string()) + " --max-new-tokens 32 --stats");
+  ASSERT_EQ(r.status, 0) << r.err;
+  const nlohmann::json j = stats_of(r);
+  const double seconds = j.at("seconds"), ttft = j.at("time_to_first_token_s");
+  const double tps = j.at("tokens_per_second"), decode = j.at("decode_tokens_per_second");
+  const double n = j.at("new_tokens");
+  ASSERT_GE(n, 8) << "stopped at EOS too early to measure decoding: " << j.dump();
+  EXPECT_GT(ttft, 0.0);
+  EXPECT_LT(ttft, seconds);
+  // tokens_per_second: end to end, prefill included.
+  EXPECT_NEAR(tps, n / seconds, 1e-6 * tps) << j.dump();
+  // decode_tokens_per_second: the tokens after the first over the time after it.
+  EXPECT_NEAR(decode, (n - 1) / (seconds - ttft), 1e-6 * decode) << j.dump();
+  EXPECT_GT(decode, tps) << "the prefill of 20,000 tokens must not count against decoding: " << j.dump();
+}
+
+// ---- 3. flags that would be ignored ------------------------------------------------------
+
+TEST_F(Cli, FlagsThatWouldHaveNoEffectAreRefused) {
+  struct Case {
+    std::string flags;
+    std::string phrase;
+  };
+  for (const Case& c : std::vector<Case>{
+           {"--num-draft 8", "--num-draft applies to speculative decoding: it needs a draft source"},
+           {"--adaptive", "--adaptive applies to speculative decoding: it needs a draft source"},
+           {"--top-k 5", "--top-k applies to sampling only: it needs --temperature"},
+           {"--top-p 0.5", "--top-p applies to sampling only: it needs --temperature"},
+           {"--seed 3", "--seed applies to sampling only: it needs --temperature"},
+           {"--temperature 0 --top-k 5", "--top-k applies to sampling only"},
+       }) {
+    const CliResult r = run_cli("generate" + model("target") + " --prompt x --max-new-tokens 4 " + c.flags);
+    EXPECT_EQ(r.status, 2) << c.flags << "\n" << r.all();
+    EXPECT_NE(r.err.find(c.phrase), std::string::npos) << c.flags << "\n" << r.all();
+  }
+  // With what they need, they are accepted.
+  for (const std::string& ok : {std::string("--lookup 2 --num-draft 8 --adaptive"),
+                                "--draft " + quote(dir_ + "/draft") + " --num-draft 3",
+                                std::string("--temperature 0.8 --top-k 5 --top-p 0.9 --seed 3")}) {
+    const CliResult r = run_cli("generate" + model("target") + " --prompt x --max-new-tokens 4 " + ok);
+    EXPECT_EQ(r.status, 0) << ok << "\n" << r.all();
+  }
+}
+
+// ---- 4. seeds ------------------------------------------------------------------------------
+
+TEST_F(Cli, SamplingWithoutSeedDrawsOneAndReportsItSoTheRunCanBeRepeated) {
+  for (const std::string& source : {std::string(), " --draft " + quote(dir_ + "/draft")}) {
+    const std::string args =
+        "generate" + model("target") + source + " --prompt 'in the' --max-new-tokens 48 --temperature 2 --stats";
+    const CliResult first = run_cli(args), second = run_cli(args);
+    ASSERT_EQ(first.status, 0) << first.err;
+    ASSERT_EQ(second.status, 0) << second.err;
+    const nlohmann::json s1 = stats_of(first), s2 = stats_of(second);
+    ASSERT_TRUE(s1.at("seed").is_number_unsigned()) << s1.dump();
+    ASSERT_TRUE(s2.at("seed").is_number_unsigned()) << s2.dump();
+    EXPECT_NE(s1.at("seed"), s2.at("seed")) << source;
+    EXPECT_NE(text_of(first), text_of(second)) << "two unseeded runs at temperature 2 gave the same 48 tokens";
+    // The printed seed reproduces the run exactly.
+    const std::string seed = s1.at("seed").dump();
+    const CliResult again = run_cli(args + " --seed " + seed);
+    ASSERT_EQ(again.status, 0) << again.err;
+    EXPECT_EQ(text_of(again), text_of(first)) << source;
+    EXPECT_EQ(stats_of(again).at("seed").dump(), seed);
+  }
+}
+
+// ---- 5. values -----------------------------------------------------------------------------
+
+TEST_F(Cli, BadValuesAreRefusedWithTheReason) {
+  const std::string gen = "generate" + model("target") + " --prompt x ";
+  struct Case {
+    std::string args;
+    std::string phrase;
+  };
+  for (const Case& c : std::vector<Case>{
+           {gen + "--temperature inf", "--temperature: 'inf' is not a finite number"},
+           {gen + "--temperature nan", "--temperature: 'nan' is not a finite number"},
+           {gen + "--temperature 1e39", "--temperature: '1e39' is not a finite number"},
+           {gen + "--temperature -0.5", "--temperature: '-0.5' is outside"},
+           {gen + "--temperature warm", "--temperature: 'warm' is not a number"},
+           {gen + "--temperature 1 --top-p 0", "--top-p: '0' is outside (0, 1]"},
+           {gen + "--temperature 1 --top-p nan", "--top-p: 'nan' is not a finite number"},
+           {gen + "--temperature 1 --top-k -1", "--top-k: '-1' is outside"},
+           {gen + "--temperature 1 --seed -1", "--seed: '-1' is negative"},
+           {gen + "--temperature 1 --seed 1.5", "--seed: '1.5' is not an integer"},
+           {gen + "--max-new-tokens abc", "--max-new-tokens: 'abc' is not an integer"},
+           {gen + "--max-new-tokens 2.5", "--max-new-tokens: '2.5' is not an integer"},
+           {gen + "--max-new-tokens -1", "--max-new-tokens: '-1' is outside [0, 1073741824]"},
+           {gen + "--max-new-tokens 99999999999999999999", "is outside [0, 1073741824]"},
+           {gen + "--threads 0", "--threads: '0' is outside"},
+           {"inspect" + model("target") + " --rollback -1", "--rollback: '-1' is outside"},
+           {"inspect" + model("target") + " --rollback 9223372036854775807",
+            "--rollback 9223372036854775807: "},
+           {"inspect" + model("target") + " --rollback 1099511627776", "--rollback 1099511627776: "},
+           {"eval" + model("target") + " --text /dev/null --chunk 0", "--chunk: '0' is outside"},
+           {"init-random --config /dev/null --out /tmp/x --seed -3", "--seed: '-3' is negative"},
+       }) {
+    const CliResult r = run_cli(c.args);
+    EXPECT_EQ(r.status, 2) << c.args << "\n" << r.all();
+    EXPECT_NE(r.err.find(c.phrase), std::string::npos) << c.args << "\n" << r.all();
+  }
+  // A large R within the library's bounds is computed, not wrapped around:
+  // 10^9 tokens x 1,536 bytes per token (sliding 2 x 2 x 8 x 4, conv 32 x 4,
+  // Gated DeltaNet conv 64 x 4 and state 4 x 8 x 8 x 4) = 1.40 TiB.
+  const CliResult big = run_cli("inspect" + model("target") + " --rollback 1000000000");
+  EXPECT_EQ(big.status, 0) << big.all();
+  EXPECT_NE(big.out.find("rollback memory for R = 1000000000: at most 1.40 TiB more"), std::string::npos) << big.out;
+}
+
+TEST_F(Cli, HelpShowsTheDefaultOfEveryOptionThatTakesAValue) {
+  for (const std::string sub : {"generate", "verify", "eval", "inspect", "bench", "init-random"}) {
+    const CliResult r = run_cli(sub + " --help");
+    ASSERT_EQ(r.status, 0) << r.all();
+    std::istringstream lines(r.out);
+    int checked = 0;
+    for (std::string line; std::getline(lines, line);) {
+      if (line.rfind("  --", 0) != 0) continue;
+      // The option column ends at the first double space (or the line's end).
+      const std::string column = line.substr(2, line.find("  ", 2) - 2);
+      const bool takes_value = column.find(' ') != std::string::npos;
+      const bool prompt = column.rfind("--prompt ", 0) == 0 || column.rfind("--prompt-file ", 0) == 0;
+      if (!takes_value || prompt || column.find("REQUIRED") != std::string::npos) continue;
+      EXPECT_NE(column.find('='), std::string::npos) << sub << ": no default shown in '" << line << "'";
+      ++checked;
+    }
+    EXPECT_GT(checked, 0) << sub << "\n" << r.out;
+  }
+  const CliResult gen = run_cli("generate --help");
+  for (const char* shown : {"=128", "=4", "=random", "=1 or $OMP_NUM_THREADS", "tokens_per_second (end to end",
+                            "decode_tokens_per_second"}) {
+    EXPECT_NE(gen.out.find(shown), std::string::npos) << shown << "\n" << gen.out;
+  }
+}
+
+TEST_F(Cli, NoProgressBarWhenStderrIsNotATerminal) {
+  // About a second of work in a Release build: the old bar appeared after half a second.
+  std::string text;
+  while (text.size() < 400 * 1000) text += "In the beginning God created the heaven and the earth. ";
+  const fs::path file = scratch_dir() / "eval.txt";
+  write_file(file, text);
+  const CliResult eval = run_cli("eval" + model("linear") + " --text " + quote(file.string()) + " --context 0");
+  ASSERT_EQ(eval.status, 0) << eval.all();
+  EXPECT_NE(eval.out.find("bits per byte"), std::string::npos) << eval.out;
+  EXPECT_EQ(eval.err, "") << "eval drew on a non-terminal stderr";
+  const CliResult verify = run_cli("verify" + model("target") + " --lookup 2 --prompt x --max-new-tokens 500");
+  ASSERT_EQ(verify.status, 0) << verify.all();
+  EXPECT_EQ(verify.err, "") << "verify drew on a non-terminal stderr";
+}
+
+// ---- 6. init-random ------------------------------------------------------------------------
+
+TEST_F(Cli, InitRandomRefusesToOverwriteAModelUnlessForced) {
+  const fs::path config = scratch_dir() / "config.json";
+  write_file(config, read_file(fs::path(dir_) / "draft" / "config.json"));
+  const fs::path out = scratch_dir() / "trained";
+  fs::remove_all(out);
+  const std::string init = "init-random --config " + quote(config.string()) + " --out " + quote(out.string());
+
+  // A fresh directory: fine.
+  ASSERT_EQ(run_cli(init + " --seed 1").status, 0);
+  // Pretend it was trained: a model card and a training record.
+  write_file(out / "README.md", "# trained\n\nheld-out bits per byte: 1.6\n");
+  write_file(out / "training.json", "{\"steps\": 863}\n");
+  const std::string weights = read_file(out / "model.safetensors");
+
+  const CliResult refused = run_cli(init + " --seed 2");
+  EXPECT_EQ(refused.status, 2) << refused.all();
+  EXPECT_NE(refused.err.find("already holds a model"), std::string::npos) << refused.err;
+  EXPECT_NE(refused.err.find("--force"), std::string::npos) << refused.err;
+  EXPECT_EQ(read_file(out / "model.safetensors"), weights) << "the weights changed although refused";
+  EXPECT_EQ(read_file(out / "README.md"), "# trained\n\nheld-out bits per byte: 1.6\n");
+
+  const CliResult forced = run_cli(init + " --seed 2 --force");
+  ASSERT_EQ(forced.status, 0) << forced.all();
+  EXPECT_NE(read_file(out / "model.safetensors"), weights);
+  const std::string card = read_file(out / "README.md");
+  EXPECT_EQ(card.find("held-out"), std::string::npos) << "the stale card survived: " << card;
+  EXPECT_NE(card.find("init-random"), std::string::npos) << card;
+  EXPECT_NE(card.find("--seed 2"), std::string::npos) << card;
+  EXPECT_FALSE(fs::exists(out / "training.json"));
+  EXPECT_EQ(run_cli("inspect --model " + quote(out.string())).status, 0);
+
+  // A directory with only some *.safetensors also holds a model.
+  const fs::path other = scratch_dir() / "shards";
+  fs::create_directories(other);
+  write_file(other / "model-00001-of-00002.safetensors", "x");
+  const CliResult shards = run_cli("init-random --config " + quote(config.string()) + " --out " +
+                                   quote(other.string()) + " --seed 1");
+  EXPECT_EQ(shards.status, 2) << shards.all();
+  EXPECT_NE(shards.err.find("model-00001-of-00002.safetensors"), std::string::npos) << shards.err;
+}
+
+// ---- 7. threads ----------------------------------------------------------------------------
+
+TEST_F(Cli, OneThreadUnlessThreadsOrOmpNumThreadsSayOtherwise) {
+  const std::string gen = "generate" + model("target") + " --prompt x --max-new-tokens 2 --stats";
+  struct Case {
+    std::string env;
+    std::string flags;
+    int threads;
+  };
+  for (const Case& c : std::vector<Case>{
+           {"env -u OMP_NUM_THREADS", "", 1},
+           {"env -u OMP_NUM_THREADS", " --threads 3", 3},
+           {"env OMP_NUM_THREADS=2", "", 2},
+           {"env OMP_NUM_THREADS=2", " --threads 1", 1},
+           {"env OMP_NUM_THREADS=", "", 1},
+       }) {
+    const CliResult r = run_cli(gen + c.flags, "/dev/null", c.env);
+    ASSERT_EQ(r.status, 0) << c.env << c.flags << "\n" << r.all();
+    EXPECT_EQ(stats_of(r).at("threads"), c.threads) << c.env << c.flags;
+  }
+}
+
+}  // namespace
+}  // namespace rwd::runtime
+#endif
