@@ -507,7 +507,7 @@ void Layer::Impl::shrink_to_fit() noexcept {
   });
 }
 
-bool Layer::Impl::overlaps_storage(const std::byte* lo, const std::byte* hi) const {
+bool Layer::Impl::overlaps_storage(std::uintptr_t lo, std::uintptr_t hi) const {
   bool hit = false;
   for_tracks([&](const TokenTrack& t) { hit = hit || t.buffer.allocation().overlaps(lo, hi); });
   for (const auto& r : recurrents) hit = hit || r.ring.overlaps(lo, hi);
@@ -615,8 +615,8 @@ void check_room(const Layer::Impl& l, const TokenTrack& track, std::int64_t q, c
 // Bytes [lo, hi) an input view may touch (saturating: a view whose span
 // cannot be computed is treated as touching everything).
 struct Span {
-  const std::byte* lo;
-  const std::byte* hi;
+  std::uintptr_t lo;
+  std::uintptr_t hi;
 };
 Span byte_span(const TensorView& v) {
   std::int64_t lo = 0, hi = 0;
@@ -629,13 +629,14 @@ Span byte_span(const TensorView& v) {
     overflow = overflow || (reach >= 0 ? __builtin_add_overflow(hi, reach, &hi) : __builtin_add_overflow(lo, reach, &lo));
   }
   const auto es = static_cast<std::int64_t>(dtype_size(v.dtype));
-  overflow = overflow || __builtin_mul_overflow(lo, es, &lo) || __builtin_mul_overflow(hi + 1, es, &hi);
+  overflow = overflow || __builtin_add_overflow(hi, 1, &hi) || __builtin_mul_overflow(lo, es, &lo) ||
+             __builtin_mul_overflow(hi, es, &hi);
   const auto base = reinterpret_cast<std::uintptr_t>(v.data);
   if (overflow || (lo < 0 && static_cast<std::uint64_t>(-lo) > base) ||
       (hi > 0 && static_cast<std::uint64_t>(hi) > UINTPTR_MAX - base)) {
-    return {nullptr, reinterpret_cast<const std::byte*>(UINTPTR_MAX)};
+    return {0, UINTPTR_MAX};
   }
-  return {static_cast<const std::byte*>(v.data) + lo, static_cast<const std::byte*>(v.data) + hi};
+  return {base - static_cast<std::uintptr_t>(-lo), base + static_cast<std::uintptr_t>(hi)};
 }
 
 // An input that aliases this layer's storage (a view the layer returned,

@@ -66,9 +66,10 @@ class AlignedBuffer {
   MemoryBudget* budget() const { return budget_; }
   // Starts counting this buffer against `budget` (REQUIRES: none yet).
   void attach(MemoryBudget* budget) noexcept;
-  // True when [p, p + bytes) intersects this allocation.
-  bool overlaps(const std::byte* lo, const std::byte* hi) const {
-    return size_ != 0 && lo < data_.get() + size_ && data_.get() < hi;
+  // True when addresses [lo, hi) intersect this allocation.
+  bool overlaps(std::uintptr_t lo, std::uintptr_t hi) const {
+    const auto begin = reinterpret_cast<std::uintptr_t>(data_.get());
+    return size_ != 0 && lo < begin + size_ && begin < hi;
   }
 
  private:
