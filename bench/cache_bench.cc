@@ -38,6 +38,9 @@
 #include <vector>
 
 #include "rewind/cache.h"
+#include "runtime/decode_bench.h"  // median(): the one definition
+
+using rwd::runtime::median;
 
 namespace {
 
@@ -216,13 +219,6 @@ void prefill(Layer& layer, DType dt, std::int64_t L) {
   if (L <= layer.get_seq_length()) return;
   const Feed feed(dt, std::min(L, kPrefillChunk), layer.has_attention(), has_conv(layer));
   prefill(layer, feed, L);
-}
-
-double median(std::vector<double> v) {
-  if (v.empty()) return 0;
-  const auto mid = v.begin() + static_cast<std::ptrdiff_t>(v.size() / 2);
-  std::nth_element(v.begin(), mid, v.end());
-  return *mid;
 }
 
 // ---- layer kinds ----------------------------------------------------------------
