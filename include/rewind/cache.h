@@ -3,9 +3,9 @@
 // A Cache holds one Layer per model layer, built from transformers'
 // `layer_types` strings (so a config.json maps directly) or from Layer
 // objects. Per-layer operations take the layer index; whole-cache operations
-// (crop, recording, batch operations, reset, shrink_to_fit) are
-// transactional: every layer is checked (and any memory allocated) before
-// any layer changes, so an error leaves the whole cache untouched. The cache
+// (crop, recording changes, batch operations, reset) are transactional:
+// every layer is checked (and any memory allocated) before any layer
+// changes, so an error leaves the whole cache untouched. The cache
 // owns its layers: it hands out read-only access to them, and every change
 // goes through the cache, which keeps the layers in step.
 //
@@ -43,7 +43,8 @@ class Forward;
 
 class Cache {
  public:
-  // One layer per entry of `layer_types`, each built with `options`.
+  // One layer per entry of `layer_types`, each built with `options`
+  // (`side_dims` go to deepseek_sparse_attention layers only).
   // Throws InvalidArgument for an empty list, an unknown type (message lists
   // the accepted names and the entry's index) or an option a kind needs and
   // lacks; CapacityError when the shapes need more than 2^48 bytes.
@@ -90,8 +91,9 @@ class Cache {
   // step, then reserves, for every part of every layer, the room and the
   // budget q tokens need, before any layer changes. Until the returned
   // handle commits or abandons, each part takes at most q tokens (a
-  // recurrent state exactly q, in one update) without allocating, and the
-  // whole-cache operations below throw StateError. Abandoning (explicitly,
+  // recurrent state exactly q, in one update) without allocating (apart
+  // from the copy of an input that aliases the cache), and the whole-cache
+  // operations below throw StateError. Abandoning (explicitly,
   // or by destroying the handle uncommitted, e.g. while an exception
   // unwinds) restores every layer exactly, recurrent states and rollback
   // history included, whatever q and R are.
@@ -110,13 +112,16 @@ class Cache {
   void crop(std::int64_t n);
   // Throws what crop(n) would, changes nothing.
   void check_crop(std::int64_t n) const;
-  // Smallest max_rollback over stateful layers (the cache's L when none).
+  // Smallest max_rollback over stateful layers (0 when every layer is
+  // stateless).
   // Throws StateError as crop does when the layers are out of step.
   std::int64_t max_rollback() const;
-  // Throws InvalidArgument for R < 0, CapacityError (static layers, budget),
-  // StateError as crop does.
+  // Throws InvalidArgument unless 0 <= R <= 2^40, CapacityError (static
+  // layers, budget, system), StateError as crop does.
   void activate_past_recording(std::int64_t max_tokens);
+  // Throws StateError as crop does, CapacityError (recurrent slots).
   void deactivate_past_recording();
+  // True when every layer records.
   bool is_recording() const;
 
   // Transactional batch operations over every layer (see Layer). Throw
@@ -131,15 +136,17 @@ class Cache {
 
   MemoryReport memory() const;
   // Releases the slack of every dynamic buffer (full attention keeps up to
-  // 2x what it holds after growing). Best effort: a buffer whose smaller
-  // copy cannot be allocated keeps its allocation. Changes no content.
-  // Throws StateError while a forward is open.
+  // 2x what it holds after growing); recurrent slots are kept. Best effort:
+  // a buffer whose smaller copy cannot be allocated keeps its allocation.
+  // Changes no content. Throws StateError while a forward is open.
   void shrink_to_fit();
   // Caps the bytes this cache may reserve (0: no cap, the default). An
   // operation that would allocate past the cap throws CapacityError before
   // allocating and changes nothing; growth counts old and new buffer while
-  // both exist. Throws CapacityError, keeping the old cap, when more than
-  // `bytes` are already reserved.
+  // both exist. The cap counts the cache's buffers, not the temporary copy
+  // of an input that aliases the cache. Throws CapacityError, keeping the
+  // old cap, when more than `bytes` are already reserved, StateError while
+  // a forward is open.
   void set_memory_budget(std::size_t bytes);
   std::size_t memory_budget() const;
 
@@ -166,10 +173,10 @@ class Forward {
   std::int64_t num_tokens() const { return q_; }
   std::int64_t start_length() const { return start_; }  // L at begin_forward
   bool is_open() const { return cache_ != nullptr; }
-  // Ends the forward, keeping its tokens. Throws StateError, naming each
-  // layer and part, when a stateful layer did not receive exactly q tokens
-  // in every part (the forward stays open then), or when the handle is not
-  // open.
+  // Ends the forward, keeping its tokens. Throws StateError when a stateful
+  // layer did not receive exactly q tokens in every part, naming the first
+  // such layer and each of its parts (the forward stays open then), or when
+  // the handle is not open.
   void commit();
   // Ends the forward, restoring every layer to its state at begin_forward.
   // A no-op when the handle is not open.

@@ -20,7 +20,7 @@ constexpr std::size_t dtype_size(DType t) { return t == DType::F32 ? 4 : 2; }
 // "f32", "f16", "bf16".
 std::string_view dtype_name(DType t);
 
-// Parses "f32"/"float32", "f16"/"float16", "bf16"/"bfloat16".
+// Parses "f32"/"float32"/"F32", "f16"/"float16"/"F16", "bf16"/"bfloat16"/"BF16".
 // Throws InvalidArgument naming the accepted spellings otherwise.
 DType parse_dtype(std::string_view name);
 

@@ -10,18 +10,18 @@
 // Every part counts tokens. `crop(-k)` removes the k most recent tokens from
 // every part, exactly, or throws and changes nothing (docs/semantics.md is
 // the full contract). With `activate_past_recording(R)` a layer keeps enough
-// history to remove up to R tokens, and never more than that: memory of
-// sliding, chunked, conv and recurrent parts stays bounded however long the
-// sequence grows.
+// history to remove up to R tokens. Its sliding, chunked, conv and recurrent
+// parts keep only what that needs, so their memory stays bounded however
+// long the sequence grows; full attention keeps every token.
 //
 // Storage is token-major: position p of a keys part lives in one row of
-// [B, H, D] elements, so an update of q tokens is one copy of q rows and a
-// crop only moves an index. Views returned by the layer point into its
-// storage and stay valid until the next call that mutates this layer.
+// [B, H, D] elements, so an update of q tokens is one copy of q rows and
+// crop(-k) only moves an index.
 //
 // Views returned by the layer point into its storage and stay valid until the
-// next call that mutates this layer (an update, crop, recording change,
-// batch operation, reset, or a Cache's begin_forward / commit / abandon).
+// next call that mutates this layer (an update, begin_recurrent_update or
+// its commit, crop, recording change, batch operation, reset, shrink_to_fit,
+// or a Cache's begin_forward / commit / abandon).
 // Builds with REWIND_DEBUG_VIEWS under AddressSanitizer mark rows and states
 // that no valid view may read, so reading a stale view is reported.
 //
@@ -135,7 +135,8 @@ class Layer;
 // Zero-copy write of recurrent states, from Layer::begin_recurrent_update.
 // The kernel reads S(L) from previous() and writes S(L+t) into next(t) for
 // t = 1..q, straight into cache-owned slots; commit() then advances the
-// state's length by q and keeps the last min(q, R) + 1 states as snapshots.
+// state's length by q and keeps the newest states as snapshots: S(L+q) and
+// the ones before it, at most R + 1 in all.
 // next(t) never aliases previous() nor any held snapshot: dropping the handle
 // without commit() leaves S(L) and every snapshot exactly as they were.
 // Without recording (R = 0) next(2), ..., next(q) are the slot of next(1):
@@ -203,7 +204,8 @@ class Layer {
 
   // ---- attention ----
   // Range the next update of q tokens returns (docs/semantics.md section 5).
-  // Throws StateError on a layer without attention, InvalidArgument for q < 1.
+  // Throws StateError on a layer without attention, InvalidArgument unless
+  // 1 <= q <= 2^40.
   MaskSizes get_mask_sizes(std::int64_t q) const;
   // Appends q tokens, keys [B, H, q, key_dim] and values [B, H, q, value_dim]
   // (any strides, including 0, the layer's dtype), and returns every key /
@@ -211,7 +213,8 @@ class Layer {
   // InvalidArgument on rank / shape / dtype / batch mismatch, CapacityError
   // when a static layer, the memory budget or the system cannot hold the
   // tokens (sizes past 2^48 bytes or 2^40 tokens included), StateError when
-  // it would pass what an open forward allows; nothing is written then.
+  // keys and values are at different lengths or the update would pass what
+  // an open forward allows; nothing is written then.
   KeyValueView update(const TensorView& keys, const TensorView& values);
   // Appends q rows [B, q, D] to side tensor `side` and returns the rows of
   // the positions the keys range covers: [B, n, D]. Same errors as update,
@@ -246,13 +249,17 @@ class Layer {
   TensorView conv_inputs(int state = 0) const;
   PositionRange conv_range(int state = 0) const;
   // Starts a zero-copy update of recurrent state `state` by q tokens. Throws
-  // InvalidArgument for q < 1, StateError / IndexError for a layer without
-  // that state, CapacityError when the fresh slots cannot be allocated,
-  // StateError inside an open forward unless q is the forward's whole q.
+  // StateError / IndexError for a layer without that state, InvalidArgument
+  // unless q >= 1 and L + q <= 2^40, StateError inside an open forward
+  // unless the state is still at the forward's start and q is the forward's
+  // whole q, CapacityError when the fresh slots cannot be allocated (outside
+  // a forward: begin_forward reserves them). Growing the slots moves the
+  // state's snapshots: views of them become stale.
   RecurrentUpdate begin_recurrent_update(std::int64_t q, int state = 0);
   // Convenience over begin/commit for one token (transformers'
   // update_recurrent_state): copies new_state [B, shape...] in as S(L+1).
-  // Throws InvalidArgument for a shape or dtype mismatch.
+  // Throws InvalidArgument for a shape or dtype mismatch, and what
+  // begin_recurrent_update(1) throws.
   void update_recurrent_state(const TensorView& new_state, int state = 0);
   // S(L): [B, shape...] (zeros when L = 0).
   TensorView get_recurrent_state(int state = 0) const;
@@ -267,19 +274,24 @@ class Layer {
   // crop(n), docs/semantics.md section 3: n < 0 removes |n| tokens; n == 0
   // shrinks to the minimal working state; n > 0 (deprecated) keeps the first
   // n tokens. Throws RollbackError (too deep, not recording, positive crop a
-  // part cannot do) or StateError (parts out of step); nothing changes then.
+  // part cannot do) or StateError (parts out of step, or a forward of the
+  // owning Cache open); nothing changes then.
   void crop(std::int64_t n);
   // Throws exactly what crop(n) would throw, changes nothing.
   void check_crop(std::int64_t n) const;
   // Largest k for which crop(-k) is exact now; L means any k. 0 for a part
   // that cannot roll back (not recording).
   std::int64_t max_rollback() const;
-  // Keeps enough history to remove up to R >= 0 tokens exactly. Can be
-  // called again to change R (a smaller R drops history now). Throws
-  // InvalidArgument for R < 0, CapacityError when a static layer's slots
-  // cannot hold W - 1 + R + 1 tokens.
+  // Keeps enough history to remove up to R tokens exactly. Can be called
+  // again to change R (a smaller R drops history now). Throws
+  // InvalidArgument unless 0 <= R <= 2^40, StateError when the parts are out
+  // of step or a forward is open, CapacityError when a static sliding
+  // (chunked) layer's slots cannot hold W - 1 + R + 1 (C - 1 + R + 1) tokens
+  // or the budget or the system refuses the recurrent snapshot slots.
   void activate_past_recording(std::int64_t max_tokens);
-  // Stops recording and drops the history (crop then raises where section 4 says).
+  // Stops recording and drops the history (crop then raises where
+  // docs/semantics.md section 4 says). Throws StateError and CapacityError
+  // (recurrent slots) as activate_past_recording does.
   void deactivate_past_recording();
   bool is_recording() const;
   std::int64_t recording_capacity() const;  // R, 0 when not recording
@@ -290,23 +302,32 @@ class Layer {
   // [0, B), InvalidArgument for an empty list, StateError when the parts are
   // out of step, CapacityError when the copy cannot be allocated.
   void batch_select_indices(std::span<const std::int64_t> indices);
-  // Repeats every batch row `repeats` >= 1 times in place (beam expansion).
+  // Repeats every batch row `repeats` times in place (beam expansion).
+  // Throws InvalidArgument for repeats < 1, and what batch_select_indices
+  // throws.
   void batch_repeat_interleave(std::int64_t repeats);
-  // Reorders batch rows: row i becomes old row beam_idx[i]; size must be B.
+  // Reorders batch rows: row i becomes old row beam_idx[i]. Throws
+  // InvalidArgument unless beam_idx has B entries, and what
+  // batch_select_indices throws.
   void reorder_cache(std::span<const std::int64_t> beam_idx);
   // Back to the state of a new layer with the same options (L = 0, zero
-  // states, no history, B = options().batch_size); recording stays active
-  // with the same R.
+  // states, no history, B = options().batch_size); the recording setting
+  // (on with the same R, or off) stays. Throws CapacityError when the
+  // budget or the system refuses the new buffers; nothing changes then.
   void reset();
 
   LayerMemory memory() const;
   // The retention rule in bytes (docs/semantics.md section 4): after any
   // update with recording R, memory().bytes_used <= bounded + per_token * L,
-  // with equality for sliding, conv and recurrent parts once L >= W-1+R
-  // (resp. K+R, R). Throws InvalidArgument for R < 0 or R > 2^40.
+  // except that a conv part still holds its K zero rows before position 0
+  // while R < L <= K + R (up to K rows more). Equality for sliding, conv and
+  // recurrent parts once L >= W-1+R (resp. L > K+R, L >= R). Throws
+  // InvalidArgument unless 0 <= R <= 2^40, CapacityError when a figure
+  // passes 2^48 bytes.
   RetentionBytes retention_bytes(std::int64_t R) const;
   // Best effort: releases the slack of dynamic buffers (full attention keeps
-  // up to 2x what it holds after growing by doubling). Changes no content.
+  // up to 2x what it holds after growing by doubling); recurrent slots are
+  // kept. Changes no content.
   void shrink_to_fit();
 
   struct Impl;  // defined in src/cache

@@ -89,9 +89,11 @@ bool bitwise_equal(const TensorView& a, const TensorView& b);
 class Tensor {
  public:
   Tensor() = default;
-  // Throws InvalidArgument for negative extents or rank > 4, CapacityError
-  // when the bytes pass 2^48 or the system cannot allocate them.
+  // Throws InvalidArgument for negative extents, rank > 4 or more than 2^62
+  // elements, CapacityError when the bytes pass 2^48 or the system cannot
+  // allocate them.
   Tensor(DType dtype, std::initializer_list<std::int64_t> shape);
+  // Throws as above, and InvalidArgument for a rank outside 0..4.
   // REQUIRES: `shape` points to `rank` extents.
   Tensor(DType dtype, const std::int64_t* shape, int rank);
   Tensor(Tensor&&) noexcept = default;
