@@ -250,7 +250,7 @@ class Layer {
   PositionRange conv_range(int state = 0) const;
   // Starts a zero-copy update of recurrent state `state` by q tokens. Throws
   // StateError / IndexError for a layer without that state, InvalidArgument
-  // unless q >= 1 and L + q <= 2^40, StateError inside an open forward
+  // for q < 1, CapacityError when L + q > 2^40, StateError inside an open forward
   // unless the state is still at the forward's start and q is the forward's
   // whole q, CapacityError when the fresh slots cannot be allocated (outside
   // a forward: begin_forward reserves them). Growing the slots moves the

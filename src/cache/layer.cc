@@ -2,6 +2,7 @@
 #include <array>
 #include <cstring>
 #include <limits>
+#include <new>
 #include <utility>
 
 #include "aligned_memory.h"
@@ -515,8 +516,18 @@ bool Layer::Impl::overlaps_storage(std::uintptr_t lo, std::uintptr_t hi) const {
 }
 
 std::vector<std::int64_t> repeat_rows(std::int64_t batch, std::int64_t repeats) {
+  const std::size_t n = checked_bytes({batch, repeats}, 1, "batch_repeat_interleave(" + num(repeats) + ")");
+  if (n > static_cast<std::size_t>(detail::kMaxTokens)) {
+    throw CapacityError("batch_repeat_interleave(" + num(repeats) + ") asks for " + std::to_string(n) +
+                        " batch rows; at most 2^40 are allowed");
+  }
   std::vector<std::int64_t> rows;
-  rows.reserve(checked_bytes({batch, repeats}, 1, "batch_repeat_interleave"));
+  try {
+    rows.reserve(n);
+  } catch (const std::bad_alloc&) {
+    throw CapacityError("batch_repeat_interleave(" + num(repeats) + "): the system could not allocate the list of " +
+                        std::to_string(n) + " batch rows; nothing was changed");
+  }
   for (std::int64_t b = 0; b < batch; ++b)
     for (std::int64_t r = 0; r < repeats; ++r) rows.push_back(b);
   return rows;
@@ -697,9 +708,13 @@ KeyValueView Layer::update(const TensorView& keys, const TensorView& values) {
   if (l.values.length() != l.keys.length()) l.check_in_step("update");
   l.check_forward_room(l.keys.length(), q, "keys");
   check_room(l, l.keys, q, "update");
-  // Plan both before moving either, so a refusal changes nothing.
+  // Plan both before moving either, so a refusal changes nothing. Inside an
+  // open forward the room is already there and nothing may move (abandon
+  // needs every row where begin_forward left it).
   auto plans = l.budgeted("update", [&] {
-    return std::make_pair(l.keys.buffer.plan_append(q), l.values.buffer.plan_append(q));
+    using Plan = detail::PositionBuffer::Plan;
+    return l.forward ? std::make_pair(Plan{}, Plan{})
+                     : std::make_pair(l.keys.buffer.plan_append(q), l.values.buffer.plan_append(q));
   });
   const StagedInput k = stage(l, keys, "update");
   const StagedInput v = stage(l, values, "update");
@@ -715,7 +730,9 @@ TensorView append_one(Layer::Impl& l, TokenTrack& track, const TensorView& input
   const std::int64_t q = check_tokens(l, track, input, what);
   l.check_forward_room(track.length(), q, part);
   check_room(l, track, q, operation);
-  auto plan = l.budgeted(operation, [&] { return track.buffer.plan_append(q); });
+  auto plan = l.budgeted(operation, [&] {
+    return l.forward ? detail::PositionBuffer::Plan{} : track.buffer.plan_append(q);  // see Layer::update
+  });
   const StagedInput staged = stage(l, input, operation);
   track.buffer.apply(std::move(plan), q);
   return track.append(staged.view, q, l.history);
@@ -761,9 +778,12 @@ PositionRange Layer::conv_range(int state) const {
 RecurrentUpdate Layer::begin_recurrent_update(std::int64_t q, int state) {
   Impl& l = *impl_;
   auto& r = l.recurrent(state, "begin_recurrent_update");
-  if (q < 1 || q > detail::kMaxTokens || r.length > detail::kMaxTokens - q) {
-    throw InvalidArgument(l.where() + ": begin_recurrent_update(" + num(q) + ") needs a token count in [1, 2^40] " +
-                          "that keeps the length within 2^40 (length is " + num(r.length) + ")");
+  if (q < 1) {
+    throw InvalidArgument(l.where() + ": begin_recurrent_update(" + num(q) + ") needs at least one token");
+  }
+  if (q > detail::kMaxTokens || r.length > detail::kMaxTokens - q) {
+    throw CapacityError(l.where() + ": begin_recurrent_update(" + num(q) + ") at length " + num(r.length) +
+                        " passes the limit of 2^40 tokens per sequence");
   }
   if (l.forward && (r.length != l.forward_start || q != l.forward_end - l.forward_start)) {
     throw StateError(l.where() + ": begin_recurrent_update(" + num(q) + ") of recurrent state " + num(state) +
@@ -822,7 +842,10 @@ void Layer::crop(std::int64_t n) {
 }
 
 void Layer::check_crop(std::int64_t n) const { impl_->check_crop(n); }
-std::int64_t Layer::max_rollback() const { return impl_->max_rollback(); }
+std::int64_t Layer::max_rollback() const {
+  impl_->check_in_step("max_rollback");
+  return impl_->max_rollback();
+}
 
 void Layer::activate_past_recording(std::int64_t max_tokens) {
   impl_->commit_recording(true, max_tokens, impl_->prepare_recording(true, max_tokens));

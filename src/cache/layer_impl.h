@@ -5,6 +5,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <new>
 #include <optional>
 #include <string>
 #include <vector>
@@ -135,6 +136,8 @@ struct Layer::Impl {
       throw CapacityError(where() + ": " + operation + ": " + e.what() + "; nothing was changed");
     } catch (const CapacityError& e) {
       throw CapacityError(where() + ": " + operation + ": " + e.what());
+    } catch (const std::bad_alloc&) {  // a container's allocation: still an rwd::Error
+      throw CapacityError(where() + ": " + operation + ": the system could not allocate memory; nothing was changed");
     }
   }
 

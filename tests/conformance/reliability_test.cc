@@ -546,3 +546,43 @@ TEST(DebugViewsDeathTest, RecurrentStateViewAfterCropIsReported) {
 
 }  // namespace
 }  // namespace rwt
+
+namespace rwt {
+namespace {
+
+// A forward whose q tokens reach a part in several updates: nothing may move
+// inside the forward (abandon needs every row where begin_forward left it),
+// even when the first update is small and the buffer looks oversized.
+TEST(ForwardTransaction, SplitUpdatesInsideAForwardAbandonExactly) {
+  LayerOptions o = small_options(LayerKind::SlidingAttention, DType::F32, false, 1);
+  Cache cache({"sliding_attention"}, o);
+  cache.activate_past_recording(2);
+  std::vector<float> k(2 * 100 * 3, 1.5f), v(2 * 100 * 2, 2.5f);
+  auto keys = [&](i64 q) { return TensorView::contiguous(k.data(), DType::F32, {1, 2, q, 3}); };
+  auto values = [&](i64 q) { return TensorView::contiguous(v.data(), DType::F32, {1, 2, q, 2}); };
+  (void)cache.update(keys(3), values(3), 0);
+  const Observed before = observe(cache);
+  {
+    Forward f = cache.begin_forward(100);
+    (void)cache.update(keys(1), values(1), 0);
+    (void)cache.update(keys(99), values(99), 0);
+  }  // abandoned
+  EXPECT_EQ(diff(before, observe(cache)), "");
+  Forward f = cache.begin_forward(100);
+  (void)cache.update(keys(1), values(1), 0);
+  (void)cache.update(keys(99), values(99), 0);
+  f.commit();
+  EXPECT_EQ(cache.get_seq_length(), 103);
+}
+
+TEST(SizeOverflow, HugeRepeatsAndRecurrentLengthsAreCapacityErrors) {
+  Cache cache({"linear_attention"}, small_options(LayerKind::LinearAttention));
+  EXPECT_THROW(cache.batch_repeat_interleave(i64{1} << 40), rwd::CapacityError);
+  EXPECT_THROW(cache.batch_repeat_interleave(i64{1} << 62), rwd::CapacityError);
+  EXPECT_THROW((void)cache.begin_recurrent_update(i64{1} << 41, 0, 0), rwd::CapacityError);
+  EXPECT_THROW((void)cache.begin_recurrent_update(0, 0, 0), rwd::InvalidArgument);
+  EXPECT_EQ(cache.layer(0).batch_size(), 2);
+}
+
+}  // namespace
+}  // namespace rwt
