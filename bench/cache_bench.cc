@@ -449,7 +449,7 @@ void BM_MemcpyRecurrent(benchmark::State& st, std::int64_t q) {
 
 // Steady-state figures above exclude reallocation. A dynamic full-attention
 // buffer doubles when full: this times the one update that reallocates (new
-// zero-filled buffer, copy of the retained rows) at about 60k tokens, and
+// buffer, not zero-filled, and a copy of the retained rows) at about 60k tokens, and
 // spreads it over the tokens the new room holds until the next growth.
 double process_cpu_seconds() {
   timespec t{};

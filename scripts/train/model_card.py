@@ -49,6 +49,7 @@ def main():
     args = ap.parse_args()
 
     c = json.load(open(os.path.join(args.model_dir, "config.json")))
+    carried = ("conv / Gated DeltaNet state" if "linear_attention" in c["layer_types"] else "conv states")
     t = json.load(open(os.path.join(args.model_dir, "training.json")))
     ev = run([args.rewind, "eval", "--model", args.model_dir, "--text", args.valid, "--chunk", "128",
               "--context", "512"])
@@ -126,8 +127,8 @@ $ rewind eval --model {args.model_dir} --text build-data/kjv/valid.txt
 
 Each 512-byte segment of the held-out text is fed as its own sequence (BOS +
 bytes, the length the model was trained on) through the cache in forwards of
-128 tokens, so sliding-window eviction and the conv / Gated DeltaNet state
-carried between forwards are exercised; the result does not depend on the
+128 tokens, so sliding-window eviction and the {carried} carried between
+forwards are exercised; the result does not depend on the
 chunk size (batch-invariant forward). With 4096-byte segments, 8 times the
 training length, the model scores {bpb_long:.3f} bits per byte
 (`--context 4096`): it does not break down beyond the length it was trained on.
