@@ -75,16 +75,6 @@ constexpr std::array<i64, 6> kHugeSpans{i64{1} << 40, i64{1} << 59, i64{1} << 62
 constexpr std::array<i64, 7> kHugeCrops{kI64Min, kI64Min + 1, kI64Max, -(i64{1} << 62), i64{1} << 62,
                                         -(kTokenLimit + 1), kTokenLimit + 1};
 
-// Paths that hit library bugs found by this fuzzer and not fixed yet are
-// skipped unless REWIND_FUZZ_KNOWN_BUGS names them ("repeat,window,static"
-// or "all"); see docs/reliability.md.
-bool known_bug(const char* name) {
-  static const char* env = std::getenv("REWIND_FUZZ_KNOWN_BUGS");
-  if (env == nullptr) return false;
-  const std::string list = std::string(",") + env + ",";
-  return list.find(",all,") != std::string::npos || list.find("," + std::string(name) + ",") != std::string::npos;
-}
-
 // Counts of what the inputs exercised, printed at exit when
 // REWIND_FUZZ_STATS is set (e.g. with -runs=0 over a corpus).
 enum Stat {
@@ -1412,9 +1402,6 @@ class Fuzzer {
         const int i = pick_layer([](const RefLayer& r) { return r.has_attention(); });
         const RefLayer& rl = ref().layers[static_cast<std::size_t>(i)];
         Q = tokens(i);
-        // Known bug: a static layer's room check computes stored + q in
-        // signed 64 bits before the 2^40-token check (UBSan overflow).
-        if (!known_bug("static") && rl.M > 0 && Q > kI64Max - 4096) Q = i64{1} << 62;
         const int huge_side = next() % 3;
         const i64 qk = huge_side == 1 ? in_.range(1, 3) : Q, qv = huge_side == 0 ? in_.range(1, 3) : Q;
         const TensorView k = huge_view(a, {rl.B, rl.H, 1, rl.Dk}, 2, qk);
@@ -1472,10 +1459,6 @@ class Fuzzer {
       case 7: {  // repeats whose batch would need more than 2^48 bytes
         const std::array<i64, 6> rs{i64{1} << 62, kI64Max, i64{1} << 40, i64{1} << 47, 0, -1};
         i64 r = in_.pick(rs);
-        // Known bug: batch * repeats <= 2^40 passes repeat_rows' check and a
-        // list of that many row indices is reserved (8 TiB for B = 1, 2^40
-        // repeats) before the layers' sizes are checked.
-        if (!known_bug("repeat") && r >= i64{1} << 20 && r <= kTokenLimit / ref().batch()) r = i64{1} << 62;
         // Out of step, which of the two refusals comes first is not specified.
         refused("batch_repeat_interleave(" + num(r) + ")", [&] { cache().batch_repeat_interleave(r); },
                 {ref().in_step() ? (r < 1 ? Err::Invalid : Err::Capacity) : Err::State,
@@ -1581,9 +1564,6 @@ class Fuzzer {
       }
       case 10:
         o.sliding_window = in_.pick(kHugeSpans);
-        // Known bug: RetentionRule::keep_first computes W - 1 + R in signed
-        // 64 bits, which overflows for W near INT64_MAX (UBSan).
-        if (!known_bug("window") && o.sliding_window > kI64Max - 16) o.sliding_window = i64{1} << 62;
         what = "sliding_window";
         break;
       default: o.chunk_size = in_.pick(kHugeSpans); what = "chunk_size"; break;

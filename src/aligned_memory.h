@@ -15,6 +15,11 @@ namespace rwd::detail {
 inline constexpr std::uint64_t kMaxBufferBytes = std::uint64_t{1} << 48;
 // No sequence may exceed this many tokens; positions stay far from overflow.
 inline constexpr std::int64_t kMaxTokens = std::int64_t{1} << 40;
+// A window or chunk longer than any sequence acts like a window of this
+// size (it never evicts), so W - 1 + R cannot overflow.
+inline constexpr std::int64_t kMaxWindow = kMaxTokens + 1;
+// No batch may have more rows (the row lists of batch operations stay small).
+inline constexpr std::int64_t kMaxBatch = std::int64_t{1} << 24;
 
 // a * b for sizes, or CapacityError "<what> needs more than 2^48 bytes"
 // when the product passes kMaxBufferBytes (negative factors count as huge).

@@ -111,7 +111,8 @@ Layer::Impl::Impl(LayerKind k, const LayerOptions& o, int layer_index, detail::M
   auto require = [&](bool ok, const std::string& what) {
     if (!ok) throw InvalidArgument(where() + ": " + what);
   };
-  require(o.batch_size >= 1, "option batch_size must be >= 1, got " + num(o.batch_size));
+  require(o.batch_size >= 1 && o.batch_size <= detail::kMaxBatch,
+          "option batch_size must be in [1, 2^24], got " + num(o.batch_size));
   require(o.static_capacity >= 0, "option static_capacity must be >= 0, got " + num(o.static_capacity));
   attention = kind_has_attention(k);
   if (attention) {
@@ -121,13 +122,13 @@ Layer::Impl::Impl(LayerKind k, const LayerOptions& o, int layer_index, detail::M
     RetentionRule rule;
     if (k == LayerKind::SlidingAttention || k == LayerKind::HybridSliding) {
       require(o.sliding_window >= 1, "option sliding_window must be >= 1, got " + num(o.sliding_window));
-      rule = {RetentionRule::Kind::Sliding, o.sliding_window};
+      rule = {RetentionRule::Kind::Sliding, std::min(o.sliding_window, detail::kMaxWindow)};
       require(o.static_capacity == 0 || o.static_capacity >= o.sliding_window,
               "static_capacity " + num(o.static_capacity) + " cannot hold the window: it must be >= sliding_window (" +
                   num(o.sliding_window) + ")");
     } else if (k == LayerKind::ChunkedAttention) {
       require(o.chunk_size >= 1, "option chunk_size must be >= 1, got " + num(o.chunk_size));
-      rule = {RetentionRule::Kind::Chunked, o.chunk_size};
+      rule = {RetentionRule::Kind::Chunked, std::min(o.chunk_size, detail::kMaxWindow)};
       require(o.static_capacity == 0 || o.static_capacity >= o.chunk_size,
               "static_capacity " + num(o.static_capacity) + " cannot hold a chunk: it must be >= chunk_size (" +
                   num(o.chunk_size) + ")");
@@ -451,6 +452,10 @@ void Layer::Impl::abandon_forward() noexcept {
 
 void Layer::Impl::check_batch_rows(std::span<const std::int64_t> rows, const char* operation) const {
   if (rows.empty()) throw InvalidArgument(where() + ": " + operation + " needs at least one batch index");
+  if (rows.size() > static_cast<std::size_t>(detail::kMaxBatch)) {
+    throw CapacityError(where() + ": " + operation + " asks for " + std::to_string(rows.size()) +
+                        " batch rows; at most 2^24 are allowed");
+  }
   if (forward) throw StateError(where() + ": " + operation + " during an open forward; commit() or abandon() it first");
   for (std::size_t i = 0; i < rows.size(); ++i) {
     if (rows[i] < 0 || rows[i] >= batch) {
@@ -517,9 +522,9 @@ bool Layer::Impl::overlaps_storage(std::uintptr_t lo, std::uintptr_t hi) const {
 
 std::vector<std::int64_t> repeat_rows(std::int64_t batch, std::int64_t repeats) {
   const std::size_t n = checked_bytes({batch, repeats}, 1, "batch_repeat_interleave(" + num(repeats) + ")");
-  if (n > static_cast<std::size_t>(detail::kMaxTokens)) {
+  if (n > static_cast<std::size_t>(detail::kMaxBatch)) {
     throw CapacityError("batch_repeat_interleave(" + num(repeats) + ") asks for " + std::to_string(n) +
-                        " batch rows; at most 2^40 are allowed");
+                        " batch rows; at most 2^24 are allowed");
   }
   std::vector<std::int64_t> rows;
   try {
@@ -601,6 +606,10 @@ std::int64_t check_tokens(const Layer::Impl& l, const TokenTrack& track, const T
   if (input.size(0) != s.batch) fail("has batch size " + num(input.size(0)));
   const std::int64_t q = input.size(s.token_dim());
   if (q < 1) fail("has no tokens");
+  if (q > detail::kMaxTokens || track.length() > detail::kMaxTokens - q) {
+    throw CapacityError(l.where() + ": " + what + " " + input.describe() + ": an append of " + num(q) +
+                        " tokens at length " + num(track.length()) + " passes the limit of 2^40 tokens per sequence");
+  }
   switch (s.layout) {
     case TrackShape::Layout::Heads:
       if (input.size(1) != s.heads || input.size(3) != s.width) fail("has the wrong shape");

@@ -586,3 +586,50 @@ TEST(SizeOverflow, HugeRepeatsAndRecurrentLengthsAreCapacityErrors) {
 
 }  // namespace
 }  // namespace rwt
+
+namespace rwt {
+namespace {
+
+// Found by fuzz_cache_ops: each overflowed (UBSan) or allocated terabytes
+// before refusing.
+TEST(SizeOverflow, FuzzerFindingsRefuseCleanly) {
+  LayerOptions o;
+  o.num_kv_heads = 1;
+  o.key_dim = 2;
+  Cache one({"full_attention"}, o);  // batch 1: 2^40 repeats passed the old 2^40-row check
+  EXPECT_THROW(one.batch_repeat_interleave(i64{1} << 40), rwd::CapacityError);
+  EXPECT_THROW(one.batch_repeat_interleave((i64{1} << 24) + 1), rwd::CapacityError);
+  LayerOptions huge_batch = o;
+  huge_batch.batch_size = (i64{1} << 24) + 1;
+  EXPECT_THROW(Cache({"full_attention"}, huge_batch), rwd::InvalidArgument);
+
+  // A window near INT64_MAX never evicts: it behaves as full attention.
+  LayerOptions w = o;
+  w.sliding_window = std::numeric_limits<i64>::max();
+  Layer sliding(LayerKind::SlidingAttention, w);
+  Layer full(LayerKind::FullAttention, o);
+  sliding.activate_past_recording(2);
+  full.activate_past_recording(2);
+  std::vector<float> k(2 * 9, 1.0f);
+  for (int round = 0; round < 3; ++round) {
+    const TensorView kv = TensorView::contiguous(k.data(), DType::F32, {1, 1, 9, 2});
+    EXPECT_TRUE(rwd::bitwise_equal(sliding.update(kv, kv).keys, full.update(kv, kv).keys));
+    EXPECT_EQ(sliding.get_mask_sizes(1).kv_length, full.get_mask_sizes(1).kv_length);
+  }
+  EXPECT_EQ(sliding.max_rollback(), 27);
+
+  // A static layer holding tokens, fed INT64_MAX broadcast tokens.
+  LayerOptions s = o;
+  s.sliding_window = 4;
+  s.static_capacity = 24;
+  Cache fixed({"sliding_attention"}, s);
+  (void)fixed.update(TensorView::contiguous(k.data(), DType::F32, {1, 1, 1, 2}),
+                     TensorView::contiguous(k.data(), DType::F32, {1, 1, 1, 2}), 0);
+  const TensorView endless =
+      TensorView::strided(k.data(), DType::F32, {1, 1, std::numeric_limits<i64>::max(), 2}, {2, 2, 0, 1});
+  EXPECT_THROW((void)fixed.update(endless, endless, 0), rwd::CapacityError);
+  EXPECT_EQ(fixed.get_seq_length(), 1);
+}
+
+}  // namespace
+}  // namespace rwt
