@@ -50,9 +50,6 @@ void poison(const void* p, std::size_t bytes) noexcept {
 void unpoison(const void* p, std::size_t bytes) noexcept {
   if (p != nullptr && bytes != 0) ASAN_UNPOISON_MEMORY_REGION(p, bytes);
 }
-#else
-void poison(const void*, std::size_t) noexcept {}
-void unpoison(const void*, std::size_t) noexcept {}
 #endif
 
 }  // namespace rwd::detail

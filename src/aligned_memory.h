@@ -37,8 +37,13 @@ using AlignedBytes = std::unique_ptr<std::byte, AlignedFree>;
 AlignedBytes aligned_allocate(std::size_t bytes);
 
 // Debug aid (REWIND_DEBUG_VIEWS under AddressSanitizer): marks memory that
-// no valid view may read. No-ops otherwise.
+// no valid view may read. Inline no-ops otherwise (they sit on the update path).
+#if defined(REWIND_DEBUG_VIEWS)
 void poison(const void* p, std::size_t bytes) noexcept;
 void unpoison(const void* p, std::size_t bytes) noexcept;
+#else
+inline void poison(const void*, std::size_t) noexcept {}
+inline void unpoison(const void*, std::size_t) noexcept {}
+#endif
 
 }  // namespace rwd::detail

@@ -165,14 +165,12 @@ class RecurrentUpdate {
 
  private:
   friend class Layer;
-  RecurrentUpdate(Layer* layer, int state, std::int64_t q, std::uint64_t generation, std::uint64_t version,
-                  std::vector<std::int32_t> fresh);
+  RecurrentUpdate(Layer* layer, int state, std::int64_t q, std::uint64_t generation, std::uint64_t version);
   Layer* layer_ = nullptr;
   int state_ = 0;
   std::int64_t q_ = 0;
   std::uint64_t generation_ = 0;
   std::uint64_t version_ = 0;
-  std::vector<std::int32_t> fresh_;  // physical slots next(t) writes into
 };
 
 class Layer {

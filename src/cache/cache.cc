@@ -17,6 +17,7 @@ struct Cache::Impl {
   std::unique_ptr<detail::MemoryBudget> budget;  // null until a budget is set
   std::vector<Layer> layers;
   Forward* open = nullptr;  // the handle of the open forward
+  std::vector<Layer::Impl::ForwardPlan> forward_plans;  // begin_forward's scratch (capacity reused)
 
   ~Impl() {
     if (open) open->cache_ = nullptr;  // the handle outlives us: make it inert
@@ -35,7 +36,29 @@ struct Cache::Impl {
   // Whole-cache operations need the stateful layers in step: a forward that
   // stopped halfway leaves some layers ahead, and cropping "the last k
   // tokens" would then remove real tokens from the layers behind.
-  void check_whole(const std::string& operation) const {
+  // `operation` names the call in messages; it is built only when one is
+  // thrown (crop and begin_forward run every decode step).
+  template <typename Name>
+  void check_whole(Name&& operation) const {
+    if (!open && in_step()) return;
+    check_whole_slow(std::string(operation()));
+  }
+  void check_whole(const char* operation) const {
+    check_whole([operation] { return std::string(operation); });
+  }
+  bool in_step() const {
+    bool any = false;
+    std::int64_t L = 0;
+    for (const auto& l : layers) {
+      const Layer::Impl& impl = *l.impl_;
+      if (impl.stateless()) continue;
+      if (!impl.in_step() || (any && impl.length() != L)) return false;
+      L = impl.length();
+      any = true;
+    }
+    return true;
+  }
+  void check_whole_slow(const std::string& operation) const {
     if (open) {
       throw StateError(operation + " while a forward of " + std::to_string(open->num_tokens()) +
                        " tokens is open (begin_forward); commit() or abandon() it first");
@@ -91,7 +114,9 @@ struct Cache::Impl {
   }
   // Prepares every layer's recording change (may throw), then commits all.
   void set_recording(bool on, std::int64_t max_tokens) {
-    check_whole(on ? "activate_past_recording(" + std::to_string(max_tokens) + ")" : "deactivate_past_recording");
+    check_whole([&] {
+      return on ? "activate_past_recording(" + std::to_string(max_tokens) + ")" : std::string("deactivate_past_recording");
+    });
     std::vector<Layer::Impl::RecordingPlan> plans;
     plans.reserve(layers.size());
     for (const auto& l : layers) plans.push_back(l.impl_->prepare_recording(on, max_tokens));
@@ -264,13 +289,16 @@ bool Cache::has_previous_state(int layer_idx) const { return layer(layer_idx).ha
 // ---- forwards ------------------------------------------------------------------
 
 Forward Cache::begin_forward(std::int64_t q) {
-  const std::string operation = "begin_forward(" + std::to_string(q) + ")";
-  if (q < 1 || q > detail::kMaxTokens) throw InvalidArgument(operation + " needs a token count in [1, 2^40]");
-  state().check_whole(operation);
-  std::vector<Layer::Impl::ForwardPlan> plans;
-  plans.reserve(state().layers.size());
-  for (const auto& l : state().layers) plans.push_back(l.impl_->plan_forward(q));
-  for (std::size_t i = 0; i < state().layers.size(); ++i) state().layer_impl(i).open_forward(q, std::move(plans[i]));
+  auto operation = [q] { return "begin_forward(" + std::to_string(q) + ")"; };
+  if (q < 1 || q > detail::kMaxTokens) throw InvalidArgument(operation() + " needs a token count in [1, 2^40]");
+  Impl& impl = state();
+  impl.check_whole(operation);
+  // Plans allocate only where a layer lacks room; the decode path (room
+  // left from earlier growth) allocates nothing here.
+  impl.forward_plans.clear();
+  for (const auto& l : impl.layers) impl.forward_plans.push_back(l.impl_->plan_forward(q));
+  for (std::size_t i = 0; i < impl.layers.size(); ++i) impl.layer_impl(i).open_forward(q, std::move(impl.forward_plans[i]));
+  impl.forward_plans.clear();
   Forward handle(&state(), q, get_seq_length());
   state().open = &handle;
   return handle;
@@ -311,7 +339,7 @@ void Forward::abandon() noexcept {
 // ---- whole-cache operations -------------------------------------------------------
 
 void Cache::check_crop(std::int64_t n) const {
-  state().check_whole("crop(" + std::to_string(n) + ")");
+  state().check_whole([n] { return "crop(" + std::to_string(n) + ")"; });
   for (const auto& l : state().layers) l.impl_->check_crop(n);
 }
 

@@ -367,14 +367,30 @@ Layer::Impl::ForwardPlan Layer::Impl::plan_forward(std::int64_t q) const {
     }
   };
   for_tracks([&](const TokenTrack& t) { room(t, t.shape.layout == detail::TrackShape::Layout::Channels ? "conv inputs" : "keys"); });
+  bool allocates = false;
+  for_tracks([&](const TokenTrack& t) { allocates = allocates || t.buffer.plan_allocates(q); });
+  for (const auto& r : recurrents) allocates = allocates || !r.has_room(q);
   budgeted("begin_forward", [&] {
-    for_tracks([&](const TokenTrack& t) { plan.tracks.push_back(t.buffer.plan_append(q)); });
-    for (const auto& r : recurrents) {
-      if (r.has_room(q)) {
-        plan.recurrents.emplace_back();
-      } else {
-        plan.recurrents.emplace_back(r.with_room(q));
+    // The decode path (room left by earlier growth) allocates nothing here.
+    if (allocates) {
+      for_tracks([&](const TokenTrack& t) { plan.tracks.push_back(t.buffer.plan_append(q)); });
+      for (const auto& r : recurrents) {
+        if (r.has_room(q)) {
+          plan.recurrents.emplace_back();
+        } else {
+          plan.recurrents.emplace_back(r.with_room(q));
+        }
       }
+    }
+    // open_forward cannot fail: the record of what to restore gets its room now.
+    std::size_t tracks = 0;
+    for_tracks([&](const TokenTrack&) { ++tracks; });
+    saved.tracks.reserve(tracks);
+    saved.recurrents.resize(recurrents.size());
+    for (std::size_t j = 0; j < recurrents.size(); ++j) {
+      const std::size_t capacity =
+          j < plan.recurrents.size() && plan.recurrents[j] ? plan.recurrents[j]->table.size() : recurrents[j].table.size();
+      saved.recurrents[j].table.reserve(capacity);
     }
   });
   return plan;
@@ -382,19 +398,22 @@ Layer::Impl::ForwardPlan Layer::Impl::plan_forward(std::int64_t q) const {
 
 void Layer::Impl::open_forward(std::int64_t q, ForwardPlan plan) noexcept {
   if (stateless()) return;
-  SavedState saved;
   std::size_t i = 0;
+  saved.tracks.clear();  // within the capacity plan_forward reserved: no allocation
   for_tracks([&](TokenTrack& t) {
-    t.buffer.apply(std::move(plan.tracks[i++]), q);
+    t.buffer.apply(plan.tracks.empty() ? detail::PositionBuffer::Plan{} : std::move(plan.tracks[i++]), q);
     saved.tracks.push_back({t.buffer.first(), t.buffer.end()});
     t.protect();
   });
   for (std::size_t j = 0; j < recurrents.size(); ++j) {
-    if (plan.recurrents[j]) recurrents[j] = std::move(*plan.recurrents[j]);
+    if (!plan.recurrents.empty() && plan.recurrents[j]) recurrents[j] = std::move(*plan.recurrents[j]);
     const auto& r = recurrents[j];
-    saved.recurrents.push_back({r.length, r.held, r.table});
+    auto& record = saved.recurrents[j];
+    record.length = r.length;
+    record.held = r.held;
+    record.table.assign(r.table.begin(), r.table.end());
   }
-  forward = std::move(saved);
+  forward = true;
   forward_start = length();
   forward_end = forward_start + q;
   ++generation;
@@ -409,6 +428,10 @@ void Layer::Impl::check_forward_room(std::int64_t part_length, std::int64_t q, c
 
 void Layer::Impl::check_forward_complete() const {
   if (!forward) return;
+  bool complete = true;
+  for_tracks([&](const TokenTrack& t) { complete = complete && t.length() == forward_end; });
+  for (const auto& r : recurrents) complete = complete && r.length == forward_end;
+  if (complete) return;  // the message below is built only for a refusal
   std::string missing;
   auto check = [&](std::int64_t n, const std::string& part) {
     if (n != forward_end) missing += (missing.empty() ? "" : ", ") + part + " at " + num(n);
@@ -431,16 +454,16 @@ void Layer::Impl::abandon_forward() noexcept {
   if (!forward) return;
   std::size_t i = 0;
   for_tracks([&](TokenTrack& t) {
-    const PositionRange& range = forward->tracks[i++];
+    const PositionRange& range = saved.tracks[i++];
     t.buffer.restore(range.first, range.end);
     t.protect();
   });
   for (std::size_t j = 0; j < recurrents.size(); ++j) {
     auto& r = recurrents[j];
-    const auto& saved = forward->recurrents[j];
-    r.length = saved.length;
-    r.held = saved.held;
-    r.table = saved.table;
+    const auto& record = saved.recurrents[j];
+    r.length = record.length;
+    r.held = record.held;
+    r.table.assign(record.table.begin(), record.table.end());  // same size: no allocation
     ++r.version;
     r.protect();
   }
@@ -804,9 +827,9 @@ RecurrentUpdate Layer::begin_recurrent_update(std::int64_t q, int state) {
     detail::RecurrentState grown = l.budgeted("begin_recurrent_update", [&] { return r.with_room(q); });
     r = std::move(grown);
   }
-  std::vector<std::int32_t> fresh = r.fresh_slots(q);
-  for (std::int32_t s : fresh) detail::unpoison(r.physical(s), r.state_bytes());
-  return RecurrentUpdate(this, state, q, l.generation, r.version, std::move(fresh));
+  l.budgeted("begin_recurrent_update", [&] { r.choose_fresh(q); });
+  for (std::int32_t s : r.fresh) detail::unpoison(r.physical(s), r.state_bytes());
+  return RecurrentUpdate(this, state, q, l.generation, r.version);
 }
 
 void Layer::update_recurrent_state(const TensorView& new_state, int state) {
@@ -929,18 +952,17 @@ LayerMemory Layer::memory() const {
 // ---- RecurrentUpdate ---------------------------------------------------------
 
 RecurrentUpdate::RecurrentUpdate(Layer* layer, int state, std::int64_t q, std::uint64_t generation,
-                                 std::uint64_t version, std::vector<std::int32_t> fresh)
-    : layer_(layer), state_(state), q_(q), generation_(generation), version_(version), fresh_(std::move(fresh)) {}
+                                 std::uint64_t version)
+    : layer_(layer), state_(state), q_(q), generation_(generation), version_(version) {}
 RecurrentUpdate::RecurrentUpdate(RecurrentUpdate&& o) noexcept
     : layer_(std::exchange(o.layer_, nullptr)), state_(o.state_), q_(o.q_), generation_(o.generation_),
-      version_(o.version_), fresh_(std::move(o.fresh_)) {}
+      version_(o.version_) {}
 RecurrentUpdate& RecurrentUpdate::operator=(RecurrentUpdate&& o) noexcept {
   layer_ = std::exchange(o.layer_, nullptr);
   state_ = o.state_;
   q_ = o.q_;
   generation_ = o.generation_;
   version_ = o.version_;
-  fresh_ = std::move(o.fresh_);
   return *this;
 }
 RecurrentUpdate::~RecurrentUpdate() = default;
@@ -969,13 +991,13 @@ TensorView RecurrentUpdate::next(std::int64_t t) const {
   if (t < 1 || t > q_) {
     throw IndexError(layer_->impl_->where() + ": RecurrentUpdate::next(" + num(t) + ") is outside [1, " + num(q_) + "]");
   }
-  const auto Q = static_cast<std::int64_t>(fresh_.size());
-  return r.view_of(r.physical(fresh_[static_cast<std::size_t>((t - 1) % Q)]));
+  const auto Q = static_cast<std::int64_t>(r.fresh.size());
+  return r.view_of(r.physical(r.fresh[static_cast<std::size_t>((t - 1) % Q)]));
 }
 
 void RecurrentUpdate::commit() {
   auto& r = live_state(layer_, layer_ ? layer_->impl_.get() : nullptr, state_, generation_, version_, "commit");
-  r.advance(q_, fresh_);
+  r.advance(q_, r.fresh);
   layer_ = nullptr;
 }
 

@@ -103,12 +103,13 @@ struct Layer::Impl {
   // Throws StateError naming every part not at L + q.
   void check_forward_complete() const;
   void close_forward() noexcept {
-    forward.reset();
+    forward = false;
     forward_start = forward_end = -1;
   }
   // Restores every part to its state at open_forward.
   void abandon_forward() noexcept;
-  std::optional<SavedState> forward;
+  bool forward = false;          // a forward is open
+  mutable SavedState saved;      // what abandon restores (capacity kept between forwards)
   std::int64_t forward_start = -1;  // L at begin_forward while a forward is open
   std::int64_t forward_end = -1;    // L + q while a forward is open
   // Throws StateError when an update of q tokens to a part now at `length`

@@ -208,15 +208,13 @@ PositionBuffer PositionBuffer::gathered(std::span<const std::int64_t> rows, std:
   return out;
 }
 
-void PositionBuffer::protect(std::int64_t visible_first) const noexcept {
 #if defined(REWIND_DEBUG_VIEWS)
+void PositionBuffer::protect(std::int64_t visible_first) const noexcept {
   if (buffer_.size() == 0) return;
   const std::int64_t lo = std::max(std::min(visible_first, first_), base_);
   poison(buffer_.data(), buffer_.size());
   if (end_ > lo) unpoison(row(lo), static_cast<std::size_t>(end_ - lo) * row_bytes_);
-#else
-  (void)visible_first;
-#endif
 }
+#endif
 
 }  // namespace rwd::detail

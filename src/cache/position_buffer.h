@@ -121,6 +121,9 @@ class PositionBuffer {
   // logical state (first, end, contents) is unchanged.
   void apply(Plan plan, std::int64_t q) noexcept;
   void reserve_append(std::int64_t q) { apply(plan_append(q), q); }
+  // True when an append of q tokens needs a new allocation (growth, shrink,
+  // or a debug-mode relocation). REQUIRES can_append(q).
+  bool plan_allocates(std::int64_t q) const { return planned_slots(rows_needed(q), q) != 0; }
   // True when rows [end, end + q) are writable without apply().
   bool has_room(std::int64_t q) const { return end_ + q - base_ <= slots_; }
 
@@ -157,7 +160,11 @@ class PositionBuffer {
   // Debug aid (REWIND_DEBUG_VIEWS under ASan): rows outside
   // [min(visible_first, first), end) are marked unreadable, so a view kept
   // past its validity reads poison instead of replaced data.
+#if defined(REWIND_DEBUG_VIEWS)
   void protect(std::int64_t visible_first) const noexcept;
+#else
+  void protect(std::int64_t) const noexcept {}
+#endif
 
   std::size_t bytes_reserved() const { return buffer_.size(); }
   std::size_t bytes_used() const { return static_cast<std::size_t>(stored()) * row_bytes_; }

@@ -33,7 +33,7 @@ TensorView RecurrentState::view_of(std::byte* data) const {
   }
 }
 
-std::vector<std::int32_t> RecurrentState::fresh_slots(std::int64_t q) const {
+void RecurrentState::choose_fresh(std::int64_t q) {
   // The decode path calls this once per state and forward: no allocation
   // for the marks while the ring is small (capacity <= 2 (R + 1)).
   std::array<bool, 64> small{};
@@ -46,12 +46,10 @@ std::vector<std::int32_t> RecurrentState::fresh_slots(std::int64_t q) const {
     return capacity > 64 ? static_cast<bool>(large[static_cast<std::size_t>(s)]) : small[static_cast<std::size_t>(s)];
   };
   for (std::int64_t pos = oldest(); pos <= length; ++pos) mark(table[static_cast<std::size_t>(pos % capacity)]);
-  std::vector<std::int32_t> fresh;
+  fresh.clear();
   const std::int64_t want = fresh_count(q);
-  fresh.reserve(static_cast<std::size_t>(want));
   for (std::int64_t s = 0; s < capacity && static_cast<std::int64_t>(fresh.size()) < want; ++s)
     if (!marked(s)) fresh.push_back(static_cast<std::int32_t>(s));
-  return fresh;
 }
 
 RecurrentState RecurrentState::with_room(std::int64_t q) const {
@@ -69,10 +67,10 @@ RecurrentState RecurrentState::with_room(std::int64_t q) const {
   return out;
 }
 
-void RecurrentState::advance(std::int64_t q, std::span<const std::int32_t> fresh) {
-  const auto Q = static_cast<std::int64_t>(fresh.size());
+void RecurrentState::advance(std::int64_t q, std::span<const std::int32_t> written) {
+  const auto Q = static_cast<std::int64_t>(written.size());
   for (std::int64_t t = std::max<std::int64_t>(1, q - Q + 1); t <= q; ++t) {
-    table[static_cast<std::size_t>((length + t) % capacity)] = fresh[static_cast<std::size_t>((t - 1) % Q)];
+    table[static_cast<std::size_t>((length + t) % capacity)] = written[static_cast<std::size_t>((t - 1) % Q)];
   }
   length += q;
   held = std::min(held + q, history);
@@ -129,11 +127,11 @@ RecurrentState RecurrentState::gathered(std::span<const std::int64_t> rows) cons
   return out;
 }
 
-void RecurrentState::protect() const noexcept {
 #if defined(REWIND_DEBUG_VIEWS)
+void RecurrentState::protect() const noexcept {
   poison(ring.data(), ring.size());
   for (std::int64_t pos = oldest(); pos <= length; ++pos) unpoison(slot(pos), state_bytes());
-#endif
 }
+#endif
 
 }  // namespace rwd::detail

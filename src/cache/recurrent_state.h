@@ -55,13 +55,15 @@ struct RecurrentState {
   // Fresh slots an update of q tokens writes into.
   std::int64_t fresh_count(std::int64_t q) const { return std::min(std::max<std::int64_t>(q, 1), history); }
   bool has_room(std::int64_t q) const { return capacity - held >= fresh_count(q); }
-  // Physical slots not holding a snapshot, the first fresh_count(q) of them.
-  // REQUIRES has_room(q).
-  std::vector<std::int32_t> fresh_slots(std::int64_t q) const;
+  // Chooses into `fresh` the physical slots an update of q tokens writes:
+  // the first fresh_count(q) slots holding no snapshot. REQUIRES has_room(q).
+  // Handles of one version see the same choice (the state is unchanged).
+  void choose_fresh(std::int64_t q);
+  std::vector<std::int32_t> fresh;  // capacity kept between updates
   // A copy with room for an update of q tokens (same snapshots). Throws.
   RecurrentState with_room(std::int64_t q) const;
-  // Makes S(L+1)..S(L+q), written into `fresh` (fresh_slots(q)), the state.
-  void advance(std::int64_t q, std::span<const std::int32_t> fresh);
+  // Makes S(L+1)..S(L+q), written into `written` (choose_fresh(q)), the state.
+  void advance(std::int64_t q, std::span<const std::int32_t> written);
 
   // REQUIRES k < length and the snapshot S(length - k) held, or k >= length.
   void rollback(std::int64_t k);
@@ -72,7 +74,11 @@ struct RecurrentState {
   RecurrentState resized(std::int64_t history_slots) const;
   RecurrentState gathered(std::span<const std::int64_t> rows) const;
   // Debug aid: marks every slot that holds no snapshot unreadable.
+#if defined(REWIND_DEBUG_VIEWS)
   void protect() const noexcept;
+#else
+  void protect() const noexcept {}
+#endif
   std::size_t bytes_reserved() const { return ring.size(); }
   std::size_t bytes_used() const { return static_cast<std::size_t>(held) * state_bytes(); }
 };
