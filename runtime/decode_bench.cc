@@ -5,6 +5,7 @@
 #include <nlohmann/json.hpp>
 
 #include "rewind/error.h"
+#include "runtime/generate.h"
 
 namespace rwd::runtime {
 
@@ -29,7 +30,7 @@ std::vector<DecodeBenchRow> run_decode_bench(const Model& target, const Model* d
                                              const std::function<void(const std::string&)>& progress) {
   if (options.ks.empty()) throw InvalidArgument("bench needs at least one K");
   for (std::int64_t k : options.ks)
-    if (k < 1 || k > 64) throw InvalidArgument("bench: K must be in [1, 64], got " + std::to_string(k));
+    check_num_draft(k, "bench: K");
   if (options.repeats < 1) throw InvalidArgument("bench: repeats must be >= 1");
   if (options.max_new_tokens < 1) throw InvalidArgument("bench: max_new_tokens must be >= 1");
   const std::vector<std::string>& prompts = options.prompts.empty() ? default_bench_prompts() : options.prompts;

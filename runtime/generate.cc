@@ -13,6 +13,13 @@
 #include "runtime/kernels.h"
 
 namespace rwd::runtime {
+
+void check_num_draft(std::int64_t k, const char* what) {
+  if (k < 1 || k > kMaxDraft) {
+    throw InvalidArgument(std::string(what) + " must be in [1, " + std::to_string(kMaxDraft) + "], got " +
+                          std::to_string(k));
+  }
+}
 namespace {
 
 using Clock = std::chrono::steady_clock;
@@ -250,9 +257,7 @@ std::vector<std::int32_t> speculative_generate(const Model& target, DraftSource&
                                                GenerationStats* stats) {
   validate(options.sampling);
   check_prompt(prompt);
-  if (spec.num_draft < 1 || spec.num_draft > 64) {
-    throw InvalidArgument("num_draft (K) must be in [1, 64], got " + std::to_string(spec.num_draft));
-  }
+  check_num_draft(spec.num_draft, "num_draft (K)");
   const auto t0 = Clock::now();
   GenerationStats local = start_stats(prompt, options.sampling);
   std::mt19937_64 rng(options.sampling.seed);

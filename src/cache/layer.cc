@@ -291,9 +291,9 @@ void Layer::Impl::apply_crop(std::int64_t n) noexcept {
   if (n > 0) {
     remove = std::max<std::int64_t>(0, L - n);
   } else if (n == 0) {
-    for_tracks([](TokenTrack& t) {
+    for_tracks([this](TokenTrack& t) {
       t.buffer.evict_before(t.rule.keep_first(t.length(), 0));
-      t.buffer.shrink_if_oversized();
+      t.buffer.shrink_if_oversized(t.rule.refill_rows(history));
     });
     for (auto& r : recurrents) r.drop_history();
   } else {

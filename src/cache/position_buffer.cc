@@ -163,9 +163,9 @@ void PositionBuffer::clear(std::int64_t zero_rows) noexcept {
   if (zero_rows > 0) std::memset(buffer_.data(), 0, static_cast<std::size_t>(zero_rows) * row_bytes_);
 }
 
-void PositionBuffer::shrink_if_oversized() noexcept {
+void PositionBuffer::shrink_if_oversized(std::int64_t refill_rows) noexcept {
   if (static_) return;
-  const std::int64_t floor = std::max(stored(), std::int64_t{16});
+  const std::int64_t floor = std::max({stored(), refill_rows, std::int64_t{16}});
   if (slots_ <= 4 * floor) return;
   try {
     AlignedBuffer smaller(static_cast<std::size_t>(2 * floor) * row_bytes_, buffer_.budget());

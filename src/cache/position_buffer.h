@@ -146,10 +146,13 @@ class PositionBuffer {
   // [origin, origin + zero_rows) are zero-filled and retained. Keeps the
   // allocation unless it holds more than four times what is retained.
   void clear(std::int64_t zero_rows) noexcept;
-  // Best effort: when a dynamic buffer reserves more than four times what
-  // it retains, moves the rows into an allocation of twice that. An
+  // Best effort: when a dynamic buffer reserves more than four times
+  // max(what it retains, `refill_rows`), moves the rows into an allocation
+  // of twice that. `refill_rows` is what the part will hold again after its
+  // next updates (its retention bound with recording R), so a crop(0)
+  // between updates does not shrink a buffer the next update regrows. An
   // allocation failure keeps the old one (nothing is lost).
-  void shrink_if_oversized() noexcept;
+  void shrink_if_oversized(std::int64_t refill_rows) noexcept;
   // Best effort: reallocates a dynamic buffer to exactly what it retains.
   void shrink_to_fit() noexcept;
 

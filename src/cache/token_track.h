@@ -25,6 +25,12 @@ struct RetentionRule {
   std::int64_t keep_first(std::int64_t end, std::int64_t R) const;
   // Largest exact rollback given what `buffer` retains (L means any depth).
   std::int64_t max_rollback(const PositionBuffer& buffer) const;
+  // Rows a part holds again once recording R refills it, plus one update
+  // token: W-1+R+1 (sliding), C-1+R+1 (chunked), K+R+1 (conv); 0 for full
+  // attention, whose history only grows.
+  std::int64_t refill_rows(std::int64_t R) const {
+    return kind == Kind::Full ? 0 : kind == Kind::Conv ? size + R + 1 : size + R;
+  }
   // Position of an empty part: 0, or -K for conv inputs (zero padding rows).
   std::int64_t origin() const { return kind == Kind::Conv ? -size : 0; }
   // Zero rows an empty part holds (the conv padding).

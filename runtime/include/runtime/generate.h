@@ -172,6 +172,11 @@ class RandomDraft : public DraftSource {
   std::mt19937_64 rng_;
 };
 
+// Draft lengths K the runtime accepts: [1, kMaxDraft].
+inline constexpr std::int64_t kMaxDraft = 64;
+// Throws InvalidArgument naming `what` unless 1 <= k <= kMaxDraft.
+void check_num_draft(std::int64_t k, const char* what);
+
 struct SpeculativeOptions {
   std::int64_t num_draft = 4;  // K (the maximum when adaptive)
   // Adapt K from the acceptance (transformers' heuristic): +2 after a round
@@ -179,8 +184,8 @@ struct SpeculativeOptions {
   bool adaptive = false;
 };
 
-// Speculative decoding. REQUIRES: prompt non-empty, num_draft in [1, 64].
-// Throws InvalidArgument for a bad num_draft. Same result contract as
+// Speculative decoding. Throws InvalidArgument for an empty prompt or a
+// num_draft outside [1, kMaxDraft]. Same result contract as
 // generate() (identical tokens in greedy mode).
 std::vector<std::int32_t> speculative_generate(const Model& target, DraftSource& draft,
                                                std::span<const std::int32_t> prompt,
