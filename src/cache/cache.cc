@@ -296,7 +296,12 @@ Forward Cache::begin_forward(std::int64_t q) {
   // Plans allocate only where a layer lacks room; the decode path (room
   // left from earlier growth) allocates nothing here.
   impl.forward_plans.clear();
-  for (const auto& l : impl.layers) impl.forward_plans.push_back(l.impl_->plan_forward(q));
+  try {
+    for (const auto& l : impl.layers) impl.forward_plans.push_back(l.impl_->plan_forward(q));
+  } catch (...) {
+    impl.forward_plans.clear();  // the layers planned so far give their room (and budget) back
+    throw;
+  }
   for (std::size_t i = 0; i < impl.layers.size(); ++i) impl.layer_impl(i).open_forward(q, std::move(impl.forward_plans[i]));
   impl.forward_plans.clear();
   Forward handle(&state(), q, get_seq_length());

@@ -633,3 +633,22 @@ TEST(SizeOverflow, FuzzerFindingsRefuseCleanly) {
 
 }  // namespace
 }  // namespace rwt
+
+namespace rwt {
+namespace {
+
+// Found by fuzz_cache_ops: a begin_forward refused at a later layer kept the
+// room it had planned for the earlier ones, counted against the budget.
+TEST(MidForwardFailure, RefusedBeginForwardGivesBackWhatItPlanned) {
+  ThreeFull t;
+  t.forward(10);
+  const std::size_t reserved = t.cache.memory().bytes_reserved;
+  t.cache.set_memory_budget(one_growth_budget());
+  EXPECT_THROW((void)t.cache.begin_forward(40), rwd::CapacityError);
+  EXPECT_EQ(t.cache.memory().bytes_reserved, reserved);
+  // The budget counts only what the buffers hold: it can be set to exactly that.
+  EXPECT_NO_THROW(t.cache.set_memory_budget(reserved));
+}
+
+}  // namespace
+}  // namespace rwt
