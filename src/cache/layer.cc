@@ -536,13 +536,6 @@ void Layer::Impl::shrink_to_fit() noexcept {
   });
 }
 
-bool Layer::Impl::overlaps_storage(std::uintptr_t lo, std::uintptr_t hi) const {
-  bool hit = false;
-  for_tracks([&](const TokenTrack& t) { hit = hit || t.buffer.allocation().overlaps(lo, hi); });
-  for (const auto& r : recurrents) hit = hit || r.ring.overlaps(lo, hi);
-  return hit;
-}
-
 std::vector<std::int64_t> repeat_rows(std::int64_t batch, std::int64_t repeats) {
   const std::size_t n = checked_bytes({batch, repeats}, 1, "batch_repeat_interleave(" + num(repeats) + ")");
   if (n > static_cast<std::size_t>(detail::kMaxBatch)) {
@@ -682,16 +675,21 @@ Span byte_span(const TensorView& v) {
   return {base - static_cast<std::uintptr_t>(-lo), base + static_cast<std::uintptr_t>(hi)};
 }
 
-// An input that aliases this layer's storage (a view the layer returned,
-// passed back in) is copied first: growth may free, and compaction or the
-// append itself may overwrite, the memory it points to.
+// An input that aliases a buffer this call writes or moves (a view the
+// layer returned, passed back in) is copied first: growth may free, and
+// compaction or the append itself may overwrite, the memory it points to.
+// Other parts of the layer are not touched by the call, so a view of them
+// needs no copy.
 struct StagedInput {
   Tensor copy;
   TensorView view;
 };
-StagedInput stage(const Layer::Impl& l, const TensorView& input, const char* operation) {
+StagedInput stage(const Layer::Impl& l, const TensorView& input, const char* operation,
+                  std::initializer_list<const detail::PositionBuffer*> written) {
   const Span span = byte_span(input);
-  if (!l.overlaps_storage(span.lo, span.hi)) return {Tensor(), input};
+  bool aliases = false;
+  for (const detail::PositionBuffer* b : written) aliases = aliases || b->allocation().overlaps(span.lo, span.hi);
+  if (!aliases) return {Tensor(), input};
   StagedInput staged;
   l.budgeted(operation, [&] { staged.copy = Tensor(input.dtype, input.shape.data(), input.rank); });
   copy_tensor(input, staged.copy.view());
@@ -748,8 +746,8 @@ KeyValueView Layer::update(const TensorView& keys, const TensorView& values) {
     return l.forward ? std::make_pair(Plan{}, Plan{})
                      : std::make_pair(l.keys.buffer.plan_append(q), l.values.buffer.plan_append(q));
   });
-  const StagedInput k = stage(l, keys, "update");
-  const StagedInput v = stage(l, values, "update");
+  const StagedInput k = stage(l, keys, "update", {&l.keys.buffer, &l.values.buffer});
+  const StagedInput v = stage(l, values, "update", {&l.keys.buffer, &l.values.buffer});
   l.keys.buffer.apply(std::move(plans.first), q);
   l.values.buffer.apply(std::move(plans.second), q);
   return {l.keys.append(k.view, q, l.history), l.values.append(v.view, q, l.history)};
@@ -765,7 +763,7 @@ TensorView append_one(Layer::Impl& l, TokenTrack& track, const TensorView& input
   auto plan = l.budgeted(operation, [&] {
     return l.forward ? detail::PositionBuffer::Plan{} : track.buffer.plan_append(q);  // see Layer::update
   });
-  const StagedInput staged = stage(l, input, operation);
+  const StagedInput staged = stage(l, input, operation, {&track.buffer});
   track.buffer.apply(std::move(plan), q);
   return track.append(staged.view, q, l.history);
 }
@@ -841,8 +839,9 @@ void Layer::update_recurrent_state(const TensorView& new_state, int state) {
                           expected.describe());
   }
   RecurrentUpdate u = begin_recurrent_update(1, state);
-  // next(1) never aliases a held snapshot, so new_state may be a view of
-  // this layer's own S(L): copying it reads what is still there.
+  // next(1) never aliases a held snapshot, and a one-token update never
+  // grows the slots (there is always one free), so new_state may be a view
+  // of this layer's own S(L) or snapshots: copying it reads what is there.
   copy_tensor(new_state, u.next(1));
   u.commit();
 }

@@ -125,8 +125,6 @@ struct Layer::Impl {
   void attach_budget(detail::MemoryBudget* b) noexcept;
   // Best effort: dynamic buffers shrunk to what they retain.
   void shrink_to_fit() noexcept;
-  // True when addresses [lo, hi) intersect any buffer of this layer.
-  bool overlaps_storage(std::uintptr_t lo, std::uintptr_t hi) const;
 
   // Runs fn(); a budget refusal inside gets this layer's name in front.
   template <typename Fn>
