@@ -15,6 +15,10 @@ namespace rwd::detail {
 inline constexpr std::uint64_t kMaxBufferBytes = std::uint64_t{1} << 48;
 // No sequence may exceed this many tokens; positions stay far from overflow.
 inline constexpr std::int64_t kMaxTokens = std::int64_t{1} << 40;
+// True when a sequence at `length` cannot take q more tokens.
+inline bool passes_token_limit(std::int64_t length, std::int64_t q) {
+  return q > kMaxTokens || length > kMaxTokens - q;
+}
 // A window or chunk longer than any sequence acts like a window of this
 // size (it never evicts), so W - 1 + R cannot overflow.
 inline constexpr std::int64_t kMaxWindow = kMaxTokens + 1;

@@ -58,22 +58,12 @@ struct Cache::Impl {
     }
     return true;
   }
-  void check_whole_slow(const std::string& operation) const {
+  // Called when a forward is open or the layers are out of step.
+  [[noreturn]] void check_whole_slow(const std::string& operation) const {
     if (open) {
       throw StateError(operation + " while a forward of " + std::to_string(open->num_tokens()) +
                        " tokens is open (begin_forward); commit() or abandon() it first");
     }
-    bool any = false, same = true;
-    std::int64_t L = 0;
-    for (const auto& l : layers) {
-      const Layer::Impl& impl = *l.impl_;
-      if (impl.stateless()) continue;
-      const std::int64_t n = impl.length();
-      same = same && (!any || n == L) && impl.in_step();
-      L = any ? L : n;
-      any = true;
-    }
-    if (same) return;
     std::string lengths;
     for (std::size_t i = 0; i < layers.size(); ++i) {
       const Layer::Impl& impl = *layers[i].impl_;
@@ -293,6 +283,10 @@ Forward Cache::begin_forward(std::int64_t q) {
   if (q < 1 || q > detail::kMaxTokens) throw InvalidArgument(operation() + " needs a token count in [1, 2^40]");
   Impl& impl = state();
   impl.check_whole(operation);
+  if (detail::passes_token_limit(get_seq_length(), q)) {
+    throw CapacityError(operation() + " at length " + std::to_string(get_seq_length()) +
+                        " passes the limit of 2^40 tokens per sequence; nothing was changed");
+  }
   // Plans allocate only where a layer lacks room; the decode path (room
   // left from earlier growth) allocates nothing here.
   impl.forward_plans.clear();

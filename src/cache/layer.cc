@@ -248,9 +248,7 @@ std::int64_t Layer::Impl::max_rollback() const {
 
 void Layer::Impl::check_crop(std::int64_t n) const {
   if (stateless()) return;
-  if (forward) {
-    throw StateError(where() + ": crop(" + num(n) + ") during an open forward; commit() or abandon() it first");
-  }
+  if (forward) refuse_during_forward("crop(" + num(n) + ")");
   check_in_step("crop");
   const std::int64_t L = length();
   auto context = [&]() {
@@ -321,7 +319,7 @@ Layer::Impl::RecordingPlan Layer::Impl::prepare_recording(bool on, std::int64_t 
                           ") needs a number of tokens to keep in [0, 2^40]");
   }
   if (stateless()) return plan;
-  if (forward) throw StateError(where() + ": " + operation + " during an open forward; commit() or abandon() it first");
+  if (forward) refuse_during_forward(operation);
   check_in_step(operation);
   const std::int64_t history_tokens = on ? R : 0;
   if (attention && keys.buffer.is_static() && keys.rule.kind != RetentionRule::Kind::Full) {
@@ -419,6 +417,10 @@ void Layer::Impl::open_forward(std::int64_t q, ForwardPlan plan) noexcept {
   ++generation;
 }
 
+void Layer::Impl::refuse_during_forward(const std::string& operation) const {
+  throw StateError(where() + ": " + operation + " during an open forward; commit() or abandon() it first");
+}
+
 void Layer::Impl::check_forward_room(std::int64_t part_length, std::int64_t q, const std::string& part) const {
   if (!forward || q <= forward_end - part_length) return;
   throw StateError(where() + ": an update of " + num(q) + " tokens to " + part + " at length " + num(part_length) +
@@ -479,7 +481,7 @@ void Layer::Impl::check_batch_rows(std::span<const std::int64_t> rows, const cha
     throw CapacityError(where() + ": " + operation + " asks for " + std::to_string(rows.size()) +
                         " batch rows; at most 2^24 are allowed");
   }
-  if (forward) throw StateError(where() + ": " + operation + " during an open forward; commit() or abandon() it first");
+  if (forward) refuse_during_forward(operation);
   for (std::size_t i = 0; i < rows.size(); ++i) {
     if (rows[i] < 0 || rows[i] >= batch) {
       throw IndexError(where() + ": " + operation + " index " + num(rows[i]) + " (entry " +
@@ -513,7 +515,7 @@ std::unique_ptr<Layer::Impl> Layer::Impl::gathered(std::span<const std::int64_t>
 }
 
 std::unique_ptr<Layer::Impl> Layer::Impl::fresh() const {
-  if (forward) throw StateError(where() + ": reset during an open forward; commit() or abandon() it first");
+  if (forward) refuse_during_forward("reset");
   return budgeted("reset", [&] {
     auto out = std::make_unique<Impl>(kind, options, index, budget);
     out->commit_recording(recording, history, out->prepare_recording(recording, history));
@@ -622,7 +624,7 @@ std::int64_t check_tokens(const Layer::Impl& l, const TokenTrack& track, const T
   if (input.size(0) != s.batch) fail("has batch size " + num(input.size(0)));
   const std::int64_t q = input.size(s.token_dim());
   if (q < 1) fail("has no tokens");
-  if (q > detail::kMaxTokens || track.length() > detail::kMaxTokens - q) {
+  if (detail::passes_token_limit(track.length(), q)) {
     throw CapacityError(l.where() + ": " + what + " " + input.describe() + ": an append of " + num(q) +
                         " tokens at length " + num(track.length()) + " passes the limit of 2^40 tokens per sequence");
   }
@@ -811,7 +813,7 @@ RecurrentUpdate Layer::begin_recurrent_update(std::int64_t q, int state) {
   if (q < 1) {
     throw InvalidArgument(l.where() + ": begin_recurrent_update(" + num(q) + ") needs at least one token");
   }
-  if (q > detail::kMaxTokens || r.length > detail::kMaxTokens - q) {
+  if (detail::passes_token_limit(r.length, q)) {
     throw CapacityError(l.where() + ": begin_recurrent_update(" + num(q) + ") at length " + num(r.length) +
                         " passes the limit of 2^40 tokens per sequence");
   }

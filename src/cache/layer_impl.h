@@ -112,6 +112,8 @@ struct Layer::Impl {
   mutable SavedState saved;      // what abandon restores (capacity kept between forwards)
   std::int64_t forward_start = -1;  // L at begin_forward while a forward is open
   std::int64_t forward_end = -1;    // L + q while a forward is open
+  // Throws StateError: `operation` is not allowed while a forward is open.
+  [[noreturn]] void refuse_during_forward(const std::string& operation) const;
   // Throws StateError when an update of q tokens to a part now at `length`
   // would pass the open forward's L + q.
   void check_forward_room(std::int64_t part_length, std::int64_t q, const std::string& part) const;

@@ -86,22 +86,30 @@ std::int64_t PositionBuffer::planned_slots(std::int64_t needed, std::int64_t q) 
     if (has_room(q)) return 0;
     return kRelocateToNewAllocation ? slots_ : 0;
   }
-  const std::int64_t floor = std::max(needed, std::int64_t{16});
-  const bool oversized = slots_ > 4 * floor;
-  if (oversized) return 2 * floor;
+  if (const std::int64_t smaller = shrunk_slots(needed)) return smaller;
   if (has_room(q)) return 0;
   // Compacting costs amortised O(1) per token when the free room exceeds
   // what is copied, i.e. when the allocation is at least twice the need.
   if (2 * needed <= slots_) return kRelocateToNewAllocation ? slots_ : 0;
-  return std::max(slots_ * 2, 2 * floor);
+  return std::max(slots_ * 2, 2 * std::max(needed, std::int64_t{16}));
+}
+
+std::int64_t PositionBuffer::shrunk_slots(std::int64_t need) const {
+  if (static_) return 0;
+  const std::int64_t floor = std::max(need, std::int64_t{16});
+  return slots_ > 4 * floor ? 2 * floor : 0;
+}
+
+void PositionBuffer::try_move_into(std::int64_t slots) noexcept {
+  try {
+    move_into(AlignedBuffer(static_cast<std::size_t>(slots) * row_bytes_, buffer_.budget()), slots);
+  } catch (const Error&) {
+    // the budget or the system refused the smaller copy: keep the larger allocation, nothing is lost
+  }
 }
 
 PositionBuffer::Plan PositionBuffer::plan_append(std::int64_t q) const {
   Plan plan;
-  if (q > kMaxTokens || end_ > kMaxTokens - q) {
-    throw CapacityError("an append of " + std::to_string(q) + " tokens at length " + std::to_string(end_) +
-                        " passes the limit of 2^40 tokens per sequence");
-  }
   const std::int64_t needed = rows_needed(q);
   // Every size below is checked before anything is allocated: a wrapped
   // product would allocate too little and the copy would overflow it.
@@ -147,43 +155,19 @@ void PositionBuffer::clear(std::int64_t zero_rows) noexcept {
   // zero_rows (the conv padding, K rows) was allocated with the buffer:
   // a dynamic buffer starts with max(16, K) rows and never goes below.
   unpoison(buffer_.data(), buffer_.size());
-  base_ = first_ = origin_;
-  end_ = origin_;
-  if (!static_ && slots_ > 4 * std::max(zero_rows, std::int64_t{16})) {
-    try {
-      const std::int64_t slots = 2 * std::max(zero_rows, std::int64_t{16});
-      AlignedBuffer smaller(static_cast<std::size_t>(slots) * row_bytes_, buffer_.budget());
-      buffer_ = std::move(smaller);
-      slots_ = slots;
-    } catch (const Error&) {
-      // keep the larger allocation: nothing is lost
-    }
-  }
+  base_ = first_ = end_ = origin_;
+  if (const std::int64_t smaller = shrunk_slots(zero_rows)) try_move_into(smaller);  // moves no rows: empty
   end_ = origin_ + zero_rows;
   if (zero_rows > 0) std::memset(buffer_.data(), 0, static_cast<std::size_t>(zero_rows) * row_bytes_);
 }
 
 void PositionBuffer::shrink_if_oversized(std::int64_t refill_rows) noexcept {
-  if (static_) return;
-  const std::int64_t floor = std::max({stored(), refill_rows, std::int64_t{16}});
-  if (slots_ <= 4 * floor) return;
-  try {
-    AlignedBuffer smaller(static_cast<std::size_t>(2 * floor) * row_bytes_, buffer_.budget());
-    move_into(std::move(smaller), 2 * floor);
-  } catch (const Error&) {
-    // keep the larger allocation: nothing is lost
-  }
+  if (const std::int64_t smaller = shrunk_slots(std::max(stored(), refill_rows))) try_move_into(smaller);
 }
 
 void PositionBuffer::shrink_to_fit() noexcept {
-  if (static_) return;
   const std::int64_t fit = std::max(stored(), std::int64_t{1});
-  if (slots_ == fit) return;
-  try {
-    AlignedBuffer exact(static_cast<std::size_t>(fit) * row_bytes_, buffer_.budget());
-    move_into(std::move(exact), fit);
-  } catch (const Error&) {
-  }
+  if (!static_ && slots_ != fit) try_move_into(fit);
 }
 
 PositionBuffer PositionBuffer::gathered(std::span<const std::int64_t> rows, std::size_t entry_bytes) const {

@@ -113,14 +113,14 @@ class PositionBuffer {
     AlignedBuffer grown;
     std::int64_t slots = 0;  // rows of `grown`; 0: keep the allocation
   };
-  // REQUIRES can_append(q), q >= 0. Throws CapacityError (sizes past 2^48
+  // REQUIRES can_append(q), 0 <= q and end + q within 2^40 tokens (the
+  // layer checks the token limit). Throws CapacityError (sizes past 2^48
   // bytes, or the system refuses) or BudgetExceeded; changes nothing.
   Plan plan_append(std::int64_t q) const;
   // Makes rows [end, end + q) writable, moving the retained rows into the
   // planned allocation or to the front of the current one. Cannot fail; the
   // logical state (first, end, contents) is unchanged.
   void apply(Plan plan, std::int64_t q) noexcept;
-  void reserve_append(std::int64_t q) { apply(plan_append(q), q); }
   // True when an append of q tokens needs a new allocation (growth, shrink,
   // or a debug-mode relocation). REQUIRES can_append(q).
   bool plan_allocates(std::int64_t q) const { return planned_slots(rows_needed(q), q) != 0; }
@@ -175,6 +175,12 @@ class PositionBuffer {
  private:
   // Rows of a new allocation for `needed` rows, or 0 to keep the current one.
   std::int64_t planned_slots(std::int64_t needed, std::int64_t q) const;
+  // The one shrink rule: a dynamic buffer holding more than 4 max(need, 16)
+  // rows moves into 2 max(need, 16). The new row count, or 0 to keep.
+  std::int64_t shrunk_slots(std::int64_t need) const;
+  // Best effort: moves the retained rows into a new allocation of `slots`
+  // rows; a refused allocation keeps the current one.
+  void try_move_into(std::int64_t slots) noexcept;
   void move_into(AlignedBuffer grown, std::int64_t slots) noexcept;
   AlignedBuffer buffer_;
   std::size_t row_bytes_ = 0;

@@ -34,36 +34,43 @@ TensorView RecurrentState::view_of(std::byte* data) const {
 }
 
 void RecurrentState::choose_fresh(std::int64_t q) {
-  // The decode path calls this once per state and forward: no allocation
-  // for the marks while the ring is small (capacity <= 2 (R + 1)).
-  std::array<bool, 64> small{};
-  std::vector<bool> large;
-  if (capacity > 64) large.assign(static_cast<std::size_t>(capacity), false);
-  auto mark = [&](std::int64_t s) {
-    if (capacity > 64) large[static_cast<std::size_t>(s)] = true; else small[static_cast<std::size_t>(s)] = true;
-  };
-  auto marked = [&](std::int64_t s) {
-    return capacity > 64 ? static_cast<bool>(large[static_cast<std::size_t>(s)]) : small[static_cast<std::size_t>(s)];
-  };
-  for (std::int64_t pos = oldest(); pos <= length; ++pos) mark(table[static_cast<std::size_t>(pos % capacity)]);
+  // The decode path calls this once per state and forward: the marks live
+  // on the stack while the ring is small (capacity <= 2 (R + 1)).
+  std::array<unsigned char, 64> small{};
+  std::vector<unsigned char> large;
+  unsigned char* held_slot = small.data();
+  if (capacity > 64) {
+    large.assign(static_cast<std::size_t>(capacity), 0);
+    held_slot = large.data();
+  }
+  for (std::int64_t pos = oldest(); pos <= length; ++pos) held_slot[table[static_cast<std::size_t>(pos % capacity)]] = 1;
   fresh.clear();
   const std::int64_t want = fresh_count(q);
   for (std::int64_t s = 0; s < capacity && static_cast<std::int64_t>(fresh.size()) < want; ++s)
-    if (!marked(s)) fresh.push_back(static_cast<std::int32_t>(s));
+    if (!held_slot[s]) fresh.push_back(static_cast<std::int32_t>(s));
+}
+
+template <typename CopyState>
+RecurrentState RecurrentState::copied(std::int64_t rows, std::int64_t history_slots, std::int64_t num_slots,
+                                      std::int64_t keep, CopyState&& copy_state) const {
+  RecurrentState out(shape, dtype, rows, history_slots, num_slots, ring.budget());
+  unpoison(out.ring.data(), out.ring.size());
+  out.length = length;
+  out.held = keep;
+  // The kept snapshots keep their positions; physical slots are renumbered densely.
+  for (std::int64_t pos = out.oldest(), s = 0; pos <= length; ++pos, ++s) {
+    out.table[static_cast<std::size_t>(pos % out.capacity)] = static_cast<std::int32_t>(s);
+  }
+  for (std::int64_t pos = out.oldest(); pos <= length; ++pos) copy_state(out.slot(pos), slot(pos));
+  out.protect();
+  return out;
 }
 
 RecurrentState RecurrentState::with_room(std::int64_t q) const {
-  RecurrentState out(shape, dtype, batch, history, history + fresh_count(q), ring.budget());
-  unpoison(out.ring.data(), out.ring.size());
-  out.length = length;
-  out.held = held;
+  RecurrentState out = copied(batch, history, history + fresh_count(q), held, [&](std::byte* dst, const std::byte* src) {
+    std::memcpy(dst, src, state_bytes());
+  });
   out.version = version + 1;  // handles that named the old slots are stale
-  // Snapshots keep their positions; physical slots are renumbered densely.
-  for (std::int64_t pos = oldest(), s = 0; pos <= length; ++pos, ++s) {
-    out.table[static_cast<std::size_t>(pos % out.capacity)] = static_cast<std::int32_t>(s);
-  }
-  for (std::int64_t pos = oldest(); pos <= length; ++pos) std::memcpy(out.slot(pos), slot(pos), state_bytes());
-  out.protect();
   return out;
 }
 
@@ -97,34 +104,18 @@ void RecurrentState::clear() {
 }
 
 RecurrentState RecurrentState::resized(std::int64_t history_slots) const {
-  RecurrentState out(shape, dtype, batch, history_slots, history_slots + 1, ring.budget());
-  unpoison(out.ring.data(), out.ring.size());
-  out.length = length;
-  out.held = std::min(held, history_slots);
-  for (std::int64_t pos = out.oldest(), s = 0; pos <= length; ++pos, ++s) {
-    out.table[static_cast<std::size_t>(pos % out.capacity)] = static_cast<std::int32_t>(s);
-  }
-  for (std::int64_t pos = out.oldest(); pos <= length; ++pos) std::memcpy(out.slot(pos), slot(pos), state_bytes());
-  out.protect();
-  return out;
+  return copied(batch, history_slots, history_slots + 1, std::min(held, history_slots),
+                [&](std::byte* dst, const std::byte* src) { std::memcpy(dst, src, state_bytes()); });
 }
 
 RecurrentState RecurrentState::gathered(std::span<const std::int64_t> rows) const {
-  RecurrentState out(shape, dtype, static_cast<std::int64_t>(rows.size()), history, history + 1, ring.budget());
-  unpoison(out.ring.data(), out.ring.size());
-  out.length = length;
-  out.held = held;
-  for (std::int64_t pos = oldest(), s = 0; pos <= length; ++pos, ++s) {
-    out.table[static_cast<std::size_t>(pos % out.capacity)] = static_cast<std::int32_t>(s);
-  }
   const std::size_t entry = entry_bytes();
-  for (std::int64_t pos = oldest(); pos <= length; ++pos) {
-    for (std::size_t i = 0; i < rows.size(); ++i) {
-      std::memcpy(out.slot(pos) + i * entry, slot(pos) + static_cast<std::size_t>(rows[i]) * entry, entry);
-    }
-  }
-  out.protect();
-  return out;
+  return copied(static_cast<std::int64_t>(rows.size()), history, history + 1, held,
+                [&](std::byte* dst, const std::byte* src) {
+                  for (std::size_t i = 0; i < rows.size(); ++i) {
+                    std::memcpy(dst + i * entry, src + static_cast<std::size_t>(rows[i]) * entry, entry);
+                  }
+                });
 }
 
 #if defined(REWIND_DEBUG_VIEWS)

@@ -73,6 +73,11 @@ struct RecurrentState {
   // Copy keeping R + 1 = `history_slots` snapshots at most (the newest).
   RecurrentState resized(std::int64_t history_slots) const;
   RecurrentState gathered(std::span<const std::int64_t> rows) const;
+  // A new state of `rows` batch rows and `num_slots` slots holding this
+  // state's newest `keep` snapshots, each filled by copy_state(dst, src).
+  template <typename CopyState>
+  RecurrentState copied(std::int64_t rows, std::int64_t history_slots, std::int64_t num_slots, std::int64_t keep,
+                        CopyState&& copy_state) const;
   // Debug aid: marks every slot that holds no snapshot unreadable.
 #if defined(REWIND_DEBUG_VIEWS)
   void protect() const noexcept;
