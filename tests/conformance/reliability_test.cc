@@ -103,6 +103,56 @@ TEST(SizeOverflow, HugeShapesAndTensorsAreRwdErrors) {
                rwd::InvalidArgument);
 }
 
+TEST(SizeOverflow, HugeRepeatsAndRecurrentLengthsAreCapacityErrors) {
+  Cache cache({"linear_attention"}, small_options(LayerKind::LinearAttention));
+  EXPECT_THROW(cache.batch_repeat_interleave(i64{1} << 40), rwd::CapacityError);
+  EXPECT_THROW(cache.batch_repeat_interleave(i64{1} << 62), rwd::CapacityError);
+  EXPECT_THROW((void)cache.begin_recurrent_update(i64{1} << 41, 0, 0), rwd::CapacityError);
+  EXPECT_THROW((void)cache.begin_recurrent_update(0, 0, 0), rwd::InvalidArgument);
+  EXPECT_EQ(cache.layer(0).batch_size(), 2);
+}
+
+// Found by fuzz_cache_ops: each overflowed (UBSan) or allocated terabytes
+// before refusing.
+TEST(SizeOverflow, FuzzerFindingsRefuseCleanly) {
+  LayerOptions o;
+  o.num_kv_heads = 1;
+  o.key_dim = 2;
+  Cache one({"full_attention"}, o);  // batch 1: 2^40 repeats passed the old 2^40-row check
+  EXPECT_THROW(one.batch_repeat_interleave(i64{1} << 40), rwd::CapacityError);
+  EXPECT_THROW(one.batch_repeat_interleave((i64{1} << 24) + 1), rwd::CapacityError);
+  LayerOptions huge_batch = o;
+  huge_batch.batch_size = (i64{1} << 24) + 1;
+  EXPECT_THROW(Cache({"full_attention"}, huge_batch), rwd::InvalidArgument);
+
+  // A window near INT64_MAX never evicts: it behaves as full attention.
+  LayerOptions w = o;
+  w.sliding_window = std::numeric_limits<i64>::max();
+  Layer sliding(LayerKind::SlidingAttention, w);
+  Layer full(LayerKind::FullAttention, o);
+  sliding.activate_past_recording(2);
+  full.activate_past_recording(2);
+  std::vector<float> k(2 * 9, 1.0f);
+  for (int round = 0; round < 3; ++round) {
+    const TensorView kv = TensorView::contiguous(k.data(), DType::F32, {1, 1, 9, 2});
+    EXPECT_TRUE(rwd::bitwise_equal(sliding.update(kv, kv).keys, full.update(kv, kv).keys));
+    EXPECT_EQ(sliding.get_mask_sizes(1).kv_length, full.get_mask_sizes(1).kv_length);
+  }
+  EXPECT_EQ(sliding.max_rollback(), 27);
+
+  // A static layer holding tokens, fed INT64_MAX broadcast tokens.
+  LayerOptions s = o;
+  s.sliding_window = 4;
+  s.static_capacity = 24;
+  Cache fixed({"sliding_attention"}, s);
+  (void)fixed.update(TensorView::contiguous(k.data(), DType::F32, {1, 1, 1, 2}),
+                     TensorView::contiguous(k.data(), DType::F32, {1, 1, 1, 2}), 0);
+  const TensorView endless =
+      TensorView::strided(k.data(), DType::F32, {1, 1, std::numeric_limits<i64>::max(), 2}, {2, 2, 0, 1});
+  EXPECT_THROW((void)fixed.update(endless, endless, 0), rwd::CapacityError);
+  EXPECT_EQ(fixed.get_seq_length(), 1);
+}
+
 // ---- 2. inputs that alias the cache --------------------------------------------------
 
 // Appends the layer's own retained keys / values (a view into its storage)
@@ -383,6 +433,44 @@ TEST(ForwardTransaction, HandleSurvivesMovesAndItsCache) {
   kept.reset();
 }
 
+// A forward whose q tokens reach a part in several updates: nothing may move
+// inside the forward (abandon needs every row where begin_forward left it),
+// even when the first update is small and the buffer looks oversized.
+TEST(ForwardTransaction, SplitUpdatesInsideAForwardAbandonExactly) {
+  LayerOptions o = small_options(LayerKind::SlidingAttention, DType::F32, false, 1);
+  Cache cache({"sliding_attention"}, o);
+  cache.activate_past_recording(2);
+  std::vector<float> k(2 * 100 * 3, 1.5f), v(2 * 100 * 2, 2.5f);
+  auto keys = [&](i64 q) { return TensorView::contiguous(k.data(), DType::F32, {1, 2, q, 3}); };
+  auto values = [&](i64 q) { return TensorView::contiguous(v.data(), DType::F32, {1, 2, q, 2}); };
+  (void)cache.update(keys(3), values(3), 0);
+  const Observed before = observe(cache);
+  {
+    Forward f = cache.begin_forward(100);
+    (void)cache.update(keys(1), values(1), 0);
+    (void)cache.update(keys(99), values(99), 0);
+  }  // abandoned
+  EXPECT_EQ(diff(before, observe(cache)), "");
+  Forward f = cache.begin_forward(100);
+  (void)cache.update(keys(1), values(1), 0);
+  (void)cache.update(keys(99), values(99), 0);
+  f.commit();
+  EXPECT_EQ(cache.get_seq_length(), 103);
+}
+
+// Found by fuzz_cache_ops: a begin_forward refused at a later layer kept the
+// room it had planned for the earlier ones, counted against the budget.
+TEST(MidForwardFailure, RefusedBeginForwardGivesBackWhatItPlanned) {
+  ThreeFull t;
+  t.forward(10);
+  const std::size_t reserved = t.cache.memory().bytes_reserved;
+  t.cache.set_memory_budget(one_growth_budget());
+  EXPECT_THROW((void)t.cache.begin_forward(40), rwd::CapacityError);
+  EXPECT_EQ(t.cache.memory().bytes_reserved, reserved);
+  // The budget counts only what the buffers hold: it can be set to exactly that.
+  EXPECT_NO_THROW(t.cache.set_memory_budget(reserved));
+}
+
 // ---- 4. Cache::layer() is read-only ---------------------------------------------------
 
 static_assert(std::is_const_v<std::remove_reference_t<decltype(std::declval<Cache&>().layer(0))>>,
@@ -476,13 +564,7 @@ TEST(ReservedMemory, FullAttentionKeepsItsDoublingUntilShrinkToFit) {
   EXPECT_EQ(t.cache.get_seq_length(), 22);
 }
 
-}  // namespace
-}  // namespace rwt
-
 // ---- 6. stale views, caught in debug builds ---------------------------------------------
-
-namespace rwt {
-namespace {
 
 // A dropped update handle leaves S(L) and every snapshot exactly as they
 // were, whatever q and R (before, the slots of the oldest snapshots were
@@ -544,111 +626,6 @@ TEST(DebugViewsDeathTest, RecurrentStateViewAfterCropIsReported) {
 }
 #endif
 
-}  // namespace
-}  // namespace rwt
-
-namespace rwt {
-namespace {
-
-// A forward whose q tokens reach a part in several updates: nothing may move
-// inside the forward (abandon needs every row where begin_forward left it),
-// even when the first update is small and the buffer looks oversized.
-TEST(ForwardTransaction, SplitUpdatesInsideAForwardAbandonExactly) {
-  LayerOptions o = small_options(LayerKind::SlidingAttention, DType::F32, false, 1);
-  Cache cache({"sliding_attention"}, o);
-  cache.activate_past_recording(2);
-  std::vector<float> k(2 * 100 * 3, 1.5f), v(2 * 100 * 2, 2.5f);
-  auto keys = [&](i64 q) { return TensorView::contiguous(k.data(), DType::F32, {1, 2, q, 3}); };
-  auto values = [&](i64 q) { return TensorView::contiguous(v.data(), DType::F32, {1, 2, q, 2}); };
-  (void)cache.update(keys(3), values(3), 0);
-  const Observed before = observe(cache);
-  {
-    Forward f = cache.begin_forward(100);
-    (void)cache.update(keys(1), values(1), 0);
-    (void)cache.update(keys(99), values(99), 0);
-  }  // abandoned
-  EXPECT_EQ(diff(before, observe(cache)), "");
-  Forward f = cache.begin_forward(100);
-  (void)cache.update(keys(1), values(1), 0);
-  (void)cache.update(keys(99), values(99), 0);
-  f.commit();
-  EXPECT_EQ(cache.get_seq_length(), 103);
-}
-
-TEST(SizeOverflow, HugeRepeatsAndRecurrentLengthsAreCapacityErrors) {
-  Cache cache({"linear_attention"}, small_options(LayerKind::LinearAttention));
-  EXPECT_THROW(cache.batch_repeat_interleave(i64{1} << 40), rwd::CapacityError);
-  EXPECT_THROW(cache.batch_repeat_interleave(i64{1} << 62), rwd::CapacityError);
-  EXPECT_THROW((void)cache.begin_recurrent_update(i64{1} << 41, 0, 0), rwd::CapacityError);
-  EXPECT_THROW((void)cache.begin_recurrent_update(0, 0, 0), rwd::InvalidArgument);
-  EXPECT_EQ(cache.layer(0).batch_size(), 2);
-}
-
-}  // namespace
-}  // namespace rwt
-
-namespace rwt {
-namespace {
-
-// Found by fuzz_cache_ops: each overflowed (UBSan) or allocated terabytes
-// before refusing.
-TEST(SizeOverflow, FuzzerFindingsRefuseCleanly) {
-  LayerOptions o;
-  o.num_kv_heads = 1;
-  o.key_dim = 2;
-  Cache one({"full_attention"}, o);  // batch 1: 2^40 repeats passed the old 2^40-row check
-  EXPECT_THROW(one.batch_repeat_interleave(i64{1} << 40), rwd::CapacityError);
-  EXPECT_THROW(one.batch_repeat_interleave((i64{1} << 24) + 1), rwd::CapacityError);
-  LayerOptions huge_batch = o;
-  huge_batch.batch_size = (i64{1} << 24) + 1;
-  EXPECT_THROW(Cache({"full_attention"}, huge_batch), rwd::InvalidArgument);
-
-  // A window near INT64_MAX never evicts: it behaves as full attention.
-  LayerOptions w = o;
-  w.sliding_window = std::numeric_limits<i64>::max();
-  Layer sliding(LayerKind::SlidingAttention, w);
-  Layer full(LayerKind::FullAttention, o);
-  sliding.activate_past_recording(2);
-  full.activate_past_recording(2);
-  std::vector<float> k(2 * 9, 1.0f);
-  for (int round = 0; round < 3; ++round) {
-    const TensorView kv = TensorView::contiguous(k.data(), DType::F32, {1, 1, 9, 2});
-    EXPECT_TRUE(rwd::bitwise_equal(sliding.update(kv, kv).keys, full.update(kv, kv).keys));
-    EXPECT_EQ(sliding.get_mask_sizes(1).kv_length, full.get_mask_sizes(1).kv_length);
-  }
-  EXPECT_EQ(sliding.max_rollback(), 27);
-
-  // A static layer holding tokens, fed INT64_MAX broadcast tokens.
-  LayerOptions s = o;
-  s.sliding_window = 4;
-  s.static_capacity = 24;
-  Cache fixed({"sliding_attention"}, s);
-  (void)fixed.update(TensorView::contiguous(k.data(), DType::F32, {1, 1, 1, 2}),
-                     TensorView::contiguous(k.data(), DType::F32, {1, 1, 1, 2}), 0);
-  const TensorView endless =
-      TensorView::strided(k.data(), DType::F32, {1, 1, std::numeric_limits<i64>::max(), 2}, {2, 2, 0, 1});
-  EXPECT_THROW((void)fixed.update(endless, endless, 0), rwd::CapacityError);
-  EXPECT_EQ(fixed.get_seq_length(), 1);
-}
-
-}  // namespace
-}  // namespace rwt
-
-namespace rwt {
-namespace {
-
-// Found by fuzz_cache_ops: a begin_forward refused at a later layer kept the
-// room it had planned for the earlier ones, counted against the budget.
-TEST(MidForwardFailure, RefusedBeginForwardGivesBackWhatItPlanned) {
-  ThreeFull t;
-  t.forward(10);
-  const std::size_t reserved = t.cache.memory().bytes_reserved;
-  t.cache.set_memory_budget(one_growth_budget());
-  EXPECT_THROW((void)t.cache.begin_forward(40), rwd::CapacityError);
-  EXPECT_EQ(t.cache.memory().bytes_reserved, reserved);
-  // The budget counts only what the buffers hold: it can be set to exactly that.
-  EXPECT_NO_THROW(t.cache.set_memory_budget(reserved));
-}
 
 }  // namespace
 }  // namespace rwt
