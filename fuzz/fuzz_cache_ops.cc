@@ -688,37 +688,49 @@ class Fuzzer {
           [&] { ref().batch_apply(idx); });
   }
 
+  // The whole-cache operations both probes below expect to be refused:
+  // operation `which` in [0, kWholeOps) and its name.
+  static constexpr int kWholeOps = 8;
+  static const char* whole_op_name(int which) {
+    static const char* names[kWholeOps] = {"crop(-1)", "check_crop(0)", "max_rollback()",
+                                           "activate_past_recording(2)", "deactivate_past_recording()",
+                                           "batch_select_indices({0})", "batch_repeat_interleave(1)",
+                                           "reorder_cache(identity)"};
+    return names[which];
+  }
+  void whole_op(int which) {
+    switch (which) {
+      case 0: cache().crop(-1); break;
+      case 1: cache().check_crop(0); break;
+      case 2: (void)cache().max_rollback(); break;
+      case 3: cache().activate_past_recording(2); break;
+      case 4: cache().deactivate_past_recording(); break;
+      case 5: {
+        const std::vector<i64> idx{0};
+        cache().batch_select_indices(idx);
+        break;
+      }
+      case 6: cache().batch_repeat_interleave(1); break;
+      default: {
+        std::vector<i64> idx(static_cast<std::size_t>(ref().batch()));
+        std::iota(idx.begin(), idx.end(), i64{0});
+        cache().reorder_cache(idx);
+        break;
+      }
+    }
+  }
+
   // Whole-cache operations on out-of-step layers: StateError, nothing changed.
   void probe_out_of_step() {
     for (int k = 0; k < 2; ++k) {
-      const int which = next() % 9;
-      const char* names[] = {"crop(-1)", "check_crop(0)", "max_rollback()", "activate_past_recording(3)",
-                             "deactivate_past_recording()", "batch_select_indices({0})",
-                             "batch_repeat_interleave(1)", "reorder_cache(identity)", "begin_forward(1)"};
-      refused(std::string(names[which]) + " on out-of-step layers",
+      const int which = static_cast<int>(next() % (kWholeOps + 1));
+      const std::string name = which < kWholeOps ? whole_op_name(which) : "begin_forward(1)";
+      refused(name + " on out-of-step layers",
               [&] {
-                switch (which) {
-                  case 0: cache().crop(-1); break;
-                  case 1: cache().check_crop(0); break;
-                  case 2: (void)cache().max_rollback(); break;
-                  case 3: cache().activate_past_recording(3); break;
-                  case 4: cache().deactivate_past_recording(); break;
-                  case 5: {
-                    const std::vector<i64> idx{0};
-                    cache().batch_select_indices(idx);
-                    break;
-                  }
-                  case 6: cache().batch_repeat_interleave(1); break;
-                  case 7: {
-                    std::vector<i64> idx(static_cast<std::size_t>(ref().batch()));
-                    std::iota(idx.begin(), idx.end(), i64{0});
-                    cache().reorder_cache(idx);
-                    break;
-                  }
-                  default: {
-                    Forward f = cache().begin_forward(1);
-                    break;
-                  }
+                if (which < kWholeOps) {
+                  whole_op(which);
+                } else {
+                  Forward f = cache().begin_forward(1);
                 }
               },
               {Err::State});
@@ -727,48 +739,28 @@ class Fuzzer {
 
   // Whole-cache operations inside an open forward: StateError, nothing changed.
   void probe_open_forward(i64 q) {
-    const int which = next() % 13;
+    const int which = static_cast<int>(next() % (kWholeOps + 5));
     count(kOpenProbe);
-    const char* names[] = {"crop(-1)",           "check_crop(0)",
-                           "max_rollback()",     "activate_past_recording(2)",
-                           "deactivate_past_recording()", "batch_select_indices({0})",
-                           "batch_repeat_interleave(1)", "reorder_cache(identity)",
-                           "reset()",            "shrink_to_fit()",
-                           "begin_forward(q)",   "set_memory_budget(0)",
+    const char* extra[] = {"reset()", "shrink_to_fit()", "begin_forward(q)", "set_memory_budget(0)",
                            "layer(j).check_crop(-1)"};
     const int j = static_cast<int>(next() % static_cast<unsigned>(num_layers()));
     const bool stateless = cache().layer(j).is_stateless();
-    refused(std::string(names[which]) + " inside an open forward",
+    const std::string name = which < kWholeOps ? whole_op_name(which) : extra[which - kWholeOps];
+    refused(name + " inside an open forward",
             [&] {
-              switch (which) {
-                case 0: cache().crop(-1); break;
-                case 1: cache().check_crop(0); break;
-                case 2: (void)cache().max_rollback(); break;
-                case 3: cache().activate_past_recording(2); break;
-                case 4: cache().deactivate_past_recording(); break;
-                case 5: {
-                  const std::vector<i64> idx{0};
-                  cache().batch_select_indices(idx);
-                  break;
-                }
-                case 6: cache().batch_repeat_interleave(1); break;
-                case 7: {
-                  std::vector<i64> idx(static_cast<std::size_t>(ref().batch()));
-                  std::iota(idx.begin(), idx.end(), i64{0});
-                  cache().reorder_cache(idx);
-                  break;
-                }
-                case 8: cache().reset(); break;
-                case 9: cache().shrink_to_fit(); break;
-                case 10: {
+              switch (which - kWholeOps) {
+                case 0: cache().reset(); break;
+                case 1: cache().shrink_to_fit(); break;
+                case 2: {
                   Forward f = cache().begin_forward(q);
                   break;
                 }
-                case 11: cache().set_memory_budget(0); break;
-                default:
+                case 3: cache().set_memory_budget(0); break;
+                case 4:
                   cache().layer(j).check_crop(-1);
                   if (stateless) throw rwd::StateError("(stateless layer: nothing to refuse)");
                   break;
+                default: whole_op(which); break;  // which < kWholeOps
               }
             },
             {Err::State});
