@@ -58,11 +58,9 @@ CLI::Validator integer_in(std::int64_t lo, std::int64_t hi) {
         std::int64_t v = 0;
         const auto [end, ec] = std::from_chars(s.data(), s.data() + s.size(), v);
         const bool whole = end == s.data() + s.size();
-        if (ec == std::errc::result_out_of_range && whole) {
-          return "'" + s + "' is outside [" + std::to_string(lo) + ", " + std::to_string(hi) + "]";
-        }
-        if (ec != std::errc() || !whole || s.empty()) return "'" + s + "' is not an integer";
-        if (v < lo || v > hi) {
+        const bool too_large = ec == std::errc::result_out_of_range;  // an integer beyond int64: outside too
+        if (s.empty() || !whole || (ec != std::errc() && !too_large)) return "'" + s + "' is not an integer";
+        if (too_large || v < lo || v > hi) {
           return "'" + s + "' is outside [" + std::to_string(lo) + ", " + std::to_string(hi) + "]";
         }
         return {};
