@@ -334,6 +334,8 @@ class Layer {
   friend class RecurrentUpdate;
   friend class Cache;
   friend class EncoderDecoderCache;
+  friend class SequenceCache;
+  explicit Layer(std::unique_ptr<Impl> impl);
   std::unique_ptr<Impl> impl_;
 };
 

@@ -17,19 +17,6 @@ using detail::TokenTrack;
 using detail::TrackShape;
 
 // The messages users already search for (docs/semantics.md section 8).
-constexpr const char* kNotTracking =
-    "`crop` was called, but the current layer does not track past states. Call "
-    "`activate_past_recording` before `crop` to be able to rollback the cache.";
-constexpr const char* kNotTrackingSliding =
-    "`crop` was called, but the current layer does not track past states, and the sliding window "
-    "size was already reached. Call `activate_past_recording` before `crop` to be able to rollback "
-    "the cache.";
-constexpr const char* kLinearPositive =
-    "Linear attention layers can only be cropped by passing a negative int, to specify how many "
-    "tokens to remove";
-constexpr const char* kSlidingPositive =
-    "Once the sliding window size has been reached, `DynamicSlidingWindowLayer` can only be cropped "
-    "by passing a negative int, to specify how many tokens to remove";
 constexpr const char* kConvOnNonLinear = "Cannot call `update_conv_state` on a non-LinearAttention layer!";
 
 
@@ -650,33 +637,6 @@ void check_room(const Layer::Impl& l, const TokenTrack& track, std::int64_t q, c
                       " retained + " + num(q) + " new), but static_capacity is " + num(track.buffer.slots()));
 }
 
-// Bytes [lo, hi) an input view may touch (saturating: a view whose span
-// cannot be computed is treated as touching everything).
-struct Span {
-  std::uintptr_t lo;
-  std::uintptr_t hi;
-};
-Span byte_span(const TensorView& v) {
-  std::int64_t lo = 0, hi = 0;
-  bool overflow = false;
-  for (int d = 0; d < v.rank; ++d) {
-    const std::int64_t extent = v.size(d);
-    if (extent <= 1) continue;
-    std::int64_t reach = 0;
-    overflow = overflow || __builtin_mul_overflow(v.stride(d), extent - 1, &reach);
-    overflow = overflow || (reach >= 0 ? __builtin_add_overflow(hi, reach, &hi) : __builtin_add_overflow(lo, reach, &lo));
-  }
-  const auto es = static_cast<std::int64_t>(dtype_size(v.dtype));
-  overflow = overflow || __builtin_add_overflow(hi, 1, &hi) || __builtin_mul_overflow(lo, es, &lo) ||
-             __builtin_mul_overflow(hi, es, &hi);
-  const auto base = reinterpret_cast<std::uintptr_t>(v.data);
-  if (overflow || (lo < 0 && static_cast<std::uint64_t>(-lo) > base) ||
-      (hi > 0 && static_cast<std::uint64_t>(hi) > UINTPTR_MAX - base)) {
-    return {0, UINTPTR_MAX};
-  }
-  return {base - static_cast<std::uintptr_t>(-lo), base + static_cast<std::uintptr_t>(hi)};
-}
-
 // An input that aliases a buffer this call writes or moves (a view the
 // layer returned, passed back in) is copied first: growth may free, and
 // compaction or the append itself may overwrite, the memory it points to.
@@ -688,7 +648,7 @@ struct StagedInput {
 };
 StagedInput stage(const Layer::Impl& l, const TensorView& input, const char* operation,
                   std::initializer_list<const detail::PositionBuffer*> written) {
-  const Span span = byte_span(input);
+  const detail::ByteSpan span = detail::byte_span(input);
   bool aliases = false;
   for (const detail::PositionBuffer* b : written) aliases = aliases || b->allocation().overlaps(span.lo, span.hi);
   if (!aliases) return {Tensor(), input};
@@ -705,6 +665,7 @@ StagedInput stage(const Layer::Impl& l, const TensorView& input, const char* ope
 
 Layer::Layer(LayerKind kind, const LayerOptions& options, int index)
     : impl_(std::make_unique<Impl>(kind, options, index)) {}
+Layer::Layer(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
 Layer::~Layer() = default;
 Layer::Layer(Layer&&) noexcept = default;
 Layer& Layer::operator=(Layer&&) noexcept = default;
@@ -1003,3 +964,28 @@ void RecurrentUpdate::commit() {
 }
 
 }  // namespace rwd
+
+namespace rwd::detail {
+
+ByteSpan byte_span(const TensorView& v) {
+  std::int64_t lo = 0, hi = 0;
+  bool overflow = false;
+  for (int d = 0; d < v.rank; ++d) {
+    const std::int64_t extent = v.size(d);
+    if (extent <= 1) continue;
+    std::int64_t reach = 0;
+    overflow = overflow || __builtin_mul_overflow(v.stride(d), extent - 1, &reach);
+    overflow = overflow || (reach >= 0 ? __builtin_add_overflow(hi, reach, &hi) : __builtin_add_overflow(lo, reach, &lo));
+  }
+  const auto es = static_cast<std::int64_t>(dtype_size(v.dtype));
+  overflow = overflow || __builtin_add_overflow(hi, 1, &hi) || __builtin_mul_overflow(lo, es, &lo) ||
+             __builtin_mul_overflow(hi, es, &hi);
+  const auto base = reinterpret_cast<std::uintptr_t>(v.data);
+  if (overflow || (lo < 0 && static_cast<std::uint64_t>(-lo) > base) ||
+      (hi > 0 && static_cast<std::uint64_t>(hi) > UINTPTR_MAX - base)) {
+    return {0, UINTPTR_MAX};
+  }
+  return {base - static_cast<std::uintptr_t>(-lo), base + static_cast<std::uintptr_t>(hi)};
+}
+
+}  // namespace rwd::detail

@@ -23,6 +23,22 @@ inline constexpr const char* kHasPreviousOnAttention =
     "`has_previous_state` can only be called on LinearAttention layers, and the current Cache seem to "
     "only contain Attention layers.";
 
+// The crop refusals users search for (docs/semantics.md section 8), kept
+// verbatim; raised by Layer and by SequenceCache.
+inline constexpr const char* kNotTracking =
+    "`crop` was called, but the current layer does not track past states. Call "
+    "`activate_past_recording` before `crop` to be able to rollback the cache.";
+inline constexpr const char* kNotTrackingSliding =
+    "`crop` was called, but the current layer does not track past states, and the sliding window "
+    "size was already reached. Call `activate_past_recording` before `crop` to be able to rollback "
+    "the cache.";
+inline constexpr const char* kLinearPositive =
+    "Linear attention layers can only be cropped by passing a negative int, to specify how many "
+    "tokens to remove";
+inline constexpr const char* kSlidingPositive =
+    "Once the sliding window size has been reached, `DynamicSlidingWindowLayer` can only be cropped "
+    "by passing a negative int, to specify how many tokens to remove";
+
 struct Layer::Impl {
   LayerKind kind = LayerKind::Mlp;
   LayerOptions options;
@@ -152,5 +168,16 @@ struct Layer::Impl {
 };
 
 std::vector<std::int64_t> repeat_rows(std::int64_t batch, std::int64_t repeats);
+
+namespace detail {
+// Bytes [lo, hi) an input view may touch (saturating: a view whose span
+// cannot be computed is treated as touching everything). Inputs that
+// overlap memory a call writes are copied first.
+struct ByteSpan {
+  std::uintptr_t lo;
+  std::uintptr_t hi;
+};
+ByteSpan byte_span(const TensorView& v);
+}  // namespace detail
 
 }  // namespace rwd

@@ -34,15 +34,13 @@ std::int64_t RetentionRule::keep_first(std::int64_t end, std::int64_t R) const {
   return 0;
 }
 
-std::int64_t RetentionRule::max_rollback(const PositionBuffer& buffer) const {
-  const std::int64_t L = buffer.end();
-  const std::int64_t first = buffer.first();
+std::int64_t RetentionRule::max_rollback(std::int64_t first, std::int64_t L) const {
   std::int64_t depth = L;
   switch (kind) {
     case Kind::Full: break;
-    case Kind::Sliding: depth = first == 0 ? L : buffer.stored() - (size - 1); break;
+    case Kind::Sliding: depth = first == 0 ? L : L - first - (size - 1); break;
     case Kind::Chunked: depth = first == 0 ? L : L - first; break;
-    case Kind::Conv: depth = first == -size ? L : buffer.stored() - size; break;
+    case Kind::Conv: depth = first == -size ? L : L - first - size; break;
   }
   return std::clamp<std::int64_t>(depth, 0, L);
 }

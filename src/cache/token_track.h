@@ -23,8 +23,10 @@ struct RetentionRule {
   // First position to keep at length `end` when rollbacks of up to R tokens
   // must stay exact (R = 0: the minimal working state).
   std::int64_t keep_first(std::int64_t end, std::int64_t R) const;
-  // Largest exact rollback given what `buffer` retains (L means any depth).
-  std::int64_t max_rollback(const PositionBuffer& buffer) const;
+  // Largest exact rollback of a part retaining positions [first, end) (end
+  // means any depth).
+  std::int64_t max_rollback(std::int64_t first, std::int64_t end) const;
+  std::int64_t max_rollback(const PositionBuffer& buffer) const { return max_rollback(buffer.first(), buffer.end()); }
   // Rows a part holds again once recording R refills it, plus one update
   // token: W-1+R+1 (sliding), C-1+R+1 (chunked), K+R+1 (conv); 0 for full
   // attention, whose history only grows.

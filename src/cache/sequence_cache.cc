@@ -1,0 +1,1110 @@
+#include "rewind/sequences.h"
+
+#include <algorithm>
+#include <atomic>
+#include <limits>
+#include <new>
+#include <string>
+#include <utility>
+
+#include "aligned_memory.h"
+#include "cache/layer_impl.h"
+#include "cache/paged_attention.h"
+#include "cache/warnings.h"
+
+namespace rwd {
+namespace {
+
+using detail::PagedLayer;
+using detail::PagedPart;
+using detail::RetentionRule;
+
+std::string num(std::int64_t v) { return std::to_string(v); }
+
+// One counter for every cache of the process: an id names one sequence of
+// one cache, ever.
+std::atomic<std::uint64_t> g_next_generation{1};
+
+constexpr std::int64_t kMaxBlockSize = 65536;
+constexpr std::int64_t kMaxSequences = std::int64_t{1} << 31;
+
+std::size_t round64(std::size_t bytes) { return (bytes + 63) / 64 * 64; }
+
+// Runs fn(); std::bad_alloc from a container becomes CapacityError, a budget
+// refusal gets `operation` in front.
+template <typename Fn>
+decltype(auto) budgeted(const std::string& operation, Fn&& fn) {
+  try {
+    return fn();
+  } catch (const detail::BudgetExceeded& e) {
+    throw CapacityError(operation + ": " + e.what() + "; nothing was changed");
+  } catch (const std::bad_alloc&) {
+    throw CapacityError(operation + ": the system could not allocate memory; nothing was changed");
+  }
+}
+
+}  // namespace
+
+std::string to_string(SeqId id) {
+  return "sequence " + std::to_string(id.slot) + " (generation " + std::to_string(id.generation) + ")";
+}
+
+// ---- BlockLayout ---------------------------------------------------------------
+
+std::int64_t BlockLayout::row_elements(int part) const {
+  if (part == 0) return num_kv_heads * key_dim;
+  if (part == 1) return num_kv_heads * value_dim;
+  return side_dims[static_cast<std::size_t>(part - 2)];
+}
+
+TensorView BlockLayout::rows(const std::byte* block, int part, std::int64_t row, std::int64_t n) const {
+  const std::int64_t width = row_elements(part);
+  std::byte* base = const_cast<std::byte*>(block) + part_offsets[static_cast<std::size_t>(part)] +
+                    static_cast<std::size_t>(row * width) * dtype_size(dtype);
+  if (part < 2) {
+    const std::int64_t d = part == 0 ? key_dim : value_dim;
+    return TensorView::strided(base, dtype, {1, num_kv_heads, n, d}, {width, d, width, 1});
+  }
+  return TensorView::strided(base, dtype, {1, n, width}, {width, width, 1});
+}
+
+void BlockLayout::gather(std::span<const BlockSpan> spans, int part, std::int64_t first, const TensorView& dst) const {
+  if (part < 0 || part >= num_parts()) {
+    throw InvalidArgument("BlockLayout::gather: part " + num(part) + " is outside [0, " + num(num_parts()) + ")");
+  }
+  const bool heads = part < 2;
+  const int token_dim = heads ? 2 : 1;
+  const std::int64_t width = heads ? (part == 0 ? key_dim : value_dim) : row_elements(part);
+  const bool shape_ok = dst.dtype == dtype && dst.rank == (heads ? 4 : 3) && dst.size(0) == 1 &&
+                        (heads ? dst.size(1) == num_kv_heads && dst.size(3) == width : dst.size(2) == width);
+  if (!shape_ok) {
+    throw InvalidArgument("BlockLayout::gather: destination " + dst.describe() + " does not match part " + num(part) +
+                          (heads ? " [1, H=" + num(num_kv_heads) + ", n, D=" + num(width) + "]"
+                                 : " [1, n, D=" + num(width) + "]") +
+                          " " + std::string(dtype_name(dtype)));
+  }
+  const std::int64_t n = dst.size(token_dim);
+  std::int64_t p = first;
+  for (const BlockSpan& s : spans) {
+    if (p >= first + n) break;
+    const std::int64_t span_end = s.position + s.num_tokens;
+    if (span_end <= p) continue;
+    if (s.position > p) break;  // a gap: reported below
+    const std::int64_t block0 = s.position / block_size;
+    const std::int64_t stop = std::min(span_end, first + n);
+    while (p < stop) {
+      const std::int64_t row = p % block_size;
+      const std::int64_t count = std::min(block_size - row, stop - p);
+      copy_tensor(rows(s.blocks[p / block_size - block0], part, row, count), dst.slice(token_dim, p - first, count));
+      p += count;
+    }
+  }
+  if (p < first + n) {
+    throw InvalidArgument("BlockLayout::gather: the spans do not cover position " + num(p) + " of [" + num(first) +
+                          ", " + num(first + n) + ")");
+  }
+}
+
+// ---- the cache's state -------------------------------------------------------------
+
+namespace {
+
+struct LayerState {
+  LayerKind kind = LayerKind::Mlp;
+  std::unique_ptr<PagedLayer> paged;  // attention layers
+  bool linear = false;
+  LayerKind linear_kind = LayerKind::LinearAttention;  // how the per-sequence linear Layer is built
+  std::vector<std::int64_t> conv_channels;
+  std::size_t num_recurrent = 0;
+  // The open batch's bookkeeping and results (valid until the next mutation).
+  bool views_built = false;
+  bool kv_done = false;
+  std::vector<bool> sides_done;
+  std::vector<PagedKeyValues> views;
+  std::vector<BlockSpan> spans;
+  std::vector<TensorView> windows;
+};
+
+struct Sequence {
+  std::uint64_t generation = 0;
+  std::uint32_t slot = 0;
+  std::int64_t length = 0;
+  bool recording = false;
+  std::int64_t history = 0;
+  bool in_batch = false;
+  std::vector<PagedPart> parts;                // per layer (unused without attention)
+  std::vector<std::unique_ptr<Layer>> linear;  // per layer, null without linear parts
+
+  SeqId id() const { return {slot, generation}; }
+  std::int64_t retained_history() const { return recording ? history : 0; }
+};
+
+}  // namespace
+
+struct SequenceCache::Impl {
+  detail::MemoryBudget budget;  // declared first: everything below releases into it
+  LayerOptions options;
+  std::int64_t block_size = 16;
+  std::vector<LayerState> layers;
+  std::uint64_t next_owner = 1;
+
+  struct Slot {
+    std::uint64_t generation = 0;
+    std::unique_ptr<Sequence> seq;
+  };
+  std::vector<Slot> slots;
+  std::vector<std::uint32_t> free_slots;  // capacity == slots.size(): seq_rm never allocates
+  std::int64_t live = 0;
+
+  // The open batch.
+  SequenceBatch* open = nullptr;
+  struct Active {
+    Sequence* seq;
+    std::int64_t q;
+    std::int64_t offset;
+  };
+  std::vector<Active> active;
+  std::vector<std::vector<Layer::Impl::ForwardPlan>> plans;  // begin_batch's scratch
+
+  ~Impl() {
+    if (open) abandon_batch();
+    for (auto& slot : slots)
+      if (slot.seq) release_parts(*slot.seq);
+    slots.clear();  // linear layers release into the budget before the pools die
+  }
+
+  // ---- lookups and checks ----
+  void check_layer(int layer_idx) const {
+    if (layer_idx < 0 || layer_idx >= static_cast<int>(layers.size())) {
+      throw IndexError("layer index " + num(layer_idx) + " is outside [0, " + num(static_cast<std::int64_t>(layers.size())) + ")");
+    }
+  }
+  std::string where(int layer_idx) const {
+    return "layer " + num(layer_idx) + " (" + std::string(layer_kind_name(layers[static_cast<std::size_t>(layer_idx)].kind)) + ")";
+  }
+  Sequence* find(SeqId id) const {
+    if (id.generation == 0 || id.slot >= slots.size()) return nullptr;
+    const Slot& s = slots[id.slot];
+    return s.seq && s.generation == id.generation ? s.seq.get() : nullptr;
+  }
+  Sequence& lookup(SeqId id) const {
+    Sequence* s = find(id);
+    if (!s) throw IndexError(to_string(id) + " is not a live sequence of this cache (removed, or never issued by it)");
+    return *s;
+  }
+  void refuse_in_batch(const std::string& operation) const {
+    if (open) {
+      throw StateError(operation + " while a batch is open (begin_batch); commit() or abandon() it first");
+    }
+  }
+  const PagedLayer& attention(int layer_idx, const char* operation) const {
+    check_layer(layer_idx);
+    const auto& l = layers[static_cast<std::size_t>(layer_idx)];
+    if (!l.paged) throw StateError(where(layer_idx) + ": " + operation + " needs an attention layer");
+    return *l.paged;
+  }
+  Layer& linear(const Sequence& s, int layer_idx, const char* operation) const {
+    check_layer(layer_idx);
+    const auto& l = s.linear[static_cast<std::size_t>(layer_idx)];
+    if (!l) throw StateError(where(layer_idx) + ": " + operation + " needs a layer with conv or recurrent states");
+    return *l;
+  }
+
+  // ---- sequences ----
+  std::unique_ptr<Sequence> make_sequence(const Sequence* parent) {
+    auto s = std::make_unique<Sequence>();
+    s->parts.resize(layers.size());
+    s->linear.resize(layers.size());
+    for (std::size_t i = 0; i < layers.size(); ++i) {
+      const LayerState& l = layers[i];
+      if (l.paged) s->parts[i].owner = next_owner++;
+      if (!l.linear) continue;
+      std::unique_ptr<Layer::Impl> impl;
+      if (parent) {
+        const std::int64_t row0 = 0;
+        impl = layer_impl(*parent->linear[i]).gathered(std::span<const std::int64_t>(&row0, 1));
+      } else {
+        LayerOptions o = options;
+        impl = std::make_unique<Layer::Impl>(l.linear_kind, o, static_cast<int>(i), &budget);
+        impl->kind = l.kind;  // messages name the model's layer kind
+      }
+      s->linear[i] = make_layer(std::move(impl));
+    }
+    if (parent) {
+      for (std::size_t i = 0; i < layers.size(); ++i)
+        if (layers[i].paged) layers[i].paged->prepare_fork(parent->parts[i], s->parts[i]);
+      s->length = parent->length;
+      s->recording = parent->recording;
+      s->history = parent->history;
+    }
+    return s;
+  }
+  SeqId place(std::unique_ptr<Sequence> s) noexcept {
+    std::uint32_t slot;
+    if (!free_slots.empty()) {
+      slot = free_slots.back();
+      free_slots.pop_back();
+    } else {
+      slot = static_cast<std::uint32_t>(slots.size());
+      slots.emplace_back();  // capacity reserved by reserve_slot
+    }
+    s->slot = slot;
+    s->generation = g_next_generation.fetch_add(1, std::memory_order_relaxed);
+    slots[slot].generation = s->generation;
+    slots[slot].seq = std::move(s);
+    ++live;
+    return slots[slot].seq->id();
+  }
+  void reserve_slot() {
+    if (live >= kMaxSequences) throw CapacityError("a cache holds at most 2^31 live sequences");
+    if (free_slots.empty()) {
+      slots.reserve(slots.size() + 1);
+      free_slots.reserve(slots.size() + 1);
+    }
+  }
+  void release_parts(Sequence& s) noexcept {
+    for (std::size_t i = 0; i < layers.size(); ++i)
+      if (layers[i].paged) layers[i].paged->release(s.parts[i]);
+  }
+  void remove(Sequence& s) noexcept {
+    release_parts(s);
+    const std::uint32_t slot = s.slot;
+    slots[slot].seq.reset();
+    free_slots.push_back(slot);  // capacity reserved by reserve_slot
+    --live;
+  }
+
+  // ---- rollback ----
+  std::int64_t attention_max_rollback(const Sequence& s, std::size_t i) const {
+    const PagedLayer& p = *layers[i].paged;
+    const PagedPart& part = s.parts[i];
+    const bool sliding = p.rule().kind == RetentionRule::Kind::Sliding;
+    if (!s.recording && sliding && s.length >= p.rule().size) return 0;
+    return std::clamp<std::int64_t>(p.rule().max_rollback(part.first, part.end), 0, s.length);
+  }
+  std::int64_t max_rollback(const Sequence& s) const {
+    bool any = false;
+    std::int64_t depth = 0;
+    auto take = [&](std::int64_t d) {
+      depth = any ? std::min(depth, d) : d;
+      any = true;
+    };
+    for (std::size_t i = 0; i < layers.size(); ++i) {
+      if (s.linear[i]) take(layer_impl(*s.linear[i]).max_rollback());
+      if (layers[i].paged) take(attention_max_rollback(s, i));
+    }
+    return depth;
+  }
+  void check_crop(const Sequence& s, std::int64_t n) const {
+    const std::int64_t L = s.length;
+    for (std::size_t i = 0; i < layers.size(); ++i) {
+      if (s.linear[i]) layer_impl(*s.linear[i]).check_crop(n);
+      if (!layers[i].paged) continue;
+      const PagedLayer& p = *layers[i].paged;
+      const RetentionRule& rule = p.rule();
+      const bool sliding = rule.kind == RetentionRule::Kind::Sliding;
+      auto context = [&] {
+        std::string c = " [" + to_string(s.id()) + ", " + where(static_cast<int>(i)) + ": L=" + num(L);
+        if (sliding) c += ", W=" + num(rule.size);
+        return c + ", crop(" + num(n) + ")]";
+      };
+      if (n > 0) {
+        if (sliding && L >= rule.size) throw RollbackError(kSlidingPositive + context());
+        if (rule.kind == RetentionRule::Kind::Chunked && s.parts[i].first > 0) {
+          throw RollbackError(where(static_cast<int>(i)) + ": crop(" + num(n) + ") keeps the first " + num(n) +
+                              " tokens, but this chunked layer no longer holds positions [0, " +
+                              num(s.parts[i].first) + "); crop with a negative int to remove tokens from the end" +
+                              context());
+        }
+        continue;
+      }
+      if (sliding && L >= rule.size && !s.recording) throw RollbackError(kNotTrackingSliding + context());
+      if (n == 0 || n == std::numeric_limits<std::int64_t>::min() || -n >= L) continue;
+      const std::int64_t depth = attention_max_rollback(s, i);
+      if (-n > depth) {
+        throw RollbackError(where(static_cast<int>(i)) + ": crop(" + num(n) + ") asks to remove " + num(-n) + " of " +
+                            num(L) + " tokens of " + to_string(s.id()) + ", but at most " + num(depth) +
+                            " can be removed exactly now (max_rollback); record more history with "
+                            "activate_past_recording(R) before the tokens are appended, or remove all " +
+                            num(L) + " tokens");
+      }
+    }
+  }
+  void apply_crop(Sequence& s, std::int64_t n) noexcept {
+    const std::int64_t L = s.length;
+    std::int64_t next = L;
+    if (n > 0) {
+      next = std::min(n, L);
+    } else if (n < 0) {
+      next = n == std::numeric_limits<std::int64_t>::min() ? 0 : L - std::min(-n, L);
+    }
+    for (std::size_t i = 0; i < layers.size(); ++i) {
+      if (s.linear[i]) layer_impl(*s.linear[i]).apply_crop(n);
+      if (!layers[i].paged) continue;
+      PagedLayer& p = *layers[i].paged;
+      PagedPart& part = s.parts[i];
+      if (n == 0) {
+        p.shrink(part, p.rule().keep_first(part.end, 0), part.end);
+      } else if (next == 0) {
+        p.release(part);
+      } else {
+        p.shrink(part, part.first, next);
+      }
+    }
+    s.length = next;
+  }
+  void set_recording(Sequence& s, bool on, std::int64_t R) {
+    const std::string operation = on ? "activate_past_recording(" + num(R) + ")" : std::string("deactivate_past_recording");
+    refuse_in_batch(operation);
+    std::vector<Layer::Impl::RecordingPlan> recording_plans(layers.size());
+    for (std::size_t i = 0; i < layers.size(); ++i)
+      if (s.linear[i]) recording_plans[i] = layer_impl(*s.linear[i]).prepare_recording(on, R);
+    const std::int64_t history = on ? R : 0;
+    for (std::size_t i = 0; i < layers.size(); ++i) {
+      if (s.linear[i]) layer_impl(*s.linear[i]).commit_recording(on, R, std::move(recording_plans[i]));
+      if (layers[i].paged) {
+        PagedLayer& p = *layers[i].paged;
+        p.shrink(s.parts[i], p.rule().keep_first(s.parts[i].end, history), s.parts[i].end);
+      }
+    }
+    s.recording = on;
+    s.history = history;
+  }
+
+  // ---- batches ----
+  void check_batch(const char* operation) const {
+    if (!open) throw StateError(std::string(operation) + " needs an open batch (begin_batch)");
+  }
+  void close_batch() noexcept {
+    for (const Active& a : active) a.seq->in_batch = false;
+    active.clear();
+    if (open) open->cache_ = nullptr;
+    open = nullptr;
+  }
+  void abandon_batch() noexcept {
+    for (const Active& a : active) {
+      if (a.q == 0) continue;
+      for (std::size_t i = 0; i < layers.size(); ++i) {
+        if (layers[i].paged) layers[i].paged->abandon(a.seq->parts[i]);
+        if (a.seq->linear[i]) layer_impl(*a.seq->linear[i]).abandon_forward();
+      }
+    }
+    close_batch();
+  }
+  // Per entry, the spans of what its new queries attend to (built once per
+  // layer and batch: update and update_side return the same).
+  std::span<const PagedKeyValues> views(std::size_t layer_idx) {
+    LayerState& l = layers[layer_idx];
+    if (l.views_built) return l.views;
+    const PagedLayer& p = *l.paged;
+    l.views.clear();
+    l.spans.clear();  // capacity reserved by begin_batch: the spans below never move
+    for (const Active& a : active) {
+      if (a.q == 0) {
+        l.views.push_back({});
+        continue;
+      }
+      const PagedPart& part = a.seq->parts[layer_idx];
+      const std::int64_t from = p.rule().visible_first(part.end - a.q);
+      const std::size_t start = l.spans.size();
+      p.spans(part, from, l.spans);
+      l.views.push_back({from, part.end - from, std::span<const BlockSpan>(l.spans.data() + start, l.spans.size() - start)});
+    }
+    l.views_built = true;
+    return l.views;
+  }
+  // True when `input` overlaps a block that this batch writes in `layer_idx`.
+  bool aliases_written_blocks(std::size_t layer_idx, const TensorView& input) const {
+    const PagedLayer& p = *layers[layer_idx].paged;
+    const detail::ByteSpan span = detail::byte_span(input);
+    for (const Active& a : active) {
+      const PagedPart& part = a.seq->parts[layer_idx];
+      if (a.q > 0 && p.overlaps(part, part.end - a.q, a.q, span.lo, span.hi)) return true;
+    }
+    return false;
+  }
+  // A copy of `input` when it aliases what the call writes (a view of the
+  // cache's own blocks passed back in), else `input` itself.
+  TensorView staged(const TensorView& input, bool aliases, Tensor& copy, int layer_idx, const char* operation) const {
+    if (!aliases) return input;
+    copy = budgeted(where(layer_idx) + ": " + operation, [&] { return Tensor(input.dtype, input.shape.data(), input.rank); });
+    copy_tensor(input, copy.view());
+    return copy.view();
+  }
+  // Writes one attention part of every entry; `input` is the packed batch.
+  void write_part(std::size_t layer_idx, int part_index, const TensorView& input, int token_dim) const {
+    const PagedLayer& p = *layers[layer_idx].paged;
+    for (const Active& a : active) {
+      if (a.q == 0) continue;
+      const PagedPart& part = a.seq->parts[layer_idx];
+      p.write(part, part_index, input, token_dim, a.offset, part.end - a.q, a.q);
+    }
+  }
+  std::int64_t total_tokens() const { return open ? open->total_ : 0; }
+  void check_input(const TensorView& v, int layer_idx, const char* what, std::initializer_list<std::int64_t> shape,
+                   int token_dim) const {
+    const std::int64_t T = total_tokens();
+    bool ok = v.rank == static_cast<int>(shape.size()) && v.dtype == options.dtype;
+    int d = 0;
+    for (std::int64_t extent : shape) {
+      ok = ok && (d == token_dim ? v.size(d) == T : v.size(d) == extent);
+      ++d;
+    }
+    if (ok) return;
+    std::string expected = "[";
+    d = 0;
+    for (std::int64_t extent : shape) {
+      expected += (d ? ", " : "") + (d == token_dim ? "T=" + num(T) : num(extent));
+      ++d;
+    }
+    throw InvalidArgument(where(layer_idx) + ": " + what + " " + v.describe() + " must be " + expected + "] " +
+                          std::string(dtype_name(options.dtype)) + " (T: the batch's tokens)");
+  }
+};
+
+Layer::Impl& SequenceCache::layer_impl(const Layer& layer) { return *layer.impl_; }
+std::unique_ptr<Layer> SequenceCache::make_layer(std::unique_ptr<Layer::Impl> impl) {
+  return std::unique_ptr<Layer>(new Layer(std::move(impl)));
+}
+
+// ---- construction ------------------------------------------------------------------
+
+SequenceCache::SequenceCache(const std::vector<std::string>& layer_types, const LayerOptions& options,
+                             SequenceCacheOptions cache_options)
+    : impl_(std::make_unique<Impl>()) {
+  if (options.batch_size != 1) {
+    throw InvalidArgument("SequenceCache: options.batch_size is " + num(options.batch_size) +
+                          ", but each sequence is one batch row: it must be 1");
+  }
+  if (options.static_capacity != 0) {
+    throw InvalidArgument("SequenceCache: options.static_capacity is " + num(options.static_capacity) +
+                          ", but paged storage grows by blocks: it must be 0 (cap memory with set_memory_budget)");
+  }
+  if (cache_options.block_size < 1 || cache_options.block_size > kMaxBlockSize) {
+    throw InvalidArgument("SequenceCache: block_size " + num(cache_options.block_size) + " is outside [1, 65536]");
+  }
+  // The single-sequence cache validates the types and options (same messages).
+  const Cache probe(layer_types, options);
+  Impl& c = *impl_;
+  c.options = options;
+  c.block_size = cache_options.block_size;
+  c.layers.resize(static_cast<std::size_t>(probe.num_layers()));
+  for (int i = 0; i < probe.num_layers(); ++i) {
+    const Layer::Impl& model = layer_impl(probe.layer(i));
+    LayerState& l = c.layers[static_cast<std::size_t>(i)];
+    l.kind = model.kind;
+    if (model.attention) {
+      BlockLayout layout;
+      layout.block_size = c.block_size;
+      layout.dtype = options.dtype;
+      layout.num_kv_heads = options.num_kv_heads;
+      layout.key_dim = options.key_dim;
+      layout.value_dim = options.value_dim == 0 ? options.key_dim : options.value_dim;
+      for (const auto& s : model.sides) layout.side_dims.push_back(s.shape.width);
+      std::size_t offset = 0;
+      for (int k = 0; k < layout.num_parts(); ++k) {
+        layout.part_offsets.push_back(offset);
+        const std::size_t bytes = detail::checked_mul(
+            detail::checked_mul(layout.block_size, layout.row_elements(k), "a block"), dtype_size(layout.dtype), "a block");
+        offset = round64(offset + bytes);
+      }
+      layout.block_bytes = offset;
+      l.paged = std::make_unique<PagedLayer>(model.keys.rule, std::move(layout), &c.budget);
+      l.sides_done.assign(model.sides.size(), false);
+    }
+    if (model.linear()) {
+      l.linear = true;
+      l.linear_kind = model.kind == LayerKind::Conv ? LayerKind::Conv : LayerKind::LinearAttention;
+      for (const auto& conv : model.convs) l.conv_channels.push_back(conv.shape.width);
+      l.num_recurrent = model.recurrents.size();
+    }
+  }
+}
+
+SequenceCache::~SequenceCache() = default;
+SequenceCache::SequenceCache(SequenceCache&&) noexcept = default;
+SequenceCache& SequenceCache::operator=(SequenceCache&&) noexcept = default;
+
+SequenceCache::Impl& SequenceCache::state() const {
+  if (!impl_) throw StateError("this SequenceCache was moved from");
+  return *impl_;
+}
+
+int SequenceCache::num_layers() const { return static_cast<int>(state().layers.size()); }
+LayerKind SequenceCache::layer_kind(int layer_idx) const {
+  state().check_layer(layer_idx);
+  return state().layers[static_cast<std::size_t>(layer_idx)].kind;
+}
+const LayerOptions& SequenceCache::options() const { return state().options; }
+std::int64_t SequenceCache::block_size() const { return state().block_size; }
+const BlockLayout& SequenceCache::block_layout(int layer_idx) const {
+  return state().attention(layer_idx, "block_layout").layout();
+}
+
+// ---- sequences ---------------------------------------------------------------------
+
+SeqId SequenceCache::add_sequence() {
+  Impl& c = state();
+  c.refuse_in_batch("add_sequence");
+  return budgeted("add_sequence", [&] {
+    auto s = c.make_sequence(nullptr);
+    c.reserve_slot();
+    return c.place(std::move(s));
+  });
+}
+
+SeqId SequenceCache::fork(SeqId parent) {
+  Impl& c = state();
+  c.refuse_in_batch("fork(" + to_string(parent) + ")");
+  const Sequence& p = c.lookup(parent);
+  return budgeted("fork(" + to_string(parent) + ")", [&] {
+    auto s = c.make_sequence(&p);  // copies conv / recurrent state, reserves the block tables
+    c.reserve_slot();
+    for (std::size_t i = 0; i < c.layers.size(); ++i)
+      if (c.layers[i].paged) c.layers[i].paged->commit_fork(p.parts[i], s->parts[i]);
+    return c.place(std::move(s));
+  });
+}
+
+bool SequenceCache::seq_rm(SeqId id) {
+  Impl& c = state();
+  c.refuse_in_batch("seq_rm(" + to_string(id) + ")");
+  Sequence* s = c.find(id);
+  if (!s) return false;
+  c.remove(*s);
+  return true;
+}
+
+void SequenceCache::seq_keep(SeqId id) {
+  Impl& c = state();
+  c.refuse_in_batch("seq_keep(" + to_string(id) + ")");
+  c.lookup(id);
+  for (auto& slot : c.slots)
+    if (slot.seq && slot.generation != id.generation) c.remove(*slot.seq);
+}
+
+bool SequenceCache::contains(SeqId id) const { return state().find(id) != nullptr; }
+std::int64_t SequenceCache::num_sequences() const { return state().live; }
+std::vector<SeqId> SequenceCache::sequences() const {
+  std::vector<SeqId> out;
+  for (const auto& slot : state().slots)
+    if (slot.seq) out.push_back(slot.seq->id());
+  return out;
+}
+
+std::int64_t SequenceCache::seq_length(SeqId id) const { return state().lookup(id).length; }
+std::int64_t SequenceCache::seq_pos_max(SeqId id) const { return state().lookup(id).length - 1; }
+std::int64_t SequenceCache::seq_pos_min(SeqId id) const {
+  const Impl& c = state();
+  const Sequence& s = c.lookup(id);
+  if (s.length == 0) return -1;
+  std::int64_t first = s.length;
+  for (std::size_t i = 0; i < c.layers.size(); ++i)
+    if (c.layers[i].paged && s.parts[i].first < s.parts[i].end) first = std::min(first, s.parts[i].first);
+  return first;
+}
+
+// ---- rollback ----------------------------------------------------------------------
+
+void SequenceCache::crop(SeqId id, std::int64_t n) {
+  Impl& c = state();
+  c.refuse_in_batch("crop(" + to_string(id) + ", " + num(n) + ")");
+  Sequence& s = c.lookup(id);
+  c.check_crop(s, n);
+  if (n > 0) detail::warn_positive_crop_once();
+  c.apply_crop(s, n);
+}
+
+void SequenceCache::check_crop(SeqId id, std::int64_t n) const {
+  const Impl& c = state();
+  c.refuse_in_batch("check_crop(" + to_string(id) + ", " + num(n) + ")");
+  c.check_crop(c.lookup(id), n);
+}
+
+std::int64_t SequenceCache::max_rollback(SeqId id) const {
+  const Impl& c = state();
+  return c.max_rollback(c.lookup(id));
+}
+
+void SequenceCache::activate_past_recording(SeqId id, std::int64_t max_tokens) {
+  Impl& c = state();
+  if (max_tokens < 0 || max_tokens > detail::kMaxTokens) {
+    throw InvalidArgument("activate_past_recording(" + to_string(id) + ", " + num(max_tokens) +
+                          ") needs a number of tokens to keep in [0, 2^40]");
+  }
+  c.set_recording(c.lookup(id), true, max_tokens);
+}
+
+void SequenceCache::deactivate_past_recording(SeqId id) {
+  Impl& c = state();
+  c.set_recording(c.lookup(id), false, 0);
+}
+
+bool SequenceCache::is_recording(SeqId id) const { return state().lookup(id).recording; }
+std::int64_t SequenceCache::recording_capacity(SeqId id) const { return state().lookup(id).retained_history(); }
+
+// ---- batches -----------------------------------------------------------------------
+
+MaskSizes SequenceCache::get_mask_sizes(SeqId id, std::int64_t q, int layer_idx) const {
+  const Impl& c = state();
+  const Sequence& s = c.lookup(id);
+  const PagedLayer& p = c.attention(layer_idx, "get_mask_sizes");
+  if (q < 1 || q > detail::kMaxTokens) {
+    throw InvalidArgument(c.where(layer_idx) + ": get_mask_sizes(" + num(q) + ") needs a query length in [1, 2^40]");
+  }
+  const std::int64_t first = p.rule().visible_first(s.length);
+  return {s.length + q - first, first};
+}
+
+SequenceBatch SequenceCache::begin_batch(std::span<const BatchEntry> entries) {
+  Impl& c = state();
+  c.refuse_in_batch("begin_batch");
+  if (entries.empty()) throw InvalidArgument("begin_batch needs at least one entry");
+  if (entries.size() > static_cast<std::size_t>(detail::kMaxBatch)) {
+    throw CapacityError("begin_batch got " + std::to_string(entries.size()) + " entries; at most 2^24 are allowed");
+  }
+  std::vector<Sequence*> seqs;
+  std::int64_t total = 0;
+  budgeted("begin_batch", [&] { seqs.reserve(entries.size()); });
+  for (std::size_t e = 0; e < entries.size(); ++e) {
+    Sequence& s = c.lookup(entries[e].seq);
+    const std::int64_t q = entries[e].num_tokens;
+    const std::string entry = "begin_batch: entry " + std::to_string(e) + " (" + to_string(s.id()) + ")";
+    if (q < 0) throw InvalidArgument(entry + " asks for " + num(q) + " tokens; a count must be >= 0");
+    if (detail::passes_token_limit(s.length, q)) {
+      throw CapacityError(entry + ": " + num(q) + " tokens at length " + num(s.length) +
+                          " pass the limit of 2^40 tokens per sequence; nothing was changed");
+    }
+    if (detail::passes_token_limit(total, q)) {
+      throw CapacityError("begin_batch: the batch passes 2^40 tokens in all; nothing was changed");
+    }
+    total += q;
+    seqs.push_back(&s);
+  }
+  for (std::size_t e = 0; e < seqs.size(); ++e) {
+    if (seqs[e]->in_batch) {
+      for (std::size_t k = 0; k < e; ++k) seqs[k]->in_batch = false;
+      throw InvalidArgument("begin_batch lists " + to_string(seqs[e]->id()) + " twice (entry " + std::to_string(e) +
+                            "); each sequence may appear once");
+    }
+    seqs[e]->in_batch = true;
+  }
+  auto clear_marks = [&] {
+    for (Sequence* s : seqs) s->in_batch = false;
+  };
+  if (total == 0) {
+    clear_marks();
+    throw InvalidArgument("begin_batch: every entry has 0 tokens; a batch needs at least one token");
+  }
+  // Phase 1: every allocation, for every entry and layer.
+  const std::size_t L = c.layers.size();
+  // Progress: entries before `at_entry` hold every layer's reservation,
+  // entry `at_entry` those of the layers before `at_layer`.
+  std::size_t at_entry = 0, at_layer = 0;
+  try {
+    budgeted("begin_batch", [&] {
+      c.active.reserve(entries.size());
+      c.plans.resize(std::max(c.plans.size(), entries.size()));
+      for (std::size_t i = 0; i < L; ++i) {
+        LayerState& l = c.layers[i];
+        l.views.reserve(entries.size());
+        l.windows.reserve(entries.size());
+        if (!l.paged) continue;
+        std::size_t spans = 0;
+        for (Sequence* s : seqs) spans += s->parts[i].runs.size() + 1;
+        l.spans.reserve(spans);
+      }
+      for (at_entry = 0; at_entry < seqs.size(); ++at_entry) {
+        const std::int64_t q = entries[at_entry].num_tokens;
+        if (q == 0) continue;
+        Sequence& s = *seqs[at_entry];
+        c.plans[at_entry].resize(L);
+        for (at_layer = 0; at_layer < L; ++at_layer) {
+          if (s.linear[at_layer]) c.plans[at_entry][at_layer] = layer_impl(*s.linear[at_layer]).plan_forward(q);
+          if (c.layers[at_layer].paged) c.layers[at_layer].paged->reserve(s.parts[at_layer], q);
+        }
+        at_layer = 0;
+      }
+    });
+  } catch (...) {
+    for (std::size_t e = 0; e <= at_entry && e < seqs.size(); ++e) {
+      if (entries[e].num_tokens == 0) continue;
+      const std::size_t held = e < at_entry ? L : at_layer;
+      for (std::size_t i = 0; i < held; ++i)
+        if (c.layers[i].paged) c.layers[i].paged->unreserve(seqs[e]->parts[i]);
+    }
+    for (auto& p : c.plans) p.clear();
+    clear_marks();
+    throw;
+  }
+  // Phase 2: cannot fail.
+  SequenceBatch batch;
+  batch.cache_ = &c;
+  batch.entries_.assign(entries.begin(), entries.end());
+  batch.offsets_.reserve(entries.size());
+  std::int64_t offset = 0;
+  for (std::size_t e = 0; e < seqs.size(); ++e) {
+    const std::int64_t q = entries[e].num_tokens;
+    batch.offsets_.push_back(offset);
+    c.active.push_back({seqs[e], q, offset});
+    offset += q;
+    if (q == 0) continue;
+    for (std::size_t i = 0; i < L; ++i) {
+      if (seqs[e]->linear[i]) layer_impl(*seqs[e]->linear[i]).open_forward(q, std::move(c.plans[e][i]));
+      if (c.layers[i].paged) c.layers[i].paged->open(seqs[e]->parts[i]);
+    }
+    c.plans[e].clear();
+  }
+  batch.total_ = total;
+  for (auto& l : c.layers) {
+    l.views_built = false;
+    l.kv_done = false;
+    std::fill(l.sides_done.begin(), l.sides_done.end(), false);
+  }
+  c.open = &batch;
+  return batch;
+}
+
+bool SequenceCache::batch_open() const { return state().open != nullptr; }
+
+std::span<const PagedKeyValues> SequenceCache::update(const TensorView& keys, const TensorView& values, int layer_idx) {
+  Impl& c = state();
+  c.check_batch("update");
+  c.attention(layer_idx, "update");
+  const auto i = static_cast<std::size_t>(layer_idx);
+  LayerState& l = c.layers[i];
+  if (l.kv_done) throw StateError(c.where(layer_idx) + ": update was already called in this batch");
+  const BlockLayout& layout = l.paged->layout();
+  c.check_input(keys, layer_idx, "keys", {1, layout.num_kv_heads, 0, layout.key_dim}, 2);
+  c.check_input(values, layer_idx, "values", {1, layout.num_kv_heads, 0, layout.value_dim}, 2);
+  // Stage both before writing either: writing keys may overwrite what a
+  // values view reads.
+  Tensor keys_copy, values_copy;
+  const TensorView k = c.staged(keys, c.aliases_written_blocks(i, keys), keys_copy, layer_idx, "update");
+  const TensorView v = c.staged(values, c.aliases_written_blocks(i, values), values_copy, layer_idx, "update");
+  c.write_part(i, 0, k, 2);
+  c.write_part(i, 1, v, 2);
+  l.kv_done = true;
+  return c.views(i);
+}
+
+std::span<const PagedKeyValues> SequenceCache::update_side(const TensorView& rows, int layer_idx, int side) {
+  Impl& c = state();
+  c.check_batch("update_side");
+  c.attention(layer_idx, "update_side");
+  const auto i = static_cast<std::size_t>(layer_idx);
+  LayerState& l = c.layers[i];
+  if (side < 0 || side >= static_cast<int>(l.sides_done.size())) {
+    throw IndexError(c.where(layer_idx) + ": side tensor " + num(side) + " is outside [0, " +
+                     num(static_cast<std::int64_t>(l.sides_done.size())) + ")");
+  }
+  if (l.sides_done[static_cast<std::size_t>(side)]) {
+    throw StateError(c.where(layer_idx) + ": update_side(" + num(side) + ") was already called in this batch");
+  }
+  c.check_input(rows, layer_idx, "side rows", {1, 0, l.paged->layout().side_dims[static_cast<std::size_t>(side)]}, 1);
+  Tensor copy;
+  c.write_part(i, 2 + side, c.staged(rows, c.aliases_written_blocks(i, rows), copy, layer_idx, "update_side"), 1);
+  l.sides_done[static_cast<std::size_t>(side)] = true;
+  return c.views(i);
+}
+
+std::span<const TensorView> SequenceCache::update_conv_state(const TensorView& x, int layer_idx, int state_idx) {
+  Impl& c = state();
+  c.check_batch("update_conv_state");
+  c.check_layer(layer_idx);
+  const auto i = static_cast<std::size_t>(layer_idx);
+  LayerState& l = c.layers[i];
+  if (!l.linear || l.conv_channels.empty()) {
+    throw StateError(c.where(layer_idx) + ": update_conv_state needs a layer with conv states");
+  }
+  if (state_idx < 0 || state_idx >= static_cast<int>(l.conv_channels.size())) {
+    throw IndexError(c.where(layer_idx) + ": conv state " + num(state_idx) + " is outside [0, " +
+                     num(static_cast<std::int64_t>(l.conv_channels.size())) + ")");
+  }
+  const std::int64_t channels = l.conv_channels[static_cast<std::size_t>(state_idx)];
+  c.check_input(x, layer_idx, "conv input", {1, channels, 0}, 2);
+  // Each sequence stages what aliases its own storage; an input that
+  // aliases another sequence of the batch is copied here, once.
+  const detail::ByteSpan span = detail::byte_span(x);
+  bool aliases = false;
+  for (const auto& a : c.active) {
+    if (a.q == 0) continue;
+    const auto& track = layer_impl(*a.seq->linear[i]).convs[static_cast<std::size_t>(state_idx)];
+    aliases = aliases || track.buffer.allocation().overlaps(span.lo, span.hi);
+  }
+  Tensor copy;
+  const TensorView source = c.staged(x, aliases, copy, layer_idx, "update_conv_state");
+  l.windows.clear();
+  for (const auto& a : c.active) {
+    if (a.q == 0) {
+      l.windows.push_back(TensorView::strided(nullptr, x.dtype, {1, channels, 0}, {0, 0, 0}));
+      continue;
+    }
+    l.windows.push_back(a.seq->linear[i]->update_conv_state(source.slice(2, a.offset, a.q), state_idx));
+  }
+  return l.windows;
+}
+
+BatchRecurrentUpdate SequenceCache::begin_recurrent_update(int layer_idx, int state_idx) {
+  Impl& c = state();
+  c.check_batch("begin_recurrent_update");
+  c.check_layer(layer_idx);
+  const auto i = static_cast<std::size_t>(layer_idx);
+  const LayerState& l = c.layers[i];
+  if (!l.linear || l.num_recurrent == 0) {
+    throw StateError(c.where(layer_idx) + ": begin_recurrent_update needs a layer with recurrent states");
+  }
+  if (state_idx < 0 || state_idx >= static_cast<int>(l.num_recurrent)) {
+    throw IndexError(c.where(layer_idx) + ": recurrent state " + num(state_idx) + " is outside [0, " +
+                     num(static_cast<std::int64_t>(l.num_recurrent)) + ")");
+  }
+  BatchRecurrentUpdate out;
+  budgeted(c.where(layer_idx) + ": begin_recurrent_update", [&] {
+    out.updates_.reserve(c.active.size());
+    out.index_.reserve(c.active.size());
+    out.previous_.reserve(c.active.size());
+  });
+  for (const auto& a : c.active) {
+    Layer& layer = *a.seq->linear[i];
+    if (a.q > 0) {
+      out.index_.push_back(static_cast<std::int32_t>(out.updates_.size()));
+      out.updates_.push_back(layer.begin_recurrent_update(a.q, state_idx));
+      out.previous_.push_back(out.updates_.back().previous());
+    } else {
+      out.index_.push_back(-1);
+      out.previous_.push_back(layer.get_recurrent_state(state_idx));
+    }
+  }
+  return out;
+}
+
+// ---- reads -------------------------------------------------------------------------
+
+namespace {
+Tensor gather_part(const SequenceCache::Impl& c, const Sequence& s, std::size_t i, int part_index) {
+  const PagedLayer& p = *c.layers[i].paged;
+  const PagedPart& part = s.parts[i];
+  const BlockLayout& layout = p.layout();
+  const std::int64_t n = part.end - part.first;
+  Tensor out = budgeted("reading " + c.where(static_cast<int>(i)), [&] {
+    if (part_index < 2) {
+      return Tensor(layout.dtype, {1, layout.num_kv_heads, n, part_index == 0 ? layout.key_dim : layout.value_dim});
+    }
+    return Tensor(layout.dtype, {1, n, layout.row_elements(part_index)});
+  });
+  std::vector<BlockSpan> spans;
+  p.spans(part, part.first, spans);
+  layout.gather(spans, part_index, part.first, out.view());
+  return out;
+}
+}  // namespace
+
+Tensor SequenceCache::keys(SeqId id, int layer_idx) const {
+  const Impl& c = state();
+  const Sequence& s = c.lookup(id);
+  c.attention(layer_idx, "keys");
+  return gather_part(c, s, static_cast<std::size_t>(layer_idx), 0);
+}
+
+Tensor SequenceCache::values(SeqId id, int layer_idx) const {
+  const Impl& c = state();
+  const Sequence& s = c.lookup(id);
+  c.attention(layer_idx, "values");
+  return gather_part(c, s, static_cast<std::size_t>(layer_idx), 1);
+}
+
+Tensor SequenceCache::side(SeqId id, int layer_idx, int side_idx) const {
+  const Impl& c = state();
+  const Sequence& s = c.lookup(id);
+  const PagedLayer& p = c.attention(layer_idx, "side");
+  if (side_idx < 0 || side_idx >= static_cast<int>(p.layout().side_dims.size())) {
+    throw IndexError(c.where(layer_idx) + ": side tensor " + num(side_idx) + " is outside [0, " +
+                     num(static_cast<std::int64_t>(p.layout().side_dims.size())) + ")");
+  }
+  return gather_part(c, s, static_cast<std::size_t>(layer_idx), 2 + side_idx);
+}
+
+PositionRange SequenceCache::stored_range(SeqId id, int layer_idx) const {
+  const Impl& c = state();
+  const Sequence& s = c.lookup(id);
+  c.attention(layer_idx, "stored_range");
+  const PagedPart& part = s.parts[static_cast<std::size_t>(layer_idx)];
+  return {part.first, part.end};
+}
+
+std::vector<BlockSpan> SequenceCache::block_spans(SeqId id, int layer_idx) const {
+  const Impl& c = state();
+  const Sequence& s = c.lookup(id);
+  const PagedLayer& p = c.attention(layer_idx, "block_spans");
+  std::vector<BlockSpan> out;
+  const PagedPart& part = s.parts[static_cast<std::size_t>(layer_idx)];
+  budgeted("block_spans", [&] { p.spans(part, part.first, out); });
+  return out;
+}
+
+TensorView SequenceCache::get_conv_state(SeqId id, int layer_idx, int state_idx) const {
+  const Impl& c = state();
+  return c.linear(c.lookup(id), layer_idx, "get_conv_state").get_conv_state(state_idx);
+}
+TensorView SequenceCache::conv_inputs(SeqId id, int layer_idx, int state_idx) const {
+  const Impl& c = state();
+  return c.linear(c.lookup(id), layer_idx, "conv_inputs").conv_inputs(state_idx);
+}
+PositionRange SequenceCache::conv_range(SeqId id, int layer_idx, int state_idx) const {
+  const Impl& c = state();
+  return c.linear(c.lookup(id), layer_idx, "conv_range").conv_range(state_idx);
+}
+TensorView SequenceCache::get_recurrent_state(SeqId id, int layer_idx, int state_idx) const {
+  const Impl& c = state();
+  return c.linear(c.lookup(id), layer_idx, "get_recurrent_state").get_recurrent_state(state_idx);
+}
+TensorView SequenceCache::recurrent_snapshot(SeqId id, int layer_idx, int state_idx, std::int64_t pos) const {
+  const Impl& c = state();
+  return c.linear(c.lookup(id), layer_idx, "recurrent_snapshot").recurrent_snapshot(state_idx, pos);
+}
+
+// ---- memory ------------------------------------------------------------------------
+
+SequenceMemory SequenceCache::memory() const {
+  const Impl& c = state();
+  SequenceMemory m;
+  m.bytes_reserved = c.budget.reserved;
+  for (const auto& l : c.layers) {
+    if (!l.paged) continue;
+    m.blocks_in_use += l.paged->pool().in_use();
+    m.blocks_free += l.paged->pool().free_count();
+    m.bytes_used += static_cast<std::size_t>(l.paged->pool().in_use()) * l.paged->pool().block_bytes();
+  }
+  for (const auto& slot : c.slots) {
+    if (!slot.seq) continue;
+    for (const auto& layer : slot.seq->linear)
+      if (layer) m.bytes_used += layer->memory().bytes_used;
+  }
+  return m;
+}
+
+void SequenceCache::set_memory_budget(std::size_t bytes) {
+  Impl& c = state();
+  c.refuse_in_batch("set_memory_budget");
+  if (bytes != 0 && c.budget.reserved > bytes) {
+    throw CapacityError("set_memory_budget(" + std::to_string(bytes) + "): " + std::to_string(c.budget.reserved) +
+                        " bytes are already reserved; the budget stays " + std::to_string(c.budget.limit));
+  }
+  c.budget.limit = bytes;
+}
+
+std::size_t SequenceCache::memory_budget() const { return state().budget.limit; }
+
+void SequenceCache::shrink_to_fit() {
+  Impl& c = state();
+  c.refuse_in_batch("shrink_to_fit");
+  for (auto& l : c.layers)
+    if (l.paged) l.paged->pool().trim();
+  for (auto& slot : c.slots) {
+    if (!slot.seq) continue;
+    for (auto& layer : slot.seq->linear)
+      if (layer) layer_impl(*layer).shrink_to_fit();
+  }
+}
+
+// ---- SequenceBatch -----------------------------------------------------------------
+
+SequenceBatch::SequenceBatch(SequenceBatch&& other) noexcept
+    : cache_(std::exchange(other.cache_, nullptr)),
+      entries_(std::move(other.entries_)),
+      offsets_(std::move(other.offsets_)),
+      total_(other.total_) {
+  if (cache_) cache_->open = this;
+}
+
+SequenceBatch& SequenceBatch::operator=(SequenceBatch&& other) noexcept {
+  if (this != &other) {
+    abandon();
+    cache_ = std::exchange(other.cache_, nullptr);
+    entries_ = std::move(other.entries_);
+    offsets_ = std::move(other.offsets_);
+    total_ = other.total_;
+    if (cache_) cache_->open = this;
+  }
+  return *this;
+}
+
+SequenceBatch::~SequenceBatch() { abandon(); }
+
+void SequenceBatch::commit() {
+  if (!cache_) throw StateError("SequenceBatch::commit: the batch is not open (committed, abandoned or moved from)");
+  SequenceCache::Impl& c = *cache_;
+  for (std::size_t i = 0; i < c.layers.size(); ++i) {
+    const LayerState& l = c.layers[i];
+    if (!l.paged) continue;
+    if (!l.kv_done) {
+      throw StateError("SequenceBatch::commit: " + c.where(static_cast<int>(i)) +
+                       " did not receive its keys and values (update); the batch stays open");
+    }
+    for (std::size_t s = 0; s < l.sides_done.size(); ++s) {
+      if (!l.sides_done[s]) {
+        throw StateError("SequenceBatch::commit: " + c.where(static_cast<int>(i)) + " did not receive side tensor " +
+                         std::to_string(s) + " (update_side); the batch stays open");
+      }
+    }
+  }
+  for (const auto& a : c.active) {
+    if (a.q == 0) continue;
+    for (const auto& layer : a.seq->linear) {
+      if (!layer) continue;
+      try {
+        SequenceCache::layer_impl(*layer).check_forward_complete();
+      } catch (const StateError& e) {
+        throw StateError("SequenceBatch::commit: " + to_string(a.seq->id()) + ": " + e.what() +
+                         "; the batch stays open");
+      }
+    }
+  }
+  for (const auto& a : c.active) {
+    if (a.q == 0) continue;
+    for (std::size_t i = 0; i < c.layers.size(); ++i) {
+      if (c.layers[i].paged) c.layers[i].paged->commit(a.seq->parts[i], a.seq->retained_history());
+      if (a.seq->linear[i]) SequenceCache::layer_impl(*a.seq->linear[i]).close_forward();
+    }
+    a.seq->length += a.q;
+  }
+  c.close_batch();
+}
+
+void SequenceBatch::abandon() noexcept {
+  if (cache_) cache_->abandon_batch();
+}
+
+// ---- BatchRecurrentUpdate ----------------------------------------------------------
+
+BatchRecurrentUpdate::BatchRecurrentUpdate(BatchRecurrentUpdate&&) noexcept = default;
+BatchRecurrentUpdate& BatchRecurrentUpdate::operator=(BatchRecurrentUpdate&&) noexcept = default;
+BatchRecurrentUpdate::~BatchRecurrentUpdate() = default;
+
+std::int64_t BatchRecurrentUpdate::num_tokens(std::size_t entry) const {
+  if (entry >= index_.size()) {
+    throw IndexError("BatchRecurrentUpdate: entry " + std::to_string(entry) + " is outside [0, " +
+                     std::to_string(index_.size()) + ")");
+  }
+  return index_[entry] < 0 ? 0 : updates_[static_cast<std::size_t>(index_[entry])].num_tokens();
+}
+
+TensorView BatchRecurrentUpdate::previous(std::size_t entry) const {
+  num_tokens(entry);  // checks the entry
+  return previous_[entry];
+}
+
+TensorView BatchRecurrentUpdate::next(std::size_t entry, std::int64_t t) const {
+  const std::int64_t q = num_tokens(entry);
+  if (q == 0) {
+    throw IndexError("BatchRecurrentUpdate::next(" + std::to_string(entry) + ", " + std::to_string(t) +
+                     "): the entry has 0 tokens, so no slot to write");
+  }
+  return updates_[static_cast<std::size_t>(index_[entry])].next(t);
+}
+
+void BatchRecurrentUpdate::commit() {
+  for (auto& u : updates_) u.commit();
+}
+
+}  // namespace rwd
