@@ -191,6 +191,8 @@ class SequenceCache {
   // RollbackError, StateError while a batch is open; nothing changes then.
   void crop(SeqId id, std::int64_t n);
   void check_crop(SeqId id, std::int64_t n) const;  // throws what crop would
+  // Largest k for which crop(id, -k) is exact now. Throws IndexError,
+  // StateError while a batch is open.
   std::int64_t max_rollback(SeqId id) const;
   // Throws InvalidArgument unless 0 <= R <= 2^40, CapacityError (budget,
   // system), IndexError, StateError while a batch is open.

@@ -3,6 +3,9 @@
 #include <algorithm>
 #include <cstring>
 #include <new>
+#include <string>
+
+#include <unistd.h>
 
 #include "aligned_memory.h"
 
@@ -35,6 +38,23 @@ std::byte* BlockPool::acquire() {
   }
   ++in_use_;
   return block;
+}
+
+void BlockPool::check_room(std::int64_t n) const {
+  if (n <= free_count()) return;
+  const std::size_t bytes = checked_mul(n - free_count(), static_cast<std::int64_t>(block_bytes_), "the blocks of an update");
+  if (budget_) {
+    budget_->acquire(bytes);  // the budget's refusal and message, counting nothing
+    budget_->release(bytes);
+  }
+  static const std::size_t physical = [] {
+    const long pages = sysconf(_SC_PHYS_PAGES), page = sysconf(_SC_PAGESIZE);
+    return pages > 0 && page > 0 ? static_cast<std::size_t>(pages) * static_cast<std::size_t>(page) : std::size_t{0};
+  }();
+  if (physical != 0 && bytes > physical) {
+    throw CapacityError("the blocks of an update need " + std::to_string(bytes) + " bytes, more than this machine's " +
+                        std::to_string(physical) + " bytes of memory; nothing was allocated");
+  }
 }
 
 void BlockPool::release(std::byte* block) noexcept {
@@ -243,6 +263,7 @@ void PagedLayer::reserve(PagedPart& part, std::int64_t q) {
     const std::int64_t have = writable ? static_cast<std::int64_t>(last->blocks.size()) : 0;
     const std::int64_t want = (E + q - first_position + bs - 1) / bs;
     const std::int64_t more = std::max<std::int64_t>(0, want - have);
+    pool_.check_room(more);
     acquired.reserve(static_cast<std::size_t>(more));
     for (std::int64_t i = 0; i < more; ++i) acquired.push_back(pool_.acquire());
     if (writable) {

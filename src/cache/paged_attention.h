@@ -38,6 +38,10 @@ class BlockPool {
   // A block (contents undefined). Throws BudgetExceeded or CapacityError;
   // nothing is counted then.
   std::byte* acquire();
+  // Refuses up front (budget, 2^48 bytes, more than the machine's physical
+  // memory) a request for n blocks, so a huge update fails at once instead
+  // of after allocating block by block. Throws BudgetExceeded / CapacityError.
+  void check_room(std::int64_t n) const;
   void release(std::byte* block) noexcept;
   // Returns every free block to the system.
   void trim() noexcept;

@@ -623,6 +623,7 @@ void SequenceCache::check_crop(SeqId id, std::int64_t n) const {
 
 std::int64_t SequenceCache::max_rollback(SeqId id) const {
   const Impl& c = state();
+  c.refuse_in_batch("max_rollback(" + to_string(id) + ")");
   return c.max_rollback(c.lookup(id));
 }
 
