@@ -81,68 +81,54 @@ void BlockPool::destroy(std::byte* block) noexcept {
   if (budget_) budget_->release(block_bytes_);
 }
 
-// ---- BlockRun ----------------------------------------------------------------
-
-BlockRun::Holder* BlockRun::holder(std::uint64_t owner) {
-  for (auto& h : holders)
-    if (h.owner == owner) return &h;
-  return nullptr;
-}
-
-const BlockRun::Holder* BlockRun::holder(std::uint64_t owner) const {
-  for (const auto& h : holders)
-    if (h.owner == owner) return &h;
-  return nullptr;
-}
-
 // ---- PagedLayer --------------------------------------------------------------
 
 PagedLayer::PagedLayer(RetentionRule rule, BlockLayout layout, MemoryBudget* budget)
     : rule_(rule), layout_(std::move(layout)), pool_(layout_.block_bytes, budget) {}
 
-bool PagedLayer::touched(const BlockRun& run, std::int64_t block) const {
-  const std::int64_t bs = block_size();
-  const std::int64_t lo = run.first_position + block * bs;
-  const std::int64_t hi = lo + bs;
-  for (const auto& h : run.holders)
-    if (h.lo < h.hi && h.lo < hi && lo < h.hi) return true;
-  return false;
-}
-
-void PagedLayer::settle_range(BlockRun& run, std::uint64_t owner, std::int64_t old_lo, std::int64_t old_hi) noexcept {
-  const BlockRun::Holder* h = run.holder(owner);
-  const bool now_empty = h == nullptr || h->lo >= h->hi;
-  const std::int64_t bs = block_size();
-  auto drop = [&](std::int64_t a, std::int64_t b) {  // positions [a, b) left the range
-    if (a >= b) return;
-    const std::int64_t j0 = (a - run.first_position) / bs;
-    const std::int64_t j1 = std::min<std::int64_t>((b - 1 - run.first_position) / bs,
-                                                   static_cast<std::int64_t>(run.blocks.size()) - 1);
-    for (std::int64_t j = std::max<std::int64_t>(j0, 0); j <= j1; ++j) {
-      std::byte*& block = run.blocks[static_cast<std::size_t>(j)];
-      if (block && !touched(run, j)) {
-        pool_.release(block);
-        block = nullptr;
-      }
-    }
-  };
+void PagedLayer::settle_range(BlockRun& run, std::int64_t old_lo, std::int64_t old_hi) noexcept {
   if (old_lo >= old_hi) return;
-  if (now_empty) {
-    drop(old_lo, old_hi);
-  } else {
-    drop(old_lo, std::min(old_hi, h->lo));
-    drop(std::max(old_lo, h->hi), old_hi);
+  const std::int64_t bs = block_size();
+  const std::int64_t fp = run.first_position;
+  std::int64_t j = (old_lo - fp) / bs;
+  const std::int64_t last = std::min<std::int64_t>((old_hi - 1 - fp) / bs, static_cast<std::int64_t>(run.blocks.size()) - 1);
+  while (j <= last) {
+    // The holder that touches block j and reaches furthest: every block up
+    // to its last one stays, so the scan jumps there (a fork sharing a long
+    // prefix costs one pass over the holders, not one per block).
+    std::int64_t reach = -1;
+    for (const auto& h : run.holders) {
+      if (h.lo >= h.hi) continue;
+      const std::int64_t b0 = (h.lo - fp) / bs, b1 = (h.hi - 1 - fp) / bs;
+      if (b0 <= j && j <= b1) reach = std::max(reach, b1);
+    }
+    if (reach >= j) {
+      j = reach + 1;
+      continue;
+    }
+    std::byte*& block = run.blocks[static_cast<std::size_t>(j)];
+    if (block) {
+      pool_.release(block);
+      block = nullptr;
+    }
+    ++j;
   }
 }
 
-void PagedLayer::drop_run(BlockRun* run, std::uint64_t owner) noexcept {
+void PagedLayer::drop_holder(const RunRef& ref) noexcept {
+  BlockRun* run = ref.run;
   auto& hs = run->holders;
-  for (std::size_t i = 0; i < hs.size(); ++i) {
-    if (hs[i].owner == owner) {
-      hs.erase(hs.begin() + static_cast<std::ptrdiff_t>(i));
-      break;
-    }
+  const std::size_t k = ref.holder;
+  if (k + 1 != hs.size()) {
+    hs[k] = hs.back();
+    // The moved holder's part finds it at its new index.
+    PagedPart* moved = hs[k].part;
+    for (auto& r : moved->runs)
+      if (r.run == run) r.holder = static_cast<std::uint32_t>(k);
+    for (auto& r : moved->pending.saved_runs)
+      if (r.run == run) r.holder = static_cast<std::uint32_t>(k);
   }
+  hs.pop_back();
   if (!hs.empty()) return;
   for (std::byte* block : run->blocks)
     if (block) pool_.release(block);
@@ -150,19 +136,23 @@ void PagedLayer::drop_run(BlockRun* run, std::uint64_t owner) noexcept {
 }
 
 void PagedLayer::tidy(PagedPart& part) noexcept {
-  // Runs this part no longer uses.
+  // Runs this part no longer uses. drop_holder may renumber this part's
+  // other holders (in other runs only: a part holds a run once), so the
+  // kept refs are read after it.
   std::size_t kept = 0;
-  for (BlockRun* run : part.runs) {
-    const BlockRun::Holder* h = run->holder(part.owner);
-    if (h == nullptr || h->lo >= h->hi) {
-      drop_run(run, part.owner);
+  for (std::size_t i = 0; i < part.runs.size(); ++i) {
+    const RunRef ref = part.runs[i];
+    const BlockRun::Holder& h = ref.get();
+    if (h.lo >= h.hi) {
+      drop_holder(ref);
     } else {
-      part.runs[kept++] = run;
+      part.runs[kept++] = part.runs[i];
     }
   }
   part.runs.resize(kept);
   const std::int64_t bs = block_size();
-  for (BlockRun* run : part.runs) {
+  for (const RunRef& ref : part.runs) {
+    BlockRun* run = ref.run;
     if (run->holders.size() != 1) continue;
     auto& blocks = run->blocks;
     while (!blocks.empty() && blocks.back() == nullptr) blocks.pop_back();
@@ -178,8 +168,8 @@ void PagedLayer::tidy(PagedPart& part) noexcept {
   // Two runs held by this part alone that meet at a block boundary become
   // one (forks that ended leave them behind), so the run list stays short.
   while (part.runs.size() >= 2) {
-    BlockRun* a = part.runs[part.runs.size() - 2];
-    BlockRun* b = part.runs.back();
+    BlockRun* a = part.runs[part.runs.size() - 2].run;
+    BlockRun* b = part.runs.back().run;
     if (a->holders.size() != 1 || b->holders.size() != 1) break;
     BlockRun::Holder& ha = a->holders.front();
     const BlockRun::Holder& hb = b->holders.front();
@@ -190,8 +180,6 @@ void PagedLayer::tidy(PagedPart& part) noexcept {
       break;  // best effort: two runs work as well as one
     }
     ha.hi = hb.hi;
-    b->blocks.clear();
-    b->holders.clear();
     delete b;
     part.runs.pop_back();
   }
@@ -200,13 +188,12 @@ void PagedLayer::tidy(PagedPart& part) noexcept {
 void PagedLayer::shrink(PagedPart& part, std::int64_t new_first, std::int64_t new_end) noexcept {
   const std::int64_t first = std::max(part.first, new_first);
   const std::int64_t end = std::min(part.end, new_end);
-  for (BlockRun* run : part.runs) {
-    BlockRun::Holder* h = run->holder(part.owner);
-    const std::int64_t old_lo = h->lo, old_hi = h->hi;
-    h->lo = std::max(h->lo, first);
-    h->hi = std::min(h->hi, end);
-    if (h->hi <= h->lo) h->hi = h->lo;
-    if (h->lo != old_lo || h->hi != old_hi) settle_range(*run, part.owner, old_lo, old_hi);
+  for (const RunRef& ref : part.runs) {
+    BlockRun::Holder& h = ref.get();
+    const std::int64_t old_lo = h.lo, old_hi = h.hi;
+    h.lo = std::max(h.lo, first);
+    h.hi = std::max(h.lo, std::min(h.hi, end));
+    if (h.lo != old_lo || h.hi != old_hi) settle_range(*ref.run, old_lo, old_hi);
   }
   if (end <= first) {
     part.first = part.end = end;
@@ -225,7 +212,7 @@ void PagedLayer::release(PagedPart& part) noexcept {
 void PagedLayer::prepare_fork(const PagedPart& parent, PagedPart& child) const {
   try {
     child.runs.reserve(parent.runs.size());
-    for (BlockRun* run : parent.runs) run->holders.reserve(run->holders.size() + 1);
+    for (const RunRef& ref : parent.runs) ref.run->holders.reserve(ref.run->holders.size() + 1);
   } catch (const std::bad_alloc&) {
     throw CapacityError("the system could not allocate the block table of a fork");
   }
@@ -235,10 +222,11 @@ void PagedLayer::commit_fork(const PagedPart& parent, PagedPart& child) noexcept
   child.first = parent.first;
   child.end = parent.end;
   child.runs.clear();
-  for (BlockRun* run : parent.runs) {
-    const BlockRun::Holder* h = run->holder(parent.owner);
-    run->holders.push_back({child.owner, h->lo, h->hi});  // capacity reserved
-    child.runs.push_back(run);
+  for (const RunRef& ref : parent.runs) {
+    const BlockRun::Holder h = ref.get();
+    auto& hs = ref.run->holders;
+    hs.push_back({&child, h.lo, h.hi});  // capacity reserved
+    child.runs.push_back({ref.run, static_cast<std::uint32_t>(hs.size() - 1)});
   }
 }
 
@@ -249,7 +237,7 @@ void PagedLayer::reserve(PagedPart& part, std::int64_t q) {
   p.appended = 0;
   const std::int64_t bs = block_size();
   const std::int64_t E = part.end;
-  BlockRun* last = part.runs.empty() ? nullptr : part.runs.back();
+  BlockRun* last = part.runs.empty() ? nullptr : part.runs.back().run;
   const bool writable = last != nullptr && last->holders.size() == 1;
   if (writable) {  // a fork that ended may have left released blocks past our range
     while (!last->blocks.empty() && last->blocks.back() == nullptr) last->blocks.pop_back();
@@ -307,7 +295,7 @@ void PagedLayer::unreserve(PagedPart& part) noexcept {
     p.fresh = nullptr;
   }
   if (p.appended > 0) {
-    auto& blocks = part.runs.back()->blocks;
+    auto& blocks = part.runs.back().run->blocks;
     for (std::int64_t i = 0; i < p.appended; ++i) {
       pool_.release(blocks.back());
       blocks.pop_back();
@@ -323,20 +311,17 @@ void PagedLayer::open(PagedPart& part) noexcept {
   p.saved_end = part.end;
   p.saved_runs.assign(part.runs.begin(), part.runs.end());  // capacity reserved
   p.saved_ranges.clear();
-  for (BlockRun* run : part.runs) {
-    const BlockRun::Holder* h = run->holder(part.owner);
-    p.saved_ranges.emplace_back(h->lo, h->hi);
-  }
+  for (const RunRef& ref : part.runs) p.saved_ranges.emplace_back(ref.get().lo, ref.get().hi);
   const std::int64_t E = part.end;
   if (p.fresh) {
     if (!part.runs.empty()) {
-      BlockRun::Holder* h = part.runs.back()->holder(part.owner);
-      h->hi = std::max(h->lo, std::min(h->hi, p.fresh->first_position));
+      BlockRun::Holder& h = part.runs.back().get();
+      h.hi = std::max(h.lo, std::min(h.hi, p.fresh->first_position));
     }
-    p.fresh->holders.push_back({part.owner, std::max(p.fresh->first_position, part.first), E + p.q});
-    part.runs.push_back(p.fresh);
+    p.fresh->holders.push_back({&part, std::max(p.fresh->first_position, part.first), E + p.q});
+    part.runs.push_back({p.fresh, 0});
   } else {
-    part.runs.back()->holder(part.owner)->hi = E + p.q;
+    part.runs.back().get().hi = E + p.q;
   }
   part.end = E + p.q;
 }
@@ -344,9 +329,9 @@ void PagedLayer::open(PagedPart& part) noexcept {
 void PagedLayer::abandon(PagedPart& part) noexcept {
   auto& p = part.pending;
   for (std::size_t i = 0; i < p.saved_runs.size(); ++i) {
-    BlockRun::Holder* h = p.saved_runs[i]->holder(part.owner);
-    h->lo = p.saved_ranges[i].first;
-    h->hi = p.saved_ranges[i].second;
+    BlockRun::Holder& h = p.saved_runs[i].get();
+    h.lo = p.saved_ranges[i].first;
+    h.hi = p.saved_ranges[i].second;
   }
   part.runs.assign(p.saved_runs.begin(), p.saved_runs.end());
   part.first = p.saved_first;
@@ -357,20 +342,20 @@ void PagedLayer::abandon(PagedPart& part) noexcept {
 void PagedLayer::commit(PagedPart& part, std::int64_t R) noexcept {
   auto& p = part.pending;
   for (std::size_t i = 0; i < p.saved_runs.size(); ++i) {
-    BlockRun* run = p.saved_runs[i];
-    const BlockRun::Holder* h = run->holder(part.owner);
-    if (h->lo != p.saved_ranges[i].first || h->hi != p.saved_ranges[i].second)
-      settle_range(*run, part.owner, p.saved_ranges[i].first, p.saved_ranges[i].second);
+    const BlockRun::Holder& h = p.saved_runs[i].get();
+    if (h.lo != p.saved_ranges[i].first || h.hi != p.saved_ranges[i].second)
+      settle_range(*p.saved_runs[i].run, p.saved_ranges[i].first, p.saved_ranges[i].second);
   }
   p.fresh = nullptr;
   p.appended = 0;
   p.q = 0;
+  p.saved_runs.clear();
   shrink(part, rule_.keep_first(part.end, R), part.end);
 }
 
 void PagedLayer::write(const PagedPart& part, int part_index, const TensorView& input, int token_dim,
                        std::int64_t row0, std::int64_t pos, std::int64_t n) const {
-  const BlockRun& run = *part.runs.back();
+  const BlockRun& run = *part.runs.back().run;
   const std::int64_t bs = block_size();
   std::int64_t done = 0;
   while (done < n) {
@@ -387,7 +372,7 @@ void PagedLayer::write(const PagedPart& part, int part_index, const TensorView& 
 bool PagedLayer::overlaps(const PagedPart& part, std::int64_t pos, std::int64_t n, std::uintptr_t lo,
                           std::uintptr_t hi) const {
   if (n <= 0) return false;
-  const BlockRun& run = *part.runs.back();
+  const BlockRun& run = *part.runs.back().run;
   const std::int64_t bs = block_size();
   const std::int64_t j0 = (pos - run.first_position) / bs;
   const std::int64_t j1 = (pos + n - 1 - run.first_position) / bs;
@@ -400,11 +385,11 @@ bool PagedLayer::overlaps(const PagedPart& part, std::int64_t pos, std::int64_t 
 
 void PagedLayer::spans(const PagedPart& part, std::int64_t from, std::vector<BlockSpan>& out) const {
   const std::int64_t bs = block_size();
-  for (const BlockRun* run : part.runs) {
-    const BlockRun::Holder* h = run->holder(part.owner);
-    const std::int64_t a = std::max(h->lo, from);
-    if (a >= h->hi) continue;
-    out.push_back({a, h->hi - a, run->blocks.data() + (a - run->first_position) / bs});
+  for (const RunRef& ref : part.runs) {
+    const BlockRun::Holder& h = ref.get();
+    const std::int64_t a = std::max(h.lo, from);
+    if (a >= h.hi) continue;
+    out.push_back({a, h.hi - a, ref.run->blocks.data() + (a - ref.run->first_position) / bs});
   }
 }
 

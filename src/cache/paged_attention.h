@@ -59,29 +59,38 @@ class BlockPool {
   std::int64_t in_use_ = 0;
 };
 
+struct PagedPart;
+
 struct BlockRun {
   struct Holder {
-    std::uint64_t owner;
-    std::int64_t lo, hi;  // positions used, [lo, hi)
+    PagedPart* part;      // the sequence part holding positions [lo, hi)
+    std::int64_t lo, hi;
   };
   std::int64_t first_position = 0;  // of blocks[0]; a multiple of the block size
   std::vector<std::byte*> blocks;   // nullptr once released
   std::vector<Holder> holders;
 
-  Holder* holder(std::uint64_t owner);
-  const Holder* holder(std::uint64_t owner) const;
   std::int64_t end_position(std::int64_t bs) const {
     return first_position + static_cast<std::int64_t>(blocks.size()) * bs;
   }
 };
 
+// A part's hold on a run: the run and the index of its holder entry there
+// (kept current when other holders leave), so lookups are O(1) however
+// many forks share the run.
+struct RunRef {
+  BlockRun* run;
+  std::uint32_t holder;
+  BlockRun::Holder& get() const { return run->holders[holder]; }
+};
+
 // One sequence's attention part of one layer: positions [first, end), held
-// as consecutive ranges of `runs` (which partition them).
+// as consecutive ranges of `runs` (which partition them). Runs point back
+// at their holders' parts: a part must not move once it holds a run.
 struct PagedPart {
-  std::uint64_t owner = 0;  // unique per part (holder identity in runs)
   std::int64_t first = 0;
   std::int64_t end = 0;
-  std::vector<BlockRun*> runs;
+  std::vector<RunRef> runs;
 
   // What an open forward reserved, and what abandoning it restores.
   struct Pending {
@@ -89,7 +98,7 @@ struct PagedPart {
     BlockRun* fresh = nullptr;     // a new run (copy-on-write start), not yet linked
     std::int64_t appended = 0;     // blocks added to the own last run
     std::int64_t saved_first = 0, saved_end = 0;
-    std::vector<BlockRun*> saved_runs;
+    std::vector<RunRef> saved_runs;
     std::vector<std::pair<std::int64_t, std::int64_t>> saved_ranges;  // per saved run
   } pending;
 };
@@ -149,14 +158,14 @@ class PagedLayer {
   void spans(const PagedPart& part, std::int64_t from, std::vector<BlockSpan>& out) const;
 
  private:
-  // Releases the blocks of run r (whose range for `owner` was [old_lo,
-  // old_hi) and is now [lo, hi)) that no holder touches any more.
-  void settle_range(BlockRun& run, std::uint64_t owner, std::int64_t old_lo, std::int64_t old_hi) noexcept;
-  bool touched(const BlockRun& run, std::int64_t block) const;
+  // Releases the blocks of `run` in positions [old_lo, old_hi) (a range
+  // that shrank) that no holder's range touches any more.
+  void settle_range(BlockRun& run, std::int64_t old_lo, std::int64_t old_hi) noexcept;
   // Removes empty holders / runs, drops released blocks at the ends, merges
   // the last two runs when this part holds both alone.
   void tidy(PagedPart& part) noexcept;
-  void drop_run(BlockRun* run, std::uint64_t owner) noexcept;
+  // Removes `ref`'s holder entry (deleting the run when it was the last).
+  void drop_holder(const RunRef& ref) noexcept;
 
   RetentionRule rule_;
   BlockLayout layout_;

@@ -5,6 +5,7 @@
 #include <limits>
 #include <new>
 #include <string>
+#include <type_traits>
 #include <utility>
 
 #include "aligned_memory.h"
@@ -30,16 +31,26 @@ constexpr std::int64_t kMaxSequences = std::int64_t{1} << 31;
 
 std::size_t round64(std::size_t bytes) { return (bytes + 63) / 64 * 64; }
 
-// Runs fn(); std::bad_alloc from a container becomes CapacityError, a budget
-// refusal gets `operation` in front.
+// An operation's name for messages: a string, or a callable building it
+// only when a message needs it (crop and fork run every decode step).
+std::string name_of(const std::string& name) { return name; }
+std::string name_of(const char* name) { return name; }
 template <typename Fn>
-decltype(auto) budgeted(const std::string& operation, Fn&& fn) {
+  requires std::is_invocable_v<Fn>
+std::string name_of(const Fn& name) {
+  return name();
+}
+
+// Runs fn(); std::bad_alloc from a container becomes CapacityError, a budget
+// refusal gets the operation's name in front.
+template <typename Name, typename Fn>
+decltype(auto) budgeted(const Name& operation, Fn&& fn) {
   try {
     return fn();
   } catch (const detail::BudgetExceeded& e) {
-    throw CapacityError(operation + ": " + e.what() + "; nothing was changed");
+    throw CapacityError(name_of(operation) + ": " + e.what() + "; nothing was changed");
   } catch (const std::bad_alloc&) {
-    throw CapacityError(operation + ": the system could not allocate memory; nothing was changed");
+    throw CapacityError(name_of(operation) + ": the system could not allocate memory; nothing was changed");
   }
 }
 
@@ -146,7 +157,6 @@ struct SequenceCache::Impl {
   LayerOptions options;
   std::int64_t block_size = 16;
   std::vector<LayerState> layers;
-  std::uint64_t next_owner = 1;
 
   struct Slot {
     std::uint64_t generation = 0;
@@ -192,9 +202,10 @@ struct SequenceCache::Impl {
     if (!s) throw IndexError(to_string(id) + " is not a live sequence of this cache (removed, or never issued by it)");
     return *s;
   }
-  void refuse_in_batch(const std::string& operation) const {
+  template <typename Name>
+  void refuse_in_batch(const Name& operation) const {
     if (open) {
-      throw StateError(operation + " while a batch is open (begin_batch); commit() or abandon() it first");
+      throw StateError(name_of(operation) + " while a batch is open (begin_batch); commit() or abandon() it first");
     }
   }
   const PagedLayer& attention(int layer_idx, const char* operation) const {
@@ -217,7 +228,6 @@ struct SequenceCache::Impl {
     s->linear.resize(layers.size());
     for (std::size_t i = 0; i < layers.size(); ++i) {
       const LayerState& l = layers[i];
-      if (l.paged) s->parts[i].owner = next_owner++;
       if (!l.linear) continue;
       std::unique_ptr<Layer::Impl> impl;
       if (parent) {
@@ -555,9 +565,9 @@ SeqId SequenceCache::add_sequence() {
 
 SeqId SequenceCache::fork(SeqId parent) {
   Impl& c = state();
-  c.refuse_in_batch("fork(" + to_string(parent) + ")");
+  c.refuse_in_batch([&] { return "fork(" + to_string(parent) + ")"; });
   const Sequence& p = c.lookup(parent);
-  return budgeted("fork(" + to_string(parent) + ")", [&] {
+  return budgeted([&] { return "fork(" + to_string(parent) + ")"; }, [&] {
     auto s = c.make_sequence(&p);  // copies conv / recurrent state, reserves the block tables
     c.reserve_slot();
     for (std::size_t i = 0; i < c.layers.size(); ++i)
@@ -568,7 +578,7 @@ SeqId SequenceCache::fork(SeqId parent) {
 
 bool SequenceCache::seq_rm(SeqId id) {
   Impl& c = state();
-  c.refuse_in_batch("seq_rm(" + to_string(id) + ")");
+  c.refuse_in_batch([&] { return "seq_rm(" + to_string(id) + ")"; });
   Sequence* s = c.find(id);
   if (!s) return false;
   c.remove(*s);
@@ -577,7 +587,7 @@ bool SequenceCache::seq_rm(SeqId id) {
 
 void SequenceCache::seq_keep(SeqId id) {
   Impl& c = state();
-  c.refuse_in_batch("seq_keep(" + to_string(id) + ")");
+  c.refuse_in_batch([&] { return "seq_keep(" + to_string(id) + ")"; });
   c.lookup(id);
   for (auto& slot : c.slots)
     if (slot.seq && slot.generation != id.generation) c.remove(*slot.seq);
@@ -608,7 +618,7 @@ std::int64_t SequenceCache::seq_pos_min(SeqId id) const {
 
 void SequenceCache::crop(SeqId id, std::int64_t n) {
   Impl& c = state();
-  c.refuse_in_batch("crop(" + to_string(id) + ", " + num(n) + ")");
+  c.refuse_in_batch([&] { return "crop(" + to_string(id) + ", " + num(n) + ")"; });
   Sequence& s = c.lookup(id);
   c.check_crop(s, n);
   if (n > 0) detail::warn_positive_crop_once();
@@ -617,13 +627,13 @@ void SequenceCache::crop(SeqId id, std::int64_t n) {
 
 void SequenceCache::check_crop(SeqId id, std::int64_t n) const {
   const Impl& c = state();
-  c.refuse_in_batch("check_crop(" + to_string(id) + ", " + num(n) + ")");
+  c.refuse_in_batch([&] { return "check_crop(" + to_string(id) + ", " + num(n) + ")"; });
   c.check_crop(c.lookup(id), n);
 }
 
 std::int64_t SequenceCache::max_rollback(SeqId id) const {
   const Impl& c = state();
-  c.refuse_in_batch("max_rollback(" + to_string(id) + ")");
+  c.refuse_in_batch([&] { return "max_rollback(" + to_string(id) + ")"; });
   return c.max_rollback(c.lookup(id));
 }
 
@@ -860,7 +870,7 @@ BatchRecurrentUpdate SequenceCache::begin_recurrent_update(int layer_idx, int st
                      num(static_cast<std::int64_t>(l.num_recurrent)) + ")");
   }
   BatchRecurrentUpdate out;
-  budgeted(c.where(layer_idx) + ": begin_recurrent_update", [&] {
+  budgeted([&] { return c.where(layer_idx) + ": begin_recurrent_update"; }, [&] {
     out.updates_.reserve(c.active.size());
     out.index_.reserve(c.active.size());
     out.previous_.reserve(c.active.size());
