@@ -178,9 +178,11 @@ class SequenceCache {
   std::int64_t num_sequences() const;
   std::vector<SeqId> sequences() const;  // live ones, in slot order
 
-  // Tokens seen. seq_pos_max is L - 1 (-1 when empty); seq_pos_min the
-  // smallest position some attention part of the sequence still holds (0
-  // when it has no attention or is empty). Throw IndexError for an invalid id.
+  // Tokens seen. seq_pos_max is L - 1; seq_pos_min the smallest position
+  // whose keys some attention layer still holds, at most L - 1 (L - 1 for a
+  // model without attention: only the state after the last token is kept,
+  // as llama.cpp's recurrent memory reports). Both are -1 when the sequence
+  // is empty. Throw IndexError for an invalid id.
   std::int64_t seq_length(SeqId id) const;
   std::int64_t seq_pos_max(SeqId id) const;
   std::int64_t seq_pos_min(SeqId id) const;

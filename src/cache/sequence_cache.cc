@@ -608,7 +608,7 @@ std::int64_t SequenceCache::seq_pos_min(SeqId id) const {
   const Impl& c = state();
   const Sequence& s = c.lookup(id);
   if (s.length == 0) return -1;
-  std::int64_t first = s.length;
+  std::int64_t first = s.length - 1;
   for (std::size_t i = 0; i < c.layers.size(); ++i)
     if (c.layers[i].paged && s.parts[i].first < s.parts[i].end) first = std::min(first, s.parts[i].first);
   return first;
@@ -1045,10 +1045,10 @@ SequenceBatch::~SequenceBatch() { abandon(); }
 void SequenceBatch::commit() {
   if (!cache_) throw StateError("SequenceBatch::commit: the batch is not open (committed, abandoned or moved from)");
   SequenceCache::Impl& c = *cache_;
+  // The first layer (in model order) that misses a part is named.
   for (std::size_t i = 0; i < c.layers.size(); ++i) {
     const LayerState& l = c.layers[i];
-    if (!l.paged) continue;
-    if (!l.kv_done) {
+    if (l.paged && !l.kv_done) {
       throw StateError("SequenceBatch::commit: " + c.where(static_cast<int>(i)) +
                        " did not receive its keys and values (update); the batch stays open");
     }
@@ -1058,13 +1058,11 @@ void SequenceBatch::commit() {
                          std::to_string(s) + " (update_side); the batch stays open");
       }
     }
-  }
-  for (const auto& a : c.active) {
-    if (a.q == 0) continue;
-    for (const auto& layer : a.seq->linear) {
-      if (!layer) continue;
+    if (!l.linear) continue;
+    for (const auto& a : c.active) {
+      if (a.q == 0) continue;
       try {
-        SequenceCache::layer_impl(*layer).check_forward_complete();
+        SequenceCache::layer_impl(*a.seq->linear[i]).check_forward_complete();
       } catch (const StateError& e) {
         throw StateError("SequenceBatch::commit: " + to_string(a.seq->id()) + ": " + e.what() +
                          "; the batch stays open");
