@@ -1,0 +1,843 @@
+// SequenceCache conformance (rewind/sequences.h).
+//
+// 1. A randomized model-based test: every live sequence of one SequenceCache
+//    is compared, after every operation, with its own naive single-sequence
+//    reference (reference.h's RefCache; a fork is a deep copy of it): lengths,
+//    max_rollback, retained keys / values / side rows (through keys(), values(),
+//    side() and row by row through block_spans), conv inputs and windows,
+//    recurrent states and snapshots, mask sizes, what each batched update
+//    returns (read back with BlockLayout::gather), and the block count
+//    (memory().blocks_in_use against the distinct blocks that hold a retained
+//    position). Random interleavings of add / fork / seq_rm / seq_keep, ragged
+//    batches (entries of 0 tokens included), abandoned batches, crops of any
+//    sign, recording changes; every layer kind, f32 / f16 / bf16, block sizes
+//    1, 2, 3 and 16. Fixed seeds.
+// 2. Targeted tests with hand-worked expectations: handles, fork
+//    independence and copy-on-write block counts, batch invariance, abandon,
+//    budget, errors, sliding layers returning blocks to the pool.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <memory>
+#include <numeric>
+#include <ostream>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "conformance/sequence_model.h"
+
+namespace rwt::seqtest {
+namespace {
+
+using rwd::CapacityError;
+using rwd::IndexError;
+using rwd::InvalidArgument;
+using rwd::StateError;
+
+const std::vector<LayerKind> kEveryKind = {
+    LayerKind::FullAttention, LayerKind::SlidingAttention, LayerKind::ChunkedAttention,
+    LayerKind::LinearAttention, LayerKind::Conv,          LayerKind::Hybrid,
+    LayerKind::HybridSliding,   LayerKind::SparseAttention, LayerKind::Moe,
+    LayerKind::Mlp};
+
+// ---- 1. randomized ------------------------------------------------------------------
+
+struct RandomConfig {
+  SeqSpec spec;
+  int ops;
+  std::uint64_t seed;
+};
+
+void PrintTo(const RandomConfig& c, std::ostream* os) { *os << c.spec.name << "/" << c.seed; }
+
+class RandomDriver {
+ public:
+  explicit RandomDriver(const RandomConfig& cfg) : m_(cfg.spec), rng_(cfg.seed) {}
+
+  std::string run(int ops) {
+    for (int k = 0; k < ops; ++k)
+      if (std::string e = step(); !e.empty()) return e;
+    // Remove every sequence, in random order: nothing may stay in use.
+    while (!m_.live.empty())
+      if (std::string e = m_.remove(pick(m_.live.size())); !e.empty()) return e;
+    const SequenceMemory mem = m_.cache.memory();
+    if (mem.blocks_in_use != 0 || mem.bytes_used != 0)
+      return m_.fail("every sequence removed, yet blocks_in_use = " + std::to_string(mem.blocks_in_use) +
+                     ", bytes_used = " + std::to_string(mem.bytes_used));
+    return "";
+  }
+
+ private:
+  SeqModel m_;
+  std::mt19937_64 rng_;
+
+  i64 uniform(i64 lo, i64 hi) { return lo + static_cast<i64>(rng_() % static_cast<std::uint64_t>(hi - lo + 1)); }
+  bool chance(int percent) { return uniform(0, 99) < percent; }
+  std::size_t pick(std::size_t n) { return static_cast<std::size_t>(uniform(0, static_cast<i64>(n) - 1)); }
+
+  std::string step() {
+    if (m_.live.empty()) return add();
+    // Keep the references short: a sequence past 80 tokens is removed.
+    for (std::size_t i = 0; i < m_.live.size(); ++i)
+      if (m_.live[i].ref.seq_length() > 80) return m_.remove(i);
+    const std::size_t n = m_.live.size();
+    const i64 dice = uniform(0, 99);
+    if (dice < 8 && n < 6) return add();
+    if (dice < 16 && n < 6) return m_.fork(pick(n));
+    if (dice < 21) return m_.remove(pick(n));
+    if (dice < 24) return stale();
+    if (dice < 25) return m_.keep(pick(n));
+    if (dice < 45) return crop();
+    if (dice < 51) return m_.activate(pick(n), uniform(0, 8));
+    if (dice < 53) return m_.deactivate(pick(n));
+    if (dice < 56) return invalid_batch();
+    if (dice < 58) return m_.shrink();
+    return forward();
+  }
+
+  // A new sequence, most of them recording (so that crops are exact).
+  std::string add() {
+    if (std::string e = m_.add(); !e.empty()) return e;
+    return chance(70) ? m_.activate(m_.live.size() - 1, uniform(0, 8)) : "";
+  }
+
+  std::string stale() {
+    if (!m_.removed.empty() && chance(70)) return m_.stale_calls(m_.removed[pick(m_.removed.size())]);
+    const SeqId live = m_.live[pick(m_.live.size())].id;
+    const SeqId forged[3] = {SeqId{}, SeqId{live.slot, live.generation + 1000}, SeqId{1u << 30, 1}};
+    return m_.stale_calls(forged[uniform(0, 2)]);
+  }
+
+  std::string crop() {
+    const std::size_t i = pick(m_.live.size());
+    const i64 L = m_.live[i].ref.seq_length();
+    const i64 mr = m_.live[i].ref.max_rollback();
+    const i64 kind = uniform(0, 99);
+    i64 n;
+    if (kind < 50) n = uniform(-(L + 2), -1);
+    else if (kind < 65) n = 0;
+    else if (kind < 80) n = uniform(1, L + 2);
+    else n = chance(50) ? -mr : -(mr + 1);
+    return m_.crop(i, n);
+  }
+
+  std::vector<std::size_t> subset(std::size_t k) {
+    std::vector<std::size_t> idx(m_.live.size());
+    std::iota(idx.begin(), idx.end(), std::size_t{0});
+    std::shuffle(idx.begin(), idx.end(), rng_);
+    idx.resize(k);
+    return idx;
+  }
+
+  std::string forward() {
+    const std::size_t k = static_cast<std::size_t>(uniform(1, std::min<i64>(4, static_cast<i64>(m_.live.size()))));
+    std::vector<std::pair<std::size_t, i64>> plan;
+    for (std::size_t idx : subset(k)) {
+      const i64 q = chance(15) ? 0 : chance(10) ? uniform(7, 20) : uniform(1, 6);
+      plan.push_back({idx, q});
+    }
+    ForwardOptions fo;
+    fo.strided = chance(30);
+    if (chance(12)) {
+      fo.abandon_layer = static_cast<int>(uniform(0, m_.num_layers()));
+      fo.abandon_stage = static_cast<int>(uniform(0, 2));
+      fo.abandon_how = static_cast<int>(uniform(0, 2));
+    }
+    return m_.forward(plan, fo);
+  }
+
+  std::string invalid_batch() {
+    std::vector<std::pair<std::size_t, i64>> plan;
+    const std::size_t i = pick(m_.live.size());
+    switch (uniform(0, 3)) {
+      case 0: break;                                  // empty list
+      case 1: plan = {{i, 1}, {i, 2}}; break;         // a sequence twice
+      case 2: plan = {{i, -1}}; break;                // a negative count
+      default:                                        // no token at all
+        for (std::size_t j : subset(m_.live.size())) plan.push_back({j, 0});
+    }
+    return m_.forward(plan);
+  }
+};
+
+class SequencesRandomized : public testing::TestWithParam<RandomConfig> {};
+
+TEST_P(SequencesRandomized, EverySequenceMatchesItsReferenceAfterEveryOperation) {
+  WarningCapture quiet;  // positive crops warn once
+  RandomDriver d(GetParam());
+  const std::string e = d.run(GetParam().ops);
+  ASSERT_TRUE(e.empty()) << e << "\nconfig " << GetParam().spec.name << ", seed " << GetParam().seed;
+}
+
+SeqSpec spec(std::string name, std::vector<LayerKind> kinds, DType dt, i64 bs, i64 W = 4, i64 C = 4, i64 K = 3) {
+  SeqSpec s;
+  s.name = std::move(name);
+  s.kinds = std::move(kinds);
+  s.dtype = dt;
+  s.block_size = bs;
+  s.window = W;
+  s.chunk = C;
+  s.kernel = K;
+  return s;
+}
+
+const SeqSpec kMixedF32 = spec("mixed_f32_bs3",
+                               {LayerKind::FullAttention, LayerKind::SlidingAttention, LayerKind::LinearAttention,
+                                LayerKind::Conv, LayerKind::SparseAttention, LayerKind::Moe},
+                               DType::F32, 3);
+const SeqSpec kHybridsF16 = spec("hybrids_f16_bs1",
+                                 {LayerKind::ChunkedAttention, LayerKind::Hybrid, LayerKind::Mlp,
+                                  LayerKind::HybridSliding, LayerKind::FullAttention},
+                                 DType::F16, 1, 3, 5, 2);
+const SeqSpec kEveryBF16 = spec("every_kind_bf16_bs2", kEveryKind, DType::BF16, 2);
+const SeqSpec kAttentionF32 = spec("attention_f32_bs16",
+                                   {LayerKind::FullAttention, LayerKind::SlidingAttention, LayerKind::ChunkedAttention,
+                                    LayerKind::SparseAttention, LayerKind::HybridSliding},
+                                   DType::F32, 16, 6, 3, 4);
+
+INSTANTIATE_TEST_SUITE_P(Caches, SequencesRandomized,
+                         testing::Values(RandomConfig{kMixedF32, 500, 0x5e90001}, RandomConfig{kMixedF32, 500, 0x5e90002},
+                                         RandomConfig{kHybridsF16, 500, 0x5e90003},
+                                         RandomConfig{kHybridsF16, 500, 0x5e90004},
+                                         RandomConfig{kEveryBF16, 500, 0x5e90005},
+                                         RandomConfig{kEveryBF16, 500, 0x5e90006},
+                                         RandomConfig{kAttentionF32, 500, 0x5e90007},
+                                         RandomConfig{kAttentionF32, 500, 0x5e90008}),
+                         [](const testing::TestParamInfo<RandomConfig>& i) {
+                           return i.param.spec.name + "_" + std::to_string(i.index);
+                         });
+
+// ---- 2. targeted ---------------------------------------------------------------------
+
+// Full attention only, one head of width 1 (f32): token p of a sequence is
+// the key value given, its value the negated key.
+LayerOptions scalar_options() {
+  LayerOptions o;
+  o.dtype = DType::F32;
+  o.batch_size = 1;
+  o.num_kv_heads = 1;
+  o.key_dim = 1;
+  o.value_dim = 1;
+  o.sliding_window = 4;
+  return o;
+}
+
+void append(SequenceCache& c, SeqId id, const std::vector<float>& keys) {
+  const i64 q = static_cast<i64>(keys.size());
+  std::vector<float> k = keys, v;
+  for (float x : keys) v.push_back(-x);
+  const BatchEntry en[1] = {{id, q}};
+  SequenceBatch b = c.begin_batch(en);
+  for (int i = 0; i < c.num_layers(); ++i)
+    (void)c.update(TensorView::contiguous(k.data(), DType::F32, {1, 1, q, 1}),
+                   TensorView::contiguous(v.data(), DType::F32, {1, 1, q, 1}), i);
+  b.commit();
+}
+
+std::vector<float> floats(const rwd::Tensor& t) {
+  return std::vector<float>(t.data<float>(), t.data<float>() + t.numel());
+}
+std::vector<float> negated(std::vector<float> v) {
+  for (float& x : v) x = -x;
+  return v;
+}
+std::vector<float> iota_from(float first, int n) {
+  std::vector<float> v(static_cast<std::size_t>(n));
+  std::iota(v.begin(), v.end(), first);
+  return v;
+}
+std::vector<float> cat(std::vector<float> a, const std::vector<float>& b) {
+  a.insert(a.end(), b.begin(), b.end());
+  return a;
+}
+
+#define EXPECT_SEQ(c, id, want)                              \
+  do {                                                       \
+    EXPECT_EQ(floats((c).keys(id, 0)), (want));              \
+    EXPECT_EQ(floats((c).values(id, 0)), negated(want));     \
+    EXPECT_EQ((c).seq_length(id), static_cast<i64>((want).size())); \
+  } while (0)
+
+TEST(SequenceHandles, StaleAndForgedIdsAreRefusedAndNeverAliasANewSequence) {
+  SequenceCache c({"full_attention"}, scalar_options(), {4});
+  const SeqId none;
+  EXPECT_EQ(none.generation, 0u);
+  EXPECT_FALSE(c.contains(none));
+  EXPECT_THROW((void)c.seq_length(none), IndexError);
+  EXPECT_FALSE(c.seq_rm(none));  // never issued: no live sequence, nothing to remove
+  EXPECT_THROW((void)c.fork(none), IndexError);
+
+  const SeqId a = c.add_sequence();
+  EXPECT_NE(a.generation, 0u);
+  EXPECT_TRUE(c.contains(a));
+  append(c, a, {1, 2, 3});
+  EXPECT_TRUE(c.seq_rm(a));
+  EXPECT_FALSE(c.seq_rm(a));  // idempotent
+  EXPECT_FALSE(c.seq_rm(a));
+  EXPECT_FALSE(c.contains(a));
+  EXPECT_EQ(c.num_sequences(), 0);
+  EXPECT_THROW((void)c.seq_length(a), IndexError);
+  EXPECT_THROW(c.crop(a, -1), IndexError);
+  EXPECT_THROW((void)c.fork(a), IndexError);
+  EXPECT_THROW(c.activate_past_recording(a, 2), IndexError);
+  EXPECT_THROW((void)c.keys(a, 0), IndexError);
+  {
+    const BatchEntry en[1] = {{a, 1}};
+    EXPECT_THROW((void)c.begin_batch(en), IndexError);
+    EXPECT_FALSE(c.batch_open());
+  }
+
+  // The freed slot is reused under a new generation; the old id stays dead.
+  SeqId reused;
+  std::vector<SeqId> others;
+  for (int k = 0; k < 8 && reused.generation == 0; ++k) {
+    const SeqId b = c.add_sequence();
+    EXPECT_FALSE(b == a);
+    if (b.slot == a.slot) reused = b;
+    else others.push_back(b);
+  }
+  ASSERT_NE(reused.generation, 0u) << "slot " << a.slot << " was not reused within 8 add_sequence calls";
+  EXPECT_NE(reused.generation, a.generation);
+  EXPECT_TRUE(c.contains(reused));
+  EXPECT_FALSE(c.contains(a));
+  EXPECT_THROW((void)c.seq_length(a), IndexError);
+  EXPECT_EQ(c.seq_length(reused), 0);  // not the 3 tokens of the old sequence
+  append(c, reused, {7});
+  EXPECT_FALSE(c.seq_rm(a));  // does not remove the new one
+  EXPECT_TRUE(c.contains(reused));
+  EXPECT_SEQ(c, reused, std::vector<float>{7});
+
+  // Forged ids: a generation not issued yet, a slot never used.
+  const SeqId ahead{reused.slot, reused.generation + 1000};
+  EXPECT_FALSE(c.contains(ahead));
+  EXPECT_THROW((void)c.seq_length(ahead), IndexError);
+  EXPECT_FALSE(c.seq_rm(ahead));
+  const SeqId far{1u << 30, 1};
+  EXPECT_FALSE(c.seq_rm(far));
+  EXPECT_THROW(c.crop(far, 0), IndexError);
+  EXPECT_TRUE(c.contains(reused));
+  EXPECT_EQ(c.num_sequences(), static_cast<i64>(others.size()) + 1);
+  // An id of another cache names no sequence of this one.
+  SequenceCache other({"full_attention"}, scalar_options(), {4});
+  const SeqId foreign = other.add_sequence();
+  if (!c.contains(foreign)) {
+    EXPECT_THROW((void)c.seq_length(foreign), IndexError);
+    EXPECT_FALSE(c.seq_rm(foreign));
+    EXPECT_TRUE(other.contains(foreign));
+  }
+  const SeqId mine = c.add_sequence();
+  EXPECT_FALSE(other.contains(mine)) << "generations come from one process-wide counter";
+  EXPECT_THROW((void)other.seq_length(mine), IndexError);
+  EXPECT_FALSE(other.seq_rm(mine));
+  EXPECT_TRUE(c.contains(mine));
+
+  EXPECT_EQ(rwd::to_string(SeqId{3, 2}), "sequence 3 (generation 2)");
+}
+
+// The header: seq_pos_max is L - 1; seq_pos_min the smallest position whose
+// keys some attention layer holds, at most L - 1 (L - 1 without attention);
+// both -1 when the sequence is empty.
+TEST(SequenceHandles, SeqPosMinAndMax) {
+  LayerOptions o = seq_options(kMixedF32);
+  o.chunk_size = 3;
+  SequenceCache c({"sliding_attention", "conv"}, o, {2});
+  const SeqId s = c.add_sequence();
+  EXPECT_EQ(c.seq_pos_max(s), -1);
+  EXPECT_EQ(c.seq_pos_min(s), -1) << "empty sequence";
+  SequenceCache lin({"conv", "mlp"}, o, {2});
+  const SeqId t = lin.add_sequence();
+  EXPECT_EQ(lin.seq_pos_min(t), -1) << "empty, no attention";
+  SequenceCache chunked({"chunked_attention"}, o, {2});
+  const SeqId u = chunked.add_sequence();
+  auto forward = [](SequenceCache& cc, SeqId id, i64 q) {
+    std::vector<float> kb(static_cast<std::size_t>(2 * q * 3), 1.f), vb(static_cast<std::size_t>(2 * q * 2), 2.f),
+        x0(static_cast<std::size_t>(3 * q), 3.f), x1(static_cast<std::size_t>(2 * q), 4.f);
+    const BatchEntry en[1] = {{id, q}};
+    SequenceBatch b = cc.begin_batch(en);
+    for (int i = 0; i < cc.num_layers(); ++i) {
+      const LayerKind k = cc.layer_kind(i);
+      if (k == LayerKind::SlidingAttention || k == LayerKind::ChunkedAttention)
+        (void)cc.update(TensorView::contiguous(kb.data(), DType::F32, {1, 2, q, 3}),
+                        TensorView::contiguous(vb.data(), DType::F32, {1, 2, q, 2}), i);
+      if (k == LayerKind::Conv) {
+        (void)cc.update_conv_state(TensorView::contiguous(x0.data(), DType::F32, {1, 3, q}), i, 0);
+        (void)cc.update_conv_state(TensorView::contiguous(x1.data(), DType::F32, {1, 2, q}), i, 1);
+      }
+    }
+    b.commit();
+  };
+  forward(c, s, 6);
+  forward(lin, t, 6);
+  EXPECT_EQ(c.seq_pos_max(s), 5);
+  EXPECT_EQ(c.seq_pos_min(s), 3) << "W = 4: positions 3..5 retained";
+  EXPECT_EQ(lin.seq_pos_max(t), 5);
+  EXPECT_EQ(lin.seq_pos_min(t), 5) << "no attention: L - 1";
+  forward(chunked, u, 5);  // C = 3: chunk {3, 4} retained
+  EXPECT_EQ(chunked.seq_pos_min(u), 3);
+  forward(chunked, u, 1);  // L = 6: the current chunk starts at 6, no key held
+  EXPECT_EQ(chunked.stored_range(u, 0).size(), 0);
+  EXPECT_EQ(chunked.seq_pos_min(u), 5) << "no key held: at most L - 1";
+}
+
+TEST(SequenceFork, ChildAndParentAreIndependentAcrossASharedPartialBlock) {
+  // Block size 4, fork after positions 0..9: blocks {0..3}, {4..7}, {8, 9} shared.
+  SequenceCache c({"full_attention"}, scalar_options(), {4});
+  const SeqId p = c.add_sequence();
+  const std::vector<float> base = iota_from(100, 10);
+  append(c, p, base);
+  EXPECT_EQ(c.memory().blocks_in_use, 3);
+  const SeqId ch = c.fork(p);
+  EXPECT_EQ(c.memory().blocks_in_use, 3) << "a fork shares its parent's blocks";
+  EXPECT_SEQ(c, ch, base);
+
+  append(c, ch, {200, 201, 202});  // copies the shared partial block {8, 9}, then one new block
+  EXPECT_SEQ(c, ch, cat(base, {200, 201, 202}));
+  EXPECT_SEQ(c, p, base);
+  EXPECT_EQ(c.memory().blocks_in_use, 5);
+
+  c.crop(ch, -5);  // the child back to 0..7: its two own blocks are released
+  EXPECT_SEQ(c, ch, iota_from(100, 8));
+  EXPECT_SEQ(c, p, base);
+  EXPECT_EQ(c.memory().blocks_in_use, 3);
+
+  append(c, p, {110, 111});  // block {8, 9} is the parent's alone now
+  EXPECT_SEQ(c, p, iota_from(100, 12));
+  EXPECT_SEQ(c, ch, iota_from(100, 8));
+  EXPECT_EQ(c.memory().blocks_in_use, 3);
+
+  append(c, ch, {300});  // position 8 of the child: a new block of its own
+  EXPECT_SEQ(c, ch, cat(iota_from(100, 8), {300}));
+  EXPECT_SEQ(c, p, iota_from(100, 12));
+  EXPECT_EQ(c.memory().blocks_in_use, 4);
+
+  c.crop(p, -3);  // parent 0..8: still three blocks, the child's untouched
+  EXPECT_SEQ(c, p, iota_from(100, 9));
+  EXPECT_SEQ(c, ch, cat(iota_from(100, 8), {300}));
+  EXPECT_EQ(c.memory().blocks_in_use, 4);
+
+  EXPECT_TRUE(c.seq_rm(p));  // blocks {0..3}, {4..7} stay for the child
+  EXPECT_SEQ(c, ch, cat(iota_from(100, 8), {300}));
+  EXPECT_EQ(c.memory().blocks_in_use, 3);
+  EXPECT_TRUE(c.seq_rm(ch));
+  EXPECT_EQ(c.memory().blocks_in_use, 0);
+  EXPECT_EQ(c.memory().bytes_used, 0u);
+}
+
+TEST(SequenceFork, BothWritersOfASharedPartialBlockKeepTheirOwnRows) {
+  SequenceCache c({"full_attention"}, scalar_options(), {4});
+  const SeqId p = c.add_sequence();
+  const std::vector<float> base = iota_from(100, 10);
+  append(c, p, base);
+  const SeqId ch = c.fork(p);
+  append(c, p, {110});  // the parent writes row 2 of the shared block first
+  EXPECT_EQ(c.memory().blocks_in_use, 4);
+  append(c, ch, {210});  // then the child, into the same row of its block
+  EXPECT_EQ(c.memory().blocks_in_use, 4);
+  EXPECT_SEQ(c, p, cat(base, {110}));
+  EXPECT_SEQ(c, ch, cat(base, {210}));
+  // A fork of the fork at the same length: three sequences over the shared prefix.
+  const SeqId g = c.fork(ch);
+  c.crop(g, -2);
+  append(c, g, {320, 321, 322});
+  EXPECT_SEQ(c, g, cat(iota_from(100, 9), {320, 321, 322}));
+  EXPECT_SEQ(c, ch, cat(base, {210}));
+  EXPECT_SEQ(c, p, cat(base, {110}));
+}
+
+TEST(SequenceFork, EveryKindForkedMidBlockMatchesTheReference) {
+  SeqModel m(spec("every_kind_bs4", kEveryKind, DType::F32, 4));
+  ASSERT_EQ(m.add(), "");
+  ASSERT_EQ(m.activate(0, 3), "");
+  ASSERT_EQ(m.forward({{0, 10}}), "");
+  ASSERT_EQ(m.fork(0), "");  // sequence 1, forked at L = 10 (mid-block)
+  ASSERT_EQ(m.forward({{1, 3}}), "");
+  ASSERT_EQ(m.crop(1, -2), "");
+  ASSERT_EQ(m.forward({{0, 2}}), "");
+  ASSERT_EQ(m.crop(0, -3), "");
+  ASSERT_EQ(m.forward({{1, 1}, {0, 4}}), "");
+  ASSERT_EQ(m.crop(1, 0), "");
+  ASSERT_EQ(m.remove(0), "");
+  ASSERT_EQ(m.forward({{0, 2}}), "");
+  ASSERT_EQ(m.remove(0), "");
+  EXPECT_EQ(m.cache.memory().blocks_in_use, 0);
+  EXPECT_EQ(m.cache.memory().bytes_used, 0u);
+}
+
+TEST(SequenceBatchInvariance, ARaggedBatchEqualsSingleSequenceBatches) {
+  const SeqSpec s = spec("every_kind_bs3", kEveryKind, DType::F32, 3);
+  SeqModel a(s), b(s);
+  for (SeqModel* m : {&a, &b}) {
+    for (int k = 0; k < 3; ++k) ASSERT_EQ(m->add(), "");
+    ASSERT_EQ(m->activate(0, 4), "");
+    ASSERT_EQ(m->activate(2, 2), "");
+  }
+  ASSERT_EQ(a.forward({{0, 5}, {1, 2}, {2, 7}}), "");
+  ASSERT_EQ(b.forward({{0, 5}}), "");
+  ASSERT_EQ(b.forward({{1, 2}}), "");
+  ASSERT_EQ(b.forward({{2, 7}}), "");
+  // q = {3, 0, 1} in one batch, against {3} and {1} alone ({0} alone is no batch).
+  ASSERT_EQ(a.forward({{0, 3}, {1, 0}, {2, 1}}), "");
+  ASSERT_EQ(b.forward({{0, 3}}), "");
+  ASSERT_EQ(b.forward({{1, 0}}), "");  // refused (InvalidArgument), nothing changes
+  ASSERT_EQ(b.forward({{2, 1}}), "");
+  for (std::size_t k = 0; k < 3; ++k) {
+    EXPECT_EQ(a.live[k].ref.seq_length(), b.live[k].ref.seq_length());
+    EXPECT_TRUE(a.fingerprint(a.live[k].id) == b.fingerprint(b.live[k].id)) << "sequence " << k;
+  }
+  EXPECT_EQ(a.cache.memory().blocks_in_use, b.cache.memory().blocks_in_use);
+}
+
+TEST(SequenceAbandon, RestoresContentLengthsAndBlocksAtEveryPoint) {
+  SeqModel m(spec("every_kind_bs2", kEveryKind, DType::BF16, 2));
+  ASSERT_EQ(m.add(), "");
+  ASSERT_EQ(m.add(), "");
+  ASSERT_EQ(m.activate(0, 3), "");
+  ASSERT_EQ(m.forward({{0, 5}, {1, 3}}), "");
+  ASSERT_EQ(m.fork(0), "");
+  for (int layer = 0; layer <= m.num_layers(); ++layer)
+    for (int stage = 0; stage <= 2; ++stage)
+      for (int how = 0; how <= 2; ++how) {
+        ForwardOptions fo;
+        fo.abandon_layer = layer;
+        fo.abandon_stage = stage;
+        fo.abandon_how = how;
+        const SequenceMemory before = m.cache.memory();
+        ASSERT_EQ(m.forward({{2, 3}, {1, 0}, {0, 6}}, fo), "");
+        EXPECT_EQ(m.cache.memory().blocks_in_use, before.blocks_in_use);
+        EXPECT_EQ(m.cache.memory().bytes_used, before.bytes_used);
+      }
+  ASSERT_EQ(m.forward({{2, 3}, {1, 1}, {0, 6}}), "");  // and the cache still works
+}
+
+TEST(SequenceBudget, ARefusedBatchChangesNothing) {
+  SeqModel m(spec("full_linear_bs4", {LayerKind::FullAttention, LayerKind::LinearAttention}, DType::F32, 4));
+  ASSERT_EQ(m.add(), "");
+  ASSERT_EQ(m.forward({{0, 4}}), "");  // block {0..3} full: the next token needs a block
+  m.cache.shrink_to_fit();
+  EXPECT_EQ(m.cache.memory().blocks_free, 0);
+  const std::size_t reserved = m.cache.memory().bytes_reserved;
+  EXPECT_THROW(m.cache.set_memory_budget(reserved - 1), CapacityError);
+  EXPECT_EQ(m.cache.memory_budget(), 0u);
+  m.cache.set_memory_budget(reserved);
+  const Snapshot before = m.snapshot();
+  const SeqId id = m.live[0].id;
+  {
+    const BatchEntry en[1] = {{id, 1}};
+    EXPECT_THROW((void)m.cache.begin_batch(en), CapacityError);
+  }
+  EXPECT_EQ(m.same_as(before), "");
+  EXPECT_EQ(m.cache.seq_length(id), 4);
+  EXPECT_EQ(m.verify_all(), "");
+  m.cache.set_memory_budget(0);
+  ASSERT_EQ(m.forward({{0, 1}}), "");
+}
+
+TEST(SequenceErrors, ConstructionRefusesBatchesStaticStorageAndBadBlockSizes) {
+  const LayerOptions good = seq_options(kMixedF32);
+  LayerOptions o = good;
+  o.batch_size = 2;
+  EXPECT_THROW(SequenceCache({"full_attention"}, o), InvalidArgument);
+  o = good;
+  o.static_capacity = 16;
+  EXPECT_THROW(SequenceCache({"full_attention"}, o), InvalidArgument);
+  EXPECT_THROW(SequenceCache({"sliding_attention"}, o), InvalidArgument);
+  for (i64 bs : {i64{0}, i64{-1}, i64{65537}, i64{1} << 40})
+    EXPECT_THROW(SequenceCache({"full_attention"}, good, {bs}), InvalidArgument) << "block_size " << bs;
+  EXPECT_THROW(SequenceCache({"full_attention", "no_such_layer"}, good), InvalidArgument);
+  EXPECT_THROW(SequenceCache({}, good), InvalidArgument);
+  for (i64 bs : {i64{1}, i64{65536}}) {
+    SequenceCache c({"full_attention"}, good, {bs});
+    EXPECT_EQ(c.block_size(), bs);
+    EXPECT_EQ(c.block_layout(0).block_size, bs);
+  }
+}
+
+TEST(SequenceErrors, BlockLayoutGeometry) {
+  SequenceCache c({"deepseek_sparse_attention", "linear_attention"}, seq_options(kMixedF32), {3});
+  const BlockLayout& bl = c.block_layout(0);
+  EXPECT_EQ(bl.block_size, 3);
+  EXPECT_EQ(bl.dtype, DType::F32);
+  EXPECT_EQ(bl.num_kv_heads, 2);
+  EXPECT_EQ(bl.key_dim, 3);
+  EXPECT_EQ(bl.value_dim, 2);
+  EXPECT_EQ(bl.side_dims, (std::vector<i64>{4, 1}));
+  ASSERT_EQ(bl.num_parts(), 4);
+  EXPECT_EQ(bl.row_elements(0), 6);  // H * key_dim
+  EXPECT_EQ(bl.row_elements(1), 4);  // H * value_dim
+  EXPECT_EQ(bl.row_elements(2), 4);
+  EXPECT_EQ(bl.row_elements(3), 1);
+  ASSERT_EQ(bl.part_offsets.size(), 4u);
+  // Parts in order, 64-byte aligned, each block_size rows long, inside the block.
+  const std::size_t part_bytes[4] = {3 * 6 * 4, 3 * 4 * 4, 3 * 4 * 4, 3 * 1 * 4};
+  for (std::size_t k = 0; k < 4; ++k) {
+    EXPECT_EQ(bl.part_offsets[k] % 64, 0u) << "part " << k;
+    if (k > 0) {
+      EXPECT_GE(bl.part_offsets[k], bl.part_offsets[k - 1] + part_bytes[k - 1]) << "part " << k;
+    }
+  }
+  EXPECT_GE(bl.block_bytes, bl.part_offsets[3] + part_bytes[3]);
+  std::vector<std::byte> block(bl.block_bytes + 64);
+  const std::byte* base = block.data();
+  const TensorView k = bl.rows(base, 0, 1, 2);
+  EXPECT_EQ(shape_of(k), (std::vector<i64>{1, 2, 2, 3}));
+  EXPECT_EQ(static_cast<const std::byte*>(k.data), base + bl.part_offsets[0] + 1 * 6 * 4);
+  const TensorView s = bl.rows(base, 2, 0, 3);
+  EXPECT_EQ(shape_of(s), (std::vector<i64>{1, 3, 4}));
+  EXPECT_EQ(static_cast<const std::byte*>(s.data), base + bl.part_offsets[2]);
+  EXPECT_THROW((void)c.block_layout(1), StateError);
+  EXPECT_THROW((void)c.block_layout(2), IndexError);
+  EXPECT_THROW((void)c.layer_kind(2), IndexError);
+  EXPECT_EQ(c.layer_kind(1), LayerKind::LinearAttention);
+}
+
+TEST(SequenceErrors, CallsOutsideAndInsideABatch) {
+  SequenceCache c({"full_attention", "linear_attention", "deepseek_sparse_attention"}, seq_options(kMixedF32), {2});
+  const SeqId s = c.add_sequence();
+  const SeqId t = c.add_sequence();
+  const i64 q = 2;
+  // Inputs: keys [1, 2, q, 3], values [1, 2, q, 2], side rows [1, q, 4] and [1, q, 1], conv [1, 3, q] and [1, 2, q].
+  std::vector<float> kb(2 * q * 3), vb(2 * q * 2), s0(q * 4), s1(q * 1), c0(3 * q), c1(2 * q);
+  for (std::size_t i = 0; i < kb.size(); ++i) kb[i] = static_cast<float>(i) + 0.5f;
+  for (std::size_t i = 0; i < vb.size(); ++i) vb[i] = -static_cast<float>(i) - 0.25f;
+  for (std::size_t i = 0; i < s0.size(); ++i) s0[i] = static_cast<float>(i) + 10.f;
+  s1 = {20.f, 21.f};
+  for (std::size_t i = 0; i < c0.size(); ++i) c0[i] = static_cast<float>(i) + 30.f;
+  for (std::size_t i = 0; i < c1.size(); ++i) c1[i] = static_cast<float>(i) + 40.f;
+  const TensorView keys = TensorView::contiguous(kb.data(), DType::F32, {1, 2, q, 3});
+  const TensorView values = TensorView::contiguous(vb.data(), DType::F32, {1, 2, q, 2});
+  const TensorView side0 = TensorView::contiguous(s0.data(), DType::F32, {1, q, 4});
+  const TensorView side1 = TensorView::contiguous(s1.data(), DType::F32, {1, q, 1});
+  const TensorView conv0 = TensorView::contiguous(c0.data(), DType::F32, {1, 3, q});
+  const TensorView conv1 = TensorView::contiguous(c1.data(), DType::F32, {1, 2, q});
+
+  // Outside a batch.
+  EXPECT_THROW((void)c.update(keys, values, 0), StateError);
+  EXPECT_THROW((void)c.update_side(side0, 2, 0), StateError);
+  EXPECT_THROW((void)c.update_conv_state(conv0, 1, 0), StateError);
+  EXPECT_THROW((void)c.begin_recurrent_update(1, 0), StateError);
+  EXPECT_FALSE(c.batch_open());
+
+  // Refused batches.
+  {
+    std::vector<BatchEntry> none;
+    EXPECT_THROW((void)c.begin_batch(none), InvalidArgument);
+    const BatchEntry twice[2] = {{s, 1}, {s, 1}};
+    EXPECT_THROW((void)c.begin_batch(twice), InvalidArgument);
+    const BatchEntry negative[2] = {{s, 1}, {t, -1}};
+    EXPECT_THROW((void)c.begin_batch(negative), InvalidArgument);
+    const BatchEntry zero[2] = {{s, 0}, {t, 0}};
+    EXPECT_THROW((void)c.begin_batch(zero), InvalidArgument);
+    const BatchEntry huge[1] = {{s, kTokenLimit + 1}};
+    EXPECT_THROW((void)c.begin_batch(huge), CapacityError);
+    EXPECT_FALSE(c.batch_open());
+    EXPECT_EQ(c.memory().blocks_in_use, 0);
+  }
+  // Queries.
+  EXPECT_THROW((void)c.get_mask_sizes(s, 0, 0), InvalidArgument);
+  EXPECT_THROW((void)c.get_mask_sizes(s, kTokenLimit + 1, 0), InvalidArgument);
+  EXPECT_THROW((void)c.get_mask_sizes(s, 1, 1), StateError);
+  EXPECT_THROW((void)c.get_mask_sizes(s, 1, 3), IndexError);
+  EXPECT_EQ(c.get_mask_sizes(s, kTokenLimit, 0).kv_length, kTokenLimit);
+  EXPECT_THROW(c.activate_past_recording(s, -1), InvalidArgument);
+  EXPECT_THROW(c.activate_past_recording(s, kTokenLimit + 1), InvalidArgument);
+  EXPECT_THROW((void)c.keys(s, 1), StateError);
+  EXPECT_THROW((void)c.stored_range(s, 1), StateError);
+  EXPECT_EQ(expect_kinds([&] { (void)c.get_recurrent_state(s, 0, 0); }, {Err::State, Err::Index}), "");
+
+  const BatchEntry en[2] = {{s, q}, {t, 0}};
+  SequenceBatch b = c.begin_batch(en);
+  ASSERT_TRUE(b.is_open());
+  EXPECT_TRUE(c.batch_open());
+  EXPECT_EQ(b.num_tokens(), q);
+  EXPECT_EQ(b.offset(0), 0);
+  EXPECT_EQ(b.offset(1), q);
+  // Whole-state operations refuse while the batch is open.
+  EXPECT_THROW(c.crop(s, 0), StateError);
+  EXPECT_THROW(c.crop(t, -1), StateError);
+  EXPECT_THROW((void)c.add_sequence(), StateError);
+  EXPECT_THROW((void)c.fork(s), StateError);
+  EXPECT_THROW((void)c.seq_rm(t), StateError);
+  EXPECT_THROW(c.seq_keep(s), StateError);
+  EXPECT_THROW(c.activate_past_recording(s, 2), StateError);
+  EXPECT_THROW(c.deactivate_past_recording(s), StateError);
+  EXPECT_THROW(c.set_memory_budget(1 << 30), StateError);
+  EXPECT_THROW(c.shrink_to_fit(), StateError);
+  {
+    const BatchEntry other[1] = {{t, 1}};
+    EXPECT_THROW((void)c.begin_batch(other), StateError);
+  }
+  EXPECT_EQ(c.num_sequences(), 2);
+  // Wrong calls inside the batch.
+  EXPECT_THROW((void)c.update(keys.slice(2, 0, 1), values.slice(2, 0, 1), 0), InvalidArgument);  // T = 1, not 2
+  {
+    std::vector<std::uint16_t> h(kb.size());
+    const TensorView f16 = TensorView::contiguous(h.data(), DType::F16, {1, 2, q, 3});
+    EXPECT_THROW((void)c.update(f16, values, 0), InvalidArgument);
+  }
+  EXPECT_THROW((void)c.update(keys, values, 1), StateError);  // no attention
+  EXPECT_THROW((void)c.update(keys, values, 3), IndexError);
+  EXPECT_THROW((void)c.update_conv_state(conv0, 0, 0), StateError);
+  EXPECT_THROW((void)c.update_conv_state(conv0, 1, 5), IndexError);
+  EXPECT_THROW((void)c.update_side(side0, 2, 5), IndexError);
+
+  const std::span<const PagedKeyValues> kv = c.update(keys, values, 0);
+  ASSERT_EQ(kv.size(), 2u);
+  EXPECT_EQ(kv[0].kv_offset, 0);
+  EXPECT_EQ(kv[0].kv_length, q);
+  EXPECT_EQ(kv[1].kv_length, 0);
+  EXPECT_TRUE(kv[1].spans.empty());
+  EXPECT_THROW((void)c.update(keys, values, 0), StateError);  // layer 0 twice
+  // Layers 1 and 2 missing: the commit is refused, the batch stays open.
+  try {
+    b.commit();
+    ADD_FAILURE() << "commit with layers missing did not throw";
+  } catch (const StateError& e) {
+    EXPECT_NE(std::string(e.what()).find("layer 1"), std::string::npos) << e.what();
+  }
+  EXPECT_TRUE(b.is_open());
+  EXPECT_TRUE(c.batch_open());
+  (void)c.update_conv_state(conv0, 1, 0);
+  EXPECT_THROW(b.commit(), StateError);  // conv state 1 and the recurrent states still missing
+  EXPECT_TRUE(b.is_open());
+  (void)c.update_conv_state(conv1, 1, 1);
+  for (int st = 0; st < 2; ++st) {
+    BatchRecurrentUpdate u = c.begin_recurrent_update(1, st);
+    ASSERT_EQ(u.num_entries(), 1u);  // entries with tokens (header: updates_.size())
+    EXPECT_EQ(u.num_tokens(0), q);
+    EXPECT_EQ(u.num_tokens(1), 0);
+    EXPECT_THROW((void)u.next(1, 1), IndexError);
+    for (i64 j = 1; j <= q; ++j) {
+      const TensorView slot = u.next(0, j);
+      const i64 numel = slot.numel();
+      for (i64 e = 0; e < numel; ++e) {
+        // [1, 2, 3] or [1, 4]: element e of the row-major order.
+        if (slot.rank == 3) slot.set(static_cast<float>(100 * st + 10 * j + e), 0, e / 3, e % 3);
+        else slot.set(static_cast<float>(100 * st + 10 * j + e), 0, e);
+      }
+    }
+    u.commit();
+    EXPECT_THROW(u.commit(), StateError);
+  }
+  EXPECT_THROW(b.commit(), StateError);  // layer 2 (side tensors included) still missing
+  (void)c.update(keys, values, 2);
+  EXPECT_THROW(b.commit(), StateError);  // its side tensors still missing
+  (void)c.update_side(side0, 2, 0);
+  (void)c.update_side(side1, 2, 1);
+  b.commit();
+  EXPECT_FALSE(b.is_open());
+  EXPECT_FALSE(c.batch_open());
+  EXPECT_THROW(b.commit(), StateError);
+
+  // What the batch wrote, read back.
+  EXPECT_EQ(c.seq_length(s), q);
+  EXPECT_EQ(c.seq_length(t), 0);
+  EXPECT_TRUE(rwd::bitwise_equal(c.keys(s, 0).view(), keys));
+  EXPECT_TRUE(rwd::bitwise_equal(c.values(s, 2).view(), values));
+  EXPECT_TRUE(rwd::bitwise_equal(c.side(s, 2, 0).view(), side0));
+  EXPECT_TRUE(rwd::bitwise_equal(c.side(s, 2, 1).view(), side1));
+  const TensorView conv_state = c.get_conv_state(s, 1, 0);  // [1, 3, K = 3]: one zero, then the 2 inputs
+  ASSERT_EQ(shape_of(conv_state), (std::vector<i64>{1, 3, 3}));
+  for (i64 ch = 0; ch < 3; ++ch) {
+    EXPECT_EQ(conv_state.get(0, ch, 0), 0.f);
+    EXPECT_EQ(conv_state.get(0, ch, 1), c0[static_cast<std::size_t>(ch * q)]);
+    EXPECT_EQ(conv_state.get(0, ch, 2), c0[static_cast<std::size_t>(ch * q + 1)]);
+  }
+  const TensorView rec = c.get_recurrent_state(s, 1, 1);  // S(2) of state 1: [1, 4]
+  ASSERT_EQ(shape_of(rec), (std::vector<i64>{1, 4}));
+  for (i64 e = 0; e < 4; ++e) EXPECT_EQ(rec.get(0, e), static_cast<float>(100 + 20 + e));
+  const TensorView rec0 = c.get_recurrent_state(t, 1, 0);
+  for (i64 e = 0; e < 6; ++e) EXPECT_EQ(rec0.get(0, e / 3, e % 3), 0.f);
+  // Crops are allowed again: a linear layer that does not record refuses
+  // every crop (crop(0) included); recording from L = 2 on, S(1) is not
+  // held, so only a full rollback is exact.
+  EXPECT_THROW(c.crop(s, 0), rwd::RollbackError);
+  c.activate_past_recording(s, 2);
+  EXPECT_EQ(c.max_rollback(s), 0);
+  EXPECT_THROW(c.crop(s, -1), rwd::RollbackError);
+  EXPECT_EQ(c.seq_length(s), q);
+  c.crop(s, -2);
+  EXPECT_EQ(c.seq_length(s), 0);
+  EXPECT_EQ(c.memory().blocks_in_use, 0);
+}
+
+TEST(SequenceErrors, GatherRefusesWrongShapesAndUncoveredPositions) {
+  SequenceCache c({"full_attention"}, scalar_options(), {4});
+  const SeqId s = c.add_sequence();
+  append(c, s, iota_from(1, 6));
+  const std::vector<BlockSpan> spans = c.block_spans(s, 0);
+  const BlockLayout& bl = c.block_layout(0);
+  rwd::Tensor ok(DType::F32, {1, 1, 6, 1});
+  bl.gather(spans, 0, 0, ok.view());
+  EXPECT_EQ(floats(ok), iota_from(1, 6));
+  rwd::Tensor mid(DType::F32, {1, 1, 3, 1});
+  bl.gather(spans, 1, 2, mid.view());
+  EXPECT_EQ(floats(mid), negated(iota_from(3, 3)));
+  rwd::Tensor too_long(DType::F32, {1, 1, 7, 1});
+  EXPECT_THROW(bl.gather(spans, 0, 0, too_long.view()), InvalidArgument);
+  EXPECT_THROW(bl.gather(spans, 0, 4, mid.view()), InvalidArgument);
+  rwd::Tensor wrong_heads(DType::F32, {1, 2, 3, 1});
+  EXPECT_THROW(bl.gather(spans, 0, 0, wrong_heads.view()), InvalidArgument);
+}
+
+// Batch handles: destroying one open abandons it, moving the cache keeps it
+// working, a handle whose cache died is inert; a moved-from cache refuses.
+TEST(SequenceErrors, BatchHandlesAndMovedCaches) {
+  auto c = std::make_unique<SequenceCache>(std::vector<std::string>{"full_attention"}, scalar_options(),
+                                           SequenceCacheOptions{4});
+  const SeqId s = c->add_sequence();
+  append(*c, s, {1, 2, 3});
+  std::vector<float> k{4, 5}, v{-4, -5};
+  const TensorView kv = TensorView::contiguous(k.data(), DType::F32, {1, 1, 2, 1});
+  const TensorView vv = TensorView::contiguous(v.data(), DType::F32, {1, 1, 2, 1});
+  const BatchEntry en[1] = {{s, 2}};
+  {
+    SequenceBatch b = c->begin_batch(en);
+    (void)c->update(kv, vv, 0);
+  }  // destroyed open: abandoned
+  EXPECT_FALSE(c->batch_open());
+  EXPECT_EQ(floats(c->keys(s, 0)), (std::vector<float>{1, 2, 3}));
+  EXPECT_EQ(c->memory().blocks_in_use, 1);
+
+  SequenceBatch b = c->begin_batch(en);
+  SequenceCache moved(std::move(*c));  // the open batch follows the cache's state
+  EXPECT_THROW((void)c->add_sequence(), StateError);
+  EXPECT_THROW((void)c->num_sequences(), StateError);
+  EXPECT_TRUE(moved.batch_open());
+  (void)moved.update(kv, vv, 0);
+  b.commit();
+  EXPECT_FALSE(moved.batch_open());
+  EXPECT_EQ(floats(moved.keys(s, 0)), (std::vector<float>{1, 2, 3, 4, 5}));
+  EXPECT_EQ(moved.memory().blocks_in_use, 2);
+
+  auto owner = std::make_unique<SequenceCache>(std::move(moved));
+  SequenceBatch orphan = owner->begin_batch(en);
+  owner.reset();  // the cache dies first: the handle is inert
+  EXPECT_FALSE(orphan.is_open());
+  orphan.abandon();
+  EXPECT_THROW(orphan.commit(), StateError);
+}
+
+TEST(SequenceMemoryBounds, SlidingLayersReturnBlocksToThePool) {
+  // W = 4, block size 4: without recording 3 positions are retained (at most
+  // 2 blocks), with R = 5 eight (at most 3 blocks).
+  SeqModel m(spec("sliding_bs4", {LayerKind::SlidingAttention}, DType::F32, 4, 4));
+  ASSERT_EQ(m.add(), "");
+  ASSERT_EQ(m.add(), "");
+  ASSERT_EQ(m.activate(1, 5), "");
+  std::size_t reserved_early = 0;
+  for (int k = 0; m.live[0].ref.seq_length() < 1000; ++k) {
+    ASSERT_EQ(m.forward({{0, 1 + k % 5}, {1, 1 + (k * 3) % 4}}), "");
+    const SequenceMemory mem = m.cache.memory();
+    ASSERT_LE(mem.blocks_in_use, 2 + 3) << "at L = " << m.live[0].ref.seq_length();
+    EXPECT_EQ(m.cache.stored_range(m.live[0].id, 0).first, std::max<i64>(0, m.live[0].ref.seq_length() - 3));
+    EXPECT_EQ(m.cache.stored_range(m.live[1].id, 0).first, std::max<i64>(0, m.live[1].ref.seq_length() - 8));
+    if (m.live[0].ref.seq_length() < 100)
+      reserved_early = std::max(reserved_early, mem.bytes_reserved);
+    else
+      ASSERT_LE(mem.bytes_reserved, reserved_early) << "the pool grew at L = " << m.live[0].ref.seq_length();
+  }
+}
+
+}  // namespace
+}  // namespace rwt::seqtest
