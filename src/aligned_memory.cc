@@ -2,6 +2,8 @@
 
 #include <cstdlib>
 
+#include <unistd.h>
+
 #include "rewind/error.h"
 
 #if defined(REWIND_DEBUG_VIEWS)
@@ -31,9 +33,21 @@ std::size_t checked_mul(std::int64_t a, std::int64_t b, const std::string& what)
 
 void AlignedFree::operator()(std::byte* p) const noexcept { std::free(p); }
 
+std::size_t physical_memory_bytes() {
+  static const std::size_t physical = [] {
+    const long pages = sysconf(_SC_PHYS_PAGES), page = sysconf(_SC_PAGESIZE);
+    return pages > 0 && page > 0 ? static_cast<std::size_t>(pages) * static_cast<std::size_t>(page) : std::size_t{0};
+  }();
+  return physical;
+}
+
 AlignedBytes aligned_allocate(std::size_t bytes) {
   if (bytes == 0) return {};
   if (bytes > kMaxBufferBytes) too_large("an allocation of " + std::to_string(bytes) + " bytes");
+  if (const std::size_t physical = physical_memory_bytes(); physical != 0 && bytes > physical) {
+    throw CapacityError("an allocation of " + std::to_string(bytes) + " bytes exceeds this machine's " +
+                        std::to_string(physical) + " bytes of memory; nothing was allocated");
+  }
   const std::size_t rounded = (bytes + 63) / 64 * 64;
   AlignedBytes p(static_cast<std::byte*>(std::aligned_alloc(64, rounded)));
   if (!p) {

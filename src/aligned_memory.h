@@ -37,8 +37,13 @@ using AlignedBytes = std::unique_ptr<std::byte, AlignedFree>;
 
 // `bytes` of 64-byte aligned memory (rounded up to a multiple of 64; null
 // for 0). Throws CapacityError (never std::bad_alloc) when the system
-// refuses or bytes > kMaxBufferBytes.
+// refuses, bytes > kMaxBufferBytes or bytes > physical_memory_bytes().
 AlignedBytes aligned_allocate(std::size_t bytes);
+// The machine's physical memory (0 when unknown). No buffer larger than it
+// is attempted: an overcommitting system may grant the address space and
+// fail only when the pages are touched, and sanitizers abort instead of
+// returning null.
+std::size_t physical_memory_bytes();
 
 // Debug aid (REWIND_DEBUG_VIEWS under AddressSanitizer): marks memory that
 // no valid view may read. Inline no-ops otherwise (they sit on the update path).

@@ -335,7 +335,8 @@ class Layer {
   friend class Cache;
   friend class EncoderDecoderCache;
   friend class SequenceCache;
-  explicit Layer(std::unique_ptr<Impl> impl);
+  // For SequenceCache's per-sequence states; not exported from librewind.so.
+  [[gnu::visibility("hidden")]] explicit Layer(std::unique_ptr<Impl> impl);
   std::unique_ptr<Impl> impl_;
 };
 

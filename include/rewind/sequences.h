@@ -108,8 +108,8 @@ struct BlockLayout {
   TensorView rows(const std::byte* block, int part, std::int64_t row, std::int64_t n) const;
   // Copies positions [first, first + dst's token extent) of `part`, read
   // through `spans`, into `dst` ([1, H, n, D] or [1, n, D], this dtype).
-  // Throws InvalidArgument when dst's shape does not match or the spans do
-  // not cover those positions.
+  // Throws InvalidArgument when dst's rank, shape or dtype does not match,
+  // the part is out of range, or the spans do not cover those positions.
   void gather(std::span<const BlockSpan> spans, int part, std::int64_t first, const TensorView& dst) const;
 };
 
@@ -251,8 +251,14 @@ class SequenceCache {
   Tensor side(SeqId id, int layer_idx, int side = 0) const;
   PositionRange stored_range(SeqId id, int layer_idx) const;
   // The sequence's retained positions as block spans (what the next update
-  // builds on). Valid until the next mutation.
+  // builds on). Valid until the next mutation. Inside an open batch, the
+  // attention reads (keys, values, side, stored_range, block_spans) of a
+  // batched sequence already cover the batch's new positions, whose rows
+  // hold what the layer's update wrote (undefined before it).
   std::vector<BlockSpan> block_spans(SeqId id, int layer_idx) const;
+  // Conv and recurrent reads: Layer's contract for this sequence's state;
+  // they throw IndexError for a bad state index, StateError on a layer
+  // without conv / recurrent states.
   TensorView get_conv_state(SeqId id, int layer_idx, int state = 0) const;     // [1, C, K]
   TensorView conv_inputs(SeqId id, int layer_idx, int state = 0) const;        // [1, C, n]
   PositionRange conv_range(SeqId id, int layer_idx, int state = 0) const;
@@ -269,15 +275,15 @@ class SequenceCache {
   // is open.
   void shrink_to_fit();
 
-  struct Impl;
+  struct Impl;  // defined in src/cache; not exported (cmake/rewind.map)
 
  private:
   friend class SequenceBatch;
   friend class BatchRecurrentUpdate;
   Impl& state() const;  // throws StateError on a moved-from cache
   // Library-internal access to a sequence's per-layer linear state.
-  static Layer::Impl& layer_impl(const Layer& layer);
-  static std::unique_ptr<Layer> make_layer(std::unique_ptr<Layer::Impl> impl);
+  [[gnu::visibility("hidden")]] static Layer::Impl& layer_impl(const Layer& layer);
+  [[gnu::visibility("hidden")]] static std::unique_ptr<Layer> make_layer(std::unique_ptr<Layer::Impl> impl);
   std::unique_ptr<Impl> impl_;
 };
 
@@ -296,9 +302,10 @@ class SequenceBatch {
   std::int64_t num_tokens() const { return total_; }  // T
   // Offset of entry i's tokens in the packed inputs. REQUIRES i < entries().size().
   std::int64_t offset(std::size_t i) const { return offsets_[i]; }
-  // Keeps every entry's tokens. Throws StateError naming the first sequence,
-  // layer and part that did not receive its tokens (the batch stays open
-  // then), or when the handle is not open.
+  // Keeps every entry's tokens. Throws StateError naming the first layer (in
+  // model order) and part that did not receive its tokens, and for a conv or
+  // recurrent part the sequence (the batch stays open then), or when the
+  // handle is not open.
   void commit();
   // Restores every sequence of the batch exactly. No-op when not open.
   void abandon() noexcept;
@@ -322,8 +329,9 @@ class BatchRecurrentUpdate {
   BatchRecurrentUpdate& operator=(const BatchRecurrentUpdate&) = delete;
   ~BatchRecurrentUpdate();
 
-  std::size_t num_entries() const { return updates_.size(); }
-  std::int64_t num_tokens(std::size_t entry) const;  // q of the entry
+  // The batch's entries (those of 0 tokens included), as in entries().
+  std::size_t num_entries() const { return index_.size(); }
+  std::int64_t num_tokens(std::size_t entry) const;  // q of the entry; IndexError for a bad entry
   // S(L) of entry `entry` [1, shape...]; next(entry, t) the slot for
   // S(L + t), 1 <= t <= q. Throw IndexError for a bad entry or t.
   TensorView previous(std::size_t entry) const;

@@ -5,8 +5,6 @@
 #include <new>
 #include <string>
 
-#include <unistd.h>
-
 #include "aligned_memory.h"
 
 namespace rwd::detail {
@@ -47,11 +45,7 @@ void BlockPool::check_room(std::int64_t n) const {
     budget_->acquire(bytes);  // the budget's refusal and message, counting nothing
     budget_->release(bytes);
   }
-  static const std::size_t physical = [] {
-    const long pages = sysconf(_SC_PHYS_PAGES), page = sysconf(_SC_PAGESIZE);
-    return pages > 0 && page > 0 ? static_cast<std::size_t>(pages) * static_cast<std::size_t>(page) : std::size_t{0};
-  }();
-  if (physical != 0 && bytes > physical) {
+  if (const std::size_t physical = physical_memory_bytes(); physical != 0 && bytes > physical) {
     throw CapacityError("the blocks of an update need " + std::to_string(bytes) + " bytes, more than this machine's " +
                         std::to_string(physical) + " bytes of memory; nothing was allocated");
   }

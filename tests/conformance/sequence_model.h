@@ -971,14 +971,10 @@ class SeqModel {
           std::optional<BatchRecurrentUpdate> u;
           u.emplace(cache.begin_recurrent_update(i, si));
           const std::string at = "layer " + n(i) + " recurrent " + n(si);
-          // num_entries() counts the entries of 1 token or more (the header's
-          // inline definition: updates_.size()); the entry index of the other
-          // calls is the batch's.
-          const auto with_tokens = static_cast<std::size_t>(
-              std::count_if(plan.begin(), plan.end(), [](const auto& pe) { return pe.second > 0; }));
-          if (u->num_entries() != with_tokens)
+          // num_entries() counts every entry of the batch, 0 tokens included.
+          if (u->num_entries() != E)
             return fail(at + ": num_entries() = " + n(static_cast<i64>(u->num_entries())) + ", expected " +
-                        n(static_cast<i64>(with_tokens)) + " (entries with tokens)");
+                        n(static_cast<i64>(E)) + " (the batch's entries)");
           const std::vector<i64> shape = rls[0]->rec_state_shape(s);
           for (std::size_t e = 0; e < E; ++e) {
             const i64 q = plan[e].second;

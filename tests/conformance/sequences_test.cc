@@ -703,7 +703,7 @@ TEST(SequenceErrors, CallsOutsideAndInsideABatch) {
   (void)c.update_conv_state(conv1, 1, 1);
   for (int st = 0; st < 2; ++st) {
     BatchRecurrentUpdate u = c.begin_recurrent_update(1, st);
-    ASSERT_EQ(u.num_entries(), 1u);  // entries with tokens (header: updates_.size())
+    ASSERT_EQ(u.num_entries(), 2u);  // every entry of the batch, the one of 0 tokens included
     EXPECT_EQ(u.num_tokens(0), q);
     EXPECT_EQ(u.num_tokens(1), 0);
     EXPECT_THROW((void)u.next(1, 1), IndexError);

@@ -41,8 +41,8 @@ got=$(readelf -d "$libdir/librewind.so.$version" | sed -n 's/.*(SONAME).*\[\(.*\
 test "$got" = "$soname" || fail "SONAME is '$got', expected '$soname'"
 
 exports=$(nm -DC --defined-only "$libdir/librewind.so.$version")
-detail=$(grep -cE 'rwd::detail|rwd::(Layer|Cache)::Impl' <<< "$exports" || true)
-test "$detail" = 0 || { grep -E 'rwd::detail|rwd::(Layer|Cache)::Impl' <<< "$exports" | head >&2; fail "$detail rwd::detail / Impl symbols exported"; }
+detail=$(grep -cE 'rwd::detail|rwd::(Layer|Cache|SequenceCache)::Impl' <<< "$exports" || true)
+test "$detail" = 0 || { grep -E 'rwd::detail|rwd::(Layer|Cache|SequenceCache)::Impl' <<< "$exports" | head >&2; fail "$detail rwd::detail / Impl symbols exported"; }
 for symbol in 'rwd::Cache::crop(long)' 'rwd::Layer::crop(long)' 'typeinfo for rwd::RollbackError' \
               'vtable for rwd::Error'; do
   grep -qF " $symbol" <<< "$exports" || fail "'$symbol' is not exported"
