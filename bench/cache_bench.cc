@@ -38,6 +38,7 @@
 #include <vector>
 
 #include "rewind/cache.h"
+#include "bench_common.h"
 #include "runtime/decode_bench.h"  // median(): the one definition
 
 using rwd::runtime::median;
@@ -50,19 +51,12 @@ using rwd::LayerKind;
 using rwd::LayerOptions;
 using rwd::Tensor;
 using rwd::TensorView;
-using Clock = std::chrono::steady_clock;
+using namespace rwd::bench;
 
-constexpr std::int64_t kHeads = 8;
-constexpr std::int64_t kHeadDim = 128;
-constexpr std::int64_t kConvChannels = 8192;
-constexpr std::int64_t kConvKernel = 4;
-constexpr std::int64_t kStateHeads = 32;
-constexpr std::int64_t kStateDim = 128;
 constexpr std::size_t kStateBytes = static_cast<std::size_t>(kStateHeads * kStateDim * kStateDim) * 4;  // 2 MiB
 constexpr std::int64_t kWindow = 4096;       // sliding W
 constexpr std::int64_t kChunk = 8192;        // chunked C
 constexpr std::int64_t kRecord = 16;         // R of the update cases
-constexpr std::int64_t kPrefillChunk = 2048; // tokens per update while filling a state to L
 
 // crop: each timed batch removes kCropBatch x kCropK tokens, so layers record
 // that many.
@@ -74,57 +68,8 @@ constexpr std::int64_t kCropRecord = kCropK * kCropBatch;
 constexpr std::int64_t kDraft = 4;
 constexpr std::int64_t kSpecLength = 4096;
 
-double g_clock_overhead_s = 0;  // one back-to-back pair of Clock::now()
-
-double seconds(Clock::duration d) { return std::chrono::duration<double>(d).count(); }
-
-void calibrate_clock() {
-  std::vector<double> pairs(20001);
-  for (auto& p : pairs) {
-    const auto t0 = Clock::now();
-    const auto t1 = Clock::now();
-    p = seconds(t1 - t0);
-  }
-  std::nth_element(pairs.begin(), pairs.begin() + 10000, pairs.end());
-  g_clock_overhead_s = pairs[10000];
-}
-
 std::size_t token_bytes(DType t) {  // one token of keys (or of values)
   return static_cast<std::size_t>(kHeads * kHeadDim) * rwd::dtype_size(t);
-}
-
-std::string tokens_label(std::int64_t n) {
-  return n % 1024 == 0 ? std::to_string(n / 1024) + "k" : std::to_string(n);
-}
-
-// ---- one prepared state at a time ---------------------------------------------
-// Google Benchmark calls a benchmark function several times (to estimate the
-// iteration count, then once per repetition). Filling a state to 64k tokens
-// takes longer than measuring it, so the last prepared state is kept, keyed by
-// benchmark name, and dropped as soon as another one is asked for: at most one
-// is alive. Every benchmark leaves its state as it found it (same L).
-struct Slot {
-  std::string key;
-  std::shared_ptr<void> object;
-};
-Slot& slot() {
-  static Slot s;
-  return s;
-}
-template <typename T, typename... Args>
-T& prepared(const std::string& key, Args&&... args) {
-  Slot& s = slot();
-  if (s.key != key || !s.object) {
-    s.object.reset();  // free the previous state before building the next
-    s.key.clear();
-    s.object = std::make_shared<T>(std::forward<Args>(args)...);
-    s.key = key;
-  }
-  return *static_cast<T*>(s.object.get());
-}
-void release_prepared() {
-  slot().object.reset();
-  slot().key.clear();
 }
 
 void fill(const Tensor& t, unsigned char byte) {

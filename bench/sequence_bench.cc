@@ -75,6 +75,7 @@
 
 #include "rewind/cache.h"
 #include "rewind/sequences.h"
+#include "bench_common.h"
 #include "runtime/decode_bench.h"  // median(): the one definition
 
 using rwd::runtime::median;
@@ -89,16 +90,9 @@ using rwd::SeqId;
 using rwd::SequenceCache;
 using rwd::Tensor;
 using rwd::TensorView;
-using Clock = std::chrono::steady_clock;
+using namespace rwd::bench;
 
 // rewind_bench's shapes.
-constexpr std::int64_t kHeads = 8;
-constexpr std::int64_t kHeadDim = 128;
-constexpr std::int64_t kConvChannels = 8192;
-constexpr std::int64_t kConvKernel = 4;
-constexpr std::int64_t kStateHeads = 32;
-constexpr std::int64_t kStateDim = 128;
-constexpr std::int64_t kPrefillChunk = 2048;  // tokens per batch while filling a sequence
 constexpr std::int64_t kRecord = 8;           // R of the hybrid model
 constexpr std::int64_t kDecodeSteps = 8;      // one-token forwards that end a prefill
 
@@ -121,54 +115,7 @@ constexpr std::int64_t kCropOwn = 32;  // tokens each sequence gets of its own b
 
 const std::vector<std::int64_t> kLengths{1024, 8192, 65536};
 
-double g_clock_overhead_s = 0;  // one back-to-back pair of Clock::now()
-
-double seconds(Clock::duration d) { return std::chrono::duration<double>(d).count(); }
 double elapsed(Clock::time_point t0, Clock::time_point t1) { return std::max(0.0, seconds(t1 - t0) - g_clock_overhead_s); }
-
-void calibrate_clock() {
-  std::vector<double> pairs(20001);
-  for (auto& p : pairs) {
-    const auto t0 = Clock::now();
-    const auto t1 = Clock::now();
-    p = seconds(t1 - t0);
-  }
-  std::nth_element(pairs.begin(), pairs.begin() + 10000, pairs.end());
-  g_clock_overhead_s = pairs[10000];
-}
-
-std::string tokens_label(std::int64_t n) {
-  return n % 1024 == 0 ? std::to_string(n / 1024) + "k" : std::to_string(n);
-}
-
-// ---- one prepared state at a time (as in rewind_bench) ---------------------------
-// Filling caches to 64k tokens takes longer than measuring them, so the last
-// prepared state is kept, keyed by benchmark name, across the calls Google
-// Benchmark makes (one per repetition), and dropped as soon as another is
-// asked for: at most one is alive. Every benchmark leaves it as it found it.
-struct Slot {
-  std::string key;
-  std::shared_ptr<void> object;
-};
-Slot& slot() {
-  static Slot s;
-  return s;
-}
-template <typename T, typename... Args>
-T& prepared(const std::string& key, Args&&... args) {
-  Slot& s = slot();
-  if (s.key != key || !s.object) {
-    s.object.reset();  // free the previous state before building the next
-    s.key.clear();
-    s.object = std::make_shared<T>(std::forward<Args>(args)...);
-    s.key = key;
-  }
-  return *static_cast<T*>(s.object.get());
-}
-void release_prepared() {
-  slot().object.reset();
-  slot().key.clear();
-}
 
 // ---- models and inputs -------------------------------------------------------------
 

@@ -53,6 +53,7 @@
 #include <utility>
 #include <vector>
 
+#include "fuzz_stats.h"
 #include "conformance/harness.h"
 
 namespace rwt {
@@ -97,18 +98,11 @@ constexpr const char* kStatNames[kStatCount] = {
     "held views re-read", "per-layer query rounds", "layer(i).check_crop refusals matched", "hostile-size calls",
     "huge-option layers built (unused field or huge window)", "huge-option layers refused",
     "huge-window layers compared with full attention"};
-struct Stats {
-  std::array<unsigned long long, kStatCount> n{};
-  ~Stats() {
-    if (std::getenv("REWIND_FUZZ_STATS") == nullptr) return;
-    for (int i = 0; i < kStatCount; ++i) std::fprintf(stderr, "%12llu  %s\n", n[static_cast<std::size_t>(i)], kStatNames[i]);
-  }
-};
-Stats& stats() {
-  static Stats s;
+FuzzStats<kStatCount>& stats() {
+  static FuzzStats<kStatCount> s(kStatNames);
   return s;
 }
-void count(Stat k) { ++stats().n[static_cast<std::size_t>(k)]; }
+void count(Stat k, unsigned long long by = 1) { stats().count(static_cast<std::size_t>(k), by); }
 
 class ByteReader {
  public:
@@ -144,27 +138,6 @@ std::vector<std::pair<LayerKind, LayerOptions>> every_kind(DType dt, bool with_s
 
 std::string num(i64 v) { return std::to_string(v); }
 
-// Runs f; "" when it threw one of `kinds` (or nothing, when `kinds` holds Err::None).
-template <class F>
-std::string expect_kinds(F&& f, std::initializer_list<Err> kinds) {
-  std::string names;
-  for (Err k : kinds) names += (names.empty() ? "" : " or ") + std::string(err_name(k));
-  try {
-    f();
-  } catch (const rwd::Error& e) {
-    const Err got = classify(e);
-    for (Err k : kinds)
-      if (k == got) return "";
-    return std::string("unexpected ") + err_name(got) + " (expected " + names + "): " + e.what();
-  } catch (const std::bad_alloc& e) {
-    return std::string("std::bad_alloc escaped (expected ") + names + "): " + e.what();
-  } catch (const std::exception& e) {
-    return std::string("non-rewind exception (expected ") + names + "): " + e.what();
-  }
-  for (Err k : kinds)
-    if (k == Err::None) return "";
-  return "nothing was thrown (expected " + names + ")";
-}
 
 // The mask sizes of an update of q tokens at length L (docs/semantics.md section 5).
 MaskSizes mask_at(const RefLayer& r, i64 L, i64 q) {

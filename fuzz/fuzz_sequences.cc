@@ -35,6 +35,7 @@
 #include <utility>
 #include <vector>
 
+#include "fuzz_stats.h"
 #include "conformance/sequence_model.h"
 
 namespace rwt::seqtest {
@@ -121,18 +122,11 @@ constexpr const char* kStatNames[kStatCount] = {
     "inputs aliasing conv rows", "recurrent slots written from cache states", "refused calls inside a batch",
     "huge begin_batch", "mask sizes at / past 2^40", "budgets set", "CapacityErrors under a budget",
     "stale / forged id rounds", "forks", "crops"};
-struct Stats {
-  std::array<unsigned long long, kStatCount> n{};
-  ~Stats() {
-    if (std::getenv("REWIND_FUZZ_STATS") == nullptr) return;
-    for (int i = 0; i < kStatCount; ++i) std::fprintf(stderr, "%12llu  %s\n", n[static_cast<std::size_t>(i)], kStatNames[i]);
-  }
-};
-Stats& stats() {
-  static Stats s;
+FuzzStats<kStatCount>& stats() {
+  static FuzzStats<kStatCount> s(kStatNames);
   return s;
 }
-void count(Stat k, unsigned long long by = 1) { stats().n[static_cast<std::size_t>(k)] += by; }
+void count(Stat k, unsigned long long by = 1) { stats().count(static_cast<std::size_t>(k), by); }
 
 // A view with explicit fields (extents TensorView::strided would refuse).
 TensorView raw_view(void* data, DType dt, const std::vector<i64>& shape, const std::vector<i64>& strides) {

@@ -20,6 +20,8 @@
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
+#include <exception>
+#include <new>
 #include <optional>
 #include <string>
 #include <utility>
@@ -230,6 +232,30 @@ inline Err classify(const rwd::Error& e) {
   if (dynamic_cast<const rwd::IndexError*>(&e)) return Err::Index;
   if (dynamic_cast<const rwd::CapacityError*>(&e)) return Err::Capacity;
   return Err::None;
+}
+
+// Runs f; "" when it threw one of `kinds` (Err::None in the list: or
+// nothing), else what went wrong (another error, std::bad_alloc or another
+// non-rewind exception escaping, nothing thrown). For the fuzz targets.
+template <class F>
+std::string expect_kinds(F&& f, const std::vector<Err>& kinds) {
+  std::string names;
+  for (Err k : kinds) names += (names.empty() ? "" : " or ") + std::string(err_name(k));
+  try {
+    f();
+  } catch (const rwd::Error& e) {
+    const Err got = classify(e);
+    for (Err k : kinds)
+      if (k == got) return "";
+    return std::string("unexpected ") + err_name(got) + " (expected " + names + "): " + e.what();
+  } catch (const std::bad_alloc& e) {
+    return std::string("std::bad_alloc escaped (expected ") + names + "): " + e.what();
+  } catch (const std::exception& e) {
+    return std::string("non-rewind exception (expected ") + names + "): " + e.what();
+  }
+  for (Err k : kinds)
+    if (k == Err::None) return "";
+  return "nothing was thrown (expected " + names + ")";
 }
 
 // True when `msg` contains `n` as a whole number (not part of a longer one).

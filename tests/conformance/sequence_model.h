@@ -82,25 +82,6 @@ inline std::string id_str(SeqId id) {
   return "{" + std::to_string(id.slot) + "," + std::to_string(id.generation) + "}";
 }
 
-// Runs f; "" when it threw one of `kinds` (Err::None in the list: or nothing).
-template <class F>
-std::string expect_kinds(F&& f, const std::vector<Err>& kinds) {
-  std::string names;
-  for (Err k : kinds) names += (names.empty() ? "" : " or ") + std::string(err_name(k));
-  try {
-    f();
-  } catch (const rwd::Error& e) {
-    const Err got = classify(e);
-    for (Err k : kinds)
-      if (k == got) return "";
-    return std::string("unexpected ") + err_name(got) + " (expected " + names + "): " + e.what();
-  } catch (const std::exception& e) {
-    return std::string("non-rewind exception (expected ") + names + "): " + e.what();
-  }
-  for (Err k : kinds)
-    if (k == Err::None) return "";
-  return "nothing was thrown (expected " + names + ")";
-}
 
 // Every element of `v` (row-major) equals `want`, without copying.
 inline bool view_equals(const TensorView& v, const Bytes& want) {
