@@ -125,6 +125,13 @@ struct SequenceMemory {
   std::int64_t blocks_free = 0;    // allocated, ready for reuse
 };
 
+// One layer of a SequenceCache whose layers differ in shapes (a hybrid whose
+// conv layers and linear-attention layers have different kernels, ...).
+struct SequenceLayer {
+  LayerKind kind = LayerKind::FullAttention;
+  LayerOptions options;
+};
+
 class SequenceBatch;
 class BatchRecurrentUpdate;
 
@@ -137,6 +144,11 @@ class SequenceCache {
   // with set_memory_budget) or a block_size outside 1..65536.
   SequenceCache(const std::vector<std::string>& layer_types, const LayerOptions& options,
                 SequenceCacheOptions cache_options = {});
+  // One layer per entry, each with its own kind and options (what Layer's
+  // constructor accepts, plus the rules above). Throws InvalidArgument for an
+  // empty list or what Layer's constructor refuses (the message names the
+  // layer), and for batch_size != 1, static_capacity != 0 or a bad block_size.
+  explicit SequenceCache(std::vector<SequenceLayer> layers, SequenceCacheOptions cache_options = {});
   ~SequenceCache();
   SequenceCache(SequenceCache&&) noexcept;
   SequenceCache& operator=(SequenceCache&&) noexcept;
@@ -145,7 +157,8 @@ class SequenceCache {
 
   int num_layers() const;
   LayerKind layer_kind(int layer_idx) const;  // Throws IndexError for a bad index.
-  const LayerOptions& options() const;
+  // The options layer `layer_idx` was built with. Throws IndexError.
+  const LayerOptions& layer_options(int layer_idx) const;
   std::int64_t block_size() const;
   // Block geometry of an attention layer. Throws IndexError / StateError
   // (no attention).
@@ -281,6 +294,7 @@ class SequenceCache {
   friend class SequenceBatch;
   friend class BatchRecurrentUpdate;
   Impl& state() const;  // throws StateError on a moved-from cache
+  void init(const Cache& probe, std::int64_t block_size);
   // Library-internal access to a sequence's per-layer linear state.
   [[gnu::visibility("hidden")]] static Layer::Impl& layer_impl(const Layer& layer);
   [[gnu::visibility("hidden")]] static std::unique_ptr<Layer> make_layer(std::unique_ptr<Layer::Impl> impl);

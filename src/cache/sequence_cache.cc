@@ -122,6 +122,7 @@ namespace {
 
 struct LayerState {
   LayerKind kind = LayerKind::Mlp;
+  LayerOptions options;  // what the layer was built with (batch 1)
   std::unique_ptr<PagedLayer> paged;  // attention layers
   bool linear = false;
   LayerKind linear_kind = LayerKind::LinearAttention;  // how the per-sequence linear Layer is built
@@ -154,7 +155,6 @@ struct Sequence {
 
 struct SequenceCache::Impl {
   detail::MemoryBudget budget;  // declared first: everything below releases into it
-  LayerOptions options;
   std::int64_t block_size = 16;
   std::vector<LayerState> layers;
 
@@ -234,8 +234,7 @@ struct SequenceCache::Impl {
         const std::int64_t row0 = 0;
         impl = layer_impl(*parent->linear[i]).gathered(std::span<const std::int64_t>(&row0, 1));
       } else {
-        LayerOptions o = options;
-        impl = std::make_unique<Layer::Impl>(l.linear_kind, o, static_cast<int>(i), &budget);
+        impl = std::make_unique<Layer::Impl>(l.linear_kind, l.options, static_cast<int>(i), &budget);
         impl->kind = l.kind;  // messages name the model's layer kind
       }
       s->linear[i] = make_layer(std::move(impl));
@@ -454,7 +453,8 @@ struct SequenceCache::Impl {
   void check_input(const TensorView& v, int layer_idx, const char* what, std::initializer_list<std::int64_t> shape,
                    int token_dim) const {
     const std::int64_t T = total_tokens();
-    bool ok = v.rank == static_cast<int>(shape.size()) && v.dtype == options.dtype;
+    const DType dtype = layers[static_cast<std::size_t>(layer_idx)].options.dtype;
+    bool ok = v.rank == static_cast<int>(shape.size()) && v.dtype == dtype;
     int d = 0;
     for (std::int64_t extent : shape) {
       ok = ok && (d == token_dim ? v.size(d) == T : v.size(d) == extent);
@@ -468,7 +468,7 @@ struct SequenceCache::Impl {
       ++d;
     }
     throw InvalidArgument(where(layer_idx) + ": " + what + " " + v.describe() + " must be " + expected + "] " +
-                          std::string(dtype_name(options.dtype)) + " (T: the batch's tokens)");
+                          std::string(dtype_name(dtype)) + " (T: the batch's tokens)");
   }
 };
 
@@ -479,33 +479,42 @@ std::unique_ptr<Layer> SequenceCache::make_layer(std::unique_ptr<Layer::Impl> im
 
 // ---- construction ------------------------------------------------------------------
 
-SequenceCache::SequenceCache(const std::vector<std::string>& layer_types, const LayerOptions& options,
-                             SequenceCacheOptions cache_options)
-    : impl_(std::make_unique<Impl>()) {
+namespace {
+
+void check_sequence_options(const LayerOptions& options, const std::string& where) {
   if (options.batch_size != 1) {
-    throw InvalidArgument("SequenceCache: options.batch_size is " + num(options.batch_size) +
+    throw InvalidArgument("SequenceCache: " + where + "options.batch_size is " + num(options.batch_size) +
                           ", but each sequence is one batch row: it must be 1");
   }
   if (options.static_capacity != 0) {
-    throw InvalidArgument("SequenceCache: options.static_capacity is " + num(options.static_capacity) +
+    throw InvalidArgument("SequenceCache: " + where + "options.static_capacity is " + num(options.static_capacity) +
                           ", but paged storage grows by blocks: it must be 0 (cap memory with set_memory_budget)");
   }
-  if (cache_options.block_size < 1 || cache_options.block_size > kMaxBlockSize) {
-    throw InvalidArgument("SequenceCache: block_size " + num(cache_options.block_size) + " is outside [1, 65536]");
+}
+
+void check_block_size(std::int64_t block_size) {
+  if (block_size < 1 || block_size > kMaxBlockSize) {
+    throw InvalidArgument("SequenceCache: block_size " + num(block_size) + " is outside [1, 65536]");
   }
-  // The single-sequence cache validates the types and options (same messages).
-  const Cache probe(layer_types, options);
+}
+
+}  // namespace
+
+// Builds the per-layer state from a Cache of the same layers (which has
+// validated their kinds and options).
+void SequenceCache::init(const Cache& probe, std::int64_t block_size) {
   Impl& c = *impl_;
-  c.options = options;
-  c.block_size = cache_options.block_size;
+  c.block_size = block_size;
   c.layers.resize(static_cast<std::size_t>(probe.num_layers()));
   for (int i = 0; i < probe.num_layers(); ++i) {
     const Layer::Impl& model = layer_impl(probe.layer(i));
+    const LayerOptions& options = model.options;
     LayerState& l = c.layers[static_cast<std::size_t>(i)];
     l.kind = model.kind;
+    l.options = options;
     if (model.attention) {
       BlockLayout layout;
-      layout.block_size = c.block_size;
+      layout.block_size = block_size;
       layout.dtype = options.dtype;
       layout.num_kv_heads = options.num_kv_heads;
       layout.key_dim = options.key_dim;
@@ -531,6 +540,28 @@ SequenceCache::SequenceCache(const std::vector<std::string>& layer_types, const 
   }
 }
 
+SequenceCache::SequenceCache(const std::vector<std::string>& layer_types, const LayerOptions& options,
+                             SequenceCacheOptions cache_options)
+    : impl_(std::make_unique<Impl>()) {
+  check_sequence_options(options, "");
+  check_block_size(cache_options.block_size);
+  // The single-sequence cache validates the types and options (same messages).
+  init(Cache(layer_types, options), cache_options.block_size);
+}
+
+SequenceCache::SequenceCache(std::vector<SequenceLayer> layers, SequenceCacheOptions cache_options)
+    : impl_(std::make_unique<Impl>()) {
+  check_block_size(cache_options.block_size);
+  if (layers.empty()) throw InvalidArgument("SequenceCache needs at least one layer");
+  std::vector<Layer> built;
+  built.reserve(layers.size());
+  for (std::size_t i = 0; i < layers.size(); ++i) {
+    check_sequence_options(layers[i].options, "layer " + std::to_string(i) + ": ");
+    built.emplace_back(layers[i].kind, layers[i].options, static_cast<int>(i));
+  }
+  init(Cache(std::move(built)), cache_options.block_size);
+}
+
 SequenceCache::~SequenceCache() = default;
 SequenceCache::SequenceCache(SequenceCache&&) noexcept = default;
 SequenceCache& SequenceCache::operator=(SequenceCache&&) noexcept = default;
@@ -545,7 +576,10 @@ LayerKind SequenceCache::layer_kind(int layer_idx) const {
   state().check_layer(layer_idx);
   return state().layers[static_cast<std::size_t>(layer_idx)].kind;
 }
-const LayerOptions& SequenceCache::options() const { return state().options; }
+const LayerOptions& SequenceCache::layer_options(int layer_idx) const {
+  state().check_layer(layer_idx);
+  return state().layers[static_cast<std::size_t>(layer_idx)].options;
+}
 std::int64_t SequenceCache::block_size() const { return state().block_size; }
 const BlockLayout& SequenceCache::block_layout(int layer_idx) const {
   return state().attention(layer_idx, "block_layout").layout();

@@ -553,6 +553,77 @@ TEST(SequenceErrors, ConstructionRefusesBatchesStaticStorageAndBadBlockSizes) {
   }
 }
 
+// Layers of different shapes (an LFM2-style conv layer next to a Gated
+// DeltaNet layer with another kernel and width, attention of its own head
+// size): each keeps its own options, and a batch carries inputs of each
+// layer's own shape. Expectations worked by hand: conv inputs are the values
+// fed, the window is the K - 1 inputs before (zeros before position 0) and
+// the new ones.
+TEST(SequenceErrors, LayersOfDifferentShapes) {
+  rwd::LayerOptions conv, linear, attention;
+  conv.conv_kernel_size = 3;
+  conv.conv_channels = {2};
+  linear.conv_kernel_size = 4;
+  linear.conv_channels = {5};
+  linear.recurrent_shapes = {{2}};
+  attention.num_kv_heads = 1;
+  attention.key_dim = 4;
+  attention.sliding_window = 2;
+  SequenceCache c({{rwd::LayerKind::Conv, conv}, {rwd::LayerKind::LinearAttention, linear},
+                   {rwd::LayerKind::SlidingAttention, attention}},
+                  {2});
+  EXPECT_EQ(c.layer_options(0).conv_kernel_size, 3);
+  EXPECT_EQ(c.layer_options(1).conv_channels, (std::vector<i64>{5}));
+  EXPECT_EQ(c.layer_options(2).sliding_window, 2);
+  EXPECT_THROW((void)c.layer_options(3), IndexError);
+  EXPECT_EQ(c.layer_kind(0), rwd::LayerKind::Conv);
+  const SeqId a = c.add_sequence(), b = c.add_sequence();
+  const std::vector<BatchEntry> entries{{a, 2}, {b, 1}};
+  SequenceBatch batch = c.begin_batch(entries);
+  // x0: [1, 2, T=3], value 10 * t + channel; x1: [1, 5, 3], 100 + that.
+  std::vector<float> x0(6), x1(15), keys(12, 1.0f), values(12, 2.0f);
+  for (i64 t = 0; t < 3; ++t) {
+    for (i64 ch = 0; ch < 2; ++ch) x0[static_cast<std::size_t>(ch * 3 + t)] = static_cast<float>(10 * t + ch);
+    for (i64 ch = 0; ch < 5; ++ch) x1[static_cast<std::size_t>(ch * 3 + t)] = static_cast<float>(100 + 10 * t + ch);
+  }
+  const auto windows0 = c.update_conv_state(TensorView::contiguous(x0.data(), DType::F32, {1, 2, 3}), 0);
+  ASSERT_EQ(windows0.size(), 2u);
+  EXPECT_EQ(windows0[0].size(2), 3 - 1 + 2);  // K - 1 + q
+  EXPECT_EQ(windows0[0].get(0, 1, 2), 1.0f);  // a's first input, channel 1
+  EXPECT_EQ(windows0[1].get(0, 0, 2), 20.0f);  // b's input is the batch's token 2
+  EXPECT_EQ(windows0[1].get(0, 0, 0), 0.0f);   // zero padding before position 0
+  EXPECT_THROW((void)c.update_conv_state(TensorView::contiguous(x0.data(), DType::F32, {1, 2, 3}), 1),
+               InvalidArgument);  // layer 1 has 5 channels
+  const auto windows1 = c.update_conv_state(TensorView::contiguous(x1.data(), DType::F32, {1, 5, 3}), 1);
+  EXPECT_EQ(windows1[0].size(2), 4 - 1 + 2);
+  EXPECT_EQ(windows1[1].get(0, 4, 3), 124.0f);
+  BatchRecurrentUpdate u = c.begin_recurrent_update(1);
+  for (std::size_t e = 0; e < u.num_entries(); ++e)
+    for (i64 t = 1; t <= u.num_tokens(e); ++t) u.next(e, t).set(static_cast<float>(t), 0, 0);
+  u.commit();
+  const auto kv = c.update(TensorView::contiguous(keys.data(), DType::F32, {1, 1, 3, 4}),
+                           TensorView::contiguous(values.data(), DType::F32, {1, 1, 3, 4}), 2);
+  EXPECT_EQ(kv[0].kv_length, 2);
+  batch.commit();
+  EXPECT_EQ(c.conv_range(a, 0).first, -3);  // K zero rows still held: L = 2 <= K
+  EXPECT_EQ(c.get_conv_state(b, 1).size(2), 4);
+  EXPECT_EQ(c.get_conv_state(b, 1).get(0, 2, 3), 122.0f);
+  EXPECT_EQ(c.get_recurrent_state(a, 1).get(0, 0), 2.0f);
+  // Each layer's own options are checked, the message names the layer.
+  rwd::LayerOptions two_rows = conv;
+  two_rows.batch_size = 2;
+  try {
+    SequenceCache bad({{rwd::LayerKind::Conv, conv}, {rwd::LayerKind::Conv, two_rows}});
+    ADD_FAILURE() << "batch_size 2 accepted";
+  } catch (const InvalidArgument& e) {
+    EXPECT_NE(std::string(e.what()).find("layer 1"), std::string::npos) << e.what();
+  }
+  EXPECT_THROW(SequenceCache(std::vector<rwd::SequenceLayer>{}), InvalidArgument);
+  rwd::LayerOptions no_kernel = conv;
+  no_kernel.conv_kernel_size = 0;
+  EXPECT_THROW(SequenceCache({{rwd::LayerKind::Conv, no_kernel}}), InvalidArgument);
+}
+
 TEST(SequenceErrors, BlockLayoutGeometry) {
   SequenceCache c({"deepseek_sparse_attention", "linear_attention"}, seq_options(kMixedF32), {3});
   const BlockLayout& bl = c.block_layout(0);
