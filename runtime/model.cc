@@ -33,6 +33,16 @@ TensorView channels_view(float* rows, std::int64_t n, std::int64_t channels) {
   return TensorView::strided(rows, DType::F32, {1, channels, n}, {n * channels, 1, channels});
 }
 
+// Throws InvalidArgument naming the first token outside the vocabulary.
+void check_tokens(std::span<const std::int32_t> tokens, const ModelConfig& c, const char* where) {
+  for (std::size_t t = 0; t < tokens.size(); ++t) {
+    if (tokens[t] < 0 || tokens[t] >= c.vocab_size) {
+      throw InvalidArgument(std::string(where) + ": token " + std::to_string(tokens[t]) + " at index " +
+                            std::to_string(t) + " is outside the vocabulary [0, " + std::to_string(c.vocab_size) + ")");
+    }
+  }
+}
+
 // Adds the wall time of its scope to *sink (when sink is non-null).
 class CacheTimer {
  public:
@@ -139,31 +149,131 @@ Cache Model::make_cache() const {
   return Cache(std::move(layers));
 }
 
+// ---- the math of each block, shared by both forwards -------------------------------
+
+void Model::attention_in(const LayerWeights& w, const float* h, std::int64_t n, const kernels::RopeTable& rope,
+                         AttentionRows& r) const {
+  const ModelConfig& c = config();
+  const std::int64_t nh = c.num_attention_heads, nkv = c.num_key_value_heads, hd = c.head_dim;
+  r.q.resize(static_cast<std::size_t>(n * nh * hd));
+  r.key.resize(static_cast<std::size_t>(n * nkv * hd));
+  r.val.resize(r.key.size());
+  r.att.resize(r.q.size());
+  k::matmul(h, n, w.wq, r.q.data());
+  k::matmul(h, n, w.wk, r.key.data());
+  k::matmul(h, n, w.wv, r.val.data());
+  k::rope_inplace(r.q.data(), n, nh, hd, rope);
+  k::rope_inplace(r.key.data(), n, nkv, hd, rope);
+}
+
+void Model::deltanet_in(const LayerWeights& w, const float* h, std::int64_t n, DeltaNetRows& r) const {
+  const ModelConfig& c = config();
+  const std::int64_t nv = c.linear_num_value_heads, vv = nv * c.linear_value_head_dim;
+  const std::int64_t channels = c.linear_conv_dim();
+  auto sz = [](std::int64_t v) { return static_cast<std::size_t>(v); };
+  r.qkv.resize(sz(n * channels));
+  r.z.resize(sz(n * vv));
+  r.b.resize(sz(n * nv));
+  r.a.resize(sz(n * nv));
+  r.mixed.resize(sz(n * channels));
+  k::matmul(h, n, w.in_qkv, r.qkv.data());
+  k::matmul(h, n, w.in_z, r.z.data());
+  k::matmul(h, n, w.in_b, r.b.data());
+  k::matmul(h, n, w.in_a, r.a.data());
+}
+
+void Model::deltanet_mid(const LayerWeights& w, std::int64_t n, DeltaNetRows& r) const {
+  const ModelConfig& c = config();
+  const std::int64_t nk = c.linear_num_key_heads, nv = c.linear_num_value_heads;
+  const std::int64_t kd = c.linear_key_head_dim, vd = c.linear_value_head_dim;
+  const std::int64_t channels = c.linear_conv_dim(), qk = nk * kd, vv = nv * vd;
+  auto sz = [](std::int64_t v) { return static_cast<std::size_t>(v); };
+  r.q.resize(sz(n * qk));
+  r.key.resize(sz(n * qk));
+  r.v.resize(sz(n * vv));
+  r.g.resize(sz(n * nv));
+  r.beta.resize(sz(n * nv));
+  r.o.resize(sz(n * vv));
+  for (std::int64_t t = 0; t < n; ++t) {
+    const float* row = r.mixed.data() + t * channels;
+    std::memcpy(r.q.data() + t * qk, row, sz(qk) * sizeof(float));
+    std::memcpy(r.key.data() + t * qk, row + qk, sz(qk) * sizeof(float));
+    std::memcpy(r.v.data() + t * vv, row + 2 * qk, sz(vv) * sizeof(float));
+    for (std::int64_t hh = 0; hh < nv; ++hh) {
+      const std::size_t i = sz(t * nv + hh);
+      r.beta[i] = k::sigmoid(r.b[i]);
+      r.g[i] = -std::exp(w.a_log[hh]) * k::softplus(r.a[i] + w.dt_bias[hh]);
+    }
+  }
+  k::l2_normalize(r.q.data(), n * nk, kd, 1e-6f);
+  k::l2_normalize(r.key.data(), n * nk, kd, 1e-6f);
+  k::scale_inplace(r.q.data(), n * qk, 1.0f / std::sqrt(static_cast<float>(kd)));
+}
+
+void Model::deltanet_out(const LayerWeights& w, std::int64_t n, DeltaNetRows& r, float* out) const {
+  const ModelConfig& c = config();
+  k::gated_rms_norm(r.o.data(), r.z.data(), w.out_norm, n * c.linear_num_value_heads, c.linear_value_head_dim,
+                    c.rms_norm_eps, r.o.data());
+  k::matmul(r.o.data(), n, w.out, out);
+}
+
+void Model::short_conv_in(const LayerWeights& w, const float* h, std::int64_t n, ShortConvRows& r) const {
+  const std::int64_t d = config().hidden_size;
+  auto sz = [](std::int64_t v) { return static_cast<std::size_t>(v); };
+  r.bcx.resize(sz(n * 3 * d));
+  r.bx.resize(sz(n * d));
+  r.conv.resize(sz(n * d));
+  k::matmul(h, n, w.in_bcx, r.bcx.data());
+  for (std::int64_t t = 0; t < n; ++t) {
+    const float* row = r.bcx.data() + t * 3 * d;
+    for (std::int64_t i = 0; i < d; ++i) r.bx[sz(t * d + i)] = row[i] * row[2 * d + i];
+  }
+}
+
+void Model::short_conv_out(const LayerWeights& w, std::int64_t n, ShortConvRows& r, float* out) const {
+  const std::int64_t d = config().hidden_size;
+  for (std::int64_t t = 0; t < n; ++t) {
+    const float* gate = r.bcx.data() + t * 3 * d + d;
+    for (std::int64_t i = 0; i < d; ++i) r.conv[static_cast<std::size_t>(t * d + i)] *= gate[i];
+  }
+  k::matmul(r.conv.data(), n, w.out, out);
+}
+
+void Model::mlp(const LayerWeights& w, std::int64_t n, std::vector<float>& x, std::vector<float>& h,
+                std::vector<float>& mix, std::vector<float>& gate, std::vector<float>& up) const {
+  const ModelConfig& c = config();
+  const std::int64_t d = c.hidden_size, ff = c.intermediate_size;
+  k::add_inplace(x.data(), mix.data(), n * d);
+  k::rms_norm(x.data(), w.post_norm, n, d, c.rms_norm_eps, h.data());
+  k::matmul(h.data(), n, w.gate, gate.data());
+  k::matmul(h.data(), n, w.up, up.data());
+  k::swiglu(gate.data(), up.data(), n * ff, gate.data());
+  k::matmul(gate.data(), n, w.down, mix.data());
+  k::add_inplace(x.data(), mix.data(), n * d);
+}
+
+// ---- one sequence: rwd::Cache ---------------------------------------------------------
+
 void Model::attention_block(int layer, const LayerWeights& w, const float* h, std::int64_t n, std::int64_t pos0,
                             const kernels::RopeTable& rope,
                             Cache& cache, float* out, double* cache_seconds) const {
   const ModelConfig& c = config();
   const std::int64_t nh = c.num_attention_heads, nkv = c.num_key_value_heads, hd = c.head_dim;
-  std::vector<float> q(static_cast<std::size_t>(n * nh * hd)), key(static_cast<std::size_t>(n * nkv * hd)),
-      val(key.size()), att(q.size());
-  k::matmul(h, n, w.wq, q.data());
-  k::matmul(h, n, w.wk, key.data());
-  k::matmul(h, n, w.wv, val.data());
-  k::rope_inplace(q.data(), n, nh, hd, rope);
-  k::rope_inplace(key.data(), n, nkv, hd, rope);
+  AttentionRows r;
+  attention_in(w, h, n, rope, r);
   MaskSizes mask;
   KeyValueView kv;
   {
     CacheTimer timer(cache_seconds);
     mask = cache.get_mask_sizes(n, layer);
-    kv = cache.update(heads_view(key.data(), n, nkv, hd), heads_view(val.data(), n, nkv, hd), layer);
+    kv = cache.update(heads_view(r.key.data(), n, nkv, hd), heads_view(r.val.data(), n, nkv, hd), layer);
   }
   const k::StridedKV keys{static_cast<const float*>(kv.keys.data), kv.keys.stride(1), kv.keys.stride(2)};
   const k::StridedKV values{static_cast<const float*>(kv.values.data), kv.values.stride(1), kv.values.stride(2)};
   k::AttentionMask m;
   if (w.kind == LayerWeights::Kind::Sliding) m.window = c.sliding_window;
-  k::attention(q.data(), n, pos0, nh, nkv, hd, keys, values, mask.kv_offset, mask.kv_length, m, att.data());
-  k::matmul(att.data(), n, w.wo, out);
+  k::attention(r.q.data(), n, pos0, nh, nkv, hd, keys, values, mask.kv_offset, mask.kv_length, m, r.att.data());
+  k::matmul(r.att.data(), n, w.wo, out);
 }
 
 void Model::gated_deltanet_block(int layer, const LayerWeights& w, const float* h, std::int64_t n, Cache& cache,
@@ -171,78 +281,49 @@ void Model::gated_deltanet_block(int layer, const LayerWeights& w, const float* 
   const ModelConfig& c = config();
   const std::int64_t nk = c.linear_num_key_heads, nv = c.linear_num_value_heads;
   const std::int64_t kd = c.linear_key_head_dim, vd = c.linear_value_head_dim, K = c.linear_conv_kernel_dim;
-  const std::int64_t channels = c.linear_conv_dim(), qk = nk * kd, vv = nv * vd;
-  auto sz = [](std::int64_t v) { return static_cast<std::size_t>(v); };
-  std::vector<float> qkv(sz(n * channels)), z(sz(n * vv)), b(sz(n * nv)), a(sz(n * nv)), mixed(sz(n * channels));
-  k::matmul(h, n, w.in_qkv, qkv.data());
-  k::matmul(h, n, w.in_z, z.data());
-  k::matmul(h, n, w.in_b, b.data());
-  k::matmul(h, n, w.in_a, a.data());
+  const std::int64_t channels = c.linear_conv_dim();
+  DeltaNetRows r;
+  deltanet_in(w, h, n, r);
   TensorView window;
   {
     CacheTimer timer(cache_seconds);
-    window = cache.update_conv_state(channels_view(qkv.data(), n, channels), layer);
+    window = cache.update_conv_state(channels_view(r.qkv.data(), n, channels), layer);
   }
   k::causal_conv1d(static_cast<const float*>(window.data), channels, K, n, window.stride(1), window.stride(2), w.conv,
-                   nullptr, /*fuse_silu=*/true, mixed.data());
-  std::vector<float> q(sz(n * qk)), key(sz(n * qk)), v(sz(n * vv)), g(sz(n * nv)), beta(sz(n * nv)),
-      o(sz(n * vv));
-  for (std::int64_t t = 0; t < n; ++t) {
-    const float* row = mixed.data() + t * channels;
-    std::memcpy(q.data() + t * qk, row, sz(qk) * sizeof(float));
-    std::memcpy(key.data() + t * qk, row + qk, sz(qk) * sizeof(float));
-    std::memcpy(v.data() + t * vv, row + 2 * qk, sz(vv) * sizeof(float));
-    for (std::int64_t hh = 0; hh < nv; ++hh) {
-      const std::size_t i = sz(t * nv + hh);
-      beta[i] = k::sigmoid(b[i]);
-      g[i] = -std::exp(w.a_log[hh]) * k::softplus(a[i] + w.dt_bias[hh]);
-    }
-  }
-  k::l2_normalize(q.data(), n * nk, kd, 1e-6f);
-  k::l2_normalize(key.data(), n * nk, kd, 1e-6f);
-  k::scale_inplace(q.data(), n * qk, 1.0f / std::sqrt(static_cast<float>(kd)));
-  std::vector<float*> states(sz(n));
+                   nullptr, /*fuse_silu=*/true, r.mixed.data());
+  deltanet_mid(w, n, r);
+  std::vector<float*> states(static_cast<std::size_t>(n));
   const float* previous = nullptr;
   std::optional<RecurrentUpdate> update;
   {
     CacheTimer timer(cache_seconds);
     update.emplace(cache.begin_recurrent_update(n, layer));
-    for (std::int64_t t = 0; t < n; ++t) states[sz(t)] = static_cast<float*>(update->next(t + 1).data);
+    for (std::int64_t t = 0; t < n; ++t) states[static_cast<std::size_t>(t)] = static_cast<float*>(update->next(t + 1).data);
     previous = static_cast<const float*>(update->previous().data);
   }
-  k::gated_delta_rule(q.data(), key.data(), v.data(), g.data(), beta.data(), n, nv, nk, kd, vd, previous,
-                      states.data(), o.data());
+  k::gated_delta_rule(r.q.data(), r.key.data(), r.v.data(), r.g.data(), r.beta.data(), n, nv, nk, kd, vd, previous,
+                      states.data(), r.o.data());
   {
     CacheTimer timer(cache_seconds);
     update->commit();
   }
-  k::gated_rms_norm(o.data(), z.data(), w.out_norm, n * nv, vd, c.rms_norm_eps, o.data());
-  k::matmul(o.data(), n, w.out, out);
+  deltanet_out(w, n, r, out);
 }
 
 void Model::short_conv_block(int layer, const LayerWeights& w, const float* h, std::int64_t n, Cache& cache,
                              float* out, double* cache_seconds) const {
   const ModelConfig& c = config();
   const std::int64_t d = c.hidden_size, K = c.conv_L_cache;
-  auto sz = [](std::int64_t v) { return static_cast<std::size_t>(v); };
-  std::vector<float> bcx(sz(n * 3 * d)), bx(sz(n * d)), conv(sz(n * d));
-  k::matmul(h, n, w.in_bcx, bcx.data());
-  for (std::int64_t t = 0; t < n; ++t) {
-    const float* row = bcx.data() + t * 3 * d;
-    for (std::int64_t i = 0; i < d; ++i) bx[sz(t * d + i)] = row[i] * row[2 * d + i];
-  }
+  ShortConvRows r;
+  short_conv_in(w, h, n, r);
   TensorView window;
   {
     CacheTimer timer(cache_seconds);
-    window = cache.update_conv_state(channels_view(bx.data(), n, d), layer);
+    window = cache.update_conv_state(channels_view(r.bx.data(), n, d), layer);
   }
   k::causal_conv1d(static_cast<const float*>(window.data), d, K, n, window.stride(1), window.stride(2), w.conv,
-                   nullptr, /*fuse_silu=*/false, conv.data());
-  for (std::int64_t t = 0; t < n; ++t) {
-    const float* gate = bcx.data() + t * 3 * d + d;
-    for (std::int64_t i = 0; i < d; ++i) conv[sz(t * d + i)] *= gate[i];
-  }
-  k::matmul(conv.data(), n, w.out, out);
+                   nullptr, /*fuse_silu=*/false, r.conv.data());
+  short_conv_out(w, n, r, out);
 }
 
 void Model::forward(std::span<const std::int32_t> tokens, Cache& cache, std::vector<float>& logits,
@@ -250,12 +331,7 @@ void Model::forward(std::span<const std::int32_t> tokens, Cache& cache, std::vec
   const ModelConfig& c = config();
   const auto n = static_cast<std::int64_t>(tokens.size());
   if (n < 1) throw InvalidArgument("Model::forward needs at least one token");
-  for (std::size_t t = 0; t < tokens.size(); ++t) {
-    if (tokens[t] < 0 || tokens[t] >= c.vocab_size) {
-      throw InvalidArgument("Model::forward: token " + std::to_string(tokens[t]) + " at index " + std::to_string(t) +
-                            " is outside the vocabulary [0, " + std::to_string(c.vocab_size) + ")");
-    }
-  }
+  check_tokens(tokens, c, "Model::forward");
   const std::int64_t d = c.hidden_size, ff = c.intermediate_size, V = c.vocab_size;
   auto sz = [](std::int64_t v) { return static_cast<std::size_t>(v); };
   const std::int64_t pos0 = cache.get_seq_length();
@@ -287,13 +363,7 @@ void Model::forward(std::span<const std::int32_t> tokens, Cache& cache, std::vec
         break;
       case LayerWeights::Kind::ShortConv: short_conv_block(layer, w, h.data(), n, cache, mix.data(), cache_seconds); break;
     }
-    k::add_inplace(x.data(), mix.data(), n * d);
-    k::rms_norm(x.data(), w.post_norm, n, d, c.rms_norm_eps, h.data());
-    k::matmul(h.data(), n, w.gate, gate.data());
-    k::matmul(h.data(), n, w.up, up.data());
-    k::swiglu(gate.data(), up.data(), n * ff, gate.data());
-    k::matmul(gate.data(), n, w.down, mix.data());
-    k::add_inplace(x.data(), mix.data(), n * d);
+    mlp(w, n, x, h, mix, gate, up);
   }
   const std::int64_t first = all_logits ? 0 : n - 1;
   const std::int64_t rows = n - first;
@@ -302,6 +372,130 @@ void Model::forward(std::span<const std::int32_t> tokens, Cache& cache, std::vec
   k::matmul(h.data(), rows, lm_head_, logits.data());
   CacheTimer timer(cache_seconds);
   transaction->commit();
+}
+
+// ---- many sequences: rwd::SequenceCache ---------------------------------------------
+
+SequenceCache Model::make_sequence_cache(SequenceCacheOptions options) const {
+  const Cache one = make_cache();  // the layers' kinds and options, once
+  std::vector<SequenceLayer> layers;
+  for (int i = 0; i < one.num_layers(); ++i) layers.push_back({one.layer(i).kind(), one.layer(i).options()});
+  return SequenceCache(std::move(layers), options);
+}
+
+void Model::forward_batch(std::span<const SequenceTokens> batch, SequenceCache& cache,
+                          std::vector<float>& logits) const {
+  const ModelConfig& c = config();
+  if (batch.empty()) throw InvalidArgument("Model::forward_batch needs at least one sequence");
+  std::vector<BatchEntry> entries;
+  std::vector<std::int64_t> pos0, offset;
+  std::int64_t T = 0;
+  for (const SequenceTokens& s : batch) {
+    check_tokens(s.tokens, c, "Model::forward_batch");
+    entries.push_back({s.seq, static_cast<std::int64_t>(s.tokens.size())});
+    pos0.push_back(cache.seq_length(s.seq));
+    offset.push_back(T);
+    T += static_cast<std::int64_t>(s.tokens.size());
+  }
+  const std::int64_t d = c.hidden_size, ff = c.intermediate_size, V = c.vocab_size;
+  const std::int64_t nh = c.num_attention_heads, nkv = c.num_key_value_heads, hd = c.head_dim;
+  auto sz = [](std::int64_t v) { return static_cast<std::size_t>(v); };
+  // All or nothing across the batch (an exception abandons it).
+  SequenceBatch transaction = cache.begin_batch(entries);
+  std::vector<float> x(sz(T * d)), h(sz(T * d)), mix(sz(T * d)), gate(sz(T * ff)), up(sz(T * ff));
+  std::vector<std::int64_t> positions(sz(T));
+  for (std::size_t e = 0; e < batch.size(); ++e) {
+    for (std::size_t t = 0; t < batch[e].tokens.size(); ++t) {
+      const std::int64_t row = offset[e] + static_cast<std::int64_t>(t);
+      std::memcpy(x.data() + row * d, embed_ + batch[e].tokens[t] * d, sz(d) * sizeof(float));
+      positions[sz(row)] = pos0[e] + static_cast<std::int64_t>(t);
+    }
+  }
+  const k::RopeTable rope(positions.data(), has_attention_ ? T : 0, c.rope_theta, c.head_dim);
+  std::vector<float> keys_copy, values_copy;  // one sequence's visible keys / values, token-major
+  for (std::size_t i = 0; i < layers_.size(); ++i) {
+    const LayerWeights& w = layers_[i];
+    const int layer = static_cast<int>(i);
+    k::rms_norm(x.data(), w.input_norm, T, d, c.rms_norm_eps, h.data());
+    switch (w.kind) {
+      case LayerWeights::Kind::Attention:
+      case LayerWeights::Kind::Sliding: {
+        AttentionRows r;
+        attention_in(w, h.data(), T, rope, r);
+        const std::span<const PagedKeyValues> kv =
+            cache.update(heads_view(r.key.data(), T, nkv, hd), heads_view(r.val.data(), T, nkv, hd), layer);
+        const BlockLayout& layout = cache.block_layout(layer);
+        k::AttentionMask m;
+        if (w.kind == LayerWeights::Kind::Sliding) m.window = c.sliding_window;
+        for (std::size_t e = 0; e < batch.size(); ++e) {
+          const auto n = static_cast<std::int64_t>(batch[e].tokens.size());
+          if (n == 0) continue;
+          // The kernel reads one strided run of positions: the sequence's
+          // visible rows are copied out of its blocks first (the same values
+          // in the same order, so the result is the single-sequence one).
+          keys_copy.resize(sz(kv[e].kv_length * nkv * hd));
+          values_copy.resize(keys_copy.size());
+          layout.gather(kv[e].spans, 0, kv[e].kv_offset, heads_view(keys_copy.data(), kv[e].kv_length, nkv, hd));
+          layout.gather(kv[e].spans, 1, kv[e].kv_offset, heads_view(values_copy.data(), kv[e].kv_length, nkv, hd));
+          const k::StridedKV keys{keys_copy.data(), hd, nkv * hd};
+          const k::StridedKV values{values_copy.data(), hd, nkv * hd};
+          k::attention(r.q.data() + offset[e] * nh * hd, n, pos0[e], nh, nkv, hd, keys, values, kv[e].kv_offset,
+                       kv[e].kv_length, m, r.att.data() + offset[e] * nh * hd);
+        }
+        k::matmul(r.att.data(), T, w.wo, mix.data());
+        break;
+      }
+      case LayerWeights::Kind::GatedDeltaNet: {
+        const std::int64_t nk = c.linear_num_key_heads, nv = c.linear_num_value_heads;
+        const std::int64_t kd = c.linear_key_head_dim, vd = c.linear_value_head_dim, K = c.linear_conv_kernel_dim;
+        const std::int64_t channels = c.linear_conv_dim(), qk = nk * kd, vv = nv * vd;
+        DeltaNetRows r;
+        deltanet_in(w, h.data(), T, r);
+        const std::span<const TensorView> windows = cache.update_conv_state(channels_view(r.qkv.data(), T, channels), layer);
+        for (std::size_t e = 0; e < batch.size(); ++e) {
+          const auto n = static_cast<std::int64_t>(batch[e].tokens.size());
+          if (n == 0) continue;
+          k::causal_conv1d(static_cast<const float*>(windows[e].data), channels, K, n, windows[e].stride(1),
+                           windows[e].stride(2), w.conv, nullptr, /*fuse_silu=*/true, r.mixed.data() + offset[e] * channels);
+        }
+        deltanet_mid(w, T, r);
+        BatchRecurrentUpdate update = cache.begin_recurrent_update(layer);
+        std::vector<float*> states;
+        for (std::size_t e = 0; e < batch.size(); ++e) {
+          const auto n = static_cast<std::int64_t>(batch[e].tokens.size());
+          if (n == 0) continue;
+          states.resize(sz(n));
+          for (std::int64_t t = 0; t < n; ++t) states[sz(t)] = static_cast<float*>(update.next(e, t + 1).data);
+          const std::int64_t o = offset[e];
+          k::gated_delta_rule(r.q.data() + o * qk, r.key.data() + o * qk, r.v.data() + o * vv, r.g.data() + o * nv,
+                              r.beta.data() + o * nv, n, nv, nk, kd, vd,
+                              static_cast<const float*>(update.previous(e).data), states.data(), r.o.data() + o * vv);
+        }
+        update.commit();
+        deltanet_out(w, T, r, mix.data());
+        break;
+      }
+      case LayerWeights::Kind::ShortConv: {
+        const std::int64_t K = c.conv_L_cache;
+        ShortConvRows r;
+        short_conv_in(w, h.data(), T, r);
+        const std::span<const TensorView> windows = cache.update_conv_state(channels_view(r.bx.data(), T, d), layer);
+        for (std::size_t e = 0; e < batch.size(); ++e) {
+          const auto n = static_cast<std::int64_t>(batch[e].tokens.size());
+          if (n == 0) continue;
+          k::causal_conv1d(static_cast<const float*>(windows[e].data), d, K, n, windows[e].stride(1),
+                           windows[e].stride(2), w.conv, nullptr, /*fuse_silu=*/false, r.conv.data() + offset[e] * d);
+        }
+        short_conv_out(w, T, r, mix.data());
+        break;
+      }
+    }
+    mlp(w, T, x, h, mix, gate, up);
+  }
+  k::rms_norm(x.data(), final_norm_, T, d, c.rms_norm_eps, h.data());
+  logits.resize(sz(T * V));
+  k::matmul(h.data(), T, lm_head_, logits.data());
+  transaction.commit();
 }
 
 // The library owns the retention rules: ask a cache of this model's shapes.

@@ -22,11 +22,19 @@
 #include <vector>
 
 #include "rewind/cache.h"
+#include "rewind/sequences.h"
 #include "runtime/kernels.h"
 #include "runtime/model_config.h"
 #include "runtime/weights_io.h"
 
 namespace rwd::runtime {
+
+// One sequence's share of a batched forward: its new tokens (none: the
+// sequence is left as it is).
+struct SequenceTokens {
+  SeqId seq;
+  std::span<const std::int32_t> tokens;
+};
 
 class Model {
  public:
@@ -58,6 +66,22 @@ class Model {
   // (update, update_conv_state, recurrent slots, mask sizes) is added to it.
   void forward(std::span<const std::int32_t> tokens, Cache& cache, std::vector<float>& logits,
                bool all_logits = true, double* cache_seconds = nullptr) const;
+
+  // An empty cache for many sequences with one layer per model layer
+  // (each with its own shapes). Throws InvalidArgument for a bad block size.
+  SequenceCache make_sequence_cache(SequenceCacheOptions options = {}) const;
+
+  // One forward over a ragged batch: each entry's tokens at its sequence's
+  // positions [L, L + n), all entries' rows through every weight together,
+  // attention, conv and recurrent state per sequence. Writes logits [T,
+  // vocab] for the T tokens in entry order. Batch invariant: a sequence's
+  // logits and stored state are bit-identical to a forward of that sequence
+  // alone (in any batch, or through forward() with a Cache). All or
+  // nothing (begin_batch): an exception leaves every sequence unchanged.
+  // Throws InvalidArgument for an empty batch, no token at all or a token
+  // outside the vocabulary, and what SequenceCache::begin_batch throws
+  // (invalid or repeated ids, budget).
+  void forward_batch(std::span<const SequenceTokens> batch, SequenceCache& cache, std::vector<float>& logits) const;
 
   // Cache memory of one sequence, from the library's retention rules
   // (Layer::retention_bytes over make_cache()'s layers): what one more
@@ -98,6 +122,29 @@ class Model {
     // short conv
     kernels::PackedMatrix in_bcx;  // [3d, d]
   };
+  // The math of each block that does not touch the cache, shared by
+  // forward() and forward_batch() (rows are independent: batch invariance).
+  struct AttentionRows {
+    std::vector<float> q, key, val, att;  // [n, nh*hd], [n, nkv*hd] x 2, [n, nh*hd]
+  };
+  void attention_in(const LayerWeights& w, const float* h, std::int64_t n, const kernels::RopeTable& rope,
+                    AttentionRows& r) const;
+  struct DeltaNetRows {
+    std::vector<float> qkv, z, b, a, mixed, q, key, v, g, beta, o;
+  };
+  void deltanet_in(const LayerWeights& w, const float* h, std::int64_t n, DeltaNetRows& r) const;
+  // After the conv (r.mixed): queries, keys, values, gates and betas.
+  void deltanet_mid(const LayerWeights& w, std::int64_t n, DeltaNetRows& r) const;
+  void deltanet_out(const LayerWeights& w, std::int64_t n, DeltaNetRows& r, float* out) const;
+  struct ShortConvRows {
+    std::vector<float> bcx, bx, conv;
+  };
+  void short_conv_in(const LayerWeights& w, const float* h, std::int64_t n, ShortConvRows& r) const;
+  void short_conv_out(const LayerWeights& w, std::int64_t n, ShortConvRows& r, float* out) const;
+  // The MLP half of a layer and the embedding / final rows.
+  void mlp(const LayerWeights& w, std::int64_t n, std::vector<float>& x, std::vector<float>& h,
+           std::vector<float>& mix, std::vector<float>& gate, std::vector<float>& up) const;
+
   void attention_block(int layer, const LayerWeights& w, const float* h, std::int64_t n,
                        std::int64_t pos0, const kernels::RopeTable& rope, Cache& cache, float* out,
                        double* cache_seconds) const;

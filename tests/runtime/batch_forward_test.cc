@@ -1,0 +1,125 @@
+// Model::forward_batch over a SequenceCache: every sequence's logits and
+// state are bit-identical to running that sequence alone through
+// Model::forward with a single-sequence Cache, whatever else is in the
+// batch (ragged counts, 0 included), across forks and crops.
+#include <gtest/gtest.h>
+
+#include <cstdint>
+#include <cstring>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "rewind/error.h"
+#include "runtime/model.h"
+#include "test_configs.h"
+
+namespace rwd::runtime {
+namespace {
+
+using Tokens = std::vector<std::int32_t>;
+
+Tokens random_tokens(std::mt19937_64& rng, std::size_t n) {
+  std::uniform_int_distribution<std::int32_t> pick(0, 257);
+  Tokens t(n);
+  for (auto& v : t) v = pick(rng);
+  return t;
+}
+
+// One sequence of the batched cache and its solo twin.
+struct Twin {
+  SeqId id;
+  Cache solo;
+};
+
+// Feeds `chunks[i]` to twin i: all of them in one forward_batch, each alone
+// through forward(); the logits must be equal bit for bit.
+void step(const Model& model, SequenceCache& batched, std::vector<Twin>& twins, const std::vector<Tokens>& chunks,
+          const std::string& what) {
+  std::vector<SequenceTokens> batch;
+  for (std::size_t i = 0; i < twins.size(); ++i) batch.push_back({twins[i].id, chunks[i]});
+  std::vector<float> logits;
+  model.forward_batch(batch, batched, logits);
+  const auto V = static_cast<std::size_t>(model.vocab_size());
+  std::size_t row = 0;
+  for (std::size_t i = 0; i < twins.size(); ++i) {
+    if (chunks[i].empty()) continue;
+    std::vector<float> solo;
+    model.forward(chunks[i], twins[i].solo, solo);
+    ASSERT_EQ(solo.size(), chunks[i].size() * V);
+    EXPECT_EQ(std::memcmp(solo.data(), logits.data() + row * V, solo.size() * sizeof(float)), 0)
+        << what << ": sequence " << i << " differs from its solo forward";
+    EXPECT_EQ(batched.seq_length(twins[i].id), twins[i].solo.get_seq_length()) << what;
+    row += chunks[i].size();
+  }
+  EXPECT_EQ(row * V, logits.size()) << what;
+}
+
+TEST(ForwardBatch, EverySequenceMatchesItsSoloForwardBitForBit) {
+  for (std::uint64_t seed : {1u, 2u, 3u}) {
+    std::mt19937_64 rng(seed);
+    ModelConfig config = testing_configs::hybrid();
+    std::shuffle(config.layer_types.begin(), config.layer_types.end(), rng);
+    const Model model(ModelWeights::random(config, seed));
+    SequenceCache batched = model.make_sequence_cache({/*block_size=*/4});
+    std::vector<Twin> twins;
+    for (int i = 0; i < 3; ++i) twins.push_back({batched.add_sequence(), model.make_cache()});
+    // Prompts of different lengths in one batch, then ragged decode rounds
+    // (a sequence with no token in a round is left alone).
+    step(model, batched, twins, {random_tokens(rng, 7), random_tokens(rng, 2), random_tokens(rng, 12)}, "prefill");
+    std::uniform_int_distribution<int> q(0, 4);
+    for (int round = 0; round < 12; ++round) {
+      std::vector<Tokens> chunks;
+      for (std::size_t i = 0; i < twins.size(); ++i) chunks.push_back(random_tokens(rng, static_cast<std::size_t>(q(rng))));
+      if (chunks[0].empty() && chunks[1].empty() && chunks[2].empty()) chunks[1] = random_tokens(rng, 1);
+      step(model, batched, twins, chunks, "round " + std::to_string(round));
+    }
+  }
+}
+
+TEST(ForwardBatch, ForksAndPerSequenceRollbackStayExact) {
+  std::mt19937_64 rng(7);
+  const Model model(ModelWeights::random(testing_configs::hybrid(), 7));
+  SequenceCache batched = model.make_sequence_cache({/*block_size=*/3});
+  std::vector<Twin> twins;
+  twins.push_back({batched.add_sequence(), model.make_cache()});
+  batched.activate_past_recording(twins[0].id, 4);
+  twins[0].solo.activate_past_recording(4);
+  const Tokens prompt = random_tokens(rng, 10);
+  step(model, batched, twins, {prompt}, "prompt");
+  // A fork continues differently; its twin replays the parent's tokens.
+  twins.push_back({batched.fork(twins[0].id), model.make_cache()});
+  twins[1].solo.activate_past_recording(4);
+  std::vector<float> ignored;
+  model.forward(prompt, twins[1].solo, ignored);
+  for (int round = 0; round < 6; ++round) {
+    step(model, batched, twins, {random_tokens(rng, 3), random_tokens(rng, 4)}, "draft round " + std::to_string(round));
+    // Each rejects a different number of its drafts.
+    const std::int64_t reject0 = round % 3, reject1 = (round + 1) % 4;
+    batched.crop(twins[0].id, -reject0);
+    twins[0].solo.crop(-reject0);
+    batched.crop(twins[1].id, -reject1);
+    twins[1].solo.crop(-reject1);
+  }
+  step(model, batched, twins, {random_tokens(rng, 1), random_tokens(rng, 1)}, "after the crops");
+}
+
+TEST(ForwardBatch, RefusesBadInputAndChangesNothing) {
+  const Model model(ModelWeights::random(testing_configs::hybrid(), 3));
+  SequenceCache batched = model.make_sequence_cache();
+  const SeqId a = batched.add_sequence();
+  const Tokens good{1, 2, 3}, bad{1, 300};
+  std::vector<float> logits;
+  EXPECT_THROW(model.forward_batch({}, batched, logits), InvalidArgument);
+  const std::vector<SequenceTokens> out_of_vocab{{a, bad}};
+  EXPECT_THROW(model.forward_batch(out_of_vocab, batched, logits), InvalidArgument);
+  const std::vector<SequenceTokens> twice{{a, good}, {a, good}};
+  EXPECT_THROW(model.forward_batch(twice, batched, logits), InvalidArgument);
+  const std::vector<SequenceTokens> nothing{{a, {}}};
+  EXPECT_THROW(model.forward_batch(nothing, batched, logits), InvalidArgument);
+  EXPECT_EQ(batched.seq_length(a), 0);
+  EXPECT_EQ(batched.memory().blocks_in_use, 0);
+}
+
+}  // namespace
+}  // namespace rwd::runtime
