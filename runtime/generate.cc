@@ -170,6 +170,85 @@ std::vector<std::int32_t> generate(const Model& model, std::span<const std::int3
   return out;
 }
 
+std::string BatchGenerationStats::to_json() const {
+  nlohmann::json j;
+  j["sequences"] = sequences.size();
+  j["new_tokens"] = new_tokens;
+  j["forwards"] = forwards;
+  j["seconds"] = seconds;
+  j["tokens_per_second"] = tokens_per_second();
+  nlohmann::json ttft = nlohmann::json::array(), per_sequence = nlohmann::json::array();
+  for (const GenerationStats& s : sequences) {
+    ttft.push_back(s.time_to_first_token);
+    per_sequence.push_back({{"new_tokens", s.new_tokens}, {"prompt_tokens", s.prompt_tokens},
+                            {"time_to_first_token_s", s.time_to_first_token}, {"seconds", s.seconds}});
+  }
+  j["time_to_first_token_s"] = ttft;
+  j["per_sequence"] = per_sequence;
+  return j.dump();
+}
+
+std::string indexed_text_json(std::size_t index, const std::string& text) {
+  const nlohmann::json line{{"index", index}, {"text", text}};
+  return line.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace);
+}
+
+std::vector<std::vector<std::int32_t>> generate_batch(const Model& model,
+                                                      std::span<const std::vector<std::int32_t>> prompts,
+                                                      const GenerationOptions& options, BatchGenerationStats* stats) {
+  validate(options.sampling);
+  if (prompts.empty()) throw InvalidArgument("generate_batch needs at least one prompt");
+  for (const auto& prompt : prompts) check_prompt(prompt);
+  const auto t0 = Clock::now();
+  GenerationOptions quiet = options;
+  quiet.on_token = nullptr;
+  const std::size_t n = prompts.size();
+  BatchGenerationStats local;
+  std::vector<std::mt19937_64> rngs(n, std::mt19937_64(options.sampling.seed));
+  std::vector<std::vector<std::int32_t>> out(n);
+  for (const auto& prompt : prompts) local.sequences.push_back(start_stats(prompt, options.sampling));
+  SequenceCache cache = model.make_sequence_cache();
+  std::vector<SeqId> ids;
+  std::vector<std::vector<std::int32_t>> pending(prompts.begin(), prompts.end());
+  std::vector<std::size_t> active;  // sequences still decoding, in prompt order
+  for (std::size_t i = 0; i < n; ++i) {
+    ids.push_back(cache.add_sequence());
+    if (options.max_new_tokens > 0) active.push_back(i);
+  }
+  std::vector<SequenceTokens> batch;
+  std::vector<float> logits;
+  const auto V = static_cast<std::size_t>(model.vocab_size());
+  while (!active.empty()) {
+    batch.clear();
+    for (std::size_t i : active) batch.push_back({ids[i], pending[i]});
+    model.forward_batch(batch, cache, logits);
+    ++local.forwards;
+    std::size_t row = 0;
+    std::vector<std::size_t> still;
+    for (std::size_t i : active) {
+      row += pending[i].size();
+      const std::int32_t token = pick(std::span<const float>(logits.data() + (row - 1) * V, V), options.sampling, rngs[i]);
+      GenerationStats& s = local.sequences[i];
+      ++s.forwards;
+      if (emit(token, model, quiet, out[i], t0, s)) {
+        pending[i].assign(1, token);
+        still.push_back(i);
+      } else {
+        s.seconds = seconds_since(t0);
+        cache.seq_rm(ids[i]);  // its blocks and states go back at once
+      }
+    }
+    active = std::move(still);
+  }
+  for (std::size_t i = 0; i < n; ++i) {
+    local.sequences[i].new_tokens = static_cast<std::int64_t>(out[i].size());
+    local.new_tokens += local.sequences[i].new_tokens;
+  }
+  local.seconds = seconds_since(t0);
+  if (stats) *stats = std::move(local);
+  return out;
+}
+
 // ---- draft sources -------------------------------------------------------------
 
 ModelDraft::ModelDraft(const Model& draft, SamplingParams sampling, std::int64_t max_draft)

@@ -148,7 +148,31 @@ class Progress {
 // whose options tell which flags were given.
 struct PromptChoice {
   std::string text;
-  std::string file;  // "-": standard input
+  std::string file;     // "-": standard input
+  std::string prompts;  // --prompts FILE: one prompt per line ("-": standard input)
+
+  bool many(const CLI::App& cmd) const { return cmd.count("--prompts") > 0; }
+  // The lines of --prompts FILE, one prompt each (an empty line is a prompt
+  // of BOS alone; a final newline ends the last line, it adds none).
+  std::vector<std::string> read_many() const {
+    std::ifstream file_in;
+    if (prompts != "-") {
+      file_in.open(prompts, std::ios::binary);
+      if (!file_in) throw InvalidArgument("--prompts " + prompts + ": cannot open it");
+    }
+    std::istream& in = prompts == "-" ? std::cin : file_in;
+    std::vector<std::string> lines;
+    for (std::string line; std::getline(in, line);) {
+      if (!line.empty() && line.back() == '\r') line.pop_back();
+      lines.push_back(line);
+    }
+    if (in.bad()) throw InvalidArgument("--prompts " + prompts + ": read error");
+    if (lines.empty()) {
+      throw InvalidArgument("--prompts " + (prompts == "-" ? std::string("- (standard input)") : prompts) +
+                            " has no line; give one prompt per line");
+    }
+    return lines;
+  }
 
   // The prompt text: --prompt TEXT or the bytes of --prompt-file FILE (a
   // long prompt does not fit in argv: Linux caps one argument at 128 KiB).
@@ -270,11 +294,38 @@ void set_threads(const std::optional<int>& threads) {
 
 // ---- subcommands -------------------------------------------------------------------
 
+// generate --prompts FILE: every prompt in one batch (one SequenceCache),
+// one JSON line per prompt in input order, then the batch's statistics.
+int run_generate_batch(const std::string& model_dir, const PromptChoice& prompt_choice, std::int64_t max_new,
+                       const SamplingParams& sampling, bool stats_wanted) {
+  const std::vector<std::string> lines = prompt_choice.read_many();
+  const Model model = Model::load(model_dir);
+  std::vector<std::vector<std::int32_t>> prompts;
+  for (const auto& line : lines) prompts.push_back(encode_prompt(line, model.config()));
+  GenerationOptions options;
+  options.max_new_tokens = max_new;
+  options.sampling = sampling;
+  BatchGenerationStats stats;
+  const std::vector<std::vector<std::int32_t>> out = generate_batch(model, prompts, options, &stats);
+  for (std::size_t i = 0; i < out.size(); ++i) {
+    std::printf("%s\n", indexed_text_json(i, decode_tokens(out[i])).c_str());
+  }
+  if (stats_wanted) std::printf("%s\n", stats.to_json().c_str());
+  return 0;
+}
+
 int run_generate(const CLI::App& cmd, const std::string& model_dir, const PromptChoice& prompt_choice,
                  std::int64_t max_new, const DraftChoice& choice, const SamplingChoice& sampling_choice,
                  bool stats_wanted) {
   choice.check(cmd);
   const SamplingParams sampling = sampling_choice.resolve(cmd);
+  if (prompt_choice.many(cmd)) {
+    if (choice.any()) {
+      throw InvalidArgument("--prompts decodes greedily or sampled; speculative decoding of a batch (--draft, "
+                            "--lookup) is not implemented yet: decode the prompts one at a time with --prompt");
+    }
+    return run_generate_batch(model_dir, prompt_choice, max_new, sampling, stats_wanted);
+  }
   const std::string prompt = prompt_choice.read(cmd);
   const Model model = Model::load(model_dir);
   const std::optional<Model> draft = load_draft(choice, model);
@@ -570,6 +621,15 @@ int main(int argc, char** argv) {
   auto* gen = app.add_subcommand("generate", "generate text (greedy, sampled or speculative)");
   gen->add_option("--model", model_dir, "model directory")->required()->check(CLI::ExistingDirectory);
   add_prompt_options(gen);
+  gen->add_option("--prompts", prompt.prompts,
+                  "decode every line of FILE ('-' = standard input) as a prompt, all in one batch; prints one "
+                  "JSON line per prompt, {\"index\": i, \"text\": ...}, in input order (bytes that are not UTF-8 "
+                  "become U+FFFD); with --stats a last line: sequences, new_tokens, forwards, seconds, "
+                  "tokens_per_second (all sequences' tokens over the wall time), time_to_first_token_s and "
+                  "per_sequence figures")
+      ->type_name("FILE")
+      ->excludes("--prompt")
+      ->excludes("--prompt-file");
   gen->add_option("--max-new-tokens", max_new, "token budget")->check(max_new_range);
   add_draft_options(gen);
   gen->add_option("--temperature", sampling.params.temperature, "sampling temperature; 0 = greedy decoding")

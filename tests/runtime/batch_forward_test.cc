@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "rewind/error.h"
+#include "runtime/generate.h"
 #include "runtime/model.h"
 #include "test_configs.h"
 
@@ -119,6 +120,48 @@ TEST(ForwardBatch, RefusesBadInputAndChangesNothing) {
   EXPECT_THROW(model.forward_batch(nothing, batched, logits), InvalidArgument);
   EXPECT_EQ(batched.seq_length(a), 0);
   EXPECT_EQ(batched.memory().blocks_in_use, 0);
+}
+
+// generate_batch: each prompt's tokens equal generate()'s for it alone, in
+// greedy and sampled mode, while sequences of different lengths and budgets
+// join in one prefill and leave at different rounds.
+TEST(GenerateBatch, EverySequenceEqualsGenerateAlone) {
+  const Model model(ModelWeights::random(testing_configs::hybrid(), 11));
+  std::mt19937_64 rng(11);
+  std::vector<Tokens> prompts;
+  for (std::size_t n : {1u, 5u, 9u, 2u}) {
+    Tokens p = random_tokens(rng, n);
+    p.insert(p.begin(), static_cast<std::int32_t>(model.config().bos_token_id));
+    prompts.push_back(p);
+  }
+  for (const float temperature : {0.0f, 0.9f}) {
+    for (const std::int64_t max_new : {0, 1, 17}) {
+      GenerationOptions options;
+      options.max_new_tokens = max_new;
+      options.stop_at_eos = false;
+      options.sampling.temperature = temperature;
+      options.sampling.seed = 5;
+      BatchGenerationStats stats;
+      const auto batched = generate_batch(model, prompts, options, &stats);
+      ASSERT_EQ(batched.size(), prompts.size());
+      std::int64_t total = 0;
+      for (std::size_t i = 0; i < prompts.size(); ++i) {
+        EXPECT_EQ(batched[i], generate(model, prompts[i], options))
+            << "prompt " << i << ", temperature " << temperature << ", max_new_tokens " << max_new;
+        EXPECT_EQ(static_cast<std::int64_t>(batched[i].size()), max_new);
+        total += static_cast<std::int64_t>(batched[i].size());
+      }
+      EXPECT_EQ(stats.new_tokens, total);
+      EXPECT_EQ(stats.forwards, max_new);  // one prefill, then one round per further token
+    }
+  }
+  // The same with stop_at_eos on (the default).
+  GenerationOptions options;
+  options.max_new_tokens = 12;
+  const auto all = generate_batch(model, prompts, options);
+  for (std::size_t i = 0; i < prompts.size(); ++i) EXPECT_EQ(all[i], generate(model, prompts[i], options)) << i;
+  EXPECT_THROW(generate_batch(model, std::vector<Tokens>{}, options), InvalidArgument);
+  EXPECT_THROW(generate_batch(model, std::vector<Tokens>{Tokens{1}, Tokens{}}, options), InvalidArgument);
 }
 
 }  // namespace

@@ -169,6 +169,58 @@ TEST_F(Cli, PromptFileTakesA140KBPromptFromAFileOrStandardInput) {
   EXPECT_EQ(a.out, b.out);
 }
 
+// generate --prompts: one JSON line per prompt, in input order, each text
+// what generate --prompt gives for that line alone; standard input works;
+// misuse exits 2.
+TEST_F(Cli, GeneratePromptsDecodesEveryLineAsOneBatch) {
+  const std::vector<std::string> lines{"in the beginning", "and God said", "", "let there be light"};
+  std::string text;
+  for (const auto& l : lines) text += l + "\n";
+  const fs::path file = scratch_dir() / "prompts.txt";
+  write_file(file, text);
+  const CliResult r = run_cli("generate" + model("target") + " --prompts " + quote(file.string()) +
+                              " --max-new-tokens 12 --stats");
+  ASSERT_EQ(r.status, 0) << r.all();
+  std::istringstream out(r.out);
+  std::vector<nlohmann::json> json;
+  for (std::string line; std::getline(out, line);) json.push_back(nlohmann::json::parse(line));
+  ASSERT_EQ(json.size(), lines.size() + 1) << r.out;
+  for (std::size_t i = 0; i < lines.size(); ++i) {
+    EXPECT_EQ(json[i].at("index").get<std::size_t>(), i);
+    if (lines[i].empty()) continue;  // --prompt refuses an empty text
+    const CliResult alone =
+        run_cli("generate" + model("target") + " --prompt " + quote(lines[i]) + " --max-new-tokens 12");
+    ASSERT_EQ(alone.status, 0) << alone.err;
+    // JSON holds Unicode: bytes that are not UTF-8 (a random model emits
+    // them) become U+FFFD, as the same text dumped with that rule.
+    const std::string alone_text = alone.out.substr(0, alone.out.size() - 1);
+    const std::string expected = nlohmann::json::parse(
+        nlohmann::json(alone_text).dump(-1, ' ', false, nlohmann::json::error_handler_t::replace));
+    EXPECT_EQ(json[i].at("text").get<std::string>(), expected) << "prompt " << i;
+  }
+  const nlohmann::json& stats = json.back();
+  EXPECT_EQ(stats.at("sequences").get<std::size_t>(), lines.size());
+  EXPECT_EQ(stats.at("per_sequence").size(), lines.size());
+  EXPECT_GT(stats.at("tokens_per_second").get<double>(), 0.0);
+
+  const CliResult from_stdin = run_cli("generate" + model("target") + " --prompts - --max-new-tokens 12", file.string());
+  ASSERT_EQ(from_stdin.status, 0) << from_stdin.err;
+  EXPECT_EQ(from_stdin.out + json.back().dump(), r.out.substr(0, r.out.size() - 1))
+      << "stdin and file give the same lines";
+
+  for (const std::string& misuse : {std::string(" --prompts ") + quote(file.string()) + " --prompt x",
+                                    std::string(" --prompts ") + quote(file.string()) + " --lookup 2",
+                                    std::string(" --prompts ") + quote((scratch_dir() / "missing.txt").string())}) {
+    const CliResult bad = run_cli("generate" + model("target") + misuse);
+    EXPECT_EQ(bad.status, 2) << misuse << ": " << bad.all();
+    EXPECT_FALSE(bad.err.empty()) << misuse;
+  }
+  write_file(scratch_dir() / "no_lines.txt", "");
+  const CliResult empty = run_cli("generate" + model("target") + " --prompts " +
+                                  quote((scratch_dir() / "no_lines.txt").string()));
+  EXPECT_EQ(empty.status, 2) << empty.all();
+}
+
 TEST_F(Cli, PromptAndPromptFileAreRefusedTogetherAndOneIsNeeded) {
   write_file(scratch_dir() / "p.txt", "text");
   write_file(scratch_dir() / "empty.txt", "");

@@ -98,6 +98,36 @@ struct GenerationStats {
 std::vector<std::int32_t> generate(const Model& model, std::span<const std::int32_t> prompt,
                                    const GenerationOptions& options, GenerationStats* stats = nullptr);
 
+// What generate_batch measured: per sequence (GenerationStats, seconds
+// counted from the start of the call) and for the whole batch.
+struct BatchGenerationStats {
+  std::vector<GenerationStats> sequences;  // in prompt order
+  std::int64_t new_tokens = 0;             // over every sequence
+  std::int64_t forwards = 0;               // batched forwards
+  double seconds = 0.0;                    // wall time of the call
+  // Aggregate: every sequence's new tokens over the call's wall time.
+  double tokens_per_second() const { return seconds > 0 ? static_cast<double>(new_tokens) / seconds : 0.0; }
+  std::string to_json() const;  // one line
+};
+
+// Plain decoding of many prompts in one SequenceCache: the prompts in one
+// batched forward, then each round one forward of every unfinished
+// sequence's pending token; a sequence leaves the batch when it stops (EOS,
+// max_new_tokens) and its state is released. Each sequence's tokens equal
+// generate()'s for its prompt alone with the same options (the forward is
+// batch invariant; sampling draws from one generator per sequence seeded
+// with options.sampling.seed, as generate() does). options.on_token is not
+// called. Throws InvalidArgument for an empty list or an empty prompt, and
+// what validate() throws.
+std::vector<std::vector<std::int32_t>> generate_batch(const Model& model,
+                                                      std::span<const std::vector<std::int32_t>> prompts,
+                                                      const GenerationOptions& options,
+                                                      BatchGenerationStats* stats = nullptr);
+
+// {"index": i, "text": text} as one JSON line (no newline); bytes that are
+// not UTF-8 become U+FFFD.
+std::string indexed_text_json(std::size_t index, const std::string& text);
+
 // Proposes draft tokens. begin() is called once with the prompt; propose()
 // with the whole sequence so far (prompt + emitted, the last token not yet
 // seen by the target) and at most `k` tokens; it may return fewer (0 means
