@@ -330,6 +330,125 @@ std::vector<std::int32_t> RandomDraft::propose(std::span<const std::int32_t>, st
 
 // ---- the speculative loop --------------------------------------------------------
 
+namespace {
+
+// One sequence under speculative decoding: what it has emitted, its own
+// random stream and draft length, and its statistics. The pieces below each
+// do one job of a round; speculative_generate and its batched form chain
+// them around their forwards.
+struct SpecSequence {
+  std::vector<std::int32_t> sequence;  // prompt + emitted; the last token is pending
+  std::vector<std::int32_t> out;
+  std::mt19937_64 rng;
+  std::int64_t k_now = 0;
+  bool running = true;
+  GenerationStats stats;
+  // The round in flight.
+  std::vector<std::int32_t> drafts;
+  std::vector<std::vector<float>> q;  // draft distributions (sampling mode)
+  std::int64_t k = 0;                 // draft length asked for this round
+};
+
+SpecSequence start_spec(std::span<const std::int32_t> prompt, const GenerationOptions& options,
+                        const SpeculativeOptions& spec) {
+  SpecSequence s;
+  s.sequence.assign(prompt.begin(), prompt.end());
+  s.rng.seed(options.sampling.seed);
+  s.k_now = spec.num_draft;
+  s.running = options.max_new_tokens > 0;
+  s.stats = start_stats(prompt, options.sampling);
+  return s;
+}
+
+// Asks the draft source for this round's drafts; returns the verify
+// tokens: the pending token, then the drafts.
+std::vector<std::int32_t> propose_round(SpecSequence& s, DraftSource& draft, const GenerationOptions& options) {
+  const std::int64_t budget = options.max_new_tokens - static_cast<std::int64_t>(s.out.size());
+  s.k = std::min(s.k_now, budget - 1);  // a round emits accepted + 1 tokens
+  s.q.clear();
+  s.drafts.clear();
+  if (s.k > 0) s.drafts = draft.propose(s.sequence, s.k, options.sampling.greedy() ? nullptr : &s.q);
+  if (static_cast<std::int64_t>(s.drafts.size()) > s.k) s.drafts.resize(static_cast<std::size_t>(s.k));
+  std::vector<std::int32_t> verify;
+  verify.reserve(s.drafts.size() + 1);
+  verify.push_back(s.sequence.back());
+  verify.insert(verify.end(), s.drafts.begin(), s.drafts.end());
+  return verify;
+}
+
+// The tokens this round emits from the verify forward's logits ([kd + 1,
+// V]): the accepted drafts and one more. Greedy: the longest prefix the
+// target's argmax agrees with. Sampling: accept draft d with probability
+// min(1, p(d) / q(d)); on rejection draw from the residual max(0, p - q),
+// renormalised (a deterministic draft has q = one-hot).
+std::vector<std::int32_t> accept_round(SpecSequence& s, std::span<const float> logits, std::int64_t V,
+                                       const SamplingParams& sampling, std::int64_t& accepted) {
+  auto row = [&](std::int64_t j) { return logits.subspan(static_cast<std::size_t>(j * V), static_cast<std::size_t>(V)); };
+  const auto kd = static_cast<std::int64_t>(s.drafts.size());
+  std::vector<std::int32_t> emitted;
+  accepted = 0;
+  if (sampling.greedy()) {
+    while (accepted < kd && kernels::argmax(row(accepted).data(), V) == s.drafts[static_cast<std::size_t>(accepted)]) {
+      ++accepted;
+    }
+    emitted.assign(s.drafts.begin(), s.drafts.begin() + accepted);
+    emitted.push_back(static_cast<std::int32_t>(kernels::argmax(row(accepted).data(), V)));
+    return emitted;
+  }
+  for (std::int64_t j = 0; j < kd; ++j) {
+    const std::vector<float> p = sampling_distribution(row(j), sampling);
+    const auto d = static_cast<std::size_t>(s.drafts[static_cast<std::size_t>(j)]);
+    const bool has_q = static_cast<std::size_t>(j) < s.q.size();
+    const double qd = has_q ? s.q[static_cast<std::size_t>(j)][d] : 1.0;
+    if (qd > 0.0 && uniform01(s.rng) < std::min(1.0, static_cast<double>(p[d]) / qd)) {
+      emitted.push_back(static_cast<std::int32_t>(d));
+      ++accepted;
+      continue;
+    }
+    std::vector<float> residual(p.size());
+    double total = 0.0;
+    for (std::size_t t = 0; t < p.size(); ++t) {
+      const double qt = has_q ? s.q[static_cast<std::size_t>(j)][t] : (t == d ? 1.0 : 0.0);
+      residual[t] = static_cast<float>(std::max(0.0, static_cast<double>(p[t]) - qt));
+      total += residual[t];
+    }
+    if (total > 0.0) {
+      for (float& r : residual) r = static_cast<float>(r / total);
+      emitted.push_back(sample_from(residual, s.rng));
+    } else {
+      emitted.push_back(sample_from(p, s.rng));
+    }
+    return emitted;
+  }
+  emitted.push_back(sample_from(sampling_distribution(row(kd), sampling), s.rng));
+  return emitted;
+}
+
+// After the target's crop: tells the draft, counts the round, emits the
+// tokens (stopping at EOS / the budget) and adapts K.
+void finish_round(SpecSequence& s, DraftSource& draft, const Model& target, const GenerationOptions& options,
+                  const SpeculativeOptions& spec, std::int64_t accepted, const std::vector<std::int32_t>& emitted,
+                  Clock::time_point t0) {
+  const auto kd = static_cast<std::int64_t>(s.drafts.size());
+  if (kd - accepted > 0) ++s.stats.rollbacks;
+  if (s.k > 0) draft.accept(kd, accepted);
+  ++s.stats.rounds;
+  s.stats.drafted += kd;
+  s.stats.accepted += accepted;
+  for (std::int32_t token : emitted) {
+    s.sequence.push_back(token);
+    if (!emit(token, target, options, s.out, t0, s.stats)) {
+      s.running = false;
+      break;
+    }
+  }
+  if (spec.adaptive && kd > 0) {
+    s.k_now = accepted == kd ? std::min(s.k_now + 2, spec.num_draft) : std::max<std::int64_t>(s.k_now - 1, 1);
+  }
+}
+
+}  // namespace
+
 std::vector<std::int32_t> speculative_generate(const Model& target, DraftSource& draft,
                                                std::span<const std::int32_t> prompt,
                                                const GenerationOptions& options, const SpeculativeOptions& spec,
@@ -338,110 +457,129 @@ std::vector<std::int32_t> speculative_generate(const Model& target, DraftSource&
   check_prompt(prompt);
   check_num_draft(spec.num_draft, "num_draft (K)");
   const auto t0 = Clock::now();
-  GenerationStats local = start_stats(prompt, options.sampling);
-  std::mt19937_64 rng(options.sampling.seed);
-  const SamplingParams& sampling = options.sampling;
   const std::int64_t V = target.vocab_size();
-
+  SpecSequence s = start_spec(prompt, options, spec);
   Cache cache = target.make_cache();
   cache.activate_past_recording(spec.num_draft);  // a round rolls back at most K tokens
-  std::vector<std::int32_t> sequence(prompt.begin(), prompt.end());
-  std::vector<std::int32_t> out;
   std::vector<float> logits;
   draft.begin(prompt);
   // The target sees every token but the last one; that "pending" token
   // leads each verify forward.
-  if (prompt.size() > 1 && options.max_new_tokens > 0) {
-    target.forward(prompt.first(prompt.size() - 1), cache, logits, false, &local.cache_seconds);
-    ++local.forwards;
+  if (prompt.size() > 1 && s.running) {
+    target.forward(prompt.first(prompt.size() - 1), cache, logits, false, &s.stats.cache_seconds);
+    ++s.stats.forwards;
   }
-  std::int64_t k_now = spec.num_draft;
-  bool running = options.max_new_tokens > 0;
-  while (running) {
-    const std::int64_t budget = options.max_new_tokens - static_cast<std::int64_t>(out.size());
-    const std::int64_t k = std::min(k_now, budget - 1);  // a round emits accepted + 1 tokens
-    std::vector<std::vector<float>> q;
-    std::vector<std::int32_t> drafts;
-    if (k > 0) drafts = draft.propose(sequence, k, sampling.greedy() ? nullptr : &q);
-    if (static_cast<std::int64_t>(drafts.size()) > k) drafts.resize(static_cast<std::size_t>(k));
-    const auto kd = static_cast<std::int64_t>(drafts.size());
-
-    std::vector<std::int32_t> verify;
-    verify.reserve(drafts.size() + 1);
-    verify.push_back(sequence.back());
-    verify.insert(verify.end(), drafts.begin(), drafts.end());
-    target.forward(verify, cache, logits, true, &local.cache_seconds);
-    ++local.forwards;
-    auto row = [&](std::int64_t j) { return std::span<const float>(logits.data() + j * V, static_cast<std::size_t>(V)); };
-
-    std::vector<std::int32_t> emitted;
+  while (s.running) {
+    const std::vector<std::int32_t> verify = propose_round(s, draft, options);
+    target.forward(verify, cache, logits, true, &s.stats.cache_seconds);
+    ++s.stats.forwards;
     std::int64_t accepted = 0;
-    if (sampling.greedy()) {
-      while (accepted < kd && kernels::argmax(row(accepted).data(), V) == drafts[static_cast<std::size_t>(accepted)]) {
-        ++accepted;
-      }
-      emitted.assign(drafts.begin(), drafts.begin() + accepted);
-      emitted.push_back(static_cast<std::int32_t>(kernels::argmax(row(accepted).data(), V)));
-    } else {
-      // Speculative sampling: accept draft d with probability min(1, p(d) / q(d));
-      // on rejection draw from the residual max(0, p - q), renormalised. A
-      // deterministic draft has q = one-hot.
-      bool rejected = false;
-      for (std::int64_t j = 0; j < kd && !rejected; ++j) {
-        const std::vector<float> p = sampling_distribution(row(j), sampling);
-        const auto d = static_cast<std::size_t>(drafts[static_cast<std::size_t>(j)]);
-        const bool has_q = static_cast<std::size_t>(j) < q.size();
-        const double qd = has_q ? q[static_cast<std::size_t>(j)][d] : 1.0;
-        if (qd > 0.0 && uniform01(rng) < std::min(1.0, static_cast<double>(p[d]) / qd)) {
-          emitted.push_back(static_cast<std::int32_t>(d));
-          ++accepted;
-          continue;
-        }
-        std::vector<float> residual(p.size());
-        double total = 0.0;
-        for (std::size_t t = 0; t < p.size(); ++t) {
-          const double qt = has_q ? q[static_cast<std::size_t>(j)][t] : (t == d ? 1.0 : 0.0);
-          residual[t] = static_cast<float>(std::max(0.0, static_cast<double>(p[t]) - qt));
-          total += residual[t];
-        }
-        if (total > 0.0) {
-          for (float& r : residual) r = static_cast<float>(r / total);
-          emitted.push_back(sample_from(residual, rng));
-        } else {
-          emitted.push_back(sample_from(p, rng));
-        }
-        rejected = true;
-      }
-      if (!rejected) emitted.push_back(sample_from(sampling_distribution(row(kd), sampling), rng));
-    }
-
+    const std::vector<std::int32_t> emitted = accept_round(s, logits, V, options.sampling, accepted);
     // Remove the rejected drafts from every layer (crop(0) when none were).
-    const std::int64_t remove = kd - accepted;
     const auto tc = Clock::now();
-    cache.crop(-remove);
-    local.cache_seconds += seconds_since(tc);
-    if (remove > 0) ++local.rollbacks;
-    if (k > 0) draft.accept(kd, accepted);
-    ++local.rounds;
-    local.drafted += kd;
-    local.accepted += accepted;
-    local.peak_cache_bytes = std::max(local.peak_cache_bytes, cache.memory().bytes_reserved + draft.cache_bytes());
+    cache.crop(-(static_cast<std::int64_t>(s.drafts.size()) - accepted));
+    s.stats.cache_seconds += seconds_since(tc);
+    finish_round(s, draft, target, options, spec, accepted, emitted, t0);
+    s.stats.peak_cache_bytes = std::max(s.stats.peak_cache_bytes, cache.memory().bytes_reserved + draft.cache_bytes());
+  }
+  s.stats.cache_seconds += draft.cache_seconds();
+  s.stats.new_tokens = static_cast<std::int64_t>(s.out.size());
+  s.stats.seconds = seconds_since(t0);
+  if (stats) *stats = s.stats;
+  return s.out;
+}
 
-    for (std::int32_t token : emitted) {
-      sequence.push_back(token);
-      if (!emit(token, target, options, out, t0, local)) {
-        running = false;
-        break;
+std::vector<std::vector<std::int32_t>> speculative_generate_batch(
+    const Model& target, std::span<const std::unique_ptr<DraftSource>> drafts,
+    std::span<const std::vector<std::int32_t>> prompts, const GenerationOptions& options,
+    const SpeculativeOptions& spec, BatchGenerationStats* stats) {
+  validate(options.sampling);
+  if (prompts.empty()) throw InvalidArgument("speculative_generate_batch needs at least one prompt");
+  if (drafts.size() != prompts.size()) {
+    throw InvalidArgument("speculative_generate_batch needs one draft source per prompt: got " +
+                          std::to_string(drafts.size()) + " for " + std::to_string(prompts.size()) + " prompts");
+  }
+  for (const auto& prompt : prompts) check_prompt(prompt);
+  for (const auto& d : drafts)
+    if (!d) throw InvalidArgument("speculative_generate_batch: a draft source is null");
+  check_num_draft(spec.num_draft, "num_draft (K)");
+  const auto t0 = Clock::now();
+  GenerationOptions quiet = options;
+  quiet.on_token = nullptr;
+  const std::int64_t V = target.vocab_size();
+  const std::size_t n = prompts.size();
+  std::vector<SpecSequence> seqs;
+  SequenceCache cache = target.make_sequence_cache();
+  std::vector<SeqId> ids;
+  for (std::size_t i = 0; i < n; ++i) {
+    seqs.push_back(start_spec(prompts[i], quiet, spec));
+    ids.push_back(cache.add_sequence());
+    cache.activate_past_recording(ids.back(), spec.num_draft);
+    drafts[i]->begin(prompts[i]);
+  }
+  BatchGenerationStats local;
+  std::vector<float> logits;
+  std::vector<SequenceTokens> batch;
+  // Every prompt but its pending last token, in one forward.
+  std::vector<std::span<const std::int32_t>> prefill(n);
+  bool any_prefill = false;
+  for (std::size_t i = 0; i < n; ++i) {
+    if (!seqs[i].running || prompts[i].size() < 2) continue;
+    prefill[i] = std::span<const std::int32_t>(prompts[i]).first(prompts[i].size() - 1);
+    batch.push_back({ids[i], prefill[i]});
+    ++seqs[i].stats.forwards;
+    any_prefill = true;
+  }
+  if (any_prefill) {
+    target.forward_batch(batch, cache, logits);
+    ++local.forwards;
+  }
+  std::vector<std::vector<std::int32_t>> verify(n);
+  std::vector<std::size_t> active;
+  for (std::size_t i = 0; i < n; ++i)
+    if (seqs[i].running) active.push_back(i);
+  while (!active.empty()) {
+    // Each sequence drafts on its own, then one forward verifies them all.
+    batch.clear();
+    for (std::size_t i : active) {
+      verify[i] = propose_round(seqs[i], *drafts[i], quiet);
+      batch.push_back({ids[i], verify[i]});
+      ++seqs[i].stats.forwards;
+    }
+    target.forward_batch(batch, cache, logits);
+    ++local.forwards;
+    std::size_t row = 0;
+    std::vector<std::size_t> still;
+    for (std::size_t i : active) {
+      SpecSequence& s = seqs[i];
+      const std::span<const float> rows(logits.data() + row * static_cast<std::size_t>(V), verify[i].size() * static_cast<std::size_t>(V));
+      row += verify[i].size();
+      std::int64_t accepted = 0;
+      const std::vector<std::int32_t> emitted = accept_round(s, rows, V, options.sampling, accepted);
+      const auto tc = Clock::now();
+      cache.crop(ids[i], -(static_cast<std::int64_t>(s.drafts.size()) - accepted));  // this sequence only
+      s.stats.cache_seconds += seconds_since(tc);
+      finish_round(s, *drafts[i], target, quiet, spec, accepted, emitted, t0);
+      if (s.running) {
+        still.push_back(i);
+      } else {
+        s.stats.seconds = seconds_since(t0);
+        cache.seq_rm(ids[i]);
       }
     }
-    if (spec.adaptive && kd > 0) {
-      k_now = accepted == kd ? std::min(k_now + 2, spec.num_draft) : std::max<std::int64_t>(k_now - 1, 1);
-    }
+    active = std::move(still);
   }
-  local.cache_seconds += draft.cache_seconds();
-  local.new_tokens = static_cast<std::int64_t>(out.size());
+  for (std::size_t i = 0; i < n; ++i) {
+    SpecSequence& s = seqs[i];
+    s.stats.cache_seconds += drafts[i]->cache_seconds();
+    s.stats.new_tokens = static_cast<std::int64_t>(s.out.size());
+    local.new_tokens += s.stats.new_tokens;
+    local.sequences.push_back(s.stats);
+  }
   local.seconds = seconds_since(t0);
-  if (stats) *stats = local;
+  std::vector<std::vector<std::int32_t>> out;
+  for (auto& s : seqs) out.push_back(std::move(s.out));
+  if (stats) *stats = std::move(local);
   return out;
 }
 

@@ -164,5 +164,92 @@ TEST(GenerateBatch, EverySequenceEqualsGenerateAlone) {
   EXPECT_THROW(generate_batch(model, std::vector<Tokens>{Tokens{1}, Tokens{}}, options), InvalidArgument);
 }
 
+// Batched speculative decoding: for random hybrids with every runtime kind
+// and a window far below the generated length, batches of 1 / 3 / 8 prompts
+// of different lengths, every draft source (draft model, prompt lookup,
+// adversarial random draft, perfect draft = the target itself) and K in
+// {1, 3, 6}: every sequence's tokens equal generate() for its prompt alone
+// (greedy), and equal speculative_generate() alone in sampling mode.
+TEST(SpeculativeBatch, EverySequenceEqualsItsSoloDecoding) {
+  for (std::uint64_t seed : {21u, 22u, 23u}) {
+    std::mt19937_64 rng(seed);
+    ModelConfig config = testing_configs::hybrid();
+    std::shuffle(config.layer_types.begin(), config.layer_types.end(), rng);
+    const Model target(ModelWeights::random(config, seed));
+    ModelConfig small = testing_configs::hybrid({"conv", "sliding_attention"}, 16, 3);
+    const Model draft_model(ModelWeights::random(small, seed + 100));
+    for (std::size_t batch_size : {1u, 3u, 8u}) {
+      std::vector<Tokens> prompts;
+      for (std::size_t i = 0; i < batch_size; ++i) {
+        Tokens p = random_tokens(rng, 1 + (i * 5) % 11);
+        // Repeats give prompt lookup something to find.
+        p.insert(p.end(), p.begin(), p.end());
+        p.insert(p.begin(), static_cast<std::int32_t>(config.bos_token_id));
+        prompts.push_back(p);
+      }
+      for (int source = 0; source < 4; ++source) {
+        for (std::int64_t K : {1, 3, 6}) {
+          GenerationOptions options;
+          options.max_new_tokens = 10 + static_cast<std::int64_t>(seed % 3) * 7;
+          options.stop_at_eos = false;
+          auto make = [&]() -> std::unique_ptr<DraftSource> {
+            switch (source) {
+              case 0: return std::make_unique<ModelDraft>(draft_model, options.sampling, K);
+              case 1: return std::make_unique<LookupDraft>(3);
+              case 2: return std::make_unique<RandomDraft>(target.vocab_size(), seed);
+              default: return std::make_unique<ModelDraft>(target, options.sampling, K);
+            }
+          };
+          std::vector<std::unique_ptr<DraftSource>> drafts;
+          for (std::size_t i = 0; i < batch_size; ++i) drafts.push_back(make());
+          BatchGenerationStats stats;
+          const auto batched = speculative_generate_batch(target, drafts, prompts, options, {K, false}, &stats);
+          const std::string what = "seed " + std::to_string(seed) + ", batch " + std::to_string(batch_size) +
+                                   ", source " + std::to_string(source) + ", K " + std::to_string(K);
+          ASSERT_EQ(batched.size(), batch_size) << what;
+          std::int64_t drafted = 0;
+          for (std::size_t i = 0; i < batch_size; ++i) {
+            EXPECT_EQ(batched[i], generate(target, prompts[i], options)) << what << ", sequence " << i;
+            drafted += stats.sequences[i].drafted;
+          }
+          if (source != 1) {  // lookup may find nothing
+            EXPECT_GT(drafted, 0) << what;
+          }
+          if (source == 3) {  // a perfect draft is always accepted
+            for (const auto& s : stats.sequences) EXPECT_EQ(s.accepted, s.drafted) << what;
+          }
+        }
+      }
+    }
+  }
+}
+
+TEST(SpeculativeBatch, SamplingEqualsSoloSpeculativeSampling) {
+  const Model target(ModelWeights::random(testing_configs::hybrid(), 31));
+  const Model draft_model(ModelWeights::random(testing_configs::hybrid({"conv", "full_attention"}, 16), 32));
+  std::mt19937_64 rng(31);
+  std::vector<Tokens> prompts{random_tokens(rng, 4), random_tokens(rng, 9), random_tokens(rng, 1)};
+  GenerationOptions options;
+  options.max_new_tokens = 24;
+  options.stop_at_eos = false;
+  options.sampling.temperature = 0.8f;
+  options.sampling.top_k = 40;
+  options.sampling.seed = 77;
+  for (const bool adaptive : {false, true}) {
+    std::vector<std::unique_ptr<DraftSource>> drafts;
+    for (std::size_t i = 0; i < prompts.size(); ++i)
+      drafts.push_back(std::make_unique<ModelDraft>(draft_model, options.sampling, 4));
+    const auto batched = speculative_generate_batch(target, drafts, prompts, options, {4, adaptive});
+    for (std::size_t i = 0; i < prompts.size(); ++i) {
+      ModelDraft alone_draft(draft_model, options.sampling, 4);
+      EXPECT_EQ(batched[i], speculative_generate(target, alone_draft, prompts[i], options, {4, adaptive}))
+          << "sequence " << i << (adaptive ? ", adaptive K" : "");
+    }
+  }
+  std::vector<std::unique_ptr<DraftSource>> one;
+  one.push_back(std::make_unique<LookupDraft>(2));
+  EXPECT_THROW(speculative_generate_batch(target, one, prompts, options, {4, false}), InvalidArgument);
+}
+
 }  // namespace
 }  // namespace rwd::runtime

@@ -223,4 +223,20 @@ std::vector<std::int32_t> speculative_generate(const Model& target, DraftSource&
                                                const SpeculativeOptions& spec,
                                                GenerationStats* stats = nullptr);
 
+// speculative_generate for many prompts in one SequenceCache, each with its
+// own draft source (drafts[i] for prompts[i]): every round each unfinished
+// sequence drafts up to its own K, one batched forward verifies every
+// sequence's pending token and drafts, and each sequence crops its own
+// rejected tokens. Sequences finish independently and leave the batch.
+// Each sequence's tokens equal speculative_generate()'s for its prompt
+// alone with the same options and an identically built draft source
+// (greedy: equal to generate()'s). options.on_token is not called. Throws
+// InvalidArgument for an empty list, an empty prompt, a null draft source,
+// a count of draft sources other than prompts.size(), and what
+// speculative_generate throws.
+std::vector<std::vector<std::int32_t>> speculative_generate_batch(
+    const Model& target, std::span<const std::unique_ptr<DraftSource>> drafts,
+    std::span<const std::vector<std::int32_t>> prompts, const GenerationOptions& options,
+    const SpeculativeOptions& spec, BatchGenerationStats* stats = nullptr);
+
 }  // namespace rwd::runtime
