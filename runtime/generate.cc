@@ -181,7 +181,9 @@ std::string BatchGenerationStats::to_json() const {
   for (const GenerationStats& s : sequences) {
     ttft.push_back(s.time_to_first_token);
     per_sequence.push_back({{"new_tokens", s.new_tokens}, {"prompt_tokens", s.prompt_tokens},
-                            {"time_to_first_token_s", s.time_to_first_token}, {"seconds", s.seconds}});
+                            {"time_to_first_token_s", s.time_to_first_token}, {"seconds", s.seconds},
+                            {"drafted", s.drafted}, {"accepted", s.accepted}, {"acceptance_rate", s.acceptance_rate()},
+                            {"rounds", s.rounds}, {"rollbacks", s.rollbacks}});
   }
   j["time_to_first_token_s"] = ttft;
   j["per_sequence"] = per_sequence;

@@ -296,17 +296,37 @@ void set_threads(const std::optional<int>& threads) {
 
 // generate --prompts FILE: every prompt in one batch (one SequenceCache),
 // one JSON line per prompt in input order, then the batch's statistics.
-int run_generate_batch(const std::string& model_dir, const PromptChoice& prompt_choice, std::int64_t max_new,
-                       const SamplingParams& sampling, bool stats_wanted) {
-  const std::vector<std::string> lines = prompt_choice.read_many();
-  const Model model = Model::load(model_dir);
+// The prompts of --prompts, encoded for `model`.
+std::vector<std::vector<std::int32_t>> encode_prompts(const PromptChoice& prompt_choice, const Model& model) {
   std::vector<std::vector<std::int32_t>> prompts;
-  for (const auto& line : lines) prompts.push_back(encode_prompt(line, model.config()));
+  for (const auto& line : prompt_choice.read_many()) prompts.push_back(encode_prompt(line, model.config()));
+  return prompts;
+}
+
+// One draft source per prompt (each sequence drafts on its own).
+std::vector<std::unique_ptr<DraftSource>> make_sources(std::size_t n, const DraftChoice& choice,
+                                                       const std::optional<Model>& draft, const SamplingParams& sampling) {
+  std::vector<std::unique_ptr<DraftSource>> sources;
+  for (std::size_t i = 0; i < n; ++i) sources.push_back(make_source(choice, draft, sampling));
+  return sources;
+}
+
+int run_generate_batch(const std::string& model_dir, const PromptChoice& prompt_choice, std::int64_t max_new,
+                       const DraftChoice& choice, const SamplingParams& sampling, bool stats_wanted) {
+  const Model model = Model::load(model_dir);
+  const std::optional<Model> draft = load_draft(choice, model);
+  const std::vector<std::vector<std::int32_t>> prompts = encode_prompts(prompt_choice, model);
   GenerationOptions options;
   options.max_new_tokens = max_new;
   options.sampling = sampling;
   BatchGenerationStats stats;
-  const std::vector<std::vector<std::int32_t>> out = generate_batch(model, prompts, options, &stats);
+  std::vector<std::vector<std::int32_t>> out;
+  if (choice.any()) {
+    const auto sources = make_sources(prompts.size(), choice, draft, sampling);
+    out = speculative_generate_batch(model, sources, prompts, options, {choice.num_draft, choice.adaptive}, &stats);
+  } else {
+    out = generate_batch(model, prompts, options, &stats);
+  }
   for (std::size_t i = 0; i < out.size(); ++i) {
     std::printf("%s\n", indexed_text_json(i, decode_tokens(out[i])).c_str());
   }
@@ -319,13 +339,7 @@ int run_generate(const CLI::App& cmd, const std::string& model_dir, const Prompt
                  bool stats_wanted) {
   choice.check(cmd);
   const SamplingParams sampling = sampling_choice.resolve(cmd);
-  if (prompt_choice.many(cmd)) {
-    if (choice.any()) {
-      throw InvalidArgument("--prompts decodes greedily or sampled; speculative decoding of a batch (--draft, "
-                            "--lookup) is not implemented yet: decode the prompts one at a time with --prompt");
-    }
-    return run_generate_batch(model_dir, prompt_choice, max_new, sampling, stats_wanted);
-  }
+  if (prompt_choice.many(cmd)) return run_generate_batch(model_dir, prompt_choice, max_new, choice, sampling, stats_wanted);
   const std::string prompt = prompt_choice.read(cmd);
   const Model model = Model::load(model_dir);
   const std::optional<Model> draft = load_draft(choice, model);
@@ -355,9 +369,64 @@ int run_generate(const CLI::App& cmd, const std::string& model_dir, const Prompt
 // that a burst of load on a shared machine hits both), checks every
 // speculative run against the greedy output token by token and reports the
 // median tokens/s of each.
+// verify --prompts: every prompt decoded speculatively in one batch, each
+// checked against greedy decoding of that prompt alone.
+int run_verify_batch(const std::string& model_dir, const PromptChoice& prompt_choice, std::int64_t max_new,
+                     const DraftChoice& choice) {
+  const Model model = Model::load(model_dir);
+  const std::optional<Model> draft = load_draft(choice, model);
+  const std::vector<std::vector<std::int32_t>> prompts = encode_prompts(prompt_choice, model);
+  GenerationOptions options;
+  options.max_new_tokens = max_new;
+  std::vector<std::vector<std::int32_t>> greedy;
+  double greedy_seconds = 0.0;
+  {
+    Progress progress("greedy, one prompt at a time", "prompts");
+    for (std::size_t i = 0; i < prompts.size(); ++i) {
+      GenerationStats s;
+      greedy.push_back(generate(model, prompts[i], options, &s));
+      greedy_seconds += s.seconds;
+      progress.update(static_cast<std::int64_t>(i + 1), static_cast<std::int64_t>(prompts.size()));
+    }
+  }
+  BatchGenerationStats stats;
+  const auto sources = make_sources(prompts.size(), choice, draft, options.sampling);
+  const auto spec =
+      speculative_generate_batch(model, sources, prompts, options, {choice.num_draft, choice.adaptive}, &stats);
+  std::int64_t tokens = 0, drafted = 0, accepted = 0;
+  for (std::size_t i = 0; i < prompts.size(); ++i) {
+    const std::size_t common = std::min(greedy[i].size(), spec[i].size());
+    for (std::size_t j = 0; j < common; ++j) {
+      if (greedy[i][j] != spec[i][j]) {
+        std::printf("DIVERGED: prompt %zu at new token %zu: greedy %d, speculative %d\n", i, j, greedy[i][j], spec[i][j]);
+        return 1;
+      }
+    }
+    if (greedy[i].size() != spec[i].size()) {
+      std::printf("DIVERGED: prompt %zu: greedy produced %zu tokens, speculative %zu\n", i, greedy[i].size(),
+                  spec[i].size());
+      return 1;
+    }
+    tokens += static_cast<std::int64_t>(greedy[i].size());
+    drafted += stats.sequences[i].drafted;
+    accepted += stats.sequences[i].accepted;
+  }
+  std::printf("IDENTICAL: %zu prompts, %lld new tokens; greedy one at a time %.1f tok/s, speculative batch "
+              "%.1f tok/s, acceptance %.3f (%lld/%lld)\n",
+              prompts.size(), static_cast<long long>(tokens),
+              greedy_seconds > 0 ? static_cast<double>(tokens) / greedy_seconds : 0.0, stats.tokens_per_second(),
+              drafted > 0 ? static_cast<double>(accepted) / static_cast<double>(drafted) : 0.0,
+              static_cast<long long>(accepted), static_cast<long long>(drafted));
+  return 0;
+}
+
 int run_verify(const CLI::App& cmd, const std::string& model_dir, const PromptChoice& prompt_choice,
                std::int64_t max_new, const DraftChoice& choice, int repeats) {
   if (!choice.any()) throw InvalidArgument("verify needs a draft source: --draft DIR or --lookup N");
+  if (prompt_choice.many(cmd)) {
+    if (cmd.count("--repeats") > 0) throw InvalidArgument("verify --prompts runs once; --repeats applies to --prompt");
+    return run_verify_batch(model_dir, prompt_choice, max_new, choice);
+  }
   const std::string prompt = prompt_choice.read(cmd);
   const Model model = Model::load(model_dir);
   const std::optional<Model> draft = load_draft(choice, model);
@@ -618,18 +687,22 @@ int main(int argc, char** argv) {
         ->default_str("1 or $OMP_NUM_THREADS");
   };
 
+  auto add_prompts_option = [&](CLI::App* cmd, const char* what) {
+    cmd->add_option("--prompts", prompt.prompts, what)
+        ->type_name("FILE")
+        ->excludes("--prompt")
+        ->excludes("--prompt-file");
+  };
   auto* gen = app.add_subcommand("generate", "generate text (greedy, sampled or speculative)");
   gen->add_option("--model", model_dir, "model directory")->required()->check(CLI::ExistingDirectory);
   add_prompt_options(gen);
-  gen->add_option("--prompts", prompt.prompts,
-                  "decode every line of FILE ('-' = standard input) as a prompt, all in one batch; prints one "
+  add_prompts_option(gen,
+                     "decode every line of FILE ('-' = standard input) as a prompt, all in one batch; prints one "
                   "JSON line per prompt, {\"index\": i, \"text\": ...}, in input order (bytes that are not UTF-8 "
-                  "become U+FFFD); with --stats a last line: sequences, new_tokens, forwards, seconds, "
+                  "become U+FFFD); speculative with --draft / --lookup (each sequence its own drafts and "
+                  "rollbacks); with --stats a last line: sequences, new_tokens, forwards, seconds, "
                   "tokens_per_second (all sequences' tokens over the wall time), time_to_first_token_s and "
-                  "per_sequence figures")
-      ->type_name("FILE")
-      ->excludes("--prompt")
-      ->excludes("--prompt-file");
+                  "per_sequence figures (acceptance included)");
   gen->add_option("--max-new-tokens", max_new, "token budget")->check(max_new_range);
   add_draft_options(gen);
   gen->add_option("--temperature", sampling.params.temperature, "sampling temperature; 0 = greedy decoding")
@@ -655,6 +728,10 @@ int main(int argc, char** argv) {
   auto* ver = app.add_subcommand("verify", "check that speculative decoding equals greedy decoding");
   ver->add_option("--model", model_dir, "model directory")->required()->check(CLI::ExistingDirectory);
   add_prompt_options(ver);
+  add_prompts_option(ver,
+                     "decode every line of FILE ('-' = standard input) speculatively, all in one batch, and check "
+                     "each against greedy decoding of that prompt alone; exit 1 names the first divergence "
+                     "(prompt and position)");
   ver->add_option("--max-new-tokens", max_new, "token budget")->check(max_new_range);
   add_draft_options(ver);
   ver->add_option("--repeats", verify_repeats,

@@ -208,13 +208,26 @@ TEST_F(Cli, GeneratePromptsDecodesEveryLineAsOneBatch) {
   EXPECT_EQ(from_stdin.out + json.back().dump(), r.out.substr(0, r.out.size() - 1))
       << "stdin and file give the same lines";
 
+  // Speculative decoding of the batch (lossless: the same lines).
+  for (const std::string& source : {std::string(" --lookup 2"), " --draft " + quote(dir_ + "/draft")}) {
+    const CliResult spec = run_cli("generate" + model("target") + " --prompts " + quote(file.string()) +
+                                   " --max-new-tokens 12 --num-draft 3" + source);
+    ASSERT_EQ(spec.status, 0) << spec.all();
+    EXPECT_EQ(spec.out + json.back().dump(), r.out.substr(0, r.out.size() - 1)) << source;
+    const CliResult verify = run_cli("verify" + model("target") + " --prompts " + quote(file.string()) +
+                                     " --max-new-tokens 30 --num-draft 4" + source);
+    EXPECT_EQ(verify.status, 0) << verify.all();
+    EXPECT_NE(verify.out.find("IDENTICAL: 4 prompts"), std::string::npos) << verify.all();
+  }
+
   for (const std::string& misuse : {std::string(" --prompts ") + quote(file.string()) + " --prompt x",
-                                    std::string(" --prompts ") + quote(file.string()) + " --lookup 2",
                                     std::string(" --prompts ") + quote((scratch_dir() / "missing.txt").string())}) {
     const CliResult bad = run_cli("generate" + model("target") + misuse);
     EXPECT_EQ(bad.status, 2) << misuse << ": " << bad.all();
     EXPECT_FALSE(bad.err.empty()) << misuse;
   }
+  const CliResult repeats = run_cli("verify" + model("target") + " --lookup 2 --repeats 2 --prompts " + quote(file.string()));
+  EXPECT_EQ(repeats.status, 2) << repeats.all();
   write_file(scratch_dir() / "no_lines.txt", "");
   const CliResult empty = run_cli("generate" + model("target") + " --prompts " +
                                   quote((scratch_dir() / "no_lines.txt").string()));
