@@ -253,6 +253,114 @@ std::vector<std::vector<std::int32_t>> generate_batch(const Model& model,
 
 // ---- draft sources -------------------------------------------------------------
 
+// ---- batch draft sources ---------------------------------------------------------
+
+PerSequenceDrafts::PerSequenceDrafts(std::vector<std::unique_ptr<DraftSource>> sources) : sources_(std::move(sources)) {
+  for (const auto& source : sources_)
+    if (!source) throw InvalidArgument("PerSequenceDrafts: a draft source is null");
+}
+
+void PerSequenceDrafts::begin(std::span<const std::vector<std::int32_t>> prompts) {
+  if (prompts.size() != sources_.size()) {
+    throw InvalidArgument("PerSequenceDrafts holds " + std::to_string(sources_.size()) + " draft sources for " +
+                          std::to_string(prompts.size()) + " prompts; it needs one per prompt");
+  }
+  for (std::size_t i = 0; i < prompts.size(); ++i) sources_[i]->begin(prompts[i]);
+}
+
+void PerSequenceDrafts::propose(std::span<const Request> requests) {
+  for (const Request& r : requests) *r.drafts = sources_[r.index]->propose(r.sequence, r.k, r.probs);
+}
+
+void PerSequenceDrafts::accept(std::size_t index, std::int64_t proposed, std::int64_t accepted) {
+  sources_[index]->accept(proposed, accepted);
+}
+
+double PerSequenceDrafts::cache_seconds() const {
+  double total = 0.0;
+  for (const auto& source : sources_) total += source->cache_seconds();
+  return total;
+}
+
+BatchedModelDraft::BatchedModelDraft(const Model& draft, SamplingParams sampling, std::int64_t max_draft)
+    : model_(draft), sampling_(sampling), max_draft_(std::max<std::int64_t>(max_draft, 1)),
+      cache_(draft.make_sequence_cache()) {}
+
+void BatchedModelDraft::begin(std::span<const std::vector<std::int32_t>> prompts) {
+  for (const SeqId id : ids_) cache_.seq_rm(id);
+  ids_.clear();
+  seen_.assign(prompts.size(), 0);
+  rngs_.assign(prompts.size(), std::mt19937_64(sampling_.seed ^ 0x9e3779b97f4a7c15ull));  // as ModelDraft's
+  for (std::size_t i = 0; i < prompts.size(); ++i) {
+    ids_.push_back(cache_.add_sequence());
+    cache_.activate_past_recording(ids_.back(), max_draft_);
+  }
+}
+
+void BatchedModelDraft::propose(std::span<const Request> requests) {
+  const auto V = static_cast<std::size_t>(model_.vocab_size());
+  std::vector<float> logits;
+  std::vector<SequenceTokens> batch;
+  std::vector<std::int32_t> fed(requests.size());  // the draft each request feeds at the next step
+  std::vector<std::size_t> rows(requests.size());  // rows each request has in the step's batch
+  // Step 0 feeds what each sequence's draft cache has not seen, every later
+  // step the draft token of the step before, for the requests still drafting
+  // (ModelDraft's forwards, batched).
+  std::vector<std::size_t> live;
+  for (std::size_t r = 0; r < requests.size(); ++r) {
+    const Request& q = requests[r];
+    const std::span<const std::int32_t> unseen = q.sequence.subspan(static_cast<std::size_t>(seen_[q.index]));
+    batch.push_back({ids_[q.index], unseen});
+    rows[r] = unseen.size();
+    seen_[q.index] = static_cast<std::int64_t>(q.sequence.size());
+    q.drafts->clear();
+    live.push_back(r);
+  }
+  while (!live.empty()) {
+    model_.forward_batch(batch, cache_, logits);
+    std::vector<std::size_t> next;
+    std::vector<SequenceTokens> next_batch;
+    std::size_t offset = 0;
+    for (std::size_t r : live) {
+      const Request& q = requests[r];
+      offset += rows[r];
+      const std::span<const float> row(logits.data() + (offset - 1) * V, V);
+      std::int32_t token;
+      if (sampling_.greedy()) {
+        token = static_cast<std::int32_t>(kernels::argmax(row.data(), static_cast<std::int64_t>(V)));
+      } else {
+        std::vector<float> p = sampling_distribution(row, sampling_);
+        token = sample_from(p, rngs_[q.index]);
+        if (q.probs) q.probs->push_back(std::move(p));
+      }
+      q.drafts->push_back(token);
+      if (static_cast<std::int64_t>(q.drafts->size()) < q.k) {
+        fed[r] = token;
+        next_batch.push_back({ids_[q.index], std::span<const std::int32_t>(&fed[r], 1)});
+        rows[r] = 1;
+        ++seen_[q.index];
+        next.push_back(r);
+      }
+    }
+    live = std::move(next);
+    batch = std::move(next_batch);
+  }
+}
+
+void BatchedModelDraft::accept(std::size_t index, std::int64_t proposed, std::int64_t accepted) {
+  if (proposed <= 0) return;
+  // As ModelDraft::accept: the cache holds the sequence plus the first
+  // proposed - 1 drafts; the accepted ones stay.
+  const std::int64_t fed_drafts = proposed - 1;
+  const std::int64_t remove = fed_drafts - std::min(accepted, fed_drafts);
+  const auto t0 = Clock::now();
+  cache_.crop(ids_[index], -remove);
+  cache_seconds_ += seconds_since(t0);
+  seen_[index] -= remove;
+}
+
+void BatchedModelDraft::finish(std::size_t index) { cache_.seq_rm(ids_[index]); }
+
 ModelDraft::ModelDraft(const Model& draft, SamplingParams sampling, std::int64_t max_draft)
     : model_(draft), sampling_(sampling), rng_(sampling.seed ^ 0x9e3779b97f4a7c15ull), cache_(draft.make_cache()) {
   cache_.activate_past_recording(std::max<std::int64_t>(max_draft, 1));
@@ -362,15 +470,19 @@ SpecSequence start_spec(std::span<const std::int32_t> prompt, const GenerationOp
   return s;
 }
 
-// Asks the draft source for this round's drafts; returns the verify
-// tokens: the pending token, then the drafts.
-std::vector<std::int32_t> propose_round(SpecSequence& s, DraftSource& draft, const GenerationOptions& options) {
+// Sets this round's draft length (a round emits accepted + 1 tokens, so at
+// most the budget - 1) and clears the last round's drafts.
+void plan_round(SpecSequence& s, const GenerationOptions& options) {
   const std::int64_t budget = options.max_new_tokens - static_cast<std::int64_t>(s.out.size());
-  s.k = std::min(s.k_now, budget - 1);  // a round emits accepted + 1 tokens
+  s.k = std::min(s.k_now, budget - 1);
   s.q.clear();
   s.drafts.clear();
-  if (s.k > 0) s.drafts = draft.propose(s.sequence, s.k, options.sampling.greedy() ? nullptr : &s.q);
-  if (static_cast<std::int64_t>(s.drafts.size()) > s.k) s.drafts.resize(static_cast<std::size_t>(s.k));
+}
+
+// The verify tokens once the drafts are in: the pending token, then the
+// drafts (a source that proposed more than k is cut to k).
+std::vector<std::int32_t> verify_tokens(SpecSequence& s) {
+  if (static_cast<std::int64_t>(s.drafts.size()) > s.k) s.drafts.resize(static_cast<std::size_t>(std::max<std::int64_t>(s.k, 0)));
   std::vector<std::int32_t> verify;
   verify.reserve(s.drafts.size() + 1);
   verify.push_back(s.sequence.back());
@@ -426,14 +538,13 @@ std::vector<std::int32_t> accept_round(SpecSequence& s, std::span<const float> l
   return emitted;
 }
 
-// After the target's crop: tells the draft, counts the round, emits the
-// tokens (stopping at EOS / the budget) and adapts K.
-void finish_round(SpecSequence& s, DraftSource& draft, const Model& target, const GenerationOptions& options,
+// After the target's crop and the draft's accept: counts the round, emits
+// the tokens (stopping at EOS / the budget) and adapts K.
+void finish_round(SpecSequence& s, const Model& target, const GenerationOptions& options,
                   const SpeculativeOptions& spec, std::int64_t accepted, const std::vector<std::int32_t>& emitted,
                   Clock::time_point t0) {
   const auto kd = static_cast<std::int64_t>(s.drafts.size());
   if (kd - accepted > 0) ++s.stats.rollbacks;
-  if (s.k > 0) draft.accept(kd, accepted);
   ++s.stats.rounds;
   s.stats.drafted += kd;
   s.stats.accepted += accepted;
@@ -472,7 +583,9 @@ std::vector<std::int32_t> speculative_generate(const Model& target, DraftSource&
     ++s.stats.forwards;
   }
   while (s.running) {
-    const std::vector<std::int32_t> verify = propose_round(s, draft, options);
+    plan_round(s, options);
+    if (s.k > 0) s.drafts = draft.propose(s.sequence, s.k, options.sampling.greedy() ? nullptr : &s.q);
+    const std::vector<std::int32_t> verify = verify_tokens(s);
     target.forward(verify, cache, logits, true, &s.stats.cache_seconds);
     ++s.stats.forwards;
     std::int64_t accepted = 0;
@@ -481,7 +594,8 @@ std::vector<std::int32_t> speculative_generate(const Model& target, DraftSource&
     const auto tc = Clock::now();
     cache.crop(-(static_cast<std::int64_t>(s.drafts.size()) - accepted));
     s.stats.cache_seconds += seconds_since(tc);
-    finish_round(s, draft, target, options, spec, accepted, emitted, t0);
+    if (s.k > 0) draft.accept(static_cast<std::int64_t>(s.drafts.size()), accepted);
+    finish_round(s, target, options, spec, accepted, emitted, t0);
     s.stats.peak_cache_bytes = std::max(s.stats.peak_cache_bytes, cache.memory().bytes_reserved + draft.cache_bytes());
   }
   s.stats.cache_seconds += draft.cache_seconds();
@@ -492,18 +606,11 @@ std::vector<std::int32_t> speculative_generate(const Model& target, DraftSource&
 }
 
 std::vector<std::vector<std::int32_t>> speculative_generate_batch(
-    const Model& target, std::span<const std::unique_ptr<DraftSource>> drafts,
-    std::span<const std::vector<std::int32_t>> prompts, const GenerationOptions& options,
-    const SpeculativeOptions& spec, BatchGenerationStats* stats) {
+    const Model& target, BatchDraftSource& drafts, std::span<const std::vector<std::int32_t>> prompts,
+    const GenerationOptions& options, const SpeculativeOptions& spec, BatchGenerationStats* stats) {
   validate(options.sampling);
   if (prompts.empty()) throw InvalidArgument("speculative_generate_batch needs at least one prompt");
-  if (drafts.size() != prompts.size()) {
-    throw InvalidArgument("speculative_generate_batch needs one draft source per prompt: got " +
-                          std::to_string(drafts.size()) + " for " + std::to_string(prompts.size()) + " prompts");
-  }
   for (const auto& prompt : prompts) check_prompt(prompt);
-  for (const auto& d : drafts)
-    if (!d) throw InvalidArgument("speculative_generate_batch: a draft source is null");
   check_num_draft(spec.num_draft, "num_draft (K)");
   const auto t0 = Clock::now();
   GenerationOptions quiet = options;
@@ -517,8 +624,8 @@ std::vector<std::vector<std::int32_t>> speculative_generate_batch(
     seqs.push_back(start_spec(prompts[i], quiet, spec));
     ids.push_back(cache.add_sequence());
     cache.activate_past_recording(ids.back(), spec.num_draft);
-    drafts[i]->begin(prompts[i]);
   }
+  drafts.begin(prompts);
   BatchGenerationStats local;
   std::vector<float> logits;
   std::vector<SequenceTokens> batch;
@@ -541,10 +648,18 @@ std::vector<std::vector<std::int32_t>> speculative_generate_batch(
   for (std::size_t i = 0; i < n; ++i)
     if (seqs[i].running) active.push_back(i);
   while (!active.empty()) {
-    // Each sequence drafts on its own, then one forward verifies them all.
+    // Every sequence's drafts (one request each), then one forward
+    // verifies them all.
+    std::vector<BatchDraftSource::Request> requests;
+    for (std::size_t i : active) {
+      SpecSequence& s = seqs[i];
+      plan_round(s, quiet);
+      if (s.k > 0) requests.push_back({i, s.sequence, s.k, &s.drafts, options.sampling.greedy() ? nullptr : &s.q});
+    }
+    if (!requests.empty()) drafts.propose(requests);
     batch.clear();
     for (std::size_t i : active) {
-      verify[i] = propose_round(seqs[i], *drafts[i], quiet);
+      verify[i] = verify_tokens(seqs[i]);
       batch.push_back({ids[i], verify[i]});
       ++seqs[i].stats.forwards;
     }
@@ -561,24 +676,26 @@ std::vector<std::vector<std::int32_t>> speculative_generate_batch(
       const auto tc = Clock::now();
       cache.crop(ids[i], -(static_cast<std::int64_t>(s.drafts.size()) - accepted));  // this sequence only
       s.stats.cache_seconds += seconds_since(tc);
-      finish_round(s, *drafts[i], target, quiet, spec, accepted, emitted, t0);
+      if (s.k > 0) drafts.accept(i, static_cast<std::int64_t>(s.drafts.size()), accepted);
+      finish_round(s, target, quiet, spec, accepted, emitted, t0);
       if (s.running) {
         still.push_back(i);
       } else {
         s.stats.seconds = seconds_since(t0);
         cache.seq_rm(ids[i]);
+        drafts.finish(i);
       }
     }
     active = std::move(still);
   }
   for (std::size_t i = 0; i < n; ++i) {
     SpecSequence& s = seqs[i];
-    s.stats.cache_seconds += drafts[i]->cache_seconds();
     s.stats.new_tokens = static_cast<std::int64_t>(s.out.size());
     local.new_tokens += s.stats.new_tokens;
     local.sequences.push_back(s.stats);
   }
   local.seconds = seconds_since(t0);
+  local.draft_cache_seconds = drafts.cache_seconds();
   std::vector<std::vector<std::int32_t>> out;
   for (auto& s : seqs) out.push_back(std::move(s.out));
   if (stats) *stats = std::move(local);

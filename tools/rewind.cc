@@ -303,12 +303,14 @@ std::vector<std::vector<std::int32_t>> encode_prompts(const PromptChoice& prompt
   return prompts;
 }
 
-// One draft source per prompt (each sequence drafts on its own).
-std::vector<std::unique_ptr<DraftSource>> make_sources(std::size_t n, const DraftChoice& choice,
-                                                       const std::optional<Model>& draft, const SamplingParams& sampling) {
+// The drafts of a batch of n prompts: a draft model runs every sequence's
+// draft steps in one batched forward; prompt lookup looks in each sequence.
+std::unique_ptr<BatchDraftSource> make_sources(std::size_t n, const DraftChoice& choice,
+                                               const std::optional<Model>& draft, const SamplingParams& sampling) {
+  if (draft) return std::make_unique<BatchedModelDraft>(*draft, sampling, choice.num_draft);
   std::vector<std::unique_ptr<DraftSource>> sources;
   for (std::size_t i = 0; i < n; ++i) sources.push_back(make_source(choice, draft, sampling));
-  return sources;
+  return std::make_unique<PerSequenceDrafts>(std::move(sources));
 }
 
 int run_generate_batch(const std::string& model_dir, const PromptChoice& prompt_choice, std::int64_t max_new,
@@ -323,7 +325,7 @@ int run_generate_batch(const std::string& model_dir, const PromptChoice& prompt_
   std::vector<std::vector<std::int32_t>> out;
   if (choice.any()) {
     const auto sources = make_sources(prompts.size(), choice, draft, sampling);
-    out = speculative_generate_batch(model, sources, prompts, options, {choice.num_draft, choice.adaptive}, &stats);
+    out = speculative_generate_batch(model, *sources, prompts, options, {choice.num_draft, choice.adaptive}, &stats);
   } else {
     out = generate_batch(model, prompts, options, &stats);
   }
@@ -392,7 +394,7 @@ int run_verify_batch(const std::string& model_dir, const PromptChoice& prompt_ch
   BatchGenerationStats stats;
   const auto sources = make_sources(prompts.size(), choice, draft, options.sampling);
   const auto spec =
-      speculative_generate_batch(model, sources, prompts, options, {choice.num_draft, choice.adaptive}, &stats);
+      speculative_generate_batch(model, *sources, prompts, options, {choice.num_draft, choice.adaptive}, &stats);
   std::int64_t tokens = 0, drafted = 0, accepted = 0;
   for (std::size_t i = 0; i < prompts.size(); ++i) {
     const std::size_t common = std::min(greedy[i].size(), spec[i].size());

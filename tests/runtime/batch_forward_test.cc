@@ -187,7 +187,7 @@ TEST(SpeculativeBatch, EverySequenceEqualsItsSoloDecoding) {
         p.insert(p.begin(), static_cast<std::int32_t>(config.bos_token_id));
         prompts.push_back(p);
       }
-      for (int source = 0; source < 4; ++source) {
+      for (int source = 0; source < 6; ++source) {
         for (std::int64_t K : {1, 3, 6}) {
           GenerationOptions options;
           options.max_new_tokens = 10 + static_cast<std::int64_t>(seed % 3) * 7;
@@ -200,10 +200,20 @@ TEST(SpeculativeBatch, EverySequenceEqualsItsSoloDecoding) {
               default: return std::make_unique<ModelDraft>(target, options.sampling, K);
             }
           };
-          std::vector<std::unique_ptr<DraftSource>> drafts;
-          for (std::size_t i = 0; i < batch_size; ++i) drafts.push_back(make());
+          // Sources 4 and 5: the draft model and the perfect draft run
+          // batched (BatchedModelDraft) instead of one sequence at a time.
+          std::unique_ptr<BatchDraftSource> drafts;
+          if (source == 4) {
+            drafts = std::make_unique<BatchedModelDraft>(draft_model, options.sampling, K);
+          } else if (source == 5) {
+            drafts = std::make_unique<BatchedModelDraft>(target, options.sampling, K);
+          } else {
+            std::vector<std::unique_ptr<DraftSource>> each;
+            for (std::size_t i = 0; i < batch_size; ++i) each.push_back(make());
+            drafts = std::make_unique<PerSequenceDrafts>(std::move(each));
+          }
           BatchGenerationStats stats;
-          const auto batched = speculative_generate_batch(target, drafts, prompts, options, {K, false}, &stats);
+          const auto batched = speculative_generate_batch(target, *drafts, prompts, options, {K, false}, &stats);
           const std::string what = "seed " + std::to_string(seed) + ", batch " + std::to_string(batch_size) +
                                    ", source " + std::to_string(source) + ", K " + std::to_string(K);
           ASSERT_EQ(batched.size(), batch_size) << what;
@@ -215,7 +225,7 @@ TEST(SpeculativeBatch, EverySequenceEqualsItsSoloDecoding) {
           if (source != 1) {  // lookup may find nothing
             EXPECT_GT(drafted, 0) << what;
           }
-          if (source == 3) {  // a perfect draft is always accepted
+          if (source == 3 || source == 5) {  // a perfect draft is always accepted
             for (const auto& s : stats.sequences) EXPECT_EQ(s.accepted, s.drafted) << what;
           }
         }
@@ -236,19 +246,28 @@ TEST(SpeculativeBatch, SamplingEqualsSoloSpeculativeSampling) {
   options.sampling.top_k = 40;
   options.sampling.seed = 77;
   for (const bool adaptive : {false, true}) {
-    std::vector<std::unique_ptr<DraftSource>> drafts;
-    for (std::size_t i = 0; i < prompts.size(); ++i)
-      drafts.push_back(std::make_unique<ModelDraft>(draft_model, options.sampling, 4));
-    const auto batched = speculative_generate_batch(target, drafts, prompts, options, {4, adaptive});
-    for (std::size_t i = 0; i < prompts.size(); ++i) {
-      ModelDraft alone_draft(draft_model, options.sampling, 4);
-      EXPECT_EQ(batched[i], speculative_generate(target, alone_draft, prompts[i], options, {4, adaptive}))
-          << "sequence " << i << (adaptive ? ", adaptive K" : "");
+    for (const bool batched_draft : {false, true}) {
+      std::unique_ptr<BatchDraftSource> drafts;
+      if (batched_draft) {
+        drafts = std::make_unique<BatchedModelDraft>(draft_model, options.sampling, 4);
+      } else {
+        std::vector<std::unique_ptr<DraftSource>> each;
+        for (std::size_t i = 0; i < prompts.size(); ++i)
+          each.push_back(std::make_unique<ModelDraft>(draft_model, options.sampling, 4));
+        drafts = std::make_unique<PerSequenceDrafts>(std::move(each));
+      }
+      const auto batched = speculative_generate_batch(target, *drafts, prompts, options, {4, adaptive});
+      for (std::size_t i = 0; i < prompts.size(); ++i) {
+        ModelDraft alone_draft(draft_model, options.sampling, 4);
+        EXPECT_EQ(batched[i], speculative_generate(target, alone_draft, prompts[i], options, {4, adaptive}))
+            << "sequence " << i << (adaptive ? ", adaptive K" : "") << (batched_draft ? ", batched draft" : "");
+      }
     }
   }
   std::vector<std::unique_ptr<DraftSource>> one;
   one.push_back(std::make_unique<LookupDraft>(2));
-  EXPECT_THROW(speculative_generate_batch(target, one, prompts, options, {4, false}), InvalidArgument);
+  PerSequenceDrafts too_few(std::move(one));
+  EXPECT_THROW(speculative_generate_batch(target, too_few, prompts, options, {4, false}), InvalidArgument);
 }
 
 }  // namespace

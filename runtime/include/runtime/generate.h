@@ -105,6 +105,7 @@ struct BatchGenerationStats {
   std::int64_t new_tokens = 0;             // over every sequence
   std::int64_t forwards = 0;               // batched forwards
   double seconds = 0.0;                    // wall time of the call
+  double draft_cache_seconds = 0.0;        // time in the draft source's cache calls (speculative)
   // Aggregate: every sequence's new tokens over the call's wall time.
   double tokens_per_second() const { return seconds > 0 ? static_cast<double>(new_tokens) / seconds : 0.0; }
   std::string to_json() const;  // one line
@@ -223,20 +224,80 @@ std::vector<std::int32_t> speculative_generate(const Model& target, DraftSource&
                                                const SpeculativeOptions& spec,
                                                GenerationStats* stats = nullptr);
 
-// speculative_generate for many prompts in one SequenceCache, each with its
-// own draft source (drafts[i] for prompts[i]): every round each unfinished
-// sequence drafts up to its own K, one batched forward verifies every
-// sequence's pending token and drafts, and each sequence crops its own
-// rejected tokens. Sequences finish independently and leave the batch.
-// Each sequence's tokens equal speculative_generate()'s for its prompt
-// alone with the same options and an identically built draft source
-// (greedy: equal to generate()'s). options.on_token is not called. Throws
-// InvalidArgument for an empty list, an empty prompt, a null draft source,
-// a count of draft sources other than prompts.size(), and what
-// speculative_generate throws.
+// Drafts for every sequence of a batch at once. begin() is called once with
+// the prompts; each round propose() gets one request per sequence that
+// drafts (its index, the whole sequence so far, the most tokens it may
+// propose) and fills each request's drafts (and, sampling, the draft
+// distributions as DraftSource::propose does); accept() tells how many of
+// sequence `index`'s proposals the target kept; finish() that the sequence
+// left the batch.
+class BatchDraftSource {
+ public:
+  struct Request {
+    std::size_t index = 0;
+    std::span<const std::int32_t> sequence;
+    std::int64_t k = 0;
+    std::vector<std::int32_t>* drafts = nullptr;
+    std::vector<std::vector<float>>* probs = nullptr;  // null in greedy mode
+  };
+  virtual ~BatchDraftSource() = default;
+  virtual void begin(std::span<const std::vector<std::int32_t>> prompts) = 0;
+  virtual void propose(std::span<const Request> requests) = 0;
+  virtual void accept(std::size_t index, std::int64_t proposed, std::int64_t accepted) = 0;
+  virtual void finish(std::size_t) {}
+  virtual double cache_seconds() const { return 0.0; }
+};
+
+// One DraftSource per sequence, each asked in turn (prompt lookup, random
+// drafts, or draft models run one sequence at a time).
+class PerSequenceDrafts : public BatchDraftSource {
+ public:
+  explicit PerSequenceDrafts(std::vector<std::unique_ptr<DraftSource>> sources);
+  void begin(std::span<const std::vector<std::int32_t>> prompts) override;
+  void propose(std::span<const Request> requests) override;
+  void accept(std::size_t index, std::int64_t proposed, std::int64_t accepted) override;
+  double cache_seconds() const override;
+
+ private:
+  std::vector<std::unique_ptr<DraftSource>> sources_;
+};
+
+// A draft model over its own SequenceCache: every draft step is one batched
+// forward of every drafting sequence (the draft's weights read once per step
+// for the batch). Each sequence drafts exactly what a ModelDraft of the same
+// model, sampling and max_draft would for it alone (batch invariance; one
+// random stream per sequence, seeded as ModelDraft's).
+class BatchedModelDraft : public BatchDraftSource {
+ public:
+  BatchedModelDraft(const Model& draft, SamplingParams sampling, std::int64_t max_draft);
+  void begin(std::span<const std::vector<std::int32_t>> prompts) override;
+  void propose(std::span<const Request> requests) override;
+  void accept(std::size_t index, std::int64_t proposed, std::int64_t accepted) override;
+  void finish(std::size_t index) override;
+  double cache_seconds() const override { return cache_seconds_; }
+
+ private:
+  const Model& model_;
+  SamplingParams sampling_;
+  std::int64_t max_draft_;
+  SequenceCache cache_;
+  std::vector<SeqId> ids_;
+  std::vector<std::int64_t> seen_;  // tokens of each sequence in cache_
+  std::vector<std::mt19937_64> rngs_;
+  double cache_seconds_ = 0.0;
+};
+
+// speculative_generate for many prompts in one SequenceCache: every round
+// each unfinished sequence drafts up to its own K (adaptive per sequence),
+// one batched forward verifies every sequence's pending token and drafts,
+// and each sequence crops its own rejected tokens. Sequences finish
+// independently and leave the batch. Each sequence's tokens equal
+// speculative_generate()'s for its prompt alone with the same options and
+// an equivalent draft source (greedy: equal to generate()'s).
+// options.on_token is not called. Throws InvalidArgument for an empty list
+// or an empty prompt, and what speculative_generate throws.
 std::vector<std::vector<std::int32_t>> speculative_generate_batch(
-    const Model& target, std::span<const std::unique_ptr<DraftSource>> drafts,
-    std::span<const std::vector<std::int32_t>> prompts, const GenerationOptions& options,
-    const SpeculativeOptions& spec, BatchGenerationStats* stats = nullptr);
+    const Model& target, BatchDraftSource& drafts, std::span<const std::vector<std::int32_t>> prompts,
+    const GenerationOptions& options, const SpeculativeOptions& spec, BatchGenerationStats* stats = nullptr);
 
 }  // namespace rwd::runtime
