@@ -190,6 +190,34 @@ std::string BatchGenerationStats::to_json() const {
   return j.dump();
 }
 
+namespace {
+
+// Continuous batching: admits waiting sequences (prompt order) while fewer
+// than options.max_batch decode; returns the indices admitted.
+class Admission {
+ public:
+  Admission(std::size_t n, const GenerationOptions& options) : n_(n) {
+    if (options.max_batch < 0) {
+      throw InvalidArgument("max_batch must be >= 0 (0: every sequence at once), got " +
+                            std::to_string(options.max_batch));
+    }
+    limit_ = options.max_batch == 0 ? n : static_cast<std::size_t>(std::min<std::int64_t>(options.max_batch, static_cast<std::int64_t>(n)));
+    if (options.max_new_tokens <= 0) next_ = n_;  // nothing to decode
+  }
+  std::vector<std::size_t> admit(std::size_t active) {
+    std::vector<std::size_t> joined;
+    while (active + joined.size() < limit_ && next_ < n_) joined.push_back(next_++);
+    return joined;
+  }
+
+ private:
+  std::size_t n_;
+  std::size_t limit_ = 0;
+  std::size_t next_ = 0;
+};
+
+}  // namespace
+
 std::string indexed_text_json(std::size_t index, const std::string& text) {
   const nlohmann::json line{{"index", index}, {"text", text}};
   return line.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace);
@@ -212,15 +240,18 @@ std::vector<std::vector<std::int32_t>> generate_batch(const Model& model,
   SequenceCache cache = model.make_sequence_cache();
   std::vector<SeqId> ids;
   std::vector<std::vector<std::int32_t>> pending(prompts.begin(), prompts.end());
-  std::vector<std::size_t> active;  // sequences still decoding, in prompt order
-  for (std::size_t i = 0; i < n; ++i) {
-    ids.push_back(cache.add_sequence());
-    if (options.max_new_tokens > 0) active.push_back(i);
-  }
+  Admission admission(n, options);
+  std::vector<std::size_t> active;  // sequences decoding now; a joining one feeds its prompt first
+  ids.resize(n);
   std::vector<SequenceTokens> batch;
   std::vector<float> logits;
   const auto V = static_cast<std::size_t>(model.vocab_size());
-  while (!active.empty()) {
+  while (true) {
+    for (std::size_t i : admission.admit(active.size())) {
+      ids[i] = cache.add_sequence();
+      active.push_back(i);
+    }
+    if (active.empty()) break;
     batch.clear();
     for (std::size_t i : active) batch.push_back({ids[i], pending[i]});
     model.forward_batch(batch, cache, logits);
@@ -618,40 +649,32 @@ std::vector<std::vector<std::int32_t>> speculative_generate_batch(
   const std::int64_t V = target.vocab_size();
   const std::size_t n = prompts.size();
   std::vector<SpecSequence> seqs;
+  for (std::size_t i = 0; i < n; ++i) seqs.push_back(start_spec(prompts[i], quiet, spec));
   SequenceCache cache = target.make_sequence_cache();
-  std::vector<SeqId> ids;
-  for (std::size_t i = 0; i < n; ++i) {
-    seqs.push_back(start_spec(prompts[i], quiet, spec));
-    ids.push_back(cache.add_sequence());
-    cache.activate_past_recording(ids.back(), spec.num_draft);
-  }
+  std::vector<SeqId> ids(n);
   drafts.begin(prompts);
   BatchGenerationStats local;
   std::vector<float> logits;
   std::vector<SequenceTokens> batch;
-  // Every prompt but its pending last token, in one forward.
-  std::vector<std::span<const std::int32_t>> prefill(n);
-  bool any_prefill = false;
-  for (std::size_t i = 0; i < n; ++i) {
-    if (!seqs[i].running || prompts[i].size() < 2) continue;
-    prefill[i] = std::span<const std::int32_t>(prompts[i]).first(prompts[i].size() - 1);
-    batch.push_back({ids[i], prefill[i]});
-    ++seqs[i].stats.forwards;
-    any_prefill = true;
-  }
-  if (any_prefill) {
-    target.forward_batch(batch, cache, logits);
-    ++local.forwards;
-  }
   std::vector<std::vector<std::int32_t>> verify(n);
+  // A sequence that joins first feeds its prompt but the pending last token
+  // (its "prefill"), in the same forward as the others' verification.
+  std::vector<bool> prefilled(n, false);
+  Admission admission(n, options);
   std::vector<std::size_t> active;
-  for (std::size_t i = 0; i < n; ++i)
-    if (seqs[i].running) active.push_back(i);
-  while (!active.empty()) {
-    // Every sequence's drafts (one request each), then one forward
+  while (true) {
+    for (std::size_t i : admission.admit(active.size())) {
+      ids[i] = cache.add_sequence();
+      cache.activate_past_recording(ids[i], spec.num_draft);  // a round rolls back at most K tokens
+      prefilled[i] = prompts[i].size() < 2;
+      active.push_back(i);
+    }
+    if (active.empty()) break;
+    // Every prefilled sequence's drafts (one request each), then one forward
     // verifies them all.
     std::vector<BatchDraftSource::Request> requests;
     for (std::size_t i : active) {
+      if (!prefilled[i]) continue;
       SpecSequence& s = seqs[i];
       plan_round(s, quiet);
       if (s.k > 0) requests.push_back({i, s.sequence, s.k, &s.drafts, options.sampling.greedy() ? nullptr : &s.q});
@@ -659,7 +682,11 @@ std::vector<std::vector<std::int32_t>> speculative_generate_batch(
     if (!requests.empty()) drafts.propose(requests);
     batch.clear();
     for (std::size_t i : active) {
-      verify[i] = verify_tokens(seqs[i]);
+      if (prefilled[i]) {
+        verify[i] = verify_tokens(seqs[i]);
+      } else {
+        verify[i].assign(prompts[i].begin(), prompts[i].end() - 1);
+      }
       batch.push_back({ids[i], verify[i]});
       ++seqs[i].stats.forwards;
     }
@@ -671,6 +698,11 @@ std::vector<std::vector<std::int32_t>> speculative_generate_batch(
       SpecSequence& s = seqs[i];
       const std::span<const float> rows(logits.data() + row * static_cast<std::size_t>(V), verify[i].size() * static_cast<std::size_t>(V));
       row += verify[i].size();
+      if (!prefilled[i]) {
+        prefilled[i] = true;
+        still.push_back(i);
+        continue;
+      }
       std::int64_t accepted = 0;
       const std::vector<std::int32_t> emitted = accept_round(s, rows, V, options.sampling, accepted);
       const auto tc = Clock::now();

@@ -150,6 +150,14 @@ struct PromptChoice {
   std::string text;
   std::string file;     // "-": standard input
   std::string prompts;  // --prompts FILE: one prompt per line ("-": standard input)
+  std::int64_t max_batch = 0;  // --max-batch N: sequences decoding at once (0: all)
+
+  // --max-batch shapes batched decoding; without --prompts it would be ignored.
+  void check_batch(const CLI::App& cmd) const {
+    if (cmd.count("--max-batch") > 0 && !many(cmd)) {
+      throw InvalidArgument("--max-batch applies to batched decoding: it needs --prompts FILE");
+    }
+  }
 
   bool many(const CLI::App& cmd) const { return cmd.count("--prompts") > 0; }
   // The lines of --prompts FILE, one prompt each (an empty line is a prompt
@@ -321,6 +329,7 @@ int run_generate_batch(const std::string& model_dir, const PromptChoice& prompt_
   GenerationOptions options;
   options.max_new_tokens = max_new;
   options.sampling = sampling;
+  options.max_batch = prompt_choice.max_batch;
   BatchGenerationStats stats;
   std::vector<std::vector<std::int32_t>> out;
   if (choice.any()) {
@@ -341,6 +350,7 @@ int run_generate(const CLI::App& cmd, const std::string& model_dir, const Prompt
                  bool stats_wanted) {
   choice.check(cmd);
   const SamplingParams sampling = sampling_choice.resolve(cmd);
+  prompt_choice.check_batch(cmd);
   if (prompt_choice.many(cmd)) return run_generate_batch(model_dir, prompt_choice, max_new, choice, sampling, stats_wanted);
   const std::string prompt = prompt_choice.read(cmd);
   const Model model = Model::load(model_dir);
@@ -380,6 +390,7 @@ int run_verify_batch(const std::string& model_dir, const PromptChoice& prompt_ch
   const std::vector<std::vector<std::int32_t>> prompts = encode_prompts(prompt_choice, model);
   GenerationOptions options;
   options.max_new_tokens = max_new;
+  options.max_batch = prompt_choice.max_batch;
   std::vector<std::vector<std::int32_t>> greedy;
   double greedy_seconds = 0.0;
   {
@@ -425,6 +436,7 @@ int run_verify_batch(const std::string& model_dir, const PromptChoice& prompt_ch
 int run_verify(const CLI::App& cmd, const std::string& model_dir, const PromptChoice& prompt_choice,
                std::int64_t max_new, const DraftChoice& choice, int repeats) {
   if (!choice.any()) throw InvalidArgument("verify needs a draft source: --draft DIR or --lookup N");
+  prompt_choice.check_batch(cmd);
   if (prompt_choice.many(cmd)) {
     if (cmd.count("--repeats") > 0) throw InvalidArgument("verify --prompts runs once; --repeats applies to --prompt");
     return run_verify_batch(model_dir, prompt_choice, max_new, choice);
@@ -694,6 +706,10 @@ int main(int argc, char** argv) {
         ->type_name("FILE")
         ->excludes("--prompt")
         ->excludes("--prompt-file");
+    cmd->add_option("--max-batch", prompt.max_batch,
+                    "with --prompts: at most N sequences decode at once; the others join, in order, as "
+                    "sequences finish (0: all at once)")
+        ->check(integer_in(0, std::int64_t{1} << 24));
   };
   auto* gen = app.add_subcommand("generate", "generate text (greedy, sampled or speculative)");
   gen->add_option("--model", model_dir, "model directory")->required()->check(CLI::ExistingDirectory);

@@ -155,6 +155,21 @@ TEST(GenerateBatch, EverySequenceEqualsGenerateAlone) {
       EXPECT_EQ(stats.forwards, max_new);  // one prefill, then one round per further token
     }
   }
+  // Continuous batching: at most two sequences at once, the others join as
+  // sequences finish; still each equals its solo decoding.
+  for (const std::int64_t max_batch : {1, 2, 3}) {
+    GenerationOptions options;
+    options.max_new_tokens = 9;
+    options.max_batch = max_batch;
+    options.sampling.temperature = 0.7f;
+    options.sampling.seed = 3;
+    BatchGenerationStats stats;
+    const auto joined = generate_batch(model, prompts, options, &stats);
+    for (std::size_t i = 0; i < prompts.size(); ++i)
+      EXPECT_EQ(joined[i], generate(model, prompts[i], options)) << "max_batch " << max_batch << ", prompt " << i;
+    // ceil(4 / max_batch) waves of 9 forwards each.
+    EXPECT_EQ(stats.forwards, 9 * ((4 + max_batch - 1) / max_batch)) << max_batch;
+  }
   // The same with stop_at_eos on (the default).
   GenerationOptions options;
   options.max_new_tokens = 12;
@@ -263,6 +278,23 @@ TEST(SpeculativeBatch, SamplingEqualsSoloSpeculativeSampling) {
             << "sequence " << i << (adaptive ? ", adaptive K" : "") << (batched_draft ? ", batched draft" : "");
       }
     }
+  }
+  // Continuous batching: two sequences at once; they finish at different
+  // rounds (different acceptance), and the next prompt joins mid-run.
+  {
+    GenerationOptions joined = options;
+    joined.max_batch = 2;
+    std::vector<Tokens> five = prompts;
+    five.push_back(random_tokens(rng, 6));
+    five.push_back(random_tokens(rng, 2));
+    BatchedModelDraft drafts(draft_model, joined.sampling, 3);
+    const auto out = speculative_generate_batch(target, drafts, five, joined, {3, true});
+    for (std::size_t i = 0; i < five.size(); ++i) {
+      ModelDraft alone_draft(draft_model, joined.sampling, 3);
+      EXPECT_EQ(out[i], speculative_generate(target, alone_draft, five[i], joined, {3, true})) << "joined sequence " << i;
+    }
+    joined.max_batch = -1;
+    EXPECT_THROW(speculative_generate_batch(target, drafts, five, joined, {3, true}), InvalidArgument);
   }
   std::vector<std::unique_ptr<DraftSource>> one;
   one.push_back(std::make_unique<LookupDraft>(2));

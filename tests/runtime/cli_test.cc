@@ -226,6 +226,16 @@ TEST_F(Cli, GeneratePromptsDecodesEveryLineAsOneBatch) {
     EXPECT_EQ(bad.status, 2) << misuse << ": " << bad.all();
     EXPECT_FALSE(bad.err.empty()) << misuse;
   }
+  // Two sequences at a time, the others joining as they finish: same lines.
+  const CliResult waves = run_cli("verify" + model("target") + " --prompts " + quote(file.string()) +
+                                  " --max-new-tokens 30 --lookup 2 --max-batch 2");
+  EXPECT_EQ(waves.status, 0) << waves.all();
+  const CliResult waves_gen = run_cli("generate" + model("target") + " --prompts " + quote(file.string()) +
+                                      " --max-new-tokens 12 --max-batch 3");
+  ASSERT_EQ(waves_gen.status, 0) << waves_gen.all();
+  EXPECT_EQ(waves_gen.out + json.back().dump(), r.out.substr(0, r.out.size() - 1));
+  const CliResult no_prompts = run_cli("generate" + model("target") + " --prompt x --max-batch 2");
+  EXPECT_EQ(no_prompts.status, 2) << no_prompts.all();
   const CliResult repeats = run_cli("verify" + model("target") + " --lookup 2 --repeats 2 --prompts " + quote(file.string()));
   EXPECT_EQ(repeats.status, 2) << repeats.all();
   write_file(scratch_dir() / "no_lines.txt", "");

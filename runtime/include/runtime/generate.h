@@ -55,6 +55,10 @@ struct GenerationOptions {
   SamplingParams sampling;
   // Called for every emitted token, in order, as soon as it is final.
   std::function<void(std::int32_t)> on_token;
+  // Batched decoding (generate_batch, speculative_generate_batch): at most
+  // this many sequences decode at once (0: all of them); the others wait and
+  // join, in prompt order, as sequences finish. Must be >= 0.
+  std::int64_t max_batch = 0;
 };
 
 struct GenerationStats {
