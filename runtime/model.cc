@@ -85,33 +85,44 @@ Model::Model(ModelWeights weights) : weights_(std::move(weights)) {
     w.gate = linear("mlp.gate_proj.weight");
     w.up = linear("mlp.up_proj.weight");
     w.down = linear("mlp.down_proj.weight");
-    const std::string& type = c.layer_types[static_cast<std::size_t>(i)];
-    if (type == "full_attention" || type == "sliding_attention") {
-      w.kind = type == "full_attention" ? LayerWeights::Kind::Attention : LayerWeights::Kind::Sliding;
-      has_attention_ = true;
-      w.wq = linear("self_attn.q_proj.weight");
-      w.wk = linear("self_attn.k_proj.weight");
-      w.wv = linear("self_attn.v_proj.weight");
-      w.wo = linear("self_attn.o_proj.weight");
-    } else if (type == "linear_attention") {
-      w.kind = LayerWeights::Kind::GatedDeltaNet;
-      w.in_qkv = linear("linear_attn.in_proj_qkv.weight");
-      w.in_z = linear("linear_attn.in_proj_z.weight");
-      w.in_b = linear("linear_attn.in_proj_b.weight");
-      w.in_a = linear("linear_attn.in_proj_a.weight");
-      w.conv = get("linear_attn.conv1d.weight");
-      w.dt_bias = get("linear_attn.dt_bias");
-      w.a_log = get("linear_attn.A_log");
-      w.out_norm = get("linear_attn.norm.weight");
-      w.out = linear("linear_attn.out_proj.weight");
-    } else if (type == "conv") {
-      w.kind = LayerWeights::Kind::ShortConv;
-      w.in_bcx = linear("conv.in_proj.weight");
-      w.conv = get("conv.conv.weight");
-      w.out = linear("conv.out_proj.weight");
-    } else {
-      throw FormatError("config.json: layer type '" + type + "' of layer " + std::to_string(i) +
-                        " is not implemented by the runtime");
+    switch (c.layer_types[static_cast<std::size_t>(i)]) {
+      case LayerKind::FullAttention:
+      case LayerKind::SlidingAttention:
+        w.kind = c.layer_types[static_cast<std::size_t>(i)] == LayerKind::FullAttention ? LayerWeights::Kind::Attention
+                                                                                        : LayerWeights::Kind::Sliding;
+        has_attention_ = true;
+        w.wq = linear("self_attn.q_proj.weight");
+        w.wk = linear("self_attn.k_proj.weight");
+        w.wv = linear("self_attn.v_proj.weight");
+        w.wo = linear("self_attn.o_proj.weight");
+        break;
+      case LayerKind::LinearAttention:
+        w.kind = LayerWeights::Kind::GatedDeltaNet;
+        w.in_qkv = linear("linear_attn.in_proj_qkv.weight");
+        w.in_z = linear("linear_attn.in_proj_z.weight");
+        w.in_b = linear("linear_attn.in_proj_b.weight");
+        w.in_a = linear("linear_attn.in_proj_a.weight");
+        w.conv = get("linear_attn.conv1d.weight");
+        w.dt_bias = get("linear_attn.dt_bias");
+        w.a_log = get("linear_attn.A_log");
+        w.out_norm = get("linear_attn.norm.weight");
+        w.out = linear("linear_attn.out_proj.weight");
+        break;
+      case LayerKind::Conv:
+        w.kind = LayerWeights::Kind::ShortConv;
+        w.in_bcx = linear("conv.in_proj.weight");
+        w.conv = get("conv.conv.weight");
+        w.out = linear("conv.out_proj.weight");
+        break;
+      case LayerKind::ChunkedAttention:
+      case LayerKind::Hybrid:
+      case LayerKind::HybridSliding:
+      case LayerKind::SparseAttention:
+      case LayerKind::Moe:
+      case LayerKind::Mlp:
+        throw FormatError("config.json: layer type '" +
+                          std::string(layer_kind_name(c.layer_types[static_cast<std::size_t>(i)])) + "' of layer " +
+                          std::to_string(i) + " is not implemented by the runtime");
     }
     layers_.push_back(std::move(w));
   }
@@ -124,25 +135,32 @@ Cache Model::make_cache() const {
   const ModelConfig& c = config();
   std::vector<Layer> layers;
   for (std::int64_t i = 0; i < c.num_hidden_layers; ++i) {
-    const std::string& type = c.layer_types[static_cast<std::size_t>(i)];
+    const LayerKind kind = c.layer_types[static_cast<std::size_t>(i)];
     LayerOptions o;
     o.dtype = DType::F32;
     o.batch_size = 1;
-    LayerKind kind;
-    if (type == "full_attention" || type == "sliding_attention") {
-      kind = type == "full_attention" ? LayerKind::FullAttention : LayerKind::SlidingAttention;
-      o.num_kv_heads = c.num_key_value_heads;
-      o.key_dim = c.head_dim;
-      o.sliding_window = c.sliding_window;
-    } else if (type == "linear_attention") {
-      kind = LayerKind::LinearAttention;
-      o.conv_kernel_size = c.linear_conv_kernel_dim;
-      o.conv_channels = {c.linear_conv_dim()};
-      o.recurrent_shapes = {{c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim}};
-    } else {
-      kind = LayerKind::Conv;
-      o.conv_kernel_size = c.conv_L_cache;
-      o.conv_channels = {c.hidden_size};
+    switch (kind) {
+      case LayerKind::FullAttention:
+      case LayerKind::SlidingAttention:
+        o.num_kv_heads = c.num_key_value_heads;
+        o.key_dim = c.head_dim;
+        o.sliding_window = c.sliding_window;
+        break;
+      case LayerKind::LinearAttention:
+        o.conv_kernel_size = c.linear_conv_kernel_dim;
+        o.conv_channels = {c.linear_conv_dim()};
+        o.recurrent_shapes = {{c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim}};
+        break;
+      case LayerKind::Conv:
+        o.conv_kernel_size = c.conv_L_cache;
+        o.conv_channels = {c.hidden_size};
+        break;
+      case LayerKind::ChunkedAttention:
+      case LayerKind::Hybrid:
+      case LayerKind::HybridSliding:
+      case LayerKind::SparseAttention:
+      case LayerKind::Moe:
+      case LayerKind::Mlp: break;  // the constructor refused them
     }
     layers.emplace_back(kind, o, static_cast<int>(i));
   }

@@ -141,29 +141,27 @@ const char* torch_dtype_name(DType t) {
   return "float32";
 }
 
-// Index of the first layer of `type`, or -1.
-int first_layer_of(const ModelConfig& c, std::string_view type) {
+// Index of the first layer of `kind`, or -1.
+int first_layer_of(const ModelConfig& c, LayerKind kind) {
   for (std::size_t i = 0; i < c.layer_types.size(); ++i) {
-    if (c.layer_types[i] == type) return static_cast<int>(i);
+    if (c.layer_types[i] == kind) return static_cast<int>(i);
   }
   return -1;
 }
 
 }  // namespace
 
-bool ModelConfig::has_layer_type(std::string_view layer_type) const {
-  return first_layer_of(*this, layer_type) >= 0;
-}
+bool ModelConfig::has_layer_type(LayerKind kind) const { return first_layer_of(*this, kind) >= 0; }
 
 std::int64_t ModelConfig::linear_conv_dim() const {
   return 2 * linear_num_key_heads * linear_key_head_dim +
          linear_num_value_heads * linear_value_head_dim;
 }
 
-const std::vector<std::string>& supported_layer_types() {
-  static const std::vector<std::string> kTypes = {"full_attention", "sliding_attention",
-                                                  "linear_attention", "conv"};
-  return kTypes;
+const std::vector<LayerKind>& supported_layer_kinds() {
+  static const std::vector<LayerKind> kKinds = {LayerKind::FullAttention, LayerKind::SlidingAttention,
+                                                LayerKind::LinearAttention, LayerKind::Conv};
+  return kKinds;
 }
 
 ModelConfig parse_model_config(const std::string& json_text, const std::string& source_name) {
@@ -209,26 +207,33 @@ ModelConfig parse_model_config(const std::string& json_text, const std::string& 
     r.fail("'layer_types' has " + std::to_string(types.size()) +
            " entries, but 'num_hidden_layers' is " + std::to_string(c.num_hidden_layers));
   }
-  const auto& supported = supported_layer_types();
+  const auto& supported = supported_layer_kinds();
+  std::string supported_names;
+  for (LayerKind k : supported) supported_names += (supported_names.empty() ? "" : ", ") + std::string(layer_kind_name(k));
   for (std::size_t i = 0; i < types.size(); ++i) {
     const std::string where = "layer_types[" + std::to_string(i) + "]";
     if (!types[i].is_string()) r.fail(where + " must be a string, got " + json_type(types[i]));
     const auto& t = types[i].get_ref<const std::string&>();
-    if (std::find(supported.begin(), supported.end(), t) == supported.end()) {
-      r.fail(where + " is '" + t +
-             "', which the runtime does not support (supported: full_attention, "
-             "sliding_attention, linear_attention, conv)");
+    auto unsupported = [&] {
+      r.fail(where + " is '" + t + "', which the runtime does not support (supported: " + supported_names + ")");
+    };
+    LayerKind kind;
+    try {
+      kind = parse_layer_kind(t);
+    } catch (const InvalidArgument&) {
+      unsupported();
     }
-    c.layer_types.push_back(t);
+    if (std::find(supported.begin(), supported.end(), kind) == supported.end()) unsupported();
+    c.layer_types.push_back(kind);
   }
 
   // Keys a layer kind needs are required exactly when that kind is present;
   // otherwise they are optional (real configs often carry unused ones).
-  auto because = [&c](std::string_view type) {
-    return "(layer " + std::to_string(first_layer_of(c, type)) + " is " + std::string(type) + ")";
+  auto because = [&c](LayerKind kind) {
+    return "(layer " + std::to_string(first_layer_of(c, kind)) + " is " + std::string(layer_kind_name(kind)) + ")";
   };
-  if (c.has_layer_type("sliding_attention")) {
-    c.sliding_window = r.required_size("sliding_window", because("sliding_attention"));
+  if (c.has_layer_type(LayerKind::SlidingAttention)) {
+    c.sliding_window = r.required_size("sliding_window", because(LayerKind::SlidingAttention));
   } else {
     c.sliding_window = r.optional_size("sliding_window");
   }
@@ -238,9 +243,9 @@ ModelConfig parse_model_config(const std::string& json_text, const std::string& 
   std::int64_t* linear_fields[] = {&c.linear_conv_kernel_dim, &c.linear_num_key_heads,
                                    &c.linear_num_value_heads, &c.linear_key_head_dim,
                                    &c.linear_value_head_dim};
-  const bool has_linear = c.has_layer_type("linear_attention");
+  const bool has_linear = c.has_layer_type(LayerKind::LinearAttention);
   for (std::size_t i = 0; i < 5; ++i) {
-    *linear_fields[i] = has_linear ? r.required_size(linear_keys[i], because("linear_attention"))
+    *linear_fields[i] = has_linear ? r.required_size(linear_keys[i], because(LayerKind::LinearAttention))
                                    : r.optional_size(linear_keys[i]);
   }
   if (c.linear_num_key_heads > 0 && c.linear_num_value_heads % c.linear_num_key_heads != 0) {
@@ -248,8 +253,8 @@ ModelConfig parse_model_config(const std::string& json_text, const std::string& 
            ") is not a multiple of 'linear_num_key_heads' (" +
            std::to_string(c.linear_num_key_heads) + ")");
   }
-  if (c.has_layer_type("conv")) {
-    c.conv_L_cache = r.required_size("conv_L_cache", because("conv"));
+  if (c.has_layer_type(LayerKind::Conv)) {
+    c.conv_L_cache = r.required_size("conv_L_cache", because(LayerKind::Conv));
   } else {
     c.conv_L_cache = r.optional_size("conv_L_cache");
   }
@@ -300,7 +305,9 @@ std::string to_json(const ModelConfig& c) {
   j["head_dim"] = c.head_dim;
   j["intermediate_size"] = c.intermediate_size;
   j["vocab_size"] = c.vocab_size;
-  j["layer_types"] = c.layer_types;
+  json types = json::array();
+  for (LayerKind k : c.layer_types) types.push_back(std::string(layer_kind_name(k)));
+  j["layer_types"] = types;
   // Kind-specific sizes are written when set; 0 means "unused" and reads
   // back as absent.
   auto optional = [&j](const char* key, std::int64_t v) {
@@ -332,32 +339,44 @@ std::vector<WeightSpec> expected_weights(const ModelConfig& c) {
 
   for (std::size_t i = 0; i < c.layer_types.size(); ++i) {
     const std::string p = "model.layers." + std::to_string(i) + ".";
-    const std::string& type = c.layer_types[i];
     w.push_back({p + "input_layernorm.weight", {d}});
-    if (type == "full_attention" || type == "sliding_attention") {
-      const std::int64_t q = c.num_attention_heads * c.head_dim;
-      const std::int64_t kv = c.num_key_value_heads * c.head_dim;
-      w.push_back({p + "self_attn.q_proj.weight", {q, d}});
-      w.push_back({p + "self_attn.k_proj.weight", {kv, d}});
-      w.push_back({p + "self_attn.v_proj.weight", {kv, d}});
-      w.push_back({p + "self_attn.o_proj.weight", {d, q}});
-    } else if (type == "linear_attention") {
-      const std::int64_t lnv = c.linear_num_value_heads;
-      const std::int64_t value = lnv * c.linear_value_head_dim;
-      const std::int64_t conv_dim = c.linear_conv_dim();
-      w.push_back({p + "linear_attn.in_proj_qkv.weight", {conv_dim, d}});
-      w.push_back({p + "linear_attn.in_proj_z.weight", {value, d}});
-      w.push_back({p + "linear_attn.in_proj_b.weight", {lnv, d}});
-      w.push_back({p + "linear_attn.in_proj_a.weight", {lnv, d}});
-      w.push_back({p + "linear_attn.conv1d.weight", {conv_dim, 1, c.linear_conv_kernel_dim}});
-      w.push_back({p + "linear_attn.dt_bias", {lnv}});
-      w.push_back({p + "linear_attn.A_log", {lnv}});
-      w.push_back({p + "linear_attn.norm.weight", {c.linear_value_head_dim}});
-      w.push_back({p + "linear_attn.out_proj.weight", {d, value}});
-    } else if (type == "conv") {
-      w.push_back({p + "conv.in_proj.weight", {3 * d, d}});
-      w.push_back({p + "conv.conv.weight", {d, 1, c.conv_L_cache}});
-      w.push_back({p + "conv.out_proj.weight", {d, d}});
+    switch (c.layer_types[i]) {
+      case LayerKind::FullAttention:
+      case LayerKind::SlidingAttention: {
+        const std::int64_t q = c.num_attention_heads * c.head_dim;
+        const std::int64_t kv = c.num_key_value_heads * c.head_dim;
+        w.push_back({p + "self_attn.q_proj.weight", {q, d}});
+        w.push_back({p + "self_attn.k_proj.weight", {kv, d}});
+        w.push_back({p + "self_attn.v_proj.weight", {kv, d}});
+        w.push_back({p + "self_attn.o_proj.weight", {d, q}});
+        break;
+      }
+      case LayerKind::LinearAttention: {
+        const std::int64_t lnv = c.linear_num_value_heads;
+        const std::int64_t value = lnv * c.linear_value_head_dim;
+        const std::int64_t conv_dim = c.linear_conv_dim();
+        w.push_back({p + "linear_attn.in_proj_qkv.weight", {conv_dim, d}});
+        w.push_back({p + "linear_attn.in_proj_z.weight", {value, d}});
+        w.push_back({p + "linear_attn.in_proj_b.weight", {lnv, d}});
+        w.push_back({p + "linear_attn.in_proj_a.weight", {lnv, d}});
+        w.push_back({p + "linear_attn.conv1d.weight", {conv_dim, 1, c.linear_conv_kernel_dim}});
+        w.push_back({p + "linear_attn.dt_bias", {lnv}});
+        w.push_back({p + "linear_attn.A_log", {lnv}});
+        w.push_back({p + "linear_attn.norm.weight", {c.linear_value_head_dim}});
+        w.push_back({p + "linear_attn.out_proj.weight", {d, value}});
+        break;
+      }
+      case LayerKind::Conv:
+        w.push_back({p + "conv.in_proj.weight", {3 * d, d}});
+        w.push_back({p + "conv.conv.weight", {d, 1, c.conv_L_cache}});
+        w.push_back({p + "conv.out_proj.weight", {d, d}});
+        break;
+      case LayerKind::ChunkedAttention:
+      case LayerKind::Hybrid:
+      case LayerKind::HybridSliding:
+      case LayerKind::SparseAttention:
+      case LayerKind::Moe:
+      case LayerKind::Mlp: break;  // refused by parse_model_config
     }
     w.push_back({p + "post_attention_layernorm.weight", {d}});
     w.push_back({p + "mlp.gate_proj.weight", {ff, d}});

@@ -547,19 +547,31 @@ int run_inspect(const std::string& model_dir, std::int64_t rollback) {
               static_cast<long long>(c.vocab_size), std::string(dtype_name(c.torch_dtype)).c_str());
   std::printf("parameters: %lld\n", static_cast<long long>(model.parameter_count()));
   for (std::size_t i = 0; i < c.layer_types.size(); ++i) {
-    const std::string& t = c.layer_types[i];
+    const LayerKind kind = c.layer_types[i];
     std::string detail;
-    if (t == "full_attention" || t == "sliding_attention") {
-      detail = std::to_string(c.num_attention_heads) + " heads / " + std::to_string(c.num_key_value_heads) +
-               " kv heads x " + std::to_string(c.head_dim);
-      if (t == "sliding_attention") detail += ", window " + std::to_string(c.sliding_window);
-    } else if (t == "linear_attention") {
-      detail = "Gated DeltaNet, conv " + std::to_string(c.linear_conv_dim()) + " x K=" +
-               std::to_string(c.linear_conv_kernel_dim) + ", state [" + std::to_string(c.linear_num_value_heads) +
-               ", " + std::to_string(c.linear_key_head_dim) + ", " + std::to_string(c.linear_value_head_dim) + "]";
-    } else if (t == "conv") {
-      detail = "short conv, " + std::to_string(c.hidden_size) + " channels x K=" + std::to_string(c.conv_L_cache);
+    switch (kind) {
+      case LayerKind::FullAttention:
+      case LayerKind::SlidingAttention:
+        detail = std::to_string(c.num_attention_heads) + " heads / " + std::to_string(c.num_key_value_heads) +
+                 " kv heads x " + std::to_string(c.head_dim);
+        if (kind == LayerKind::SlidingAttention) detail += ", window " + std::to_string(c.sliding_window);
+        break;
+      case LayerKind::LinearAttention:
+        detail = "Gated DeltaNet, conv " + std::to_string(c.linear_conv_dim()) + " x K=" +
+                 std::to_string(c.linear_conv_kernel_dim) + ", state [" + std::to_string(c.linear_num_value_heads) +
+                 ", " + std::to_string(c.linear_key_head_dim) + ", " + std::to_string(c.linear_value_head_dim) + "]";
+        break;
+      case LayerKind::Conv:
+        detail = "short conv, " + std::to_string(c.hidden_size) + " channels x K=" + std::to_string(c.conv_L_cache);
+        break;
+      case LayerKind::ChunkedAttention:
+      case LayerKind::Hybrid:
+      case LayerKind::HybridSliding:
+      case LayerKind::SparseAttention:
+      case LayerKind::Moe:
+      case LayerKind::Mlp: break;  // a ModelConfig never holds them
     }
+    const std::string t(layer_kind_name(kind));
     std::printf("  layer %2zu  %-18s %s\n", i, t.c_str(), detail.c_str());
   }
   std::printf("KV bytes per token (full-attention layers, f32): %s\n",

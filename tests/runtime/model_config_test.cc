@@ -96,8 +96,8 @@ TEST(ModelConfig, ParsesHybridConfigWithDefaults) {
   EXPECT_EQ(c.head_dim, 8);  // hidden_size / num_attention_heads
   EXPECT_EQ(c.intermediate_size, 48);
   EXPECT_EQ(c.vocab_size, 300);
-  EXPECT_EQ(c.layer_types, (std::vector<std::string>{"full_attention", "sliding_attention",
-                                                     "linear_attention", "conv"}));
+  EXPECT_EQ(c.layer_types, (std::vector<LayerKind>{LayerKind::FullAttention, LayerKind::SlidingAttention,
+                                                   LayerKind::LinearAttention, LayerKind::Conv}));
   EXPECT_EQ(c.sliding_window, 8);
   EXPECT_EQ(c.linear_conv_kernel_dim, 4);
   EXPECT_EQ(c.linear_num_key_heads, 2);
@@ -112,8 +112,8 @@ TEST(ModelConfig, ParsesHybridConfigWithDefaults) {
   EXPECT_EQ(c.bos_token_id, 256);
   EXPECT_EQ(c.eos_token_id, 257);
   EXPECT_EQ(c.torch_dtype, DType::F32);
-  EXPECT_TRUE(c.has_layer_type("conv"));
-  EXPECT_FALSE(c.has_layer_type("moe"));
+  EXPECT_TRUE(c.has_layer_type(LayerKind::Conv));
+  EXPECT_FALSE(c.has_layer_type(LayerKind::Moe));
 }
 
 TEST(ModelConfig, ParsesExplicitValues) {

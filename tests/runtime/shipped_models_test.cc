@@ -111,8 +111,8 @@ TEST(ShippedModels, DraftIsCompatibleWithTheTarget) {
   EXPECT_EQ(target.config().bos_token_id, draft.config().bos_token_id);
   EXPECT_EQ(target.config().eos_token_id, draft.config().eos_token_id);
   // The target has every layer kind the runtime implements.
-  for (const char* kind : {"full_attention", "sliding_attention", "linear_attention", "conv"}) {
-    EXPECT_TRUE(target.config().has_layer_type(kind)) << kind;
+  for (const LayerKind kind : supported_layer_kinds()) {
+    EXPECT_TRUE(target.config().has_layer_type(kind)) << layer_kind_name(kind);
   }
   EXPECT_LT(draft.parameter_count() * 4, target.parameter_count());
 }

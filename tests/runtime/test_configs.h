@@ -25,7 +25,7 @@ inline ModelConfig hybrid(std::vector<std::string> types = kEveryKind, std::int6
   c.head_dim = hidden / 4;
   c.intermediate_size = 2 * hidden;
   c.vocab_size = 258;
-  c.layer_types = std::move(types);
+  for (const auto& t : types) c.layer_types.push_back(parse_layer_kind(t));
   c.sliding_window = window;
   c.linear_conv_kernel_dim = 4;
   c.linear_num_key_heads = 2;

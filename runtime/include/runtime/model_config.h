@@ -21,6 +21,7 @@
 #include <vector>
 
 #include "rewind/dtype.h"
+#include "rewind/layer.h"
 
 namespace rwd::runtime {
 
@@ -33,7 +34,9 @@ struct ModelConfig {
   std::int64_t head_dim = 0;             // hd, default d / nh
   std::int64_t intermediate_size = 0;    // ff
   std::int64_t vocab_size = 0;
-  std::vector<std::string> layer_types;  // one per layer
+  // One per layer, parsed once from config.json's strings (layer_kind_name
+  // gives them back); only supported_layer_kinds() occur.
+  std::vector<LayerKind> layer_types;
 
   std::int64_t sliding_window = 0;  // > 0 when a sliding_attention layer exists
   double rope_theta = 10000.0;
@@ -56,14 +59,15 @@ struct ModelConfig {
 
   bool operator==(const ModelConfig&) const = default;
 
-  // True when some layer has type `layer_type`.
-  bool has_layer_type(std::string_view layer_type) const;
+  // True when some layer is of kind `kind`.
+  bool has_layer_type(LayerKind kind) const;
   // Channels of the Gated DeltaNet causal conv: 2 * lnk * lkd + lnv * lvd.
   std::int64_t linear_conv_dim() const;
 };
 
-// Layer types the runtime implements, in the order messages list them.
-const std::vector<std::string>& supported_layer_types();
+// Layer kinds the runtime implements, in the order messages list them:
+// full_attention, sliding_attention, linear_attention (Gated DeltaNet), conv.
+const std::vector<LayerKind>& supported_layer_kinds();
 
 // Parses and validates config.json text. `source_name` (usually the path)
 // starts every message. Throws FormatError naming the source and the key for
