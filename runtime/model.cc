@@ -272,76 +272,82 @@ void Model::mlp(const LayerWeights& w, std::int64_t n, std::vector<float>& x, st
 
 // ---- one sequence: rwd::Cache ---------------------------------------------------------
 
-void Model::attention_block(int layer, const LayerWeights& w, const float* h, std::int64_t n, std::int64_t pos0,
-                            const kernels::RopeTable& rope,
-                            Cache& cache, float* out, double* cache_seconds) const {
+void Model::attention_block(const BlockArgs& a, const SequenceArgs& s) const {
   const ModelConfig& c = config();
-  const std::int64_t nh = c.num_attention_heads, nkv = c.num_key_value_heads, hd = c.head_dim;
+  const std::int64_t nh = c.num_attention_heads, nkv = c.num_key_value_heads, hd = c.head_dim, n = a.n;
   AttentionRows r;
-  attention_in(w, h, n, rope, r);
+  attention_in(*a.w, a.h, n, *a.rope, r);
   MaskSizes mask;
   KeyValueView kv;
   {
-    CacheTimer timer(cache_seconds);
-    mask = cache.get_mask_sizes(n, layer);
-    kv = cache.update(heads_view(r.key.data(), n, nkv, hd), heads_view(r.val.data(), n, nkv, hd), layer);
+    CacheTimer timer(s.cache_seconds);
+    mask = s.cache->get_mask_sizes(n, a.layer);
+    kv = s.cache->update(heads_view(r.key.data(), n, nkv, hd), heads_view(r.val.data(), n, nkv, hd), a.layer);
   }
   const k::StridedKV keys{static_cast<const float*>(kv.keys.data), kv.keys.stride(1), kv.keys.stride(2)};
   const k::StridedKV values{static_cast<const float*>(kv.values.data), kv.values.stride(1), kv.values.stride(2)};
   k::AttentionMask m;
-  if (w.kind == LayerWeights::Kind::Sliding) m.window = c.sliding_window;
-  k::attention(r.q.data(), n, pos0, nh, nkv, hd, keys, values, mask.kv_offset, mask.kv_length, m, r.att.data());
-  k::matmul(r.att.data(), n, w.wo, out);
+  if (a.w->kind == LayerWeights::Kind::Sliding) m.window = c.sliding_window;
+  k::attention(r.q.data(), n, s.pos0, nh, nkv, hd, keys, values, mask.kv_offset, mask.kv_length, m, r.att.data());
+  k::matmul(r.att.data(), n, a.w->wo, a.out);
 }
 
-void Model::gated_deltanet_block(int layer, const LayerWeights& w, const float* h, std::int64_t n, Cache& cache,
-                                 float* out, double* cache_seconds) const {
+void Model::gated_deltanet_block(const BlockArgs& a, const SequenceArgs& s) const {
   const ModelConfig& c = config();
   const std::int64_t nk = c.linear_num_key_heads, nv = c.linear_num_value_heads;
   const std::int64_t kd = c.linear_key_head_dim, vd = c.linear_value_head_dim, K = c.linear_conv_kernel_dim;
-  const std::int64_t channels = c.linear_conv_dim();
+  const std::int64_t channels = c.linear_conv_dim(), n = a.n;
   DeltaNetRows r;
-  deltanet_in(w, h, n, r);
+  deltanet_in(*a.w, a.h, n, r);
   TensorView window;
   {
-    CacheTimer timer(cache_seconds);
-    window = cache.update_conv_state(channels_view(r.qkv.data(), n, channels), layer);
+    CacheTimer timer(s.cache_seconds);
+    window = s.cache->update_conv_state(channels_view(r.qkv.data(), n, channels), a.layer);
   }
-  k::causal_conv1d(static_cast<const float*>(window.data), channels, K, n, window.stride(1), window.stride(2), w.conv,
-                   nullptr, /*fuse_silu=*/true, r.mixed.data());
-  deltanet_mid(w, n, r);
+  k::causal_conv1d(static_cast<const float*>(window.data), channels, K, n, window.stride(1), window.stride(2),
+                   a.w->conv, nullptr, /*fuse_silu=*/true, r.mixed.data());
+  deltanet_mid(*a.w, n, r);
   std::vector<float*> states(static_cast<std::size_t>(n));
   const float* previous = nullptr;
   std::optional<RecurrentUpdate> update;
   {
-    CacheTimer timer(cache_seconds);
-    update.emplace(cache.begin_recurrent_update(n, layer));
+    CacheTimer timer(s.cache_seconds);
+    update.emplace(s.cache->begin_recurrent_update(n, a.layer));
     for (std::int64_t t = 0; t < n; ++t) states[static_cast<std::size_t>(t)] = static_cast<float*>(update->next(t + 1).data);
     previous = static_cast<const float*>(update->previous().data);
   }
   k::gated_delta_rule(r.q.data(), r.key.data(), r.v.data(), r.g.data(), r.beta.data(), n, nv, nk, kd, vd, previous,
                       states.data(), r.o.data());
   {
-    CacheTimer timer(cache_seconds);
+    CacheTimer timer(s.cache_seconds);
     update->commit();
   }
-  deltanet_out(w, n, r, out);
+  deltanet_out(*a.w, n, r, a.out);
 }
 
-void Model::short_conv_block(int layer, const LayerWeights& w, const float* h, std::int64_t n, Cache& cache,
-                             float* out, double* cache_seconds) const {
+void Model::short_conv_block(const BlockArgs& a, const SequenceArgs& s) const {
   const ModelConfig& c = config();
-  const std::int64_t d = c.hidden_size, K = c.conv_L_cache;
+  const std::int64_t d = c.hidden_size, K = c.conv_L_cache, n = a.n;
   ShortConvRows r;
-  short_conv_in(w, h, n, r);
+  short_conv_in(*a.w, a.h, n, r);
   TensorView window;
   {
-    CacheTimer timer(cache_seconds);
-    window = cache.update_conv_state(channels_view(r.bx.data(), n, d), layer);
+    CacheTimer timer(s.cache_seconds);
+    window = s.cache->update_conv_state(channels_view(r.bx.data(), n, d), a.layer);
   }
-  k::causal_conv1d(static_cast<const float*>(window.data), d, K, n, window.stride(1), window.stride(2), w.conv,
+  k::causal_conv1d(static_cast<const float*>(window.data), d, K, n, window.stride(1), window.stride(2), a.w->conv,
                    nullptr, /*fuse_silu=*/false, r.conv.data());
-  short_conv_out(w, n, r, out);
+  short_conv_out(*a.w, n, r, a.out);
+}
+
+template <typename StateArgs>
+void Model::mixer_block(const BlockArgs& a, const StateArgs& state) const {
+  switch (a.w->kind) {
+    case LayerWeights::Kind::Attention:
+    case LayerWeights::Kind::Sliding: attention_block(a, state); break;
+    case LayerWeights::Kind::GatedDeltaNet: gated_deltanet_block(a, state); break;
+    case LayerWeights::Kind::ShortConv: short_conv_block(a, state); break;
+  }
 }
 
 void Model::forward(std::span<const std::int32_t> tokens, Cache& cache, std::vector<float>& logits,
@@ -374,13 +380,7 @@ void Model::forward(std::span<const std::int32_t> tokens, Cache& cache, std::vec
     const LayerWeights& w = layers_[i];
     const int layer = static_cast<int>(i);
     k::rms_norm(x.data(), w.input_norm, n, d, c.rms_norm_eps, h.data());
-    switch (w.kind) {
-      case LayerWeights::Kind::Attention:
-      case LayerWeights::Kind::Sliding: attention_block(layer, w, h.data(), n, pos0, rope, cache, mix.data(), cache_seconds); break;
-      case LayerWeights::Kind::GatedDeltaNet: gated_deltanet_block(layer, w, h.data(), n, cache, mix.data(), cache_seconds);
-        break;
-      case LayerWeights::Kind::ShortConv: short_conv_block(layer, w, h.data(), n, cache, mix.data(), cache_seconds); break;
-    }
+    mixer_block({layer, &w, h.data(), n, &rope, mix.data()}, SequenceArgs{&cache, pos0, cache_seconds});
     mlp(w, n, x, h, mix, gate, up);
   }
   const std::int64_t first = all_logits ? 0 : n - 1;
@@ -393,6 +393,84 @@ void Model::forward(std::span<const std::int32_t> tokens, Cache& cache, std::vec
 }
 
 // ---- many sequences: rwd::SequenceCache ---------------------------------------------
+
+// ---- many sequences: the blocks over a ragged batch ---------------------------------
+
+void Model::attention_block(const BlockArgs& a, const BatchArgs& b) const {
+  const ModelConfig& c = config();
+  const std::int64_t nh = c.num_attention_heads, nkv = c.num_key_value_heads, hd = c.head_dim;
+  AttentionRows r;
+  attention_in(*a.w, a.h, a.n, *a.rope, r);
+  const std::span<const PagedKeyValues> kv =
+      b.cache->update(heads_view(r.key.data(), a.n, nkv, hd), heads_view(r.val.data(), a.n, nkv, hd), a.layer);
+  const BlockLayout& layout = b.cache->block_layout(a.layer);
+  k::AttentionMask m;
+  if (a.w->kind == LayerWeights::Kind::Sliding) m.window = c.sliding_window;
+  std::vector<float> keys_copy, values_copy;  // one sequence's visible keys / values, token-major
+  for (std::size_t e = 0; e < b.batch.size(); ++e) {
+    const auto n = static_cast<std::int64_t>(b.batch[e].tokens.size());
+    if (n == 0) continue;
+    // The kernel reads one strided run of positions: the sequence's visible
+    // rows are copied out of its blocks first (the same values in the same
+    // order, so the result is the single-sequence one).
+    keys_copy.resize(static_cast<std::size_t>(kv[e].kv_length * nkv * hd));
+    values_copy.resize(keys_copy.size());
+    layout.gather(kv[e].spans, 0, kv[e].kv_offset, heads_view(keys_copy.data(), kv[e].kv_length, nkv, hd));
+    layout.gather(kv[e].spans, 1, kv[e].kv_offset, heads_view(values_copy.data(), kv[e].kv_length, nkv, hd));
+    const k::StridedKV keys{keys_copy.data(), hd, nkv * hd};
+    const k::StridedKV values{values_copy.data(), hd, nkv * hd};
+    k::attention(r.q.data() + b.offset[e] * nh * hd, n, b.pos0[e], nh, nkv, hd, keys, values, kv[e].kv_offset,
+                 kv[e].kv_length, m, r.att.data() + b.offset[e] * nh * hd);
+  }
+  k::matmul(r.att.data(), a.n, a.w->wo, a.out);
+}
+
+void Model::gated_deltanet_block(const BlockArgs& a, const BatchArgs& b) const {
+  const ModelConfig& c = config();
+  const std::int64_t nk = c.linear_num_key_heads, nv = c.linear_num_value_heads;
+  const std::int64_t kd = c.linear_key_head_dim, vd = c.linear_value_head_dim, K = c.linear_conv_kernel_dim;
+  const std::int64_t channels = c.linear_conv_dim(), qk = nk * kd, vv = nv * vd;
+  DeltaNetRows r;
+  deltanet_in(*a.w, a.h, a.n, r);
+  const std::span<const TensorView> windows =
+      b.cache->update_conv_state(channels_view(r.qkv.data(), a.n, channels), a.layer);
+  for (std::size_t e = 0; e < b.batch.size(); ++e) {
+    const auto n = static_cast<std::int64_t>(b.batch[e].tokens.size());
+    if (n == 0) continue;
+    k::causal_conv1d(static_cast<const float*>(windows[e].data), channels, K, n, windows[e].stride(1),
+                     windows[e].stride(2), a.w->conv, nullptr, /*fuse_silu=*/true, r.mixed.data() + b.offset[e] * channels);
+  }
+  deltanet_mid(*a.w, a.n, r);
+  BatchRecurrentUpdate update = b.cache->begin_recurrent_update(a.layer);
+  std::vector<float*> states;
+  for (std::size_t e = 0; e < b.batch.size(); ++e) {
+    const auto n = static_cast<std::int64_t>(b.batch[e].tokens.size());
+    if (n == 0) continue;
+    states.resize(static_cast<std::size_t>(n));
+    for (std::int64_t t = 0; t < n; ++t) states[static_cast<std::size_t>(t)] = static_cast<float*>(update.next(e, t + 1).data);
+    const std::int64_t o = b.offset[e];
+    k::gated_delta_rule(r.q.data() + o * qk, r.key.data() + o * qk, r.v.data() + o * vv, r.g.data() + o * nv,
+                        r.beta.data() + o * nv, n, nv, nk, kd, vd, static_cast<const float*>(update.previous(e).data),
+                        states.data(), r.o.data() + o * vv);
+  }
+  update.commit();
+  deltanet_out(*a.w, a.n, r, a.out);
+}
+
+void Model::short_conv_block(const BlockArgs& a, const BatchArgs& b) const {
+  const ModelConfig& c = config();
+  const std::int64_t d = c.hidden_size, K = c.conv_L_cache;
+  ShortConvRows r;
+  short_conv_in(*a.w, a.h, a.n, r);
+  const std::span<const TensorView> windows = b.cache->update_conv_state(channels_view(r.bx.data(), a.n, d), a.layer);
+  for (std::size_t e = 0; e < b.batch.size(); ++e) {
+    const auto n = static_cast<std::int64_t>(b.batch[e].tokens.size());
+    if (n == 0) continue;
+    k::causal_conv1d(static_cast<const float*>(windows[e].data), d, K, n, windows[e].stride(1), windows[e].stride(2),
+                     a.w->conv, nullptr, /*fuse_silu=*/false, r.conv.data() + b.offset[e] * d);
+  }
+  short_conv_out(*a.w, a.n, r, a.out);
+}
 
 SequenceCache Model::make_sequence_cache(SequenceCacheOptions options) const {
   const Cache one = make_cache();  // the layers' kinds and options, once
@@ -416,7 +494,6 @@ void Model::forward_batch(std::span<const SequenceTokens> batch, SequenceCache& 
     T += static_cast<std::int64_t>(s.tokens.size());
   }
   const std::int64_t d = c.hidden_size, ff = c.intermediate_size, V = c.vocab_size;
-  const std::int64_t nh = c.num_attention_heads, nkv = c.num_key_value_heads, hd = c.head_dim;
   auto sz = [](std::int64_t v) { return static_cast<std::size_t>(v); };
   // All or nothing across the batch (an exception abandons it).
   SequenceBatch transaction = cache.begin_batch(entries);
@@ -430,84 +507,11 @@ void Model::forward_batch(std::span<const SequenceTokens> batch, SequenceCache& 
     }
   }
   const k::RopeTable rope(positions.data(), has_attention_ ? T : 0, c.rope_theta, c.head_dim);
-  std::vector<float> keys_copy, values_copy;  // one sequence's visible keys / values, token-major
   for (std::size_t i = 0; i < layers_.size(); ++i) {
     const LayerWeights& w = layers_[i];
     const int layer = static_cast<int>(i);
     k::rms_norm(x.data(), w.input_norm, T, d, c.rms_norm_eps, h.data());
-    switch (w.kind) {
-      case LayerWeights::Kind::Attention:
-      case LayerWeights::Kind::Sliding: {
-        AttentionRows r;
-        attention_in(w, h.data(), T, rope, r);
-        const std::span<const PagedKeyValues> kv =
-            cache.update(heads_view(r.key.data(), T, nkv, hd), heads_view(r.val.data(), T, nkv, hd), layer);
-        const BlockLayout& layout = cache.block_layout(layer);
-        k::AttentionMask m;
-        if (w.kind == LayerWeights::Kind::Sliding) m.window = c.sliding_window;
-        for (std::size_t e = 0; e < batch.size(); ++e) {
-          const auto n = static_cast<std::int64_t>(batch[e].tokens.size());
-          if (n == 0) continue;
-          // The kernel reads one strided run of positions: the sequence's
-          // visible rows are copied out of its blocks first (the same values
-          // in the same order, so the result is the single-sequence one).
-          keys_copy.resize(sz(kv[e].kv_length * nkv * hd));
-          values_copy.resize(keys_copy.size());
-          layout.gather(kv[e].spans, 0, kv[e].kv_offset, heads_view(keys_copy.data(), kv[e].kv_length, nkv, hd));
-          layout.gather(kv[e].spans, 1, kv[e].kv_offset, heads_view(values_copy.data(), kv[e].kv_length, nkv, hd));
-          const k::StridedKV keys{keys_copy.data(), hd, nkv * hd};
-          const k::StridedKV values{values_copy.data(), hd, nkv * hd};
-          k::attention(r.q.data() + offset[e] * nh * hd, n, pos0[e], nh, nkv, hd, keys, values, kv[e].kv_offset,
-                       kv[e].kv_length, m, r.att.data() + offset[e] * nh * hd);
-        }
-        k::matmul(r.att.data(), T, w.wo, mix.data());
-        break;
-      }
-      case LayerWeights::Kind::GatedDeltaNet: {
-        const std::int64_t nk = c.linear_num_key_heads, nv = c.linear_num_value_heads;
-        const std::int64_t kd = c.linear_key_head_dim, vd = c.linear_value_head_dim, K = c.linear_conv_kernel_dim;
-        const std::int64_t channels = c.linear_conv_dim(), qk = nk * kd, vv = nv * vd;
-        DeltaNetRows r;
-        deltanet_in(w, h.data(), T, r);
-        const std::span<const TensorView> windows = cache.update_conv_state(channels_view(r.qkv.data(), T, channels), layer);
-        for (std::size_t e = 0; e < batch.size(); ++e) {
-          const auto n = static_cast<std::int64_t>(batch[e].tokens.size());
-          if (n == 0) continue;
-          k::causal_conv1d(static_cast<const float*>(windows[e].data), channels, K, n, windows[e].stride(1),
-                           windows[e].stride(2), w.conv, nullptr, /*fuse_silu=*/true, r.mixed.data() + offset[e] * channels);
-        }
-        deltanet_mid(w, T, r);
-        BatchRecurrentUpdate update = cache.begin_recurrent_update(layer);
-        std::vector<float*> states;
-        for (std::size_t e = 0; e < batch.size(); ++e) {
-          const auto n = static_cast<std::int64_t>(batch[e].tokens.size());
-          if (n == 0) continue;
-          states.resize(sz(n));
-          for (std::int64_t t = 0; t < n; ++t) states[sz(t)] = static_cast<float*>(update.next(e, t + 1).data);
-          const std::int64_t o = offset[e];
-          k::gated_delta_rule(r.q.data() + o * qk, r.key.data() + o * qk, r.v.data() + o * vv, r.g.data() + o * nv,
-                              r.beta.data() + o * nv, n, nv, nk, kd, vd,
-                              static_cast<const float*>(update.previous(e).data), states.data(), r.o.data() + o * vv);
-        }
-        update.commit();
-        deltanet_out(w, T, r, mix.data());
-        break;
-      }
-      case LayerWeights::Kind::ShortConv: {
-        const std::int64_t K = c.conv_L_cache;
-        ShortConvRows r;
-        short_conv_in(w, h.data(), T, r);
-        const std::span<const TensorView> windows = cache.update_conv_state(channels_view(r.bx.data(), T, d), layer);
-        for (std::size_t e = 0; e < batch.size(); ++e) {
-          const auto n = static_cast<std::int64_t>(batch[e].tokens.size());
-          if (n == 0) continue;
-          k::causal_conv1d(static_cast<const float*>(windows[e].data), d, K, n, windows[e].stride(1),
-                           windows[e].stride(2), w.conv, nullptr, /*fuse_silu=*/false, r.conv.data() + offset[e] * d);
-        }
-        short_conv_out(w, T, r, mix.data());
-        break;
-      }
-    }
+    mixer_block({layer, &w, h.data(), T, &rope, mix.data()}, BatchArgs{&cache, batch, pos0, offset});
     mlp(w, T, x, h, mix, gate, up);
   }
   k::rms_norm(x.data(), final_norm_, T, d, c.rms_norm_eps, h.data());

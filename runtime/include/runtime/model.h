@@ -145,13 +145,39 @@ class Model {
   void mlp(const LayerWeights& w, std::int64_t n, std::vector<float>& x, std::vector<float>& h,
            std::vector<float>& mix, std::vector<float>& gate, std::vector<float>& up) const;
 
-  void attention_block(int layer, const LayerWeights& w, const float* h, std::int64_t n,
-                       std::int64_t pos0, const kernels::RopeTable& rope, Cache& cache, float* out,
-                       double* cache_seconds) const;
-  void gated_deltanet_block(int layer, const LayerWeights& w, const float* h, std::int64_t n,
-                            Cache& cache, float* out, double* cache_seconds) const;
-  void short_conv_block(int layer, const LayerWeights& w, const float* h, std::int64_t n,
-                        Cache& cache, float* out, double* cache_seconds) const;
+  // What a forward hands each block of a layer: the layer, its
+  // normalized rows h [n, d] (n = every token of the forward), the RoPE
+  // table of those rows, and out [n, d] for the block's result.
+  struct BlockArgs {
+    int layer = 0;
+    const LayerWeights* w = nullptr;
+    const float* h = nullptr;
+    std::int64_t n = 0;
+    const kernels::RopeTable* rope = nullptr;
+    float* out = nullptr;
+  };
+  // One sequence (Cache): its rows are positions [pos0, pos0 + n).
+  struct SequenceArgs {
+    Cache* cache = nullptr;
+    std::int64_t pos0 = 0;
+    double* cache_seconds = nullptr;  // time in cache calls is added here when non-null
+  };
+  // A ragged batch (SequenceCache): entry e's rows are [offset[e], offset[e]
+  // + tokens[e]) at positions [pos0[e], ...).
+  struct BatchArgs {
+    SequenceCache* cache = nullptr;
+    std::span<const SequenceTokens> batch;
+    std::span<const std::int64_t> pos0, offset;
+  };
+  void attention_block(const BlockArgs& a, const SequenceArgs& s) const;
+  void gated_deltanet_block(const BlockArgs& a, const SequenceArgs& s) const;
+  void short_conv_block(const BlockArgs& a, const SequenceArgs& s) const;
+  void attention_block(const BlockArgs& a, const BatchArgs& b) const;
+  void gated_deltanet_block(const BlockArgs& a, const BatchArgs& b) const;
+  void short_conv_block(const BlockArgs& a, const BatchArgs& b) const;
+  // Runs layer i's mixer block (attention, Gated DeltaNet or short conv).
+  template <typename StateArgs>
+  void mixer_block(const BlockArgs& a, const StateArgs& state) const;
 
   // Config, embedding, norms, conv and gate parameters; the linear weights
   // are released after packing (their copies live in layers_ / lm_head_).
