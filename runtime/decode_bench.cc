@@ -33,6 +33,9 @@ std::vector<DecodeBenchRow> run_decode_bench(const Model& target, const Model* d
     check_num_draft(k, "bench: K");
   if (options.repeats < 1) throw InvalidArgument("bench: repeats must be >= 1");
   if (options.max_new_tokens < 1) throw InvalidArgument("bench: max_new_tokens must be >= 1");
+  for (std::int64_t b : options.batch_sizes) {
+    if (b < 1 || b > 4096) throw InvalidArgument("bench: a batch size must be in [1, 4096], got " + std::to_string(b));
+  }
   const std::vector<std::string>& prompts = options.prompts.empty() ? default_bench_prompts() : options.prompts;
   std::vector<std::vector<std::int32_t>> encoded;
   for (const auto& p : prompts) encoded.push_back(encode_prompt(p, target.config()));
@@ -82,12 +85,49 @@ std::vector<DecodeBenchRow> run_decode_bench(const Model& target, const Model* d
     return row;
   };
 
+  // B prompts decoded together: aggregate tokens / wall time of the call.
+  auto measure_batch = [&](const std::string& method, std::int64_t k, std::int64_t B) {
+    if (progress) progress(method + " B=" + std::to_string(B) + (k ? " K=" + std::to_string(k) : std::string()));
+    DecodeBenchRow row;
+    row.method = method;
+    row.k = k;
+    row.batch = B;
+    std::vector<std::vector<std::int32_t>> batch;
+    for (std::int64_t i = 0; i < B; ++i) batch.push_back(encoded[static_cast<std::size_t>(i) % encoded.size()]);
+    std::vector<double> rates;
+    std::int64_t drafted = 0, accepted = 0;
+    for (int r = 0; r < options.repeats; ++r) {
+      BatchGenerationStats stats;
+      std::vector<std::vector<std::int32_t>> out;
+      if (method == "greedy_batch") {
+        out = generate_batch(target, batch, gen, &stats);
+      } else {
+        BatchedModelDraft source(*draft, gen.sampling, k);
+        out = speculative_generate_batch(target, source, batch, gen, {k, false}, &stats);
+      }
+      for (std::size_t i = 0; i < out.size(); ++i) {
+        row.identical = row.identical && out[i] == reference[i % encoded.size()];
+        drafted += stats.sequences[i].drafted;
+        accepted += stats.sequences[i].accepted;
+      }
+      rates.push_back(stats.tokens_per_second());
+    }
+    row.tokens_per_second = median(rates);
+    row.cache_share = -1.0;  // the batched forward does not time its cache calls
+    row.acceptance_rate = drafted > 0 ? static_cast<double>(accepted) / static_cast<double>(drafted) : 0.0;
+    return row;
+  };
+
   std::vector<DecodeBenchRow> rows;
   rows.push_back(measure("greedy", 0));
   if (draft) {
     for (std::int64_t k : options.ks) rows.push_back(measure("draft", k));
   }
   for (std::int64_t k : options.ks) rows.push_back(measure("lookup", k));
+  for (std::int64_t B : options.batch_sizes) {
+    rows.push_back(measure_batch("greedy_batch", 0, B));
+    if (draft) rows.push_back(measure_batch("draft_batch", options.ks.front(), B));
+  }
   const double greedy = rows.front().tokens_per_second;
   for (auto& row : rows) row.speedup = greedy > 0 ? row.tokens_per_second / greedy : 0.0;
   return rows;
@@ -98,9 +138,10 @@ std::string decode_bench_json(const std::vector<DecodeBenchRow>& rows) {
   for (const auto& r : rows) {
     out.push_back({{"method", r.method},
                    {"k", r.k},
+                   {"batch", r.batch},
                    {"tokens_per_second", r.tokens_per_second},
                    {"acceptance_rate", r.acceptance_rate},
-                   {"cache_share", r.cache_share},
+                   {"cache_share", r.cache_share < 0 ? nlohmann::json(nullptr) : nlohmann::json(r.cache_share)},
                    {"speedup", r.speedup},
                    {"identical", r.identical}});
   }

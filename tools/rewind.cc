@@ -584,7 +584,8 @@ int run_inspect(const std::string& model_dir, std::int64_t rollback) {
 }
 
 int run_bench(const std::string& model_dir, const std::string& draft_dir, std::int64_t max_new, int repeats,
-              const std::vector<std::int64_t>& ks, const std::string& json_path) {
+              const std::vector<std::int64_t>& ks, const std::vector<std::int64_t>& batch_sizes,
+              const std::string& json_path) {
   const Model model = Model::load(model_dir);
   DraftChoice choice;
   choice.draft_dir = draft_dir;
@@ -593,15 +594,23 @@ int run_bench(const std::string& model_dir, const std::string& draft_dir, std::i
   options.max_new_tokens = max_new;
   options.repeats = repeats;
   if (!ks.empty()) options.ks = ks;
+  options.batch_sizes = batch_sizes;
   const auto rows = run_decode_bench(model, draft ? &*draft : nullptr, options, [](const std::string& line) {
     std::fprintf(stderr, "bench: %s\n", line.c_str());
   });
-  std::printf("%-8s %3s %12s %9s %11s %12s %10s\n", "method", "K", "tokens/s", "speedup", "acceptance",
-              "cache share", "identical");
+  std::printf("%-12s %5s %3s %12s %9s %11s %12s %10s\n", "method", "batch", "K", "tokens/s", "speedup",
+              "acceptance", "cache share", "identical");
   bool all_identical = true;
   for (const auto& r : rows) {
-    std::printf("%-8s %3lld %12.1f %8.2fx %11.3f %11.3f%% %10s\n", r.method.c_str(), static_cast<long long>(r.k),
-                r.tokens_per_second, r.speedup, r.acceptance_rate, 100.0 * r.cache_share, r.identical ? "yes" : "NO");
+    char share[32];
+    if (r.cache_share < 0) {
+      std::snprintf(share, sizeof share, "n/a");
+    } else {
+      std::snprintf(share, sizeof share, "%.3f%%", 100.0 * r.cache_share);
+    }
+    std::printf("%-12s %5lld %3lld %12.1f %8.2fx %11.3f %12s %10s\n", r.method.c_str(),
+                static_cast<long long>(r.batch), static_cast<long long>(r.k), r.tokens_per_second, r.speedup,
+                r.acceptance_rate, share, r.identical ? "yes" : "NO");
     all_identical = all_identical && r.identical;
   }
   if (!json_path.empty()) {
@@ -788,7 +797,7 @@ int main(int argc, char** argv) {
 
   std::string bench_json;
   int repeats = 3;
-  std::vector<std::int64_t> bench_ks;
+  std::vector<std::int64_t> bench_ks, bench_batches;
   std::int64_t bench_max_new = 128;
   auto* ben = app.add_subcommand("bench", "tokens/s of greedy and speculative decoding over a fixed prompt set");
   ben->add_option("--model", model_dir, "target model directory")->required()->check(CLI::ExistingDirectory);
@@ -797,6 +806,12 @@ int main(int argc, char** argv) {
       ->default_str("none");
   ben->add_option("--max-new-tokens", bench_max_new, "tokens per prompt")->check(integer_in(1, std::int64_t{1} << 20));
   ben->add_option("--repeats", repeats, "runs per configuration (median reported)")->check(integer_in(1, 100));
+  ben->add_option("--batch", bench_batches,
+                  "batch sizes to add, comma-separated: B prompts decoded together (greedy, and with --draft "
+                  "speculatively at the first K), aggregate tokens/s")
+      ->delimiter(',')
+      ->check(integer_in(1, 4096))
+      ->default_str("none");
   ben->add_option("--k", bench_ks, "draft lengths to try, comma-separated")
       ->delimiter(',')
       ->check(integer_in(1, 64))
@@ -828,7 +843,7 @@ int main(int argc, char** argv) {
     if (*evl) return run_eval(model_dir, text_path, chunk, context);
     if (*ins) return run_inspect(model_dir, rollback);
     if (*ini) return run_init_random(config_path, out_dir, init_seed, dtype, force);
-    if (*ben) return run_bench(model_dir, choice.draft_dir, bench_max_new, repeats, bench_ks, bench_json);
+    if (*ben) return run_bench(model_dir, choice.draft_dir, bench_max_new, repeats, bench_ks, bench_batches, bench_json);
   } catch (const rwd::Error& e) {
     std::fprintf(stderr, "rewind: error: %s\n", e.what());
     return 2;

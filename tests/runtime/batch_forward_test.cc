@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "rewind/error.h"
+#include "runtime/decode_bench.h"
 #include "runtime/generate.h"
 #include "runtime/model.h"
 #include "test_configs.h"
@@ -300,6 +301,34 @@ TEST(SpeculativeBatch, SamplingEqualsSoloSpeculativeSampling) {
   one.push_back(std::make_unique<LookupDraft>(2));
   PerSequenceDrafts too_few(std::move(one));
   EXPECT_THROW(speculative_generate_batch(target, too_few, prompts, options, {4, false}), InvalidArgument);
+}
+
+// rewind bench --batch: batch rows decode B prompts together (the prompt
+// set repeated), each checked against greedy decoding of its prompt alone.
+TEST(DecodeBenchBatch, BatchRowsAreMeasuredAndCheckedAgainstGreedy) {
+  const Model target(ModelWeights::random(testing_configs::hybrid(), 41));
+  const Model draft(ModelWeights::random(testing_configs::hybrid({"conv", "full_attention"}, 16), 42));
+  DecodeBenchOptions options;
+  options.prompts = {"in the beginning", "and God said"};
+  options.ks = {2};
+  options.max_new_tokens = 12;
+  options.repeats = 1;
+  options.batch_sizes = {1, 3};
+  const auto rows = run_decode_bench(target, &draft, options);
+  std::vector<std::string> methods;
+  for (const auto& r : rows) {
+    methods.push_back(r.method + "/" + std::to_string(r.batch));
+    EXPECT_TRUE(r.identical) << r.method << " batch " << r.batch;
+    EXPECT_GT(r.tokens_per_second, 0.0) << r.method;
+    if (r.batch > 1 || r.method.find("_batch") != std::string::npos) {
+      EXPECT_LT(r.cache_share, 0.0) << "batch rows do not time cache calls";
+    }
+  }
+  EXPECT_EQ(methods, (std::vector<std::string>{"greedy/1", "draft/1", "lookup/1", "greedy_batch/1", "draft_batch/1",
+                                               "greedy_batch/3", "draft_batch/3"}));
+  EXPECT_NE(decode_bench_json(rows).find("\"batch\": 3"), std::string::npos);
+  options.batch_sizes = {0};
+  EXPECT_THROW(run_decode_bench(target, &draft, options), InvalidArgument);
 }
 
 }  // namespace

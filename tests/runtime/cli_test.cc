@@ -244,6 +244,17 @@ TEST_F(Cli, GeneratePromptsDecodesEveryLineAsOneBatch) {
   EXPECT_EQ(empty.status, 2) << empty.all();
 }
 
+TEST_F(Cli, BenchBatchAddsAggregateRows) {
+  const CliResult r = run_cli("bench" + model("target") + " --draft " + quote(dir_ + "/draft") +
+                              " --k 2 --batch 1,3 --repeats 1 --max-new-tokens 8");
+  ASSERT_EQ(r.status, 0) << r.all();
+  for (const char* row : {"greedy_batch     1", "draft_batch      1", "greedy_batch     3", "draft_batch      3"})
+    EXPECT_NE(r.out.find(row), std::string::npos) << row << "\n" << r.out;
+  EXPECT_EQ(r.out.find(" NO"), std::string::npos) << r.out;
+  const CliResult bad = run_cli("bench" + model("target") + " --batch 0 --repeats 1");
+  EXPECT_EQ(bad.status, 2) << bad.all();
+}
+
 TEST_F(Cli, PromptAndPromptFileAreRefusedTogetherAndOneIsNeeded) {
   write_file(scratch_dir() / "p.txt", "text");
   write_file(scratch_dir() / "empty.txt", "");

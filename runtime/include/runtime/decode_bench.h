@@ -28,14 +28,19 @@ struct DecodeBenchOptions {
   std::int64_t max_new_tokens = 200;
   int repeats = 3;
   std::int64_t lookup_ngram = 3;
+  // Batched decoding: for each size B, B prompts (the prompt set repeated
+  // as needed) decoded together (generate_batch), and with a draft model
+  // speculatively (speculative_generate_batch, first K of `ks`). Empty: none.
+  std::vector<std::int64_t> batch_sizes;
 };
 
 struct DecodeBenchRow {
-  std::string method;   // "greedy", "draft", "lookup"
+  std::string method;   // "greedy", "draft", "lookup", "greedy_batch", "draft_batch"
   std::int64_t k = 0;   // 0 for greedy
-  double tokens_per_second = 0.0;  // median over repeats of (all prompts' tokens / their seconds)
+  std::int64_t batch = 1;  // sequences decoded together (1: one prompt at a time)
+  double tokens_per_second = 0.0;  // median over repeats of (all prompts' tokens / their seconds); batch rows: aggregate
   double acceptance_rate = 0.0;    // accepted / drafted over all runs
-  double cache_share = 0.0;        // median of cache_seconds / seconds
+  double cache_share = 0.0;        // median of cache_seconds / seconds; -1 (JSON null) for batch rows: not measured
   double speedup = 0.0;            // tokens_per_second / greedy's
   bool identical = true;           // tokens equal greedy's for every prompt
 };
@@ -45,7 +50,9 @@ const std::vector<std::string>& default_bench_prompts();
 
 // Runs the grid. `draft` may be null (then no "draft" rows). `progress` is
 // called with a line before each configuration. Throws InvalidArgument for
-// an empty K list, a K outside [1, 64], repeats < 1 or max_new_tokens < 1.
+// an empty K list, a K outside [1, 64], repeats < 1, max_new_tokens < 1 or
+// a batch size outside [1, 4096]. Batch rows are checked against the
+// greedy reference of their prompts too.
 std::vector<DecodeBenchRow> run_decode_bench(const Model& target, const Model* draft,
                                              const DecodeBenchOptions& options,
                                              const std::function<void(const std::string&)>& progress = {});
