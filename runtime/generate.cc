@@ -234,7 +234,10 @@ std::vector<std::vector<std::int32_t>> generate_batch(const Model& model,
   quiet.on_token = nullptr;
   const std::size_t n = prompts.size();
   BatchGenerationStats local;
-  std::vector<std::mt19937_64> rngs(n, std::mt19937_64(options.sampling.seed));
+  // Sequence i samples as generate() with seed + i would (parallel samples of
+  // one prompt differ).
+  std::vector<std::mt19937_64> rngs;
+  for (std::size_t i = 0; i < n; ++i) rngs.emplace_back(options.sampling.seed + i);
   std::vector<std::vector<std::int32_t>> out(n);
   for (const auto& prompt : prompts) local.sequences.push_back(start_stats(prompt, options.sampling));
   SequenceCache cache = model.make_sequence_cache();
@@ -321,7 +324,10 @@ void BatchedModelDraft::begin(std::span<const std::vector<std::int32_t>> prompts
   for (const SeqId id : ids_) cache_.seq_rm(id);
   ids_.clear();
   seen_.assign(prompts.size(), 0);
-  rngs_.assign(prompts.size(), std::mt19937_64(sampling_.seed ^ 0x9e3779b97f4a7c15ull));  // as ModelDraft's
+  rngs_.clear();
+  for (std::size_t i = 0; i < prompts.size(); ++i) {
+    rngs_.emplace_back((sampling_.seed + i) ^ 0x9e3779b97f4a7c15ull);  // as ModelDraft's with seed + i
+  }
   for (std::size_t i = 0; i < prompts.size(); ++i) {
     ids_.push_back(cache_.add_sequence());
     cache_.activate_past_recording(ids_.back(), max_draft_);
@@ -490,11 +496,12 @@ struct SpecSequence {
   std::int64_t k = 0;                 // draft length asked for this round
 };
 
+// `seed_offset`: sequence i of a batch draws from seed + i.
 SpecSequence start_spec(std::span<const std::int32_t> prompt, const GenerationOptions& options,
-                        const SpeculativeOptions& spec) {
+                        const SpeculativeOptions& spec, std::uint64_t seed_offset = 0) {
   SpecSequence s;
   s.sequence.assign(prompt.begin(), prompt.end());
-  s.rng.seed(options.sampling.seed);
+  s.rng.seed(options.sampling.seed + seed_offset);
   s.k_now = spec.num_draft;
   s.running = options.max_new_tokens > 0;
   s.stats = start_stats(prompt, options.sampling);
@@ -649,7 +656,7 @@ std::vector<std::vector<std::int32_t>> speculative_generate_batch(
   const std::int64_t V = target.vocab_size();
   const std::size_t n = prompts.size();
   std::vector<SpecSequence> seqs;
-  for (std::size_t i = 0; i < n; ++i) seqs.push_back(start_spec(prompts[i], quiet, spec));
+  for (std::size_t i = 0; i < n; ++i) seqs.push_back(start_spec(prompts[i], quiet, spec, i));
   SequenceCache cache = target.make_sequence_cache();
   std::vector<SeqId> ids(n);
   drafts.begin(prompts);

@@ -147,7 +147,9 @@ TEST(GenerateBatch, EverySequenceEqualsGenerateAlone) {
       ASSERT_EQ(batched.size(), prompts.size());
       std::int64_t total = 0;
       for (std::size_t i = 0; i < prompts.size(); ++i) {
-        EXPECT_EQ(batched[i], generate(model, prompts[i], options))
+        GenerationOptions alone = options;
+        alone.sampling.seed += i;  // sequence i's own random stream
+        EXPECT_EQ(batched[i], generate(model, prompts[i], alone))
             << "prompt " << i << ", temperature " << temperature << ", max_new_tokens " << max_new;
         EXPECT_EQ(static_cast<std::int64_t>(batched[i].size()), max_new);
         total += static_cast<std::int64_t>(batched[i].size());
@@ -166,8 +168,11 @@ TEST(GenerateBatch, EverySequenceEqualsGenerateAlone) {
     options.sampling.seed = 3;
     BatchGenerationStats stats;
     const auto joined = generate_batch(model, prompts, options, &stats);
-    for (std::size_t i = 0; i < prompts.size(); ++i)
-      EXPECT_EQ(joined[i], generate(model, prompts[i], options)) << "max_batch " << max_batch << ", prompt " << i;
+    for (std::size_t i = 0; i < prompts.size(); ++i) {
+      GenerationOptions alone = options;
+      alone.sampling.seed += i;
+      EXPECT_EQ(joined[i], generate(model, prompts[i], alone)) << "max_batch " << max_batch << ", prompt " << i;
+    }
     // ceil(4 / max_batch) waves of 9 forwards each.
     EXPECT_EQ(stats.forwards, 9 * ((4 + max_batch - 1) / max_batch)) << max_batch;
   }
@@ -268,14 +273,19 @@ TEST(SpeculativeBatch, SamplingEqualsSoloSpeculativeSampling) {
         drafts = std::make_unique<BatchedModelDraft>(draft_model, options.sampling, 4);
       } else {
         std::vector<std::unique_ptr<DraftSource>> each;
-        for (std::size_t i = 0; i < prompts.size(); ++i)
-          each.push_back(std::make_unique<ModelDraft>(draft_model, options.sampling, 4));
+        for (std::size_t i = 0; i < prompts.size(); ++i) {
+          SamplingParams own = options.sampling;
+          own.seed += i;
+          each.push_back(std::make_unique<ModelDraft>(draft_model, own, 4));
+        }
         drafts = std::make_unique<PerSequenceDrafts>(std::move(each));
       }
       const auto batched = speculative_generate_batch(target, *drafts, prompts, options, {4, adaptive});
       for (std::size_t i = 0; i < prompts.size(); ++i) {
-        ModelDraft alone_draft(draft_model, options.sampling, 4);
-        EXPECT_EQ(batched[i], speculative_generate(target, alone_draft, prompts[i], options, {4, adaptive}))
+        GenerationOptions alone = options;
+        alone.sampling.seed += i;
+        ModelDraft alone_draft(draft_model, alone.sampling, 4);
+        EXPECT_EQ(batched[i], speculative_generate(target, alone_draft, prompts[i], alone, {4, adaptive}))
             << "sequence " << i << (adaptive ? ", adaptive K" : "") << (batched_draft ? ", batched draft" : "");
       }
     }
@@ -291,8 +301,11 @@ TEST(SpeculativeBatch, SamplingEqualsSoloSpeculativeSampling) {
     BatchedModelDraft drafts(draft_model, joined.sampling, 3);
     const auto out = speculative_generate_batch(target, drafts, five, joined, {3, true});
     for (std::size_t i = 0; i < five.size(); ++i) {
-      ModelDraft alone_draft(draft_model, joined.sampling, 3);
-      EXPECT_EQ(out[i], speculative_generate(target, alone_draft, five[i], joined, {3, true})) << "joined sequence " << i;
+      GenerationOptions alone = joined;
+      alone.sampling.seed += i;
+      alone.max_batch = 0;
+      ModelDraft alone_draft(draft_model, alone.sampling, 3);
+      EXPECT_EQ(out[i], speculative_generate(target, alone_draft, five[i], alone, {3, true})) << "joined sequence " << i;
     }
     joined.max_batch = -1;
     EXPECT_THROW(speculative_generate_batch(target, drafts, five, joined, {3, true}), InvalidArgument);

@@ -267,10 +267,29 @@ TEST(Sampling, SpeculativeSamplingPreservesTheTargetDistribution) {
   // mostly rejections); 2 the target itself drafting at a flatter
   // temperature (same support, q != p: exercises the min(1, p/q) test);
   // 3 prompt lookup (a deterministic draft, q one-hot).
+  // 4: batched speculative sampling (speculative_generate_batch with the
+  // batched draft model), 3 copies of the prompt per batch: sequence j of a
+  // batch draws with seed + j, so the copies are independent samples.
   const int trials = 1500;
-  for (int source = 0; source < 4; ++source) {
+  for (int source = 0; source < 5; ++source) {
     std::map<std::int32_t, int> c1, c2;
-    for (int i = 0; i < trials; ++i) {
+    if (source == 4) {
+      for (int i = 0; i < trials / 3; ++i) {
+        GenerationOptions o;
+        o.max_new_tokens = 2;
+        o.stop_at_eos = false;
+        o.sampling = params;
+        o.sampling.seed = 5000 + 3 * static_cast<std::uint64_t>(i);
+        BatchedModelDraft d(draft, o.sampling, 2);
+        const std::vector<std::vector<std::int32_t>> three(3, prompt);
+        for (const auto& out : speculative_generate_batch(target, d, three, o, {2, false})) {
+          ASSERT_EQ(out.size(), 2u);
+          ++c1[out[0]];
+          ++c2[out[1]];
+        }
+      }
+    }
+    for (int i = 0; i < trials && source < 4; ++i) {
       GenerationOptions o;
       o.max_new_tokens = 2;
       o.stop_at_eos = false;

@@ -118,11 +118,11 @@ struct BatchGenerationStats {
 // Plain decoding of many prompts in one SequenceCache: the prompts in one
 // batched forward, then each round one forward of every unfinished
 // sequence's pending token; a sequence leaves the batch when it stops (EOS,
-// max_new_tokens) and its state is released. Each sequence's tokens equal
-// generate()'s for its prompt alone with the same options (the forward is
-// batch invariant; sampling draws from one generator per sequence seeded
-// with options.sampling.seed, as generate() does). options.on_token is not
-// called. Throws InvalidArgument for an empty list or an empty prompt, and
+// max_new_tokens) and its state is released. Sequence i's tokens equal
+// generate()'s for its prompt alone with the same options, the sampling
+// seed raised by i (the forward is batch invariant; each sequence draws from
+// its own generator, so parallel samples of one prompt differ).
+// options.on_token is not called. Throws InvalidArgument for an empty list or an empty prompt, and
 // what validate() throws.
 std::vector<std::vector<std::int32_t>> generate_batch(const Model& model,
                                                       std::span<const std::vector<std::int32_t>> prompts,
@@ -268,9 +268,9 @@ class PerSequenceDrafts : public BatchDraftSource {
 
 // A draft model over its own SequenceCache: every draft step is one batched
 // forward of every drafting sequence (the draft's weights read once per step
-// for the batch). Each sequence drafts exactly what a ModelDraft of the same
-// model, sampling and max_draft would for it alone (batch invariance; one
-// random stream per sequence, seeded as ModelDraft's).
+// for the batch). Sequence i drafts exactly what a ModelDraft of the same
+// model and max_draft, with the sampling seed raised by i, would for it
+// alone (batch invariance; one random stream per sequence).
 class BatchedModelDraft : public BatchDraftSource {
  public:
   BatchedModelDraft(const Model& draft, SamplingParams sampling, std::int64_t max_draft);
@@ -295,9 +295,10 @@ class BatchedModelDraft : public BatchDraftSource {
 // each unfinished sequence drafts up to its own K (adaptive per sequence),
 // one batched forward verifies every sequence's pending token and drafts,
 // and each sequence crops its own rejected tokens. Sequences finish
-// independently and leave the batch. Each sequence's tokens equal
-// speculative_generate()'s for its prompt alone with the same options and
-// an equivalent draft source (greedy: equal to generate()'s).
+// independently and leave the batch. Sequence i's tokens equal
+// speculative_generate()'s for its prompt alone with the same options, the
+// sampling seed raised by i, and an equivalent draft source (greedy: equal
+// to generate()'s).
 // options.on_token is not called. Throws InvalidArgument for an empty list
 // or an empty prompt, and what speculative_generate throws.
 std::vector<std::vector<std::int32_t>> speculative_generate_batch(
