@@ -264,10 +264,17 @@ REWIND_INLINE void dot4_strided(const float* x, const float* k, int64_t stride, 
 
 // out[0, B * 8) = sum_j e[j] * rows[j * stride + (0 .. B * 8)], in order of
 // j from 0, with the B vectors of sums held in registers.
+// `resume`: the sums continue from out (a previous call over the positions
+// before these) instead of starting at 0; storing and reloading a sum keeps
+// its bits, so splitting the positions changes nothing.
 template <int B>
 REWIND_INLINE void weighted_sum_of_rows(const float* e, const float* rows, int64_t stride, int64_t n,
-                                        float* out) {
+                                        float* out, bool resume) {
   Lanes acc[B] = {};
+  if (resume) {
+#pragma GCC unroll 8
+    for (int b = 0; b < B; ++b) __builtin_memcpy(&acc[b], out + b * kLanes, sizeof(Lanes));
+  }
   for (int64_t j = 0; j < n; ++j) {
     const float ej = e[j];
 #pragma GCC unroll 8
@@ -325,62 +332,84 @@ REWIND_INLINE void exp_shifted_inplace(float* w, int64_t n, float shift) {
   for (; j < n; ++j) w[j] = exp_f32(w[j] - shift);
 }
 
-// One (query, head) of attention over its n keys, the first at kh / vh.
-// weights: scratch [n].
+// One (query, head) of attention over n keys held in segments (each a run
+// of consecutive positions, rows k_pos_stride / v_pos_stride apart), in
+// position order. weights: scratch [n].
+struct KVSegment {
+  const float* k;
+  const float* v;
+  int64_t n;
+};
+
 REWIND_KERNEL_CLONES
-void attend_one(const float* __restrict qh, const float* kh, int64_t k_pos_stride, const float* vh,
-                int64_t v_pos_stride, int64_t n, int64_t head_dim, float scale,
-                float* __restrict weights, float* __restrict o) {
+void attend_segments(const float* __restrict qh, const KVSegment* segments, int64_t num_segments,
+                     int64_t k_pos_stride, int64_t v_pos_stride, int64_t n, int64_t head_dim, float scale,
+                     float* __restrict weights, float* __restrict o) {
   // Scores four keys at a time (independent chains that overlap), each
-  // with dot_inline's arithmetic, then the rest one by one.
+  // with dot_inline's arithmetic, then the rest one by one: a key's score
+  // does not depend on how keys are grouped.
   float max_score = -std::numeric_limits<float>::infinity();
-  int64_t key = 0;
-  for (; key + 4 <= n; key += 4) {
-    // Into registers first: reading the scores back from `weights` right
-    // after a wide store of them stalls on store-to-load forwarding.
-    float r[4];
-    dot4_strided(qh, kh + key * k_pos_stride, k_pos_stride, head_dim, r);
-    for (int u = 0; u < 4; ++u) {
-      const float s = r[u] * scale;
-      weights[key + u] = s;
-      max_score = std::max(max_score, s);
+  int64_t at = 0;
+  for (int64_t s = 0; s < num_segments; ++s) {
+    const float* kh = segments[s].k;
+    const int64_t count = segments[s].n;
+    int64_t key = 0;
+    for (; key + 4 <= count; key += 4) {
+      // Into registers first: reading the scores back from `weights` right
+      // after a wide store of them stalls on store-to-load forwarding.
+      float r[4];
+      dot4_strided(qh, kh + key * k_pos_stride, k_pos_stride, head_dim, r);
+      for (int u = 0; u < 4; ++u) {
+        const float sc = r[u] * scale;
+        weights[at + key + u] = sc;
+        max_score = std::max(max_score, sc);
+      }
     }
-  }
-  for (; key < n; ++key) {
-    const float s = dot_inline(qh, kh + key * k_pos_stride, head_dim) * scale;
-    weights[key] = s;
-    max_score = std::max(max_score, s);
+    for (; key < count; ++key) {
+      const float sc = dot_inline(qh, kh + key * k_pos_stride, head_dim) * scale;
+      weights[at + key] = sc;
+      max_score = std::max(max_score, sc);
+    }
+    at += count;
   }
   // The exponentials first (a loop the compiler vectorises), then their
   // sum in order of position.
   exp_shifted_inplace(weights, n, max_score);
   float sum = 0.0f;
   for (int64_t j = 0; j < n; ++j) sum += weights[j];
-  // Each o[d] accumulates e_j * v_j[d] over positions j in order, from 0.
-  // Up to 64 elements of o stay in registers for a whole pass over the
-  // positions (storing o after every position would chain each step to
-  // the previous store); the rest goes element by element. Every path does
-  // the same operations per element.
-  int64_t d0 = 0;
-  for (; d0 + kLanes <= head_dim;) {
-    const int64_t vectors = std::min<int64_t>(8, (head_dim - d0) / kLanes);
-    const float* vd = vh + d0;
-    switch (vectors) {
-      case 1: weighted_sum_of_rows<1>(weights, vd, v_pos_stride, n, o + d0); break;
-      case 2: weighted_sum_of_rows<2>(weights, vd, v_pos_stride, n, o + d0); break;
-      case 3: weighted_sum_of_rows<3>(weights, vd, v_pos_stride, n, o + d0); break;
-      case 4: weighted_sum_of_rows<4>(weights, vd, v_pos_stride, n, o + d0); break;
-      case 5: weighted_sum_of_rows<5>(weights, vd, v_pos_stride, n, o + d0); break;
-      case 6: weighted_sum_of_rows<6>(weights, vd, v_pos_stride, n, o + d0); break;
-      case 7: weighted_sum_of_rows<7>(weights, vd, v_pos_stride, n, o + d0); break;
-      default: weighted_sum_of_rows<8>(weights, vd, v_pos_stride, n, o + d0); break;
+  // Each o[d] accumulates e_j * v_j[d] over positions j in order, from 0,
+  // segment after segment. Up to 64 elements of o stay in registers for a
+  // whole pass over a segment's positions (storing o after every position
+  // would chain each step to the previous store); the rest goes element by
+  // element. Every path does the same operations per element.
+  at = 0;
+  for (int64_t s = 0; s < num_segments; ++s) {
+    const float* vh = segments[s].v;
+    const int64_t count = segments[s].n;
+    const float* e = weights + at;
+    const bool resume = s > 0;
+    int64_t d0 = 0;
+    for (; d0 + kLanes <= head_dim;) {
+      const int64_t vectors = std::min<int64_t>(8, (head_dim - d0) / kLanes);
+      const float* vd = vh + d0;
+      switch (vectors) {
+        case 1: weighted_sum_of_rows<1>(e, vd, v_pos_stride, count, o + d0, resume); break;
+        case 2: weighted_sum_of_rows<2>(e, vd, v_pos_stride, count, o + d0, resume); break;
+        case 3: weighted_sum_of_rows<3>(e, vd, v_pos_stride, count, o + d0, resume); break;
+        case 4: weighted_sum_of_rows<4>(e, vd, v_pos_stride, count, o + d0, resume); break;
+        case 5: weighted_sum_of_rows<5>(e, vd, v_pos_stride, count, o + d0, resume); break;
+        case 6: weighted_sum_of_rows<6>(e, vd, v_pos_stride, count, o + d0, resume); break;
+        case 7: weighted_sum_of_rows<7>(e, vd, v_pos_stride, count, o + d0, resume); break;
+        default: weighted_sum_of_rows<8>(e, vd, v_pos_stride, count, o + d0, resume); break;
+      }
+      d0 += vectors * kLanes;
     }
-    d0 += vectors * kLanes;
-  }
-  for (; d0 < head_dim; ++d0) {
-    float acc = 0.0f;
-    for (int64_t i = 0; i < n; ++i) acc += weights[i] * vh[i * v_pos_stride + d0];
-    o[d0] = acc;
+    for (; d0 < head_dim; ++d0) {
+      float acc = resume ? o[d0] : 0.0f;
+      for (int64_t i = 0; i < count; ++i) acc += e[i] * vh[i * v_pos_stride + d0];
+      o[d0] = acc;
+    }
+    at += count;
   }
   const float inv_sum = 1.0f / sum;
   for_each_lane_chunked(head_dim, [&](int64_t d) { o[d] *= inv_sum; });
@@ -530,17 +559,19 @@ void rope_inplace(float* x, int64_t rows, int64_t heads, int64_t head_dim, const
   rope_inplace(x, rows, heads, head_dim, RopeTable(positions, rows, theta, rotary_dim));
 }
 
-void attention(const float* q, int64_t q_len, int64_t pos0, int64_t num_heads, int64_t num_kv_heads,
-               int64_t head_dim, const StridedKV& k, const StridedKV& v, int64_t kv_offset,
-               int64_t kv_len, AttentionMask mask, float* out) {
+void attention_paged(const float* q, int64_t q_len, int64_t pos0, int64_t num_heads, int64_t num_kv_heads,
+                     int64_t head_dim, std::span<const KVRun> runs, const StridedKV& ks, const StridedKV& vs,
+                     int64_t kv_offset, int64_t kv_len, AttentionMask mask, float* out) {
   assert(num_kv_heads > 0 && num_heads % num_kv_heads == 0);
   const int64_t group = num_heads / num_kv_heads;
   const float scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(head_dim)));
   const int64_t kv_last = kv_offset + kv_len - 1;
   const int64_t tasks = q_len * num_heads;
   parallel_for(tasks, tasks * kv_len * head_dim >= kParallelWork, [&](int64_t task) {
-    // Per-thread scratch for the softmax weights, reused across calls.
+    // Per-thread scratch for the softmax weights and the key segments,
+    // reused across calls.
     thread_local std::vector<float> weights;
+    thread_local std::vector<KVSegment> segments;
     {
       // Tasks run kv head by kv head: the queries of all rows that read the
       // same keys and values come one after another, so those stay in L2
@@ -560,14 +591,32 @@ void attention(const float* q, int64_t q_len, int64_t pos0, int64_t num_heads, i
         std::fill(o, o + head_dim, 0.0f);
         return;
       }
+      // The runs' parts that cover [lo, hi], in order.
+      segments.clear();
+      int64_t first = kv_offset;  // position of the current run's first row
+      for (const KVRun& run : runs) {
+        const int64_t a = std::max(lo, first), b = std::min(hi + 1, first + run.count);
+        if (a < b) {
+          segments.push_back({run.k + (a - first) * ks.pos_stride + kv_head * ks.head_stride,
+                              run.v + (a - first) * vs.pos_stride + kv_head * vs.head_stride, b - a});
+        }
+        first += run.count;
+        if (first > hi) break;
+      }
       const int64_t n = hi - lo + 1;
       weights.resize(static_cast<std::size_t>(n));
-      attend_one(q + (row * num_heads + head) * head_dim,
-                 k.data + kv_head * k.head_stride + (lo - kv_offset) * k.pos_stride, k.pos_stride,
-                 v.data + kv_head * v.head_stride + (lo - kv_offset) * v.pos_stride, v.pos_stride,
-                 n, head_dim, scale, weights.data(), o);
+      attend_segments(q + (row * num_heads + head) * head_dim, segments.data(), static_cast<int64_t>(segments.size()),
+                      ks.pos_stride, vs.pos_stride, n, head_dim, scale, weights.data(), o);
     }
   });
+}
+
+void attention(const float* q, int64_t q_len, int64_t pos0, int64_t num_heads, int64_t num_kv_heads,
+               int64_t head_dim, const StridedKV& k, const StridedKV& v, int64_t kv_offset,
+               int64_t kv_len, AttentionMask mask, float* out) {
+  const KVRun run{k.data, v.data, kv_len};
+  attention_paged(q, q_len, pos0, num_heads, num_kv_heads, head_dim, std::span<const KVRun>(&run, 1), k, v, kv_offset,
+                  kv_len, mask, out);
 }
 
 void causal_conv1d(const float* window, int64_t channels, int64_t kernel_size, int64_t q,

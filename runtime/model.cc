@@ -406,21 +406,28 @@ void Model::attention_block(const BlockArgs& a, const BatchArgs& b) const {
   const BlockLayout& layout = b.cache->block_layout(a.layer);
   k::AttentionMask m;
   if (a.w->kind == LayerWeights::Kind::Sliding) m.window = c.sliding_window;
-  std::vector<float> keys_copy, values_copy;  // one sequence's visible keys / values, token-major
+  // Attention reads each sequence's keys and values in place, block by
+  // block (the same values in the same order as a contiguous cache, so the
+  // result is the single-sequence one).
+  std::vector<k::KVRun> runs;
+  const std::int64_t bs = layout.block_size;
+  const k::StridedKV strides{nullptr, hd, nkv * hd};
   for (std::size_t e = 0; e < b.batch.size(); ++e) {
     const auto n = static_cast<std::int64_t>(b.batch[e].tokens.size());
     if (n == 0) continue;
-    // The kernel reads one strided run of positions: the sequence's visible
-    // rows are copied out of its blocks first (the same values in the same
-    // order, so the result is the single-sequence one).
-    keys_copy.resize(static_cast<std::size_t>(kv[e].kv_length * nkv * hd));
-    values_copy.resize(keys_copy.size());
-    layout.gather(kv[e].spans, 0, kv[e].kv_offset, heads_view(keys_copy.data(), kv[e].kv_length, nkv, hd));
-    layout.gather(kv[e].spans, 1, kv[e].kv_offset, heads_view(values_copy.data(), kv[e].kv_length, nkv, hd));
-    const k::StridedKV keys{keys_copy.data(), hd, nkv * hd};
-    const k::StridedKV values{values_copy.data(), hd, nkv * hd};
-    k::attention(r.q.data() + b.offset[e] * nh * hd, n, b.pos0[e], nh, nkv, hd, keys, values, kv[e].kv_offset,
-                 kv[e].kv_length, m, r.att.data() + b.offset[e] * nh * hd);
+    runs.clear();
+    for (const BlockSpan& span : kv[e].spans) {
+      for (std::int64_t p = span.position; p < span.position + span.num_tokens;) {
+        const std::int64_t row = p % bs;
+        const std::int64_t count = std::min(bs - row, span.position + span.num_tokens - p);
+        const std::byte* block = span.blocks[p / bs - span.position / bs];
+        runs.push_back({static_cast<const float*>(layout.rows(block, 0, row, count).data),
+                        static_cast<const float*>(layout.rows(block, 1, row, count).data), count});
+        p += count;
+      }
+    }
+    k::attention_paged(r.q.data() + b.offset[e] * nh * hd, n, b.pos0[e], nh, nkv, hd, runs, strides, strides,
+                       kv[e].kv_offset, kv[e].kv_length, m, r.att.data() + b.offset[e] * nh * hd);
   }
   k::matmul(r.att.data(), a.n, a.w->wo, a.out);
 }

@@ -559,6 +559,46 @@ TEST(KernelsAttention, QueryInWideRangeEqualsQueryOverItsOwnWindowBitwise) {
   }
 }
 
+// Keys and values scattered over runs (a paged cache's blocks, here copies
+// of the positions in separate buffers, in runs of 1 to 5 positions) give
+// bit for bit what one strided buffer gives, for every mask.
+TEST(KernelsAttention, PagedRunsEqualOneStridedBufferBitwise) {
+  for (const AttentionCase& c : kAttentionCases) {
+    const std::int64_t total = 29, q_len = 5, pos0 = total - q_len, kv_offset = 2;
+    const KVStore kv(c.num_kv_heads, c.head_dim, total, 40);
+    const Vec q = random_vec(static_cast<std::size_t>(q_len * c.num_heads * c.head_dim), 42);
+    Vec strided(q.size()), paged(q.size());
+    attention(q.data(), q_len, pos0, c.num_heads, c.num_kv_heads, c.head_dim, kv.k(kv_offset), kv.v(kv_offset),
+              kv_offset, total - kv_offset, c.mask, strided.data());
+    // Runs in their own buffers, rows H * D apart (another stride than the
+    // store's), lengths cycling 1..5.
+    const std::int64_t row = c.num_kv_heads * c.head_dim;
+    std::vector<Vec> keys, values;
+    std::vector<KVRun> runs;
+    std::int64_t p = kv_offset, len = 1;
+    while (p < total) {
+      const std::int64_t n = std::min(len, total - p);
+      Vec k(static_cast<std::size_t>(n * row)), v(k.size());
+      for (std::int64_t j = 0; j < n; ++j)
+        for (std::int64_t h = 0; h < c.num_kv_heads; ++h)
+          for (std::int64_t d = 0; d < c.head_dim; ++d) {
+            k[static_cast<std::size_t>(j * row + h * c.head_dim + d)] = kv.keys[kv.at(p + j, h, d)];
+            v[static_cast<std::size_t>(j * row + h * c.head_dim + d)] = kv.values[kv.at(p + j, h, d)];
+          }
+      keys.push_back(std::move(k));
+      values.push_back(std::move(v));
+      p += n;
+      len = len % 5 + 1;
+    }
+    for (std::size_t r = 0; r < keys.size(); ++r)
+      runs.push_back({keys[r].data(), values[r].data(), static_cast<std::int64_t>(keys[r].size()) / row});
+    const StridedKV strides{nullptr, c.head_dim, row};
+    attention_paged(q.data(), q_len, pos0, c.num_heads, c.num_kv_heads, c.head_dim, runs, strides, strides, kv_offset,
+                    total - kv_offset, c.mask, paged.data());
+    EXPECT_TRUE(same_bits(strided, paged)) << c.name;
+  }
+}
+
 TEST(KernelsAttention, IndependentOfThreadCount) {
   const std::int64_t total = 300, q_len = 9, heads = 8, kv_heads = 2, dim = 32;
   const KVStore kv(kv_heads, dim, total, 40);

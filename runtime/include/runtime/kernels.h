@@ -31,6 +31,7 @@
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
+#include <span>
 #include <cstring>
 #include <limits>
 #include <memory>
@@ -284,6 +285,26 @@ void attention(const float* q, std::int64_t q_len, std::int64_t pos0, std::int64
                std::int64_t num_kv_heads, std::int64_t head_dim, const StridedKV& k,
                const StridedKV& v, std::int64_t kv_offset, std::int64_t kv_len, AttentionMask mask,
                float* out);
+
+// Consecutive positions of keys and values held in several places (a paged
+// cache's blocks): `count` positions whose kv head 0 rows start at k / v
+// (their head and position strides are the attention_paged call's).
+struct KVRun {
+  const float* k = nullptr;
+  const float* v = nullptr;
+  std::int64_t count = 0;
+};
+
+// attention() over keys / values given as runs that cover positions
+// kv_offset .. kv_offset + kv_len - 1 in order (the sum of the counts is
+// kv_len). Bitwise the same as attention() over the same values laid out in
+// one strided buffer (one code path serves both).
+// k_strides / v_strides give the head and position strides (their data is
+// unused).
+void attention_paged(const float* q, std::int64_t q_len, std::int64_t pos0, std::int64_t num_heads,
+                     std::int64_t num_kv_heads, std::int64_t head_dim, std::span<const KVRun> runs,
+                     const StridedKV& k_strides, const StridedKV& v_strides, std::int64_t kv_offset,
+                     std::int64_t kv_len, AttentionMask mask, float* out);
 
 // ---- linear attention -------------------------------------------------------
 
