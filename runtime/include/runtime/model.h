@@ -4,8 +4,10 @@
 // layers follow config.layer_types: full_attention and sliding_attention
 // (GQA with RoPE), linear_attention (Gated DeltaNet as in Qwen3-Next) and
 // conv (LFM2-style gated short convolution). All inference state lives in a
-// rwd::Cache built by make_cache(); the model touches it only through the
-// public cache API, like any other user.
+// rwd::Cache built by make_cache() (one sequence, forward()) or a
+// rwd::SequenceCache built by make_sequence_cache() (many sequences,
+// forward_batch()); the model touches them only through the public cache
+// API, like any other user.
 //
 // forward() is batch invariant: the logits of a token are bit-identical
 // whether it is processed alone or inside a multi-token forward, because
