@@ -106,6 +106,30 @@ TEST(ForwardBatch, ForksAndPerSequenceRollbackStayExact) {
   step(model, batched, twins, {random_tokens(rng, 1), random_tokens(rng, 1)}, "after the crops");
 }
 
+// A batched forward that cannot get its memory changes no sequence: under a
+// budget that holds the cache as it is, a forward of more tokens than fit
+// throws CapacityError from begin_batch, and every sequence keeps its
+// length, blocks and logits (the next forward gives what it would have).
+TEST(ForwardBatch, RefusedForLackOfMemoryChangesNoSequence) {
+  std::mt19937_64 rng(5);
+  const Model model(ModelWeights::random(testing_configs::hybrid(), 5));
+  SequenceCache batched = model.make_sequence_cache({/*block_size=*/2});
+  std::vector<Twin> twins;
+  for (int i = 0; i < 2; ++i) twins.push_back({batched.add_sequence(), model.make_cache()});
+  step(model, batched, twins, {random_tokens(rng, 5), random_tokens(rng, 3)}, "prefill");
+  const SequenceMemory before = batched.memory();
+  batched.set_memory_budget(before.bytes_reserved);
+  const Tokens many = random_tokens(rng, 40);
+  std::vector<SequenceTokens> big{{twins[0].id, many}, {twins[1].id, many}};
+  std::vector<float> logits;
+  EXPECT_THROW(model.forward_batch(big, batched, logits), CapacityError);
+  EXPECT_EQ(batched.memory().blocks_in_use, before.blocks_in_use);
+  EXPECT_EQ(batched.seq_length(twins[0].id), 5);
+  EXPECT_EQ(batched.seq_length(twins[1].id), 3);
+  batched.set_memory_budget(0);
+  step(model, batched, twins, {random_tokens(rng, 2), random_tokens(rng, 1)}, "after the refusal");
+}
+
 TEST(ForwardBatch, RefusesBadInputAndChangesNothing) {
   const Model model(ModelWeights::random(testing_configs::hybrid(), 3));
   SequenceCache batched = model.make_sequence_cache();
