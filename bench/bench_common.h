@@ -4,6 +4,8 @@
 // Benchmark's calls.
 #pragma once
 
+#include <benchmark/benchmark.h>
+
 #include <algorithm>
 #include <chrono>
 #include <cstdint>
@@ -76,6 +78,20 @@ T& prepared(const std::string& key, Args&&... args) {
 inline void release_prepared() {
   slot().object.reset();
   slot().key.clear();
+}
+
+// The main() of a bench binary: Google Benchmark's flags, the clock
+// calibrated, `register_all` registering the cases, the prepared state freed.
+inline int run_benchmarks(int argc, char** argv, void (*register_all)()) {
+  benchmark::Initialize(&argc, argv);
+  if (benchmark::ReportUnrecognizedArguments(argc, argv)) return 1;
+  calibrate_clock();
+  register_all();
+  benchmark::AddCustomContext("clock_pair_overhead_ns", std::to_string(g_clock_overhead_s * 1e9));
+  benchmark::RunSpecifiedBenchmarks();
+  benchmark::Shutdown();
+  release_prepared();
+  return 0;
 }
 
 }  // namespace rwd::bench

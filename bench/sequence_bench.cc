@@ -600,14 +600,4 @@ void register_all() {
 
 }  // namespace
 
-int main(int argc, char** argv) {
-  benchmark::Initialize(&argc, argv);
-  if (benchmark::ReportUnrecognizedArguments(argc, argv)) return 1;
-  calibrate_clock();
-  register_all();
-  benchmark::AddCustomContext("clock_pair_overhead_ns", std::to_string(g_clock_overhead_s * 1e9));
-  benchmark::RunSpecifiedBenchmarks();
-  benchmark::Shutdown();
-  release_prepared();
-  return 0;
-}
+int main(int argc, char** argv) { return rwd::bench::run_benchmarks(argc, argv, register_all); }
