@@ -37,9 +37,13 @@
 // them before its runtime is up, and crashes) define REWIND_NO_KERNEL_CLONES.
 #if defined(__GNUC__) && defined(__x86_64__) && defined(__linux__) && !defined(REWIND_NO_KERNEL_CLONES)
 #define REWIND_KERNEL_CLONES __attribute__((target_clones("avx2", "default")))
+// matmul also has an AVX-512 clone: its 16-float panel rows are then one
+// vector (two with AVX2), the same multiply and add per lane.
+#define REWIND_MATMUL_CLONES __attribute__((target_clones("avx512f", "avx2", "default")))
 #define REWIND_INLINE __attribute__((always_inline)) inline
 #else
 #define REWIND_KERNEL_CLONES
+#define REWIND_MATMUL_CLONES
 #define REWIND_INLINE inline
 #endif
 
@@ -139,15 +143,36 @@ float rms_inverse(const float* x, int64_t dim, double eps) {
 }
 
 // Rows of x that share one pass over the weights, and the panels each
-// micro-kernel keeps in flight for that many rows: rows * panels
-// accumulators + panels weight vectors + one broadcast fit the 16 vector
-// registers of AVX2. One row alone still needs 4 independent accumulator
-// chains to hide the latency of the adds.
+// micro-kernel keeps in flight for that many rows: a panel row is 16 floats
+// (one AVX-512 vector, two AVX2 ones), and rows * panels accumulators +
+// panels weight rows + one broadcast fit the 16 registers of AVX2. One row
+// alone still has 4 independent accumulator chains (2 panels x 2 halves)
+// to hide the latency of the adds.
 constexpr int kMaxGroupRows = 6;
-constexpr int panels_for_rows(int rows) { return rows <= 2 ? 4 : rows == 3 ? 3 : 2; }
+constexpr int panels_for_rows(int rows) { return rows <= 2 ? 2 : 1; }
+// With AVX-512's 32 registers two panels fit for every row count (6 rows x
+// 2 panels = 12 accumulators), so each x broadcast serves twice the outputs.
+constexpr int kWidePanels = 2;
+
+// True when the CPU runs matmul's AVX-512 clone. Builds without clones
+// (TSan) take the other path, so the test suite covers both.
+bool wide_registers() {
+#if defined(__GNUC__) && defined(__x86_64__) && defined(__linux__) && !defined(REWIND_NO_KERNEL_CLONES)
+  static const bool wide = __builtin_cpu_supports("avx512f");
+  return wide;
+#else
+  return false;
+#endif
+}
 
 constexpr int64_t kPanel = PackedMatrix::kPanelWidth;
-static_assert(kPanel == kLanes, "a panel row is one vector of lanes");
+typedef float PanelRow __attribute__((vector_size(kPanel * sizeof(float))));
+
+REWIND_INLINE PanelRow load_panel_row(const float* p) {
+  PanelRow v;
+  __builtin_memcpy(&v, p, sizeof v);
+  return v;
+}
 
 // y rows [0, R) of panels [p, p + V): acc[r][v] lane l accumulates
 // x[r, i] * w[(p + v) * 8 + l, i] over i in order, starting from 0, then
@@ -160,11 +185,11 @@ REWIND_INLINE void matmul_micro(const float* x, const PackedMatrix& w, int64_t p
   const float* panel[V];
 #pragma GCC unroll 8
   for (int v = 0; v < V; ++v) panel[v] = w.panel(p + v);
-  Lanes acc[R][V] = {};
+  PanelRow acc[R][V] = {};
   for (int64_t i = 0; i < in; ++i) {
-    Lanes wv[V];
+    PanelRow wv[V];
 #pragma GCC unroll 8
-    for (int v = 0; v < V; ++v) wv[v] = load_lanes(panel[v] + i * kPanel);
+    for (int v = 0; v < V; ++v) wv[v] = load_panel_row(panel[v] + i * kPanel);
 #pragma GCC unroll 8
     for (int r = 0; r < R; ++r) {
       const float xr = x[r * in + i];
@@ -180,8 +205,8 @@ REWIND_INLINE void matmul_micro(const float* x, const PackedMatrix& w, int64_t p
       float* yo = y + r * out + o0;
       const int64_t n = std::min<int64_t>(kPanel, out - o0);
       if (n == kPanel) {
-        Lanes s = acc[r][v];
-        if (bias != nullptr) s += load_lanes(bias + o0);
+        PanelRow s = acc[r][v];
+        if (bias != nullptr) s += load_panel_row(bias + o0);
         __builtin_memcpy(yo, &s, sizeof s);
       } else {
         for (int64_t l = 0; l < n; ++l) yo[l] = bias != nullptr ? acc[r][v][l] + bias[o0 + l] : acc[r][v][l];
@@ -190,14 +215,24 @@ REWIND_INLINE void matmul_micro(const float* x, const PackedMatrix& w, int64_t p
   }
 }
 
-// Panels [p_begin, p_end) for R rows, in steps of panels_for_rows(R).
-template <int R>
+// Panels [p_begin, p_end) for R rows, in steps of V panels.
+template <int R, int V>
 REWIND_INLINE void matmul_row_group(const float* x, const PackedMatrix& w, int64_t p_begin,
                                     int64_t p_end, float* y, const float* bias) {
-  constexpr int V = panels_for_rows(R);
   int64_t p = p_begin;
   for (; p + V <= p_end; p += V) matmul_micro<R, V>(x, w, p, y, bias);
   for (; p < p_end; ++p) matmul_micro<R, 1>(x, w, p, y, bias);
+}
+
+// R rows with the panel count of the registers at hand.
+template <int R>
+REWIND_INLINE void rows_group(bool wide, const float* x, const PackedMatrix& w, int64_t p_begin, int64_t p_end,
+                              float* y, const float* bias) {
+  if (wide) {
+    matmul_row_group<R, kWidePanels>(x, w, p_begin, p_end, y, bias);
+  } else {
+    matmul_row_group<R, panels_for_rows(R)>(x, w, p_begin, p_end, y, bias);
+  }
 }
 
 // Output panels per block of matmul: the block's weights (about 64 KiB)
@@ -211,9 +246,9 @@ int64_t matmul_block_panels(int64_t in) {
 // Panels [p_begin, p_end) of every row. Rows go in groups of at most
 // kMaxGroupRows, sized as evenly as possible (7 rows: 4 + 3): the grouping
 // decides which loads are shared, never an output's arithmetic.
-REWIND_KERNEL_CLONES
+REWIND_MATMUL_CLONES
 void matmul_block(const float* x, int64_t rows, const PackedMatrix& w, float* y, const float* bias,
-                  int64_t p_begin, int64_t p_end) {
+                  int64_t p_begin, int64_t p_end, bool wide) {
   const int64_t groups = (rows + kMaxGroupRows - 1) / kMaxGroupRows;
   int64_t r = 0;
   for (int64_t g = 0; g < groups; ++g) {
@@ -221,12 +256,12 @@ void matmul_block(const float* x, int64_t rows, const PackedMatrix& w, float* y,
     const float* xg = x + r * w.in();
     float* yg = y + r * w.out();
     switch (size) {
-      case 1: matmul_row_group<1>(xg, w, p_begin, p_end, yg, bias); break;
-      case 2: matmul_row_group<2>(xg, w, p_begin, p_end, yg, bias); break;
-      case 3: matmul_row_group<3>(xg, w, p_begin, p_end, yg, bias); break;
-      case 4: matmul_row_group<4>(xg, w, p_begin, p_end, yg, bias); break;
-      case 5: matmul_row_group<5>(xg, w, p_begin, p_end, yg, bias); break;
-      default: matmul_row_group<6>(xg, w, p_begin, p_end, yg, bias); break;
+      case 1: rows_group<1>(wide, xg, w, p_begin, p_end, yg, bias); break;
+      case 2: rows_group<2>(wide, xg, w, p_begin, p_end, yg, bias); break;
+      case 3: rows_group<3>(wide, xg, w, p_begin, p_end, yg, bias); break;
+      case 4: rows_group<4>(wide, xg, w, p_begin, p_end, yg, bias); break;
+      case 5: rows_group<5>(wide, xg, w, p_begin, p_end, yg, bias); break;
+      default: rows_group<6>(wide, xg, w, p_begin, p_end, yg, bias); break;
     }
     r += size;
   }
@@ -478,8 +513,9 @@ void matmul(const float* x, int64_t rows, const PackedMatrix& w, float* y, const
   const int64_t block = matmul_block_panels(w.in());
   const int64_t num_blocks = (w.panels() + block - 1) / block;
   const bool parallel = num_blocks > 1 && rows * w.in() * w.out() >= kParallelWork;
+  const bool wide = wide_registers();
   parallel_for(num_blocks, parallel, [&](int64_t b) {
-    matmul_block(x, rows, w, y, bias, b * block, std::min(w.panels(), (b + 1) * block));
+    matmul_block(x, rows, w, y, bias, b * block, std::min(w.panels(), (b + 1) * block), wide);
   });
 }
 

@@ -232,20 +232,20 @@ TEST(KernelsMatmul, EmptyShapes) {
 }
 
 TEST(KernelsMatmul, PackedMatrixHoldsTheWeightsInPanels) {
-  const std::int64_t out = 13, in = 5;
+  const std::int64_t out = 21, in = 5;  // one full panel of 16 and one of 5
   const Vec w = random_vec(static_cast<std::size_t>(out * in), 13);
   PackedMatrix pw(w.data(), out, in);
   EXPECT_EQ(pw.out(), out);
   EXPECT_EQ(pw.in(), in);
   EXPECT_EQ(pw.panels(), 2);
-  EXPECT_EQ(pw.bytes(), std::size_t{2 * 5 * 8 * 4});
+  EXPECT_EQ(pw.bytes(), std::size_t{2 * 5 * 16 * 4});
   for (std::int64_t o = 0; o < out; ++o) {
     for (std::int64_t i = 0; i < in; ++i) {
       const float v = pw.at(o, i);
       EXPECT_TRUE(same_bits(&v, &w[static_cast<std::size_t>(o * in + i)], 1)) << o << "," << i;
     }
   }
-  // Panel layout as documented: w[p * 8 + l, i] at element i * 8 + l, zeros
+  // Panel layout as documented: w[p * 16 + l, i] at element i * 16 + l, zeros
   // past out; the storage (panel 0) starts 64-byte aligned.
   EXPECT_EQ(reinterpret_cast<std::uintptr_t>(pw.panel(0)) % 64, 0u);
   for (std::int64_t p = 0; p < pw.panels(); ++p) {
@@ -276,7 +276,7 @@ TEST(KernelsMatmul, PackedMatrixHoldsTheWeightsInPanels) {
   PackedMatrix moved(std::move(pw));
   EXPECT_EQ(moved.out(), out);
   EXPECT_EQ(moved.in(), in);
-  EXPECT_EQ(moved.bytes(), std::size_t{2 * 5 * 8 * 4});
+  EXPECT_EQ(moved.bytes(), std::size_t{2 * 5 * 16 * 4});
   Vec after(before.size());
   matmul(x.data(), 3, moved, after.data());
   EXPECT_TRUE(same_bits(before, after));
@@ -287,11 +287,11 @@ TEST(KernelsMatmul, PackedMatrixHoldsTheWeightsInPanels) {
   Vec untouched(4, -3.0f);
   matmul(x.data(), 1, pw, untouched.data());
   EXPECT_EQ(untouched, Vec(4, -3.0f));
-  const Vec w2 = random_vec(static_cast<std::size_t>(9 * 2), 15);
-  pw = PackedMatrix(w2.data(), 9, 2);
-  EXPECT_EQ(pw.out(), 9);
+  const Vec w2 = random_vec(static_cast<std::size_t>(17 * 2), 15);
+  pw = PackedMatrix(w2.data(), 17, 2);
+  EXPECT_EQ(pw.out(), 17);
   EXPECT_EQ(pw.panels(), 2);
-  EXPECT_EQ(pw.at(8, 1), w2[17]);
+  EXPECT_EQ(pw.at(16, 1), w2[33]);
   PackedMatrix assigned;
   assigned = std::move(moved);
   Vec assigned_y(before.size());

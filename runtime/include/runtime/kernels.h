@@ -120,14 +120,14 @@ inline float softplus(float x) { return x > 20.0f ? x : std::log1p(std::exp(x));
 // ---- dense linear algebra ---------------------------------------------------
 
 // A weight matrix w: [out, in] (nn.Linear layout) repacked for matmul.
-// Output features are grouped in panels of kPanelWidth; panel p stores
-// w[p * 8 + l, i] at element i * 8 + l (zeros past `out`), so the kernel
-// streams each panel front to back and one load of it serves eight outputs
-// and several input rows. Holds 64-byte aligned storage of its own (the
+// Output features are grouped in panels of kPanelWidth = 16; panel p stores
+// w[p * 16 + l, i] at element i * 16 + l (zeros past `out`), so the kernel
+// streams each panel front to back and one load of it (one AVX-512 vector,
+// two AVX2 ones) serves sixteen outputs and several input rows. Holds 64-byte aligned storage of its own (the
 // source can be freed after packing); movable, not copyable.
 class PackedMatrix {
  public:
-  static constexpr std::int64_t kPanelWidth = 8;
+  static constexpr std::int64_t kPanelWidth = 16;
 
   // An empty 0 x 0 matrix.
   PackedMatrix() = default;
