@@ -43,6 +43,9 @@ build: deps
 
 test-plain: build
 	cd $(BUILD) && ctest --output-on-failure -j $(JOBS)
+	# matmul's other register shape (the one machines without AVX-512 run)
+	REWIND_MATMUL_NARROW=1 $(BUILD)/tests/rewind_runtime_tests \
+	  --gtest_filter='Kernels*:ForwardBatch*:GenerateBatch*:SpeculativeBatch*:ModelForward*:*Lossless*:Speculative*' --gtest_brief=1
 
 # The sanitizer build compiles the library and the test suites only.
 test-asan: deps

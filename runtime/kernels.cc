@@ -23,13 +23,16 @@
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
+#include <cstdlib>
 #include <limits>
 #include <new>
 #include <omp.h>
+#include <string_view>
 #include <vector>
 
-// Hot loops are also compiled for AVX2 and picked at load time (GCC / Clang
-// function multiversioning): about 3x faster matmul than the SSE2 baseline.
+// Hot loops are also compiled for AVX2 (matmul also for AVX-512) and picked
+// at load time (GCC / Clang function multiversioning): about 3x faster
+// matmul than the SSE2 baseline.
 // AVX2 without FMA only widens the vectors; every lane still does one
 // rounded multiply and one rounded add in the same order, so each clone
 // gives the same bits as the baseline.
@@ -154,11 +157,15 @@ constexpr int panels_for_rows(int rows) { return rows <= 2 ? 2 : 1; }
 // 2 panels = 12 accumulators), so each x broadcast serves twice the outputs.
 constexpr int kWidePanels = 2;
 
-// True when the CPU runs matmul's AVX-512 clone. Builds without clones
-// (TSan) take the other path, so the test suite covers both.
+// True when the CPU runs matmul's AVX-512 clone. REWIND_MATMUL_NARROW=1 in
+// the environment takes the other shape anyway (make test runs the kernel
+// and batch tests both ways, whatever the machine has).
 bool wide_registers() {
 #if defined(__GNUC__) && defined(__x86_64__) && defined(__linux__) && !defined(REWIND_NO_KERNEL_CLONES)
-  static const bool wide = __builtin_cpu_supports("avx512f");
+  static const bool wide = [] {
+    const char* narrow = std::getenv("REWIND_MATMUL_NARROW");
+    return __builtin_cpu_supports("avx512f") && !(narrow != nullptr && std::string_view(narrow) == "1");
+  }();
   return wide;
 #else
   return false;
