@@ -157,40 +157,7 @@ MaskSizes mask_at(const RefLayer& r, i64 L, i64 q) {
 // reference negates n, which INT64_MIN does not survive.
 i64 ref_crop_n(i64 n, i64 L) { return n < -(L + 1) ? -(L + 1) : n; }
 
-// Splits row-major bytes of `shape` into one row per index of `token_dim`
-// (the other dimensions in row-major order: the reference's row layout).
-std::vector<Bytes> token_rows(const Bytes& logical, const std::vector<i64>& shape, int token_dim, std::size_t es) {
-  const auto td = static_cast<std::size_t>(token_dim);
-  i64 outer = 1, inner = 1;
-  for (std::size_t d = 0; d < td; ++d) outer *= shape[d];
-  for (std::size_t d = td + 1; d < shape.size(); ++d) inner *= shape[d];
-  const i64 q = shape[td];
-  const std::size_t run = static_cast<std::size_t>(inner) * es;
-  std::vector<Bytes> rows(static_cast<std::size_t>(q));
-  for (i64 t = 0; t < q; ++t) {
-    Bytes& r = rows[static_cast<std::size_t>(t)];
-    r.reserve(static_cast<std::size_t>(outer) * run);
-    for (i64 o = 0; o < outer; ++o) {
-      const std::size_t off = static_cast<std::size_t>(o * q + t) * run;
-      r.insert(r.end(), logical.begin() + static_cast<std::ptrdiff_t>(off),
-               logical.begin() + static_cast<std::ptrdiff_t>(off + run));
-    }
-  }
-  return rows;
-}
 
-// A view with explicit fields (extents TensorView::strided would refuse).
-TensorView raw_view(void* data, DType dt, const std::vector<i64>& shape, const std::vector<i64>& strides) {
-  TensorView v;
-  v.data = data;
-  v.dtype = dt;
-  v.rank = static_cast<int>(shape.size());
-  for (std::size_t d = 0; d < 4; ++d) {
-    v.shape[d] = d < shape.size() ? shape[d] : 1;
-    v.strides[d] = d < strides.size() ? strides[d] : 0;
-  }
-  return v;
-}
 
 // ---- cheap fingerprints of the observable state (observe() of harness.h
 // builds a string per field; these append everything to one buffer) ------------

@@ -128,18 +128,6 @@ FuzzStats<kStatCount>& stats() {
 }
 void count(Stat k, unsigned long long by = 1) { stats().count(static_cast<std::size_t>(k), by); }
 
-// A view with explicit fields (extents TensorView::strided would refuse).
-TensorView raw_view(void* data, DType dt, const std::vector<i64>& shape, const std::vector<i64>& strides) {
-  TensorView v;
-  v.data = data;
-  v.dtype = dt;
-  v.rank = static_cast<int>(shape.size());
-  for (std::size_t d = 0; d < 4; ++d) {
-    v.shape[d] = d < shape.size() ? shape[d] : 1;
-    v.strides[d] = d < strides.size() ? strides[d] : 0;
-  }
-  return v;
-}
 
 class Fuzzer {
  public:

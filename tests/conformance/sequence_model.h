@@ -100,28 +100,6 @@ inline bool view_equals(const TensorView& v, const Bytes& want) {
   return true;
 }
 
-// Splits row-major bytes of `shape` into one row per index of `token_dim`
-// (the other dimensions in row-major order: the reference's row layout at
-// batch size 1).
-inline std::vector<Bytes> token_rows(const Bytes& logical, const std::vector<i64>& shape, int token_dim,
-                                     std::size_t es) {
-  const auto td = static_cast<std::size_t>(token_dim);
-  i64 outer = 1, inner = 1;
-  for (std::size_t d = 0; d < td; ++d) outer *= shape[d];
-  for (std::size_t d = td + 1; d < shape.size(); ++d) inner *= shape[d];
-  const i64 q = shape[td];
-  const std::size_t run = static_cast<std::size_t>(inner) * es;
-  std::vector<Bytes> rows(static_cast<std::size_t>(q));
-  for (i64 t = 0; t < q; ++t) {
-    Bytes& r = rows[static_cast<std::size_t>(t)];
-    for (i64 o = 0; o < outer; ++o) {
-      const std::size_t off = static_cast<std::size_t>(o * q + t) * run;
-      r.insert(r.end(), logical.begin() + static_cast<std::ptrdiff_t>(off),
-               logical.begin() + static_cast<std::ptrdiff_t>(off + run));
-    }
-  }
-  return rows;
-}
 
 // ---- expectations for one entry of a batch: history below L0 from the
 // reference, positions L0.. from the step being applied ----------------------
