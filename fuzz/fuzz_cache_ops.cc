@@ -53,7 +53,7 @@
 #include <utility>
 #include <vector>
 
-#include "fuzz_stats.h"
+#include "fuzz_support.h"
 #include "conformance/harness.h"
 
 namespace rwt {
@@ -103,26 +103,6 @@ FuzzStats<kStatCount>& stats() {
   return s;
 }
 void count(Stat k, unsigned long long by = 1) { stats().count(static_cast<std::size_t>(k), by); }
-
-class ByteReader {
- public:
-  ByteReader(const std::uint8_t* data, std::size_t size) : data_(data), size_(size) {}
-  bool empty() const { return pos_ >= size_; }
-  std::uint8_t next() { return pos_ < size_ ? data_[pos_++] : 0; }
-  // REQUIRES lo <= hi.
-  i64 range(i64 lo, i64 hi) { return lo + static_cast<i64>(next()) % (hi - lo + 1); }
-  // Exhausted input reads zeros, which never pick the rare branch.
-  bool one_in(int n) { return next() % n == n - 1; }
-  template <std::size_t N>
-  i64 pick(const std::array<i64, N>& xs) {
-    return xs[next() % N];
-  }
-
- private:
-  const std::uint8_t* data_;
-  std::size_t size_;
-  std::size_t pos_ = 0;
-};
 
 std::vector<std::pair<LayerKind, LayerOptions>> every_kind(DType dt, bool with_static) {
   std::vector<std::pair<LayerKind, LayerOptions>> spec;

@@ -35,7 +35,7 @@
 #include <utility>
 #include <vector>
 
-#include "fuzz_stats.h"
+#include "fuzz_support.h"
 #include "conformance/sequence_model.h"
 
 namespace rwt::seqtest {
@@ -49,22 +49,6 @@ constexpr std::array<i64, 7> kHugeCrops{kI64Min, kI64Min + 1, kI64Max, -(i64{1} 
                                         -(kTokenLimit + 1), kTokenLimit + 1};
 constexpr std::array<i64, 5> kBadQueries{0, -1, kTokenLimit + 1, kI64Max, kI64Min};
 constexpr std::array<i64, 4> kBadRecording{-1, kTokenLimit + 1, kI64Max, kI64Min};
-
-class ByteReader {
- public:
-  ByteReader(const std::uint8_t* data, std::size_t size) : data_(data), size_(size) {}
-  bool empty() const { return pos_ >= size_; }
-  std::uint8_t next() { return pos_ < size_ ? data_[pos_++] : 0; }
-  // REQUIRES lo <= hi.
-  i64 range(i64 lo, i64 hi) { return lo + static_cast<i64>(next()) % (hi - lo + 1); }
-  // Exhausted input reads zeros, which never pick the rare branch.
-  bool one_in(int n) { return next() % n == n - 1; }
-
- private:
-  const std::uint8_t* data_;
-  std::size_t size_;
-  std::size_t pos_ = 0;
-};
 
 SeqSpec make_spec(std::uint8_t h) {
   SeqSpec s;
@@ -564,7 +548,7 @@ class Fuzzer {
 
 extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size) {
   static rwt::WarningCapture quiet;  // the deprecation warning of positive crops
-  rwt::seqtest::ByteReader in(data, size);
+  rwt::ByteReader in(data, size);
   const rwt::seqtest::SeqSpec spec = rwt::seqtest::make_spec(in.next());
   rwt::seqtest::Fuzzer fuzzer(in, spec);
   fuzzer.run();
