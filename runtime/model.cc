@@ -410,22 +410,17 @@ void Model::attention_block(const BlockArgs& a, const BatchArgs& b) const {
   // block (the same values in the same order as a contiguous cache, so the
   // result is the single-sequence one).
   std::vector<k::KVRun> runs;
-  const std::int64_t bs = layout.block_size;
   const k::StridedKV strides{nullptr, hd, nkv * hd};
   for (std::size_t e = 0; e < b.batch.size(); ++e) {
     const auto n = static_cast<std::int64_t>(b.batch[e].tokens.size());
     if (n == 0) continue;
     runs.clear();
-    for (const BlockSpan& span : kv[e].spans) {
-      for (std::int64_t p = span.position; p < span.position + span.num_tokens;) {
-        const std::int64_t row = p % bs;
-        const std::int64_t count = std::min(bs - row, span.position + span.num_tokens - p);
-        const std::byte* block = span.blocks[p / bs - span.position / bs];
-        runs.push_back({static_cast<const float*>(layout.rows(block, 0, row, count).data),
-                        static_cast<const float*>(layout.rows(block, 1, row, count).data), count});
-        p += count;
-      }
-    }
+    layout.for_each_block_rows(kv[e].spans, kv[e].kv_offset, kv[e].kv_length,
+                               [&](const std::byte* block, std::int64_t row, std::int64_t count, std::int64_t) {
+                                 runs.push_back({static_cast<const float*>(layout.rows(block, 0, row, count).data),
+                                                 static_cast<const float*>(layout.rows(block, 1, row, count).data),
+                                                 count});
+                               });
     k::attention_paged(r.q.data() + b.offset[e] * nh * hd, n, b.pos0[e], nh, nkv, hd, runs, strides, strides,
                        kv[e].kv_offset, kv[e].kv_length, m, r.att.data() + b.offset[e] * nh * hd);
   }

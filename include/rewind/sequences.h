@@ -106,6 +106,31 @@ struct BlockLayout {
   // values, [1, n, D] for a side tensor. REQUIRES 0 <= row <= row + n <=
   // block_size, a valid part and a block of this layer.
   TensorView rows(const std::byte* block, int part, std::int64_t row, std::int64_t n) const;
+  // Walks positions [first, first + n), read through `spans` (in position
+  // order), one call per stretch inside one block: fn(block, row, count, at)
+  // says that rows [row, row + count) of `block` hold positions first + at
+  // .. first + at + count - 1. Stops at the first position the spans do not
+  // hold (a gap or their end) and returns it: first + n when all are held.
+  template <typename Fn>
+  std::int64_t for_each_block_rows(std::span<const BlockSpan> spans, std::int64_t first, std::int64_t n,
+                                   Fn&& fn) const {
+    std::int64_t p = first;
+    for (const BlockSpan& s : spans) {
+      if (p >= first + n) break;
+      const std::int64_t span_end = s.position + s.num_tokens;
+      if (span_end <= p) continue;
+      if (s.position > p) break;  // a gap
+      const std::int64_t block0 = s.position / block_size;
+      const std::int64_t stop = span_end < first + n ? span_end : first + n;
+      while (p < stop) {
+        const std::int64_t row = p % block_size;
+        const std::int64_t count = block_size - row < stop - p ? block_size - row : stop - p;
+        fn(static_cast<const std::byte*>(s.blocks[p / block_size - block0]), row, count, p - first);
+        p += count;
+      }
+    }
+    return p;
+  }
   // Copies positions [first, first + dst's token extent) of `part`, read
   // through `spans`, into `dst` ([1, H, n, D] or [1, n, D], this dtype).
   // Throws InvalidArgument when dst's rank, shape or dtype does not match,

@@ -350,17 +350,12 @@ void PagedLayer::commit(PagedPart& part, std::int64_t R) noexcept {
 void PagedLayer::write(const PagedPart& part, int part_index, const TensorView& input, int token_dim,
                        std::int64_t row0, std::int64_t pos, std::int64_t n) const {
   const BlockRun& run = *part.runs.back().run;
-  const std::int64_t bs = block_size();
-  std::int64_t done = 0;
-  while (done < n) {
-    const std::int64_t p = pos + done;
-    const std::int64_t j = (p - run.first_position) / bs;
-    const std::int64_t row = (p - run.first_position) % bs;
-    const std::int64_t count = std::min(bs - row, n - done);
-    copy_tensor(input.slice(token_dim, row0 + done, count),
-                layout_.rows(run.blocks[static_cast<std::size_t>(j)], part_index, row, count));
-    done += count;
-  }
+  const BlockSpan span{pos, n, run.blocks.data() + (pos - run.first_position) / block_size()};
+  layout_.for_each_block_rows(std::span<const BlockSpan>(&span, 1), pos, n,
+                              [&](const std::byte* block, std::int64_t row, std::int64_t count, std::int64_t at) {
+                                copy_tensor(input.slice(token_dim, row0 + at, count),
+                                            layout_.rows(block, part_index, row, count));
+                              });
 }
 
 bool PagedLayer::overlaps(const PagedPart& part, std::int64_t pos, std::int64_t n, std::uintptr_t lo,

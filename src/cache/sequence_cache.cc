@@ -95,21 +95,10 @@ void BlockLayout::gather(std::span<const BlockSpan> spans, int part, std::int64_
                           " " + std::string(dtype_name(dtype)));
   }
   const std::int64_t n = dst.size(token_dim);
-  std::int64_t p = first;
-  for (const BlockSpan& s : spans) {
-    if (p >= first + n) break;
-    const std::int64_t span_end = s.position + s.num_tokens;
-    if (span_end <= p) continue;
-    if (s.position > p) break;  // a gap: reported below
-    const std::int64_t block0 = s.position / block_size;
-    const std::int64_t stop = std::min(span_end, first + n);
-    while (p < stop) {
-      const std::int64_t row = p % block_size;
-      const std::int64_t count = std::min(block_size - row, stop - p);
-      copy_tensor(rows(s.blocks[p / block_size - block0], part, row, count), dst.slice(token_dim, p - first, count));
-      p += count;
-    }
-  }
+  const std::int64_t p = for_each_block_rows(
+      spans, first, n, [&](const std::byte* block, std::int64_t row, std::int64_t count, std::int64_t at) {
+        copy_tensor(rows(block, part, row, count), dst.slice(token_dim, at, count));
+      });
   if (p < first + n) {
     throw InvalidArgument("BlockLayout::gather: the spans do not cover position " + num(p) + " of [" + num(first) +
                           ", " + num(first + n) + ")");
