@@ -222,11 +222,11 @@ bool is_sliding(const Layer::Impl& l) {
 std::int64_t Layer::Impl::max_rollback() const {
   if (stateless()) return 0;
   const std::int64_t L = length();
-  if (!recording && (linear() || (is_sliding(*this) && L >= keys.rule.size))) return 0;
+  if (!recording && linear()) return 0;
   std::int64_t depth = L;
   if (attention) {
-    depth = std::min(depth, keys.rule.max_rollback(keys.buffer));
-    for (const auto& s : sides) depth = std::min(depth, s.rule.max_rollback(s.buffer));
+    depth = std::min(depth, keys.rule.max_rollback(keys.buffer.first(), keys.buffer.end(), recording));
+    for (const auto& s : sides) depth = std::min(depth, s.rule.max_rollback(s.buffer.first(), s.buffer.end(), recording));
   }
   for (const auto& c : convs) depth = std::min(depth, c.rule.max_rollback(c.buffer));
   for (const auto& r : recurrents) depth = std::min(depth, r.max_rollback());
@@ -244,29 +244,21 @@ void Layer::Impl::check_crop(std::int64_t n) const {
     if (!convs.empty()) c += ", K=" + num(convs.front().rule.size);
     return c + ", crop(" + num(n) + ")]";
   };
-  if (n > 0) {
-    if (linear()) throw RollbackError(kLinearPositive + context());
-    if (is_sliding(*this) && L >= keys.rule.size) throw RollbackError(kSlidingPositive + context());
-    if (attention && keys.rule.kind == RetentionRule::Kind::Chunked && keys.buffer.first() > 0) {
-      throw RollbackError(where() + ": crop(" + num(n) + ") keeps the first " + num(n) +
-                          " tokens, but this chunked layer no longer holds positions [0, " +
-                          num(keys.buffer.first()) + "); crop with a negative int to remove tokens from the end");
-    }
-    return;
-  }
-  if (linear() && !recording) throw RollbackError(kNotTracking + context());
-  if (is_sliding(*this) && L >= keys.rule.size && !recording) throw RollbackError(kNotTrackingSliding + context());
-  if (n == 0) return;
+  if (n > 0 && linear()) throw RollbackError(kLinearPositive + context());
+  if (n <= 0 && linear() && !recording) throw RollbackError(kNotTracking + context());
+  if (attention) check_attention_crop(keys.rule, keys.buffer.first(), L, recording, n, [this] { return where(); }, context);
+  if (n >= 0) return;
   if (n == std::numeric_limits<std::int64_t>::min() || -n >= L) return;  // full rollback
-  const std::int64_t k = -n;
   const std::int64_t depth = max_rollback();
-  if (k > depth) {
-    throw RollbackError(where() + ": crop(" + num(n) + ") asks to remove " + num(k) + " of " + num(L) +
-                        " tokens, but at most " + num(depth) +
-                        " can be removed exactly now (max_rollback); record more history with "
-                        "activate_past_recording(R) before the tokens are appended, or remove all " +
-                        num(L) + " tokens");
-  }
+  if (-n > depth) throw_crop_too_deep(where(), n, L, depth);
+}
+
+void throw_crop_too_deep(const std::string& where, std::int64_t n, std::int64_t L, std::int64_t depth) {
+  throw RollbackError(where + ": crop(" + num(n) + ") asks to remove " + num(-n) + " of " + num(L) +
+                      " tokens, but at most " + num(depth) +
+                      " can be removed exactly now (max_rollback); record more history with "
+                      "activate_past_recording(R) before the tokens are appended, or remove all " +
+                      num(L) + " tokens");
 }
 
 void Layer::Impl::apply_crop(std::int64_t n) noexcept {

@@ -169,6 +169,32 @@ struct Layer::Impl {
 
 std::vector<std::int64_t> repeat_rows(std::int64_t batch, std::int64_t repeats);
 
+// The refusals of crop(n) in an attention part of `rule` at length L that
+// retains positions from `first` (docs/semantics.md sections 3 and 4), all
+// but the depth check: a positive crop a filled sliding window or a chunked
+// part past position 0 cannot do, and any crop of a filled window that does
+// not record. where() starts the chunked message, context() builds the
+// bracketed suffix of the verbatim ones; both run only when one is thrown
+// (crop runs every decode step). Shared by Layer and SequenceCache.
+template <typename Where, typename Context>
+void check_attention_crop(const detail::RetentionRule& rule, std::int64_t first, std::int64_t L, bool recording,
+                          std::int64_t n, Where&& where, Context&& context) {
+  if (n > 0) {
+    if (rule.window_filled(L)) throw RollbackError(kSlidingPositive + context());
+    if (rule.kind == detail::RetentionRule::Kind::Chunked && first > 0) {
+      throw RollbackError(where() + ": crop(" + std::to_string(n) + ") keeps the first " + std::to_string(n) +
+                          " tokens, but this chunked layer no longer holds positions [0, " + std::to_string(first) +
+                          "); crop with a negative int to remove tokens from the end");
+    }
+    return;
+  }
+  if (!recording && rule.window_filled(L)) throw RollbackError(kNotTrackingSliding + context());
+}
+
+// crop(n) asks to remove more of the L tokens than the `depth` that can go
+// exactly now; `where` names the layer (and the sequence).
+[[noreturn]] void throw_crop_too_deep(const std::string& where, std::int64_t n, std::int64_t L, std::int64_t depth);
+
 namespace detail {
 // Bytes [lo, hi) an input view may touch (saturating: a view whose span
 // cannot be computed is treated as touching everything). Inputs that

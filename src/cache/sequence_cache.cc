@@ -274,11 +274,9 @@ struct SequenceCache::Impl {
 
   // ---- rollback ----
   std::int64_t attention_max_rollback(const Sequence& s, std::size_t i) const {
-    const PagedLayer& p = *layers[i].paged;
     const PagedPart& part = s.parts[i];
-    const bool sliding = p.rule().kind == RetentionRule::Kind::Sliding;
-    if (!s.recording && sliding && s.length >= p.rule().size) return 0;
-    return std::clamp<std::int64_t>(p.rule().max_rollback(part.first, part.end), 0, s.length);
+    return std::clamp<std::int64_t>(layers[i].paged->rule().max_rollback(part.first, part.end, s.recording), 0,
+                                    s.length);
   }
   std::int64_t max_rollback(const Sequence& s) const {
     bool any = false;
@@ -298,34 +296,17 @@ struct SequenceCache::Impl {
     for (std::size_t i = 0; i < layers.size(); ++i) {
       if (s.linear[i]) layer_impl(*s.linear[i]).check_crop(n);
       if (!layers[i].paged) continue;
-      const PagedLayer& p = *layers[i].paged;
-      const RetentionRule& rule = p.rule();
-      const bool sliding = rule.kind == RetentionRule::Kind::Sliding;
+      const RetentionRule& rule = layers[i].paged->rule();
+      auto at = [&] { return to_string(s.id()) + ", " + where(static_cast<int>(i)); };
       auto context = [&] {
-        std::string c = " [" + to_string(s.id()) + ", " + where(static_cast<int>(i)) + ": L=" + num(L);
-        if (sliding) c += ", W=" + num(rule.size);
+        std::string c = " [" + at() + ": L=" + num(L);
+        if (rule.kind == RetentionRule::Kind::Sliding) c += ", W=" + num(rule.size);
         return c + ", crop(" + num(n) + ")]";
       };
-      if (n > 0) {
-        if (sliding && L >= rule.size) throw RollbackError(kSlidingPositive + context());
-        if (rule.kind == RetentionRule::Kind::Chunked && s.parts[i].first > 0) {
-          throw RollbackError(where(static_cast<int>(i)) + ": crop(" + num(n) + ") keeps the first " + num(n) +
-                              " tokens, but this chunked layer no longer holds positions [0, " +
-                              num(s.parts[i].first) + "); crop with a negative int to remove tokens from the end" +
-                              context());
-        }
-        continue;
-      }
-      if (sliding && L >= rule.size && !s.recording) throw RollbackError(kNotTrackingSliding + context());
-      if (n == 0 || n == std::numeric_limits<std::int64_t>::min() || -n >= L) continue;
+      check_attention_crop(rule, s.parts[i].first, L, s.recording, n, at, context);
+      if (n >= 0 || n == std::numeric_limits<std::int64_t>::min() || -n >= L) continue;
       const std::int64_t depth = attention_max_rollback(s, i);
-      if (-n > depth) {
-        throw RollbackError(where(static_cast<int>(i)) + ": crop(" + num(n) + ") asks to remove " + num(-n) + " of " +
-                            num(L) + " tokens of " + to_string(s.id()) + ", but at most " + num(depth) +
-                            " can be removed exactly now (max_rollback); record more history with "
-                            "activate_past_recording(R) before the tokens are appended, or remove all " +
-                            num(L) + " tokens");
-      }
+      if (-n > depth) throw_crop_too_deep(at(), n, L, depth);
     }
   }
   void apply_crop(Sequence& s, std::int64_t n) noexcept {

@@ -23,10 +23,18 @@ struct RetentionRule {
   // First position to keep at length `end` when rollbacks of up to R tokens
   // must stay exact (R = 0: the minimal working state).
   std::int64_t keep_first(std::int64_t end, std::int64_t R) const;
+  // True for a sliding window that has seen W tokens: it can neither keep
+  // the first n tokens nor roll back without recording.
+  bool window_filled(std::int64_t L) const { return kind == Kind::Sliding && L >= size; }
   // Largest exact rollback of a part retaining positions [first, end) (end
   // means any depth).
   std::int64_t max_rollback(std::int64_t first, std::int64_t end) const;
   std::int64_t max_rollback(const PositionBuffer& buffer) const { return max_rollback(buffer.first(), buffer.end()); }
+  // The same for an attention part, recording or not (a filled window that
+  // does not record cannot roll back at all).
+  std::int64_t max_rollback(std::int64_t first, std::int64_t end, bool recording) const {
+    return !recording && window_filled(end) ? 0 : max_rollback(first, end);
+  }
   // Rows a part holds again once recording R refills it, plus one update
   // token: W-1+R+1 (sliding), C-1+R+1 (chunked), K+R+1 (conv); 0 for full
   // attention, whose history only grows.
