@@ -8,6 +8,7 @@
 #include <new>
 #include <optional>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "cache/recurrent_state.h"
@@ -16,6 +17,25 @@
 #include "rewind/layer.h"
 
 namespace rwd {
+
+namespace detail {
+// Runs fn(); what it throws for lack of memory becomes a CapacityError whose
+// message starts with prefix() (built only then): a budget refusal, any
+// CapacityError, and std::bad_alloc from a container (so every error stays
+// an rwd::Error).
+template <typename Prefix, typename Fn>
+decltype(auto) budgeted(Prefix&& prefix, Fn&& fn) {
+  try {
+    return fn();
+  } catch (const BudgetExceeded& e) {
+    throw CapacityError(prefix() + ": " + e.what() + "; nothing was changed");
+  } catch (const CapacityError& e) {
+    throw CapacityError(prefix() + ": " + e.what());
+  } catch (const std::bad_alloc&) {
+    throw CapacityError(prefix() + ": the system could not allocate memory; nothing was changed");
+  }
+}
+}  // namespace detail
 
 // transformers' message when has_previous_state meets no linear layer
 // (docs/semantics.md section 8); raised by Layer and by Cache.
@@ -147,15 +167,7 @@ struct Layer::Impl {
   // Runs fn(); a budget refusal inside gets this layer's name in front.
   template <typename Fn>
   decltype(auto) budgeted(const char* operation, Fn&& fn) const {
-    try {
-      return fn();
-    } catch (const detail::BudgetExceeded& e) {
-      throw CapacityError(where() + ": " + operation + ": " + e.what() + "; nothing was changed");
-    } catch (const CapacityError& e) {
-      throw CapacityError(where() + ": " + operation + ": " + e.what());
-    } catch (const std::bad_alloc&) {  // a container's allocation: still an rwd::Error
-      throw CapacityError(where() + ": " + operation + ": the system could not allocate memory; nothing was changed");
-    }
+    return detail::budgeted([&] { return where() + ": " + operation; }, std::forward<Fn>(fn));
   }
 
   detail::TokenTrack& conv(int state, const char* operation);

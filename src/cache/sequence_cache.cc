@@ -41,17 +41,10 @@ std::string name_of(const Fn& name) {
   return name();
 }
 
-// Runs fn(); std::bad_alloc from a container becomes CapacityError, a budget
-// refusal gets the operation's name in front.
+// detail::budgeted with the operation's name in front.
 template <typename Name, typename Fn>
 decltype(auto) budgeted(const Name& operation, Fn&& fn) {
-  try {
-    return fn();
-  } catch (const detail::BudgetExceeded& e) {
-    throw CapacityError(name_of(operation) + ": " + e.what() + "; nothing was changed");
-  } catch (const std::bad_alloc&) {
-    throw CapacityError(name_of(operation) + ": the system could not allocate memory; nothing was changed");
-  }
+  return detail::budgeted([&] { return name_of(operation); }, std::forward<Fn>(fn));
 }
 
 }  // namespace
