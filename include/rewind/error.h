@@ -62,6 +62,14 @@ class FormatError : public Error {
   using Error::Error;
 };
 
+// A snapshot store (memory, directory, Redis) cannot be reached or read, or
+// refused a request (rewind/store.h). Callers that can recompute what a
+// store holds (the prefix cache) treat it as a miss.
+class StoreError : public Error {
+ public:
+  using Error::Error;
+};
+
 // Receives rewind's warnings (today only the one-time deprecation warning of
 // a positive crop). The default handler writes the message to stderr.
 using WarningHandler = std::function<void(const std::string& message)>;
