@@ -99,13 +99,13 @@ std::string num(i64 v) { return std::to_string(v); }
 // REWIND_FUZZ_STATS is set (e.g. with -runs=0 over a corpus).
 enum Stat {
   kForward, kHostileForward, kAbandoned, kAliasBlocks, kAliasConv, kRecFromCache, kProbe, kHugeBatch, kHugeQuery,
-  kBudgetSet, kBudgetRefusal, kStale, kFork, kCrop, kStatCount
+  kBudgetSet, kBudgetRefusal, kStale, kFork, kCrop, kSnapshot, kStatCount
 };
 constexpr const char* kStatNames[kStatCount] = {
     "batched forwards", "  with every hostile hook", "  abandoned", "inputs aliasing blocks",
     "inputs aliasing conv rows", "recurrent slots written from cache states", "refused calls inside a batch",
     "huge begin_batch", "mask sizes at / past 2^40", "budgets set", "CapacityErrors under a budget",
-    "stale / forged id rounds", "forks", "crops"};
+    "stale / forged id rounds", "forks", "crops", "snapshot operations"};
 FuzzStats<kStatCount>& stats() {
   static FuzzStats<kStatCount> s(kStatNames);
   return s;
@@ -123,7 +123,7 @@ class Fuzzer {
         check(m_.add());
         continue;
       }
-      const std::uint8_t op = next() % 16;
+      const std::uint8_t op = next() % 17;
       switch (op) {
         case 0:
         case 1:
@@ -153,12 +153,14 @@ class Fuzzer {
           else stale();
           break;
         case 14: invalid_batch(); break;
+        case 16: snapshot_op(); break;
         default: forward(true); break;
       }
     }
     count(kBudgetRefusal, m_.budget_refusals);
     // Everything removed: nothing may stay in use.
     check(m_.set_budget(0));
+    while (!m_.held.empty()) check(m_.drop_snapshot(m_.held.size() - 1));
     while (!m_.live.empty()) check(m_.remove(m_.live.size() - 1));
   }
 
@@ -179,6 +181,20 @@ class Fuzzer {
   }
 
   // ---- operations
+
+  // Snapshots: take, restore as a new sequence or into a live one, export
+  // and import, drop (SeqModel checks each against the references).
+  void snapshot_op() {
+    count(kSnapshot);
+    const std::size_t h = m_.held.size();
+    const std::uint8_t c = next() % 5;
+    if (h == 0 || (c == 0 && h < 4)) return check(m_.take_snapshot(pick()));
+    const std::size_t k = next() % h;
+    if (c == 1 && m_.live.size() < 6) return check(m_.restore_new(k));
+    if (c == 2) return check(m_.restore_into(pick(), k));
+    if (c == 3 && m_.live.size() < 6) return check(m_.export_import(pick(), next() & 1 ? k : h));
+    check(m_.drop_snapshot(k));
+  }
 
   void crop() {
     const std::size_t i = pick();

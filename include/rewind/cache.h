@@ -30,6 +30,7 @@
 #include <vector>
 
 #include "rewind/layer.h"
+#include "rewind/snapshot.h"
 
 namespace rwd {
 
@@ -133,6 +134,26 @@ class Cache {
   // a failed forward made without begin_forward). Throws StateError while a
   // forward is open, CapacityError when the budget or the system refuses.
   void reset();
+
+  // ---- snapshots (rewind/snapshot.h) ----
+  // A copy of what every layer needs to continue from the current length L:
+  // attention rows [keep_first, L) (all of them for full attention, the
+  // last W - 1 for a filled window), the last K inputs of every conv state,
+  // every S(L). Rollback history is not included. Throws InvalidArgument
+  // when a layer has batch_size != 1, StateError as crop does (an open
+  // forward, layers out of step), CapacityError when the copy cannot be
+  // allocated.
+  Snapshot snapshot() const;
+  // Replaces the whole state with `s` (from snapshot(), a SequenceCache or
+  // deserialize_snapshot): decoding then continues bit-identically to the
+  // cache the snapshot was taken from. Recording stays as set here, with no
+  // rollback history yet. Works on layers out of step (like reset).
+  // Transactional. Throws InvalidArgument when `s` does not fit this cache
+  // (number of layers, a kind, shape or dtype, attention rows that start
+  // after the first position a layer needs, a length past 2^40; the message
+  // names the layer), StateError while a forward is open, CapacityError
+  // (static capacity, budget, system); nothing changes then.
+  void restore(const Snapshot& s);
 
   MemoryReport memory() const;
   // Releases the slack of every dynamic buffer (full attention keeps up to

@@ -159,6 +159,29 @@ struct SequenceLayer {
 
 class SequenceBatch;
 class BatchRecurrentUpdate;
+namespace detail {
+struct SnapshotHold;
+}
+
+// An immutable snapshot of one sequence of a SequenceCache
+// (SequenceCache::snapshot), owned by the user. Copies share it; the last
+// copy to go releases what it holds (its share of attention blocks, its
+// copied conv and recurrent states). A snapshot whose cache was destroyed
+// becomes empty (valid() false). REQUIRES: copies are destroyed on the
+// thread that owns the cache (destroying one changes the cache's
+// bookkeeping).
+class SequenceSnapshot {
+ public:
+  SequenceSnapshot() = default;  // empty
+  // True when it holds a snapshot of a live cache.
+  bool valid() const;
+  // The sequence length it was taken at (0 when empty).
+  std::int64_t length() const;
+
+ private:
+  friend class SequenceCache;
+  std::shared_ptr<detail::SnapshotHold> hold_;
+};
 
 class SequenceCache {
  public:
@@ -303,6 +326,39 @@ class SequenceCache {
   TensorView get_recurrent_state(SeqId id, int layer_idx, int state = 0) const;  // [1, shape...]
   TensorView recurrent_snapshot(SeqId id, int layer_idx, int state, std::int64_t pos) const;
 
+  // ---- snapshots (docs/sequences.md; rewind/snapshot.h) ----
+  // A snapshot of `id` at its current length: its attention blocks are
+  // shared copy-on-write, not copied, and its conv inputs and recurrent
+  // states copied, so the cost is independent of the length. Rollback
+  // history is not included. The snapshot's blocks count in memory() and
+  // the budget until the last copy of the handle goes. Throws IndexError,
+  // StateError while a batch is open, CapacityError (budget, system).
+  SequenceSnapshot snapshot(SeqId id);
+  // A new sequence holding the snapshot's state (not recording): decoding
+  // it is bit-identical to continuing the sequence the snapshot was taken
+  // from. Same cost as snapshot(). Throws InvalidArgument for an empty
+  // snapshot or one of another cache, StateError while a batch is open,
+  // CapacityError.
+  SeqId restore(const SequenceSnapshot& snapshot);
+  // Replaces the state of `id` with the snapshot's; `id` keeps its
+  // recording bound R, with no history yet. Throws IndexError and what
+  // restore(snapshot) throws; nothing changes then.
+  void restore(SeqId id, const SequenceSnapshot& snapshot);
+  // Plain-data copies (for serialize_snapshot or Cache::restore): the
+  // state of `id` now, or of a snapshot. Throws IndexError / InvalidArgument
+  // (empty or foreign snapshot), StateError while a batch is open,
+  // CapacityError when the copy cannot be allocated.
+  Snapshot export_snapshot(SeqId id) const;
+  Snapshot export_snapshot(const SequenceSnapshot& snapshot) const;
+  // A new sequence (not recording) holding `s` (from export_snapshot,
+  // Cache::snapshot or deserialize_snapshot), its attention rows copied
+  // into fresh blocks. Throws InvalidArgument when `s` does not fit this
+  // cache (as Cache::restore; the message names the layer), StateError while
+  // a batch is open, CapacityError; nothing changes then.
+  SeqId import_snapshot(const Snapshot& s);
+  // Snapshots held now (handles alive).
+  std::int64_t num_snapshots() const;
+
   // ---- memory ----
   SequenceMemory memory() const;
   // Caps the bytes the cache may reserve (0: no cap). Throws CapacityError
@@ -323,6 +379,8 @@ class SequenceCache {
   // Library-internal access to a sequence's per-layer linear state.
   [[gnu::visibility("hidden")]] static Layer::Impl& layer_impl(const Layer& layer);
   [[gnu::visibility("hidden")]] static std::unique_ptr<Layer> make_layer(std::unique_ptr<Layer::Impl> impl);
+  [[gnu::visibility("hidden")]] static detail::SnapshotHold& hold_of(const SequenceSnapshot& snapshot, const Impl& cache,
+                                                                     const char* operation);
   std::unique_ptr<Impl> impl_;
 };
 

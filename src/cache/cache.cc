@@ -385,6 +385,48 @@ void Cache::reorder_cache(std::span<const std::int64_t> beam_idx) {
 
 void Cache::reset() { state().commit_layers(state().prepare_reset()); }
 
+Snapshot Cache::snapshot() const {
+  const Impl& c = state();
+  c.check_whole("snapshot");
+  Snapshot out;
+  out.length = get_seq_length();
+  out.layers.resize(c.layers.size());
+  for (std::size_t i = 0; i < c.layers.size(); ++i) {
+    const Layer::Impl& l = c.layer_impl(i);
+    if (l.batch != 1) {
+      throw InvalidArgument(l.where() + ": snapshot needs batch_size 1 (one sequence), this layer has " +
+                            std::to_string(l.batch) + " rows");
+    }
+    out.layers[i].kind = l.kind;
+    l.capture(out.layers[i]);
+  }
+  return out;
+}
+
+void Cache::restore(const Snapshot& s) {
+  Impl& c = state();
+  if (c.open) c.check_whole("restore");
+  if (s.layers.size() != c.layers.size()) {
+    throw InvalidArgument("restore: the snapshot has " + std::to_string(s.layers.size()) + " layers, this cache " +
+                          std::to_string(c.layers.size()));
+  }
+  if (s.length < 0 || s.length > detail::kMaxTokens) {
+    throw InvalidArgument("restore: the snapshot's length " + std::to_string(s.length) + " is outside [0, 2^40]");
+  }
+  for (std::size_t i = 0; i < c.layers.size(); ++i) {
+    const Layer::Impl& l = c.layer_impl(i);
+    if (l.batch != 1) {
+      throw InvalidArgument("restore: " + l.where() + " has batch_size " + std::to_string(l.batch) +
+                            "; a snapshot holds one sequence (batch_size 1)");
+    }
+    detail::check_layer_snapshot(s.layers[i], s.length, l.kind, l.options, l.keys.rule, "restore: " + l.where());
+  }
+  std::vector<std::unique_ptr<Layer::Impl>> next;
+  next.reserve(c.layers.size());
+  for (std::size_t i = 0; i < c.layers.size(); ++i) next.push_back(c.layer_impl(i).restored(s.layers[i], s.length));
+  c.commit_layers(std::move(next));
+}
+
 void Cache::shrink_to_fit() {
   if (state().open) state().check_whole("shrink_to_fit");
   for (auto& l : state().layers) l.impl_->shrink_to_fit();

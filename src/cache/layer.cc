@@ -19,23 +19,8 @@ using detail::TrackShape;
 // The messages users already search for (docs/semantics.md section 8).
 constexpr const char* kConvOnNonLinear = "Cannot call `update_conv_state` on a non-LinearAttention layer!";
 
-
-bool kind_has_attention(LayerKind k) {
-  switch (k) {
-    case LayerKind::FullAttention:
-    case LayerKind::SlidingAttention:
-    case LayerKind::ChunkedAttention:
-    case LayerKind::Hybrid:
-    case LayerKind::HybridSliding:
-    case LayerKind::SparseAttention: return true;
-    default: return false;
-  }
-}
-
-bool kind_is_linear(LayerKind k) {
-  return k == LayerKind::LinearAttention || k == LayerKind::Conv || k == LayerKind::Hybrid ||
-         k == LayerKind::HybridSliding;
-}
+using detail::kind_has_attention;
+using detail::kind_is_linear;
 
 std::string num(std::int64_t v) { return std::to_string(v); }
 
@@ -978,6 +963,23 @@ ByteSpan byte_span(const TensorView& v) {
     return {0, UINTPTR_MAX};
   }
   return {base - static_cast<std::uintptr_t>(-lo), base + static_cast<std::uintptr_t>(hi)};
+}
+
+bool kind_has_attention(LayerKind k) {
+  switch (k) {
+    case LayerKind::FullAttention:
+    case LayerKind::SlidingAttention:
+    case LayerKind::ChunkedAttention:
+    case LayerKind::Hybrid:
+    case LayerKind::HybridSliding:
+    case LayerKind::SparseAttention: return true;
+    default: return false;
+  }
+}
+
+bool kind_is_linear(LayerKind k) {
+  return k == LayerKind::LinearAttention || k == LayerKind::Conv || k == LayerKind::Hybrid ||
+         k == LayerKind::HybridSliding;
 }
 
 }  // namespace rwd::detail

@@ -15,6 +15,7 @@
 #include "cache/token_track.h"
 #include "rewind/error.h"
 #include "rewind/layer.h"
+#include "rewind/snapshot.h"
 
 namespace rwd {
 
@@ -170,6 +171,21 @@ struct Layer::Impl {
     return detail::budgeted([&] { return where() + ": " + operation; }, std::forward<Fn>(fn));
   }
 
+  // ---- snapshots (rewind/snapshot.h) ----
+  // Copies this layer's state at its length L into `out` (the attention rows
+  // [keep_first(L, 0), L), the last K conv inputs, S(L)); `with_attention`
+  // false leaves the attention part out (SequenceCache keeps it in blocks).
+  // REQUIRES in step, batch 1, no open forward. Throws CapacityError.
+  void capture(LayerSnapshot& out, bool with_attention = true) const;
+  // A fresh Impl (same options, budget and recording, generation bumped)
+  // holding the state `s` describes at length L. REQUIRES
+  // check_layer_snapshot(s, L, ...) passed for this layer. Throws
+  // CapacityError (static capacity, budget, system).
+  std::unique_ptr<Impl> restored(const LayerSnapshot& s, std::int64_t L, bool with_attention = true) const;
+  // Loads `s` at length L into this new, empty Impl (what restored() does
+  // after fresh()). REQUIRES as restored(). Throws CapacityError.
+  void load_snapshot(const LayerSnapshot& s, std::int64_t L, bool with_attention);
+
   detail::TokenTrack& conv(int state, const char* operation);
   const detail::TokenTrack& conv(int state, const char* operation) const;
   detail::RecurrentState& recurrent(int state, const char* operation);
@@ -208,6 +224,17 @@ void check_attention_crop(const detail::RetentionRule& rule, std::int64_t first,
 [[noreturn]] void throw_crop_too_deep(const std::string& where, std::int64_t n, std::int64_t L, std::int64_t depth);
 
 namespace detail {
+bool kind_has_attention(LayerKind k);
+bool kind_is_linear(LayerKind k);
+
+// Throws InvalidArgument, naming `where`, unless `s` can restore a layer of
+// `kind` built with `options` (batch 1) at length L: same kind, every part
+// of that kind present with this layer's shapes and dtypes, attention rows
+// [first, L) with first <= rule.keep_first(L, 0) (all the positions the
+// layer needs), nothing else present.
+void check_layer_snapshot(const LayerSnapshot& s, std::int64_t L, LayerKind kind, const LayerOptions& options,
+                          const RetentionRule& rule, const std::string& where);
+
 // Bytes [lo, hi) an input view may touch (saturating: a view whose span
 // cannot be computed is treated as touching everything). Inputs that
 // overlap memory a call writes are copied first.

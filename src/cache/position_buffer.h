@@ -142,6 +142,12 @@ class PositionBuffer {
     first_ = first;
     end_ = end;
   }
+  // Empties the buffer and places its end at `pos` (a restored snapshot
+  // starts past the origin). The allocation is kept; clear() still returns
+  // to the origin.
+  void place_at(std::int64_t pos) noexcept {
+    base_ = first_ = end_ = pos;
+  }
   // Empties the buffer back to `origin`. Rows for positions
   // [origin, origin + zero_rows) are zero-filled and retained. Keeps the
   // allocation unless it holds more than four times what is retained.

@@ -103,6 +103,16 @@ void RecurrentState::clear() {
   protect();
 }
 
+void RecurrentState::load(std::int64_t L, const TensorView& state) {
+  unpoison(ring.data(), ring.size());
+  length = L;
+  held = 1;
+  table[static_cast<std::size_t>(L % capacity)] = 0;  // physical slot 0 holds S(L)
+  copy_tensor(state, view(L));
+  ++version;
+  protect();
+}
+
 RecurrentState RecurrentState::resized(std::int64_t history_slots) const {
   return copied(batch, history_slots, history_slots + 1, std::min(held, history_slots),
                 [&](std::byte* dst, const std::byte* src) { std::memcpy(dst, src, state_bytes()); });

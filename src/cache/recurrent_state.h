@@ -70,6 +70,9 @@ struct RecurrentState {
   // Back to S(0) = 0 with no history.
   void clear();
   void drop_history() { held = 1; }
+  // Makes S(L) = `state` ([B, shape...], this dtype) the only state held,
+  // at length L (a restored snapshot). REQUIRES L >= 0.
+  void load(std::int64_t L, const TensorView& state);
   // Copy keeping R + 1 = `history_slots` snapshots at most (the newest).
   RecurrentState resized(std::int64_t history_slots) const;
   RecurrentState gathered(std::span<const std::int64_t> rows) const;

@@ -135,6 +135,16 @@ struct Sequence {
 
 }  // namespace
 
+// A snapshot: a sequence nobody can name, kept until its last handle goes.
+namespace detail {
+struct SnapshotHold {
+  SequenceCache::Impl* cache = nullptr;  // null once the cache is gone
+  std::unique_ptr<Sequence> seq;
+  std::int64_t length = 0;
+  ~SnapshotHold();
+};
+}  // namespace detail
+
 struct SequenceCache::Impl {
   detail::MemoryBudget budget;  // declared first: everything below releases into it
   std::int64_t block_size = 16;
@@ -158,8 +168,20 @@ struct SequenceCache::Impl {
   std::vector<Active> active;
   std::vector<std::vector<Layer::Impl::ForwardPlan>> plans;  // begin_batch's scratch
 
+  // Live snapshots, and those whose last handle went while a batch was open
+  // (a batch's saved ranges name holder entries that must not move until
+  // it closes). Capacities are reserved by snapshot(): dropping never allocates.
+  std::vector<detail::SnapshotHold*> holds;
+  std::vector<std::unique_ptr<Sequence>> deferred;
+
   ~Impl() {
     if (open) abandon_batch();
+    for (detail::SnapshotHold* h : holds) {
+      release_parts(*h->seq);
+      h->seq.reset();
+      h->cache = nullptr;
+    }
+    holds.clear();
     for (auto& slot : slots)
       if (slot.seq) release_parts(*slot.seq);
     slots.clear();  // linear layers release into the budget before the pools die
@@ -352,6 +374,125 @@ struct SequenceCache::Impl {
     active.clear();
     if (open) open->cache_ = nullptr;
     open = nullptr;
+    for (auto& s : deferred) release_parts(*s);
+    deferred.clear();
+  }
+
+  // ---- snapshots ----
+  void drop(detail::SnapshotHold& h) noexcept {
+    const auto it = std::find(holds.begin(), holds.end(), &h);
+    if (it != holds.end()) {
+      *it = holds.back();
+      holds.pop_back();
+    }
+    if (open) {
+      deferred.push_back(std::move(h.seq));  // capacity reserved
+    } else {
+      release_parts(*h.seq);
+      h.seq.reset();
+    }
+  }
+  // A new sequence holding exactly what `parent` holds (fork, restore).
+  std::unique_ptr<Sequence> copy_of(const Sequence& parent) {
+    auto s = make_sequence(&parent);  // copies conv / recurrent state, reserves the block tables
+    for (std::size_t i = 0; i < layers.size(); ++i)
+      if (layers[i].paged) layers[i].paged->commit_fork(parent.parts[i], s->parts[i]);
+    return s;
+  }
+  // Runs fn(s) on a sequence not placed yet; releases its blocks when fn throws.
+  template <typename Fn>
+  void or_release(Sequence& s, Fn&& fn) {
+    try {
+      fn(s);
+    } catch (...) {
+      release_parts(s);
+      throw;
+    }
+  }
+  // Puts `fresh` in the place of `old` (same id); `old` goes.
+  void replace(Sequence& old, std::unique_ptr<Sequence> fresh) noexcept {
+    fresh->slot = old.slot;
+    fresh->generation = old.generation;
+    release_parts(old);
+    slots[fresh->slot].seq = std::move(fresh);
+  }
+  void check_snapshot(const Snapshot& snap, const std::string& operation) const {
+    if (snap.layers.size() != layers.size()) {
+      throw InvalidArgument(operation + ": the snapshot has " + num(static_cast<std::int64_t>(snap.layers.size())) +
+                            " layers, this cache " + num(static_cast<std::int64_t>(layers.size())));
+    }
+    if (snap.length < 0 || snap.length > detail::kMaxTokens) {
+      throw InvalidArgument(operation + ": the snapshot's length " + num(snap.length) + " is outside [0, 2^40]");
+    }
+    for (std::size_t i = 0; i < layers.size(); ++i) {
+      const LayerState& l = layers[i];
+      detail::check_layer_snapshot(snap.layers[i], snap.length, l.kind, l.options,
+                                   l.paged ? l.paged->rule() : RetentionRule{}, operation + ": " + where(static_cast<int>(i)));
+    }
+  }
+  Snapshot export_of(const Sequence& s) const {
+    Snapshot out;
+    const std::int64_t L = s.length;
+    out.length = L;
+    out.layers.resize(layers.size());
+    std::vector<BlockSpan> spans;
+    for (std::size_t i = 0; i < layers.size(); ++i) {
+      LayerSnapshot& ls = out.layers[i];
+      ls.kind = layers[i].kind;
+      if (s.linear[i]) layer_impl(*s.linear[i]).capture(ls, false);
+      if (!layers[i].paged) continue;
+      const PagedLayer& p = *layers[i].paged;
+      const BlockLayout& b = p.layout();
+      const std::int64_t first = p.rule().keep_first(L, 0);
+      const std::int64_t n = L - first;
+      spans.clear();
+      p.spans(s.parts[i], first, spans);
+      ls.first = first;
+      ls.keys = Tensor(b.dtype, {1, b.num_kv_heads, n, b.key_dim});
+      ls.values = Tensor(b.dtype, {1, b.num_kv_heads, n, b.value_dim});
+      b.gather(spans, 0, first, ls.keys.view());
+      b.gather(spans, 1, first, ls.values.view());
+      for (std::size_t k = 0; k < b.side_dims.size(); ++k) {
+        ls.sides.emplace_back(b.dtype, std::initializer_list<std::int64_t>{1, n, b.side_dims[k]});
+        b.gather(spans, 2 + static_cast<int>(k), first, ls.sides.back().view());
+      }
+    }
+    return out;
+  }
+  // A new sequence holding `snap` (checked by check_snapshot).
+  std::unique_ptr<Sequence> import(const Snapshot& snap) {
+    auto s = std::make_unique<Sequence>();
+    s->parts.resize(layers.size());
+    s->linear.resize(layers.size());
+    const std::int64_t L = snap.length;
+    or_release(*s, [&](Sequence& seq) {
+      for (std::size_t i = 0; i < layers.size(); ++i) {
+        const LayerState& l = layers[i];
+        const LayerSnapshot& ls = snap.layers[i];
+        if (l.linear) {
+          auto impl = std::make_unique<Layer::Impl>(l.linear_kind, l.options, static_cast<int>(i), &budget);
+          impl->kind = l.kind;
+          impl->load_snapshot(ls, L, false);
+          seq.linear[i] = make_layer(std::move(impl));
+        }
+        if (!l.paged) continue;
+        PagedLayer& p = *l.paged;
+        PagedPart& part = seq.parts[i];
+        const std::int64_t first = p.rule().keep_first(L, 0);
+        const std::int64_t n = L - first;
+        part.first = part.end = first;
+        if (n == 0) continue;
+        p.reserve(part, n);
+        p.open(part);
+        p.write(part, 0, ls.keys.view(), 2, first - ls.first, first, n);
+        p.write(part, 1, ls.values.view(), 2, first - ls.first, first, n);
+        for (std::size_t k = 0; k < ls.sides.size(); ++k)
+          p.write(part, 2 + static_cast<int>(k), ls.sides[k].view(), 1, first - ls.first, first, n);
+        p.commit(part, 0);
+      }
+    });
+    s->length = L;
+    return s;
   }
   void abandon_batch() noexcept {
     for (const Active& a : active) {
@@ -565,11 +706,8 @@ SeqId SequenceCache::fork(SeqId parent) {
   c.refuse_in_batch([&] { return "fork(" + to_string(parent) + ")"; });
   const Sequence& p = c.lookup(parent);
   return budgeted([&] { return "fork(" + to_string(parent) + ")"; }, [&] {
-    auto s = c.make_sequence(&p);  // copies conv / recurrent state, reserves the block tables
     c.reserve_slot();
-    for (std::size_t i = 0; i < c.layers.size(); ++i)
-      if (c.layers[i].paged) c.layers[i].paged->commit_fork(p.parts[i], s->parts[i]);
-    return c.place(std::move(s));
+    return c.place(c.copy_of(p));
   });
 }
 
@@ -973,6 +1111,94 @@ TensorView SequenceCache::recurrent_snapshot(SeqId id, int layer_idx, int state_
 
 // ---- memory ------------------------------------------------------------------------
 
+// ---- snapshots ---------------------------------------------------------------------
+
+detail::SnapshotHold::~SnapshotHold() {
+  if (cache) cache->drop(*this);
+}
+
+bool SequenceSnapshot::valid() const { return hold_ && hold_->cache; }
+std::int64_t SequenceSnapshot::length() const { return hold_ ? hold_->length : 0; }
+
+detail::SnapshotHold& SequenceCache::hold_of(const SequenceSnapshot& snapshot, const Impl& cache, const char* operation) {
+  if (!snapshot.hold_) throw InvalidArgument(std::string(operation) + ": the snapshot is empty (default-constructed)");
+  if (snapshot.hold_->cache != &cache) {
+    throw InvalidArgument(std::string(operation) +
+                          ": the snapshot belongs to another SequenceCache (or to one that was destroyed)");
+  }
+  return *snapshot.hold_;
+}
+
+SequenceSnapshot SequenceCache::snapshot(SeqId id) {
+  Impl& c = state();
+  auto name = [&] { return "snapshot(" + to_string(id) + ")"; };
+  c.refuse_in_batch(name);
+  const Sequence& parent = c.lookup(id);
+  return budgeted(name, [&] {
+    SequenceSnapshot out;
+    out.hold_ = std::make_shared<detail::SnapshotHold>();
+    c.holds.reserve(c.holds.size() + 1);
+    c.deferred.reserve(c.holds.size() + 1);
+    std::unique_ptr<Sequence> s = c.copy_of(parent);
+    c.or_release(*s, [&](Sequence& seq) { c.set_recording(seq, false, 0); });  // no history: the state at L
+    out.hold_->length = s->length;
+    out.hold_->seq = std::move(s);
+    out.hold_->cache = &c;
+    c.holds.push_back(out.hold_.get());  // capacity reserved
+    return out;
+  });
+}
+
+SeqId SequenceCache::restore(const SequenceSnapshot& snapshot) {
+  Impl& c = state();
+  c.refuse_in_batch("restore");
+  const detail::SnapshotHold& h = hold_of(snapshot, c, "restore");
+  return budgeted("restore", [&] {
+    c.reserve_slot();
+    return c.place(c.copy_of(*h.seq));
+  });
+}
+
+void SequenceCache::restore(SeqId id, const SequenceSnapshot& snapshot) {
+  Impl& c = state();
+  auto name = [&] { return "restore(" + to_string(id) + ")"; };
+  c.refuse_in_batch(name);
+  Sequence& old = c.lookup(id);
+  const detail::SnapshotHold& h = hold_of(snapshot, c, "restore");
+  budgeted(name, [&] {
+    std::unique_ptr<Sequence> s = c.copy_of(*h.seq);
+    if (old.recording) c.or_release(*s, [&](Sequence& seq) { c.set_recording(seq, true, old.history); });
+    c.replace(old, std::move(s));
+  });
+}
+
+Snapshot SequenceCache::export_snapshot(SeqId id) const {
+  const Impl& c = state();
+  auto name = [&] { return "export_snapshot(" + to_string(id) + ")"; };
+  c.refuse_in_batch(name);
+  const Sequence& s = c.lookup(id);
+  return budgeted(name, [&] { return c.export_of(s); });
+}
+
+Snapshot SequenceCache::export_snapshot(const SequenceSnapshot& snapshot) const {
+  const Impl& c = state();
+  c.refuse_in_batch("export_snapshot");
+  const detail::SnapshotHold& h = hold_of(snapshot, c, "export_snapshot");
+  return budgeted("export_snapshot", [&] { return c.export_of(*h.seq); });
+}
+
+SeqId SequenceCache::import_snapshot(const Snapshot& s) {
+  Impl& c = state();
+  c.refuse_in_batch("import_snapshot");
+  c.check_snapshot(s, "import_snapshot");
+  return budgeted("import_snapshot", [&] {
+    c.reserve_slot();
+    return c.place(c.import(s));
+  });
+}
+
+std::int64_t SequenceCache::num_snapshots() const { return static_cast<std::int64_t>(state().holds.size()); }
+
 SequenceMemory SequenceCache::memory() const {
   const Impl& c = state();
   SequenceMemory m;
@@ -983,11 +1209,14 @@ SequenceMemory SequenceCache::memory() const {
     m.blocks_free += l.paged->pool().free_count();
     m.bytes_used += static_cast<std::size_t>(l.paged->pool().in_use()) * l.paged->pool().block_bytes();
   }
-  for (const auto& slot : c.slots) {
-    if (!slot.seq) continue;
-    for (const auto& layer : slot.seq->linear)
+  auto count_linear = [&](const Sequence& s) {
+    for (const auto& layer : s.linear)
       if (layer) m.bytes_used += layer->memory().bytes_used;
-  }
+  };
+  for (const auto& slot : c.slots)
+    if (slot.seq) count_linear(*slot.seq);
+  for (const detail::SnapshotHold* h : c.holds) count_linear(*h->seq);
+  for (const auto& s : c.deferred) count_linear(*s);
   return m;
 }
 

@@ -95,4 +95,15 @@ TokenTrack TokenTrack::gathered(std::span<const std::int64_t> rows) const {
   return out;
 }
 
+TensorView TokenTrack::load(std::int64_t first, std::int64_t n) {
+  buffer.place_at(first);
+  if (!buffer.can_append(n)) {
+    throw CapacityError("restoring " + std::to_string(n) + " positions needs " + std::to_string(n) +
+                        " token slots, but static_capacity is " + std::to_string(buffer.slots()));
+  }
+  buffer.apply(buffer.plan_append(n), n);
+  buffer.commit_append(n);
+  return view(first, n);
+}
+
 }  // namespace rwd::detail

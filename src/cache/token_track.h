@@ -94,6 +94,11 @@ struct TokenTrack {
   // Debug aid: rows no valid view covers become unreadable.
   void protect() const noexcept { buffer.protect(rule.visible_first(length())); }
   TokenTrack gathered(std::span<const std::int64_t> rows) const;
+  // Empties the track and makes it hold positions [first, first + n),
+  // returning their rows for the caller to fill (a restored snapshot).
+  // Throws CapacityError when a static buffer has fewer than n slots or the
+  // budget or the system refuses; the track is empty then.
+  TensorView load(std::int64_t first, std::int64_t n);
 };
 
 }  // namespace rwd::detail

@@ -376,6 +376,15 @@ class SeqModel {
   // The block count, computed from the sequences' spans: for every attention
   // layer the distinct blocks that hold a retained position of some live
   // sequence.
+  static void insert_blocks(std::set<const std::byte*>& out, const std::vector<BlockSpan>& spans, i64 first, i64 end,
+                            i64 bs) {
+    for (const BlockSpan& sp : spans) {
+      const i64 from = std::max(sp.position, first), to = std::min(sp.position + sp.num_tokens, end);
+      for (i64 b = from < to ? from / bs : 0; from < to && b <= (to - 1) / bs; ++b)
+        out.insert(sp.blocks[b - sp.position / bs]);
+    }
+  }
+
   std::string verify_memory() const {
     auto n = [](auto v) { return std::to_string(v); };
     const SequenceMemory m = cache.memory();
@@ -387,12 +396,9 @@ class SeqModel {
       std::set<const std::byte*> layer;
       for (const SeqState& s : live) {
         const rwd::PositionRange r = cache.stored_range(s.id, i);
-        for (const BlockSpan& sp : cache.block_spans(s.id, i)) {
-          const i64 from = std::max(sp.position, r.first), to = std::min(sp.position + sp.num_tokens, r.end);
-          for (i64 b = from < to ? from / bs : 0; from < to && b <= (to - 1) / bs; ++b)
-            layer.insert(sp.blocks[b - sp.position / bs]);
-        }
+        insert_blocks(layer, cache.block_spans(s.id, i), r.first, r.end, bs);
       }
+      for (const Held& h : held) layer.insert(h.blocks[static_cast<std::size_t>(i)].begin(), h.blocks[static_cast<std::size_t>(i)].end());
       block_bytes += layer.size() * cache.block_layout(i).block_bytes;
       all.insert(layer.begin(), layer.end());
     }
@@ -404,7 +410,9 @@ class SeqModel {
     if (m.bytes_reserved < m.bytes_used)
       return "memory().bytes_reserved = " + n(m.bytes_reserved) + " < bytes_used = " + n(m.bytes_used);
     if (m.blocks_free < 0) return "memory().blocks_free < 0";
-    if (live.empty() && (m.blocks_in_use != 0 || m.bytes_used != 0))
+    if (cache.num_snapshots() != static_cast<i64>(held.size()))
+      return "num_snapshots() = " + n(cache.num_snapshots()) + ", " + n(held.size()) + " handles are held";
+    if (live.empty() && held.empty() && (m.blocks_in_use != 0 || m.bytes_used != 0))
       return "no sequence left, yet blocks_in_use = " + n(m.blocks_in_use) + ", bytes_used = " + n(m.bytes_used);
     return "";
   }
@@ -551,6 +559,92 @@ class SeqModel {
       live.push_back(std::move(kept));
       return std::string();
     });
+  }
+
+  // ---- snapshots: the oracle of a snapshot is a copy of its sequence's
+  // reference without rollback history (deactivate), of a restore into a
+  // recording sequence that copy recording again with the same R.
+
+  static i64 recording_bound(const RefCache& r) {
+    for (const RefLayer& l : r.layers)
+      if (!l.stateless()) return l.recording ? l.R : -1;
+    return -1;
+  }
+  static RefCache without_history(RefCache r) {
+    r.deactivate();
+    return r;
+  }
+
+  std::string take_snapshot(std::size_t i) {
+    const SeqId id = live[i].id;
+    rwd::SequenceSnapshot h;
+    return op("snapshot(" + id_str(id) + ") [L=" + std::to_string(live[i].ref.seq_length()) + "] -> snapshot " +
+                  std::to_string(held.size()),
+              [&] { h = cache.snapshot(id); }, {}, [&] {
+                Held k{h, without_history(live[i].ref), {}};
+                if (!h.valid() || h.length() != k.ref.seq_length())
+                  return "the handle is " + std::string(h.valid() ? "valid" : "invalid") + " with length " +
+                         std::to_string(h.length()) + ", expected a valid one of length " +
+                         std::to_string(k.ref.seq_length());
+                k.blocks.resize(static_cast<std::size_t>(num_layers()));
+                for (int l = 0; l < num_layers(); ++l) {
+                  const RefLayer& rl = k.ref.layers[static_cast<std::size_t>(l)];
+                  if (rl.has_attention())
+                    insert_blocks(k.blocks[static_cast<std::size_t>(l)], cache.block_spans(id, l), rl.first, rl.L,
+                                  cache.block_size());
+                }
+                held.push_back(std::move(k));
+                return std::string();
+              });
+  }
+
+  std::string restore_new(std::size_t k) {
+    SeqId id;
+    return op("restore(snapshot " + std::to_string(k) + ")", [&] { id = cache.restore(held[k].handle); }, {}, [&] {
+      if (std::string e = fresh_id(id); !e.empty()) return e;
+      live.push_back(SeqState{id, held[k].ref, ++tags_, 0});
+      note("  -> " + id_str(id));
+      return std::string();
+    });
+  }
+
+  std::string restore_into(std::size_t i, std::size_t k) {
+    const SeqId id = live[i].id;
+    return op("restore(" + id_str(id) + ", snapshot " + std::to_string(k) + ")",
+              [&] { cache.restore(id, held[k].handle); }, {}, [&] {
+                RefCache r = held[k].ref;
+                if (const i64 R = recording_bound(live[i].ref); R >= 0) r.activate(R);
+                live[i].ref = std::move(r);
+                live[i].tag = ++tags_;
+                live[i].steps = 0;
+                return std::string();
+              });
+  }
+
+  // export_snapshot (of a live sequence, or of held snapshot k when k <
+  // held.size()) then import_snapshot: a new sequence.
+  std::string export_import(std::size_t i, std::size_t k) {
+    const bool of_held = k < held.size();
+    const SeqId from = live[i].id;
+    SeqId id;
+    return op(std::string("import_snapshot(export_snapshot(") +
+                  (of_held ? "snapshot " + std::to_string(k) : id_str(from)) + "))",
+              [&] {
+                const rwd::Snapshot plain = of_held ? cache.export_snapshot(held[k].handle) : cache.export_snapshot(from);
+                id = cache.import_snapshot(plain);
+              },
+              {}, [&] {
+                if (std::string e = fresh_id(id); !e.empty()) return e;
+                live.push_back(SeqState{id, of_held ? held[k].ref : without_history(live[i].ref), ++tags_, 0});
+                note("  -> " + id_str(id));
+                return std::string();
+              });
+  }
+
+  std::string drop_snapshot(std::size_t k) {
+    note("drop snapshot " + std::to_string(k));
+    held.erase(held.begin() + static_cast<std::ptrdiff_t>(k));
+    return check();
   }
 
   // ---- per-sequence rollback and recording
@@ -1047,9 +1141,15 @@ class SeqModel {
 
 
  public:
+  struct Held {
+    rwd::SequenceSnapshot handle;
+    RefCache ref;
+    std::vector<std::set<const std::byte*>> blocks;  // per layer, the blocks it shares
+  };
   SequenceCache cache;
   std::vector<SeqState> live;
   std::vector<SeqId> removed;
+  std::vector<Held> held;  // declared after the cache: handles go first
 };
 
 }  // namespace rwt::seqtest

@@ -58,7 +58,9 @@ class RandomDriver {
   std::string run(int ops) {
     for (int k = 0; k < ops; ++k)
       if (std::string e = step(); !e.empty()) return e;
-    // Remove every sequence, in random order: nothing may stay in use.
+    // Drop the snapshots, remove every sequence, in random order: nothing may stay in use.
+    while (!m_.held.empty())
+      if (std::string e = m_.drop_snapshot(pick(m_.held.size())); !e.empty()) return e;
     while (!m_.live.empty())
       if (std::string e = m_.remove(pick(m_.live.size())); !e.empty()) return e;
     const SequenceMemory mem = m_.cache.memory();
@@ -93,7 +95,19 @@ class RandomDriver {
     if (dice < 53) return m_.deactivate(pick(n));
     if (dice < 56) return invalid_batch();
     if (dice < 58) return m_.shrink();
+    if (dice < 64) return snapshot_op();
     return forward();
+  }
+
+  std::string snapshot_op() {
+    const std::size_t n = m_.live.size();
+    const std::size_t h = m_.held.size();
+    if (h == 0 || (h < 4 && chance(35))) return m_.take_snapshot(pick(n));
+    const i64 dice = uniform(0, 99);
+    if (dice < 30 && n < 6) return m_.restore_new(pick(h));
+    if (dice < 55) return m_.restore_into(pick(n), pick(h));
+    if (dice < 75 && n < 6) return m_.export_import(pick(n), chance(50) ? pick(h) : h);
+    return m_.drop_snapshot(pick(h));
   }
 
   // A new sequence, most of them recording (so that crops are exact).
