@@ -62,6 +62,28 @@ bool emit(std::int32_t token, const Model& model, const GenerationOptions& optio
   return static_cast<std::int64_t>(out.size()) < options.max_new_tokens;
 }
 
+// The plain decoding loop from a cache that has seen the prompt and the
+// logits after its last token.
+std::vector<std::int32_t> decode(const Model& model, Cache& cache, std::vector<float>& logits,
+                                 const GenerationOptions& options, GenerationStats& local, Clock::time_point t0,
+                                 GenerationStats* stats) {
+  std::mt19937_64 rng(options.sampling.seed);
+  std::vector<std::int32_t> out;
+  if (options.max_new_tokens > 0) {
+    while (true) {
+      const std::int32_t token = pick(logits, options.sampling, rng);
+      if (!emit(token, model, options, out, t0, local)) break;
+      model.forward(std::span<const std::int32_t>(&token, 1), cache, logits, false, &local.cache_seconds);
+      ++local.forwards;
+    }
+  }
+  local.peak_cache_bytes = cache.memory().bytes_reserved;
+  local.new_tokens = static_cast<std::int64_t>(out.size());
+  local.seconds = seconds_since(t0);
+  if (stats) *stats = local;
+  return out;
+}
+
 }  // namespace
 
 void validate(const SamplingParams& p) {
@@ -138,9 +160,46 @@ std::string GenerationStats::to_json() const {
   j["forwards"] = forwards;
   j["cache_seconds"] = cache_seconds;
   j["peak_cache_bytes"] = peak_cache_bytes;
+  j["prefix_hit_tokens"] = prefix_hit_tokens;
   j["seed"] = seed ? nlohmann::json(*seed) : nlohmann::json(nullptr);
   j["threads"] = threads;
   return j.dump();
+}
+
+std::int64_t prefill(const Model& model, std::span<const std::int32_t> tokens, Cache& cache, std::vector<float>& logits,
+                     PrefixCache* prefix_cache, GenerationStats& stats) {
+  const auto P = static_cast<std::int64_t>(tokens.size());
+  if (!prefix_cache) {
+    model.forward(tokens, cache, logits, false, &stats.cache_seconds);
+    ++stats.forwards;
+    return 0;
+  }
+  std::int64_t restored = 0;
+  PrefixHit hit = prefix_cache->lookup(tokens, true);
+  if (hit.length > 0 && hit.state.logits.numel() == model.vocab_size()) {
+    try {
+      const auto tc = Clock::now();
+      cache.restore(hit.state);  // transactional: a misfit leaves the cache empty
+      stats.cache_seconds += seconds_since(tc);
+      restored = hit.length;
+    } catch (const InvalidArgument&) {
+      // an entry of another shape under this fingerprint: recompute
+    }
+  }
+  if (restored == P) {
+    const float* l = hit.state.logits.data<float>();
+    logits.assign(l, l + model.vocab_size());
+    return restored;
+  }
+  std::int64_t a = restored;
+  for (const std::int64_t b : prefix_cache->boundaries(restored, P)) {
+    model.forward(tokens.subspan(static_cast<std::size_t>(a), static_cast<std::size_t>(b - a)), cache, logits, false,
+                  &stats.cache_seconds);
+    ++stats.forwards;
+    prefix_cache->store(tokens.first(static_cast<std::size_t>(b)), a, cache.snapshot(a), logits);
+    a = b;
+  }
+  return restored;
 }
 
 std::vector<std::int32_t> generate(const Model& model, std::span<const std::int32_t> prompt,
@@ -149,25 +208,24 @@ std::vector<std::int32_t> generate(const Model& model, std::span<const std::int3
   check_prompt(prompt);
   const auto t0 = Clock::now();
   GenerationStats local = start_stats(prompt, options.sampling);
-  std::mt19937_64 rng(options.sampling.seed);
   Cache cache = model.make_cache();
   std::vector<float> logits;
-  std::vector<std::int32_t> out;
-  if (options.max_new_tokens > 0) {
-    model.forward(prompt, cache, logits, false, &local.cache_seconds);
-    ++local.forwards;
-    while (true) {
-      const std::int32_t token = pick(logits, options.sampling, rng);
-      if (!emit(token, model, options, out, t0, local)) break;
-      model.forward(std::span<const std::int32_t>(&token, 1), cache, logits, false, &local.cache_seconds);
-      ++local.forwards;
-    }
+  if (options.max_new_tokens > 0)
+    local.prefix_hit_tokens = prefill(model, prompt, cache, logits, options.prefix_cache, local);
+  return decode(model, cache, logits, options, local, t0, stats);
+}
+
+std::vector<std::int32_t> continue_generation(const Model& model, Cache& cache, std::vector<float>& logits,
+                                              const GenerationOptions& options, GenerationStats* stats) {
+  validate(options.sampling);
+  if (cache.get_seq_length() < 1) throw InvalidArgument("continue_generation needs a cache holding at least one token");
+  if (static_cast<std::int64_t>(logits.size()) != model.vocab_size()) {
+    throw InvalidArgument("continue_generation needs the logits of the last token: " + std::to_string(model.vocab_size()) +
+                          " floats, got " + std::to_string(logits.size()));
   }
-  local.peak_cache_bytes = cache.memory().bytes_reserved;
-  local.new_tokens = static_cast<std::int64_t>(out.size());
-  local.seconds = seconds_since(t0);
-  if (stats) *stats = local;
-  return out;
+  GenerationStats local = start_stats({}, options.sampling);
+  local.prompt_tokens = cache.get_seq_length();
+  return decode(model, cache, logits, options, local, Clock::now(), stats);
 }
 
 std::string BatchGenerationStats::to_json() const {
@@ -617,8 +675,7 @@ std::vector<std::int32_t> speculative_generate(const Model& target, DraftSource&
   // The target sees every token but the last one; that "pending" token
   // leads each verify forward.
   if (prompt.size() > 1 && s.running) {
-    target.forward(prompt.first(prompt.size() - 1), cache, logits, false, &s.stats.cache_seconds);
-    ++s.stats.forwards;
+    s.stats.prefix_hit_tokens = prefill(target, prompt.first(prompt.size() - 1), cache, logits, options.prefix_cache, s.stats);
   }
   while (s.running) {
     plan_round(s, options);

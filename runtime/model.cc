@@ -7,6 +7,7 @@
 #include <optional>
 
 #include "rewind/error.h"
+#include "rewind/prefix_cache.h"
 #include "runtime/kernels.h"
 
 namespace rwd::runtime {
@@ -65,6 +66,20 @@ class CacheTimer {
 Model::Model(ModelWeights weights) : weights_(std::move(weights)) {
   const ModelConfig& c = weights_.config();
   for (const auto& name : weights_.names()) parameter_count_ += weights_.get(name).numel();
+  {  // before packing releases the originals
+    const std::string config_text = to_json(c);
+    std::uint64_t h = content_hash(std::as_bytes(std::span(config_text)));
+    for (const auto& name : weights_.names()) {
+      const Tensor& t = weights_.get(name);
+      const std::string head = name + ":" + t.view().describe();
+      h = content_hash(std::as_bytes(std::span(head)), h);
+      h = content_hash(std::span(static_cast<const std::byte*>(t.view().data), t.bytes()), h);
+    }
+    static constexpr char digits[] = "0123456789abcdef";
+    std::string hex(16, '0');
+    for (int i = 15; i >= 0; --i, h >>= 4) hex[static_cast<std::size_t>(i)] = digits[h & 15];
+    fingerprint_ = "rewind-hybrid-" + hex;
+  }
   embed_ = data_of(weights_, "model.embed_tokens.weight");
   final_norm_ = data_of(weights_, "model.norm.weight");
   lm_head_ = packed(weights_, c.tie_word_embeddings ? "model.embed_tokens.weight" : "lm_head.weight");

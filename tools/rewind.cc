@@ -19,9 +19,11 @@
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <iostream>
+#include <iterator>
 #include <limits>
 #include <memory>
 #include <optional>
@@ -33,6 +35,10 @@
 #include <CLI/CLI.hpp>
 
 #include "rewind/error.h"
+#include "rewind/prefix_cache.h"
+#include "rewind/redis_store.h"
+#include "rewind/snapshot.h"
+#include "rewind/store.h"
 #include "runtime/decode_bench.h"
 #include "runtime/eval.h"
 #include "runtime/generate.h"
@@ -231,6 +237,41 @@ struct DraftChoice {
   }
 };
 
+// --prefix-cache SPEC: a directory, or redis://HOST:PORT[/PREFIX].
+struct PrefixChoice {
+  std::string spec;
+  std::int64_t interval = 256;
+  std::int64_t bytes = 0;  // cap of a directory store (0: none)
+
+  // The prefix cache for `model`, or null without --prefix-cache. A store
+  // that cannot be reached now is a warning and no prefix cache: generation
+  // recomputes (the output does not depend on the cache).
+  std::unique_ptr<PrefixCache> open(const CLI::App& cmd, const Model& model) const {
+    if (cmd.count("--prefix-cache") == 0) {
+      if (cmd.count("--prefix-interval") > 0 || cmd.count("--prefix-cache-bytes") > 0)
+        throw InvalidArgument("--prefix-interval and --prefix-cache-bytes need --prefix-cache");
+      return nullptr;
+    }
+    std::shared_ptr<BlobStore> store;
+    try {
+      if (spec.rfind("redis://", 0) == 0) {
+        if (cmd.count("--prefix-cache-bytes") > 0)
+          throw InvalidArgument("--prefix-cache-bytes caps a directory cache; a Redis server caps itself (maxmemory)");
+        store = make_redis_store(parse_redis_url(spec));
+      } else {
+        store = make_directory_store(spec, static_cast<std::size_t>(bytes));
+      }
+    } catch (const StoreError& e) {
+      std::fprintf(stderr, "rewind: warning: prefix cache %s: %s; continuing without it\n", spec.c_str(), e.what());
+      return nullptr;
+    }
+    PrefixCacheOptions options;
+    options.interval = interval;
+    options.model_fingerprint = model.fingerprint();
+    return std::make_unique<PrefixCache>(std::move(store), options);
+  }
+};
+
 struct SamplingChoice {
   SamplingParams params;
 
@@ -347,18 +388,26 @@ int run_generate_batch(const std::string& model_dir, const PromptChoice& prompt_
 
 int run_generate(const CLI::App& cmd, const std::string& model_dir, const PromptChoice& prompt_choice,
                  std::int64_t max_new, const DraftChoice& choice, const SamplingChoice& sampling_choice,
-                 bool stats_wanted) {
+                 const PrefixChoice& prefix_choice, bool stats_wanted) {
   choice.check(cmd);
   const SamplingParams sampling = sampling_choice.resolve(cmd);
   prompt_choice.check_batch(cmd);
-  if (prompt_choice.many(cmd)) return run_generate_batch(model_dir, prompt_choice, max_new, choice, sampling, stats_wanted);
+  if (prompt_choice.many(cmd)) {
+    if (cmd.count("--prefix-cache") > 0) {
+      throw InvalidArgument("--prefix-cache works with one prompt (--prompt / --prompt-file); batched decoding "
+                            "(--prompts) does not reuse prefixes yet");
+    }
+    return run_generate_batch(model_dir, prompt_choice, max_new, choice, sampling, stats_wanted);
+  }
   const std::string prompt = prompt_choice.read(cmd);
   const Model model = Model::load(model_dir);
   const std::optional<Model> draft = load_draft(choice, model);
   const std::vector<std::int32_t> tokens = encode_prompt(prompt, model.config());
+  const std::unique_ptr<PrefixCache> prefix = prefix_choice.open(cmd, model);
   GenerationOptions options;
   options.max_new_tokens = max_new;
   options.sampling = sampling;
+  options.prefix_cache = prefix.get();
   options.on_token = [](std::int32_t t) {
     if (t < 256) {
       std::fputc(t, stdout);
@@ -621,6 +670,132 @@ int run_bench(const std::string& model_dir, const std::string& draft_dir, std::i
   return all_identical ? 0 : 1;
 }
 
+// ---- snapshot files (rewind/snapshot.h, docs/snapshot-format.md) ----
+
+std::vector<std::byte> read_file_bytes(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) throw InvalidArgument("--file " + path + ": cannot open it");
+  std::vector<char> data((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  if (in.bad()) throw InvalidArgument("--file " + path + ": read error");
+  std::vector<std::byte> out(data.size());
+  std::memcpy(out.data(), data.data(), data.size());
+  return out;
+}
+
+// Writes to a temporary name beside `path`, then renames: a reader never
+// sees half a file.
+void write_file_atomically(const std::string& path, const std::vector<std::byte>& bytes) {
+  const std::string tmp = path + ".tmp" + std::to_string(::getpid());
+  {
+    std::ofstream out(tmp, std::ios::binary | std::ios::trunc);
+    if (!out) throw Error("--out " + path + ": cannot write " + tmp);
+    out.write(reinterpret_cast<const char*>(bytes.data()), static_cast<std::streamsize>(bytes.size()));
+    out.close();
+    if (!out) {
+      std::remove(tmp.c_str());
+      throw Error("--out " + path + ": writing " + tmp + " failed");
+    }
+  }
+  if (std::rename(tmp.c_str(), path.c_str()) != 0) {
+    std::remove(tmp.c_str());
+    throw Error("--out " + path + ": cannot rename " + tmp + " into place");
+  }
+}
+
+int run_snapshot_save(const CLI::App& cmd, const std::string& model_dir, const PromptChoice& prompt_choice,
+                      const std::string& out_path) {
+  const std::string prompt = prompt_choice.read(cmd);
+  const Model model = Model::load(model_dir);
+  const std::vector<std::int32_t> tokens = encode_prompt(prompt, model.config());
+  Cache cache = model.make_cache();
+  std::vector<float> logits;
+  GenerationStats stats;
+  prefill(model, tokens, cache, logits, nullptr, stats);
+  Snapshot snap = cache.snapshot();
+  snap.tokens = tokens;
+  snap.logits = Tensor(DType::F32, {static_cast<std::int64_t>(logits.size())});
+  std::memcpy(snap.logits.data<float>(), logits.data(), logits.size() * sizeof(float));
+  const std::vector<std::byte> bytes = serialize_snapshot(snap, model.fingerprint());
+  write_file_atomically(out_path, bytes);
+  std::printf("wrote %s: %lld tokens of %s, %zu bytes\n", out_path.c_str(), static_cast<long long>(snap.length),
+              model.fingerprint().c_str(), bytes.size());
+  return 0;
+}
+
+int run_snapshot_inspect(const std::string& path) {
+  const std::vector<std::byte> bytes = read_file_bytes(path);
+  std::string fingerprint;
+  Snapshot snap;
+  try {
+    snap = deserialize_snapshot(bytes, &fingerprint);
+  } catch (const FormatError& e) {
+    throw FormatError(path + ": " + e.what());
+  }
+  const SnapshotHeader header = read_snapshot_header(bytes);
+  std::printf("%s: rewind snapshot, format version %u, %zu bytes, every checksum verified\n", path.c_str(),
+              header.version, bytes.size());
+  std::printf("model fingerprint: %s\n", fingerprint.c_str());
+  std::printf("length: %lld tokens (%zu token ids stored), logits: %s\n", static_cast<long long>(snap.length),
+              snap.tokens.size(), snap.logits.view().data ? snap.logits.view().describe().c_str() : "none");
+  if (!snap.parent.empty()) std::printf("continues entry: %s\n", snap.parent.c_str());
+  for (std::size_t i = 0; i < snap.layers.size(); ++i) {
+    const LayerSnapshot& l = snap.layers[i];
+    std::string parts;
+    auto add = [&](const char* what, const Tensor& t) {
+      parts += std::string(parts.empty() ? "" : ", ") + what + " " + t.view().describe();
+    };
+    if (l.keys.view().data || l.keys.view().rank > 0) {
+      parts = "positions [" + std::to_string(l.first) + ", " + std::to_string(snap.length) + ")";
+      add("keys", l.keys);
+      add("values", l.values);
+      for (const Tensor& t : l.sides) add("side", t);
+    }
+    for (const Tensor& t : l.conv_states) add("conv", t);
+    for (const Tensor& t : l.recurrent_states) add("recurrent", t);
+    const std::string kind(layer_kind_name(l.kind));
+    std::printf("  layer %2zu  %-18s %s\n", i, kind.c_str(), parts.empty() ? "(no state)" : parts.c_str());
+  }
+  return 0;
+}
+
+int run_snapshot_load(const CLI::App& cmd, const std::string& model_dir, const std::string& path, std::int64_t max_new,
+                      const SamplingChoice& sampling_choice, bool stats_wanted) {
+  const SamplingParams sampling = sampling_choice.resolve(cmd);
+  const std::vector<std::byte> bytes = read_file_bytes(path);
+  std::string fingerprint;
+  Snapshot snap;
+  try {
+    snap = deserialize_snapshot(bytes, &fingerprint);
+  } catch (const FormatError& e) {
+    throw FormatError(path + ": " + e.what());
+  }
+  const Model model = Model::load(model_dir);
+  if (fingerprint != model.fingerprint()) {
+    throw InvalidArgument(path + " holds a state of model " + fingerprint + ", but " + model_dir + " is model " +
+                          model.fingerprint() + " (other weights or config): it cannot continue it");
+  }
+  if (snap.logits.numel() != model.vocab_size() || snap.length < 1) {
+    throw InvalidArgument(path + " holds no logits of its last token (or no token): `snapshot save` files do");
+  }
+  Cache cache = model.make_cache();
+  cache.restore(snap);
+  std::vector<float> logits(snap.logits.data<float>(), snap.logits.data<float>() + model.vocab_size());
+  GenerationOptions options;
+  options.max_new_tokens = max_new;
+  options.sampling = sampling;
+  options.on_token = [](std::int32_t t) {
+    if (t < 256) {
+      std::fputc(t, stdout);
+      std::fflush(stdout);
+    }
+  };
+  GenerationStats stats;
+  continue_generation(model, cache, logits, options, &stats);
+  std::fputc('\n', stdout);
+  if (stats_wanted) std::printf("%s\n", stats.to_json().c_str());
+  return 0;
+}
+
 // The files of a model directory that init-random would overwrite or leave
 // stale: config.json and any *.safetensors.
 std::vector<std::string> model_files_in(const fs::path& dir) {
@@ -690,6 +865,7 @@ int main(int argc, char** argv) {
   PromptChoice prompt;
   DraftChoice choice;
   SamplingChoice sampling;
+  PrefixChoice prefix;
 
   const CLI::Validator max_new_range = integer_in(0, std::int64_t{1} << 30);
   auto add_prompt_options = [&](CLI::App* cmd) {
@@ -743,6 +919,18 @@ int main(int argc, char** argv) {
                   "tokens_per_second (all sequences' tokens over the wall time), time_to_first_token_s and "
                   "per_sequence figures (acceptance included)");
   gen->add_option("--max-new-tokens", max_new, "token budget")->check(max_new_range);
+  gen->add_option("--prefix-cache", prefix.spec,
+                  "reuse prompt prefixes across runs and processes: a directory, or redis://HOST:PORT[/PREFIX]. "
+                  "The prefill restores the longest stored prefix (attention rows with the conv and recurrent "
+                  "states at the same position) and stores an entry every --prefix-interval tokens and at the "
+                  "prompt's end; output is identical with or without it. A store that fails is a warning, then "
+                  "recomputation")
+      ->type_name("DIR|URL");
+  gen->add_option("--prefix-interval", prefix.interval, "tokens between prefix-cache entries")
+      ->check(integer_in(1, std::int64_t{1} << 40));
+  gen->add_option("--prefix-cache-bytes", prefix.bytes,
+                  "cap of a directory prefix cache in bytes; least recently used entries go first (0: no cap)")
+      ->check(integer_in(0, std::int64_t{1} << 50));
   add_draft_options(gen);
   gen->add_option("--temperature", sampling.params.temperature, "sampling temperature; 0 = greedy decoding")
       ->check(finite_number(0.0, 1e30, false, "[0, 1e30]"));
@@ -760,8 +948,8 @@ int main(int argc, char** argv) {
                 "time_to_first_token_s (prefill + the forward of the first token), tokens_per_second "
                 "(end to end: new_tokens / seconds, prefill included), decode_tokens_per_second "
                 "(decoding alone: (new_tokens - 1) / (seconds - time_to_first_token_s)), drafted, accepted, "
-                "acceptance_rate, rollbacks, rounds, forwards, cache_seconds, peak_cache_bytes, seed (null "
-                "when greedy), threads");
+                "acceptance_rate, rollbacks, rounds, forwards, cache_seconds, peak_cache_bytes, "
+                "prefix_hit_tokens (prompt tokens restored from --prefix-cache), seed (null when greedy), threads");
 
   int verify_repeats = 1;
   auto* ver = app.add_subcommand("verify", "check that speculative decoding equals greedy decoding");
@@ -819,6 +1007,37 @@ int main(int argc, char** argv) {
   ben->add_option("--json", bench_json, "also write the rows as JSON to this file")->default_str("none");
   add_threads_option(ben);
 
+  std::string snapshot_out, snapshot_file;
+  auto* snp = app.add_subcommand("snapshot", "save, inspect or load a sequence's whole state as a file");
+  snp->require_subcommand(1);
+  auto* snp_save = snp->add_subcommand("save", "prefill a prompt and write the state (with the logits of its last "
+                                                "token) to a snapshot file");
+  snp_save->add_option("--model", model_dir, "model directory")->required()->check(CLI::ExistingDirectory);
+  add_prompt_options(snp_save);
+  snp_save->add_option("--out", snapshot_out, "snapshot file to write (written whole, then renamed into place)")
+      ->required();
+  add_threads_option(snp_save);
+  auto* snp_inspect = snp->add_subcommand("inspect", "validate a snapshot file (every checksum) and describe it");
+  snp_inspect->add_option("--file", snapshot_file, "snapshot file")->required();
+  auto* snp_load = snp->add_subcommand("load", "restore a snapshot file and continue generating from it (same "
+                                                "tokens as generating from its prompt)");
+  snp_load->add_option("--model", model_dir, "model directory (must be the snapshot's model)")
+      ->required()
+      ->check(CLI::ExistingDirectory);
+  snp_load->add_option("--file", snapshot_file, "snapshot file")->required();
+  snp_load->add_option("--max-new-tokens", max_new, "token budget")->check(max_new_range);
+  snp_load->add_option("--temperature", sampling.params.temperature, "sampling temperature; 0 = greedy decoding")
+      ->check(finite_number(0.0, 1e30, false, "[0, 1e30]"));
+  snp_load->add_option("--top-k", sampling.params.top_k, "sample among the K likeliest (0 = off); needs --temperature")
+      ->check(integer_in(0, std::numeric_limits<std::int32_t>::max()));
+  snp_load->add_option("--top-p", sampling.params.top_p, "nucleus mass (1 = off); needs --temperature")
+      ->check(finite_number(0.0, 1.0, true, "(0, 1]"));
+  snp_load->add_option("--seed", sampling.params.seed, "sampling seed; needs --temperature")
+      ->check(unsigned_integer())
+      ->default_str("random");
+  snp_load->add_flag("--stats", stats, "end with one JSON line of figures (as generate --stats)");
+  add_threads_option(snp_load);
+
   auto* ini = app.add_subcommand("init-random", "write a model with random weights");
   ini->add_option("--config", config_path, "config.json to use")->required()->check(CLI::ExistingFile);
   ini->add_option("--out", out_dir, "output directory (refused if it already holds a model, unless --force)")
@@ -838,11 +1057,14 @@ int main(int argc, char** argv) {
   }
   try {
     set_threads(threads);
-    if (*gen) return run_generate(*gen, model_dir, prompt, max_new, choice, sampling, stats);
+    if (*gen) return run_generate(*gen, model_dir, prompt, max_new, choice, sampling, prefix, stats);
     if (*ver) return run_verify(*ver, model_dir, prompt, max_new, choice, verify_repeats);
     if (*evl) return run_eval(model_dir, text_path, chunk, context);
     if (*ins) return run_inspect(model_dir, rollback);
     if (*ini) return run_init_random(config_path, out_dir, init_seed, dtype, force);
+    if (*snp_save) return run_snapshot_save(*snp_save, model_dir, prompt, snapshot_out);
+    if (*snp_inspect) return run_snapshot_inspect(snapshot_file);
+    if (*snp_load) return run_snapshot_load(*snp_load, model_dir, snapshot_file, max_new, sampling, stats);
     if (*ben) return run_bench(model_dir, choice.draft_dir, bench_max_new, repeats, bench_ks, bench_batches, bench_json);
   } catch (const rwd::Error& e) {
     std::fprintf(stderr, "rewind: error: %s\n", e.what());

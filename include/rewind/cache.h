@@ -139,11 +139,14 @@ class Cache {
   // A copy of what every layer needs to continue from the current length L:
   // attention rows [keep_first, L) (all of them for full attention, the
   // last W - 1 for a filled window), the last K inputs of every conv state,
-  // every S(L). Rollback history is not included. Throws InvalidArgument
-  // when a layer has batch_size != 1, StateError as crop does (an open
-  // forward, layers out of step), CapacityError when the copy cannot be
-  // allocated.
-  Snapshot snapshot() const;
+  // every S(L). Rollback history is not included. With from_position > 0
+  // the attention rows start at max(from_position, keep_first): a segment
+  // (a prefix-cache entry, rewind/prefix_cache.h) that restores only once
+  // joined with the rows before it. Throws InvalidArgument when a layer has
+  // batch_size != 1 or from_position is outside [0, L], StateError as crop
+  // does (an open forward, layers out of step), CapacityError when the copy
+  // cannot be allocated.
+  Snapshot snapshot(std::int64_t from_position = 0) const;
   // Replaces the whole state with `s` (from snapshot(), a SequenceCache or
   // deserialize_snapshot): decoding then continues bit-identically to the
   // cache the snapshot was taken from. Recording stays as set here, with no

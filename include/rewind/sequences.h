@@ -345,10 +345,12 @@ class SequenceCache {
   // restore(snapshot) throws; nothing changes then.
   void restore(SeqId id, const SequenceSnapshot& snapshot);
   // Plain-data copies (for serialize_snapshot or Cache::restore): the
-  // state of `id` now, or of a snapshot. Throws IndexError / InvalidArgument
-  // (empty or foreign snapshot), StateError while a batch is open,
-  // CapacityError when the copy cannot be allocated.
-  Snapshot export_snapshot(SeqId id) const;
+  // state of `id` now (attention rows from max(from_position, keep_first),
+  // as Cache::snapshot), or of a snapshot. Throws IndexError /
+  // InvalidArgument (empty or foreign snapshot, from_position outside [0,
+  // L]), StateError while a batch is open, CapacityError when the copy
+  // cannot be allocated.
+  Snapshot export_snapshot(SeqId id, std::int64_t from_position = 0) const;
   Snapshot export_snapshot(const SequenceSnapshot& snapshot) const;
   // A new sequence (not recording) holding `s` (from export_snapshot,
   // Cache::snapshot or deserialize_snapshot), its attention rows copied

@@ -385,11 +385,15 @@ void Cache::reorder_cache(std::span<const std::int64_t> beam_idx) {
 
 void Cache::reset() { state().commit_layers(state().prepare_reset()); }
 
-Snapshot Cache::snapshot() const {
+Snapshot Cache::snapshot(std::int64_t from_position) const {
   const Impl& c = state();
   c.check_whole("snapshot");
   Snapshot out;
   out.length = get_seq_length();
+  if (from_position < 0 || from_position > out.length) {
+    throw InvalidArgument("snapshot(" + std::to_string(from_position) + "): the first position must be in [0, L = " +
+                          std::to_string(out.length) + "]");
+  }
   out.layers.resize(c.layers.size());
   for (std::size_t i = 0; i < c.layers.size(); ++i) {
     const Layer::Impl& l = c.layer_impl(i);
@@ -398,7 +402,7 @@ Snapshot Cache::snapshot() const {
                             std::to_string(l.batch) + " rows");
     }
     out.layers[i].kind = l.kind;
-    l.capture(out.layers[i]);
+    l.capture(out.layers[i], true, from_position);
   }
   return out;
 }

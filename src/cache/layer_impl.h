@@ -176,7 +176,8 @@ struct Layer::Impl {
   // [keep_first(L, 0), L), the last K conv inputs, S(L)); `with_attention`
   // false leaves the attention part out (SequenceCache keeps it in blocks).
   // REQUIRES in step, batch 1, no open forward. Throws CapacityError.
-  void capture(LayerSnapshot& out, bool with_attention = true) const;
+  // Attention rows start at max(from_position, keep_first(L, 0)).
+  void capture(LayerSnapshot& out, bool with_attention = true, std::int64_t from_position = 0) const;
   // A fresh Impl (same options, budget and recording, generation bumped)
   // holding the state `s` describes at length L. REQUIRES
   // check_layer_snapshot(s, L, ...) passed for this layer. Throws

@@ -1,5 +1,6 @@
 // Snapshots of one layer (rewind/snapshot.h): what a layer at length L
 // needs to continue exactly, copied out, checked and loaded back.
+#include <algorithm>
 #include <string>
 #include <utility>
 
@@ -101,11 +102,11 @@ void check_layer_snapshot(const LayerSnapshot& s, std::int64_t L, LayerKind kind
 
 }  // namespace detail
 
-void Layer::Impl::capture(LayerSnapshot& out, bool with_attention) const {
+void Layer::Impl::capture(LayerSnapshot& out, bool with_attention, std::int64_t from_position) const {
   const std::int64_t L = length();
   budgeted("snapshot", [&] {
     if (attention && with_attention) {
-      const std::int64_t first = keys.rule.keep_first(L, 0);
+      const std::int64_t first = std::max(from_position, keys.rule.keep_first(L, 0));
       out.first = first;
       out.keys = copy_rows(keys, first, L);
       out.values = copy_rows(values, first, L);

@@ -430,7 +430,7 @@ struct SequenceCache::Impl {
                                    l.paged ? l.paged->rule() : RetentionRule{}, operation + ": " + where(static_cast<int>(i)));
     }
   }
-  Snapshot export_of(const Sequence& s) const {
+  Snapshot export_of(const Sequence& s, std::int64_t from_position = 0) const {
     Snapshot out;
     const std::int64_t L = s.length;
     out.length = L;
@@ -443,7 +443,7 @@ struct SequenceCache::Impl {
       if (!layers[i].paged) continue;
       const PagedLayer& p = *layers[i].paged;
       const BlockLayout& b = p.layout();
-      const std::int64_t first = p.rule().keep_first(L, 0);
+      const std::int64_t first = std::max(from_position, p.rule().keep_first(L, 0));
       const std::int64_t n = L - first;
       spans.clear();
       p.spans(s.parts[i], first, spans);
@@ -1172,12 +1172,15 @@ void SequenceCache::restore(SeqId id, const SequenceSnapshot& snapshot) {
   });
 }
 
-Snapshot SequenceCache::export_snapshot(SeqId id) const {
+Snapshot SequenceCache::export_snapshot(SeqId id, std::int64_t from_position) const {
   const Impl& c = state();
-  auto name = [&] { return "export_snapshot(" + to_string(id) + ")"; };
+  auto name = [&] { return "export_snapshot(" + to_string(id) + ", " + num(from_position) + ")"; };
   c.refuse_in_batch(name);
   const Sequence& s = c.lookup(id);
-  return budgeted(name, [&] { return c.export_of(s); });
+  if (from_position < 0 || from_position > s.length) {
+    throw InvalidArgument(name() + ": the first position must be in [0, L = " + num(s.length) + "]");
+  }
+  return budgeted(name, [&] { return c.export_of(s, from_position); });
 }
 
 Snapshot SequenceCache::export_snapshot(const SequenceSnapshot& snapshot) const {

@@ -34,9 +34,11 @@ namespace detail {
 
 void warn_positive_crop_once() {
   if (positive_crop_warned.exchange(true)) return;
-  const std::string message =
-      "rewind: crop(n) with n > 0 (keep the first n tokens) is deprecated, as in transformers, where its "
-      "removal is planned for 5.18; pass a negative n, the number of tokens to remove";
+  warn("rewind: crop(n) with n > 0 (keep the first n tokens) is deprecated, as in transformers, where its "
+       "removal is planned for 5.18; pass a negative n, the number of tokens to remove");
+}
+
+void warn(const std::string& message) {
   std::lock_guard<std::mutex> lock(handler_mutex());
   if (handler()) {
     handler()(message);

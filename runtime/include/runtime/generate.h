@@ -25,6 +25,7 @@
 #include <string>
 #include <vector>
 
+#include "rewind/prefix_cache.h"
 #include "runtime/model.h"
 
 namespace rwd::runtime {
@@ -59,6 +60,11 @@ struct GenerationOptions {
   // this many sequences decode at once (0: all of them); the others wait and
   // join, in prompt order, as sequences finish. Must be >= 0.
   std::int64_t max_batch = 0;
+  // Prefix reuse (generate, speculative_generate): the prompt's prefill
+  // restores the longest stored prefix and stores an entry at every
+  // boundary of what it computes (rewind/prefix_cache.h). Not owned; null:
+  // none. Its fingerprint must be the target model's (Model::fingerprint).
+  PrefixCache* prefix_cache = nullptr;
 };
 
 struct GenerationStats {
@@ -76,6 +82,7 @@ struct GenerationStats {
   std::int64_t rollbacks = 0;  // crops that removed at least one token (target)
   double cache_seconds = 0.0;  // time inside cache calls: updates, slots, crops (target + draft)
   std::size_t peak_cache_bytes = 0;  // reserved by the target (+ draft) caches
+  std::int64_t prefix_hit_tokens = 0;  // prompt tokens restored from the prefix cache
   std::optional<std::uint64_t> seed;  // the sampling seed; empty for greedy decoding
   int threads = 1;                    // OpenMP threads the forwards could use
   // End to end: new tokens / seconds, the prompt's prefill included (so a
@@ -96,6 +103,24 @@ struct GenerationStats {
   // decoding.
   std::string to_json() const;
 };
+
+// Runs `tokens` (non-empty) into `cache` (empty) and leaves the logits after
+// the last one in `logits` [vocab]. With a prefix cache: restores the
+// longest stored prefix (an entry that does not fit this model's cache is a
+// miss), feeds the rest in forwards that end at the cache's boundaries and
+// stores an entry at each. Returns the tokens restored. Bit-identical to
+// one forward of `tokens` (batch invariance). Adds to stats.forwards and
+// stats.cache_seconds.
+std::int64_t prefill(const Model& model, std::span<const std::int32_t> tokens, Cache& cache, std::vector<float>& logits,
+                     PrefixCache* prefix_cache, GenerationStats& stats);
+
+// Plain decoding from a state: `cache` has seen a sequence (a restored
+// snapshot, say) and `logits` [vocab] are the model's output after its last
+// token. Decodes as generate() does after its prefill (same tokens for the
+// same state). Throws InvalidArgument for an empty cache or logits of
+// another size, and what validate() throws.
+std::vector<std::int32_t> continue_generation(const Model& model, Cache& cache, std::vector<float>& logits,
+                                              const GenerationOptions& options, GenerationStats* stats = nullptr);
 
 // Plain decoding. REQUIRES: prompt non-empty. Returns the new tokens (an
 // EOS that stopped generation is included).

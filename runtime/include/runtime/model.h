@@ -55,6 +55,11 @@ class Model {
   std::int64_t vocab_size() const { return config().vocab_size; }
   // Parameters in the model file (tied embeddings counted once).
   std::int64_t parameter_count() const { return parameter_count_; }
+  // Identifies the model and its weights: "rewind-hybrid-" + 16 hex digits
+  // hashing config.json's fields (to_json) and every tensor's name, shape
+  // and bytes (rwd::content_hash). What prefix-cache entries and snapshot
+  // files are tagged with.
+  const std::string& fingerprint() const { return fingerprint_; }
 
   // An empty cache for one sequence (batch 1) with one layer per model layer.
   Cache make_cache() const;
@@ -185,6 +190,7 @@ class Model {
   // are released after packing (their copies live in layers_ / lm_head_).
   ModelWeights weights_;
   std::int64_t parameter_count_ = 0;
+  std::string fingerprint_;
   bool has_attention_ = false;  // any full / sliding attention layer (needs RoPE)
   std::vector<LayerWeights> layers_;
   const float* embed_ = nullptr;     // [vocab, d]
