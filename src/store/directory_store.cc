@@ -241,7 +241,8 @@ class DirectoryStore final : public BlobStore {
           if (errno != 0) fail_dir("cannot be listed", errno);
           break;
         }
-        if (entry->d_name[0] == '.') continue;  // ".", "..", temporary files
+        // ".", "..", temporary files and names no key has are not values.
+        if (!detail::valid_store_key(entry->d_name)) continue;
         struct stat st {};
         if (::fstatat(::dirfd(dir), entry->d_name, &st, AT_SYMLINK_NOFOLLOW) != 0) {
           if (errno == ENOENT) continue;

@@ -18,6 +18,14 @@ bool key_char(char c) {
 
 namespace detail {
 
+bool valid_store_key(const std::string& key) {
+  if (key.empty() || key.size() > kMaxKeyLength || key[0] == '.') return false;
+  for (const char c : key) {
+    if (!key_char(c)) return false;
+  }
+  return true;
+}
+
 std::string printable(const std::string& text) {
   constexpr std::size_t kShown = 80;
   std::string out;

@@ -11,6 +11,9 @@ namespace rwd::detail {
 // The largest value a store accepts (rewind/store.h).
 inline constexpr std::uint64_t kMaxStoreValueBytes = std::uint64_t{1} << 32;
 
+// True when `key` follows the rule check_store_key enforces.
+bool valid_store_key(const std::string& key);
+
 // Throws InvalidArgument naming `store` and `key` when `bytes` passes
 // kMaxStoreValueBytes.
 void check_store_value_size(const std::string& store, const std::string& key, std::size_t bytes);

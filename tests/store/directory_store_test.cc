@@ -92,19 +92,20 @@ TEST(DirectoryStore, RefusesAValueLargerThanTheCapAndChangesNothing) {
 }
 
 // Files named like keys count wherever they came from; temporary files
-// (a writer in progress or one that was killed) neither count nor get
-// evicted or read.
+// (a writer in progress or one that was killed), other names and
+// subdirectories neither count nor get evicted.
 TEST(DirectoryStore, CountsKeyFilesAndIgnoresTemporaryOnes) {
   TempDir dir;
   write_file(dir / ".tmp.999.999.0", 5000);
   write_file(dir / "outside", 30);
+  write_file(dir / "not a key", 70);
   ::mkdir((dir / "subdir").c_str(), 0755);
   auto store = make_directory_store(dir.path(), 100);
   EXPECT_EQ(store->bytes_used(), 30u);
   EXPECT_EQ(store->get("outside"), filled(30, 'x'));
   EXPECT_FALSE(store->contains("subdir"));
   ASSERT_TRUE(store->put("a", filled(80, 'a')));  // 110 > 100: "outside" is older
-  EXPECT_EQ(names_in(dir.path()), (std::vector<std::string>{".tmp.999.999.0", "a", "subdir"}));
+  EXPECT_EQ(names_in(dir.path()), (std::vector<std::string>{".tmp.999.999.0", "a", "not a key", "subdir"}));
   EXPECT_EQ(store->bytes_used(), 80u);
 }
 
