@@ -11,7 +11,8 @@ FUZZ_SECONDS ?= 30
 CMAKE_FLAGS ?=
 
 DEB_PACKAGES := cmake g++ make pkg-config libgtest-dev libgmock-dev libbenchmark-dev \
-                nlohmann-json3-dev libcli11-dev libomp-dev clang libclang-rt-14-dev
+                nlohmann-json3-dev libcli11-dev libomp-dev clang libclang-rt-14-dev \
+                libhiredis-dev redis-server
 # `make install` builds the library alone (no tests, benchmarks, runtime or
 # CLI) in its own directory, and needs only these.
 INSTALL_DEB_PACKAGES := cmake g++ make
@@ -115,7 +116,7 @@ train-models:
 # dynamic linker's cache.
 install: install-deps
 	cmake -S . -B $(INSTALL_BUILD) -DCMAKE_BUILD_TYPE=Release -DCMAKE_INSTALL_PREFIX=$(INSTALL_PREFIX) \
-	  -DREWIND_BUILD_TESTS=OFF -DREWIND_BUILD_BENCH=OFF -DREWIND_BUILD_RUNTIME=OFF \
+	  -DREWIND_BUILD_TESTS=OFF -DREWIND_BUILD_BENCH=OFF -DREWIND_BUILD_RUNTIME=OFF -DREWIND_BUILD_REDIS=OFF \
 	  -DREWIND_SANITIZE=OFF -DREWIND_TSAN=OFF -DREWIND_FUZZ=OFF -DREWIND_WERROR=OFF $(CMAKE_FLAGS)
 	cmake --build $(INSTALL_BUILD) -j $(JOBS)
 	cmake --install $(INSTALL_BUILD) --prefix $(INSTALL_PREFIX)

@@ -8,8 +8,10 @@
 // complete value or none, never a torn one, also with several processes
 // writing the same keys concurrently.
 //
-// Keys: 1 to 200 characters from [A-Za-z0-9._:-] (they name files in a
-// directory store). Values: at most 2^32 bytes.
+// Keys: 1 to 200 characters from [A-Za-z0-9._:-], not starting with '.'
+// (they name files in a directory store: "." and ".." would name
+// directories, and names starting with a dot are the store's temporary
+// files). "a..b" is a key like any other. Values: at most 2^32 bytes.
 //
 // Thread safety: a store may be used from several threads at once.
 #pragma once
@@ -31,8 +33,10 @@ class BlobStore {
   virtual ~BlobStore() = default;
 
   // The value stored under `key`, or nullopt when there is none (never
-  // stored, evicted). Throws InvalidArgument for a malformed key, StoreError
-  // when the backend cannot be reached or read.
+  // stored, evicted), and a use of it for the LRU stores. Throws
+  // InvalidArgument for a malformed key, StoreError when the backend cannot
+  // be reached or read, CapacityError when the value's copy cannot be
+  // allocated.
   virtual std::optional<std::vector<std::byte>> get(const std::string& key) = 0;
   // Stores `value` under `key` (replacing an older value: values under one
   // key are expected to be equal, as content-addressed entries are). Returns
@@ -40,9 +44,12 @@ class BlobStore {
   // cap, a full Redis under `maxmemory` without eviction); the store is
   // unchanged then. Throws InvalidArgument for a malformed key or a value
   // over 2^32 bytes, StoreError when the backend cannot be reached or
-  // written.
+  // written (nothing is stored then, except for Redis in the case its header
+  // describes), CapacityError when the memory store cannot allocate the
+  // copy.
   virtual bool put(const std::string& key, std::span<const std::byte> value) = 0;
-  // True when `key` holds a value now. Throws as get.
+  // True when `key` holds a value now; not a use (recency is unchanged).
+  // Throws as get.
   virtual bool contains(const std::string& key) = 0;
   // Bytes of values held (for stores that know it; Redis reports the keys
   // under its prefix).
@@ -58,15 +65,23 @@ void check_store_key(const std::string& key);
 
 // An in-process store holding at most `capacity_bytes` of values (0: no
 // cap); past the cap it evicts the least recently used (get or put) values.
-// A value larger than the cap is refused (put returns false).
+// A value larger than the cap is refused (put returns false). Values are
+// copied in and out under one mutex.
 std::unique_ptr<BlobStore> make_memory_store(std::size_t capacity_bytes);
 
 // A store in directory `path` (created when missing, parents included), one
-// file per key, written to a temporary name and renamed into place, so that
-// several processes may share it. With capacity_bytes > 0, a put that
-// brings the directory's values past the cap removes the least recently
-// used files (by modification time; a get refreshes it) first. Throws
-// StoreError when the directory cannot be created or is not writable.
+// file per key, written to a temporary name (".tmp.<pid>.<tid>.<n>") and
+// renamed into place, so that several processes may share it; no fsync (a
+// machine crash may lose recent values: docs/stores.md). With
+// capacity_bytes > 0, a put that brings the directory's values past the cap
+// then removes the least recently used other files (by modification time,
+// which put and get set) until they fit; this walks the directory, O(files)
+// per put. A value larger than the cap, or a full file system (ENOSPC,
+// EDQUOT), makes put return false.
+// Files named like keys count whoever wrote them; temporary files, other
+// names and subdirectories are ignored. Throws InvalidArgument for an empty
+// path, StoreError naming the path and the system's reason when the
+// directory cannot be created or is not writable.
 std::unique_ptr<BlobStore> make_directory_store(const std::string& path, std::size_t capacity_bytes = 0);
 
 }  // namespace rwd
