@@ -49,7 +49,8 @@ Tensor copy_of(const TensorView& v) {
   return out;
 }
 
-bool present(const Tensor& t) { return t.view().data != nullptr; }
+// A tensor of zero rows has no data but a shape: present.
+bool present(const Tensor& t) { return t.view().data != nullptr || t.view().rank != 0; }
 
 // Joins the rows of one attention part over a chain of entries: the longest
 // run of entries, ending with the last, whose ranges follow each other.
