@@ -53,8 +53,8 @@ struct RedisOptions {
   // one another ("a:" and "b:", not "a" and "a:") never see each other's
   // values. 0 to 200 characters from [A-Za-z0-9._:-].
   std::string key_prefix = "rewind:";
-  double connect_timeout_s = 1.0;  // > 0: bound on establishing a connection
-  double command_timeout_s = 2.0;  // > 0: bound on each send or receive of a command
+  double connect_timeout_s = 1.0;  // (0, 86400]: bound on establishing a connection
+  double command_timeout_s = 2.0;  // (0, 86400]: bound on each wait to send or receive
 };
 
 // Parses "redis://HOST:PORT" or "redis://HOST:PORT/PREFIX" (PREFIX taken
@@ -67,10 +67,9 @@ struct RedisOptions {
 RedisOptions parse_redis_url(const std::string& url);
 
 // A store on the server `options` names, connected now (no AUTH, no TLS,
-// database 0). Throws
-// InvalidArgument for options outside the ranges above, StoreError naming
-// host:port and hiredis's reason when the server cannot be reached within
-// connect_timeout_s. bytes_used() walks the keys under the prefix (SCAN,
+// database 0). Throws InvalidArgument for options outside the ranges above,
+// StoreError naming host:port and hiredis's reason when the server cannot
+// be reached within connect_timeout_s. bytes_used() walks the keys under the prefix (SCAN,
 // then STRLEN of each): O(keys), for statistics, not for every request.
 std::unique_ptr<BlobStore> make_redis_store(const RedisOptions& options);
 

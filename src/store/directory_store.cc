@@ -9,7 +9,7 @@
 // readable when another process replaces or evicts its name.
 //
 // No fsync: a crash of the machine (not of a process) may lose recent
-// values or leave empty files under their names. The store holds
+// values or leave empty or short files under their names. The store holds
 // recomputable data (snapshots, prefix-cache entries), whose loader checks
 // sizes and checksums (rewind/snapshot.h), and the cost of two fsyncs per
 // put would dominate small values.
@@ -110,7 +110,7 @@ class DirectoryStore final : public BlobStore {
                           std::to_string(st.st_size) + " bytes for its value");
     }
     // The file under a key's name is never written again, so its size is
-    // final; a shorter read means the file is damaged (machine crash).
+    // final; a shorter read means something else truncated it in place.
     std::size_t done = 0;
     while (done < value.size()) {
       const std::size_t chunk = std::min<std::size_t>(value.size() - done, std::size_t{1} << 30);

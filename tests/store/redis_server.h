@@ -5,6 +5,10 @@
 // redis-server names the Debian package), so a test using it fails rather
 // than skips. Nothing but 127.0.0.1 is ever contacted.
 //
+// The server gets SIGTERM when the thread that started it ends (Linux's
+// PR_SET_PDEATHSIG, so that a crashed test leaves no server behind): start
+// it from a thread that outlives its use, such as the test's own.
+//
 //   RedisServer server({"--maxmemory", "4mb", "--maxmemory-policy", "noeviction"});
 //   auto store = rwd::make_redis_store({.port = server.port()});
 #pragma once
