@@ -1,0 +1,279 @@
+// Prefix reuse in the runtime (GenerationOptions::prefix_cache): generation
+// with a prefix cache, cold or warm, full or partial hits, greedy, sampled
+// and speculative, gives exactly the tokens of generation without one; the
+// CLI's --prefix-cache over a directory and over Redis (two processes, four
+// writing at once, Redis stopped), damaged entries, and snapshot files.
+#include <gtest/gtest.h>
+
+#include <nlohmann/json.hpp>
+
+#include <cstdint>
+#include <filesystem>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "cli_test_util.h"
+#include "rewind/prefix_cache.h"
+#include "rewind/store.h"
+#include "runtime/generate.h"
+#include "runtime/model.h"
+#include "runtime/weights_io.h"
+#include "store/redis_server.h"
+#include "test_configs.h"
+
+namespace rwd::runtime {
+namespace {
+
+using testing_configs::hybrid;
+using testing_configs::kEveryKind;
+
+std::vector<std::int32_t> prompt_of(std::int64_t n, std::int32_t salt) {
+  std::vector<std::int32_t> t{256};  // BOS
+  for (std::int64_t i = 1; i < n; ++i) t.push_back(static_cast<std::int32_t>((i * 37 + salt * 11 + i * i) % 256));
+  return t;
+}
+
+std::unique_ptr<PrefixCache> memory_prefix_cache(const Model& m, std::int64_t interval) {
+  PrefixCacheOptions o;
+  o.interval = interval;
+  o.model_fingerprint = m.fingerprint();
+  return std::make_unique<PrefixCache>(std::shared_ptr<BlobStore>(make_memory_store(0)), o);
+}
+
+TEST(PrefixGeneration, ColdWarmAndPartialHitsGiveTheSameTokens) {
+  const Model model(ModelWeights::random(hybrid(kEveryKind), 41));
+  auto pc = memory_prefix_cache(model, 16);
+  GenerationOptions plain;
+  plain.max_new_tokens = 12;
+  plain.stop_at_eos = false;
+  GenerationOptions cached = plain;
+  cached.prefix_cache = pc.get();
+  const auto p = prompt_of(150, 1);
+  const auto want = generate(model, p, plain);
+  GenerationStats s1, s2;
+  EXPECT_EQ(generate(model, p, cached, &s1), want);
+  EXPECT_EQ(s1.prefix_hit_tokens, 0);
+  EXPECT_EQ(s1.forwards, 10 + 11);  // 9 boundaries of 16 and the end, then 11 decode steps
+  EXPECT_EQ(generate(model, p, cached, &s2), want);
+  EXPECT_EQ(s2.prefix_hit_tokens, 150);
+  EXPECT_EQ(s2.forwards, 11);  // no prefill forward: the entry holds the last logits
+  // A prompt sharing the first 100 tokens: hit at 96, the rest computed.
+  auto q = p;
+  q[100] ^= 1;
+  GenerationStats s3;
+  EXPECT_EQ(generate(model, q, cached, &s3), generate(model, q, plain));
+  EXPECT_EQ(s3.prefix_hit_tokens, 96);
+  // Sampling: the same draws with and without the cache.
+  GenerationOptions sp = plain, sc = cached;
+  sp.sampling.temperature = sc.sampling.temperature = 0.9f;
+  sp.sampling.seed = sc.sampling.seed = 7;
+  EXPECT_EQ(generate(model, p, sc), generate(model, p, sp));
+  // An entry of another model under this fingerprint would not restore: a
+  // cache of another model's fingerprint simply never hits.
+  const Model other(ModelWeights::random(hybrid(kEveryKind), 42));
+  EXPECT_NE(other.fingerprint(), model.fingerprint());
+  EXPECT_EQ(Model(ModelWeights::random(hybrid(kEveryKind), 41)).fingerprint(), model.fingerprint());
+}
+
+TEST(PrefixGeneration, SpeculativeDecodingWithAPrefixCacheEqualsGreedy) {
+  const Model model(ModelWeights::random(hybrid(kEveryKind), 43));
+  auto pc = memory_prefix_cache(model, 8);
+  GenerationOptions plain;
+  plain.max_new_tokens = 20;
+  plain.stop_at_eos = false;
+  GenerationOptions cached = plain;
+  cached.prefix_cache = pc.get();
+  const auto p = prompt_of(61, 2);
+  const auto want = generate(model, p, plain);
+  for (int run = 0; run < 2; ++run) {
+    LookupDraft lookup(3);
+    GenerationStats s;
+    EXPECT_EQ(speculative_generate(model, lookup, p, cached, {4, false}, &s), want) << "run " << run;
+    EXPECT_EQ(s.prefix_hit_tokens, run == 0 ? 0 : 60);  // the target prefills all but the pending token
+    ModelDraft self(model, {}, 3);
+    EXPECT_EQ(speculative_generate(model, self, p, cached, {3, false}), want) << "run " << run;
+  }
+  // Plain generation of the same prompt reuses the speculative run's entries up to 56.
+  GenerationStats s;
+  EXPECT_EQ(generate(model, p, cached, &s), want);
+  EXPECT_EQ(s.prefix_hit_tokens, 56);
+}
+
+TEST(PrefixGeneration, ContinueGenerationFromARestoredSnapshot) {
+  const Model model(ModelWeights::random(hybrid(kEveryKind), 44));
+  GenerationOptions o;
+  o.max_new_tokens = 10;
+  o.stop_at_eos = false;
+  const auto p = prompt_of(40, 3);
+  const auto want = generate(model, p, o);
+  Cache cache = model.make_cache();
+  std::vector<float> logits;
+  GenerationStats s;
+  prefill(model, p, cache, logits, nullptr, s);
+  const Snapshot snap = cache.snapshot();
+  const std::vector<std::byte> bytes = serialize_snapshot(snap, model.fingerprint());
+  Cache restored = model.make_cache();
+  restored.restore(deserialize_snapshot(bytes));
+  EXPECT_EQ(continue_generation(model, restored, logits, o), want);
+  std::vector<float> wrong(3);
+  EXPECT_THROW(continue_generation(model, restored, wrong, o), InvalidArgument);
+  Cache empty = model.make_cache();
+  EXPECT_THROW(continue_generation(model, empty, logits, o), InvalidArgument);
+}
+
+#ifdef REWIND_CLI_PATH
+using namespace cli_test;
+
+class PrefixCli : public ::testing::Test {
+ protected:
+  static void SetUpTestSuite() {
+    dir_ = (scratch_dir() / "prefix_models").string();
+    fs::remove_all(dir_);
+    fs::create_directories(dir_);
+    write_random_model(hybrid(kEveryKind), dir_ + "/target", 5, DType::BF16);
+    write_random_model(hybrid({"conv", "sliding_attention"}, 16, 4), dir_ + "/other", 6, DType::F32);
+    std::string prompt;
+    for (int i = 0; i < 700; ++i) prompt += static_cast<char>('a' + (i * 7 + i / 13) % 26);
+    write_file(dir_ + "/prompt.txt", prompt);
+  }
+  static void TearDownTestSuite() { fs::remove_all(dir_); }
+
+  static std::string args(const std::string& cache, const std::string& extra = "") {
+    return "generate --model " + quote(dir_ + "/target") + " --prompt-file " + quote(dir_ + "/prompt.txt") +
+           " --max-new-tokens 16 --stats --prefix-interval 64 --prefix-cache " + quote(cache) + " " + extra;
+  }
+  static nlohmann::json stats_of(const CliResult& r) {
+    const std::size_t end = r.out.size() - 1;
+    const std::size_t start = r.out.rfind('\n', end - 1) + 1;
+    return nlohmann::json::parse(r.out.substr(start, end - start));
+  }
+  static std::string text_of(const CliResult& r) { return r.out.substr(0, r.out.rfind('\n', r.out.size() - 2)); }
+  static std::string plain_text() {
+    const CliResult r = run_cli("generate --model " + quote(dir_ + "/target") + " --prompt-file " +
+                                quote(dir_ + "/prompt.txt") + " --max-new-tokens 16 --stats");
+    EXPECT_EQ(r.status, 0) << r.all();
+    return text_of(r);
+  }
+  static std::string dir_;
+};
+std::string PrefixCli::dir_;
+
+TEST_F(PrefixCli, DirectoryCacheHitsAndDamagedEntriesAreRecomputed) {
+  const std::string want = plain_text();
+  const std::string cache = dir_ + "/cache";
+  const CliResult cold = run_cli(args(cache));
+  ASSERT_EQ(cold.status, 0) << cold.all();
+  EXPECT_EQ(text_of(cold), want);
+  EXPECT_EQ(stats_of(cold)["prefix_hit_tokens"], 0);
+  const CliResult warm = run_cli(args(cache));
+  ASSERT_EQ(warm.status, 0) << warm.all();
+  EXPECT_EQ(text_of(warm), want);
+  EXPECT_EQ(stats_of(warm)["prefix_hit_tokens"], 701);  // BOS + 700 bytes
+  // Flip one byte in every entry: all are rejected, the output is unchanged.
+  int files = 0;
+  for (const auto& e : fs::directory_iterator(cache)) {
+    std::string bytes = read_file(e.path());
+    bytes[bytes.size() / 3] ^= 0x01;
+    write_file(e.path(), bytes);
+    ++files;
+  }
+  EXPECT_EQ(files, 11);  // 64, 128, ..., 640 and 701
+  const CliResult damaged = run_cli(args(cache));
+  ASSERT_EQ(damaged.status, 0) << damaged.all();
+  EXPECT_EQ(text_of(damaged), want);
+  EXPECT_EQ(stats_of(damaged)["prefix_hit_tokens"], 0);
+  // The damaged run rewrote the entries: the next one hits again.
+  EXPECT_EQ(stats_of(run_cli(args(cache)))["prefix_hit_tokens"], 701);
+  // Truncated entries: the same.
+  for (const auto& e : fs::directory_iterator(cache)) {
+    std::string bytes = read_file(e.path());
+    write_file(e.path(), bytes.substr(0, bytes.size() / 2));
+  }
+  const CliResult truncated = run_cli(args(cache));
+  EXPECT_EQ(text_of(truncated), want);
+  EXPECT_EQ(stats_of(truncated)["prefix_hit_tokens"], 0);
+  // Another model's run over the same directory never hits this model's entries.
+  const CliResult other = run_cli("generate --model " + quote(dir_ + "/other") + " --prompt-file " +
+                                  quote(dir_ + "/prompt.txt") + " --max-new-tokens 4 --stats --prefix-cache " +
+                                  quote(cache));
+  ASSERT_EQ(other.status, 0) << other.all();
+  EXPECT_EQ(stats_of(other)["prefix_hit_tokens"], 0);
+}
+
+TEST_F(PrefixCli, RedisSharedByProcessesAndStoppedMidway) {
+  rwd::test::RedisServer server;
+  const std::string want = plain_text();
+  // Four processes prefill the same prompt at once, writing the same entries.
+  const std::string out = (scratch_dir() / "concurrent").string();
+  std::string cmd;
+  for (int i = 0; i < 4; ++i)
+    cmd += quote(REWIND_CLI_PATH) + " " + args(server.url()) + " > " + quote(out + std::to_string(i)) + " 2>&1 & ";
+  cmd += "wait";
+  ASSERT_EQ(std::system(cmd.c_str()), 0);
+  for (int i = 0; i < 4; ++i) {
+    const std::string text = read_file(out + std::to_string(i));
+    EXPECT_EQ(text.substr(0, want.size()), want) << "process " << i << ": " << text;
+  }
+  // A fifth process reads whole entries only: a full hit, the same output.
+  const CliResult warm = run_cli(args(server.url()));
+  ASSERT_EQ(warm.status, 0) << warm.all();
+  EXPECT_EQ(text_of(warm), want);
+  EXPECT_EQ(stats_of(warm)["prefix_hit_tokens"], 701);
+  // Redis stopped: one warning, recomputation, the same output.
+  server.stop();
+  const CliResult down = run_cli(args(server.url()));
+  ASSERT_EQ(down.status, 0) << down.all();
+  EXPECT_EQ(text_of(down), want);
+  EXPECT_EQ(stats_of(down)["prefix_hit_tokens"], 0);
+  EXPECT_NE(down.err.find("warning"), std::string::npos) << down.err;
+  // A full Redis (maxmemory, no eviction) refuses writes: still the same output.
+  rwd::test::RedisServer full({"--maxmemory", "1mb", "--maxmemory-policy", "noeviction"});
+  const CliResult refused = run_cli(args(full.url()));
+  ASSERT_EQ(refused.status, 0) << refused.all();
+  EXPECT_EQ(text_of(refused), want);
+}
+
+TEST_F(PrefixCli, BadPrefixOptionsAreUsageErrors) {
+  const std::string base = "generate --model " + quote(dir_ + "/target") + " --prompt x ";
+  EXPECT_EQ(run_cli(base + "--prefix-interval 8").status, 2);
+  EXPECT_EQ(run_cli(base + "--prefix-cache " + quote(dir_ + "/c") + " --prefix-interval 0").status, 2);
+  const CliResult url = run_cli(base + "--prefix-cache redis://127.0.0.1:notaport");
+  EXPECT_EQ(url.status, 2);
+  EXPECT_NE(url.err.find("redis://"), std::string::npos) << url.err;
+  write_file(dir_ + "/prompts.txt", "a\nb\n");
+  EXPECT_EQ(run_cli("generate --model " + quote(dir_ + "/target") + " --prompts " + quote(dir_ + "/prompts.txt") +
+                    " --prefix-cache " + quote(dir_ + "/c"))
+                .status,
+            2);
+}
+
+TEST_F(PrefixCli, SnapshotFilesSaveInspectAndLoad) {
+  const std::string file = dir_ + "/state.rwsnap";
+  const CliResult save = run_cli("snapshot save --model " + quote(dir_ + "/target") + " --prompt-file " +
+                                 quote(dir_ + "/prompt.txt") + " --out " + quote(file));
+  ASSERT_EQ(save.status, 0) << save.all();
+  const CliResult inspect = run_cli("snapshot inspect --file " + quote(file));
+  ASSERT_EQ(inspect.status, 0) << inspect.all();
+  EXPECT_NE(inspect.out.find("length: 701 tokens"), std::string::npos) << inspect.out;
+  EXPECT_NE(inspect.out.find("every checksum verified"), std::string::npos) << inspect.out;
+  const CliResult load = run_cli("snapshot load --model " + quote(dir_ + "/target") + " --file " + quote(file) +
+                                 " --max-new-tokens 16 --stats");
+  ASSERT_EQ(load.status, 0) << load.all();
+  EXPECT_EQ(text_of(load), plain_text());
+  // Another model cannot continue it; damaged files are refused.
+  const CliResult foreign = run_cli("snapshot load --model " + quote(dir_ + "/other") + " --file " + quote(file));
+  EXPECT_EQ(foreign.status, 2);
+  EXPECT_NE(foreign.err.find("holds a state of model"), std::string::npos) << foreign.err;
+  const std::string bytes = read_file(file);
+  write_file(file, bytes.substr(0, bytes.size() - 9));
+  const CliResult cut = run_cli("snapshot inspect --file " + quote(file));
+  EXPECT_EQ(cut.status, 2);
+  EXPECT_NE(cut.err.find("truncated"), std::string::npos) << cut.err;
+  EXPECT_EQ(run_cli("snapshot load --model " + quote(dir_ + "/target") + " --file " + quote(file)).status, 2);
+  EXPECT_EQ(run_cli("snapshot inspect --file " + quote(dir_ + "/missing")).status, 2);
+}
+#endif
+
+}  // namespace
+}  // namespace rwd::runtime
