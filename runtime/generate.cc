@@ -202,6 +202,46 @@ std::int64_t prefill(const Model& model, std::span<const std::int32_t> tokens, C
   return restored;
 }
 
+namespace {
+
+// prefill() for a new, empty sequence of a SequenceCache (batched decoding):
+// `tokens` (a prompt but its pending last token) restored from the prefix
+// cache as far as stored, the rest fed in forwards of this sequence alone
+// that end at the cache's boundaries, an entry stored at each. Returns the
+// sequence's id (a restored one replaces `id`, recording R again when R >= 0).
+SeqId prefill_sequence(const Model& model, SequenceCache& cache, SeqId id, std::span<const std::int32_t> tokens,
+                       PrefixCache& prefix_cache, std::int64_t R, GenerationStats& stats) {
+  const auto P = static_cast<std::int64_t>(tokens.size());
+  if (P == 0) return id;
+  std::int64_t a = 0;
+  const PrefixHit hit = prefix_cache.lookup(tokens, false);
+  if (hit.length > 0) {
+    try {
+      const SeqId restored = cache.import_snapshot(hit.state);
+      cache.seq_rm(id);
+      id = restored;
+      if (R >= 0) cache.activate_past_recording(id, R);
+      a = hit.length;
+      stats.prefix_hit_tokens = a;
+    } catch (const InvalidArgument&) {
+      // an entry of another shape under this fingerprint: recompute
+    }
+  }
+  const auto V = static_cast<std::size_t>(model.vocab_size());
+  std::vector<float> logits;
+  for (const std::int64_t b : prefix_cache.boundaries(a, P)) {
+    const SequenceTokens one{id, tokens.subspan(static_cast<std::size_t>(a), static_cast<std::size_t>(b - a))};
+    model.forward_batch(std::span<const SequenceTokens>(&one, 1), cache, logits);
+    ++stats.forwards;
+    prefix_cache.store(tokens.first(static_cast<std::size_t>(b)), a, cache.export_snapshot(id, a),
+                       std::span<const float>(logits.data() + static_cast<std::size_t>(b - a - 1) * V, V));
+    a = b;
+  }
+  return id;
+}
+
+}  // namespace
+
 std::vector<std::int32_t> generate(const Model& model, std::span<const std::int32_t> prompt,
                                    const GenerationOptions& options, GenerationStats* stats) {
   validate(options.sampling);
@@ -236,13 +276,17 @@ std::string BatchGenerationStats::to_json() const {
   j["seconds"] = seconds;
   j["tokens_per_second"] = tokens_per_second();
   nlohmann::json ttft = nlohmann::json::array(), per_sequence = nlohmann::json::array();
+  std::int64_t hit = 0;
   for (const GenerationStats& s : sequences) {
     ttft.push_back(s.time_to_first_token);
     per_sequence.push_back({{"new_tokens", s.new_tokens}, {"prompt_tokens", s.prompt_tokens},
                             {"time_to_first_token_s", s.time_to_first_token}, {"seconds", s.seconds},
                             {"drafted", s.drafted}, {"accepted", s.accepted}, {"acceptance_rate", s.acceptance_rate()},
-                            {"rounds", s.rounds}, {"rollbacks", s.rollbacks}});
+                            {"rounds", s.rounds}, {"rollbacks", s.rollbacks},
+                            {"prefix_hit_tokens", s.prefix_hit_tokens}});
+    hit += s.prefix_hit_tokens;
   }
+  j["prefix_hit_tokens"] = hit;
   j["time_to_first_token_s"] = ttft;
   j["per_sequence"] = per_sequence;
   return j.dump();
@@ -310,6 +354,13 @@ std::vector<std::vector<std::int32_t>> generate_batch(const Model& model,
   while (true) {
     for (std::size_t i : admission.admit(active.size())) {
       ids[i] = cache.add_sequence();
+      if (options.prefix_cache && pending[i].size() > 1) {
+        // All but the last prompt token through the prefix cache; the last
+        // one joins the batch.
+        ids[i] = prefill_sequence(model, cache, ids[i], std::span(pending[i]).first(pending[i].size() - 1),
+                                  *options.prefix_cache, -1, local.sequences[i]);
+        pending[i].erase(pending[i].begin(), pending[i].end() - 1);
+      }
       active.push_back(i);
     }
     if (active.empty()) break;
@@ -731,6 +782,11 @@ std::vector<std::vector<std::int32_t>> speculative_generate_batch(
       ids[i] = cache.add_sequence();
       cache.activate_past_recording(ids[i], spec.num_draft);  // a round rolls back at most K tokens
       prefilled[i] = prompts[i].size() < 2;
+      if (options.prefix_cache && !prefilled[i]) {
+        ids[i] = prefill_sequence(target, cache, ids[i], std::span(prompts[i]).first(prompts[i].size() - 1),
+                                  *options.prefix_cache, spec.num_draft, seqs[i].stats);
+        prefilled[i] = true;
+      }
       active.push_back(i);
     }
     if (active.empty()) break;

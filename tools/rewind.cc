@@ -362,12 +362,15 @@ std::unique_ptr<BatchDraftSource> make_sources(std::size_t n, const DraftChoice&
   return std::make_unique<PerSequenceDrafts>(std::move(sources));
 }
 
-int run_generate_batch(const std::string& model_dir, const PromptChoice& prompt_choice, std::int64_t max_new,
-                       const DraftChoice& choice, const SamplingParams& sampling, bool stats_wanted) {
+int run_generate_batch(const CLI::App& cmd, const std::string& model_dir, const PromptChoice& prompt_choice,
+                       std::int64_t max_new, const DraftChoice& choice, const SamplingParams& sampling,
+                       const PrefixChoice& prefix_choice, bool stats_wanted) {
   const Model model = Model::load(model_dir);
   const std::optional<Model> draft = load_draft(choice, model);
   const std::vector<std::vector<std::int32_t>> prompts = encode_prompts(prompt_choice, model);
+  const std::unique_ptr<PrefixCache> prefix = prefix_choice.open(cmd, model);
   GenerationOptions options;
+  options.prefix_cache = prefix.get();
   options.max_new_tokens = max_new;
   options.sampling = sampling;
   options.max_batch = prompt_choice.max_batch;
@@ -392,13 +395,8 @@ int run_generate(const CLI::App& cmd, const std::string& model_dir, const Prompt
   choice.check(cmd);
   const SamplingParams sampling = sampling_choice.resolve(cmd);
   prompt_choice.check_batch(cmd);
-  if (prompt_choice.many(cmd)) {
-    if (cmd.count("--prefix-cache") > 0) {
-      throw InvalidArgument("--prefix-cache works with one prompt (--prompt / --prompt-file); batched decoding "
-                            "(--prompts) does not reuse prefixes yet");
-    }
-    return run_generate_batch(model_dir, prompt_choice, max_new, choice, sampling, stats_wanted);
-  }
+  if (prompt_choice.many(cmd))
+    return run_generate_batch(cmd, model_dir, prompt_choice, max_new, choice, sampling, prefix_choice, stats_wanted);
   const std::string prompt = prompt_choice.read(cmd);
   const Model model = Model::load(model_dir);
   const std::optional<Model> draft = load_draft(choice, model);

@@ -82,7 +82,7 @@ class PrefixCache {
   std::vector<std::int64_t> boundaries(std::int64_t from, std::int64_t to) const;
 
   // The longest prefix of `tokens` whose entries are all present and valid,
-  // tried from `tokens.size()` down the multiples of S; with
+  // tried at P = tokens.size(), P - 1, then down the multiples of S; with
   // `need_logits`, only entries that carry the logits of their last position
   // count (what a caller needs to emit the next token without a forward).
   // Never throws for what a store holds or fails to deliver (misses, counted

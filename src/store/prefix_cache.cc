@@ -177,6 +177,9 @@ PrefixHit PrefixCache::lookup(std::span<const std::int32_t> tokens, bool need_lo
   const std::int64_t S = options_.interval;
   std::vector<std::int64_t> candidates;
   if (P > 0) candidates.push_back(P);
+  // P - 1: where a prefill that leaves the last token pending (speculative
+  // decoding, batched decoding) stored its end.
+  if (P > 1 && (P - 1) % S != 0) candidates.push_back(P - 1);
   for (std::int64_t b = (P - 1) / S * S; b >= S; b -= S) candidates.push_back(b);
   std::map<std::int64_t, std::shared_ptr<Snapshot>> seen;  // one fetch per boundary (null: a miss)
   auto get = [&](std::int64_t b) {

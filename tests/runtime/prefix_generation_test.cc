@@ -94,10 +94,42 @@ TEST(PrefixGeneration, SpeculativeDecodingWithAPrefixCacheEqualsGreedy) {
     ModelDraft self(model, {}, 3);
     EXPECT_EQ(speculative_generate(model, self, p, cached, {3, false}), want) << "run " << run;
   }
-  // Plain generation of the same prompt reuses the speculative run's entries up to 56.
+  // Plain generation of the same prompt finds the speculative run's entry at P - 1.
   GenerationStats s;
   EXPECT_EQ(generate(model, p, cached, &s), want);
-  EXPECT_EQ(s.prefix_hit_tokens, 56);
+  EXPECT_EQ(s.prefix_hit_tokens, 60);
+}
+
+TEST(PrefixGeneration, BatchedDecodingReusesPrefixesPerSequence) {
+  const Model model(ModelWeights::random(hybrid(kEveryKind), 45));
+  auto pc = memory_prefix_cache(model, 16);
+  GenerationOptions plain;
+  plain.max_new_tokens = 9;
+  plain.stop_at_eos = false;
+  plain.max_batch = 2;  // the third joins later
+  GenerationOptions cached = plain;
+  cached.prefix_cache = pc.get();
+  const std::vector<std::vector<std::int32_t>> prompts = {prompt_of(70, 4), prompt_of(33, 5), prompt_of(1, 6)};
+  const auto want = generate_batch(model, prompts, plain);
+  for (int run = 0; run < 2; ++run) {
+    BatchGenerationStats s;
+    EXPECT_EQ(generate_batch(model, prompts, cached, &s), want) << "run " << run;
+    EXPECT_EQ(s.sequences[0].prefix_hit_tokens, run == 0 ? 0 : 69);
+    EXPECT_EQ(s.sequences[1].prefix_hit_tokens, run == 0 ? 0 : 32);
+    EXPECT_EQ(s.sequences[2].prefix_hit_tokens, 0);  // BOS alone: nothing to prefill
+    PerSequenceDrafts drafts([] {
+      std::vector<std::unique_ptr<DraftSource>> v;
+      for (int i = 0; i < 3; ++i) v.push_back(std::make_unique<LookupDraft>(2));
+      return v;
+    }());
+    BatchGenerationStats ss;
+    EXPECT_EQ(speculative_generate_batch(model, drafts, prompts, cached, {3, false}, &ss), want) << "run " << run;
+    EXPECT_EQ(ss.sequences[0].prefix_hit_tokens, 69);  // the batched greedy run stored [0, 69)
+  }
+  // A solo run of prompt 0 finds the batched run's entry at P - 1.
+  GenerationStats solo;
+  EXPECT_EQ(generate(model, prompts[0], cached, &solo), want[0]);
+  EXPECT_EQ(solo.prefix_hit_tokens, 69);
 }
 
 TEST(PrefixGeneration, ContinueGenerationFromARestoredSnapshot) {
@@ -241,11 +273,31 @@ TEST_F(PrefixCli, BadPrefixOptionsAreUsageErrors) {
   const CliResult url = run_cli(base + "--prefix-cache redis://127.0.0.1:notaport");
   EXPECT_EQ(url.status, 2);
   EXPECT_NE(url.err.find("redis://"), std::string::npos) << url.err;
-  write_file(dir_ + "/prompts.txt", "a\nb\n");
-  EXPECT_EQ(run_cli("generate --model " + quote(dir_ + "/target") + " --prompts " + quote(dir_ + "/prompts.txt") +
-                    " --prefix-cache " + quote(dir_ + "/c"))
-                .status,
-            2);
+}
+
+TEST_F(PrefixCli, BatchedPromptsReusePrefixes) {
+  write_file(dir_ + "/prompts.txt", read_file(dir_ + "/prompt.txt").substr(0, 300) + "\nshort\n" +
+                                        read_file(dir_ + "/prompt.txt").substr(0, 200) + "x\n");
+  const std::string base = "generate --model " + quote(dir_ + "/target") + " --prompts " +
+                           quote(dir_ + "/prompts.txt") + " --max-new-tokens 8 --stats";
+  const CliResult plain = run_cli(base);
+  ASSERT_EQ(plain.status, 0) << plain.all();
+  const std::string lines = plain.out.substr(0, plain.out.rfind('\n', plain.out.size() - 2));
+  const std::string cached = base + " --prefix-interval 32 --prefix-cache " + quote(dir_ + "/batch_cache");
+  for (int run = 0; run < 2; ++run) {
+    const CliResult r = run_cli(cached);
+    ASSERT_EQ(r.status, 0) << r.all();
+    EXPECT_EQ(r.out.substr(0, r.out.rfind('\n', r.out.size() - 2)), lines) << "run " << run;
+    const nlohmann::json st = stats_of(r);
+    // Run 0: the third prompt shares 201 tokens with the first (BOS + 200
+    // bytes), whose entries at 32..192 it may find; run 1: every prompt
+    // but its last token.
+    if (run == 1) {
+      EXPECT_EQ(st["per_sequence"][0]["prefix_hit_tokens"], 300);
+      EXPECT_EQ(st["per_sequence"][1]["prefix_hit_tokens"], 5);
+      EXPECT_EQ(st["per_sequence"][2]["prefix_hit_tokens"], 201);
+    }
+  }
 }
 
 TEST_F(PrefixCli, SnapshotFilesSaveInspectAndLoad) {

@@ -60,10 +60,12 @@ struct GenerationOptions {
   // this many sequences decode at once (0: all of them); the others wait and
   // join, in prompt order, as sequences finish. Must be >= 0.
   std::int64_t max_batch = 0;
-  // Prefix reuse (generate, speculative_generate): the prompt's prefill
-  // restores the longest stored prefix and stores an entry at every
-  // boundary of what it computes (rewind/prefix_cache.h). Not owned; null:
-  // none. Its fingerprint must be the target model's (Model::fingerprint).
+  // Prefix reuse (every generate / speculative_generate function): the
+  // prompt's prefill restores the longest stored prefix and stores an entry
+  // at every boundary of what it computes (rewind/prefix_cache.h); batched
+  // decoding prefills each joining sequence's prompt, but its last token,
+  // alone through it. Not owned; null: none. Its fingerprint must be the
+  // target model's (Model::fingerprint).
   PrefixCache* prefix_cache = nullptr;
 };
 
