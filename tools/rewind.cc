@@ -923,7 +923,8 @@ int main(int argc, char** argv) {
                   "states at the same position) and stores an entry every --prefix-interval tokens and at the "
                   "prompt's end; output is identical with or without it. A store that fails is a warning, then "
                   "recomputation")
-      ->type_name("DIR|URL");
+      ->type_name("DIR|URL")
+      ->default_str("none");
   gen->add_option("--prefix-interval", prefix.interval, "tokens between prefix-cache entries")
       ->check(integer_in(1, std::int64_t{1} << 40));
   gen->add_option("--prefix-cache-bytes", prefix.bytes,
