@@ -750,8 +750,14 @@ int run_snapshot_inspect(const std::string& path) {
     }
     for (const Tensor& t : l.conv_states) add("conv", t);
     for (const Tensor& t : l.recurrent_states) add("recurrent", t);
+    auto bytes_of = [](const Tensor& t) { return t.view().data ? t.bytes() : std::size_t{0}; };
+    std::size_t layer_bytes = bytes_of(l.keys) + bytes_of(l.values);
+    for (const Tensor& t : l.sides) layer_bytes += bytes_of(t);
+    for (const Tensor& t : l.conv_states) layer_bytes += bytes_of(t);
+    for (const Tensor& t : l.recurrent_states) layer_bytes += bytes_of(t);
     const std::string kind(layer_kind_name(l.kind));
-    std::printf("  layer %2zu  %-18s %s\n", i, kind.c_str(), parts.empty() ? "(no state)" : parts.c_str());
+    std::printf("  layer %2zu  %-18s %10zu bytes  %s\n", i, kind.c_str(), layer_bytes,
+                parts.empty() ? "(no state)" : parts.c_str());
   }
   return 0;
 }
