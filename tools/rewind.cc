@@ -912,6 +912,18 @@ int main(int argc, char** argv) {
                     "sequences finish (0: all at once)")
         ->check(integer_in(0, std::int64_t{1} << 24));
   };
+  auto add_sampling_options = [&](CLI::App* cmd) {
+    cmd->add_option("--temperature", sampling.params.temperature, "sampling temperature; 0 = greedy decoding")
+        ->check(finite_number(0.0, 1e30, false, "[0, 1e30]"));
+    cmd->add_option("--top-k", sampling.params.top_k, "sample among the K likeliest (0 = off); needs --temperature")
+        ->check(integer_in(0, std::numeric_limits<std::int32_t>::max()));
+    cmd->add_option("--top-p", sampling.params.top_p, "nucleus mass (1 = off); needs --temperature")
+        ->check(finite_number(0.0, 1.0, true, "(0, 1]"));
+    cmd->add_option("--seed", sampling.params.seed,
+                    "sampling seed; needs --temperature; default: a random seed, printed by --stats")
+        ->check(unsigned_integer())
+        ->default_str("random");
+  };
   auto* gen = app.add_subcommand("generate", "generate text (greedy, sampled or speculative)");
   gen->add_option("--model", model_dir, "model directory")->required()->check(CLI::ExistingDirectory);
   add_prompt_options(gen);
@@ -937,16 +949,7 @@ int main(int argc, char** argv) {
                   "cap of a directory prefix cache in bytes; least recently used entries go first (0: no cap)")
       ->check(integer_in(0, std::int64_t{1} << 50));
   add_draft_options(gen);
-  gen->add_option("--temperature", sampling.params.temperature, "sampling temperature; 0 = greedy decoding")
-      ->check(finite_number(0.0, 1e30, false, "[0, 1e30]"));
-  gen->add_option("--top-k", sampling.params.top_k, "sample among the K likeliest (0 = off); needs --temperature")
-      ->check(integer_in(0, std::numeric_limits<std::int32_t>::max()));
-  gen->add_option("--top-p", sampling.params.top_p, "nucleus mass (1 = off); needs --temperature")
-      ->check(finite_number(0.0, 1.0, true, "(0, 1]"));
-  gen->add_option("--seed", sampling.params.seed,
-                  "sampling seed; needs --temperature; default: a random seed, printed by --stats")
-      ->check(unsigned_integer())
-      ->default_str("random");
+  add_sampling_options(gen);
   add_threads_option(gen);
   gen->add_flag("--stats", stats,
                 "end with one JSON line: new_tokens, prompt_tokens, seconds (wall time of prefill + decoding), "
@@ -1031,15 +1034,7 @@ int main(int argc, char** argv) {
       ->check(CLI::ExistingDirectory);
   snp_load->add_option("--file", snapshot_file, "snapshot file")->required();
   snp_load->add_option("--max-new-tokens", max_new, "token budget")->check(max_new_range);
-  snp_load->add_option("--temperature", sampling.params.temperature, "sampling temperature; 0 = greedy decoding")
-      ->check(finite_number(0.0, 1e30, false, "[0, 1e30]"));
-  snp_load->add_option("--top-k", sampling.params.top_k, "sample among the K likeliest (0 = off); needs --temperature")
-      ->check(integer_in(0, std::numeric_limits<std::int32_t>::max()));
-  snp_load->add_option("--top-p", sampling.params.top_p, "nucleus mass (1 = off); needs --temperature")
-      ->check(finite_number(0.0, 1.0, true, "(0, 1]"));
-  snp_load->add_option("--seed", sampling.params.seed, "sampling seed; needs --temperature")
-      ->check(unsigned_integer())
-      ->default_str("random");
+  add_sampling_options(snp_load);
   snp_load->add_flag("--stats", stats, "end with one JSON line of figures (as generate --stats)");
   add_threads_option(snp_load);
 

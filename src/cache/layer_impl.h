@@ -11,6 +11,7 @@
 #include <utility>
 #include <vector>
 
+#include "cache/layer_kinds.h"
 #include "cache/recurrent_state.h"
 #include "cache/token_track.h"
 #include "rewind/error.h"
@@ -225,9 +226,6 @@ void check_attention_crop(const detail::RetentionRule& rule, std::int64_t first,
 [[noreturn]] void throw_crop_too_deep(const std::string& where, std::int64_t n, std::int64_t L, std::int64_t depth);
 
 namespace detail {
-bool kind_has_attention(LayerKind k);
-bool kind_is_linear(LayerKind k);
-
 // Throws InvalidArgument, naming `where`, unless `s` can restore a layer of
 // `kind` built with `options` (batch 1) at length L: same kind, every part
 // of that kind present with this layer's shapes and dtypes, attention rows

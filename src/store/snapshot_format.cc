@@ -22,6 +22,7 @@
 
 #include "rewind/error.h"
 #include "rewind/snapshot.h"
+#include "cache/layer_kinds.h"
 
 namespace rwd {
 namespace {
@@ -76,28 +77,6 @@ std::uint32_t code_of(const std::array<T, N>& codes, T value) {
   return static_cast<std::uint32_t>(N);  // an enum value outside its enumerators: rejected by the caller
 }
 
-bool has_attention(LayerKind k) {
-  switch (k) {
-    case LayerKind::FullAttention:
-    case LayerKind::SlidingAttention:
-    case LayerKind::ChunkedAttention:
-    case LayerKind::Hybrid:
-    case LayerKind::HybridSliding:
-    case LayerKind::SparseAttention: return true;
-    default: return false;
-  }
-}
-
-bool is_linear(LayerKind k) {
-  switch (k) {
-    case LayerKind::LinearAttention:
-    case LayerKind::Conv:
-    case LayerKind::Hybrid:
-    case LayerKind::HybridSliding: return true;
-    default: return false;
-  }
-}
-
 std::string layer_where(std::size_t index, LayerKind kind) {
   return "layer " + unum(index) + " (" + std::string(layer_kind_name(kind)) + ")";
 }
@@ -107,14 +86,14 @@ std::string layer_where(std::size_t index, LayerKind kind) {
 std::string parts_problem(LayerKind kind, bool attention_parts, std::uint64_t sides, std::uint64_t convs,
                           std::uint64_t recurrents) {
   const std::string name(layer_kind_name(kind));
-  if (!has_attention(kind)) {
+  if (!detail::kind_has_attention(kind)) {
     if (attention_parts) return name + " has no attention, but keys / values were given";
     if (sides != 0) return name + " has no attention, but " + unum(sides) + " side tensors were given";
   } else if (!attention_parts) {
     return name + " needs keys and values";
   }
   if (kind == LayerKind::SparseAttention && sides == 0) return name + " needs at least one side tensor";
-  if (!is_linear(kind)) {
+  if (!detail::kind_is_linear(kind)) {
     if (convs != 0) return name + " has no conv state, but " + unum(convs) + " were given";
     if (recurrents != 0) return name + " has no recurrent state, but " + unum(recurrents) + " were given";
     return "";
@@ -467,7 +446,7 @@ LayerSnapshot read_layer(Reader& r, std::size_t index, std::int64_t length) {
   LayerSnapshot layer;
   layer.kind = kKindCodes[kind_code];
   const std::string where = layer_where(index, layer.kind);
-  const bool attention = has_attention(layer.kind);
+  const bool attention = detail::kind_has_attention(layer.kind);
   if (const std::string p = parts_problem(layer.kind, attention, sides, convs, recurrents); !p.empty()) {
     malformed(where + ": " + p);
   }
@@ -604,7 +583,7 @@ std::vector<std::byte> serialize_snapshot(const Snapshot& snapshot, std::string_
     w.u32(static_cast<std::uint32_t>(layer.recurrent_states.size()));
     w.i64(layer.first);
     w.crc_since(head);
-    const std::size_t count = (has_attention(layer.kind) ? 2 : 0) + layer.sides.size() + layer.conv_states.size() +
+    const std::size_t count = (detail::kind_has_attention(layer.kind) ? 2 : 0) + layer.sides.size() + layer.conv_states.size() +
                               layer.recurrent_states.size();
     for (std::size_t k = 0; k < count; ++k, ++next_part) write_part(w, *parts[next_part].tensor, parts[next_part].bytes);
   }
