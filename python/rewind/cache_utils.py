@@ -35,6 +35,10 @@ _NOT_RECORDING = (
     "`crop` was called, but the current layer does not track past states. Call `activate_past_recording` "
     "before `crop` to be able to rollback the cache."
 )
+_SLIDING_NOT_RECORDING = (
+    "`crop` was called, but the current layer does not track past states, and the sliding window size was already "
+    "reached. Call `activate_past_recording` before `crop` to be able to rollback the cache."
+)
 _LINEAR_POSITIVE = (
     "Linear attention layers can only be cropped by passing a negative int, to specify how many tokens to remove"
 )
@@ -186,6 +190,11 @@ class _RewindLayerBase:
                 raise _rw.RollbackError(f"{_LINEAR_POSITIVE} {self._where(n)}")
             return
         self._check_in_step(f"crop({n})")
+        if (self._attention == "sliding" and not self._linear and self._recording is None
+                and self.get_seq_length() >= int(self._sliding_window)):
+            # transformers (>= 5.15) names the missing recording first, for any n; the
+            # C++ layer names the positive crop first when n > 0.
+            raise _rw.RollbackError(f"{_SLIDING_NOT_RECORDING} {self._where(n)}")
         for p in parts:
             p.check_crop(n)
         L = self.get_seq_length()
@@ -684,7 +693,7 @@ class LinearAttentionAndFullAttentionLayer(LinearAttentionLayer, DynamicLayer):
         return self._kv.update(key_states, value_states)
 
 
-class LinearAttentionAndSlidingWindowAttentionLayer(LinearAttentionAndFullAttentionLayer, DynamicSlidingWindowLayer):
+class LinearAttentionAndSlidingWindowAttentionLayer(LinearAttentionLayer, DynamicSlidingWindowLayer):
     """A hybrid layer: linear-attention states and sliding-window attention."""
 
     is_sliding = True
@@ -697,6 +706,10 @@ class LinearAttentionAndSlidingWindowAttentionLayer(LinearAttentionAndFullAttent
         self._setup(attention="sliding", sliding_window=int(sliding_window), linear=True,
                     number_of_states=int(number_of_states), conv_kernel_size=conv_kernel_size)
         self.sliding_window = int(sliding_window)
+
+    get_mask_sizes = CacheLayerMixin.get_mask_sizes
+    lazy_initialization = LinearAttentionCacheLayerMixin.lazy_initialization
+    update = LinearAttentionAndFullAttentionLayer.update
 
 
 class StatelessLayer(_RewindLayerBase):
