@@ -514,33 +514,6 @@ PYBIND11_MODULE(_rewind, mod) {
       .def("update_recurrent_state", [](PyLayer& l, py::object s, int state) {
         l.layer().update_recurrent_state(input_view(s, "recurrent_states"), state);
       }, py::arg("new_state"), py::arg("state") = 0)
-      .def("write_recurrent_states", [](PyLayer& l, py::object states, int state) {
-        // states [q, B, shape...] (S(L+1)..S(L+q)), or, as `final`, one state
-        // [B, shape...] written as S(L+q) for q given separately.
-        rwd::TensorView all = input_view(states, "recurrent_states");
-        const std::int64_t q = all.shape[0];
-        rwd::RecurrentUpdate u = l.layer().begin_recurrent_update(q, state);
-        for (std::int64_t t = 1; t <= q; ++t) {
-          rwd::TensorView slot = u.next(t);
-          rwd::TensorView one = all.slice(0, t - 1, 1);
-          // drop the leading dimension of extent 1
-          rwd::TensorView src;
-          src.data = one.data;
-          src.dtype = one.dtype;
-          src.rank = one.rank - 1;
-          for (int i = 0; i + 1 < rwd::kMaxRank; ++i) {
-            src.shape[static_cast<std::size_t>(i)] = one.shape[static_cast<std::size_t>(i + 1)];
-            src.strides[static_cast<std::size_t>(i)] = one.strides[static_cast<std::size_t>(i + 1)];
-          }
-          src.shape[rwd::kMaxRank - 1] = 1;
-          src.strides[rwd::kMaxRank - 1] = 0;
-          if (src.rank != slot.rank || src.dtype != slot.dtype) {
-            invalid("recurrent_states: expected [q, " + slot.describe() + "], got " + all.describe());
-          }
-          rwd::copy_tensor(src, slot);
-        }
-        u.commit();
-      }, py::arg("states"), py::arg("state") = 0)
       .def("write_final_recurrent_state", [](PyLayer& l, py::object final_state, std::int64_t q, int state) {
         rwd::RecurrentUpdate u = l.layer().begin_recurrent_update(q, state);
         rwd::TensorView src = input_view(final_state, "recurrent_states");

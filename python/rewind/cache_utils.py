@@ -593,7 +593,10 @@ class LinearAttentionCacheLayerMixin(_RewindLayerBase):
                 raise _rw.InvalidArgument(
                     f"update_recurrent_state: num_tokens={num_tokens} but all_states holds {q} states {self._where()}"
                 )
-            part.write_recurrent_states(all_states)
+            update = part.begin_recurrent_update(q)
+            for t in range(q):
+                update.next(t + 1)[...] = all_states[t]
+            update.commit()
         else:
             q = int(num_tokens) if num_tokens is not None else self._pending_tokens(state_idx)
             if q == 1:
@@ -775,9 +778,15 @@ def layer_types_and_kwargs(config: Any) -> tuple[list[str], dict]:
         kwargs["chunk_size"] = _config_get(config, "attention_chunk_size") or _config_get(config, "chunk_size")
     if any(t in ("conv", "linear_attention", "hybrid", "hybrid_sliding") for t in layer_types):
         kwargs["number_of_states"] = _config_get(config, "number_of_conv_states", 1) or 1
-        for name in ("linear_conv_kernel_dim", "conv_L_cache", "conv_kernel_size", "mamba_d_conv", "conv_kernel"):
-            if _config_get(config, name) is not None:
+        # Linear-attention layers and LFM2-style short-conv layers name their
+        # kernel sizes differently; a model may have both.
+        for name in ("conv_kernel_size", "linear_conv_kernel_dim", "mamba_d_conv", "conv_kernel", "conv_L_cache"):
+            if _config_get(config, name):
                 kwargs["conv_kernel_size"] = int(_config_get(config, name))
+                break
+        for name in ("conv_L_cache", "conv_kernel_size", "linear_conv_kernel_dim", "conv_kernel"):
+            if _config_get(config, name):
+                kwargs["short_conv_kernel_size"] = int(_config_get(config, name))
                 break
     return layer_types, kwargs
 
@@ -789,6 +798,10 @@ def _build_layer(layer_type: str, kwargs: dict) -> _RewindLayerBase:
         raise _rw.InvalidArgument(
             f"unknown layer type '{layer_type}'; accepted: {', '.join(LAYER_TYPE_MAPPING)}"
         ) from None
+    kwargs = dict(kwargs)
+    short = kwargs.pop("short_conv_kernel_size", None)
+    if layer_type == "conv" and short is not None:
+        kwargs["conv_kernel_size"] = short
     layer = cls(**kwargs)
     if layer_type in ("moe", "mlp"):
         layer._kind_name = layer_type
