@@ -290,6 +290,13 @@ struct PyModel {
 struct PyModelCache {
   std::shared_ptr<PyModel> model;  // the cache's layers follow this model's shapes
   rwd::Cache cache;
+  // Set while a forward runs without the GIL: every other use of the cache
+  // (which holds the GIL throughout) is refused instead of racing with it.
+  bool busy = false;
+  rwd::Cache& use() {
+    if (busy) throw rwd::StateError("this cache is in use by a forward running in another thread");
+    return cache;
+  }
 };
 
 std::vector<std::int32_t> tokens_of(const py::handle& obj) {
@@ -567,21 +574,21 @@ PYBIND11_MODULE(_rewind, mod) {
   // ---- runtime ----
   py::class_<PyModelCache, std::shared_ptr<PyModelCache>>(m, "ModelCache",
       "A model's own rewind cache (rwd::Cache with the model's layer shapes), for Model.forward.")
-      .def("get_seq_length", [](const PyModelCache& c) { return c.cache.get_seq_length(); })
-      .def("crop", [](PyModelCache& c, std::int64_t n) { c.cache.crop(n); }, py::arg("n"),
+      .def("get_seq_length", [](PyModelCache& c) { return c.use().get_seq_length(); })
+      .def("crop", [](PyModelCache& c, std::int64_t n) { c.use().crop(n); }, py::arg("n"),
            "Transactional crop of every layer (negative: remove that many tokens).")
-      .def("check_crop", [](const PyModelCache& c, std::int64_t n) { c.cache.check_crop(n); }, py::arg("n"))
-      .def("max_rollback", [](const PyModelCache& c) { return c.cache.max_rollback(); })
-      .def("activate_past_recording", [](PyModelCache& c, std::int64_t r) { c.cache.activate_past_recording(r); }, py::arg("max_tokens"))
-      .def("reset", [](PyModelCache& c) { c.cache.reset(); })
-      .def("memory", [](const PyModelCache& c) {
-        auto mem = c.cache.memory();
+      .def("check_crop", [](PyModelCache& c, std::int64_t n) { c.use().check_crop(n); }, py::arg("n"))
+      .def("max_rollback", [](PyModelCache& c) { return c.use().max_rollback(); })
+      .def("activate_past_recording", [](PyModelCache& c, std::int64_t r) { c.use().activate_past_recording(r); }, py::arg("max_tokens"))
+      .def("reset", [](PyModelCache& c) { c.use().reset(); })
+      .def("memory", [](PyModelCache& c) {
+        auto mem = c.use().memory();
         py::dict d;
         d["bytes_reserved"] = mem.bytes_reserved;
         d["bytes_used"] = mem.bytes_used;
         return d;
       })
-      .def("set_memory_budget", [](PyModelCache& c, std::size_t b) { c.cache.set_memory_budget(b); }, py::arg("bytes"));
+      .def("set_memory_budget", [](PyModelCache& c, std::size_t b) { c.use().set_memory_budget(b); }, py::arg("bytes"));
 
   py::class_<PyModel, std::shared_ptr<PyModel>>(m, "Model", "The reference runtime's hybrid decoder (runtime/model.h).")
       .def_static("load", [](const std::string& dir) {
@@ -613,10 +620,16 @@ PYBIND11_MODULE(_rewind, mod) {
         if (cache.model.get() != &self) invalid("forward: the cache was made by another model");
         auto t = tokens_of(tokens);
         std::vector<float> logits;
-        {
+        rwd::Cache& c = cache.use();
+        cache.busy = true;
+        try {
           py::gil_scoped_release nogil;
-          self.model.forward(t, cache.cache, logits, all_logits);
+          self.model.forward(t, c, logits, all_logits);
+        } catch (...) {
+          cache.busy = false;
+          throw;
         }
+        cache.busy = false;
         return logits_array(std::move(logits), static_cast<std::int64_t>(t.size()), self.model.vocab_size(), all_logits);
       }, py::arg("tokens"), py::arg("cache"), py::arg("all_logits") = true,
          "Runs tokens at positions [L, L+n), appends them to `cache`, returns float32 logits [n, vocab] "
