@@ -124,3 +124,35 @@ def test_speculative_example_prints_identical():
     assert out.returncode == 0, out.stdout + out.stderr
     assert "\nIDENTICAL\n" in out.stdout
     assert "within 1e-4" in out.stdout
+
+
+def test_forwards_release_the_gil_and_guard_their_cache(target):
+    import threading
+
+    prompt = [256] + list(b"In the beginning God created the heaven and the earth. " * 12)
+    expected = target.forward(prompt, target.make_cache())
+    results, errors = {}, []
+    caches = [target.make_cache() for _ in range(2)]
+
+    def run(i):
+        try:
+            results[i] = target.forward(prompt, caches[i])
+        except Exception as e:  # pragma: no cover - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    refused = 0
+    while any(t.is_alive() for t in threads):
+        try:
+            caches[0].get_seq_length()
+        except rewind.StateError as e:
+            assert "in use" in str(e)
+            refused += 1
+    for t in threads:
+        t.join()
+    assert not errors
+    for i in range(2):
+        np.testing.assert_array_equal(results[i], expected)
+        assert caches[i].get_seq_length() == len(prompt)
