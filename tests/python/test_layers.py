@@ -247,3 +247,34 @@ def test_input_errors_are_value_errors_with_cpp_messages():
         rewind.DynamicCache(layer_types=["full_attention"]).update(kv(0, 1), kv(0, 1), 3)
     with pytest.raises(rewind.InvalidArgument, match="unknown layer type"):
         rewind.DynamicCache(layer_types=["fancy_attention"])
+
+
+def test_stateless_placeholders_and_linear_mask_sizes():
+    c = rewind.DynamicCache(layer_types=["mlp", "linear_attention", "full_attention", "moe"], conv_kernel_size=2)
+    c.activate_past_recording(4)
+    c.update_conv_state(conv_in(0, 3), 1)
+    c.update_recurrent_state(torch.ones(1, 2), 1, all_states=torch.ones(3, 1, 2))
+    c.update(kv(0, 3), kv(0, 3), 2)
+    assert c.layers[0].get_seq_length() == 0 and c.layers[3].get_seq_length() == 0
+    assert c.get_seq_length() == 3  # layer 0 holds nothing: the first layer with state answers
+    assert c.get_mask_sizes(2, 2) == (5, 0)
+    with pytest.raises(ValueError, match="LinearAttention layer"):
+        c.get_mask_sizes(2, 1)
+    assert c.has_previous_state() is True
+    with pytest.raises(ValueError, match="Attention layer"):
+        c.has_previous_state(2)
+    c.crop(-2)
+    assert c.get_seq_length(1) == 1 and c.get_seq_length(2) == 1 and c.max_rollback() == 1
+    c.reorder_cache([0])
+
+
+def test_bfloat16_recurrent_and_conv_states():
+    layer = rewind.LinearAttentionLayer(conv_kernel_size=2)
+    layer.activate_past_recording(2)
+    x = torch.randn(1, 4, 3).to(torch.bfloat16)
+    w = layer.update_conv_state(x)
+    assert w.dtype == torch.bfloat16 and torch.equal(w[:, :, 1:], x)
+    states = torch.randn(3, 1, 2, 2).to(torch.bfloat16)
+    layer.update_recurrent_state(states[-1], all_states=states)
+    layer.crop(-1)
+    assert torch.equal(layer.recurrent_states[0], states[1])
