@@ -16,7 +16,7 @@ DEB_PACKAGES := cmake g++ make pkg-config libgtest-dev libgmock-dev libbenchmark
 # The Python module (`make python`, `make test-python`): pybind11 for Debian's
 # python3, with torch, numpy and pytest from Debian (no other index is used).
 PYTHON_DEB_PACKAGES := python3 python3-dev pybind11-dev python3-pybind11 python3-numpy python3-torch python3-pytest
-PYTHON_BUILD_DEB_PACKAGES := cmake g++ make nlohmann-json3-dev libomp-dev $(PYTHON_DEB_PACKAGES)
+PYTHON_BUILD_DEB_PACKAGES := cmake g++ make nlohmann-json3-dev libcli11-dev $(PYTHON_DEB_PACKAGES)
 # Debian's interpreter, whatever `python3` comes first on PATH.
 PYTHON := /usr/bin/python3
 PY_BUILD ?= build-py
