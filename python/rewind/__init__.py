@@ -31,6 +31,7 @@ from .cache_utils import (  # noqa: F401
     DynamicIndexedLayer,
     DynamicLayer,
     DynamicSlidingWindowLayer,
+    EncoderDecoderCache,
     LinearAttentionAndFullAttentionLayer,
     LinearAttentionAndSlidingWindowAttentionLayer,
     LinearAttentionCacheLayerMixin,

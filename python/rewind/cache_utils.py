@@ -209,10 +209,13 @@ class _RewindLayerBase:
                         f"largest exact rollback is {L - exact_from} {self._where(n)}"
                     )
 
-    def crop(self, max_length: int) -> None:
+    def crop(self, max_length: int | None = None, *, tokens_to_remove: int | None = None) -> None:
         """Removes ``-max_length`` tokens (negative), shrinks to the minimal working state (0), or keeps the first
-        ``max_length`` tokens (positive, deprecated; attention only). Exact or raises, changing nothing."""
-        n = int(max_length)
+        ``max_length`` tokens (positive, deprecated; attention only). Exact or raises, changing nothing.
+        ``tokens_to_remove`` is the name transformers' linear-attention layers give the same argument."""
+        if (max_length is None) == (tokens_to_remove is None):
+            raise _rw.InvalidArgument("crop takes one argument: max_length (or tokens_to_remove)")
+        n = int(max_length if max_length is not None else tokens_to_remove)
         self.check_crop(n)
         L = self.get_seq_length()
         for p in self._parts():
@@ -840,8 +843,15 @@ class Cache:
         return len(self.layers)
 
     def __iter__(self):
+        """(keys, values, sliding window) per layer, as transformers' DDP data; the window is a 0-d tensor for
+        sliding layers, None otherwise (``DynamicCache(list(cache))`` rebuilds the layers)."""
         for layer in self.layers:
-            yield getattr(layer, "keys", None), getattr(layer, "values", None), None
+            window = getattr(layer, "sliding_window", None)
+            if window is not None:
+                import torch
+
+                window = torch.tensor(window)
+            yield getattr(layer, "keys", None), getattr(layer, "values", None), window
 
     def _layer(self, layer_idx: int, grow: bool = False) -> _RewindLayerBase:
         if grow and self.layer_class_to_replicate is not None:
@@ -1135,3 +1145,105 @@ class DynamicCache(Cache):
         else:
             super().__init__(layer_class_to_replicate=DynamicLayer, offloading=offloading,
                              offload_only_non_sliding=offload_only_non_sliding)
+
+
+class EncoderDecoderCache(Cache):
+    """A self-attention cache that rolls back like any other and a cross-attention cache written once from the
+    encoder output (transformers' ``EncoderDecoderCache``): ``crop`` applies to the self-attention part only,
+    batch operations and ``reset`` to both (both checked before either changes)."""
+
+    def __init__(self, *caches: Any) -> None:
+        if len(caches) != 2:
+            raise _rw.InvalidArgument(f"Expected 2 arguments (self-attention and cross-attention caches), got {len(caches)}")
+        if not isinstance(caches[0], Cache) or not isinstance(caches[1], Cache):
+            raise _rw.InvalidArgument(
+                f"One of the two arguments is not a Cache: {type(caches[0]) = }, {type(caches[1]) = }"
+            )
+        self.self_attention_cache, self.cross_attention_cache = caches
+        self.is_updated = {
+            i: bool(self.cross_attention_cache.get_seq_length(i) > 0) for i in range(len(self.cross_attention_cache))
+        }
+
+    def __repr__(self) -> str:
+        return (f"{self.__class__.__name__}(self_attention_cache={self.self_attention_cache}, "
+                f"cross_attention_cache={self.cross_attention_cache})")
+
+    def __len__(self) -> int:
+        return len(self.self_attention_cache)
+
+    def __iter__(self):
+        for a, b in zip(self.self_attention_cache, self.cross_attention_cache):
+            yield a + b
+
+    @property
+    def layers(self) -> list:
+        return self.self_attention_cache.layers
+
+    def update(self, key_states: Any, value_states: Any, layer_idx: int, *args: Any, **kwargs: Any) -> tuple:
+        return self.self_attention_cache.update(key_states, value_states, layer_idx, *args, **kwargs)
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return self.self_attention_cache.get_seq_length(layer_idx)
+
+    def get_max_length(self, layer_idx: int | None = None) -> int:
+        return self.self_attention_cache.get_max_length(layer_idx)
+
+    def get_mask_sizes(self, query_length: Any, layer_idx: int) -> tuple:
+        return self.self_attention_cache.get_mask_sizes(query_length, layer_idx)
+
+    def crop(self, maximum_length: int) -> None:
+        """Crops the self-attention part only; the encoder's keys stay."""
+        self.self_attention_cache.crop(maximum_length)
+
+    def check_crop(self, maximum_length: int) -> None:
+        self.self_attention_cache.check_crop(maximum_length)
+
+    def max_rollback(self) -> int:
+        return self.self_attention_cache.max_rollback()
+
+    def activate_past_recording(self, max_tokens: int | None = None) -> None:
+        self.self_attention_cache.activate_past_recording(max_tokens)
+
+    def _both(self, name: str, idx: list[int] | None, exact: bool = False) -> None:
+        for c in (self.self_attention_cache, self.cross_attention_cache):
+            c._check_layers_in_step(name)
+            c._check_batch(idx, name, exact)
+
+    def reorder_cache(self, beam_idx: Any) -> None:
+        idx = _index_list(beam_idx)
+        self._both("reorder_cache", idx, exact=True)
+        self.self_attention_cache.reorder_cache(idx)
+        self.cross_attention_cache.reorder_cache(idx)
+
+    def batch_select_indices(self, indices: Any) -> None:
+        idx = _index_list(indices)
+        self._both("batch_select_indices", idx)
+        self.self_attention_cache.batch_select_indices(idx)
+        self.cross_attention_cache.batch_select_indices(idx)
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        if int(repeats) < 1:
+            raise _rw.InvalidArgument(f"batch_repeat_interleave: repeats must be >= 1, got {repeats}")
+        self._both("batch_repeat_interleave", None)
+        self.self_attention_cache.batch_repeat_interleave(repeats)
+        self.cross_attention_cache.batch_repeat_interleave(repeats)
+
+    def reset(self) -> None:
+        self.self_attention_cache.reset()
+        self.cross_attention_cache.reset()
+        for i in self.is_updated:
+            self.is_updated[i] = False
+
+    def memory(self) -> dict:
+        a, b = self.self_attention_cache.memory(), self.cross_attention_cache.memory()
+        return {"self_attention": a, "cross_attention": b,
+                "bytes_reserved": a["bytes_reserved"] + b["bytes_reserved"],
+                "bytes_used": a["bytes_used"] + b["bytes_used"]}
+
+    @property
+    def is_sliding(self) -> list:
+        return self.self_attention_cache.is_sliding
+
+    @property
+    def batch_size(self) -> int:
+        return self.self_attention_cache.batch_size

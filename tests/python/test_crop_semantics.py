@@ -286,3 +286,39 @@ def test_hybrid_layer_crops_both_parts_together():
     assert conv_positions(layer.conv_states[0]) == [1, 2, 3]
     assert torch.equal(layer.recurrent_states[0], states[3])
     assert layer.get_mask_sizes(1) == (4, 1)
+
+
+def test_encoder_decoder_cache_crops_self_attention_only():
+    self_attn = rewind.DynamicCache(layer_types=["full_attention"])
+    cross = rewind.DynamicCache(layer_types=["full_attention"])
+    c = rewind.EncoderDecoderCache(self_attn, cross)
+    assert c.is_updated == {0: False}
+    cross.update(kv(100, 6, batch=2), kv(100, 6, batch=2), 0)
+    c.is_updated[0] = True
+    c.update(kv(0, 5, batch=2), kv(0, 5, batch=2), 0)
+    c.crop(-2)
+    assert c.get_seq_length() == 3 and cross.get_seq_length(0) == 6
+    c.reorder_cache([1, 0])
+    assert c.batch_size == 2 and int(cross.layers[0].keys[0, 0, 0, 0]) == 1100
+    with pytest.raises(IndexError):
+        c.batch_select_indices([3])
+    assert int(self_attn.layers[0].keys[0, 0, 0, 0]) == 1000  # nothing changed in either part
+    c.reset()
+    assert c.is_updated == {0: False} and cross.get_seq_length(0) == 0
+
+
+def test_iteration_gives_ddp_data_that_rebuilds_the_cache():
+    c = rewind.DynamicCache(layer_types=["full_attention", "sliding_attention"], sliding_window=3)
+    for i in range(2):
+        c.update(kv(0, 5), kv(0, 5), i)
+    d = rewind.DynamicCache(list(c))
+    assert type(d.layers[1]).__name__ == "DynamicSlidingWindowLayer" and d.layers[1].sliding_window == 3
+    assert positions(d.layers[0].keys) == list(range(5)) and positions(d.layers[1].keys) == [3, 4]
+
+
+def test_linear_crop_takes_transformers_argument_name():
+    layer = rewind.LinearAttentionLayer(conv_kernel_size=2)
+    layer.activate_past_recording(3)
+    layer.update_conv_state(conv_in(0, 4))
+    layer.crop(tokens_to_remove=-1)
+    assert layer.get_seq_length() == 3 and conv_positions(layer.conv_states[0]) == [1, 2]
