@@ -21,6 +21,8 @@
 #include <string>
 #include <vector>
 
+#include <omp.h>
+
 #include "pinning.h"
 #include "rewind/error.h"
 #include "rewind/layer.h"
@@ -675,5 +677,65 @@ PYBIND11_MODULE(_rewind, mod) {
          py::arg("top_p") = 1.0f, py::arg("seed") = 0, py::arg("stop_at_eos") = true, py::arg("draft") = nullptr,
          py::arg("num_draft") = 4, py::arg("lookup") = 0, py::arg("adaptive") = false,
          "Greedy (temperature 0) or sampled generation; speculative with `draft` (a Model) or prompt lookup "
-         "(`lookup` = max n-gram). Returns (new_tokens, stats).");
+         "(`lookup` = max n-gram). Returns (new_tokens, stats).")
+      .def("generate_batch", [](const PyModel& self, py::object prompts, std::int64_t max_new_tokens,
+                                float temperature, std::int64_t top_k, float top_p, std::uint64_t seed,
+                                bool stop_at_eos, std::shared_ptr<PyModel> draft, std::int64_t num_draft,
+                                std::int64_t lookup, bool adaptive, std::int64_t max_batch) {
+        std::vector<std::vector<std::int32_t>> ps;
+        for (py::handle p : prompts) ps.push_back(tokens_of(p));
+        rwd::runtime::GenerationOptions o;
+        o.max_new_tokens = max_new_tokens;
+        o.stop_at_eos = stop_at_eos;
+        o.sampling = sampling_of(temperature, top_k, top_p, seed);
+        if (max_batch < 0) invalid("generate_batch: max_batch must be >= 0");
+        o.max_batch = max_batch;
+        if (draft && lookup > 0) invalid("generate_batch: give a draft model or prompt lookup, not both");
+        if (lookup < 0) invalid("generate_batch: lookup must be >= 0");
+        rwd::runtime::BatchGenerationStats stats;
+        std::vector<std::vector<std::int32_t>> out;
+        if (!draft && lookup == 0) {
+          py::gil_scoped_release nogil;
+          out = rwd::runtime::generate_batch(self.model, ps, o, &stats);
+        } else {
+          rwd::runtime::check_num_draft(num_draft, "num_draft");
+          if (draft && draft->model.vocab_size() != self.model.vocab_size()) {
+            invalid("generate_batch: the draft's vocabulary (" + std::to_string(draft->model.vocab_size()) +
+                    ") differs from the target's (" + std::to_string(self.model.vocab_size()) + ")");
+          }
+          rwd::runtime::SpeculativeOptions spec;
+          spec.num_draft = num_draft;
+          spec.adaptive = adaptive;
+          py::gil_scoped_release nogil;
+          std::unique_ptr<rwd::runtime::BatchDraftSource> sources;
+          if (draft) {
+            sources = std::make_unique<rwd::runtime::BatchedModelDraft>(draft->model, o.sampling, num_draft);
+          } else {
+            std::vector<std::unique_ptr<rwd::runtime::DraftSource>> each;
+            for (std::size_t i = 0; i < ps.size(); ++i) each.push_back(std::make_unique<rwd::runtime::LookupDraft>(lookup));
+            sources = std::make_unique<rwd::runtime::PerSequenceDrafts>(std::move(each));
+          }
+          out = rwd::runtime::speculative_generate_batch(self.model, *sources, ps, o, spec, &stats);
+        }
+        py::dict d;
+        py::list per;
+        for (const auto& s1 : stats.sequences) per.append(stats_dict(s1));
+        d["sequences"] = per;
+        d["new_tokens"] = stats.new_tokens;
+        d["forwards"] = stats.forwards;
+        d["seconds"] = stats.seconds;
+        d["tokens_per_second"] = stats.tokens_per_second();
+        return py::make_tuple(out, d);
+      }, py::arg("prompts"), py::arg("max_new_tokens") = 128, py::arg("temperature") = 0.0f, py::arg("top_k") = 0,
+         py::arg("top_p") = 1.0f, py::arg("seed") = 0, py::arg("stop_at_eos") = true, py::arg("draft") = nullptr,
+         py::arg("num_draft") = 4, py::arg("lookup") = 0, py::arg("adaptive") = false, py::arg("max_batch") = 0,
+         "Batched generation of many prompts in one SequenceCache (the CLI's --prompts / --max-batch); sequence i "
+         "samples with seed + i. Returns (list of new tokens per prompt, stats).");
+
+  m.def("set_num_threads", [](int n) {
+    if (n < 1 || n > 1024) invalid("set_num_threads: n must be in [1, 1024], got " + std::to_string(n));
+    omp_set_num_threads(n);
+  }, py::arg("n"), "OpenMP threads of the runtime's forwards (the CLI's --threads). The process shares OpenMP "
+                   "with torch, so this also sets torch's intra-op OpenMP threads.");
+  m.def("get_num_threads", [] { return omp_get_max_threads(); });
 }

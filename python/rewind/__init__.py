@@ -39,7 +39,7 @@ from .cache_utils import (  # noqa: F401
     StatelessLayer,
     layer_types_and_kwargs,
 )
-from .runtime import Model, ModelCache  # noqa: F401
+from .runtime import Model, ModelCache, get_num_threads, set_num_threads  # noqa: F401
 
 __version__ = "0.1.0"
 

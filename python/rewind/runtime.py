@@ -73,3 +73,24 @@ class Model:
             prompt, max_new_tokens, temperature, top_k, top_p, seed, stop_at_eos,
             draft._core if draft is not None else None, num_draft, lookup, adaptive,
         )
+
+    def generate_batch(self, prompts: Any, max_new_tokens: int = 128, temperature: float = 0.0, top_k: int = 0,
+                       top_p: float = 1.0, seed: int = 0, stop_at_eos: bool = True, draft: "Model | None" = None,
+                       num_draft: int = 4, lookup: int = 0, adaptive: bool = False, max_batch: int = 0) -> tuple:
+        """Many prompts in one batched cache (the CLI's ``--prompts`` / ``--max-batch``): every round one forward
+        of every unfinished sequence; sequence i equals ``generate`` of its prompt alone with seed + i.
+        Returns ``(list of new tokens per prompt, stats)``."""
+        prompts = [self.encode(p) if isinstance(p, str) else p for p in prompts]
+        return self._core.generate_batch(
+            prompts, max_new_tokens, temperature, top_k, top_p, seed, stop_at_eos,
+            draft._core if draft is not None else None, num_draft, lookup, adaptive, max_batch,
+        )
+
+
+def set_num_threads(n: int) -> None:
+    """OpenMP threads of the runtime's forwards (the CLI's ``--threads``); shared with torch's OpenMP."""
+    _rw.set_num_threads(int(n))
+
+
+def get_num_threads() -> int:
+    return _rw.get_num_threads()

@@ -156,3 +156,23 @@ def test_forwards_release_the_gil_and_guard_their_cache(target):
     for i in range(2):
         np.testing.assert_array_equal(results[i], expected)
         assert caches[i].get_seq_length() == len(prompt)
+
+
+def test_generate_batch_equals_solo_generation(target, draft):
+    prompts = ["And the LORD said", "In the beginning", "Blessed are"]
+    solo = [target.generate(p, max_new_tokens=24, stop_at_eos=False)[0] for p in prompts]
+    out, stats = target.generate_batch(prompts, max_new_tokens=24, stop_at_eos=False, max_batch=2)
+    assert out == solo and stats["new_tokens"] == 72 and len(stats["sequences"]) == 3
+    spec, _ = target.generate_batch(prompts, max_new_tokens=24, stop_at_eos=False, draft=draft, num_draft=3)
+    assert spec == solo
+    look, _ = target.generate_batch(prompts, max_new_tokens=24, stop_at_eos=False, lookup=2)
+    assert look == solo
+
+
+def test_threads_setting():
+    before = rewind.get_num_threads()
+    rewind.set_num_threads(1)
+    assert rewind.get_num_threads() == 1
+    with pytest.raises(ValueError):
+        rewind.set_num_threads(0)
+    rewind.set_num_threads(before)
