@@ -217,11 +217,14 @@ class _RewindLayerBase:
             raise _rw.InvalidArgument("crop takes one argument: max_length (or tokens_to_remove)")
         n = int(max_length if max_length is not None else tokens_to_remove)
         self.check_crop(n)
-        L = self.get_seq_length()
+        self._apply_crop(n)
+
+    def _apply_crop(self, n: int) -> None:
+        """crop(n) after check_crop(n) passed (the C++ crop checks again, cheaply, and cannot fail then)."""
+        if self._rec_exact_from and n < 0 and self.get_seq_length() + n <= 0:
+            self._rec_exact_from = {i: 0 for i in self._rec_exact_from}
         for p in self._parts():
             p.crop(n)
-        if n < 0 and L + n <= 0:
-            self._rec_exact_from = {i: 0 for i in self._rec_exact_from}
 
     def max_rollback(self) -> int:
         """Largest k for which ``crop(-k)`` is exact now (the layer's length means any depth)."""
@@ -993,9 +996,10 @@ class Cache:
     def crop(self, max_length: int) -> None:
         """Transactional crop of every layer: negative removes that many tokens, 0 shrinks every layer to its
         minimal working state, positive (deprecated) keeps the first ``max_length`` tokens where every layer can."""
-        self.check_crop(max_length)
+        n = int(max_length)
+        self.check_crop(n)
         for layer in self.layers:
-            layer.crop(max_length)
+            layer._apply_crop(n)
 
     def max_rollback(self) -> int:
         """Largest k for which ``crop(-k)`` is exact now, over every stateful layer (rewind)."""
