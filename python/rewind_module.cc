@@ -128,6 +128,11 @@ rwd::TensorView input_view(const py::handle& obj, const char* what) {
     else if (dt.is(fw.torch_float16)) v.dtype = rwd::DType::F16;
     else if (dt.is(fw.torch_bfloat16)) v.dtype = rwd::DType::BF16;
     else invalid(std::string(what) + ": dtype " + std::string(py::str(dt)) + " is not supported (float32, float16, bfloat16)");
+    // A lazily negated view stores the values un-negated; reading its memory
+    // would give the wrong sign.
+    if (py::hasattr(obj, "is_neg") && obj.attr("is_neg")().cast<bool>()) {
+      invalid(std::string(what) + ": a lazily negated tensor (torch._neg_view); pass t.resolve_neg()");
+    }
     auto shape = obj.attr("shape").cast<std::vector<std::int64_t>>();
     auto strides = obj.attr("stride")().cast<std::vector<std::int64_t>>();
     if (shape.size() > static_cast<std::size_t>(rwd::kMaxRank)) {

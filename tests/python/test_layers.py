@@ -242,6 +242,11 @@ def test_input_errors_are_value_errors_with_cpp_messages():
         layer.update(torch.zeros(1, 2, 1, 4), torch.zeros(1, 2, 1, 4, dtype=torch.float16))
     with pytest.raises(ValueError, match="tensor"):
         layer.update([1, 2], [1, 2])
+    with pytest.raises(ValueError, match="negated"):
+        neg = torch._neg_view(kv(2, 1))
+        layer.update(neg, neg)
+    with pytest.raises(ValueError, match="int64"):
+        layer.update(torch.zeros(1, 2, 1, 4, dtype=torch.int64), torch.zeros(1, 2, 1, 4, dtype=torch.int64))
     assert layer.get_seq_length() == 2
     with pytest.raises(rewind.IndexError):
         rewind.DynamicCache(layer_types=["full_attention"]).update(kv(0, 1), kv(0, 1), 3)
