@@ -254,12 +254,15 @@ class _RewindLayerBase:
 
     @property
     def record_past(self) -> bool:
+        """True while the layer records past states (transformers' attribute)."""
         return self._recording is not None
 
     def is_recording(self) -> bool:
+        """True while the layer records past states."""
         return self._recording is not None
 
     def recording_capacity(self) -> int:
+        """R of activate_past_recording(R), 0 when not recording."""
         return self._recording or 0
 
     # ---- batch and reset ----
@@ -314,6 +317,7 @@ class _RewindLayerBase:
         return {"kind": self._kind_name, "bytes_reserved": reserved, "bytes_used": used}
 
     def shrink_to_fit(self) -> None:
+        """Releases the slack of grown buffers now; changes no content."""
         for p in self._parts():
             p.shrink_to_fit()
 
@@ -324,6 +328,7 @@ class _RewindLayerBase:
         """rewind keeps its state in CPU memory already: nothing to move."""
 
     def get_max_length(self) -> int:
+        """The window (sliding) or chunk size (chunked); -1 when the layer has no maximum."""
         if self._attention == "sliding":
             return int(self._sliding_window)
         if self._attention == "chunked":
@@ -331,10 +336,12 @@ class _RewindLayerBase:
         return -1
 
     def get_max_cache_shape(self) -> int:
+        """Deprecated transformers name of get_max_length."""
         return self.get_max_length()
 
     @property
     def batch_size(self) -> int:
+        """Batch size of the stored tensors; -1 before the first update."""
         parts = self._parts()
         return parts[0].batch_size() if parts else -1
 
@@ -428,6 +435,7 @@ class CacheLayerMixin(_RewindLayerBase):
 
     @property
     def cumulative_length(self) -> int:
+        """Tokens seen (transformers' sliding-layer attribute; equals get_seq_length())."""
         return self.get_seq_length()
 
 
@@ -647,10 +655,12 @@ class LinearAttentionCacheLayerMixin(_RewindLayerBase):
 
     @property
     def is_conv_states_initialized(self) -> dict:
+        """Per state index: whether its conv part exists (received an input)."""
         return {i: i in self._convs for i in range(self.number_of_states)}
 
     @property
     def is_recurrent_states_initialized(self) -> dict:
+        """Per state index: whether its recurrent part exists."""
         return {i: i in self._recs for i in range(self.number_of_states)}
 
     @property
@@ -681,6 +691,7 @@ class LinearAttentionLayer(LinearAttentionCacheLayerMixin):
         self._setup(linear=True, number_of_states=int(number_of_states), conv_kernel_size=conv_kernel_size)
 
     def get_mask_sizes(self, query_length: Any, *args: Any) -> tuple:
+        """Raises StateError: a linear-attention layer has no keys to mask."""
         raise _rw.StateError(f"get_mask_sizes: a linear-attention layer has no attention part {self._where()}")
 
 
@@ -697,6 +708,7 @@ class LinearAttentionAndFullAttentionLayer(LinearAttentionLayer, DynamicLayer):
     lazy_initialization = LinearAttentionCacheLayerMixin.lazy_initialization
 
     def update(self, key_states: Any, value_states: Any, *args: Any, **kwargs: Any) -> tuple:
+        """Appends q tokens to the attention part; returns (keys, values) as DynamicLayer.update."""
         if self._kv is None:
             CacheLayerMixin.lazy_initialization(self, key_states, value_states)
         return self._kv.update(key_states, value_states)
@@ -732,6 +744,7 @@ class StatelessLayer(_RewindLayerBase):
         self._setup()
 
     def get_mask_sizes(self, query_length: Any, *args: Any) -> tuple:
+        """Raises StateError: a placeholder layer has no keys to mask."""
         raise _rw.StateError(f"get_mask_sizes: a {self._kind_name} layer has no attention part {self._where()}")
 
 
@@ -919,6 +932,7 @@ class Cache:
         return self._layer(layer_idx).get_seq_length()
 
     def get_query_offset(self, layer_idx: int) -> int:
+        """Position of the next query of layer layer_idx (its length)."""
         return self.get_seq_length(layer_idx)
 
     def get_mask_sizes(self, query_length: Any, layer_idx: int) -> tuple:
@@ -943,6 +957,7 @@ class Cache:
         return layer.get_mask_sizes(q)
 
     def get_max_length(self, layer_idx: int | None = None) -> int:
+        """Largest get_max_length over the layers (or of layer layer_idx); -1 for no maximum."""
         if layer_idx is not None and layer_idx >= len(self.layers):
             return -1
         if layer_idx is None:
@@ -950,6 +965,7 @@ class Cache:
         return self.layers[layer_idx].get_max_length()
 
     def get_max_cache_shape(self, layer_idx: int = 0) -> int:
+        """Deprecated transformers name of get_max_length."""
         return self.get_max_length(layer_idx)
 
     def has_previous_state(self, layer_idx: int | None = None, state_idx: int | None = None) -> bool:
@@ -1015,11 +1031,13 @@ class Cache:
         self._recording = DEFAULT_MAX_ROLLBACK if max_tokens is None else int(max_tokens)
 
     def deactivate_past_recording(self) -> None:
+        """Stops recording in every layer and drops the history."""
         for layer in self.layers:
             layer.deactivate_past_recording()
         self._recording = None
 
     def is_recording(self) -> bool:
+        """True when every layer records."""
         return bool(self.layers) and all(x.is_recording() for x in self.layers)
 
     def _check_batch(self, indices: list[int] | None, what: str, exact: bool = False) -> None:
@@ -1073,12 +1091,14 @@ class Cache:
         }
 
     def shrink_to_fit(self) -> None:
+        """Releases the slack of every grown buffer now; changes no content."""
         for layer in self.layers:
             layer.shrink_to_fit()
 
     # ---- properties ----
     @property
     def batch_size(self) -> int:
+        """Batch size shared by the layers; -1 before any update. Raises StateError when layers disagree."""
         values = [x.batch_size for x in self.layers if x.batch_size != -1]
         if not values:
             return -1
@@ -1088,19 +1108,23 @@ class Cache:
 
     @property
     def is_compileable(self) -> bool:
+        """Always False: rewind's buffers are not torch.compile static addresses."""
         return False
 
     @property
     def is_initialized(self) -> bool:
+        """True once every attention layer received its first update."""
         layers = [x for x in self.layers if x.supports_early_init]
         return len(layers) > 0 and all(x.is_initialized for x in layers)
 
     @property
     def is_sliding(self) -> list:
+        """Per layer: sliding-window (or chunked) attention."""
         return [getattr(x, "is_sliding", False) for x in self.layers]
 
     @property
     def is_linear(self) -> list:
+        """Per layer: linear-attention states without full attention (transformers' definition)."""
         return [
             isinstance(x, LinearAttentionCacheLayerMixin) and not isinstance(x, LinearAttentionAndFullAttentionLayer)
             for x in self.layers
@@ -1181,18 +1205,23 @@ class EncoderDecoderCache(Cache):
 
     @property
     def layers(self) -> list:
+        """The self-attention part's layers."""
         return self.self_attention_cache.layers
 
     def update(self, key_states: Any, value_states: Any, layer_idx: int, *args: Any, **kwargs: Any) -> tuple:
+        """Self-attention update of layer layer_idx; returns (keys, values)."""
         return self.self_attention_cache.update(key_states, value_states, layer_idx, *args, **kwargs)
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
+        """Length of the self-attention part."""
         return self.self_attention_cache.get_seq_length(layer_idx)
 
     def get_max_length(self, layer_idx: int | None = None) -> int:
+        """get_max_length of the self-attention part."""
         return self.self_attention_cache.get_max_length(layer_idx)
 
     def get_mask_sizes(self, query_length: Any, layer_idx: int) -> tuple:
+        """get_mask_sizes of the self-attention part."""
         return self.self_attention_cache.get_mask_sizes(query_length, layer_idx)
 
     def crop(self, maximum_length: int) -> None:
@@ -1200,12 +1229,15 @@ class EncoderDecoderCache(Cache):
         self.self_attention_cache.crop(maximum_length)
 
     def check_crop(self, maximum_length: int) -> None:
+        """Raises what crop would raise; changes nothing."""
         self.self_attention_cache.check_crop(maximum_length)
 
     def max_rollback(self) -> int:
+        """max_rollback of the self-attention part."""
         return self.self_attention_cache.max_rollback()
 
     def activate_past_recording(self, max_tokens: int | None = None) -> None:
+        """Records past states in the self-attention part (the cross part is never cropped)."""
         self.self_attention_cache.activate_past_recording(max_tokens)
 
     def _both(self, name: str, idx: list[int] | None, exact: bool = False) -> None:
@@ -1214,18 +1246,21 @@ class EncoderDecoderCache(Cache):
             c._check_batch(idx, name, exact)
 
     def reorder_cache(self, beam_idx: Any) -> None:
+        """Reorders the batch rows of both parts (both checked first)."""
         idx = _index_list(beam_idx)
         self._both("reorder_cache", idx, exact=True)
         self.self_attention_cache.reorder_cache(idx)
         self.cross_attention_cache.reorder_cache(idx)
 
     def batch_select_indices(self, indices: Any) -> None:
+        """Keeps batch rows of both parts (both checked first)."""
         idx = _index_list(indices)
         self._both("batch_select_indices", idx)
         self.self_attention_cache.batch_select_indices(idx)
         self.cross_attention_cache.batch_select_indices(idx)
 
     def batch_repeat_interleave(self, repeats: int) -> None:
+        """Repeats batch rows in both parts."""
         if int(repeats) < 1:
             raise _rw.InvalidArgument(f"batch_repeat_interleave: repeats must be >= 1, got {repeats}")
         self._both("batch_repeat_interleave", None)
@@ -1233,12 +1268,14 @@ class EncoderDecoderCache(Cache):
         self.cross_attention_cache.batch_repeat_interleave(repeats)
 
     def reset(self) -> None:
+        """Empties both parts; is_updated becomes False everywhere."""
         self.self_attention_cache.reset()
         self.cross_attention_cache.reset()
         for i in self.is_updated:
             self.is_updated[i] = False
 
     def memory(self) -> dict:
+        """Bytes reserved and used by each part and in total."""
         a, b = self.self_attention_cache.memory(), self.cross_attention_cache.memory()
         return {"self_attention": a, "cross_attention": b,
                 "bytes_reserved": a["bytes_reserved"] + b["bytes_reserved"],
@@ -1246,8 +1283,10 @@ class EncoderDecoderCache(Cache):
 
     @property
     def is_sliding(self) -> list:
+        """is_sliding of the self-attention part."""
         return self.self_attention_cache.is_sliding
 
     @property
     def batch_size(self) -> int:
+        """Batch size of the self-attention part."""
         return self.self_attention_cache.batch_size
