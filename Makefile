@@ -10,12 +10,12 @@ FUZZ_BUILD ?= build-fuzz
 FUZZ_SECONDS ?= 30
 CMAKE_FLAGS ?=
 
-DEB_PACKAGES := cmake g++ make pkg-config libgtest-dev libgmock-dev libbenchmark-dev \
-                nlohmann-json3-dev libcli11-dev libomp-dev clang libclang-rt-14-dev \
-                $(PYTHON_DEB_PACKAGES)
 # The Python module (`make python`, `make test-python`): pybind11 for Debian's
 # python3, with torch, numpy and pytest from Debian (no other index is used).
 PYTHON_DEB_PACKAGES := python3 python3-dev pybind11-dev python3-pybind11 python3-numpy python3-torch python3-pytest
+DEB_PACKAGES := cmake g++ make pkg-config libgtest-dev libgmock-dev libbenchmark-dev \
+                nlohmann-json3-dev libcli11-dev libomp-dev clang libclang-rt-14-dev \
+                $(PYTHON_DEB_PACKAGES)
 PYTHON_BUILD_DEB_PACKAGES := cmake g++ make nlohmann-json3-dev libcli11-dev $(PYTHON_DEB_PACKAGES)
 # Debian's interpreter, whatever `python3` comes first on PATH.
 PYTHON := /usr/bin/python3
@@ -62,6 +62,7 @@ test-plain: build
 # The Python tests (tests/python) against the module just built in $(BUILD)
 # (PYTHONPATH first), with Debian's python3 and pytest.
 test-python: build
+	@ls $(BUILD)/python/rewind/_rewind*.so > /dev/null 2>&1 || { echo "the Python module was not built (pybind11-dev, python3-dev missing?)"; exit 1; }
 	cd tests/python && OMP_NUM_THREADS=1 PYTHONPATH=$(abspath $(BUILD))/python $(PYTHON) -m pytest -q -p no:cacheprovider .
 
 # The sanitizer build compiles the library and the test suites only.
