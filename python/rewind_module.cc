@@ -581,21 +581,26 @@ PYBIND11_MODULE(_rewind, mod) {
   // ---- runtime ----
   py::class_<PyModelCache, std::shared_ptr<PyModelCache>>(m, "ModelCache",
       "A model's own rewind cache (rwd::Cache with the model's layer shapes), for Model.forward.")
-      .def("get_seq_length", [](PyModelCache& c) { return c.use().get_seq_length(); })
+      .def("get_seq_length", [](PyModelCache& c) { return c.use().get_seq_length(); }, "Tokens in the cache.")
       .def("crop", [](PyModelCache& c, std::int64_t n) { c.use().crop(n); }, py::arg("n"),
            "Transactional crop of every layer (negative: remove that many tokens).")
-      .def("check_crop", [](PyModelCache& c, std::int64_t n) { c.use().check_crop(n); }, py::arg("n"))
-      .def("max_rollback", [](PyModelCache& c) { return c.use().max_rollback(); })
-      .def("activate_past_recording", [](PyModelCache& c, std::int64_t r) { c.use().activate_past_recording(r); }, py::arg("max_tokens"))
-      .def("reset", [](PyModelCache& c) { c.use().reset(); })
+      .def("check_crop", [](PyModelCache& c, std::int64_t n) { c.use().check_crop(n); }, py::arg("n"),
+           "Raises what crop(n) would raise; changes nothing.")
+      .def("max_rollback", [](PyModelCache& c) { return c.use().max_rollback(); },
+           "Largest k for which crop(-k) is exact now.")
+      .def("activate_past_recording", [](PyModelCache& c, std::int64_t r) { c.use().activate_past_recording(r); }, py::arg("max_tokens"),
+           "Keeps enough history in every layer to remove up to max_tokens tokens exactly.")
+      .def("reset", [](PyModelCache& c) { c.use().reset(); }, "Back to empty; recording stays.")
       .def("memory", [](PyModelCache& c) {
         auto mem = c.use().memory();
         py::dict d;
         d["bytes_reserved"] = mem.bytes_reserved;
         d["bytes_used"] = mem.bytes_used;
         return d;
-      })
-      .def("set_memory_budget", [](PyModelCache& c, std::size_t b) { c.use().set_memory_budget(b); }, py::arg("bytes"));
+      }, "Bytes reserved and used by the cache.")
+      .def("set_memory_budget", [](PyModelCache& c, std::size_t b) { c.use().set_memory_budget(b); }, py::arg("bytes"),
+           "Caps the bytes the cache may reserve (0: no cap); an operation that would pass it raises CapacityError "
+           "and changes nothing.");
 
   py::class_<PyModel, std::shared_ptr<PyModel>>(m, "Model", "The reference runtime's hybrid decoder (runtime/model.h).")
       .def_static("load", [](const std::string& dir) {
