@@ -176,3 +176,17 @@ def test_threads_setting():
     with pytest.raises(ValueError):
         rewind.set_num_threads(0)
     rewind.set_num_threads(before)
+
+
+def test_model_cache_budget_refuses_and_changes_nothing(target):
+    cache = target.make_cache()
+    prompt = target.encode("And God said")
+    target.forward(prompt, cache)
+    used = cache.memory()["bytes_reserved"]
+    cache.set_memory_budget(used)
+    with pytest.raises(rewind.CapacityError):
+        target.forward([32] * 300, cache)
+    assert cache.get_seq_length() == len(prompt)
+    cache.set_memory_budget(0)
+    target.forward([32] * 300, cache)
+    assert cache.get_seq_length() == len(prompt) + 300
