@@ -43,6 +43,18 @@ from .runtime import Model, ModelCache, get_num_threads, set_num_threads  # noqa
 
 __version__ = "0.1.0"
 
+# `from rewind import *` leaves out rewind.IndexError: it would shadow the
+# builtin IndexError (which it derives from) in the importing module.
+__all__ = [
+    "Error", "InvalidArgument", "CapacityError", "RollbackError", "StateError", "FormatError", "StoreError",
+    "Cache", "DynamicCache", "EncoderDecoderCache", "CacheLayerMixin", "LinearAttentionCacheLayerMixin",
+    "DynamicLayer", "DynamicSlidingWindowLayer", "DynamicChunkedLayer", "DynamicIndexedLayer",
+    "LinearAttentionLayer", "LinearAttentionAndFullAttentionLayer", "LinearAttentionAndSlidingWindowAttentionLayer",
+    "StatelessLayer", "LAYER_TYPE_MAPPING", "DEFAULT_MAX_ROLLBACK", "layer_types_and_kwargs",
+    "Model", "ModelCache", "set_num_threads", "get_num_threads", "pin_stats", "set_warning_handler",
+    "reset_one_time_warnings", "__version__",
+]
+
 
 def _warn(message: str) -> None:
     _warnings.warn(message, FutureWarning, stacklevel=4)
