@@ -858,6 +858,17 @@ class Cache:
     def __len__(self) -> int:
         return len(self.layers)
 
+    def __getitem__(self, layer_idx: int) -> tuple:
+        """``(keys, values)`` of layer ``layer_idx`` (transformers' legacy indexing, ``cache[i][0]``)."""
+        if not 0 <= layer_idx < len(self.layers):
+            raise KeyError(f"Cache only has {len(self.layers)} layers, attempted to access layer with index {layer_idx}")
+        layer = self.layers[layer_idx]
+        return getattr(layer, "keys", None), getattr(layer, "values", None)
+
+    def to_legacy_cache(self) -> tuple:
+        """The layers' ``(keys, values)`` as a tuple (transformers' legacy format)."""
+        return tuple(self[i] for i in range(len(self.layers)))
+
     def __iter__(self):
         """(keys, values, sliding window) per layer, as transformers' DDP data; the window is a 0-d tensor for
         sliding layers, None otherwise (``DynamicCache(list(cache))`` rebuilds the layers)."""
@@ -1173,6 +1184,14 @@ class DynamicCache(Cache):
         else:
             super().__init__(layer_class_to_replicate=DynamicLayer, offloading=offloading,
                              offload_only_non_sliding=offload_only_non_sliding)
+
+
+def _from_legacy_cache(cls, past_key_values: Iterable) -> "DynamicCache":
+    """A DynamicCache filled from transformers' legacy format ``((keys, values), ...)``."""
+    return cls(ddp_cache_data=[tuple(x) for x in past_key_values])
+
+
+DynamicCache.from_legacy_cache = classmethod(_from_legacy_cache)
 
 
 class EncoderDecoderCache(Cache):

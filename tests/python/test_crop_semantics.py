@@ -322,3 +322,21 @@ def test_linear_crop_takes_transformers_argument_name():
     layer.update_conv_state(conv_in(0, 4))
     layer.crop(tokens_to_remove=-1)
     assert layer.get_seq_length() == 3 and conv_positions(layer.conv_states[0]) == [1, 2]
+
+
+def test_two_layers_grow_independently_and_legacy_format_round_trips():
+    prefill = torch.tensor([1.0, 2.0])[None, None, :, None]
+    c = rewind.DynamicCache()
+    c.update(prefill, prefill, 0)
+    c.update(prefill * 10, prefill * 10, 1)
+    for v in (3.0, 4.0):
+        c.update(torch.tensor(v)[None, None, None, None], torch.tensor(v)[None, None, None, None], 0)
+        c.update(torch.tensor(v * 10)[None, None, None, None], torch.tensor(v * 10)[None, None, None, None], 1)
+    assert c.layers[0].keys[0, 0, :, 0].tolist() == [1.0, 2.0, 3.0, 4.0]
+    assert c.layers[1].keys[0, 0, :, 0].tolist() == [10.0, 20.0, 30.0, 40.0]
+    assert c[1][0][0, 0, :, 0].tolist() == [10.0, 20.0, 30.0, 40.0]
+    with pytest.raises(KeyError):
+        c[2]
+    legacy = c.to_legacy_cache()
+    d = rewind.DynamicCache.from_legacy_cache(legacy)
+    assert len(d) == 2 and torch.equal(d[0][1], c[0][1]) and d.get_seq_length() == 4
