@@ -234,17 +234,50 @@ std::vector<std::int64_t> index_list(const py::handle& obj) {
 // ---- the layer ----------------------------------------------------------------
 // One rwd::Layer and how its results are returned (torch or numpy, fixed by
 // the first input it received).
+using rwd::python::Budget;
+using rwd::python::BudgetScope;
+
+// Runs fn() with the aligned allocations it makes counted against `budget`;
+// a refusal by a budget becomes a CapacityError that names the budget (the
+// library reported it as a failed allocation and changed nothing).
+template <typename Fn>
+decltype(auto) with_budget(const std::shared_ptr<Budget>& budget, int index, Fn&& fn) {
+  BudgetScope scope(budget);
+  try {
+    return fn();
+  } catch (const rwd::CapacityError&) {
+    if (!scope.refused()) throw;
+    const Budget* b = scope.refused_by();
+    throw rwd::CapacityError("memory budget of " + std::to_string(b->limit()) + " bytes: " +
+                             (index >= 0 ? "layer " + std::to_string(index) : std::string("the layer")) +
+                             " needs " + std::to_string(scope.refused_bytes()) + " more bytes while " +
+                             std::to_string(b->reserved()) +
+                             " are reserved; nothing was changed (set_memory_budget raises the cap)");
+  }
+}
+
+// One rwd::Layer, how its results are returned (torch or numpy, fixed by the
+// first input it received) and the budget its buffers count against.
 class PyLayer {
  public:
-  PyLayer(const std::string& kind, const rwd::LayerOptions& options, int index, bool as_torch)
-      : layer_(rwd::parse_layer_kind(kind), options, index), as_torch_(as_torch) {}
+  PyLayer(const std::string& kind, const rwd::LayerOptions& options, int index, bool as_torch,
+          std::shared_ptr<Budget> budget)
+      : budget_(std::move(budget)),
+        layer_(with_budget(budget_, index, [&] { return rwd::Layer(rwd::parse_layer_kind(kind), options, index); })),
+        as_torch_(as_torch) {}
 
   rwd::Layer& layer() { return layer_; }
   const rwd::Layer& layer() const { return layer_; }
   py::object out(const rwd::TensorView& v) const { return output_view(v, as_torch_); }
   bool as_torch() const { return as_torch_; }
+  // Runs a call that may allocate with this layer's budget.
+  template <typename Fn>
+  decltype(auto) guarded(Fn&& fn) {
+    return with_budget(budget_, layer_.index(), std::forward<Fn>(fn));
+  }
 
  private:
+  std::shared_ptr<Budget> budget_;
   rwd::Layer layer_;
   bool as_torch_;
 };
@@ -253,11 +286,15 @@ class PyLayer {
 class PyRecurrentUpdate {
  public:
   PyRecurrentUpdate(py::object owner, PyLayer& layer, std::int64_t q, int state)
-      : owner_(std::move(owner)), layer_(&layer), update_(layer.layer().begin_recurrent_update(q, state)) {}
+      : owner_(std::move(owner)),
+        layer_(&layer),
+        update_(layer.guarded([&] { return layer.layer().begin_recurrent_update(q, state); })) {}
   std::int64_t num_tokens() const { return update_.num_tokens(); }
   py::object previous() const { return layer_->out(update_.previous()); }
   py::object next(std::int64_t t) const { return layer_->out(update_.next(t)); }
-  void commit() { update_.commit(); }
+  void commit() {
+    layer_->guarded([&] { update_.commit(); });
+  }
 
  private:
   py::object owner_;  // the Python _Layer: the handle must not outlive it
@@ -455,6 +492,18 @@ PYBIND11_MODULE(_rewind, mod) {
   }, py::arg("tensor"), "Address of the first element of a tensor or array as rewind reads it (tests).");
 
   // ---- _Layer ----
+  py::class_<Budget, std::shared_ptr<Budget>>(m, "_Budget",
+      "Bytes of rewind buffers allocated for a layer or a cache, with an optional cap. A layer's budget may have "
+      "its cache's as parent: allocations count in both, and one that would pass either cap is refused with a "
+      "CapacityError that changes nothing.")
+      .def(py::init<>())
+      .def_property_readonly("limit", &Budget::limit, "The cap in bytes (0: none).")
+      .def_property_readonly("reserved", &Budget::reserved, "Bytes of buffers allocated and not yet freed by rewind.")
+      .def("set_limit", &Budget::set_limit, py::arg("bytes"),
+           "Sets the cap; raises CapacityError, keeping the old one, when more are reserved already.")
+      .def("set_parent", &Budget::set_parent, py::arg("parent"),
+           "Counts this budget's bytes (now and later) in `parent` too (None: in no other).");
+
   py::class_<PyRecurrentUpdate>(m, "RecurrentUpdate",
                                 "Zero-copy recurrent update: read previous() = S(L), write next(t) = S(L+t) for "
                                 "t = 1..q in place, then commit(). Dropping it uncommitted changes nothing.")
@@ -472,20 +521,20 @@ PYBIND11_MODULE(_rewind, mod) {
                        std::int64_t sliding_window, std::int64_t chunk_size, std::int64_t static_capacity,
                        std::vector<std::int64_t> side_dims, std::int64_t conv_kernel_size,
                        std::vector<std::int64_t> conv_channels, std::vector<std::vector<std::int64_t>> recurrent_shapes,
-                       const std::string& recurrent_dtype, int index, bool as_torch) {
+                       const std::string& recurrent_dtype, int index, bool as_torch, std::shared_ptr<Budget> budget) {
              return std::make_shared<PyLayer>(
                  kind,
                  make_options(dtype, batch_size, num_kv_heads, key_dim, value_dim, sliding_window, chunk_size,
                               static_capacity, std::move(side_dims), conv_kernel_size, std::move(conv_channels),
                               std::move(recurrent_shapes), recurrent_dtype),
-                 index, as_torch);
+                 index, as_torch, std::move(budget));
            }),
            py::arg("kind"), py::arg("dtype") = "f32", py::arg("batch_size") = 1, py::arg("num_kv_heads") = 0,
            py::arg("key_dim") = 0, py::arg("value_dim") = 0, py::arg("sliding_window") = 0, py::arg("chunk_size") = 0,
            py::arg("static_capacity") = 0, py::arg("side_dims") = std::vector<std::int64_t>{},
            py::arg("conv_kernel_size") = 0, py::arg("conv_channels") = std::vector<std::int64_t>{},
            py::arg("recurrent_shapes") = std::vector<std::vector<std::int64_t>>{}, py::arg("recurrent_dtype") = "f32",
-           py::arg("index") = -1, py::arg("as_torch") = true)
+           py::arg("index") = -1, py::arg("as_torch") = true, py::arg("budget") = nullptr)
       .def_property_readonly("kind", [](const PyLayer& l) { return std::string(rwd::layer_kind_name(l.layer().kind())); })
       .def_property_readonly("as_torch", &PyLayer::as_torch)
       .def("set_index", [](PyLayer& l, int i) { l.layer().set_index(i); }, py::arg("index"))
@@ -497,11 +546,12 @@ PYBIND11_MODULE(_rewind, mod) {
       }, py::arg("query_length"))
       .def("update", [](PyLayer& l, py::object k, py::object v) {
         rwd::TensorView kv = input_view(k, "key_states"), vv = input_view(v, "value_states");
-        rwd::KeyValueView r = l.layer().update(kv, vv);
+        rwd::KeyValueView r = l.guarded([&] { return l.layer().update(kv, vv); });
         return py::make_tuple(l.out(r.keys), l.out(r.values));
       }, py::arg("key_states"), py::arg("value_states"))
       .def("update_side", [](PyLayer& l, py::object rows, int side) {
-        return l.out(l.layer().update_side(input_view(rows, "side rows"), side));
+        rwd::TensorView in = input_view(rows, "side rows");
+        return l.out(l.guarded([&] { return l.layer().update_side(in, side); }));
       }, py::arg("rows"), py::arg("side") = 0)
       .def("keys_values", [](const PyLayer& l) {
         rwd::KeyValueView r = l.layer().keys_values();
@@ -513,7 +563,8 @@ PYBIND11_MODULE(_rewind, mod) {
         return py::make_tuple(r.first, r.end);
       })
       .def("update_conv_state", [](PyLayer& l, py::object x, int state) {
-        return l.out(l.layer().update_conv_state(input_view(x, "conv_states"), state));
+        rwd::TensorView in = input_view(x, "conv_states");
+        return l.out(l.guarded([&] { return l.layer().update_conv_state(in, state); }));
       }, py::arg("x"), py::arg("state") = 0)
       .def("get_conv_state", [](const PyLayer& l, int s) { return l.out(l.layer().get_conv_state(s)); }, py::arg("state") = 0)
       .def("conv_inputs", [](const PyLayer& l, int s) { return l.out(l.layer().conv_inputs(s)); }, py::arg("state") = 0)
@@ -526,11 +577,12 @@ PYBIND11_MODULE(_rewind, mod) {
         return std::make_unique<PyRecurrentUpdate>(self, l, q, state);
       }, py::arg("q"), py::arg("state") = 0)
       .def("update_recurrent_state", [](PyLayer& l, py::object s, int state) {
-        l.layer().update_recurrent_state(input_view(s, "recurrent_states"), state);
+        rwd::TensorView in = input_view(s, "recurrent_states");
+        l.guarded([&] { l.layer().update_recurrent_state(in, state); });
       }, py::arg("new_state"), py::arg("state") = 0)
       .def("write_final_recurrent_state", [](PyLayer& l, py::object final_state, std::int64_t q, int state) {
-        rwd::RecurrentUpdate u = l.layer().begin_recurrent_update(q, state);
         rwd::TensorView src = input_view(final_state, "recurrent_states");
+        rwd::RecurrentUpdate u = l.guarded([&] { return l.layer().begin_recurrent_update(q, state); });
         rwd::TensorView last = u.next(q);
         rwd::copy_tensor(src, last);
         // The states between are unknown: every slot gets the final one so
@@ -540,31 +592,31 @@ PYBIND11_MODULE(_rewind, mod) {
           rwd::TensorView slot = u.next(t);
           if (slot.data != last.data) rwd::copy_tensor(src, slot);
         }
-        u.commit();
+        l.guarded([&] { u.commit(); });
       }, py::arg("final_state"), py::arg("q"), py::arg("state") = 0)
       .def("get_recurrent_state", [](const PyLayer& l, int s) { return l.out(l.layer().get_recurrent_state(s)); }, py::arg("state") = 0)
       .def("recurrent_snapshot", [](const PyLayer& l, int s, std::int64_t pos) {
         return l.out(l.layer().recurrent_snapshot(s, pos));
       }, py::arg("state"), py::arg("pos"))
       .def("has_previous_state", [](const PyLayer& l) { return l.layer().has_previous_state(); })
-      .def("crop", [](PyLayer& l, std::int64_t n) { l.layer().crop(n); }, py::arg("n"))
+      .def("crop", [](PyLayer& l, std::int64_t n) { l.guarded([&] { l.layer().crop(n); }); }, py::arg("n"))
       .def("check_crop", [](const PyLayer& l, std::int64_t n) { l.layer().check_crop(n); }, py::arg("n"))
       .def("max_rollback", [](const PyLayer& l) { return l.layer().max_rollback(); })
-      .def("activate_past_recording", [](PyLayer& l, std::int64_t r) { l.layer().activate_past_recording(r); }, py::arg("max_tokens"))
-      .def("deactivate_past_recording", [](PyLayer& l) { l.layer().deactivate_past_recording(); })
+      .def("activate_past_recording", [](PyLayer& l, std::int64_t r) { l.guarded([&] { l.layer().activate_past_recording(r); }); }, py::arg("max_tokens"))
+      .def("deactivate_past_recording", [](PyLayer& l) { l.guarded([&] { l.layer().deactivate_past_recording(); }); })
       .def("is_recording", [](const PyLayer& l) { return l.layer().is_recording(); })
       .def("recording_capacity", [](const PyLayer& l) { return l.layer().recording_capacity(); })
       .def("batch_select_indices", [](PyLayer& l, py::object idx) {
         auto v = index_list(idx);
-        l.layer().batch_select_indices(v);
+        l.guarded([&] { l.layer().batch_select_indices(v); });
       }, py::arg("indices"))
-      .def("batch_repeat_interleave", [](PyLayer& l, std::int64_t r) { l.layer().batch_repeat_interleave(r); }, py::arg("repeats"))
+      .def("batch_repeat_interleave", [](PyLayer& l, std::int64_t r) { l.guarded([&] { l.layer().batch_repeat_interleave(r); }); }, py::arg("repeats"))
       .def("reorder_cache", [](PyLayer& l, py::object idx) {
         auto v = index_list(idx);
-        l.layer().reorder_cache(v);
+        l.guarded([&] { l.layer().reorder_cache(v); });
       }, py::arg("beam_idx"))
-      .def("reset", [](PyLayer& l) { l.layer().reset(); })
-      .def("shrink_to_fit", [](PyLayer& l) { l.layer().shrink_to_fit(); })
+      .def("reset", [](PyLayer& l) { l.guarded([&] { l.layer().reset(); }); })
+      .def("shrink_to_fit", [](PyLayer& l) { l.guarded([&] { l.layer().shrink_to_fit(); }); })
       .def("memory", [](const PyLayer& l) {
         auto mem = l.layer().memory();
         py::dict d;

@@ -120,6 +120,8 @@ class _RewindLayerBase:
         self._rec_exact_from: dict[int, int] = {}
         self._recording: int | None = None
         self._index = -1
+        # Bytes of this layer's buffers; counted in its cache's budget too.
+        self._budget = _rw._Budget()
         self._default_conv_kernel_size = conv_kernel_size
         if linear:
             self.number_of_states = number_of_states
@@ -143,7 +145,8 @@ class _RewindLayerBase:
         return parts
 
     def _new_part(self, kind: str, like: Any, **options: Any):
-        part = _rw._Layer(kind, dtype=_dtype_name(like), index=self._index, as_torch=_is_torch(like), **options)
+        part = _rw._Layer(kind, dtype=_dtype_name(like), index=self._index, as_torch=_is_torch(like),
+                          budget=self._budget, **options)
         if self._recording is not None:
             part.activate_past_recording(self._recording)
         if self.dtype is None:
@@ -552,6 +555,7 @@ class LinearAttentionCacheLayerMixin(_RewindLayerBase):
                 recurrent_dtype=_dtype_name(recurrent_states),
                 index=self._index,
                 as_torch=_is_torch(recurrent_states),
+                budget=self._budget,
             )
             if self._recording is not None:
                 part.activate_past_recording(self._recording)
@@ -846,8 +850,11 @@ class Cache:
                 "You should provide exactly one of `layers` or `layer_class_to_replicate` to initialize a Cache."
             )
         self.layers = list(layers) if layers is not None else []
+        # Every layer's buffers count in the cache's budget (set_memory_budget).
+        self._budget = _rw._Budget()
         for i, layer in enumerate(self.layers):
             layer._set_index(i)
+            layer._budget.set_parent(self._budget)
         self.layer_class_to_replicate = layer_class_to_replicate
         self.offloading = offloading
         self._recording: int | None = None
@@ -885,6 +892,7 @@ class Cache:
             while len(self.layers) <= layer_idx:
                 layer = self.layer_class_to_replicate()
                 layer._set_index(len(self.layers))
+                layer._budget.set_parent(self._budget)
                 if self._recording is not None:
                     layer.activate_past_recording(self._recording)
                 self.layers.append(layer)
@@ -1101,6 +1109,20 @@ class Cache:
             "bytes_used": sum(m["bytes_used"] for m in layers),
         }
 
+    def set_memory_budget(self, bytes: int) -> None:
+        """Caps the bytes of rewind buffers this cache may hold (0: no cap, the default). An operation that would
+        allocate past the cap raises CapacityError naming the budget and changes nothing; growth counts old and new
+        buffer while both exist. Raises CapacityError, keeping the old cap, when more are reserved already (rewind)."""
+        self._budget.set_limit(int(bytes))
+
+    def memory_budget(self) -> int:
+        """The cap of set_memory_budget (0: none)."""
+        return self._budget.limit
+
+    def budget_reserved(self) -> int:
+        """Bytes of rewind buffers the budget counts now (allocations, rounded to 64 bytes)."""
+        return self._budget.reserved
+
     def shrink_to_fit(self) -> None:
         """Releases the slack of every grown buffer now; changes no content."""
         for layer in self.layers:
@@ -1292,6 +1314,10 @@ class EncoderDecoderCache(Cache):
         self.cross_attention_cache.reset()
         for i in self.is_updated:
             self.is_updated[i] = False
+
+    def set_memory_budget(self, bytes: int) -> None:
+        """Caps the self-attention part (the cross-attention part is written once)."""
+        self.self_attention_cache.set_memory_budget(bytes)
 
     def memory(self) -> dict:
         """Bytes reserved and used by each part and in total."""

@@ -4,6 +4,7 @@ it read freed memory (old views of moved buffers, views that outlive their cache
 import gc
 
 import numpy as np
+import pytest
 import torch
 
 import rewind
@@ -115,3 +116,50 @@ def test_stale_view_after_mutation_reads_old_or_new_values_never_freed_memory():
         layer.crop(0) if t % 7 == 0 else None
     values = keys.flatten().tolist()  # stale but readable
     assert len(values) == keys.numel()
+
+
+def test_memory_budget_refuses_and_changes_nothing():
+    c = rewind.DynamicCache(layer_types=["full_attention", "sliding_attention", "linear_attention"],
+                            sliding_window=8, conv_kernel_size=4)
+    c.activate_past_recording(4)
+    assert c.memory_budget() == 0
+    k = kv(0, 5, dim=16)
+    c.update(k, k, 0)
+    c.update(k, k, 1)
+    c.update_conv_state(conv_in(0, 5), 2)
+    c.update_recurrent_state(torch.ones(1, 3, 3), 2, all_states=torch.ones(5, 1, 3, 3))
+    reserved = c.budget_reserved()
+    assert reserved >= c.memory()["bytes_reserved"] > 0
+    with pytest.raises(rewind.CapacityError, match="already reserves"):
+        c.set_memory_budget(reserved - 1)
+    assert c.memory_budget() == 0
+    c.set_memory_budget(reserved + 4096)
+    refused = None
+    for t in range(5, 1000):
+        before = [c.get_seq_length(i) for i in range(3)], positions(c.layers[0].keys)
+        try:
+            kk = kv(t, 1, dim=16)
+            c.update(kk, kk, 0)
+        except rewind.CapacityError as e:
+            refused = str(e)
+            assert ([c.get_seq_length(i) for i in range(3)], positions(c.layers[0].keys)) == before
+            break
+        c.update(kk, kk, 1)
+        c.update_conv_state(conv_in(t, 1), 2)
+        c.update_recurrent_state(torch.ones(1, 3, 3), 2)
+        assert c.budget_reserved() <= reserved + 4096
+    assert refused is not None and refused.startswith("memory budget of") and "layer 0" in refused
+    assert "nothing was changed" in refused
+    c.set_memory_budget(0)  # no cap: the same update goes through
+    c.update(kk, kk, 0)
+
+
+def test_budget_refuses_the_first_update_of_a_layer():
+    c = rewind.DynamicCache(layer_types=["full_attention"])
+    c.set_memory_budget(64)
+    with pytest.raises(rewind.CapacityError, match="memory budget"):
+        c.update(kv(0, 40, dim=16), kv(0, 40, dim=16), 0)
+    assert c.get_seq_length() == 0 and c.layers[0].keys.shape[-2] == 0
+    c.set_memory_budget(0)
+    c.update(kv(0, 40, dim=16), kv(0, 40, dim=16), 0)
+    assert positions(c.layers[0].keys) == list(range(40))
