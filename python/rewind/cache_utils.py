@@ -939,6 +939,24 @@ class Cache:
             )
         return layer.update_indexer(indexer_key_states)
 
+    def early_initialization(self, batch_size: int, num_heads: Any, head_dim: Any, dtype: Any, device: Any = None) -> None:
+        """Builds every attention layer's storage ahead of its first update (transformers' name): ``num_heads`` and
+        ``head_dim`` are ints or per-layer lists; ``dtype`` a torch dtype. Linear layers stay lazy."""
+        import torch
+
+        n = len(self.layers)
+        heads = [num_heads] * n if isinstance(num_heads, int) else list(num_heads)
+        dims = [head_dim] * n if isinstance(head_dim, int) else list(head_dim)
+        if len(heads) != n or len(dims) != n:
+            raise _rw.InvalidArgument(
+                f"early_initialization: num_heads / head_dim lists have {len(heads)} / {len(dims)} entries for "
+                f"{n} layers"
+            )
+        for layer, h, d in zip(self.layers, heads, dims):
+            if isinstance(layer, CacheLayerMixin) and layer._kv is None:
+                fake = torch.zeros((batch_size, h, 0, d), dtype=dtype)
+                CacheLayerMixin.lazy_initialization(layer, fake, fake)
+
     # ---- queries ----
     def get_seq_length(self, layer_idx: int = 0) -> int:
         """Tokens seen by layer ``layer_idx`` (0 for a layer not created yet); defined on every layer kind."""

@@ -340,3 +340,15 @@ def test_two_layers_grow_independently_and_legacy_format_round_trips():
     legacy = c.to_legacy_cache()
     d = rewind.DynamicCache.from_legacy_cache(legacy)
     assert len(d) == 2 and torch.equal(d[0][1], c[0][1]) and d.get_seq_length() == 4
+
+
+def test_early_initialization_fixes_shapes_before_the_first_update():
+    c = rewind.DynamicCache(layer_types=["full_attention", "sliding_attention", "linear_attention"], sliding_window=4,
+                            conv_kernel_size=2)
+    c.early_initialization(batch_size=2, num_heads=[3, 1, 1], head_dim=8, dtype=torch.bfloat16)
+    assert c.layers[0].keys.shape == (2, 3, 0, 8) and c.layers[0].keys.dtype == torch.bfloat16
+    assert c.is_initialized and c.get_seq_length() == 0
+    with pytest.raises(ValueError):
+        c.update(torch.zeros(2, 2, 1, 8, dtype=torch.bfloat16), torch.zeros(2, 2, 1, 8, dtype=torch.bfloat16), 0)
+    keys, _ = c.update(torch.ones(2, 1, 3, 8, dtype=torch.bfloat16), torch.ones(2, 1, 3, 8, dtype=torch.bfloat16), 1)
+    assert keys.shape == (2, 1, 3, 8)
