@@ -163,3 +163,17 @@ def test_budget_refuses_the_first_update_of_a_layer():
     c.set_memory_budget(0)
     c.update(kv(0, 40, dim=16), kv(0, 40, dim=16), 0)
     assert positions(c.layers[0].keys) == list(range(40))
+
+
+def test_inputs_are_read_in_place():
+    base = torch.randn(1, 4, 2, 8)
+    view = base.transpose(1, 2)  # [1, 2, 4, 8], not contiguous: no .contiguous() copy is made
+    assert rewind._rewind.input_data_ptr(view) == view.data_ptr()
+    arr = np.zeros((1, 2, 3, 4), np.float32)[:, :, ::-1]  # negative strides
+    assert rewind._rewind.input_data_ptr(arr) == arr.__array_interface__["data"][0]
+    layer = rewind.DynamicLayer()
+    keys, _ = layer.update(view, view)
+    assert torch.equal(keys, view)
+    np_layer = rewind.DynamicLayer()
+    got, _ = np_layer.update(arr, arr)
+    np.testing.assert_array_equal(got, arr)
