@@ -10,16 +10,26 @@ FUZZ_BUILD ?= build-fuzz
 FUZZ_SECONDS ?= 30
 CMAKE_FLAGS ?=
 
+# The Python module (`make python`, `make test-python`): pybind11 for Debian's
+# python3, with torch, numpy and pytest from Debian (no other index is used).
+PYTHON_DEB_PACKAGES := python3 python3-dev pybind11-dev python3-pybind11 python3-numpy python3-torch python3-pytest
 DEB_PACKAGES := cmake g++ make pkg-config libgtest-dev libgmock-dev libbenchmark-dev \
                 nlohmann-json3-dev libcli11-dev libomp-dev clang libclang-rt-14-dev \
-                libhiredis-dev redis-server
+                libhiredis-dev redis-server $(PYTHON_DEB_PACKAGES)
+PYTHON_BUILD_DEB_PACKAGES := cmake g++ make nlohmann-json3-dev libcli11-dev $(PYTHON_DEB_PACKAGES)
+# Debian's interpreter, whatever `python3` comes first on PATH.
+PYTHON := /usr/bin/python3
+PY_BUILD ?= build-py
+# Where Debian's python3 looks for locally installed modules
+# (/usr/local/lib/python3.X/dist-packages); override with PYTHON_SITE=...
+PYTHON_SITE ?= $(shell $(PYTHON) -c 'import sys; print("/usr/local/lib/python3.%d/dist-packages" % sys.version_info.minor)' 2>/dev/null)
 # `make install` builds the library alone (no tests, benchmarks, runtime or
 # CLI) in its own directory, and needs only these.
 INSTALL_DEB_PACKAGES := cmake g++ make
 INSTALL_BUILD ?= build-install
 INSTALL_PREFIX = $(abspath $(or $(PREFIX),/usr/local))
 
-.PHONY: all deps install-deps build test test-plain test-asan test-tsan test-fuzz fuzz bench install clean demo train-models
+.PHONY: all deps install-deps python-deps build test test-plain test-python test-asan test-tsan test-fuzz fuzz bench install python clean demo train-models
 
 all: build
 
@@ -28,7 +38,8 @@ all: build
 # `make install` needs.
 deps: APT_PACKAGES = $(DEB_PACKAGES)
 install-deps: APT_PACKAGES = $(INSTALL_DEB_PACKAGES)
-deps install-deps:
+python-deps: APT_PACKAGES = $(PYTHON_BUILD_DEB_PACKAGES)
+deps install-deps python-deps:
 	@missing=""; for p in $(APT_PACKAGES); do \
 	  dpkg-query -W -f='$${Status}' $$p 2>/dev/null | grep -q "install ok installed" || missing="$$missing $$p"; \
 	done; \
@@ -48,10 +59,16 @@ test-plain: build
 	REWIND_MATMUL_NARROW=1 $(BUILD)/tests/rewind_runtime_tests \
 	  --gtest_filter='Kernels*:ForwardBatch*:GenerateBatch*:SpeculativeBatch*:ModelForward*:*Lossless*:Speculative*' --gtest_brief=1
 
+# The Python tests (tests/python) against the module just built in $(BUILD)
+# (PYTHONPATH first), with Debian's python3 and pytest.
+test-python: build
+	@ls $(BUILD)/python/rewind/_rewind*.so > /dev/null 2>&1 || { echo "the Python module was not built (pybind11-dev, python3-dev missing?)"; exit 1; }
+	cd tests/python && OMP_NUM_THREADS=1 PYTHONPATH=$(abspath $(BUILD))/python $(PYTHON) -m pytest -q -p no:cacheprovider .
+
 # The sanitizer build compiles the library and the test suites only.
 test-asan: deps
 	cmake -S . -B $(ASAN_BUILD) -DCMAKE_BUILD_TYPE=Debug -DREWIND_SANITIZE=ON -DREWIND_WERROR=ON \
-	  -DREWIND_BUILD_BENCH=OFF $(CMAKE_FLAGS)
+	  -DREWIND_BUILD_BENCH=OFF -DREWIND_BUILD_PYTHON=OFF $(CMAKE_FLAGS)
 	cmake --build $(ASAN_BUILD) -j $(JOBS)
 	cd $(ASAN_BUILD) && ASAN_OPTIONS=detect_leaks=1 UBSAN_OPTIONS=print_stacktrace=1 \
 	  ctest --output-on-failure -j $(JOBS)
@@ -62,7 +79,7 @@ test-asan: deps
 # switched off for the run (setarch -R): libtsan of GCC 12 cannot map its
 # shadow memory under the 32-bit mmap randomisation of current kernels.
 test-tsan: deps
-	cmake -S . -B $(TSAN_BUILD) -DCMAKE_BUILD_TYPE=Debug -DREWIND_TSAN=ON -DREWIND_BUILD_BENCH=OFF $(CMAKE_FLAGS)
+	cmake -S . -B $(TSAN_BUILD) -DCMAKE_BUILD_TYPE=Debug -DREWIND_TSAN=ON -DREWIND_BUILD_BENCH=OFF -DREWIND_BUILD_PYTHON=OFF $(CMAKE_FLAGS)
 	cmake --build $(TSAN_BUILD) -j $(JOBS) --target rewind_runtime_tests
 	OMP_NUM_THREADS=1 TSAN_OPTIONS=halt_on_error=1 setarch $$(uname -m) -R \
 	  $(TSAN_BUILD)/tests/rewind_runtime_tests --gtest_filter='Concurrency.*'
@@ -72,7 +89,7 @@ test-tsan: deps
 # repository). A crash fails the target and leaves crash-* files there.
 fuzz: deps
 	CC=clang CXX=clang++ cmake -S . -B $(FUZZ_BUILD) -DCMAKE_BUILD_TYPE=RelWithDebInfo -DREWIND_FUZZ=ON \
-	  -DREWIND_BUILD_TESTS=OFF -DREWIND_BUILD_BENCH=OFF $(CMAKE_FLAGS)
+	  -DREWIND_BUILD_TESTS=OFF -DREWIND_BUILD_BENCH=OFF -DREWIND_BUILD_PYTHON=OFF $(CMAKE_FLAGS)
 	cmake --build $(FUZZ_BUILD) -j $(JOBS) --target fuzz_safetensors fuzz_config fuzz_cache_ops fuzz_sequences fuzz_snapshot
 	@for t in fuzz_safetensors fuzz_config fuzz_cache_ops fuzz_sequences fuzz_snapshot; do \
 	  c=$${t#fuzz_}; mkdir -p $(FUZZ_BUILD)/corpus/$$c $(FUZZ_BUILD)/artifacts; \
@@ -85,7 +102,7 @@ fuzz: deps
 
 test-fuzz: fuzz
 
-test: test-plain test-asan test-tsan test-fuzz
+test: test-plain test-python test-asan test-tsan test-fuzz
 
 bench: build
 	$(BUILD)/bench/rewind_bench --benchmark_min_time=0.1
@@ -117,10 +134,29 @@ train-models:
 install: install-deps
 	cmake -S . -B $(INSTALL_BUILD) -DCMAKE_BUILD_TYPE=Release -DCMAKE_INSTALL_PREFIX=$(INSTALL_PREFIX) \
 	  -DREWIND_BUILD_TESTS=OFF -DREWIND_BUILD_BENCH=OFF -DREWIND_BUILD_RUNTIME=OFF -DREWIND_BUILD_REDIS=OFF \
+	  -DREWIND_BUILD_PYTHON=OFF \
 	  -DREWIND_SANITIZE=OFF -DREWIND_TSAN=OFF -DREWIND_FUZZ=OFF -DREWIND_WERROR=OFF $(CMAKE_FLAGS)
 	cmake --build $(INSTALL_BUILD) -j $(JOBS)
 	cmake --install $(INSTALL_BUILD) --prefix $(INSTALL_PREFIX)
 	@if [ "$$(id -u)" = 0 ] && command -v ldconfig > /dev/null; then ldconfig; fi
 
+# The Python module for Debian's /usr/bin/python3: a Release build of the
+# module alone (library, runtime and pybind11 core) in $(PY_BUILD)/, then the
+# package directory rewind/ copied into $(PYTHON_SITE) (default
+# /usr/local/lib/python3.X/dist-packages, where Debian's python3 looks for
+# locally installed modules; root needed there). Afterwards
+# `/usr/bin/python3 -c "import rewind"` works from any directory.
+python: python-deps
+	cmake -S . -B $(PY_BUILD) -DCMAKE_BUILD_TYPE=Release -DREWIND_BUILD_TESTS=OFF -DREWIND_BUILD_BENCH=OFF \
+	  -DREWIND_BUILD_RUNTIME=ON -DREWIND_BUILD_PYTHON=ON -DREWIND_SANITIZE=OFF -DREWIND_TSAN=OFF -DREWIND_FUZZ=OFF \
+	  -DREWIND_WERROR=OFF -DPYTHON_EXECUTABLE=$(PYTHON) $(CMAKE_FLAGS)
+	cmake --build $(PY_BUILD) -j $(JOBS) --target rewind_python
+	@test -n "$(PYTHON_SITE)" || { echo "cannot find Debian's python3 at $(PYTHON)"; exit 1; }
+	rm -rf $(PYTHON_SITE)/rewind
+	install -d $(PYTHON_SITE)/rewind
+	install -m 644 $(PY_BUILD)/python/rewind/*.py $(PYTHON_SITE)/rewind/
+	install -m 755 $(PY_BUILD)/python/rewind/_rewind*.so $(PYTHON_SITE)/rewind/
+	cd / && $(PYTHON) -c 'import rewind; print("installed rewind", rewind.__version__, "in", rewind.__path__[0])'
+
 clean:
-	rm -rf $(BUILD) $(ASAN_BUILD) $(TSAN_BUILD) $(FUZZ_BUILD) $(INSTALL_BUILD)
+	rm -rf $(BUILD) $(ASAN_BUILD) $(TSAN_BUILD) $(FUZZ_BUILD) $(INSTALL_BUILD) $(PY_BUILD)

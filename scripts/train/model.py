@@ -131,14 +131,16 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(d, nkv * hd, bias=False)
         self.o_proj = nn.Linear(nh * hd, d, bias=False)
 
-    def forward(self, x, rope, recurrent=False):
+    def forward(self, x, rope, recurrent=False, cache=None, layer_idx=None, pos0=0):
         B, T, _ = x.shape
         cos, sin = rope
         q = self.q_proj(x).view(B, T, self.nh, self.hd).transpose(1, 2)
         k = self.k_proj(x).view(B, T, self.nkv, self.hd).transpose(1, 2)
         v = self.v_proj(x).view(B, T, self.nkv, self.hd).transpose(1, 2)
-        q = apply_rope(q, cos[:T], sin[:T])
-        k = apply_rope(k, cos[:T], sin[:T])
+        q = apply_rope(q, cos[pos0:pos0 + T], sin[pos0:pos0 + T])
+        k = apply_rope(k, cos[pos0:pos0 + T], sin[pos0:pos0 + T])
+        if cache is not None:
+            return self._cached(q, k, v, cache, layer_idx, pos0)
         group = self.nh // self.nkv
         if group > 1:  # query head h uses kv head h / group
             k = k.repeat_interleave(group, dim=1)
@@ -152,6 +154,28 @@ class Attention(nn.Module):
         o = torch.softmax(scores, dim=-1) @ v
         return self.o_proj(o.transpose(1, 2).reshape(B, T, self.nh * self.hd))
 
+    def _cached(self, q, k, v, cache, layer_idx, pos0):
+        """Attention over the keys a transformers-shaped cache returns: the
+        new queries at positions [pos0, pos0 + T) against keys
+        [kv_offset, pos0 + T) (get_mask_sizes says which)."""
+        B, _, T, _ = q.shape
+        kv_length, kv_offset = cache.get_mask_sizes(T, layer_idx)
+        k, v = cache.update(k, v, layer_idx)
+        assert k.shape[-2] == kv_length, (k.shape, kv_length)
+        group = self.nh // self.nkv
+        if group > 1:
+            k = k.repeat_interleave(group, dim=1)
+            v = v.repeat_interleave(group, dim=1)
+        scores = (q @ k.transpose(-1, -2)) * (1.0 / math.sqrt(self.hd))
+        qpos = torch.arange(pos0, pos0 + T, device=q.device)[:, None]
+        kpos = torch.arange(kv_offset, kv_offset + kv_length, device=q.device)[None, :]
+        allowed = kpos <= qpos
+        if self.window > 0:
+            allowed = allowed & (kpos > qpos - self.window)
+        scores = scores.masked_fill(~allowed, float("-inf"))
+        o = torch.softmax(scores, dim=-1) @ v
+        return self.o_proj(o.transpose(1, 2).reshape(B, T, self.nh * self.hd))
+
 
 def causal_depthwise_conv(x, weight):
     """out[t, c] = sum_i weight[c, 0, i] * x[t + i - (K - 1), c] (zeros before
@@ -160,6 +184,19 @@ def causal_depthwise_conv(x, weight):
     multiply-adds are much faster than torch's depthwise conv on CPU)."""
     K, T = weight.shape[-1], x.shape[1]
     xp = F.pad(x, (0, 0, K - 1, 0))
+    out = xp[:, 0:T] * weight[:, 0, 0]
+    for i in range(1, K):
+        out = out + xp[:, i:i + T] * weight[:, 0, i]
+    return out
+
+
+def window_conv(window, weight):
+    """causal_depthwise_conv over a cache's conv window [B, C, K-1+T] (the
+    K-1 inputs before the new ones, then the T new ones): out [B, T, C],
+    summed in the same order."""
+    K = weight.shape[-1]
+    xp = window.transpose(1, 2)
+    T = xp.shape[1] - (K - 1)
     out = xp[:, 0:T] * weight[:, 0, 0]
     for i in range(1, K):
         out = out + xp[:, i:i + T] * weight[:, 0, i]
@@ -252,10 +289,14 @@ class GatedDeltaNet(nn.Module):
         self.norm = RMSNorm(self.vd, c.rms_norm_eps)
         self.out_proj = nn.Linear(self.nv * self.vd, d, bias=False)
 
-    def forward(self, x, rope=None, recurrent=False):
+    def forward(self, x, rope=None, recurrent=False, cache=None, layer_idx=None, pos0=0):
         B, T, _ = x.shape
         qk = self.nk * self.kd
-        mixed = F.silu(causal_depthwise_conv(self.in_proj_qkv(x), self.conv1d.weight))
+        if cache is not None:
+            window = cache.update_conv_state(self.in_proj_qkv(x).transpose(1, 2), layer_idx)
+            mixed = F.silu(window_conv(window, self.conv1d.weight))
+        else:
+            mixed = F.silu(causal_depthwise_conv(self.in_proj_qkv(x), self.conv1d.weight))
         q = mixed[..., :qk].reshape(B, T, self.nk, self.kd)
         k = mixed[..., qk:2 * qk].reshape(B, T, self.nk, self.kd)
         v = mixed[..., 2 * qk:].reshape(B, T, self.nv, self.vd)
@@ -267,11 +308,34 @@ class GatedDeltaNet(nn.Module):
         if ratio > 1:  # value head h reads key head h / ratio
             q = q.repeat_interleave(ratio, dim=2)
             k = k.repeat_interleave(ratio, dim=2)
-        rule = recurrent_gated_delta_rule if recurrent else chunk_gated_delta_rule
-        o = rule(q, k, v, g, beta)
+        if cache is not None:
+            o = self._cached_rule(q, k, v, g, beta, cache, layer_idx)
+        else:
+            rule = recurrent_gated_delta_rule if recurrent else chunk_gated_delta_rule
+            o = rule(q, k, v, g, beta)
         z = self.in_proj_z(x).reshape(B, T, self.nv, self.vd)
         o = self.norm(o) * F.silu(z)
         return self.out_proj(o.reshape(B, T, self.nv * self.vd))
+
+
+    def _cached_rule(self, q, k, v, g, beta, cache, layer_idx):
+        """The per-token recurrence from the cache's state S(L), writing
+        S(L+1) .. S(L+T) straight into the slots the cache hands out, so that
+        a later crop can return to any of them."""
+        B, T, H, Dk = k.shape
+        shape = (B, H, Dk, v.shape[-1])
+        update = cache.begin_recurrent_update(T, layer_idx, like=q.new_zeros(shape))
+        S = update.previous().clone()
+        out = []
+        for t in range(T):
+            S = S * g[:, t].exp()[..., None, None]
+            kv = (S * k[:, t, :, :, None]).sum(-2)
+            delta = (v[:, t] - kv) * beta[:, t, :, None]
+            S = S + k[:, t, :, :, None] * delta[:, :, None, :]
+            out.append((S * q[:, t, :, :, None]).sum(-2))
+            update.next(t + 1).copy_(S)
+        update.commit()
+        return torch.stack(out, 1)
 
 
 class ShortConv(nn.Module):
@@ -282,9 +346,12 @@ class ShortConv(nn.Module):
         self.conv = nn.Conv1d(d, d, c.conv_L_cache, groups=d, bias=False, padding=c.conv_L_cache - 1)
         self.out_proj = nn.Linear(d, d, bias=False)
 
-    def forward(self, x, rope=None, recurrent=False):
+    def forward(self, x, rope=None, recurrent=False, cache=None, layer_idx=None, pos0=0):
         b, c, xx = self.in_proj(x).chunk(3, dim=-1)
-        conv = causal_depthwise_conv(b * xx, self.conv.weight)
+        if cache is not None:
+            conv = window_conv(cache.update_conv_state((b * xx).transpose(1, 2), layer_idx), self.conv.weight)
+        else:
+            conv = causal_depthwise_conv(b * xx, self.conv.weight)
         return self.out_proj(c * conv)
 
 
@@ -317,10 +384,13 @@ class DecoderLayer(nn.Module):
         return {"full_attention": "self_attn", "sliding_attention": "self_attn",
                 "linear_attention": "linear_attn", "conv": "conv"}[self.kind]
 
-    def forward(self, x, rope, recurrent=False):
+    def forward(self, x, rope, recurrent=False, cache=None, layer_idx=None, pos0=0):
         h = self.input_layernorm(x)
         m = getattr(self, self.mixer())
-        x = x + m(h, rope, recurrent)
+        if cache is not None:
+            x = x + m(h, rope, recurrent, cache=cache, layer_idx=layer_idx, pos0=pos0)
+        else:
+            x = x + m(h, rope, recurrent)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -359,12 +429,22 @@ class Model(nn.Module):
             self._rope = rope_tables(max(T, 1024), c.head_dim, c.rope_theta, device)
         return self._rope
 
-    def forward(self, tokens, recurrent=False):
-        """tokens: [B, T] int64 at positions 0..T-1. Returns logits [B, T, V]."""
+    def forward(self, tokens, recurrent=False, past_key_values=None):
+        """tokens: [B, T] int64 at positions 0..T-1. Returns logits [B, T, V].
+
+        With `past_key_values` (a transformers-shaped cache, e.g.
+        rewind.DynamicCache(layer_types=config.layer_types, ...)), the
+        tokens sit at positions [L, L + T), L = the cache's length; the
+        cache receives their keys, values, conv inputs and recurrent states
+        (computed token by token), and every earlier token comes from it."""
         x = self.model.embed_tokens(tokens)
-        rope = self.rope(tokens.shape[1], tokens.device)
-        for layer in self.model.layers:
-            x = layer(x, rope, recurrent)
+        pos0 = past_key_values.get_seq_length() if past_key_values is not None else 0
+        rope = self.rope(pos0 + tokens.shape[1], tokens.device)
+        for i, layer in enumerate(self.model.layers):
+            if past_key_values is not None:
+                x = layer(x, rope, recurrent, cache=past_key_values, layer_idx=i, pos0=pos0)
+            else:
+                x = layer(x, rope, recurrent)
         x = self.model.norm(x)
         w = self.model.embed_tokens.weight if self.config.tie_word_embeddings else self.lm_head.weight
         return x @ w.t()

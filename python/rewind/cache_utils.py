@@ -1,0 +1,1355 @@
+"""Transformers-shaped cache classes over rewind's C++ layers.
+
+The classes, methods, argument orders and return types follow transformers'
+``cache_utils.py`` (``DynamicCache``, ``DynamicLayer``,
+``DynamicSlidingWindowLayer``, ``DynamicIndexedLayer``,
+``LinearAttentionLayer`` and the hybrid layers), so a model written against
+transformers' cache interface runs on rewind by changing the constructor.
+What they do follows rewind's contract (docs/semantics.md): every crop is
+exact or raises and changes nothing, ``crop(0)`` shrinks to the minimal
+working state, recurrent states roll back, and recording keeps at most ``R``
+tokens of history. docs/python.md lists where this differs from
+transformers.
+
+Each Python layer owns one rewind ``_Layer`` per part (attention keys and
+values, indexer keys, each conv state, each recurrent state), created lazily
+from the first tensor that part receives, as transformers' lazy
+initialization does. Results are views of rewind's storage (no copy): they
+stay valid until the next call that changes the same layer; a stale view can
+be read (it may show replaced values) but never dangles.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterable
+
+from . import _rewind as _rw
+
+# Rollback capacity `activate_past_recording()` uses when given no number.
+# transformers records until the next crop without a bound; rewind keeps a
+# bounded history (a recurrent state costs a whole state per token), so the
+# default must be finite. Pass max_tokens to choose another.
+DEFAULT_MAX_ROLLBACK = 32
+
+_NOT_RECORDING = (
+    "`crop` was called, but the current layer does not track past states. Call `activate_past_recording` "
+    "before `crop` to be able to rollback the cache."
+)
+_SLIDING_NOT_RECORDING = (
+    "`crop` was called, but the current layer does not track past states, and the sliding window size was already "
+    "reached. Call `activate_past_recording` before `crop` to be able to rollback the cache."
+)
+_LINEAR_POSITIVE = (
+    "Linear attention layers can only be cropped by passing a negative int, to specify how many tokens to remove"
+)
+_NOT_LINEAR_CONV = "Cannot call `update_conv_state` on a non-LinearAttention layer!"
+_NO_LINEAR_LAYER = (
+    "`has_previous_state` can only be called on LinearAttention layers, and the current Cache seem to only "
+    "contain Attention layers."
+)
+
+
+def _is_torch(t: Any) -> bool:
+    return type(t).__module__.startswith("torch")
+
+
+def _dtype_name(t: Any) -> str:
+    name = str(t.dtype)
+    if "bfloat16" in name:
+        return "bf16"
+    if "float16" in name:
+        return "f16"
+    if "float32" in name:
+        return "f32"
+    raise _rw.InvalidArgument(f"dtype {name} is not supported (float32, float16, bfloat16)")
+
+
+def _query_length(query_length: Any) -> int:
+    # Older transformers passed `cache_position` (a tensor of q positions).
+    if hasattr(query_length, "shape") and len(query_length.shape) >= 1:
+        return int(query_length.shape[0])
+    return int(query_length)
+
+
+def _zeros_broadcast(like: Any, shape: tuple) -> Any:
+    """A read-only zero tensor of `shape` that costs one element (stride 0)."""
+    if _is_torch(like):
+        import torch
+
+        return torch.zeros(1, dtype=like.dtype).expand(*shape)
+    import numpy as np
+
+    return np.broadcast_to(np.zeros(1, dtype=like.dtype), shape)
+
+
+class _RewindLayerBase:
+    """What every rewind layer shares: parts, recording, crop, batch operations.
+
+    Subclasses say which parts the layer has: an attention part (``full``,
+    ``sliding`` or ``chunked``), an indexer part, linear parts (conv and
+    recurrent states, ``number_of_states`` of each).
+    """
+
+    is_compileable = False
+    is_sliding = False
+    supports_early_init = True
+    _kind_name = "full_attention"
+
+    def _setup(
+        self,
+        attention: str | None = None,
+        sliding_window: int | None = None,
+        chunk_size: int | None = None,
+        indexed: bool = False,
+        linear: bool = False,
+        number_of_states: int = 1,
+        conv_kernel_size: int | None = None,
+    ) -> None:
+        self._attention = attention
+        self._sliding_window = sliding_window
+        self._chunk_size = chunk_size
+        self._indexed = indexed
+        self._linear = linear
+        self._kv = None  # the attention part
+        self._indexer = None
+        self._convs: dict[int, Any] = {}
+        self._recs: dict[int, Any] = {}
+        # Per recurrent state: the first position p >= 1 from which S(p)..S(L)
+        # were all given to the cache (0: all of them). A crop that would land
+        # before it is refused: the state there is unknown.
+        self._rec_exact_from: dict[int, int] = {}
+        self._recording: int | None = None
+        self._index = -1
+        # Bytes of this layer's buffers; counted in its cache's budget too.
+        self._budget = _rw._Budget()
+        self._default_conv_kernel_size = conv_kernel_size
+        if linear:
+            self.number_of_states = number_of_states
+            self.conv_kernel_size: dict[int, int | None] = dict.fromkeys(range(number_of_states), conv_kernel_size)
+        self.is_initialized = False
+        self.dtype = None
+        self.device = None
+
+    def __repr__(self) -> str:
+        return f"{self.__class__.__name__}"
+
+    # ---- parts ----
+    def _parts(self) -> list:
+        parts = []
+        if self._kv is not None:
+            parts.append(self._kv)
+        if self._indexer is not None:
+            parts.append(self._indexer)
+        parts.extend(self._convs[i] for i in sorted(self._convs))
+        parts.extend(self._recs[i] for i in sorted(self._recs))
+        return parts
+
+    def _new_part(self, kind: str, like: Any, **options: Any):
+        part = _rw._Layer(kind, dtype=_dtype_name(like), index=self._index, as_torch=_is_torch(like),
+                          budget=self._budget, **options)
+        if self._recording is not None:
+            part.activate_past_recording(self._recording)
+        if self.dtype is None:
+            self.dtype = like.dtype
+            self.device = getattr(like, "device", None)
+        return part
+
+    def _set_index(self, index: int) -> None:
+        self._index = index
+        for p in self._parts():
+            p.set_index(index)
+
+    def _where(self, n: int | None = None) -> str:
+        where = f"layer {self._index} ({self._kind_name})" if self._index >= 0 else f"{self._kind_name} layer"
+        return f"[{where}: L={self.get_seq_length()}" + (f", crop({n})]" if n is not None else "]")
+
+    def get_seq_length(self) -> int:
+        """Tokens seen (the position of the next token); counted on every layer kind."""
+        if self._kv is not None:
+            return self._kv.get_seq_length()
+        lengths = [p.get_seq_length() for p in self._parts()]
+        return max(lengths) if lengths else 0
+
+    def _lengths(self) -> list[int]:
+        return [p.get_seq_length() for p in self._parts()]
+
+    def _check_in_step(self, what: str) -> None:
+        lengths = self._lengths()
+        if len(set(lengths)) > 1:
+            raise _rw.StateError(
+                f"{what}: the parts of this layer are at different lengths {lengths} (an update of one part "
+                f"without the others); finish the forward or reset() {self._where()}"
+            )
+
+    # ---- rollback ----
+    def check_crop(self, max_length: int) -> None:
+        """Raises exactly what ``crop(max_length)`` would raise; changes nothing."""
+        n = int(max_length)
+        parts = self._parts()
+        if not parts:
+            if self._linear and self._recording is None:
+                raise _rw.RollbackError(f"{_NOT_RECORDING} {self._where(n)}")
+            if self._linear and n > 0:
+                raise _rw.RollbackError(f"{_LINEAR_POSITIVE} {self._where(n)}")
+            return
+        self._check_in_step(f"crop({n})")
+        if (self._attention == "sliding" and not self._linear and self._recording is None
+                and self.get_seq_length() >= int(self._sliding_window)):
+            # transformers (>= 5.15) names the missing recording first, for any n; the
+            # C++ layer names the positive crop first when n > 0.
+            raise _rw.RollbackError(f"{_SLIDING_NOT_RECORDING} {self._where(n)}")
+        for p in parts:
+            p.check_crop(n)
+        L = self.get_seq_length()
+        if n < 0:
+            target = L + n
+            for i, exact_from in self._rec_exact_from.items():
+                if 0 < target < exact_from:
+                    raise _rw.RollbackError(
+                        f"crop({n}) would restore recurrent state {i} after {target} tokens, which the cache never "
+                        f"received: update_recurrent_state got only the final state of a multi-token update "
+                        f"(pass all_states=, or use begin_recurrent_update, to make such rollbacks exact); the "
+                        f"largest exact rollback is {L - exact_from} {self._where(n)}"
+                    )
+
+    def crop(self, max_length: int | None = None, *, tokens_to_remove: int | None = None) -> None:
+        """Removes ``-max_length`` tokens (negative), shrinks to the minimal working state (0), or keeps the first
+        ``max_length`` tokens (positive, deprecated; attention only). Exact or raises, changing nothing.
+        ``tokens_to_remove`` is the name transformers' linear-attention layers give the same argument."""
+        if (max_length is None) == (tokens_to_remove is None):
+            raise _rw.InvalidArgument("crop takes one argument: max_length (or tokens_to_remove)")
+        n = int(max_length if max_length is not None else tokens_to_remove)
+        self.check_crop(n)
+        self._apply_crop(n)
+
+    def _apply_crop(self, n: int) -> None:
+        """crop(n) after check_crop(n) passed (the C++ crop checks again, cheaply, and cannot fail then)."""
+        if self._rec_exact_from and n < 0 and self.get_seq_length() + n <= 0:
+            self._rec_exact_from = {i: 0 for i in self._rec_exact_from}
+        for p in self._parts():
+            p.crop(n)
+
+    def max_rollback(self) -> int:
+        """Largest k for which ``crop(-k)`` is exact now (the layer's length means any depth)."""
+        parts = self._parts()
+        if not parts:
+            return 0
+        self._check_in_step("max_rollback")
+        value = min(p.max_rollback() for p in parts)
+        L = self.get_seq_length()
+        for exact_from in self._rec_exact_from.values():
+            if exact_from > 0:
+                value = min(value, L - exact_from)
+        return value
+
+    def activate_past_recording(self, max_tokens: int | None = None) -> None:
+        """Keeps enough history to remove up to ``max_tokens`` tokens exactly (default DEFAULT_MAX_ROLLBACK)."""
+        r = DEFAULT_MAX_ROLLBACK if max_tokens is None else int(max_tokens)
+        for p in self._parts():
+            p.activate_past_recording(r)
+        self._recording = r
+
+    def deactivate_past_recording(self) -> None:
+        """Stops recording and drops the history."""
+        for p in self._parts():
+            p.deactivate_past_recording()
+        self._recording = None
+
+    @property
+    def record_past(self) -> bool:
+        """True while the layer records past states (transformers' attribute)."""
+        return self._recording is not None
+
+    def is_recording(self) -> bool:
+        """True while the layer records past states."""
+        return self._recording is not None
+
+    def recording_capacity(self) -> int:
+        """R of activate_past_recording(R), 0 when not recording."""
+        return self._recording or 0
+
+    # ---- batch and reset ----
+    def _check_indices(self, indices: list[int], what: str) -> None:
+        for p in self._parts():
+            b = p.batch_size()
+            if not indices:
+                raise _rw.InvalidArgument(f"{what}: the index list is empty {self._where()}")
+            for i in indices:
+                if i < 0 or i >= b:
+                    raise _rw.IndexError(f"{what}: index {i} is outside [0, {b}) {self._where()}")
+
+    def batch_select_indices(self, indices: Any) -> None:
+        """Keeps batch rows ``indices`` of every stored tensor."""
+        idx = _index_list(indices)
+        self._check_indices(idx, "batch_select_indices")
+        for p in self._parts():
+            p.batch_select_indices(idx)
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        """Repeats every batch row ``repeats`` times (beam expansion)."""
+        if int(repeats) < 1:
+            raise _rw.InvalidArgument(f"batch_repeat_interleave: repeats must be >= 1, got {repeats} {self._where()}")
+        for p in self._parts():
+            p.batch_repeat_interleave(int(repeats))
+
+    def reorder_cache(self, beam_idx: Any) -> None:
+        """Row i becomes old row ``beam_idx[i]`` in every stored tensor."""
+        idx = _index_list(beam_idx)
+        self._check_indices(idx, "reorder_cache")
+        for p in self._parts():
+            if len(idx) != p.batch_size():
+                raise _rw.InvalidArgument(
+                    f"reorder_cache: beam_idx has {len(idx)} entries for batch size {p.batch_size()} {self._where()}"
+                )
+        for p in self._parts():
+            p.reorder_cache(idx)
+
+    def reset(self) -> None:
+        """Back to an empty layer (L = 0, zero states, no history); shapes and recording stay."""
+        for p in self._parts():
+            p.reset()
+        self._rec_exact_from = {i: 0 for i in self._rec_exact_from}
+
+    def memory(self) -> dict:
+        """Bytes reserved and used by this layer's parts."""
+        reserved = used = 0
+        for p in self._parts():
+            m = p.memory()
+            reserved += m["bytes_reserved"]
+            used += m["bytes_used"]
+        return {"kind": self._kind_name, "bytes_reserved": reserved, "bytes_used": used}
+
+    def shrink_to_fit(self) -> None:
+        """Releases the slack of grown buffers now; changes no content."""
+        for p in self._parts():
+            p.shrink_to_fit()
+
+    def offload(self) -> None:
+        """rewind keeps its state in CPU memory already: nothing to move."""
+
+    def prefetch(self) -> None:
+        """rewind keeps its state in CPU memory already: nothing to move."""
+
+    def get_max_length(self) -> int:
+        """The window (sliding) or chunk size (chunked); -1 when the layer has no maximum."""
+        if self._attention == "sliding":
+            return int(self._sliding_window)
+        if self._attention == "chunked":
+            return int(self._chunk_size)
+        return -1
+
+    def get_max_cache_shape(self) -> int:
+        """Deprecated transformers name of get_max_length."""
+        return self.get_max_length()
+
+    @property
+    def batch_size(self) -> int:
+        """Batch size of the stored tensors; -1 before the first update."""
+        parts = self._parts()
+        return parts[0].batch_size() if parts else -1
+
+
+def _index_list(indices: Any) -> list[int]:
+    if hasattr(indices, "tolist"):
+        indices = indices.tolist()
+    if isinstance(indices, int):
+        indices = [indices]
+    return [int(i) for i in indices]
+
+
+class CacheLayerMixin(_RewindLayerBase):
+    """Base of the attention layers (transformers' ``CacheLayerMixin``)."""
+
+    # ---- attention ----
+    def lazy_initialization(self, key_states: Any, value_states: Any) -> None:
+        """Builds the attention part from the first keys [B, H, q, Dk] and values [B, H, q, Dv]."""
+        if len(key_states.shape) != 4 or len(value_states.shape) != 4:
+            raise _rw.InvalidArgument(
+                f"update: keys and values must be [batch, heads, tokens, head_dim], got {tuple(key_states.shape)} and "
+                f"{tuple(value_states.shape)} {self._where()}"
+            )
+        b, h, _, dk = (int(x) for x in key_states.shape)
+        dv = int(value_states.shape[-1])
+        kind = {"full": "full_attention", "sliding": "sliding_attention", "chunked": "chunked_attention"}[self._attention]
+        self._kv = self._new_part(
+            kind,
+            key_states,
+            batch_size=b,
+            num_kv_heads=h,
+            key_dim=dk,
+            value_dim=dv,
+            sliding_window=int(self._sliding_window or 0),
+            chunk_size=int(self._chunk_size or 0),
+        )
+        self.is_initialized = True
+
+    def update(self, key_states: Any, value_states: Any, *args: Any, **kwargs: Any) -> tuple:
+        """Appends q tokens and returns ``(keys, values)``: every key / value the new queries attend to
+        (full: positions [0, L+q); sliding: [max(0, L-W+1), L+q); chunked: [floor(L/C)*C, L+q)), as views."""
+        if self._kv is None:
+            self.lazy_initialization(key_states, value_states)
+        return self._kv.update(key_states, value_states)
+
+    def get_mask_sizes(self, query_length: Any, *args: Any) -> tuple:
+        """``(kv_length, kv_offset)`` of the keys the next update of ``query_length`` tokens returns."""
+        q = _query_length(query_length)
+        if self._kv is None:
+            if q < 1:
+                raise _rw.InvalidArgument(f"get_mask_sizes: query_length must be >= 1, got {q} {self._where()}")
+            return q, 0
+        return tuple(self._kv.get_mask_sizes(q))
+
+    def _kept(self) -> tuple[int, int]:
+        """Positions [first, end) of the minimal working state the attention part holds."""
+        first, end = self._kv.stored_range()
+        L = end
+        if self._attention == "sliding":
+            first = max(first, L - (int(self._sliding_window) - 1))
+        elif self._attention == "chunked":
+            first = max(first, (L // int(self._chunk_size)) * int(self._chunk_size))
+        return first, end
+
+    @property
+    def keys(self) -> Any:
+        """The keys the layer keeps for the next forward [B, H, n, Dk] (sliding: the last W-1, chunked: the current
+        chunk); None before the first update. A view: valid until the next change of this layer."""
+        if self._kv is None:
+            return None
+        k, _ = self._kv.keys_values()
+        first, end = self._kept()
+        stored_first, _ = self._kv.stored_range()
+        return k[:, :, first - stored_first:]
+
+    @property
+    def values(self) -> Any:
+        """The values matching ``keys``."""
+        if self._kv is None:
+            return None
+        _, v = self._kv.keys_values()
+        first, end = self._kept()
+        stored_first, _ = self._kv.stored_range()
+        return v[:, :, first - stored_first:]
+
+    def stored_range(self) -> tuple:
+        """Positions [first, end) the attention part retains (recording keeps more than ``keys`` shows)."""
+        if self._kv is None:
+            return (0, 0)
+        return tuple(self._kv.stored_range())
+
+    @property
+    def cumulative_length(self) -> int:
+        """Tokens seen (transformers' sliding-layer attribute; equals get_seq_length())."""
+        return self.get_seq_length()
+
+
+class DynamicLayer(CacheLayerMixin):
+    """Full attention that grows with the sequence (transformers' ``DynamicLayer``): keys [B, H, L, Dk]."""
+
+    is_sliding = False
+    _kind_name = "full_attention"
+
+    def __init__(self, **kwargs: Any) -> None:
+        self._setup(attention="full")
+
+
+class DynamicSlidingWindowLayer(DynamicLayer):
+    """Sliding-window attention of window ``sliding_window`` (W): keeps the last W-1 tokens (W-1+R while
+    recording R), returns the last min(L, W-1) + q keys from ``update``."""
+
+    is_sliding = True
+    _kind_name = "sliding_attention"
+
+    def __init__(self, sliding_window: int, **kwargs: Any) -> None:
+        if sliding_window is None or int(sliding_window) < 1:
+            raise _rw.InvalidArgument(f"DynamicSlidingWindowLayer: sliding_window must be >= 1, got {sliding_window}")
+        self._setup(attention="sliding", sliding_window=int(sliding_window))
+        self.sliding_window = int(sliding_window)
+
+
+class DynamicChunkedLayer(DynamicLayer):
+    """Chunked local attention of chunk ``chunk_size`` (C), rewind's ``chunked_attention``: a query at p attends to
+    [floor(p/C)*C, p]. (transformers runs chunked layers as sliding windows.)"""
+
+    is_sliding = True
+    _kind_name = "chunked_attention"
+
+    def __init__(self, chunk_size: int | None = None, sliding_window: int | None = None, **kwargs: Any) -> None:
+        size = chunk_size if chunk_size is not None else sliding_window
+        if size is None or int(size) < 1:
+            raise _rw.InvalidArgument(f"DynamicChunkedLayer: chunk_size must be >= 1, got {size}")
+        self._setup(attention="chunked", chunk_size=int(size))
+        self.chunk_size = int(size)
+
+
+class DynamicIndexedLayer(DynamicLayer):
+    """Full attention plus per-token indexer keys [B, L, D] (DeepSeek-V3.2 / GLM DSA), which every crop, reset and
+    batch operation applies to as well."""
+
+    _kind_name = "deepseek_sparse_attention"
+
+    def __init__(self, **kwargs: Any) -> None:
+        self._setup(attention="full", indexed=True)
+        self.is_indexer_initialized = False
+
+    def update_indexer(self, indexer_key_states: Any) -> Any:
+        """Appends indexer keys [B, q, D] and returns those of every position the keys cover, [B, n, D]."""
+        shape = tuple(int(x) for x in indexer_key_states.shape)
+        if len(shape) != 3:
+            raise _rw.InvalidArgument(
+                f"update_indexer: indexer keys must be [batch, tokens, dim], got {shape} {self._where()}"
+            )
+        b, q, d = shape
+        if self._indexer is None:
+            # Stored as a one-head attention part whose values take one element
+            # per token (fed from a stride-0 zero tensor).
+            self._indexer = self._new_part(
+                "full_attention", indexer_key_states, batch_size=b, num_kv_heads=1, key_dim=d, value_dim=1
+            )
+            self.is_indexer_initialized = True
+        keys = indexer_key_states.unsqueeze(1) if _is_torch(indexer_key_states) else indexer_key_states[:, None]
+        out, _ = self._indexer.update(keys, _zeros_broadcast(indexer_key_states, (b, 1, q, 1)))
+        return out[:, 0]
+
+    @property
+    def indexer_keys(self) -> Any:
+        """The indexer keys kept [B, L, D]; None before the first ``update_indexer``."""
+        if self._indexer is None:
+            return None
+        k, _ = self._indexer.keys_values()
+        return k[:, 0]
+
+
+class LinearAttentionCacheLayerMixin(_RewindLayerBase):
+    """Base of the layers with conv and recurrent states (transformers' ``LinearAttentionCacheLayerMixin``)."""
+
+    is_compileable = False
+    supports_early_init = False
+
+    def lazy_initialization(self, conv_states: Any = None, recurrent_states: Any = None, state_idx: int = 0,
+                            conv_kernel_size: int | None = None) -> None:
+        """Builds the conv part of ``state_idx`` from its first input [B, C, q] (kernel size: ``conv_kernel_size``,
+        the layer's, or as transformers infers it, the input's last dimension) and / or its recurrent part from a
+        state [B, ...]."""
+        if conv_states is not None and state_idx not in self._convs:
+            shape = tuple(int(x) for x in conv_states.shape)
+            if len(shape) != 3:
+                raise _rw.InvalidArgument(
+                    f"update_conv_state: inputs must be [batch, channels, tokens], got {shape} {self._where()}"
+                )
+            k = conv_kernel_size or self.conv_kernel_size.get(state_idx) or self._default_conv_kernel_size or shape[-1]
+            self.conv_kernel_size[state_idx] = int(k)
+            self._convs[state_idx] = self._new_part(
+                "conv", conv_states, batch_size=shape[0], conv_kernel_size=int(k), conv_channels=[shape[1]]
+            )
+        if recurrent_states is not None and state_idx not in self._recs:
+            shape = tuple(int(x) for x in recurrent_states.shape)
+            if not 2 <= len(shape) <= 4:
+                raise _rw.InvalidArgument(
+                    f"update_recurrent_state: a state must be [batch, d1 (, d2 (, d3))], got {shape} {self._where()}"
+                )
+            part = _rw._Layer(
+                "linear_attention",
+                dtype=_dtype_name(recurrent_states),
+                batch_size=shape[0],
+                recurrent_shapes=[list(shape[1:])],
+                recurrent_dtype=_dtype_name(recurrent_states),
+                index=self._index,
+                as_torch=_is_torch(recurrent_states),
+                budget=self._budget,
+            )
+            if self._recording is not None:
+                part.activate_past_recording(self._recording)
+            if self.dtype is None:
+                self.dtype = recurrent_states.dtype
+                self.device = getattr(recurrent_states, "device", None)
+            self._recs[state_idx] = part
+            self._rec_exact_from[state_idx] = 0
+        self.is_initialized = True
+
+    def _check_state_idx(self, state_idx: int) -> None:
+        if not 0 <= state_idx < self.number_of_states:
+            raise _rw.IndexError(
+                f"state_idx {state_idx} is outside [0, {self.number_of_states}) (number_of_states) {self._where()}"
+            )
+
+    def update_conv_state(self, conv_states: Any, state_idx: int = 0, conv_kernel_size: int | None = None,
+                          **kwargs: Any) -> Any:
+        """Appends conv inputs [B, C, q] and returns the window [B, C, K-1+q]: the K-1 inputs before them (zeros
+        before position 0) then the q new ones, so output j = sum_i w[i] * window[..., j+i]."""
+        self._check_state_idx(state_idx)
+        if state_idx not in self._convs:
+            self.lazy_initialization(conv_states=conv_states, state_idx=state_idx, conv_kernel_size=conv_kernel_size)
+        return self._convs[state_idx].update_conv_state(conv_states)
+
+    def _rec_part(self, state_idx: int, like: Any) -> Any:
+        self._check_state_idx(state_idx)
+        if state_idx not in self._recs:
+            self.lazy_initialization(recurrent_states=like, state_idx=state_idx)
+        return self._recs[state_idx]
+
+    def _pending_tokens(self, state_idx: int) -> int:
+        """Tokens the other parts of this layer are ahead of recurrent state ``state_idx`` (at least 1)."""
+        rec = self._recs[state_idx].get_seq_length()
+        others = [p.get_seq_length() for p in self._parts() if p is not self._recs[state_idx]]
+        ahead = max(others) - rec if others else 0
+        return ahead if ahead > 0 else 1
+
+    def update_recurrent_state(self, recurrent_states: Any, state_idx: int = 0, *, num_tokens: int | None = None,
+                               all_states: Any = None, **kwargs: Any) -> Any:
+        """Stores the state after this forward's tokens and returns it (a view of the cache's copy).
+
+        ``recurrent_states`` [B, ...] is the state after the forward's last token. The forward's token count q is
+        ``num_tokens``, else how far this layer's conv / attention parts are ahead, else 1. With q > 1, pass
+        ``all_states`` [q, B, ...] (the state after each token) to make rollbacks inside the forward exact;
+        without it, a crop that would land inside the forward raises ``RollbackError``.
+        """
+        like = all_states[0] if all_states is not None else recurrent_states
+        part = self._rec_part(state_idx, like)
+        if all_states is not None:
+            q = int(all_states.shape[0])
+            if num_tokens is not None and int(num_tokens) != q:
+                raise _rw.InvalidArgument(
+                    f"update_recurrent_state: num_tokens={num_tokens} but all_states holds {q} states {self._where()}"
+                )
+            update = part.begin_recurrent_update(q)
+            for t in range(q):
+                update.next(t + 1)[...] = all_states[t]
+            update.commit()
+        else:
+            q = int(num_tokens) if num_tokens is not None else self._pending_tokens(state_idx)
+            if q == 1:
+                part.update_recurrent_state(recurrent_states)
+            else:
+                start = part.get_seq_length()
+                part.write_final_recurrent_state(recurrent_states, q)
+                self._rec_exact_from[state_idx] = start + q
+        return part.get_recurrent_state()
+
+    def begin_recurrent_update(self, num_tokens: int, state_idx: int = 0, like: Any = None) -> Any:
+        """Zero-copy recurrent update (rewind): returns a handle whose ``previous()`` is S(L) and whose ``next(t)``
+        is the cache slot to write S(L+t) into, t = 1..num_tokens; ``commit()`` keeps them. The recurrent part must
+        exist (a first ``update_recurrent_state``) or ``like`` (a state [B, ...]) gives its shape."""
+        self._check_state_idx(state_idx)
+        if state_idx not in self._recs:
+            if like is None:
+                raise _rw.StateError(
+                    f"begin_recurrent_update: recurrent state {state_idx} has no shape yet; pass like=<a state "
+                    f"[B, ...]> {self._where()}"
+                )
+            self.lazy_initialization(recurrent_states=like, state_idx=state_idx)
+        return self._recs[state_idx].begin_recurrent_update(int(num_tokens))
+
+    def recurrent_snapshot(self, state_idx: int, position: int) -> Any:
+        """S(position) for a snapshot still held (rewind)."""
+        self._check_state_idx(state_idx)
+        if state_idx not in self._recs:
+            raise _rw.IndexError(f"recurrent state {state_idx} holds no snapshot yet {self._where()}")
+        return self._recs[state_idx].recurrent_snapshot(0, int(position))
+
+    @property
+    def conv_states(self) -> dict:
+        """Per state index: the last K conv inputs [B, C, K] (zeros before position 0), or None before the first
+        update."""
+        return {i: (self._convs[i].get_conv_state() if i in self._convs else None) for i in range(self.number_of_states)}
+
+    @property
+    def recurrent_states(self) -> dict:
+        """Per state index: the recurrent state S(L) [B, ...], or None before the first update."""
+        return {i: (self._recs[i].get_recurrent_state() if i in self._recs else None) for i in range(self.number_of_states)}
+
+    @property
+    def is_conv_states_initialized(self) -> dict:
+        """Per state index: whether its conv part exists (received an input)."""
+        return {i: i in self._convs for i in range(self.number_of_states)}
+
+    @property
+    def is_recurrent_states_initialized(self) -> dict:
+        """Per state index: whether its recurrent part exists."""
+        return {i: i in self._recs for i in range(self.number_of_states)}
+
+    @property
+    def has_previous_state(self) -> dict:
+        """Per state index: whether that state has seen a token (a full rollback makes it False again)."""
+        out = {}
+        for i in range(self.number_of_states):
+            parts = [p for p in (self._convs.get(i), self._recs.get(i)) if p is not None]
+            out[i] = any(p.get_seq_length() > 0 for p in parts)
+        return out
+
+    @property
+    def is_croppable(self) -> bool:
+        """Whether ``crop(-1)`` would be exact now (rewind rolls recurrent states back too)."""
+        try:
+            self.check_crop(-1)
+        except _rw.Error:
+            return False
+        return True
+
+
+class LinearAttentionLayer(LinearAttentionCacheLayerMixin):
+    """Conv and recurrent states (Gated DeltaNet, Mamba, LFM2 short conv), ``number_of_states`` of each."""
+
+    _kind_name = "linear_attention"
+
+    def __init__(self, number_of_states: int = 1, conv_kernel_size: int | None = None, **kwargs: Any) -> None:
+        self._setup(linear=True, number_of_states=int(number_of_states), conv_kernel_size=conv_kernel_size)
+
+    def get_mask_sizes(self, query_length: Any, *args: Any) -> tuple:
+        """Raises StateError: a linear-attention layer has no keys to mask."""
+        raise _rw.StateError(f"get_mask_sizes: a linear-attention layer has no attention part {self._where()}")
+
+
+class LinearAttentionAndFullAttentionLayer(LinearAttentionLayer, DynamicLayer):
+    """A hybrid layer: linear-attention states and full attention under one length, one crop."""
+
+    _kind_name = "hybrid"
+
+    def __init__(self, number_of_states: int = 1, conv_kernel_size: int | None = None, **kwargs: Any) -> None:
+        self._setup(attention="full", linear=True, number_of_states=int(number_of_states),
+                    conv_kernel_size=conv_kernel_size)
+
+    get_mask_sizes = CacheLayerMixin.get_mask_sizes
+    lazy_initialization = LinearAttentionCacheLayerMixin.lazy_initialization
+
+    def update(self, key_states: Any, value_states: Any, *args: Any, **kwargs: Any) -> tuple:
+        """Appends q tokens to the attention part; returns (keys, values) as DynamicLayer.update."""
+        if self._kv is None:
+            CacheLayerMixin.lazy_initialization(self, key_states, value_states)
+        return self._kv.update(key_states, value_states)
+
+
+class LinearAttentionAndSlidingWindowAttentionLayer(LinearAttentionLayer, DynamicSlidingWindowLayer):
+    """A hybrid layer: linear-attention states and sliding-window attention."""
+
+    is_sliding = True
+    _kind_name = "hybrid_sliding"
+
+    def __init__(self, sliding_window: int, number_of_states: int = 1, conv_kernel_size: int | None = None,
+                 **kwargs: Any) -> None:
+        if sliding_window is None or int(sliding_window) < 1:
+            raise _rw.InvalidArgument(f"sliding_window must be >= 1, got {sliding_window}")
+        self._setup(attention="sliding", sliding_window=int(sliding_window), linear=True,
+                    number_of_states=int(number_of_states), conv_kernel_size=conv_kernel_size)
+        self.sliding_window = int(sliding_window)
+
+    get_mask_sizes = CacheLayerMixin.get_mask_sizes
+    lazy_initialization = LinearAttentionCacheLayerMixin.lazy_initialization
+    update = LinearAttentionAndFullAttentionLayer.update
+
+
+class StatelessLayer(_RewindLayerBase):
+    """A layer without inference state (``moe`` / ``mlp`` placeholders): length 0, crops and batch operations do
+    nothing."""
+
+    _kind_name = "mlp"
+    supports_early_init = False
+
+    def __init__(self, **kwargs: Any) -> None:
+        self._setup()
+
+    def get_mask_sizes(self, query_length: Any, *args: Any) -> tuple:
+        """Raises StateError: a placeholder layer has no keys to mask."""
+        raise _rw.StateError(f"get_mask_sizes: a {self._kind_name} layer has no attention part {self._where()}")
+
+
+LAYER_TYPE_MAPPING = {
+    "full_attention": DynamicLayer,
+    "sliding_attention": DynamicSlidingWindowLayer,
+    "chunked_attention": DynamicChunkedLayer,
+    "linear_attention": LinearAttentionLayer,
+    "conv": LinearAttentionLayer,
+    "hybrid": LinearAttentionAndFullAttentionLayer,
+    "hybrid_sliding": LinearAttentionAndSlidingWindowAttentionLayer,
+    "deepseek_sparse_attention": DynamicIndexedLayer,
+    "moe": StatelessLayer,
+    "mlp": StatelessLayer,
+}
+
+
+def _config_get(config: Any, name: str, default: Any = None) -> Any:
+    if isinstance(config, dict):
+        return config.get(name, default)
+    return getattr(config, name, default)
+
+
+def layer_types_and_kwargs(config: Any) -> tuple[list[str], dict]:
+    """``(layer_types, layer kwargs)`` of a config object or dict, as transformers reads them: ``layer_types``, or
+    ``num_hidden_layers`` of sliding (``sliding_window``), chunked (``attention_chunk_size``) or full layers; the
+    window, chunk size, ``number_of_conv_states`` and a conv kernel size (``linear_conv_kernel_dim``,
+    ``conv_L_cache``, ``conv_kernel_size``, ``mamba_d_conv``, ``conv_kernel``)."""
+    if hasattr(config, "get_text_config"):
+        config = config.get_text_config(decoder=True)
+    layer_types = _config_get(config, "layer_types")
+    if layer_types is None:
+        n = _config_get(config, "num_hidden_layers")
+        if n is None:
+            raise _rw.InvalidArgument("the config has neither `layer_types` nor `num_hidden_layers`")
+        if _config_get(config, "sliding_window") is not None:
+            layer_types = ["sliding_attention"] * int(n)
+        elif _config_get(config, "attention_chunk_size") is not None:
+            layer_types = ["chunked_attention"] * int(n)
+        else:
+            layer_types = ["full_attention"] * int(n)
+    layer_types = list(layer_types)
+    shared = _config_get(config, "num_kv_shared_layers")
+    if shared:
+        layer_types = layer_types[: -int(shared)]
+    kwargs: dict = {}
+    if "sliding_attention" in layer_types or "hybrid_sliding" in layer_types:
+        kwargs["sliding_window"] = _config_get(config, "sliding_window")
+    if "chunked_attention" in layer_types:
+        kwargs["chunk_size"] = _config_get(config, "attention_chunk_size") or _config_get(config, "chunk_size")
+    if any(t in ("conv", "linear_attention", "hybrid", "hybrid_sliding") for t in layer_types):
+        kwargs["number_of_states"] = _config_get(config, "number_of_conv_states", 1) or 1
+        # Linear-attention layers and LFM2-style short-conv layers name their
+        # kernel sizes differently; a model may have both.
+        for name in ("conv_kernel_size", "linear_conv_kernel_dim", "mamba_d_conv", "conv_kernel", "conv_L_cache"):
+            if _config_get(config, name):
+                kwargs["conv_kernel_size"] = int(_config_get(config, name))
+                break
+        for name in ("conv_L_cache", "conv_kernel_size", "linear_conv_kernel_dim", "conv_kernel"):
+            if _config_get(config, name):
+                kwargs["short_conv_kernel_size"] = int(_config_get(config, name))
+                break
+    return layer_types, kwargs
+
+
+def _build_layer(layer_type: str, kwargs: dict) -> _RewindLayerBase:
+    try:
+        cls = LAYER_TYPE_MAPPING[layer_type]
+    except KeyError:
+        raise _rw.InvalidArgument(
+            f"unknown layer type '{layer_type}'; accepted: {', '.join(LAYER_TYPE_MAPPING)}"
+        ) from None
+    kwargs = dict(kwargs)
+    short = kwargs.pop("short_conv_kernel_size", None)
+    if layer_type == "conv" and short is not None:
+        kwargs["conv_kernel_size"] = short
+    layer = cls(**kwargs)
+    if layer_type in ("moe", "mlp"):
+        layer._kind_name = layer_type
+    elif layer_type == "conv":
+        layer._kind_name = "conv"
+    return layer
+
+
+class Cache:
+    """A list of layers, one per model layer (transformers' ``Cache``); whole-cache operations are transactional:
+    every layer is checked before any changes."""
+
+    def __init__(self, layers: list | None = None, layer_class_to_replicate: type | None = None,
+                 offloading: bool = False, offload_only_non_sliding: bool = True) -> None:
+        if layers is not None and layer_class_to_replicate is not None:
+            raise _rw.InvalidArgument(
+                "You can construct a Cache either from a list `layers` of all the predefined `CacheLayer`, or from a "
+                "`layer_class_to_replicate`, in which case the Cache will append a new layer corresponding to "
+                "`layer_class_to_replicate` for each new call to `update` with an idx not already in the Cache."
+            )
+        if layers is None and layer_class_to_replicate is None:
+            raise _rw.InvalidArgument(
+                "You should provide exactly one of `layers` or `layer_class_to_replicate` to initialize a Cache."
+            )
+        self.layers = list(layers) if layers is not None else []
+        # Every layer's buffers count in the cache's budget (set_memory_budget).
+        self._budget = _rw._Budget()
+        for i, layer in enumerate(self.layers):
+            layer._set_index(i)
+            layer._budget.set_parent(self._budget)
+        self.layer_class_to_replicate = layer_class_to_replicate
+        self.offloading = offloading
+        self._recording: int | None = None
+
+    def __repr__(self) -> str:
+        return f"{self.__class__.__name__}(layers={self.layers})"
+
+    def __len__(self) -> int:
+        return len(self.layers)
+
+    def __getitem__(self, layer_idx: int) -> tuple:
+        """``(keys, values)`` of layer ``layer_idx`` (transformers' legacy indexing, ``cache[i][0]``)."""
+        if not 0 <= layer_idx < len(self.layers):
+            raise KeyError(f"Cache only has {len(self.layers)} layers, attempted to access layer with index {layer_idx}")
+        layer = self.layers[layer_idx]
+        return getattr(layer, "keys", None), getattr(layer, "values", None)
+
+    def to_legacy_cache(self) -> tuple:
+        """The layers' ``(keys, values)`` as a tuple (transformers' legacy format)."""
+        return tuple(self[i] for i in range(len(self.layers)))
+
+    def __iter__(self):
+        """(keys, values, sliding window) per layer, as transformers' DDP data; the window is a 0-d tensor for
+        sliding layers, None otherwise (``DynamicCache(list(cache))`` rebuilds the layers)."""
+        for layer in self.layers:
+            window = getattr(layer, "sliding_window", None)
+            if window is not None:
+                import torch
+
+                window = torch.tensor(window)
+            yield getattr(layer, "keys", None), getattr(layer, "values", None), window
+
+    def _layer(self, layer_idx: int, grow: bool = False) -> _RewindLayerBase:
+        if grow and self.layer_class_to_replicate is not None:
+            while len(self.layers) <= layer_idx:
+                layer = self.layer_class_to_replicate()
+                layer._set_index(len(self.layers))
+                layer._budget.set_parent(self._budget)
+                if self._recording is not None:
+                    layer.activate_past_recording(self._recording)
+                self.layers.append(layer)
+        if not 0 <= layer_idx < len(self.layers):
+            raise _rw.IndexError(f"layer index {layer_idx} is outside [0, {len(self.layers)})")
+        return self.layers[layer_idx]
+
+    # ---- per-layer forwards ----
+    def update(self, key_states: Any, value_states: Any, layer_idx: int, *args: Any, **kwargs: Any) -> tuple:
+        """Appends q tokens to layer ``layer_idx``; returns ``(keys, values)`` the new queries attend to."""
+        layer = self._layer(layer_idx, grow=True)
+        if not hasattr(layer, "update"):
+            raise _rw.StateError(f"Cannot call `update` on layer {layer_idx}: a {layer._kind_name} layer has no attention")
+        return layer.update(key_states, value_states, *args, **kwargs)
+
+    def update_conv_state(self, conv_states: Any, layer_idx: int, state_idx: int = 0, **kwargs: Any) -> Any:
+        """Appends conv inputs [B, C, q]; returns the window [B, C, K-1+q] (see ``LinearAttentionLayer``)."""
+        layer = self._layer(layer_idx)
+        if not isinstance(layer, LinearAttentionCacheLayerMixin):
+            raise _rw.StateError(_NOT_LINEAR_CONV)
+        return layer.update_conv_state(conv_states, state_idx, **kwargs)
+
+    def update_recurrent_state(self, recurrent_states: Any, layer_idx: int, state_idx: int = 0, **kwargs: Any) -> Any:
+        """Stores the recurrent state after this forward (see ``LinearAttentionLayer.update_recurrent_state``)."""
+        layer = self._layer(layer_idx)
+        if not isinstance(layer, LinearAttentionCacheLayerMixin):
+            raise _rw.StateError(_NOT_LINEAR_CONV)
+        return layer.update_recurrent_state(recurrent_states, state_idx, **kwargs)
+
+    def begin_recurrent_update(self, num_tokens: int, layer_idx: int, state_idx: int = 0, like: Any = None) -> Any:
+        """Zero-copy recurrent update of layer ``layer_idx`` (rewind; see ``LinearAttentionLayer``)."""
+        layer = self._layer(layer_idx)
+        if not isinstance(layer, LinearAttentionCacheLayerMixin):
+            raise _rw.StateError(_NOT_LINEAR_CONV)
+        return layer.begin_recurrent_update(num_tokens, state_idx, like)
+
+    def update_indexer(self, indexer_key_states: Any, layer_idx: int) -> Any:
+        """Appends indexer keys [B, q, D] to layer ``layer_idx``; returns the kept ones [B, n, D]."""
+        layer = self._layer(layer_idx)
+        if not hasattr(layer, "update_indexer"):
+            raise _rw.StateError(
+                f"Cannot call `update_indexer` on layer {layer_idx} which is a {type(layer).__name__}; it has no "
+                f"indexer key cache (expected a `DynamicIndexedLayer` or `StaticIndexedLayer`)."
+            )
+        return layer.update_indexer(indexer_key_states)
+
+    def early_initialization(self, batch_size: int, num_heads: Any, head_dim: Any, dtype: Any, device: Any = None) -> None:
+        """Builds every attention layer's storage ahead of its first update (transformers' name): ``num_heads`` and
+        ``head_dim`` are ints or per-layer lists; ``dtype`` a torch dtype. Linear layers stay lazy."""
+        import torch
+
+        n = len(self.layers)
+        heads = [num_heads] * n if isinstance(num_heads, int) else list(num_heads)
+        dims = [head_dim] * n if isinstance(head_dim, int) else list(head_dim)
+        if len(heads) != n or len(dims) != n:
+            raise _rw.InvalidArgument(
+                f"early_initialization: num_heads / head_dim lists have {len(heads)} / {len(dims)} entries for "
+                f"{n} layers"
+            )
+        for layer, h, d in zip(self.layers, heads, dims):
+            if isinstance(layer, CacheLayerMixin) and layer._kv is None:
+                fake = torch.zeros((batch_size, h, 0, d), dtype=dtype)
+                CacheLayerMixin.lazy_initialization(layer, fake, fake)
+
+    # ---- queries ----
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        """Tokens seen by layer ``layer_idx`` (0 for a layer not created yet); defined on every layer kind."""
+        if layer_idx >= len(self.layers):
+            return 0
+        if layer_idx == 0 and isinstance(self.layers[0], StatelessLayer):
+            for layer in self.layers:
+                if not isinstance(layer, StatelessLayer):
+                    return layer.get_seq_length()
+        return self._layer(layer_idx).get_seq_length()
+
+    def get_query_offset(self, layer_idx: int) -> int:
+        """Position of the next query of layer layer_idx (its length)."""
+        return self.get_seq_length(layer_idx)
+
+    def get_mask_sizes(self, query_length: Any, layer_idx: int) -> tuple:
+        """``(kv_length, kv_offset)`` for layer ``layer_idx``'s next update of ``query_length`` tokens."""
+        q = _query_length(query_length)
+        if layer_idx >= len(self.layers):
+            return q, 0
+        layer = self.layers[layer_idx]
+        if not isinstance(layer, CacheLayerMixin):
+            if layer_idx != 0:
+                raise _rw.StateError(
+                    f"You called `get_mask_sizes` on layer index {layer_idx}, but this layer is a LinearAttention "
+                    "layer, which does not track sequence length."
+                )
+            attention = [x for x in self.layers if isinstance(x, CacheLayerMixin)]
+            if not attention:
+                raise _rw.StateError(
+                    "`get_mask_sizes` can only be called on Attention layers, and the current Cache seem to only "
+                    "contain LinearAttention layers."
+                )
+            layer = attention[0]
+        return layer.get_mask_sizes(q)
+
+    def get_max_length(self, layer_idx: int | None = None) -> int:
+        """Largest get_max_length over the layers (or of layer layer_idx); -1 for no maximum."""
+        if layer_idx is not None and layer_idx >= len(self.layers):
+            return -1
+        if layer_idx is None:
+            return max((layer.get_max_length() for layer in self.layers), default=-1)
+        return self.layers[layer_idx].get_max_length()
+
+    def get_max_cache_shape(self, layer_idx: int = 0) -> int:
+        """Deprecated transformers name of get_max_length."""
+        return self.get_max_length(layer_idx)
+
+    def has_previous_state(self, layer_idx: int | None = None, state_idx: int | None = None) -> bool:
+        """Whether a linear-attention layer (default: the last one) has seen a token."""
+        if layer_idx is not None and layer_idx >= len(self.layers):
+            return False
+        if layer_idx is None:
+            linear = [i for i, x in enumerate(self.layers) if isinstance(x, LinearAttentionCacheLayerMixin)]
+            if not linear:
+                raise _rw.StateError(_NO_LINEAR_LAYER)
+            layer_idx = linear[-1]
+        elif not isinstance(self.layers[layer_idx], LinearAttentionCacheLayerMixin):
+            raise _rw.StateError(
+                f"You called `has_previous_state` on layer index {layer_idx}, but this layer is an Attention layer, "
+                "which does not support calling it."
+            )
+        states = self.layers[layer_idx].has_previous_state
+        if state_idx is None:
+            return all(states.values())
+        return states[state_idx]
+
+    # ---- whole-cache operations (transactional) ----
+    def _stateful(self) -> list:
+        return [x for x in self.layers if not isinstance(x, StatelessLayer) and x._parts()]
+
+    def _check_layers_in_step(self, what: str) -> None:
+        layers = self._stateful()
+        lengths = {x._index: x.get_seq_length() for x in layers}
+        if len(set(lengths.values())) > 1:
+            detail = ", ".join(f"layer {i}: L={n}" for i, n in lengths.items())
+            raise _rw.StateError(
+                f"{what}: the layers are at different lengths ({detail}); a forward stopped halfway. "
+                "Finish it or reset() the cache"
+            )
+        for x in layers:
+            x._check_in_step(what)
+
+    def check_crop(self, max_length: int) -> None:
+        """Raises exactly what ``crop(max_length)`` would raise; changes nothing (rewind)."""
+        self._check_layers_in_step(f"crop({int(max_length)})")
+        for layer in self.layers:
+            layer.check_crop(max_length)
+
+    def crop(self, max_length: int) -> None:
+        """Transactional crop of every layer: negative removes that many tokens, 0 shrinks every layer to its
+        minimal working state, positive (deprecated) keeps the first ``max_length`` tokens where every layer can."""
+        n = int(max_length)
+        self.check_crop(n)
+        for layer in self.layers:
+            layer._apply_crop(n)
+
+    def max_rollback(self) -> int:
+        """Largest k for which ``crop(-k)`` is exact now, over every stateful layer (rewind)."""
+        self._check_layers_in_step("max_rollback")
+        values = [x.max_rollback() for x in self._stateful()]
+        return min(values) if values else 0
+
+    def activate_past_recording(self, max_tokens: int | None = None) -> None:
+        """Every layer keeps enough history to remove up to ``max_tokens`` tokens exactly
+        (default DEFAULT_MAX_ROLLBACK); call before the first forward."""
+        for layer in self.layers:
+            layer.activate_past_recording(max_tokens)
+        self._recording = DEFAULT_MAX_ROLLBACK if max_tokens is None else int(max_tokens)
+
+    def deactivate_past_recording(self) -> None:
+        """Stops recording in every layer and drops the history."""
+        for layer in self.layers:
+            layer.deactivate_past_recording()
+        self._recording = None
+
+    def is_recording(self) -> bool:
+        """True when every layer records."""
+        return bool(self.layers) and all(x.is_recording() for x in self.layers)
+
+    def _check_batch(self, indices: list[int] | None, what: str, exact: bool = False) -> None:
+        for layer in self.layers:
+            if indices is not None:
+                layer._check_indices(indices, what)
+                if exact:
+                    for p in layer._parts():
+                        if len(indices) != p.batch_size():
+                            raise _rw.InvalidArgument(
+                                f"{what}: beam_idx has {len(indices)} entries for batch size {p.batch_size()} "
+                                f"{layer._where()}"
+                            )
+
+    def reorder_cache(self, beam_idx: Any) -> None:
+        """Row i of every layer becomes old row ``beam_idx[i]``."""
+        idx = _index_list(beam_idx)
+        self._check_layers_in_step("reorder_cache")
+        self._check_batch(idx, "reorder_cache", exact=True)
+        for layer in self.layers:
+            layer.reorder_cache(idx)
+
+    def batch_select_indices(self, indices: Any) -> None:
+        """Keeps batch rows ``indices`` of every layer."""
+        idx = _index_list(indices)
+        self._check_layers_in_step("batch_select_indices")
+        self._check_batch(idx, "batch_select_indices")
+        for layer in self.layers:
+            layer.batch_select_indices(idx)
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        """Repeats every batch row ``repeats`` times in every layer."""
+        if int(repeats) < 1:
+            raise _rw.InvalidArgument(f"batch_repeat_interleave: repeats must be >= 1, got {repeats}")
+        self._check_layers_in_step("batch_repeat_interleave")
+        for layer in self.layers:
+            layer.batch_repeat_interleave(repeats)
+
+    def reset(self) -> None:
+        """Every layer back to empty (L = 0); configuration and recording stay."""
+        for layer in self.layers:
+            layer.reset()
+
+    def memory(self) -> dict:
+        """Bytes reserved and used, per layer and in total (rewind's memory report)."""
+        layers = [x.memory() for x in self.layers]
+        return {
+            "layers": layers,
+            "bytes_reserved": sum(m["bytes_reserved"] for m in layers),
+            "bytes_used": sum(m["bytes_used"] for m in layers),
+        }
+
+    def set_memory_budget(self, bytes: int) -> None:
+        """Caps the bytes of rewind buffers this cache may hold (0: no cap, the default). An operation that would
+        allocate past the cap raises CapacityError naming the budget and changes nothing; growth counts old and new
+        buffer while both exist. Raises CapacityError, keeping the old cap, when more are reserved already (rewind)."""
+        self._budget.set_limit(int(bytes))
+
+    def memory_budget(self) -> int:
+        """The cap of set_memory_budget (0: none)."""
+        return self._budget.limit
+
+    def budget_reserved(self) -> int:
+        """Bytes of rewind buffers the budget counts now (allocations, rounded to 64 bytes)."""
+        return self._budget.reserved
+
+    def shrink_to_fit(self) -> None:
+        """Releases the slack of every grown buffer now; changes no content."""
+        for layer in self.layers:
+            layer.shrink_to_fit()
+
+    # ---- properties ----
+    @property
+    def batch_size(self) -> int:
+        """Batch size shared by the layers; -1 before any update. Raises StateError when layers disagree."""
+        values = [x.batch_size for x in self.layers if x.batch_size != -1]
+        if not values:
+            return -1
+        if len(set(values)) > 1:
+            raise _rw.StateError(f"The batch size is not consistent across layers: {values}")
+        return values[0]
+
+    @property
+    def is_compileable(self) -> bool:
+        """Always False: rewind's buffers are not torch.compile static addresses."""
+        return False
+
+    @property
+    def is_initialized(self) -> bool:
+        """True once every attention layer received its first update."""
+        layers = [x for x in self.layers if x.supports_early_init]
+        return len(layers) > 0 and all(x.is_initialized for x in layers)
+
+    @property
+    def is_sliding(self) -> list:
+        """Per layer: sliding-window (or chunked) attention."""
+        return [getattr(x, "is_sliding", False) for x in self.layers]
+
+    @property
+    def is_linear(self) -> list:
+        """Per layer: linear-attention states without full attention (transformers' definition)."""
+        return [
+            isinstance(x, LinearAttentionCacheLayerMixin) and not isinstance(x, LinearAttentionAndFullAttentionLayer)
+            for x in self.layers
+        ]
+
+
+class DynamicCache(Cache):
+    """transformers' ``DynamicCache`` with rewind's layers and rollback.
+
+    Built from ``config`` (an object or dict with ``layer_types``, ``sliding_window``, ...; a transformers config
+    works), from ``layer_types`` plus ``sliding_window`` / ``attention_chunk_size`` / ``number_of_states`` /
+    ``conv_kernel_size`` keywords (rewind), from ``ddp_cache_data`` (an iterable of ``(keys, values)`` per layer),
+    or, with none of them, as full-attention layers created as ``update`` reaches them.
+    """
+
+    def __init__(self, ddp_cache_data: Iterable | None = None, config: Any = None, offloading: bool = False,
+                 offload_only_non_sliding: bool = False, *, layer_types: list | None = None,
+                 sliding_window: int | None = None, attention_chunk_size: int | None = None,
+                 number_of_states: int = 1, conv_kernel_size: int | None = None) -> None:
+        layers: list = []
+        if config is not None and layer_types is not None:
+            raise _rw.InvalidArgument("DynamicCache: give `config` or `layer_types`, not both")
+        if layer_types is not None:
+            config = {
+                "layer_types": list(layer_types),
+                "sliding_window": sliding_window,
+                "attention_chunk_size": attention_chunk_size,
+                "number_of_conv_states": number_of_states,
+                "conv_kernel_size": conv_kernel_size,
+            }
+        if config is not None:
+            types, kwargs = layer_types_and_kwargs(config)
+            layers = [_build_layer(t, kwargs) for t in types]
+        if ddp_cache_data is not None:
+            for layer_idx, data in enumerate(ddp_cache_data):
+                if config is None:
+                    window = data[2] if len(data) == 3 else None
+                    if window is not None:
+                        w = int(window.reshape(-1)[0]) if hasattr(window, "reshape") else int(window)
+                        layers.append(DynamicSlidingWindowLayer(sliding_window=w))
+                    else:
+                        layers.append(DynamicLayer())
+                layers[layer_idx].update(data[0], data[1])
+        if layers:
+            super().__init__(layers=layers, offloading=offloading, offload_only_non_sliding=offload_only_non_sliding)
+        else:
+            super().__init__(layer_class_to_replicate=DynamicLayer, offloading=offloading,
+                             offload_only_non_sliding=offload_only_non_sliding)
+
+
+def _from_legacy_cache(cls, past_key_values: Iterable) -> "DynamicCache":
+    """A DynamicCache filled from transformers' legacy format ``((keys, values), ...)``."""
+    return cls(ddp_cache_data=[tuple(x) for x in past_key_values])
+
+
+DynamicCache.from_legacy_cache = classmethod(_from_legacy_cache)
+
+
+class EncoderDecoderCache(Cache):
+    """A self-attention cache that rolls back like any other and a cross-attention cache written once from the
+    encoder output (transformers' ``EncoderDecoderCache``): ``crop`` applies to the self-attention part only,
+    batch operations and ``reset`` to both (both checked before either changes)."""
+
+    def __init__(self, *caches: Any) -> None:
+        if len(caches) != 2:
+            raise _rw.InvalidArgument(f"Expected 2 arguments (self-attention and cross-attention caches), got {len(caches)}")
+        if not isinstance(caches[0], Cache) or not isinstance(caches[1], Cache):
+            raise _rw.InvalidArgument(
+                f"One of the two arguments is not a Cache: {type(caches[0]) = }, {type(caches[1]) = }"
+            )
+        self.self_attention_cache, self.cross_attention_cache = caches
+        self.is_updated = {
+            i: bool(self.cross_attention_cache.get_seq_length(i) > 0) for i in range(len(self.cross_attention_cache))
+        }
+
+    def __repr__(self) -> str:
+        return (f"{self.__class__.__name__}(self_attention_cache={self.self_attention_cache}, "
+                f"cross_attention_cache={self.cross_attention_cache})")
+
+    def __len__(self) -> int:
+        return len(self.self_attention_cache)
+
+    def __iter__(self):
+        for a, b in zip(self.self_attention_cache, self.cross_attention_cache):
+            yield a + b
+
+    @property
+    def layers(self) -> list:
+        """The self-attention part's layers."""
+        return self.self_attention_cache.layers
+
+    def update(self, key_states: Any, value_states: Any, layer_idx: int, *args: Any, **kwargs: Any) -> tuple:
+        """Self-attention update of layer layer_idx; returns (keys, values)."""
+        return self.self_attention_cache.update(key_states, value_states, layer_idx, *args, **kwargs)
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        """Length of the self-attention part."""
+        return self.self_attention_cache.get_seq_length(layer_idx)
+
+    def get_max_length(self, layer_idx: int | None = None) -> int:
+        """get_max_length of the self-attention part."""
+        return self.self_attention_cache.get_max_length(layer_idx)
+
+    def get_mask_sizes(self, query_length: Any, layer_idx: int) -> tuple:
+        """get_mask_sizes of the self-attention part."""
+        return self.self_attention_cache.get_mask_sizes(query_length, layer_idx)
+
+    def crop(self, maximum_length: int) -> None:
+        """Crops the self-attention part only; the encoder's keys stay."""
+        self.self_attention_cache.crop(maximum_length)
+
+    def check_crop(self, maximum_length: int) -> None:
+        """Raises what crop would raise; changes nothing."""
+        self.self_attention_cache.check_crop(maximum_length)
+
+    def max_rollback(self) -> int:
+        """max_rollback of the self-attention part."""
+        return self.self_attention_cache.max_rollback()
+
+    def activate_past_recording(self, max_tokens: int | None = None) -> None:
+        """Records past states in the self-attention part (the cross part is never cropped)."""
+        self.self_attention_cache.activate_past_recording(max_tokens)
+
+    def _both(self, name: str, idx: list[int] | None, exact: bool = False) -> None:
+        for c in (self.self_attention_cache, self.cross_attention_cache):
+            c._check_layers_in_step(name)
+            c._check_batch(idx, name, exact)
+
+    def reorder_cache(self, beam_idx: Any) -> None:
+        """Reorders the batch rows of both parts (both checked first)."""
+        idx = _index_list(beam_idx)
+        self._both("reorder_cache", idx, exact=True)
+        self.self_attention_cache.reorder_cache(idx)
+        self.cross_attention_cache.reorder_cache(idx)
+
+    def batch_select_indices(self, indices: Any) -> None:
+        """Keeps batch rows of both parts (both checked first)."""
+        idx = _index_list(indices)
+        self._both("batch_select_indices", idx)
+        self.self_attention_cache.batch_select_indices(idx)
+        self.cross_attention_cache.batch_select_indices(idx)
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        """Repeats batch rows in both parts."""
+        if int(repeats) < 1:
+            raise _rw.InvalidArgument(f"batch_repeat_interleave: repeats must be >= 1, got {repeats}")
+        self._both("batch_repeat_interleave", None)
+        self.self_attention_cache.batch_repeat_interleave(repeats)
+        self.cross_attention_cache.batch_repeat_interleave(repeats)
+
+    def reset(self) -> None:
+        """Empties both parts; is_updated becomes False everywhere."""
+        self.self_attention_cache.reset()
+        self.cross_attention_cache.reset()
+        for i in self.is_updated:
+            self.is_updated[i] = False
+
+    def set_memory_budget(self, bytes: int) -> None:
+        """Caps the self-attention part (the cross-attention part is written once)."""
+        self.self_attention_cache.set_memory_budget(bytes)
+
+    def memory(self) -> dict:
+        """Bytes reserved and used by each part and in total."""
+        a, b = self.self_attention_cache.memory(), self.cross_attention_cache.memory()
+        return {"self_attention": a, "cross_attention": b,
+                "bytes_reserved": a["bytes_reserved"] + b["bytes_reserved"],
+                "bytes_used": a["bytes_used"] + b["bytes_used"]}
+
+    @property
+    def is_sliding(self) -> list:
+        """is_sliding of the self-attention part."""
+        return self.self_attention_cache.is_sliding
+
+    @property
+    def batch_size(self) -> int:
+        """Batch size of the self-attention part."""
+        return self.self_attention_cache.batch_size

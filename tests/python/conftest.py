@@ -1,0 +1,44 @@
+"""Shared helpers of the Python tests: tensors whose values name their position."""
+
+import os
+import sys
+
+import pytest
+import torch
+
+# `make test-python` puts the fresh build first on PYTHONPATH; say which module runs.
+import rewind
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def pytest_report_header(config):
+    return f"rewind module: {rewind.__file__} (python {sys.executable})"
+
+
+def kv(start, n, heads=2, dim=4, batch=1, dtype=torch.float32):
+    """Keys [B, H, n, D] whose every element at token t is the position start + t (plus 1000 * batch row)."""
+    pos = torch.arange(start, start + n, dtype=torch.float32).view(1, 1, n, 1)
+    rows = (torch.arange(batch, dtype=torch.float32) * 1000).view(batch, 1, 1, 1)
+    return (pos + rows).expand(batch, heads, n, dim).contiguous().to(dtype)
+
+
+def positions(t):
+    """The positions a [B, H, n, D] keys tensor made by kv() holds (batch row 0)."""
+    return [int(x) for x in t[0, 0, :, 0].float().tolist()]
+
+
+def conv_in(start, n, channels=3, batch=1):
+    """Conv inputs [B, C, n]: value 1 + position (so the zero padding before position 0 is distinguishable)."""
+    pos = torch.arange(start, start + n, dtype=torch.float32).view(1, 1, n) + 1
+    return pos.expand(batch, channels, n).contiguous()
+
+
+def conv_positions(t):
+    """Positions of a conv window / state made from conv_in (-1 for zero padding)."""
+    return [int(x) - 1 for x in t[0, 0, :].tolist()]
+
+
+@pytest.fixture
+def shipped():
+    return os.path.join(REPO, "models")

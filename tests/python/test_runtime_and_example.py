@@ -1,0 +1,192 @@
+"""The runtime bindings (load, forward, generate) and the PyTorch proof (examples/python/speculative.py)."""
+
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+import rewind
+from conftest import REPO
+
+sys.path.insert(0, os.path.join(REPO, "scripts", "train"))
+from model import Config, Model  # noqa: E402
+
+TARGET = os.path.join(REPO, "models", "kjv-hybrid")
+DRAFT = os.path.join(REPO, "models", "kjv-draft")
+
+
+@pytest.fixture(scope="module")
+def target():
+    return rewind.Model.load(TARGET)
+
+
+@pytest.fixture(scope="module")
+def draft():
+    return rewind.Model.load(DRAFT)
+
+
+def test_model_loads_and_forwards(target):
+    assert target.vocab_size == 258
+    assert target.layer_types == ["conv", "sliding_attention", "linear_attention", "conv", "sliding_attention",
+                                  "full_attention"]
+    prompt = target.encode("In the beginning")
+    assert prompt[0] == 256 and bytes(prompt[1:]) == b"In the beginning"
+    cache = target.make_cache()
+    logits = target.forward(prompt, cache)
+    assert logits.shape == (len(prompt), 258) and logits.dtype == np.float32
+    assert cache.get_seq_length() == len(prompt)
+    last = target.forward([32], cache, all_logits=False, as_torch=True)
+    assert isinstance(last, torch.Tensor) and last.shape == (258,)
+
+
+def test_runtime_cache_rolls_back_exactly(target):
+    cache = target.make_cache()
+    cache.activate_past_recording(12)
+    prompt = target.encode("And God said, Let there be light")
+    target.forward(prompt, cache)
+    first = target.forward(list(b" and there"), cache)
+    cache.crop(-len(b" and there"))
+    again = target.forward(list(b" and there"), cache)
+    np.testing.assert_array_equal(first, again)  # bit-identical after the rollback
+    with pytest.raises(rewind.RollbackError):
+        cache.crop(-13)
+
+
+def test_generate_greedy_equals_speculative(target, draft):
+    prompt = target.encode("And the LORD spake unto Moses")
+    plain, stats = target.generate(prompt, max_new_tokens=40, stop_at_eos=False)
+    assert len(plain) == 40 and stats["new_tokens"] == 40 and stats["seed"] is None
+    spec, sstats = target.generate(prompt, max_new_tokens=40, stop_at_eos=False, draft=draft, num_draft=4)
+    assert spec == plain and sstats["drafted"] > 0 and 0 <= sstats["accepted"] <= sstats["drafted"]
+    look, _ = target.generate(prompt, max_new_tokens=40, stop_at_eos=False, lookup=3, adaptive=True)
+    assert look == plain
+    text = rewind.Model.decode(plain)
+    assert isinstance(text, bytes) and len(text) == 40
+
+
+def test_sampling_is_seeded(target):
+    prompt = target.encode("Thou shalt")
+    a, s = target.generate(prompt, max_new_tokens=20, temperature=0.8, top_k=20, seed=7, stop_at_eos=False)
+    b, _ = target.generate(prompt, max_new_tokens=20, temperature=0.8, top_k=20, seed=7, stop_at_eos=False)
+    assert a == b and s["seed"] == 7
+
+
+def test_runtime_errors(target, draft):
+    with pytest.raises(rewind.Error):
+        rewind.Model.load(os.path.join(REPO, "no-such-model"))
+    with pytest.raises(ValueError):
+        target.forward([999], target.make_cache())
+    with pytest.raises(ValueError):
+        target.generate([256], temperature=-1.0)
+    with pytest.raises(ValueError):
+        target.generate([256], draft=draft, num_draft=0)
+    with pytest.raises(ValueError):
+        target.forward([1], rewind.Model.load(DRAFT).make_cache())
+
+
+def test_model_py_cache_path_equals_full_forward():
+    """scripts/train/model.py with a rewind cache, fed in uneven chunks, computes the logits of its plain forward
+    (per-token recurrence) on a random hybrid with every layer kind."""
+    torch.manual_seed(3)
+    cfg = Config(hidden_size=32, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                 intermediate_size=48, layer_types=["conv", "sliding_attention", "linear_attention", "full_attention"],
+                 sliding_window=5, linear_conv_kernel_dim=4, linear_num_key_heads=2, linear_num_value_heads=2,
+                 linear_key_head_dim=8, linear_value_head_dim=8, conv_L_cache=3)
+    model = Model(cfg).eval()
+    tokens = torch.randint(0, 258, (1, 23))
+    with torch.no_grad():
+        full = model(tokens, recurrent=True)[0]
+        cache = rewind.DynamicCache(config=cfg)
+        cache.activate_past_recording(4)
+        parts, start = [], 0
+        for n in (7, 1, 3, 1, 11):
+            parts.append(model(tokens[:, start:start + n], past_key_values=cache)[0])
+            start += n
+        # a rejected draft: 3 tokens in, then rolled back, then the real ones
+        bogus = torch.randint(0, 258, (1, 3))
+        model(bogus, past_key_values=cache)
+        cache.crop(-3)
+        assert cache.get_seq_length() == 23
+    cached = torch.cat(parts)
+    assert (cached - full).abs().max() <= 1e-5 * max(1.0, float(full.abs().max()))
+    assert cache.layers[2].conv_kernel_size[0] == 4 and cache.layers[0].conv_kernel_size[0] == 3
+
+
+def test_speculative_example_prints_identical():
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (os.path.dirname(os.path.dirname(rewind.__file__)),
+                                                     env.get("PYTHONPATH")) if p)
+    out = subprocess.run([sys.executable, os.path.join(REPO, "examples", "python", "speculative.py"),
+                          "--tokens", "40"], capture_output=True, text=True, env=env, timeout=300)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "\nIDENTICAL\n" in out.stdout
+    assert "within 1e-4" in out.stdout
+
+
+def test_forwards_release_the_gil_and_guard_their_cache(target):
+    import threading
+
+    prompt = [256] + list(b"In the beginning God created the heaven and the earth. " * 12)
+    expected = target.forward(prompt, target.make_cache())
+    results, errors = {}, []
+    caches = [target.make_cache() for _ in range(2)]
+
+    def run(i):
+        try:
+            results[i] = target.forward(prompt, caches[i])
+        except Exception as e:  # pragma: no cover - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    refused = 0
+    while any(t.is_alive() for t in threads):
+        try:
+            caches[0].get_seq_length()
+        except rewind.StateError as e:
+            assert "in use" in str(e)
+            refused += 1
+    for t in threads:
+        t.join()
+    assert not errors
+    for i in range(2):
+        np.testing.assert_array_equal(results[i], expected)
+        assert caches[i].get_seq_length() == len(prompt)
+
+
+def test_generate_batch_equals_solo_generation(target, draft):
+    prompts = ["And the LORD said", "In the beginning", "Blessed are"]
+    solo = [target.generate(p, max_new_tokens=24, stop_at_eos=False)[0] for p in prompts]
+    out, stats = target.generate_batch(prompts, max_new_tokens=24, stop_at_eos=False, max_batch=2)
+    assert out == solo and stats["new_tokens"] == 72 and len(stats["sequences"]) == 3
+    spec, _ = target.generate_batch(prompts, max_new_tokens=24, stop_at_eos=False, draft=draft, num_draft=3)
+    assert spec == solo
+    look, _ = target.generate_batch(prompts, max_new_tokens=24, stop_at_eos=False, lookup=2)
+    assert look == solo
+
+
+def test_threads_setting():
+    before = rewind.get_num_threads()
+    rewind.set_num_threads(1)
+    assert rewind.get_num_threads() == 1
+    with pytest.raises(ValueError):
+        rewind.set_num_threads(0)
+    rewind.set_num_threads(before)
+
+
+def test_model_cache_budget_refuses_and_changes_nothing(target):
+    cache = target.make_cache()
+    prompt = target.encode("And God said")
+    target.forward(prompt, cache)
+    used = cache.memory()["bytes_reserved"]
+    cache.set_memory_budget(used)
+    with pytest.raises(rewind.CapacityError):
+        target.forward([32] * 300, cache)
+    assert cache.get_seq_length() == len(prompt)
+    cache.set_memory_budget(0)
+    target.forward([32] * 300, cache)
+    assert cache.get_seq_length() == len(prompt) + 300
