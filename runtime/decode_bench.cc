@@ -1,6 +1,7 @@
 #include "runtime/decode_bench.h"
 
 #include <algorithm>
+#include <memory>
 
 #include <nlohmann/json.hpp>
 
@@ -101,6 +102,11 @@ std::vector<DecodeBenchRow> run_decode_bench(const Model& target, const Model* d
       std::vector<std::vector<std::int32_t>> out;
       if (method == "greedy_batch") {
         out = generate_batch(target, batch, gen, &stats);
+      } else if (method == "lookup_batch") {
+        std::vector<std::unique_ptr<DraftSource>> sources;
+        for (std::int64_t i = 0; i < B; ++i) sources.push_back(std::make_unique<LookupDraft>(options.lookup_ngram));
+        PerSequenceDrafts source(std::move(sources));
+        out = speculative_generate_batch(target, source, batch, gen, {k, false}, &stats);
       } else {
         BatchedModelDraft source(*draft, gen.sampling, k);
         out = speculative_generate_batch(target, source, batch, gen, {k, false}, &stats);
@@ -127,6 +133,7 @@ std::vector<DecodeBenchRow> run_decode_bench(const Model& target, const Model* d
   for (std::int64_t B : options.batch_sizes) {
     rows.push_back(measure_batch("greedy_batch", 0, B));
     if (draft) rows.push_back(measure_batch("draft_batch", options.ks.front(), B));
+    rows.push_back(measure_batch("lookup_batch", options.ks.front(), B));
   }
   const double greedy = rows.front().tokens_per_second;
   for (auto& row : rows) row.speedup = greedy > 0 ? row.tokens_per_second / greedy : 0.0;
