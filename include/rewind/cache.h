@@ -31,6 +31,7 @@
 
 #include "rewind/layer.h"
 #include "rewind/snapshot.h"
+#include "rewind/tree.h"
 
 namespace rwd {
 
@@ -41,6 +42,7 @@ struct MemoryReport {
 };
 
 class Forward;
+class TreeForward;
 
 class Cache {
  public:
@@ -135,6 +137,36 @@ class Cache {
   // forward is open, CapacityError when the budget or the system refuses.
   void reset();
 
+  // ---- tree speculation (rewind/tree.h) ----
+  // Opens a tree of N = parents.size() nodes at length L: parents[0] = -1
+  // (the root, the pending token), 0 <= parents[i] < i. Until it commits or
+  // abandons, every stateful layer takes one tree update per part (below)
+  // and nothing else: the per-layer updates and whole-cache operations throw
+  // StateError; the layers do not change before commit. Throws
+  // InvalidArgument for a malformed tree or N outside [1, 1024] (naming the
+  // node), StateError as crop does (an open forward or tree, layers out of
+  // step), CapacityError past 2^40 tokens or when the tree's scratch cannot
+  // be allocated; nothing changes then.
+  TreeForward begin_tree(std::span<const std::int64_t> parents);
+  bool tree_open() const;
+  // The nodes' keys [1, H, N, key_dim] and values (any strides, the layer's
+  // dtype), copied; returns what the nodes attend to. Throws StateError
+  // without an open tree, on a layer without attention or when this part
+  // already took its tree update, InvalidArgument for shapes or dtype,
+  // IndexError; nothing is stored then.
+  TreeKeyValues update_tree(const TensorView& keys, const TensorView& values, int layer_idx);
+  // Side tensor rows [1, N, D] of the nodes. Throws as update_tree.
+  TreeRows update_tree_side(const TensorView& rows, int layer_idx, int side = 0);
+  // The nodes' conv inputs x [1, C, N]; returns their windows [N, C, K]:
+  // row n holds, for the K positions ending at node n's, the inputs along
+  // its path (committed inputs before L, zeros before position 0), oldest
+  // first. Throws as update_tree.
+  TensorView update_tree_conv(const TensorView& x, int layer_idx, int state = 0);
+  // The slots of recurrent state `state` (TreeRecurrentSlots); the kernel
+  // writes every node's state into next(node) before commit. Throws as
+  // update_tree.
+  TreeRecurrentSlots tree_recurrent_slots(int layer_idx, int state = 0);
+
   // ---- snapshots (rewind/snapshot.h) ----
   // A copy of what every layer needs to continue from the current length L:
   // attention rows [keep_first, L) (all of them for full attention, the
@@ -179,6 +211,7 @@ class Cache {
  private:
   friend class EncoderDecoderCache;
   friend class Forward;
+  friend class TreeForward;
   // The state; throws StateError on a moved-from cache.
   Impl& state() const;
   std::unique_ptr<Impl> impl_;
@@ -214,6 +247,51 @@ class Forward {
   std::int64_t q_ = 0;
   std::int64_t start_ = 0;
 };
+
+// An open tree (Cache::begin_tree). Move-only; destroying it open abandons
+// it; a handle whose cache died is inert.
+class TreeForward {
+ public:
+  TreeForward(TreeForward&& other) noexcept;
+  TreeForward& operator=(TreeForward&& other) noexcept;
+  TreeForward(const TreeForward&) = delete;
+  TreeForward& operator=(const TreeForward&) = delete;
+  ~TreeForward();
+
+  bool is_open() const { return cache_ != nullptr; }
+  std::int64_t num_nodes() const { return static_cast<std::int64_t>(parents_.size()); }
+  std::int64_t start_length() const { return start_; }  // L
+  // Parent (-1 for the root), depth (0 for the root) and position L + depth
+  // of a node; path(node) lists root..node. Throw IndexError for a node
+  // outside [0, N).
+  std::int64_t parent(std::int64_t node) const;
+  std::int64_t depth(std::int64_t node) const;
+  std::int64_t position(std::int64_t node) const { return start_ + depth(node); }
+  std::vector<std::int64_t> path(std::int64_t node) const;
+  // True when `a` lies on the path root..node (a == node included). Throws
+  // IndexError as above.
+  bool is_ancestor(std::int64_t a, std::int64_t node) const;
+
+  // Keeps the path root..leaf: every layer then holds exactly what feeding
+  // those depth(leaf) + 1 tokens as a chain would leave (what a rollback can
+  // undo included), and the tree ends. Throws IndexError for a bad leaf,
+  // StateError when a stateful layer did not receive its tree update in
+  // every part (naming the first such layer and part) or the handle is not
+  // open, CapacityError when the layers cannot take the path's tokens
+  // (static capacity, budget, system); the tree stays open and the cache
+  // unchanged then.
+  void commit(std::int64_t leaf);
+  // Ends the tree; the cache is exactly as before begin_tree. No-op when not open.
+  void abandon() noexcept;
+
+ private:
+  friend class Cache;
+  TreeForward() = default;
+  Cache::Impl* cache_ = nullptr;
+  std::int64_t start_ = 0;
+  std::vector<std::int64_t> parents_, depths_;
+};
+
 
 // Encoder-decoder state: a self-attention cache that rolls back like any
 // other, and a cross-attention cache written once from the encoder output

@@ -5,121 +5,11 @@
 #include <utility>
 
 #include "aligned_memory.h"
+#include "cache/cache_impl.h"
 #include "cache/layer_impl.h"
 #include "cache/warnings.h"
 
 namespace rwd {
-
-// The cache's state behind its public face: the budget, the layers (which
-// must die before the budget: they release their bytes into it), and the
-// open forward's handle, if any.
-struct Cache::Impl {
-  std::unique_ptr<detail::MemoryBudget> budget;  // null until a budget is set
-  std::vector<Layer> layers;
-  Forward* open = nullptr;  // the handle of the open forward
-  std::vector<Layer::Impl::ForwardPlan> forward_plans;  // begin_forward's scratch (capacity reused)
-
-  ~Impl() {
-    if (open) open->cache_ = nullptr;  // the handle outlives us: make it inert
-  }
-
-  Layer::Impl& layer_impl(std::size_t i) { return *layers[i].impl_; }
-  const Layer::Impl& layer_impl(std::size_t i) const { return *layers[i].impl_; }
-
-  void check_index(int layer_idx) const {
-    if (layer_idx < 0 || layer_idx >= static_cast<int>(layers.size())) {
-      throw IndexError("layer index " + std::to_string(layer_idx) + " is outside [0, " +
-                       std::to_string(layers.size()) + ")");
-    }
-  }
-
-  // Whole-cache operations need the stateful layers in step: a forward that
-  // stopped halfway leaves some layers ahead, and cropping "the last k
-  // tokens" would then remove real tokens from the layers behind.
-  // `operation` names the call in messages; it is built only when one is
-  // thrown (crop and begin_forward run every decode step).
-  template <typename Name>
-  void check_whole(Name&& operation) const {
-    if (!open && in_step()) return;
-    check_whole_slow(std::string(operation()));
-  }
-  void check_whole(const char* operation) const {
-    check_whole([operation] { return std::string(operation); });
-  }
-  bool in_step() const {
-    bool any = false;
-    std::int64_t L = 0;
-    for (const auto& l : layers) {
-      const Layer::Impl& impl = *l.impl_;
-      if (impl.stateless()) continue;
-      if (!impl.in_step() || (any && impl.length() != L)) return false;
-      L = impl.length();
-      any = true;
-    }
-    return true;
-  }
-  // Called when a forward is open or the layers are out of step.
-  [[noreturn]] void check_whole_slow(const std::string& operation) const {
-    if (open) {
-      throw StateError(operation + " while a forward of " + std::to_string(open->num_tokens()) +
-                       " tokens is open (begin_forward); commit() or abandon() it first");
-    }
-    std::string lengths;
-    for (std::size_t i = 0; i < layers.size(); ++i) {
-      const Layer::Impl& impl = *layers[i].impl_;
-      if (impl.stateless()) continue;
-      lengths += (lengths.empty() ? "" : ", ") + std::string("layer ") + std::to_string(i) + ": " +
-                 std::to_string(impl.length()) + (impl.in_step() ? "" : " (its parts differ)");
-    }
-    throw StateError(operation + " needs every stateful layer at the same length, but they are out of step (" +
-                     lengths +
-                     "): a forward stopped halfway. Nothing was changed; reset() the cache, or make forwards "
-                     "all-or-nothing with begin_forward");
-  }
-
-  // Two phases that make whole-cache changes transactional: build every
-  // layer's new state (may throw), then swap them all in (cannot fail).
-  using RowsFor = std::function<std::vector<std::int64_t>(const Layer::Impl&)>;
-  std::vector<std::unique_ptr<Layer::Impl>> prepare_gather(const char* operation, const RowsFor& rows_for,
-                                                           bool check_step = true) const {
-    if (check_step) check_whole(operation);
-    std::vector<std::unique_ptr<Layer::Impl>> next;
-    next.reserve(layers.size());
-    for (const auto& l : layers) {
-      const std::vector<std::int64_t> rows = rows_for(*l.impl_);
-      l.impl_->check_batch_rows(rows, operation);
-      next.push_back(l.impl_->gathered(rows));
-    }
-    return next;
-  }
-  std::vector<std::unique_ptr<Layer::Impl>> prepare_reset() const {
-    if (open) check_whole("reset");
-    std::vector<std::unique_ptr<Layer::Impl>> next;
-    next.reserve(layers.size());
-    for (const auto& l : layers) next.push_back(l.impl_->fresh());
-    return next;
-  }
-  void commit_layers(std::vector<std::unique_ptr<Layer::Impl>> next) noexcept {
-    for (std::size_t i = 0; i < layers.size(); ++i) layers[i].impl_ = std::move(next[i]);
-  }
-  // Prepares every layer's recording change (may throw), then commits all.
-  void set_recording(bool on, std::int64_t max_tokens) {
-    check_whole([&] {
-      return on ? "activate_past_recording(" + std::to_string(max_tokens) + ")" : std::string("deactivate_past_recording");
-    });
-    std::vector<Layer::Impl::RecordingPlan> plans;
-    plans.reserve(layers.size());
-    for (const auto& l : layers) plans.push_back(l.impl_->prepare_recording(on, max_tokens));
-    for (std::size_t i = 0; i < layers.size(); ++i)
-      layers[i].impl_->commit_recording(on, max_tokens, std::move(plans[i]));
-  }
-
-  void abandon_forward() noexcept {
-    for (auto& l : layers) l.impl_->abandon_forward();
-    if (open) open->cache_ = nullptr;
-    open = nullptr;
-  }
-};
 
 namespace {
 
@@ -200,7 +90,7 @@ Cache::Impl& Cache::state() const {
 }
 
 void Cache::set_memory_budget(std::size_t bytes) {
-  if (state().open) state().check_whole("set_memory_budget");
+  if (state().busy()) state().check_whole("set_memory_budget");
   const std::size_t reserved = state().budget ? state().budget->reserved : memory().bytes_reserved;
   if (bytes != 0 && reserved > bytes) {
     throw CapacityError("set_memory_budget(" + std::to_string(bytes) + "): the cache already reserves " +
@@ -236,6 +126,11 @@ MaskSizes Cache::get_mask_sizes(std::int64_t query_length, int layer_idx) const 
 namespace {
 Layer& mutable_layer(Cache::Impl& impl, int layer_idx) {
   impl.check_index(layer_idx);
+  if (impl.tree) {
+    throw StateError("layer " + std::to_string(layer_idx) +
+                     ": a per-layer update while a tree is open (begin_tree); the tree takes update_tree, "
+                     "update_tree_side, update_tree_conv and tree_recurrent_slots until it commits or abandons");
+  }
   return impl.layers[static_cast<std::size_t>(layer_idx)];
 }
 }  // namespace
@@ -278,30 +173,7 @@ bool Cache::has_previous_state(int layer_idx) const { return layer(layer_idx).ha
 
 // ---- forwards ------------------------------------------------------------------
 
-Forward Cache::begin_forward(std::int64_t q) {
-  auto operation = [q] { return "begin_forward(" + std::to_string(q) + ")"; };
-  if (q < 1 || q > detail::kMaxTokens) throw InvalidArgument(operation() + " needs a token count in [1, 2^40]");
-  Impl& impl = state();
-  impl.check_whole(operation);
-  if (detail::passes_token_limit(get_seq_length(), q)) {
-    throw CapacityError(operation() + " at length " + std::to_string(get_seq_length()) +
-                        " passes the limit of 2^40 tokens per sequence; nothing was changed");
-  }
-  // Plans allocate only where a layer lacks room; the decode path (room
-  // left from earlier growth) allocates nothing here.
-  impl.forward_plans.clear();
-  try {
-    for (const auto& l : impl.layers) impl.forward_plans.push_back(l.impl_->plan_forward(q));
-  } catch (...) {
-    impl.forward_plans.clear();  // the layers planned so far give their room (and budget) back
-    throw;
-  }
-  for (std::size_t i = 0; i < impl.layers.size(); ++i) impl.layer_impl(i).open_forward(q, std::move(impl.forward_plans[i]));
-  impl.forward_plans.clear();
-  Forward handle(&state(), q, get_seq_length());
-  state().open = &handle;
-  return handle;
-}
+Forward Cache::begin_forward(std::int64_t q) { return state().begin_forward(q); }
 
 bool Cache::forward_open() const { return state().open != nullptr; }
 
@@ -409,7 +281,7 @@ Snapshot Cache::snapshot(std::int64_t from_position) const {
 
 void Cache::restore(const Snapshot& s) {
   Impl& c = state();
-  if (c.open) c.check_whole("restore");
+  if (c.busy()) c.check_whole("restore");
   if (s.layers.size() != c.layers.size()) {
     throw InvalidArgument("restore: the snapshot has " + std::to_string(s.layers.size()) + " layers, this cache " +
                           std::to_string(c.layers.size()));
@@ -432,7 +304,7 @@ void Cache::restore(const Snapshot& s) {
 }
 
 void Cache::shrink_to_fit() {
-  if (state().open) state().check_whole("shrink_to_fit");
+  if (state().busy()) state().check_whole("shrink_to_fit");
   for (auto& l : state().layers) l.impl_->shrink_to_fit();
 }
 

@@ -1,0 +1,36 @@
+// The scratch of an open tree (Cache::begin_tree): the nodes' inputs, conv
+// windows and recurrent slots per layer. The layers themselves do not change
+// until the tree commits.
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "rewind/tensor.h"
+
+namespace rwd::detail {
+
+struct TreeState {
+  std::int64_t start = 0;                  // L
+  std::vector<std::int64_t> parents;       // -1 for the root
+  std::vector<std::int64_t> depths;
+  std::vector<unsigned char> on_path;      // N x N: on_path[node * N + a] = a lies on root..node
+
+  struct LayerTree {
+    bool kv_done = false;
+    Tensor keys, values;                       // [1, H, N, D]
+    std::vector<std::int64_t> first_visible;   // per node
+    std::vector<bool> sides_done;
+    std::vector<Tensor> sides;                 // [1, N, D]
+    std::vector<bool> convs_done;
+    std::vector<Tensor> conv_inputs;           // [1, C, N]
+    std::vector<Tensor> conv_windows;          // [N, C, K]
+    std::vector<bool> recurrents_done;
+    std::vector<Tensor> recurrent_slots;       // [N, shape...]
+  };
+  std::vector<LayerTree> layers;
+
+  std::int64_t size() const { return static_cast<std::int64_t>(parents.size()); }
+};
+
+}  // namespace rwd::detail

@@ -1,0 +1,290 @@
+// Tree speculation (rewind/tree.h, Cache::begin_tree): random trees over a
+// cache of every layer kind, every node's view checked against the naive
+// reference (reference.h), then the path to a random node committed and the
+// whole cache compared with the reference advanced by that path as a chain
+// (rollback history included: crops of every exact depth afterwards), or the
+// tree abandoned and nothing changed. Refusals change nothing.
+#include <gtest/gtest.h>
+
+#include <random>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "conformance/harness.h"
+#include "rewind/cache.h"
+
+namespace rwt {
+namespace {
+
+const std::vector<LayerKind> kEvery = {LayerKind::FullAttention, LayerKind::SlidingAttention,
+                                       LayerKind::ChunkedAttention, LayerKind::LinearAttention,
+                                       LayerKind::Conv,          LayerKind::Hybrid,
+                                       LayerKind::HybridSliding,   LayerKind::SparseAttention,
+                                       LayerKind::Moe,             LayerKind::Mlp};
+
+Built every_kind(DType dt, bool is_static) {
+  std::vector<std::pair<LayerKind, LayerOptions>> spec;
+  for (LayerKind k : kEvery) {
+    LayerOptions o = small_options(k, dt, is_static, 1);
+    if (is_static && (k == LayerKind::FullAttention || k == LayerKind::Hybrid || k == LayerKind::SparseAttention))
+      o.static_capacity = 256;
+    spec.push_back({k, o});
+  }
+  return build_cache(spec);
+}
+
+// The chain data of a path: rows `path` of the tree's data.
+StepData path_step(const StepData& tree, const std::vector<std::int64_t>& path) {
+  StepData st;
+  st.q = static_cast<i64>(path.size());
+  for (std::int64_t n : path) {
+    const auto i = static_cast<std::size_t>(n);
+    if (!tree.keys.empty()) {
+      st.keys.push_back(tree.keys[i]);
+      st.values.push_back(tree.values[i]);
+    }
+  }
+  st.sides.resize(tree.sides.size());
+  for (std::size_t s = 0; s < tree.sides.size(); ++s)
+    for (std::int64_t n : path) st.sides[s].push_back(tree.sides[s][static_cast<std::size_t>(n)]);
+  st.conv.resize(tree.conv.size());
+  for (std::size_t s = 0; s < tree.conv.size(); ++s)
+    for (std::int64_t n : path) st.conv[s].push_back(tree.conv[s][static_cast<std::size_t>(n)]);
+  st.rec.resize(tree.rec.size());
+  for (std::size_t s = 0; s < tree.rec.size(); ++s)
+    for (std::int64_t n : path) st.rec[s].push_back(tree.rec[s][static_cast<std::size_t>(n)]);
+  return st;
+}
+
+i64 first_visible(const RefLayer& rl, i64 position) {
+  const LayerOptions& o = rl.options();
+  switch (rl.kind()) {
+    case LayerKind::SlidingAttention:
+    case LayerKind::HybridSliding: return std::max<i64>(0, position - o.sliding_window + 1);
+    case LayerKind::ChunkedAttention: return position / o.chunk_size * o.chunk_size;
+    default: return 0;
+  }
+}
+
+// Runs every layer's tree update with the data of `st` (one row per node)
+// and checks what each returns against the reference (before the tree).
+std::string tree_updates(Cache& cache, const RefCache& ref, const rwd::TreeForward& tree,
+                         const std::vector<StepData>& data) {
+  const i64 n = tree.num_nodes(), L = tree.start_length();
+  for (int li = 0; li < cache.num_layers(); ++li) {
+    const RefLayer& rl = ref.layers[static_cast<std::size_t>(li)];
+    const StepData& st = data[static_cast<std::size_t>(li)];
+    const std::string at = "layer " + std::to_string(li) + ": ";
+    if (rl.has_attention()) {
+      const HostTensor k = rl.kv_input(st, true, false), v = rl.kv_input(st, false, false);
+      const rwd::TreeKeyValues kv = cache.update_tree(k.view(), v.view(), li);
+      const i64 from = first_visible(rl, L);
+      if (kv.committed_first != from) return at + "committed_first " + std::to_string(kv.committed_first);
+      if (std::string e = check_view(at + "committed keys", kv.committed.keys, rl.dtype(), {1, rl.H, L - from, rl.Dk},
+                                     rl.expect_kv(true, from, L));
+          !e.empty())
+        return e;
+      if (std::string e = check_view(at + "committed values", kv.committed.values, rl.dtype(),
+                                     {1, rl.H, L - from, rl.Dv}, rl.expect_kv(false, from, L));
+          !e.empty())
+        return e;
+      if (std::string e = check_view(at + "node keys", kv.nodes.keys, rl.dtype(), {1, rl.H, n, rl.Dk}, k.bytes); !e.empty())
+        return e;
+      for (i64 i = 0; i < n; ++i)
+        if (kv.first_visible[static_cast<std::size_t>(i)] != first_visible(rl, tree.position(i)))
+          return at + "first_visible of node " + std::to_string(i);
+      for (std::size_t s = 0; s < rl.side_dims.size(); ++s) {
+        const HostTensor r = rl.side_input(st, s);
+        const rwd::TreeRows rows = cache.update_tree_side(r.view(), li, static_cast<int>(s));
+        if (std::string e = check_view(at + "committed side", rows.committed, rl.dtype(), {1, L - from, rl.side_dims[s]},
+                                       rl.expect_side(s, from, L));
+            !e.empty())
+          return e;
+      }
+    }
+    for (std::size_t s = 0; s < rl.conv_ch.size(); ++s) {
+      const HostTensor x = rl.conv_input(st, s);
+      const TensorView w = cache.update_tree_conv(x.view(), li, static_cast<int>(s));
+      const i64 C = rl.conv_ch[s], K = rl.K;
+      const std::size_t es = rl.esize();
+      for (i64 node = 0; node < n; ++node) {
+        // Column K - 1 - j: position P - j along the node's path.
+        std::vector<Bytes> columns(static_cast<std::size_t>(K));
+        i64 on_path = node;
+        const i64 P = tree.position(node);
+        for (i64 j = 0; j < K; ++j) {
+          columns[static_cast<std::size_t>(K - 1 - j)] =
+              on_path >= 0 ? st.conv[s][static_cast<std::size_t>(on_path)] : rl.expect_conv(s, P - j, P - j + 1);
+          if (on_path >= 0) on_path = tree.parent(on_path);
+        }
+        Bytes want;
+        for (i64 c = 0; c < C; ++c)
+          for (i64 col = 0; col < K; ++col) {
+            const Bytes& b = columns[static_cast<std::size_t>(col)];
+            want.insert(want.end(), b.begin() + c * static_cast<i64>(es), b.begin() + (c + 1) * static_cast<i64>(es));
+          }
+        if (std::string e = check_view(at + "conv window of node " + std::to_string(node), w.slice(0, node, 1), rl.dtype(),
+                                       {1, C, K}, want);
+            !e.empty())
+          return e;
+      }
+    }
+    for (std::size_t s = 0; s < rl.rec_shapes.size(); ++s) {
+      const rwd::TreeRecurrentSlots slots = cache.tree_recurrent_slots(li, static_cast<int>(s));
+      if (std::string e = check_view(at + "S(L)", slots.previous(0), rl.rdtype(), rl.rec_state_shape(s), rl.expect_rec(s, L));
+          !e.empty())
+        return e;
+      for (i64 node = 0; node < n; ++node) {
+        if (node > 0 && slots.previous(node).data != slots.next(tree.parent(node)).data)
+          return at + "previous(" + std::to_string(node) + ") is not its parent's slot";
+        scatter(rl.rec_token_input(st, s, node).bytes, slots.next(node));
+      }
+    }
+  }
+  return "";
+}
+
+struct Config {
+  DType dtype;
+  bool is_static;
+  i64 R;  // -1: not recording
+};
+
+std::string run_trees(const Config& cfg, std::uint64_t seed) {
+  std::mt19937_64 rng(seed);
+  auto uniform = [&](i64 lo, i64 hi) { return lo + static_cast<i64>(rng() % static_cast<std::uint64_t>(hi - lo + 1)); };
+  Built b = every_kind(cfg.dtype, cfg.is_static);
+  if (cfg.R >= 0) {
+    b.cache.activate_past_recording(cfg.R);
+    b.ref.activate(cfg.R);
+  }
+  std::uint64_t salt = seed * 1000;
+  for (int round = 0; round < 14; ++round) {
+    if (uniform(0, 2) == 0)
+      if (std::string e = cache_step(b.cache, b.ref, uniform(1, 4), ++salt); !e.empty()) return "chain step: " + e;
+    const i64 n = uniform(1, 9);
+    std::vector<std::int64_t> parents{-1};
+    for (i64 i = 1; i < n; ++i) parents.push_back(uniform(0, i - 1));
+    const Observed before = observe(b.cache);
+    rwd::TreeForward tree = b.cache.begin_tree(parents);
+    std::vector<StepData> data;
+    for (const RefLayer& rl : b.ref.layers) data.push_back(rl.make_step(n, ++salt));
+    if (std::string e = tree_updates(b.cache, b.ref, tree, data); !e.empty()) return "round " + std::to_string(round) + ": " + e;
+    if (uniform(0, 3) == 0) {
+      tree.abandon();
+      if (std::string d = diff(before, observe(b.cache)); !d.empty()) return "abandon changed " + d;
+      if (std::string e = verify(b.cache, b.ref); !e.empty()) return "after abandon: " + e;
+      continue;
+    }
+    const i64 leaf = uniform(0, n - 1);
+    const std::vector<std::int64_t> path = tree.path(leaf);
+    tree.commit(leaf);
+    if (tree.is_open()) return "the tree is still open after commit";
+    for (std::size_t li = 0; li < b.ref.layers.size(); ++li)
+      if (!b.ref.layers[li].stateless()) b.ref.layers[li].apply_update(path_step(data[li], path));
+    if (std::string e = verify(b.cache, b.ref); !e.empty())
+      return "round " + std::to_string(round) + ", after commit(" + std::to_string(leaf) + ") of " + std::to_string(n) +
+             " nodes: " + e;
+    // The rollback history is the chain's: crop back exactly.
+    if (cfg.R > 0 && uniform(0, 1) == 0) {
+      const i64 k = uniform(0, b.ref.max_rollback());
+      b.cache.crop(-k);
+      b.ref.crop(-k);
+      if (std::string e = verify(b.cache, b.ref); !e.empty()) return "crop after commit: " + e;
+    }
+  }
+  return "";
+}
+
+TEST(Tree, RandomTreesMatchTheReferenceAndCommitAsAChain) {
+  const Config configs[] = {{DType::F32, false, -1}, {DType::F32, false, 6}, {DType::BF16, false, 2},
+                            {DType::F16, true, 5},   {DType::BF16, true, 0}, {DType::F32, false, 1}};
+  std::uint64_t seed = 7;
+  for (const Config& c : configs) {
+    for (int rep = 0; rep < 3; ++rep) {
+      const std::string e = run_trees(c, ++seed);
+      ASSERT_TRUE(e.empty()) << e << " [dtype " << rwd::dtype_name(c.dtype) << ", static " << c.is_static << ", R "
+                             << c.R << ", seed " << seed << "]";
+    }
+  }
+}
+
+TEST(Tree, RefusalsChangeNothing) {
+  Built b = every_kind(DType::F32, false);
+  b.cache.activate_past_recording(3);
+  b.ref.activate(3);
+  ASSERT_EQ(cache_step(b.cache, b.ref, 5, 1), "");
+  const Observed before = observe(b.cache);
+  const std::vector<std::int64_t> bad_root{0}, bad_parent{-1, 0, 2}, empty{};
+  EXPECT_THROW(b.cache.begin_tree(bad_root), rwd::InvalidArgument);
+  EXPECT_THROW(b.cache.begin_tree(bad_parent), rwd::InvalidArgument);
+  EXPECT_THROW(b.cache.begin_tree(empty), rwd::InvalidArgument);
+  std::vector<std::int64_t> huge(1025, 0);
+  huge[0] = -1;
+  EXPECT_THROW(b.cache.begin_tree(huge), rwd::InvalidArgument);
+  EXPECT_FALSE(b.cache.tree_open());
+  {
+    const std::vector<std::int64_t> parents{-1, 0, 0};
+    rwd::TreeForward tree = b.cache.begin_tree(parents);
+    EXPECT_TRUE(b.cache.tree_open());
+    // Nothing else while the tree is open.
+    EXPECT_THROW(b.cache.crop(-1), rwd::StateError);
+    EXPECT_THROW((void)b.cache.begin_forward(1), rwd::StateError);
+    EXPECT_THROW(b.cache.begin_tree(parents), rwd::StateError);
+    EXPECT_THROW(b.cache.reset(), rwd::StateError);
+    EXPECT_THROW((void)b.cache.snapshot(), rwd::StateError);
+    HostTensor k(DType::F32, {1, 2, 1, 3}), v(DType::F32, {1, 2, 1, 2});
+    EXPECT_THROW(b.cache.update(k.view(), v.view(), 0), rwd::StateError);
+    // Wrong shapes, a layer without attention, twice.
+    HostTensor k3(DType::F32, {1, 2, 3, 3}), v3(DType::F32, {1, 2, 3, 2}), k2(DType::F32, {1, 2, 2, 3});
+    EXPECT_THROW(b.cache.update_tree(k2.view(), v3.view(), 0), rwd::InvalidArgument);
+    EXPECT_THROW(b.cache.update_tree(k3.view(), v3.view(), 3), rwd::StateError);  // linear_attention
+    (void)b.cache.update_tree(k3.view(), v3.view(), 0);
+    EXPECT_THROW(b.cache.update_tree(k3.view(), v3.view(), 0), rwd::StateError);
+    // Commit before every layer took its update: StateError, the tree stays open.
+    try {
+      tree.commit(1);
+      ADD_FAILURE() << "commit of an incomplete tree";
+    } catch (const rwd::StateError& e) {
+      EXPECT_NE(std::string(e.what()).find("layer 1 (sliding_attention) did not receive"), std::string::npos) << e.what();
+    }
+    EXPECT_TRUE(tree.is_open());
+    EXPECT_THROW(tree.commit(3), rwd::IndexError);
+  }  // the handle goes: abandoned
+  EXPECT_FALSE(b.cache.tree_open());
+  EXPECT_EQ(diff(before, observe(b.cache)), "");
+  EXPECT_EQ(verify(b.cache, b.ref), "");
+  // A cache that dies first leaves an inert handle.
+  rwd::TreeForward orphan = [] {
+    Built c = every_kind(DType::F32, false);
+    const std::vector<std::int64_t> one{-1};
+    return c.cache.begin_tree(one);
+  }();
+  EXPECT_FALSE(orphan.is_open());
+  EXPECT_THROW(orphan.commit(0), rwd::StateError);
+}
+
+// A static full layer without room for the path: commit throws
+// CapacityError, the tree stays open and the cache unchanged.
+TEST(Tree, CommitThatDoesNotFitLeavesTheTreeOpen) {
+  std::vector<std::pair<LayerKind, LayerOptions>> spec{{LayerKind::FullAttention, small_options(LayerKind::FullAttention, DType::F32, true, 1)}};
+  spec[0].second.static_capacity = 6;
+  Built b = build_cache(spec);
+  ASSERT_EQ(cache_step(b.cache, b.ref, 4, 3), "");
+  const std::vector<std::int64_t> chain{-1, 0, 1, 2};
+  rwd::TreeForward tree = b.cache.begin_tree(chain);
+  const StepData st = b.ref.layers[0].make_step(4, 9);
+  const HostTensor k = b.ref.layers[0].kv_input(st, true, false), v = b.ref.layers[0].kv_input(st, false, false);
+  (void)b.cache.update_tree(k.view(), v.view(), 0);
+  const Observed before = observe(b.cache);
+  EXPECT_THROW(tree.commit(3), rwd::CapacityError);  // 4 + 4 > 6 slots
+  EXPECT_TRUE(tree.is_open());
+  EXPECT_EQ(diff(before, observe(b.cache)), "");
+  tree.commit(1);  // 4 + 2 fits
+  b.ref.layers[0].apply_update(path_step(st, {0, 1}));
+  EXPECT_EQ(verify(b.cache, b.ref), "");
+}
+
+}  // namespace
+}  // namespace rwt
