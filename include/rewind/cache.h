@@ -144,7 +144,7 @@ class Cache {
   // and nothing else: the per-layer updates and whole-cache operations throw
   // StateError; the layers do not change before commit. Throws
   // InvalidArgument for a malformed tree or N outside [1, 1024] (naming the
-  // node), StateError as crop does (an open forward or tree, layers out of
+  // node) or a layer with batch_size != 1, StateError as crop does (an open forward or tree, layers out of
   // step), CapacityError past 2^40 tokens or when the tree's scratch cannot
   // be allocated; nothing changes then.
   TreeForward begin_tree(std::span<const std::int64_t> parents);

@@ -74,6 +74,13 @@ TreeForward Cache::begin_tree(std::span<const std::int64_t> parents) {
     throw InvalidArgument(operation() + ": node 0 is the root (the pending token) and must have parent -1, got " +
                           num(parents[0]));
   }
+  for (std::size_t i = 0; i < c.layers.size(); ++i) {
+    const Layer::Impl& l = c.layer_impl(i);
+    if (!l.stateless() && l.batch != 1) {
+      throw InvalidArgument(operation() + ": " + l.where() + " has batch_size " + num(l.batch) +
+                            "; a tree is one sequence's (batch_size 1)");
+    }
+  }
   for (std::int64_t i = 1; i < n; ++i) {
     const std::int64_t p = parents[static_cast<std::size_t>(i)];
     if (p < 0 || p >= i) {

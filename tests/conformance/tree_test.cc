@@ -255,6 +255,12 @@ TEST(Tree, RefusalsChangeNothing) {
   EXPECT_FALSE(b.cache.tree_open());
   EXPECT_EQ(diff(before, observe(b.cache)), "");
   EXPECT_EQ(verify(b.cache, b.ref), "");
+  // One sequence only.
+  {
+    Built wide = build_cache({{LayerKind::FullAttention, small_options(LayerKind::FullAttention, DType::F32, false, 2)}});
+    const std::vector<std::int64_t> one{-1};
+    EXPECT_THROW(wide.cache.begin_tree(one), rwd::InvalidArgument);
+  }
   // A cache that dies first leaves an inert handle.
   rwd::TreeForward orphan = [] {
     Built c = every_kind(DType::F32, false);
