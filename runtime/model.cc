@@ -407,6 +407,129 @@ void Model::forward(std::span<const std::int32_t> tokens, Cache& cache, std::vec
   transaction->commit();
 }
 
+// ---- trees: rwd::TreeForward -------------------------------------------------------------
+
+void Model::attention_block(const BlockArgs& a, const TreeArgs& t) const {
+  const ModelConfig& c = config();
+  const std::int64_t nh = c.num_attention_heads, nkv = c.num_key_value_heads, hd = c.head_dim, n = a.n;
+  const std::int64_t row = nkv * hd;
+  AttentionRows r;
+  attention_in(*a.w, a.h, n, *a.rope, r);
+  TreeKeyValues kv;
+  {
+    CacheTimer timer(t.cache_seconds);
+    kv = t.cache->update_tree(heads_view(r.key.data(), n, nkv, hd), heads_view(r.val.data(), n, nkv, hd), a.layer);
+  }
+  k::AttentionMask m;
+  if (a.w->kind == LayerWeights::Kind::Sliding) m.window = c.sliding_window;
+  const k::StridedKV strides{nullptr, hd, row};  // token-major, as the committed rows
+  const std::int64_t L = t.tree->start_length();
+  std::vector<float> path_k, path_v;
+  for (std::int64_t node = 0; node < n; ++node) {
+    // Node i reads the committed rows its window sees, then its path's rows
+    // in position order: the keys its chain would hold, in the same order.
+    const std::int64_t first = kv.first_visible[static_cast<std::size_t>(node)];
+    const std::vector<std::int64_t> path = t.tree->path(node);
+    path_k.clear();
+    path_v.clear();
+    for (std::int64_t p : path) {
+      if (L + t.tree->depth(p) < first) continue;
+      path_k.insert(path_k.end(), r.key.begin() + p * row, r.key.begin() + (p + 1) * row);
+      path_v.insert(path_v.end(), r.val.begin() + p * row, r.val.begin() + (p + 1) * row);
+    }
+    const std::int64_t own = static_cast<std::int64_t>(path_k.size()) / row;
+    const std::int64_t committed = std::max<std::int64_t>(0, L - first);
+    const std::int64_t skip = std::max<std::int64_t>(0, first - kv.committed_first);
+    const k::KVRun runs[2] = {
+        {static_cast<const float*>(kv.committed.keys.data) + skip * row,
+         static_cast<const float*>(kv.committed.values.data) + skip * row, committed},
+        {path_k.data(), path_v.data(), own}};
+    k::attention_paged(r.q.data() + node * nh * hd, 1, L + t.tree->depth(node), nh, nkv, hd,
+                       std::span<const k::KVRun>(runs + (committed == 0 ? 1 : 0), committed == 0 ? 1 : 2), strides,
+                       strides, first, committed + own, m, r.att.data() + node * nh * hd);
+  }
+  k::matmul(r.att.data(), n, a.w->wo, a.out);
+}
+
+void Model::gated_deltanet_block(const BlockArgs& a, const TreeArgs& t) const {
+  const ModelConfig& c = config();
+  const std::int64_t nk = c.linear_num_key_heads, nv = c.linear_num_value_heads;
+  const std::int64_t kd = c.linear_key_head_dim, vd = c.linear_value_head_dim, K = c.linear_conv_kernel_dim;
+  const std::int64_t channels = c.linear_conv_dim(), n = a.n;
+  DeltaNetRows r;
+  deltanet_in(*a.w, a.h, n, r);
+  TensorView windows;
+  {
+    CacheTimer timer(t.cache_seconds);
+    windows = t.cache->update_tree_conv(channels_view(r.qkv.data(), n, channels), a.layer);
+  }
+  // Each node's window along its path: [N, C, K], channel stride K, time stride 1.
+  for (std::int64_t node = 0; node < n; ++node)
+    k::causal_conv1d(static_cast<const float*>(windows.data) + node * channels * K, channels, K, 1, windows.stride(1),
+                     windows.stride(2), a.w->conv, nullptr, /*fuse_silu=*/true, r.mixed.data() + node * channels);
+  deltanet_mid(*a.w, n, r);
+  TreeRecurrentSlots slots;
+  {
+    CacheTimer timer(t.cache_seconds);
+    slots = t.cache->tree_recurrent_slots(a.layer);
+  }
+  // Parents come before their children: a node's previous state is written.
+  for (std::int64_t node = 0; node < n; ++node) {
+    float* next = static_cast<float*>(slots.next(node).data);
+    k::gated_delta_rule(r.q.data() + node * nk * kd, r.key.data() + node * nk * kd, r.v.data() + node * nv * vd,
+                        r.g.data() + node * nv, r.beta.data() + node * nv, 1, nv, nk, kd, vd,
+                        static_cast<const float*>(slots.previous(node).data), &next, r.o.data() + node * nv * vd);
+  }
+  deltanet_out(*a.w, n, r, a.out);
+}
+
+void Model::short_conv_block(const BlockArgs& a, const TreeArgs& t) const {
+  const ModelConfig& c = config();
+  const std::int64_t d = c.hidden_size, K = c.conv_L_cache, n = a.n;
+  ShortConvRows r;
+  short_conv_in(*a.w, a.h, n, r);
+  TensorView windows;
+  {
+    CacheTimer timer(t.cache_seconds);
+    windows = t.cache->update_tree_conv(channels_view(r.bx.data(), n, d), a.layer);
+  }
+  for (std::int64_t node = 0; node < n; ++node)
+    k::causal_conv1d(static_cast<const float*>(windows.data) + node * d * K, d, K, 1, windows.stride(1),
+                     windows.stride(2), a.w->conv, nullptr, /*fuse_silu=*/false, r.conv.data() + node * d);
+  short_conv_out(*a.w, n, r, a.out);
+}
+
+void Model::forward_tree(std::span<const std::int32_t> tokens, const TreeForward& tree, Cache& cache,
+                         std::vector<float>& logits, double* cache_seconds) const {
+  const ModelConfig& c = config();
+  const auto n = static_cast<std::int64_t>(tokens.size());
+  if (!tree.is_open() || !cache.tree_open()) {
+    throw StateError("Model::forward_tree needs a tree opened on this cache (Cache::begin_tree)");
+  }
+  if (n != tree.num_nodes()) {
+    throw InvalidArgument("Model::forward_tree got " + std::to_string(n) + " tokens for a tree of " +
+                          std::to_string(tree.num_nodes()) + " nodes");
+  }
+  check_tokens(tokens, c, "Model::forward_tree");
+  const std::int64_t d = c.hidden_size, ff = c.intermediate_size, V = c.vocab_size;
+  auto sz = [](std::int64_t v) { return static_cast<std::size_t>(v); };
+  std::vector<float> x(sz(n * d)), h(sz(n * d)), mix(sz(n * d)), gate(sz(n * ff)), up(sz(n * ff));
+  for (std::int64_t t = 0; t < n; ++t) std::memcpy(x.data() + t * d, embed_ + tokens[sz(t)] * d, sz(d) * sizeof(float));
+  std::vector<std::int64_t> positions(sz(n));
+  for (std::int64_t t = 0; t < n; ++t) positions[sz(t)] = tree.position(t);
+  const k::RopeTable rope(positions.data(), has_attention_ ? n : 0, c.rope_theta, c.head_dim);
+  for (std::size_t i = 0; i < layers_.size(); ++i) {
+    const LayerWeights& w = layers_[i];
+    const int layer = static_cast<int>(i);
+    k::rms_norm(x.data(), w.input_norm, n, d, c.rms_norm_eps, h.data());
+    mixer_block({layer, &w, h.data(), n, &rope, mix.data()}, TreeArgs{&cache, &tree, cache_seconds});
+    mlp(w, n, x, h, mix, gate, up);
+  }
+  k::rms_norm(x.data(), final_norm_, n, d, c.rms_norm_eps, h.data());
+  logits.resize(sz(n * V));
+  k::matmul(h.data(), n, lm_head_, logits.data());
+}
+
 // ---- many sequences: rwd::SequenceCache ---------------------------------------------
 
 // ---- many sequences: the blocks over a ragged batch ---------------------------------

@@ -90,6 +90,20 @@ class Model {
   // (invalid or repeated ids, budget).
   void forward_batch(std::span<const SequenceTokens> batch, SequenceCache& cache, std::vector<float>& logits) const;
 
+  // Tree verification (rewind/tree.h): runs the N nodes of `tree`, opened
+  // on `cache` with Cache::begin_tree (node i's token is tokens[i]), through
+  // every layer and writes logits [N, vocab]. Node i's logits are
+  // bit-identical to those its path root..i gets fed as a chain (the kernels
+  // keep one reduction order per row, and every node reads exactly the keys,
+  // conv inputs and state its path would leave). The caller then commits the
+  // accepted path (TreeForward::commit) or abandons the tree. Throws
+  // InvalidArgument for tokens.size() != N or a token outside the
+  // vocabulary, StateError when `tree` is not open on `cache`, and what the
+  // cache's tree updates throw; the layers are unchanged then (the tree stays
+  // open for the caller to abandon).
+  void forward_tree(std::span<const std::int32_t> tokens, const TreeForward& tree, Cache& cache,
+                    std::vector<float>& logits, double* cache_seconds = nullptr) const;
+
   // Cache memory of one sequence, from the library's retention rules
   // (Layer::retention_bytes over make_cache()'s layers): what one more
   // token costs in full-attention layers (keys + values), the bounded state
@@ -176,7 +190,17 @@ class Model {
     std::span<const SequenceTokens> batch;
     std::span<const std::int64_t> pos0, offset;
   };
+  // A tree (Cache::begin_tree): its N rows are the nodes, node i at
+  // position pos0 + depth(i).
+  struct TreeArgs {
+    Cache* cache = nullptr;
+    const TreeForward* tree = nullptr;
+    double* cache_seconds = nullptr;
+  };
   void attention_block(const BlockArgs& a, const SequenceArgs& s) const;
+  void attention_block(const BlockArgs& a, const TreeArgs& t) const;
+  void gated_deltanet_block(const BlockArgs& a, const TreeArgs& t) const;
+  void short_conv_block(const BlockArgs& a, const TreeArgs& t) const;
   void gated_deltanet_block(const BlockArgs& a, const SequenceArgs& s) const;
   void short_conv_block(const BlockArgs& a, const SequenceArgs& s) const;
   void attention_block(const BlockArgs& a, const BatchArgs& b) const;

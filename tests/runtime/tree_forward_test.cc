@@ -1,0 +1,106 @@
+// Model::forward_tree: every node's logits equal its path's logits fed as a
+// chain, bit for bit, on random hybrids with every layer kind the runtime
+// supports and windows far below the lengths; committing a path leaves the
+// cache as the chain would (the next forward and a crop agree bitwise).
+#include <gtest/gtest.h>
+
+#include <cstring>
+#include <random>
+#include <vector>
+
+#include "rewind/error.h"
+#include "runtime/model.h"
+#include "runtime/weights_io.h"
+#include "test_configs.h"
+
+namespace rwd::runtime {
+namespace {
+
+using testing_configs::hybrid;
+using testing_configs::kEveryKind;
+
+bool same_bits(const float* a, const float* b, std::size_t n) { return std::memcmp(a, b, n * sizeof(float)) == 0; }
+
+TEST(TreeForward, EveryNodeEqualsItsPathAsAChainAndCommitEqualsTheChain) {
+  for (int variant = 0; variant < 3; ++variant) {
+    const std::vector<std::string> kinds =
+        variant == 0 ? kEveryKind
+                     : variant == 1 ? std::vector<std::string>{"sliding_attention", "linear_attention", "sliding_attention"}
+                                    : std::vector<std::string>{"conv", "full_attention", "linear_attention", "conv"};
+    const Model model(ModelWeights::random(hybrid(kinds, 32, 3 + variant), 70 + static_cast<std::uint64_t>(variant)));
+    const std::int64_t V = model.vocab_size();
+    std::mt19937_64 rng(9 + static_cast<std::uint64_t>(variant));
+    std::vector<std::int32_t> prompt{256};
+    for (int i = 0; i < 11; ++i) prompt.push_back(static_cast<std::int32_t>(rng() % 256));
+    for (int round = 0; round < 4; ++round) {
+      const std::int64_t n = 1 + static_cast<std::int64_t>(rng() % 10);
+      std::vector<std::int64_t> parents{-1};
+      std::vector<std::int32_t> tokens{static_cast<std::int32_t>(rng() % 256)};
+      for (std::int64_t i = 1; i < n; ++i) {
+        parents.push_back(static_cast<std::int64_t>(rng() % static_cast<std::uint64_t>(i)));
+        tokens.push_back(static_cast<std::int32_t>(rng() % 256));
+      }
+      Cache cache = model.make_cache();
+      cache.activate_past_recording(12);
+      std::vector<float> logits;
+      model.forward(prompt, cache, logits);
+      TreeForward tree = cache.begin_tree(parents);
+      std::vector<float> tree_logits;
+      model.forward_tree(tokens, tree, cache, tree_logits);
+      ASSERT_EQ(tree_logits.size(), static_cast<std::size_t>(n * V));
+      for (std::int64_t node = 0; node < n; ++node) {
+        Cache chain = model.make_cache();
+        std::vector<std::int32_t> seq = prompt;
+        for (std::int64_t p : tree.path(node)) seq.push_back(tokens[static_cast<std::size_t>(p)]);
+        std::vector<float> chain_logits;
+        model.forward(seq, chain, chain_logits, /*all_logits=*/false);
+        EXPECT_TRUE(same_bits(tree_logits.data() + node * V, chain_logits.data(), static_cast<std::size_t>(V)))
+            << "variant " << variant << ", round " << round << ", node " << node << " of " << n;
+      }
+      const std::int64_t leaf = static_cast<std::int64_t>(rng() % static_cast<std::uint64_t>(n));
+      const std::vector<std::int64_t> path = tree.path(leaf);
+      tree.commit(leaf);
+      // The chain that fed the same tokens in one piece: the next forward
+      // and a crop back into the path agree bit for bit.
+      Cache chain = model.make_cache();
+      chain.activate_past_recording(12);
+      std::vector<std::int32_t> seq = prompt;
+      for (std::int64_t p : path) seq.push_back(tokens[static_cast<std::size_t>(p)]);
+      std::vector<float> ignored;
+      model.forward(prompt, chain, ignored);
+      std::vector<std::int32_t> rest(seq.begin() + static_cast<std::ptrdiff_t>(prompt.size()), seq.end());
+      model.forward(rest, chain, ignored);
+      const std::int64_t back = static_cast<std::int64_t>(path.size()) / 2;
+      cache.crop(-back);
+      chain.crop(-back);
+      const std::int32_t next = static_cast<std::int32_t>(rng() % 256);
+      std::vector<float> a, b;
+      model.forward(std::span<const std::int32_t>(&next, 1), cache, a);
+      model.forward(std::span<const std::int32_t>(&next, 1), chain, b);
+      EXPECT_TRUE(same_bits(a.data(), b.data(), static_cast<std::size_t>(V))) << "variant " << variant << ", round " << round;
+      prompt = seq;
+      prompt.resize(prompt.size() - static_cast<std::size_t>(back));
+      prompt.push_back(next);
+    }
+  }
+}
+
+TEST(TreeForward, Refusals) {
+  const Model model(ModelWeights::random(hybrid(kEveryKind), 71));
+  Cache cache = model.make_cache();
+  std::vector<float> logits;
+  const std::vector<std::int32_t> prompt{256, 1, 2};
+  model.forward(prompt, cache, logits);
+  const std::vector<std::int64_t> parents{-1, 0};
+  TreeForward tree = cache.begin_tree(parents);
+  const std::vector<std::int32_t> one{3}, bad{3, 9999};
+  EXPECT_THROW(model.forward_tree(one, tree, cache, logits), rwd::InvalidArgument);
+  EXPECT_THROW(model.forward_tree(bad, tree, cache, logits), rwd::InvalidArgument);
+  tree.abandon();
+  const std::vector<std::int32_t> two{3, 4};
+  EXPECT_THROW(model.forward_tree(two, tree, cache, logits), rwd::StateError);
+  EXPECT_EQ(cache.get_seq_length(), 3);
+}
+
+}  // namespace
+}  // namespace rwd::runtime
