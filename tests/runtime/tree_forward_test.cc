@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "rewind/error.h"
+#include "runtime/generate.h"
 #include "runtime/model.h"
 #include "runtime/weights_io.h"
 #include "test_configs.h"
@@ -100,6 +101,63 @@ TEST(TreeForward, Refusals) {
   const std::vector<std::int32_t> two{3, 4};
   EXPECT_THROW(model.forward_tree(two, tree, cache, logits), rwd::StateError);
   EXPECT_EQ(cache.get_seq_length(), 3);
+}
+
+}  // namespace
+}  // namespace rwd::runtime
+
+namespace rwd::runtime {
+namespace {
+
+// Greedy tree speculation equals greedy decoding, for every tree shape and
+// draft source; a perfect draft (the target itself) is accepted all along.
+TEST(TreeSpeculation, IdenticalToGreedyForEveryShapeAndSource) {
+  for (int variant = 0; variant < 2; ++variant) {
+    const std::vector<std::string> kinds =
+        variant == 0 ? kEveryKind : std::vector<std::string>{"conv", "sliding_attention", "linear_attention"};
+    const Model target(ModelWeights::random(hybrid(kinds, 32, 4), 80 + static_cast<std::uint64_t>(variant)));
+    const Model other(ModelWeights::random(hybrid({"conv", "sliding_attention"}, 16, 4), 90));
+    GenerationOptions o;
+    o.max_new_tokens = 40;
+    o.stop_at_eos = false;
+    // A repetitive prompt, so that prompt lookup finds several matches.
+    std::vector<std::int32_t> prompt{256};
+    for (int i = 0; i < 30; ++i) prompt.push_back(static_cast<std::int32_t>("abcabd"[i % 6]));
+    const std::vector<std::int32_t> want = generate(target, prompt, o);
+    for (const TreeOptions t : {TreeOptions{2, 4, 1}, TreeOptions{2, 16, 3}, TreeOptions{3, 16, 6}, TreeOptions{4, 64, 4}}) {
+      LookupTreeDraft lookup(3);
+      ModelTreeDraft model_draft(other), perfect(target);
+      GenerationStats sl, sm, sp;
+      EXPECT_EQ(tree_speculative_generate(target, lookup, prompt, o, t, &sl), want) << "lookup, W " << t.width;
+      EXPECT_EQ(tree_speculative_generate(target, model_draft, prompt, o, t, &sm), want) << "draft, W " << t.width;
+      EXPECT_EQ(tree_speculative_generate(target, perfect, prompt, o, t, &sp), want) << "perfect, W " << t.width;
+      // The perfect draft's top-1 chain is the target's. When the budget holds
+      // the full W-ary tree that chain is in it, and every round keeps depth
+      // tokens and emits one more; otherwise best-first growth still keeps the
+      // top child of the root, so every round keeps at least one draft.
+      std::int64_t full = 0, level = 1;
+      for (std::int64_t d = 0; d <= t.depth; ++d, level *= t.width) full += level;
+      if (full <= t.max_nodes) {
+        EXPECT_EQ(sp.rounds, (o.max_new_tokens + t.depth) / (t.depth + 1)) << "W " << t.width << ", depth " << t.depth;
+      } else {
+        EXPECT_LE(sp.rounds, (o.max_new_tokens + 1) / 2) << "W " << t.width << ", depth " << t.depth;
+      }
+      EXPECT_GT(sl.drafted, 0);
+    }
+  }
+}
+
+TEST(TreeSpeculation, Refusals) {
+  const Model target(ModelWeights::random(hybrid(kEveryKind), 81));
+  LookupTreeDraft lookup(2);
+  GenerationOptions o;
+  const std::vector<std::int32_t> prompt{256, 1};
+  EXPECT_THROW(tree_speculative_generate(target, lookup, prompt, o, {1, 16, 4}), rwd::InvalidArgument);
+  EXPECT_THROW(tree_speculative_generate(target, lookup, prompt, o, {2, 1, 4}), rwd::InvalidArgument);
+  EXPECT_THROW(tree_speculative_generate(target, lookup, prompt, o, {2, 16, 0}), rwd::InvalidArgument);
+  o.sampling.temperature = 0.5f;
+  EXPECT_THROW(tree_speculative_generate(target, lookup, prompt, o, {2, 16, 4}), rwd::InvalidArgument);
+  EXPECT_THROW(tree_speculative_generate(target, lookup, {}, GenerationOptions{}, {2, 16, 4}), rwd::InvalidArgument);
 }
 
 }  // namespace

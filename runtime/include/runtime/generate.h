@@ -255,6 +255,89 @@ std::vector<std::int32_t> speculative_generate(const Model& target, DraftSource&
                                                const SpeculativeOptions& spec,
                                                GenerationStats* stats = nullptr);
 
+// ---- tree speculation (rewind/tree.h) ----
+
+// Shape of a draft tree: at most `width` children per node, `max_nodes`
+// nodes (the root, the pending token, included) and `depth` drafted tokens
+// on any path.
+struct TreeOptions {
+  std::int64_t width = 2;
+  std::int64_t max_nodes = 16;
+  std::int64_t depth = 4;
+};
+// Throws InvalidArgument naming the option unless 2 <= width <= 64,
+// 2 <= max_nodes <= 1024 and 1 <= depth <= kMaxDraft.
+void check_tree_options(const TreeOptions& options);
+
+// Proposes a draft tree each round: parents[0] = -1 and tokens[0] =
+// sequence.back() (the root, the pending token), then nodes whose parent
+// comes before them, within `options` (fewer nodes, a shallower tree, or the
+// root alone are fine). accept() tells how many drafted tokens the target
+// kept on the path it chose.
+class TreeDraftSource {
+ public:
+  virtual ~TreeDraftSource() = default;
+  virtual void begin(std::span<const std::int32_t> prompt) = 0;
+  virtual void propose(std::span<const std::int32_t> sequence, const TreeOptions& options,
+                       std::vector<std::int64_t>& parents, std::vector<std::int32_t>& tokens) = 0;
+  virtual void accept(std::int64_t accepted) = 0;
+  virtual std::size_t cache_bytes() const { return 0; }
+  virtual double cache_seconds() const { return 0.0; }
+};
+
+// Prompt lookup as a tree: the continuations after several earlier
+// occurrences of the sequence's last n-gram (n = max_ngram down to 1, most
+// recent first) become branches, merged where they share a prefix.
+class LookupTreeDraft : public TreeDraftSource {
+ public:
+  explicit LookupTreeDraft(std::int64_t max_ngram);
+  void begin(std::span<const std::int32_t>) override {}
+  void propose(std::span<const std::int32_t> sequence, const TreeOptions& options, std::vector<std::int64_t>& parents,
+               std::vector<std::int32_t>& tokens) override;
+  void accept(std::int64_t) override {}
+
+ private:
+  std::int64_t max_ngram_;
+};
+
+// A draft model growing the tree level by level (EAGLE-2's shape): each
+// level runs the draft over the tree so far (Model::forward_tree on its own
+// cache, then abandoned) and adds, among the top `width` tokens of every
+// frontier node, those of highest cumulative draft probability until the
+// node budget is spent. The draft's cache only ever takes the accepted
+// sequence, so it needs no rollback. Greedy decoding only (see
+// tree_speculative_generate).
+class ModelTreeDraft : public TreeDraftSource {
+ public:
+  explicit ModelTreeDraft(const Model& draft);
+  void begin(std::span<const std::int32_t> prompt) override;
+  void propose(std::span<const std::int32_t> sequence, const TreeOptions& options, std::vector<std::int64_t>& parents,
+               std::vector<std::int32_t>& tokens) override;
+  void accept(std::int64_t) override {}
+  std::size_t cache_bytes() const override;
+  double cache_seconds() const override { return cache_seconds_; }
+
+ private:
+  const Model& model_;
+  Cache cache_;
+  std::int64_t seen_ = 0;
+  double cache_seconds_ = 0.0;
+};
+
+// Tree speculative decoding, greedy: every round the draft proposes a tree
+// under the pending token, one Model::forward_tree verifies every node, the
+// longest path whose tokens are the target's own argmax choices is kept
+// (TreeForward::commit) and the target's next token after it emitted too.
+// The tokens equal generate()'s (each node's logits are its path's as a
+// chain). The target cache never needs a rollback (a tree adds only the
+// accepted path). Throws InvalidArgument for an empty prompt, a sampling
+// temperature > 0 (tree sampling is not built yet; use
+// speculative_generate), and what check_tree_options throws.
+std::vector<std::int32_t> tree_speculative_generate(const Model& target, TreeDraftSource& draft,
+                                                    std::span<const std::int32_t> prompt,
+                                                    const GenerationOptions& options, const TreeOptions& tree,
+                                                    GenerationStats* stats = nullptr);
+
 // Drafts for every sequence of a batch at once. begin() is called once with
 // the prompts; each round propose() gets one request per sequence that
 // drafts (its index, the whole sequence so far, the most tokens it may
