@@ -66,6 +66,14 @@ std::vector<DecodeBenchRow> run_decode_bench(const Model& target, const Model* d
         } else if (method == "draft") {
           ModelDraft source(*draft, gen.sampling, k);
           out = speculative_generate(target, source, encoded[p], gen, {k, false}, &stats);
+        } else if (method == "draft_tree") {
+          ModelTreeDraft source(*draft);
+          out = tree_speculative_generate(target, source, encoded[p], gen, {options.tree_width, options.tree_nodes, k},
+                                          &stats);
+        } else if (method == "lookup_tree") {
+          LookupTreeDraft source(options.lookup_ngram);
+          out = tree_speculative_generate(target, source, encoded[p], gen, {options.tree_width, options.tree_nodes, k},
+                                          &stats);
         } else {
           LookupDraft source(options.lookup_ngram);
           out = speculative_generate(target, source, encoded[p], gen, {k, false}, &stats);
@@ -130,6 +138,13 @@ std::vector<DecodeBenchRow> run_decode_bench(const Model& target, const Model* d
     for (std::int64_t k : options.ks) rows.push_back(measure("draft", k));
   }
   for (std::int64_t k : options.ks) rows.push_back(measure("lookup", k));
+  if (options.tree_width >= 2) {
+    check_tree_options({options.tree_width, options.tree_nodes, options.ks.front()});
+    if (draft) {
+      for (std::int64_t k : options.ks) rows.push_back(measure("draft_tree", k));
+    }
+    for (std::int64_t k : options.ks) rows.push_back(measure("lookup_tree", k));
+  }
   for (std::int64_t B : options.batch_sizes) {
     rows.push_back(measure_batch("greedy_batch", 0, B));
     if (draft) rows.push_back(measure_batch("draft_batch", options.ks.front(), B));

@@ -975,9 +975,12 @@ void ModelTreeDraft::propose(std::span<const std::int32_t> s, const TreeOptions&
     }
     std::stable_sort(candidates.begin(), candidates.end(),
                      [](const Candidate& a, const Candidate& b) { return a.logp > b.logp; });
+    // A beam of `width` nodes per level: the tree reaches the full depth
+    // (where a chain's accepted tokens come from) and keeps the likeliest
+    // alternatives beside its best path.
     frontier.clear();
     for (const Candidate& c : candidates) {
-      if (tree.size() >= o.max_nodes) break;
+      if (tree.size() >= o.max_nodes || static_cast<std::int64_t>(frontier.size()) >= o.width) break;
       frontier.push_back(tree.add(c.parent, c.token));
       logp.push_back(c.logp);
     }

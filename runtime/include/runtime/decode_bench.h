@@ -32,10 +32,16 @@ struct DecodeBenchOptions {
   // as needed) decoded together (generate_batch), and with a draft model
   // speculatively (speculative_generate_batch, first K of `ks`). Empty: none.
   std::vector<std::int64_t> batch_sizes;
+  // Tree speculation (tree_speculative_generate): with tree_width >= 2, rows
+  // "lookup_tree" (and "draft_tree" with a draft model) for each K of `ks`
+  // as the depth, at most tree_nodes nodes per round.
+  std::int64_t tree_width = 0;
+  std::int64_t tree_nodes = 16;
 };
 
 struct DecodeBenchRow {
-  std::string method;   // "greedy", "draft", "lookup", "greedy_batch", "draft_batch"
+  std::string method;   // "greedy", "draft", "lookup", "greedy_batch", "draft_batch", "lookup_batch",
+                        // "draft_tree", "lookup_tree"
   std::int64_t k = 0;   // 0 for greedy
   std::int64_t batch = 1;  // sequences decoded together (1: one prompt at a time)
   double tokens_per_second = 0.0;  // median over repeats of (all prompts' tokens / their seconds); batch rows: aggregate

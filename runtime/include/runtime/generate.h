@@ -300,11 +300,12 @@ class LookupTreeDraft : public TreeDraftSource {
   std::int64_t max_ngram_;
 };
 
-// A draft model growing the tree level by level (EAGLE-2's shape): each
-// level runs the draft over the tree so far (Model::forward_tree on its own
-// cache, then abandoned) and adds, among the top `width` tokens of every
-// frontier node, those of highest cumulative draft probability until the
-// node budget is spent. The draft's cache only ever takes the accepted
+// A draft model growing the tree level by level (a beam, ranked by
+// cumulative draft probability as EAGLE-2 ranks its nodes): each level runs
+// the draft over the tree so far (Model::forward_tree on its own cache, then
+// abandoned) and adds, among the top `width` tokens of every frontier node,
+// the `width` of highest cumulative draft probability, until the depth or
+// the node budget is reached. The draft's cache only ever takes the accepted
 // sequence, so it needs no rollback. Greedy decoding only (see
 // tree_speculative_generate).
 class ModelTreeDraft : public TreeDraftSource {
