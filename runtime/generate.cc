@@ -994,11 +994,8 @@ std::vector<std::int32_t> tree_speculative_generate(const Model& target, TreeDra
   validate(options.sampling);
   check_prompt(prompt);
   check_tree_options(tree_options);
-  if (!options.sampling.greedy()) {
-    throw InvalidArgument("tree speculation decodes greedily for now (temperature 0); sampling with drafts runs as "
-                          "a chain (speculative decoding without --tree)");
-  }
   const auto t0 = Clock::now();
+  std::mt19937_64 rng(options.sampling.seed);
   const std::int64_t V = target.vocab_size();
   GenerationStats local = start_stats(prompt, options.sampling);
   std::vector<std::int32_t> sequence(prompt.begin(), prompt.end()), out, tokens;
@@ -1028,13 +1025,46 @@ std::vector<std::int32_t> tree_speculative_generate(const Model& target, TreeDra
       local.cache_seconds += seconds_since(tc);
       target.forward_tree(tokens, tree, cache, logits, &local.cache_seconds);
       ++local.forwards;
-      // Follow the target's own choices down the tree.
+      // Follow the target down the tree: greedy, its argmax; sampling, the
+      // children tried in order as one-hot proposals (each kept with the
+      // target's probability of its token, else that token's mass removed
+      // and the rest renormalised), the round ending with a draw from what
+      // is left: exactly a draw from the target's distribution at each step,
+      // whatever the tree (its tokens are distinct siblings).
       while (true) {
-        const auto t = static_cast<std::int32_t>(kernels::argmax(logits.data() + node * V, V));
-        emitted.push_back(t);
+        const std::span<const float> row(logits.data() + node * V, static_cast<std::size_t>(V));
         std::int64_t next = -1;
-        for (std::int64_t c = node + 1; c < n && next < 0; ++c)
-          if (parents[static_cast<std::size_t>(c)] == node && tokens[static_cast<std::size_t>(c)] == t) next = c;
+        std::int32_t t = 0;
+        if (options.sampling.greedy()) {
+          t = static_cast<std::int32_t>(kernels::argmax(row.data(), V));
+          for (std::int64_t c = node + 1; c < n && next < 0; ++c)
+            if (parents[static_cast<std::size_t>(c)] == node && tokens[static_cast<std::size_t>(c)] == t) next = c;
+        } else {
+          std::vector<float> p = sampling_distribution(row, options.sampling);
+          double mass = 1.0;
+          for (std::int64_t c = node + 1; c < n && next < 0; ++c) {
+            if (parents[static_cast<std::size_t>(c)] != node) continue;
+            const auto x = static_cast<std::size_t>(tokens[static_cast<std::size_t>(c)]);
+            const double px = mass > 0.0 ? static_cast<double>(p[x]) / mass : 0.0;
+            if (std::generate_canonical<double, 64>(rng) < px) {
+              next = c;
+              t = static_cast<std::int32_t>(x);
+            } else {
+              mass -= static_cast<double>(p[x]);
+              p[x] = 0.0f;
+            }
+          }
+          if (next < 0) {
+            if (mass <= 0.0) {  // every token the target allows was a rejected child: cannot happen but by rounding
+              p = sampling_distribution(row, options.sampling);
+            }
+            double total = 0.0;
+            for (float v : p) total += v;
+            for (float& v : p) v = static_cast<float>(v / total);
+            t = sample_from(p, rng);
+          }
+        }
+        emitted.push_back(t);
         if (next < 0) break;
         node = next;
       }

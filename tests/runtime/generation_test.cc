@@ -270,8 +270,12 @@ TEST(Sampling, SpeculativeSamplingPreservesTheTargetDistribution) {
   // 4: batched speculative sampling (speculative_generate_batch with the
   // batched draft model), 3 copies of the prompt per batch: sequence j of a
   // batch draws with seed + j, so the copies are independent samples.
+  // 5, 6, 7: tree speculation (tree_speculative_generate) with the other
+  // model as draft, with the target itself as draft (its likeliest tokens as
+  // siblings: the rejection of one sibling must renormalise before the next),
+  // and with prompt lookup as branches.
   const int trials = 1500;
-  for (int source = 0; source < 5; ++source) {
+  for (int source = 0; source < 8; ++source) {
     std::map<std::int32_t, int> c1, c2;
     if (source == 4) {
       for (int i = 0; i < trials / 3; ++i) {
@@ -288,6 +292,24 @@ TEST(Sampling, SpeculativeSamplingPreservesTheTargetDistribution) {
           ++c2[out[1]];
         }
       }
+    }
+    for (int i = 0; i < trials && source >= 5; ++i) {
+      GenerationOptions o;
+      o.max_new_tokens = 2;
+      o.stop_at_eos = false;
+      o.sampling = params;
+      o.sampling.seed = 9000 + static_cast<std::uint64_t>(i);
+      std::vector<std::int32_t> out;
+      if (source == 5 || source == 6) {
+        ModelTreeDraft d(source == 5 ? draft : target);
+        out = tree_speculative_generate(target, d, prompt, o, {3, 8, 2});
+      } else {
+        LookupTreeDraft d(2);
+        out = tree_speculative_generate(target, d, prompt, o, {3, 8, 2});
+      }
+      ASSERT_EQ(out.size(), 2u);
+      ++c1[out[0]];
+      ++c2[out[1]];
     }
     for (int i = 0; i < trials && source < 4; ++i) {
       GenerationOptions o;

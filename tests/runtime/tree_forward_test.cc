@@ -131,17 +131,11 @@ TEST(TreeSpeculation, IdenticalToGreedyForEveryShapeAndSource) {
       EXPECT_EQ(tree_speculative_generate(target, lookup, prompt, o, t, &sl), want) << "lookup, W " << t.width;
       EXPECT_EQ(tree_speculative_generate(target, model_draft, prompt, o, t, &sm), want) << "draft, W " << t.width;
       EXPECT_EQ(tree_speculative_generate(target, perfect, prompt, o, t, &sp), want) << "perfect, W " << t.width;
-      // The perfect draft's top-1 chain is the target's. When the budget holds
-      // the full W-ary tree that chain is in it, and every round keeps depth
-      // tokens and emits one more; otherwise best-first growth still keeps the
-      // top child of the root, so every round keeps at least one draft.
-      std::int64_t full = 0, level = 1;
-      for (std::int64_t d = 0; d <= t.depth; ++d, level *= t.width) full += level;
-      if (full <= t.max_nodes) {
-        EXPECT_EQ(sp.rounds, (o.max_new_tokens + t.depth) / (t.depth + 1)) << "W " << t.width << ", depth " << t.depth;
-      } else {
-        EXPECT_LE(sp.rounds, (o.max_new_tokens + 1) / 2) << "W " << t.width << ", depth " << t.depth;
-      }
+      // The perfect draft ranks the target's greedy token first at the root,
+      // so every round keeps at least one draft (the beam may drop the
+      // greedy chain deeper down, when other paths are likelier).
+      EXPECT_LE(sp.rounds, (o.max_new_tokens + 1) / 2) << "W " << t.width << ", depth " << t.depth;
+      EXPECT_GE(sp.accepted, sp.rounds - 1);
       EXPECT_GT(sl.drafted, 0);
     }
   }
@@ -155,7 +149,7 @@ TEST(TreeSpeculation, Refusals) {
   EXPECT_THROW(tree_speculative_generate(target, lookup, prompt, o, {1, 16, 4}), rwd::InvalidArgument);
   EXPECT_THROW(tree_speculative_generate(target, lookup, prompt, o, {2, 1, 4}), rwd::InvalidArgument);
   EXPECT_THROW(tree_speculative_generate(target, lookup, prompt, o, {2, 16, 0}), rwd::InvalidArgument);
-  o.sampling.temperature = 0.5f;
+  o.sampling.temperature = -0.5f;
   EXPECT_THROW(tree_speculative_generate(target, lookup, prompt, o, {2, 16, 4}), rwd::InvalidArgument);
   EXPECT_THROW(tree_speculative_generate(target, lookup, {}, GenerationOptions{}, {2, 16, 4}), rwd::InvalidArgument);
 }

@@ -306,8 +306,8 @@ class LookupTreeDraft : public TreeDraftSource {
 // abandoned) and adds, among the top `width` tokens of every frontier node,
 // the `width` of highest cumulative draft probability, until the depth or
 // the node budget is reached. The draft's cache only ever takes the accepted
-// sequence, so it needs no rollback. Greedy decoding only (see
-// tree_speculative_generate).
+// sequence, so it needs no rollback. Its children are chosen, not sampled,
+// so tree sampling treats them as one-hot proposals (exact either way).
 class ModelTreeDraft : public TreeDraftSource {
  public:
   explicit ModelTreeDraft(const Model& draft);
@@ -325,15 +325,18 @@ class ModelTreeDraft : public TreeDraftSource {
   double cache_seconds_ = 0.0;
 };
 
-// Tree speculative decoding, greedy: every round the draft proposes a tree
-// under the pending token, one Model::forward_tree verifies every node, the
-// longest path whose tokens are the target's own argmax choices is kept
-// (TreeForward::commit) and the target's next token after it emitted too.
-// The tokens equal generate()'s (each node's logits are its path's as a
-// chain). The target cache never needs a rollback (a tree adds only the
-// accepted path). Throws InvalidArgument for an empty prompt, a sampling
-// temperature > 0 (tree sampling is not built yet; use
-// speculative_generate), and what check_tree_options throws.
+// Tree speculative decoding: every round the draft proposes a tree under
+// the pending token, one Model::forward_tree verifies every node, and the
+// target walks down it: greedy, along its own argmax choices (the tokens
+// equal generate()'s: each node's logits are its path's as a chain);
+// sampling, trying a node's children in order as one-hot proposals (kept
+// with the target's probability of their token, else that token's mass is
+// removed and the rest renormalised) and ending the round with a draw from
+// what is left, which is exactly a draw from the target's distribution (same
+// distribution as generate(), other random streams). The path walked is
+// kept (TreeForward::commit) and one more token emitted. The target cache
+// needs no rollback (a tree adds only the kept path). Throws InvalidArgument
+// for an empty prompt, what validate() and check_tree_options throw.
 std::vector<std::int32_t> tree_speculative_generate(const Model& target, TreeDraftSource& draft,
                                                     std::span<const std::int32_t> prompt,
                                                     const GenerationOptions& options, const TreeOptions& tree,
