@@ -222,11 +222,23 @@ struct DraftChoice {
   std::int64_t lookup = 0;
   std::int64_t num_draft = 4;
   bool adaptive = false;
+  std::int64_t tree_width = 0;   // --tree W: W >= 2 turns tree speculation on
+  std::int64_t tree_nodes = 16;  // --tree-nodes N
   bool any() const { return !draft_dir.empty() || lookup > 0; }
+  bool tree() const { return tree_width >= 2; }
+  TreeOptions tree_options() const { return {tree_width, tree_nodes, num_draft}; }
 
-  // --num-draft and --adaptive shape speculative decoding; without a draft
-  // source they would be ignored.
+  // --num-draft, --adaptive and the tree flags shape speculative decoding;
+  // without a draft source they would be ignored.
   void check(const CLI::App& cmd) const {
+    if (cmd.count("--tree-nodes") > 0 && !tree()) {
+      throw InvalidArgument("--tree-nodes sizes tree speculation: it needs --tree W (W >= 2)");
+    }
+    if (tree()) {
+      if (!any()) throw InvalidArgument("--tree needs a draft source: --draft DIR or --lookup N");
+      if (adaptive) throw InvalidArgument("--adaptive adapts a chain's K; a tree's depth is --num-draft, fixed");
+      check_tree_options(tree_options());
+    }
     if (any()) return;
     for (const char* flag : {"--num-draft", "--adaptive"}) {
       if (cmd.count(flag) > 0) {
@@ -316,6 +328,11 @@ std::unique_ptr<DraftSource> make_source(const DraftChoice& choice, const std::o
   return std::make_unique<LookupDraft>(choice.lookup);
 }
 
+std::unique_ptr<TreeDraftSource> make_tree_source(const DraftChoice& choice, const std::optional<Model>& draft) {
+  if (draft) return std::make_unique<ModelTreeDraft>(*draft);
+  return std::make_unique<LookupTreeDraft>(choice.lookup);
+}
+
 // ---- threads ---------------------------------------------------------------------------
 
 // The OpenMP thread count: --threads N, else OMP_NUM_THREADS when the user
@@ -395,8 +412,10 @@ int run_generate(const CLI::App& cmd, const std::string& model_dir, const Prompt
   choice.check(cmd);
   const SamplingParams sampling = sampling_choice.resolve(cmd);
   prompt_choice.check_batch(cmd);
-  if (prompt_choice.many(cmd))
+  if (prompt_choice.many(cmd)) {
+    if (choice.tree()) throw InvalidArgument("--tree decodes one prompt (--prompt / --prompt-file); batched tree speculation is not built yet");
     return run_generate_batch(cmd, model_dir, prompt_choice, max_new, choice, sampling, prefix_choice, stats_wanted);
+  }
   const std::string prompt = prompt_choice.read(cmd);
   const Model model = Model::load(model_dir);
   const std::optional<Model> draft = load_draft(choice, model);
@@ -413,7 +432,10 @@ int run_generate(const CLI::App& cmd, const std::string& model_dir, const Prompt
     }
   };
   GenerationStats stats;
-  if (choice.any()) {
+  if (choice.tree()) {
+    auto source = make_tree_source(choice, draft);
+    tree_speculative_generate(model, *source, tokens, options, choice.tree_options(), &stats);
+  } else if (choice.any()) {
     auto source = make_source(choice, draft, sampling);
     speculative_generate(model, *source, tokens, options, {choice.num_draft, choice.adaptive}, &stats);
   } else {
@@ -483,8 +505,10 @@ int run_verify_batch(const std::string& model_dir, const PromptChoice& prompt_ch
 int run_verify(const CLI::App& cmd, const std::string& model_dir, const PromptChoice& prompt_choice,
                std::int64_t max_new, const DraftChoice& choice, int repeats) {
   if (!choice.any()) throw InvalidArgument("verify needs a draft source: --draft DIR or --lookup N");
+  choice.check(cmd);
   prompt_choice.check_batch(cmd);
   if (prompt_choice.many(cmd)) {
+    if (choice.tree()) throw InvalidArgument("verify --tree checks one prompt (--prompt / --prompt-file); batched tree speculation is not built yet");
     if (cmd.count("--repeats") > 0) throw InvalidArgument("verify --prompts runs once; --repeats applies to --prompt");
     return run_verify_batch(model_dir, prompt_choice, max_new, choice);
   }
@@ -515,8 +539,13 @@ int run_verify(const CLI::App& cmd, const std::string& model_dir, const PromptCh
       Progress progress("speculative" + suffix, "tokens");
       std::int64_t n = 0;
       options.on_token = [&](std::int32_t) { progress.update(++n, max_new); };
-      auto source = make_source(choice, draft, options.sampling);
-      spec = speculative_generate(model, *source, tokens, options, {choice.num_draft, choice.adaptive}, &spec_stats);
+      if (choice.tree()) {
+        auto source = make_tree_source(choice, draft);
+        spec = tree_speculative_generate(model, *source, tokens, options, choice.tree_options(), &spec_stats);
+      } else {
+        auto source = make_source(choice, draft, options.sampling);
+        spec = speculative_generate(model, *source, tokens, options, {choice.num_draft, choice.adaptive}, &spec_stats);
+      }
     }
     spec_rates.push_back(spec_stats.tokens_per_second());
     const std::size_t common = std::min(greedy.size(), spec.size());
@@ -630,18 +659,23 @@ int run_inspect(const std::string& model_dir, std::int64_t rollback) {
   return 0;
 }
 
-int run_bench(const std::string& model_dir, const std::string& draft_dir, std::int64_t max_new, int repeats,
-              const std::vector<std::int64_t>& ks, const std::vector<std::int64_t>& batch_sizes,
+int run_bench(const CLI::App& cmd, const std::string& model_dir, const DraftChoice& tree_choice, std::int64_t max_new,
+              int repeats, const std::vector<std::int64_t>& ks, const std::vector<std::int64_t>& batch_sizes,
               const std::string& json_path) {
+  if (cmd.count("--tree-nodes") > 0 && !tree_choice.tree()) {
+    throw InvalidArgument("--tree-nodes sizes tree speculation: it needs --tree W (W >= 2)");
+  }
   const Model model = Model::load(model_dir);
   DraftChoice choice;
-  choice.draft_dir = draft_dir;
+  choice.draft_dir = tree_choice.draft_dir;
   const std::optional<Model> draft = load_draft(choice, model);
   DecodeBenchOptions options;
   options.max_new_tokens = max_new;
   options.repeats = repeats;
   if (!ks.empty()) options.ks = ks;
   options.batch_sizes = batch_sizes;
+  options.tree_width = tree_choice.tree_width;
+  options.tree_nodes = tree_choice.tree_nodes;
   const auto rows = run_decode_bench(model, draft ? &*draft : nullptr, options, [](const std::string& line) {
     std::fprintf(stderr, "bench: %s\n", line.c_str());
   });
@@ -892,6 +926,14 @@ int main(int argc, char** argv) {
         ->check(integer_in(1, 64));
     cmd->add_flag("--adaptive", choice.adaptive,
                   "adapt K from the acceptance (K is the maximum); needs --draft or --lookup");
+    cmd->add_option("--tree", choice.tree_width,
+                    "tree speculation: W children per node (W >= 2), depth --num-draft; the draft model grows a beam "
+                    "of W nodes per level, prompt lookup merges several earlier matches; one forward verifies every "
+                    "node. Needs --draft or --lookup")
+        ->check(integer_in(2, 64))
+        ->default_str("off");
+    cmd->add_option("--tree-nodes", choice.tree_nodes, "with --tree: at most N nodes per round (the root included)")
+        ->check(integer_in(2, 1024));
   };
   auto add_threads_option = [&](CLI::App* cmd) {
     cmd->add_option("--threads", threads,
@@ -1008,6 +1050,11 @@ int main(int argc, char** argv) {
       ->delimiter(',')
       ->check(integer_in(1, 4096))
       ->default_str("none");
+  ben->add_option("--tree", choice.tree_width,
+                  "also rows draft_tree / lookup_tree: tree speculation with W children per node, depth each K")
+      ->check(integer_in(2, 64))
+      ->default_str("off");
+  ben->add_option("--tree-nodes", choice.tree_nodes, "with --tree: at most N nodes per round")->check(integer_in(2, 1024));
   ben->add_option("--k", bench_ks, "draft lengths to try, comma-separated")
       ->delimiter(',')
       ->check(integer_in(1, 64))
@@ -1065,7 +1112,7 @@ int main(int argc, char** argv) {
     if (*snp_save) return run_snapshot_save(*snp_save, model_dir, prompt, snapshot_out);
     if (*snp_inspect) return run_snapshot_inspect(snapshot_file);
     if (*snp_load) return run_snapshot_load(*snp_load, model_dir, snapshot_file, max_new, sampling, stats);
-    if (*ben) return run_bench(model_dir, choice.draft_dir, bench_max_new, repeats, bench_ks, bench_batches, bench_json);
+    if (*ben) return run_bench(*ben, model_dir, choice, bench_max_new, repeats, bench_ks, bench_batches, bench_json);
   } catch (const rwd::Error& e) {
     std::fprintf(stderr, "rewind: error: %s\n", e.what());
     return 2;

@@ -156,3 +156,50 @@ TEST(TreeSpeculation, Refusals) {
 
 }  // namespace
 }  // namespace rwd::runtime
+
+#ifdef REWIND_CLI_PATH
+#include <nlohmann/json.hpp>
+
+#include "cli_test_util.h"
+
+namespace rwd::runtime {
+namespace {
+
+using namespace cli_test;
+
+TEST(TreeCli, VerifyGenerateAndBenchWithTrees) {
+  const std::string dir = (scratch_dir() / "tree_models").string();
+  fs::remove_all(dir);
+  write_random_model(hybrid(kEveryKind), dir + "/target", 15, DType::F32);
+  write_random_model(hybrid({"conv", "sliding_attention"}, 16, 4), dir + "/draft", 16, DType::F32);
+  const std::string model = " --model " + quote(dir + "/target");
+  const std::string prompt = " --prompt " + quote("abcabdabcabd abc");
+  for (const std::string& source : {" --draft " + quote(dir + "/draft"), std::string(" --lookup 3")}) {
+    for (const std::string& shape : {std::string(" --tree 2 --num-draft 3"), std::string(" --tree 4 --tree-nodes 32 --num-draft 5")}) {
+      const CliResult v = run_cli("verify" + model + prompt + source + shape + " --max-new-tokens 60");
+      EXPECT_EQ(v.status, 0) << v.all();
+      EXPECT_EQ(v.out.rfind("IDENTICAL", 0), 0u) << v.out;
+    }
+  }
+  const CliResult plain = run_cli("generate" + model + prompt + " --max-new-tokens 40");
+  const CliResult tree = run_cli("generate" + model + prompt + " --lookup 2 --tree 3 --max-new-tokens 40 --stats");
+  ASSERT_EQ(tree.status, 0) << tree.all();
+  EXPECT_EQ(tree.out.substr(0, plain.out.size()), plain.out);
+  // Sampling with a tree: a valid run (its distribution is the chi-square test's).
+  EXPECT_EQ(run_cli("generate" + model + prompt + " --lookup 2 --tree 2 --temperature 0.8 --seed 3").status, 0);
+  // Usage errors.
+  EXPECT_EQ(run_cli("generate" + model + prompt + " --tree 2").status, 2);                   // no draft source
+  EXPECT_EQ(run_cli("generate" + model + prompt + " --lookup 2 --tree 1").status, 2);        // W < 2
+  EXPECT_EQ(run_cli("generate" + model + prompt + " --lookup 2 --tree-nodes 8").status, 2);  // nodes without a tree
+  EXPECT_EQ(run_cli("generate" + model + prompt + " --lookup 2 --tree 2 --adaptive").status, 2);
+  const CliResult bench = run_cli("bench" + model + " --draft " + quote(dir + "/draft") +
+                                  " --tree 2 --k 2 --max-new-tokens 16 --repeats 1");
+  EXPECT_EQ(bench.status, 0) << bench.all();
+  EXPECT_NE(bench.out.find("draft_tree"), std::string::npos) << bench.out;
+  EXPECT_NE(bench.out.find("lookup_tree"), std::string::npos) << bench.out;
+  fs::remove_all(dir);
+}
+
+}  // namespace
+}  // namespace rwd::runtime
+#endif
