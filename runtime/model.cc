@@ -463,9 +463,9 @@ void Model::gated_deltanet_block(const BlockArgs& a, const TreeArgs& t) const {
     CacheTimer timer(t.cache_seconds);
     windows = t.cache->update_tree_conv(channels_view(r.qkv.data(), n, channels), a.layer);
   }
-  // Each node's window along its path: [N, C, K], channel stride K, time stride 1.
+  // Each node's window along its path: [N, C, K] (time-major rows).
   for (std::int64_t node = 0; node < n; ++node)
-    k::causal_conv1d(static_cast<const float*>(windows.data) + node * channels * K, channels, K, 1, windows.stride(1),
+    k::causal_conv1d(static_cast<const float*>(windows.data) + node * windows.stride(0), channels, K, 1, windows.stride(1),
                      windows.stride(2), a.w->conv, nullptr, /*fuse_silu=*/true, r.mixed.data() + node * channels);
   deltanet_mid(*a.w, n, r);
   TreeRecurrentSlots slots;
@@ -494,7 +494,7 @@ void Model::short_conv_block(const BlockArgs& a, const TreeArgs& t) const {
     windows = t.cache->update_tree_conv(channels_view(r.bx.data(), n, d), a.layer);
   }
   for (std::int64_t node = 0; node < n; ++node)
-    k::causal_conv1d(static_cast<const float*>(windows.data) + node * d * K, d, K, 1, windows.stride(1),
+    k::causal_conv1d(static_cast<const float*>(windows.data) + node * windows.stride(0), d, K, 1, windows.stride(1),
                      windows.stride(2), a.w->conv, nullptr, /*fuse_silu=*/false, r.conv.data() + node * d);
   short_conv_out(*a.w, n, r, a.out);
 }

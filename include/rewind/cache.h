@@ -160,7 +160,9 @@ class Cache {
   // The nodes' conv inputs x [1, C, N]; returns their windows [N, C, K]:
   // row n holds, for the K positions ending at node n's, the inputs along
   // its path (committed inputs before L, zeros before position 0), oldest
-  // first. Throws as update_tree.
+  // first. Stored time-major as the cache keeps conv inputs (strides
+  // [K * C, 1, C]: one position's channels contiguous). Throws as
+  // update_tree.
   TensorView update_tree_conv(const TensorView& x, int layer_idx, int state = 0);
   // The slots of recurrent state `state` (TreeRecurrentSlots); the kernel
   // writes every node's state into next(node) before commit. Throws as

@@ -3,6 +3,7 @@
 // so what the layers hold afterwards is by construction what a chain would
 // have left.
 #include <algorithm>
+#include <cstring>
 #include <string>
 #include <utility>
 
@@ -220,23 +221,29 @@ TensorView Cache::update_tree_conv(const TensorView& x, int layer_idx, int state
     throw InvalidArgument(l.where() + ": update_tree_conv(" + num(state) + ") got " + x.describe() + "; expected " +
                           extents({1, C, n}, dtype) + " (N = " + num(n) + " nodes)");
   }
+  const std::size_t es = dtype_size(dtype);
+  const auto row_bytes = static_cast<std::size_t>(C) * es;
   l.budgeted("update_tree_conv", [&] {
-    Tensor inputs = copied(x);
-    Tensor windows(dtype, {n, C, K});
+    // Time-major storage, as the cache keeps conv inputs: one position's C
+    // channels are contiguous, so every window column is one row copy.
+    Tensor inputs(dtype, {n, C});
+    copy_tensor(x, TensorView::strided(inputs.view().data, dtype, {1, C, n}, {n * C, 1, C}));
+    Tensor windows(dtype, {n, K, C});
     const std::int64_t L = t.tree.start;
+    const auto* in = static_cast<const std::byte*>(inputs.view().data);
+    auto* out = static_cast<std::byte*>(windows.view().data);
     for (std::int64_t node = 0; node < n; ++node) {
-      const TensorView row = windows.view().slice(0, node, 1);  // [1, C, K]
       // Column K - 1 - j holds position P - j: a node of the path while
       // j <= depth, a committed input (or the zero padding) before that.
       std::int64_t on_path = node;
       const std::int64_t P = L + t.tree.depths[static_cast<std::size_t>(node)];
       for (std::int64_t j = 0; j < K; ++j) {
-        const TensorView dst = row.slice(2, K - 1 - j, 1);
+        std::byte* dst = out + static_cast<std::size_t>((node * K + K - 1 - j)) * row_bytes;
         if (on_path >= 0) {
-          copy_tensor(inputs.view().slice(2, on_path, 1), dst);
+          std::memcpy(dst, in + static_cast<std::size_t>(on_path) * row_bytes, row_bytes);
           on_path = t.tree.parents[static_cast<std::size_t>(on_path)];
         } else {
-          copy_tensor(track.view(P - j, 1), dst);
+          std::memcpy(dst, track.view(P - j, 1).data, row_bytes);
         }
       }
     }
@@ -244,7 +251,7 @@ TensorView Cache::update_tree_conv(const TensorView& x, int layer_idx, int state
     t.scratch.conv_windows[s] = std::move(windows);
   });
   t.scratch.convs_done[s] = true;
-  return t.scratch.conv_windows[s].view();
+  return TensorView::strided(t.scratch.conv_windows[s].view().data, dtype, {n, C, K}, {K * C, 1, C});
 }
 
 TreeRecurrentSlots Cache::tree_recurrent_slots(int layer_idx, int state) {
@@ -375,8 +382,13 @@ void TreeForward::commit(std::int64_t leaf) {
         for (std::size_t s = 0; s < lt.sides.size(); ++s)
           layer.update_side(gathered(lt.sides[s].view(), 1, nodes), static_cast<int>(s));
       }
-      for (std::size_t s = 0; s < lt.conv_inputs.size(); ++s)
-        layer.update_conv_state(gathered(lt.conv_inputs[s].view(), 2, nodes), static_cast<int>(s));
+      for (std::size_t s = 0; s < lt.conv_inputs.size(); ++s) {
+        // Rows [k, C] of the path, given as [1, C, k].
+        const Tensor rows = gathered(lt.conv_inputs[s].view(), 0, nodes);
+        const std::int64_t C = rows.view().size(1);
+        layer.update_conv_state(TensorView::strided(rows.view().data, rows.view().dtype, {1, C, k}, {k * C, 1, C}),
+                                static_cast<int>(s));
+      }
       for (std::size_t s = 0; s < lt.recurrent_slots.size(); ++s) {
         RecurrentUpdate u = layer.begin_recurrent_update(k, static_cast<int>(s));
         // Without recording every next(t) is one slot: the last copy wins,

@@ -23,8 +23,8 @@ struct TreeState {
     std::vector<bool> sides_done;
     std::vector<Tensor> sides;                 // [1, N, D]
     std::vector<bool> convs_done;
-    std::vector<Tensor> conv_inputs;           // [1, C, N]
-    std::vector<Tensor> conv_windows;          // [N, C, K]
+    std::vector<Tensor> conv_inputs;           // [N, C]: each node's inputs, time-major
+    std::vector<Tensor> conv_windows;          // [N, K, C] storage of the [N, C, K] windows
     std::vector<bool> recurrents_done;
     std::vector<Tensor> recurrent_slots;       // [N, shape...]
   };
