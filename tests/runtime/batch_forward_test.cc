@@ -362,7 +362,18 @@ TEST(DecodeBenchBatch, BatchRowsAreMeasuredAndCheckedAgainstGreedy) {
     }
   }
   EXPECT_EQ(methods, (std::vector<std::string>{"greedy/1", "draft/1", "lookup/1", "greedy_batch/1", "draft_batch/1",
-                                               "greedy_batch/3", "draft_batch/3"}));
+                                               "lookup_batch/1", "greedy_batch/3", "draft_batch/3", "lookup_batch/3"}));
+  // Tree rows come with tree_width >= 2, each checked against greedy.
+  options.batch_sizes = {};
+  options.tree_width = 2;
+  options.tree_nodes = 6;
+  methods.clear();
+  for (const auto& r : run_decode_bench(target, &draft, options)) {
+    methods.push_back(r.method);
+    EXPECT_TRUE(r.identical) << r.method;
+  }
+  EXPECT_EQ(methods, (std::vector<std::string>{"greedy", "draft", "lookup", "draft_tree", "lookup_tree"}));
+  options.tree_width = 0;
   EXPECT_NE(decode_bench_json(rows).find("\"batch\": 3"), std::string::npos);
   options.batch_sizes = {0};
   EXPECT_THROW(run_decode_bench(target, &draft, options), InvalidArgument);
