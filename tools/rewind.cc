@@ -168,7 +168,8 @@ struct PromptChoice {
 
   bool many(const CLI::App& cmd) const { return cmd.count("--prompts") > 0; }
   // The lines of --prompts FILE, one prompt each (an empty line is a prompt
-  // of BOS alone; a final newline ends the last line, it adds none).
+  // of BOS alone, refused when the tokenizer adds no BOS; a final newline
+  // ends the last line, it adds none).
   std::vector<std::string> read_many() const {
     std::ifstream file_in;
     if (prompts != "-") {

@@ -74,7 +74,8 @@ class Tokenizer {
   // (negative, >= vocab_size(), or a hole in the vocabulary) contribute
   // nothing, as do special tokens when `skip_special`. The result is the
   // exact bytes (it may end inside a UTF-8 sequence); decode(encode(x, false))
-  // == x for every NFC-normalized UTF-8 x.
+  // == x for every NFC-normalized UTF-8 x, except for whitespace that an
+  // lstrip / rstrip added token takes into its match.
   std::string decode(std::span<const std::int32_t> ids, bool skip_special = false) const;
 
   // One past the largest token id (vocabulary and added tokens).
