@@ -80,54 +80,118 @@ Model::Model(ModelWeights weights) : weights_(std::move(weights)) {
     for (int i = 15; i >= 0; --i, h >>= 4) hex[static_cast<std::size_t>(i)] = digits[h & 15];
     fingerprint_ = "rewind-hybrid-" + hex;
   }
-  embed_ = data_of(weights_, "model.embed_tokens.weight");
-  final_norm_ = data_of(weights_, "model.norm.weight");
-  lm_head_ = packed(weights_, c.tie_word_embeddings ? "model.embed_tokens.weight" : "lm_head.weight");
+  auto name = [&c](std::int64_t layer, WeightRole role) { return weight_name(c, layer, role); };
+  // A norm weight as the kernels use it: (1 + w) folded in once for the
+  // families that multiply by it (1 + w in f32 is the rounding transformers
+  // does per forward, so the product is the same).
+  auto norm = [&](const std::string& n) -> const float* {
+    const Tensor& t = weights_.get(n);
+    if (!c.norm_plus_one) return t.data<float>();
+    std::vector<float> v(static_cast<std::size_t>(t.numel()));
+    for (std::size_t i = 0; i < v.size(); ++i) v[i] = 1.0f + t.data<float>()[i];
+    return folded_.emplace_back(std::move(v)).data();
+  };
+  const std::string embed_name = name(0, WeightRole::Embed);
+  embed_ = data_of(weights_, embed_name);
+  final_norm_ = norm(name(0, WeightRole::FinalNorm));
+  lm_head_ = packed(weights_, c.tie_word_embeddings ? embed_name : name(0, WeightRole::LmHead));
   // Linear weights whose packed copy is the only one used from here on (a
   // tied embedding stays: the lookup reads it).
   std::vector<std::string> packed_names;
-  if (!c.tie_word_embeddings) packed_names.push_back("lm_head.weight");
+  if (!c.tie_word_embeddings) packed_names.push_back(name(0, WeightRole::LmHead));
+  // Rows [first + k * stride, ... + count) for k = 0, 1, ..., of the [out, in]
+  // matrix `t`, gathered in that order and packed: how fused projections
+  // (per-head query and gate, Qwen3-Next's per-key-head qkvz / ba groups) are
+  // split into the unfused matrices the blocks multiply with.
+  auto gather = [](const Tensor& t, std::int64_t groups, std::int64_t stride, std::int64_t first,
+                   std::int64_t count) {
+    const std::int64_t in = t.view().size(1);
+    std::vector<float> rows(static_cast<std::size_t>(groups * count * in));
+    for (std::int64_t g = 0; g < groups; ++g) {
+      std::memcpy(rows.data() + g * count * in, t.data<float>() + (g * stride + first) * in,
+                  static_cast<std::size_t>(count * in) * sizeof(float));
+    }
+    return k::PackedMatrix(rows.data(), groups * count, in);
+  };
   for (std::int64_t i = 0; i < c.num_hidden_layers; ++i) {
-    const std::string p = "model.layers." + std::to_string(i) + ".";
-    auto get = [&](const std::string& name) { return data_of(weights_, p + name); };
-    auto linear = [&](const std::string& name) {
-      packed_names.push_back(p + name);
-      return packed(weights_, p + name);
+    auto get = [&](WeightRole role) { return data_of(weights_, name(i, role)); };
+    auto linear = [&](WeightRole role) {
+      packed_names.push_back(name(i, role));
+      return packed(weights_, name(i, role));
     };
     LayerWeights w;
-    w.input_norm = get("input_layernorm.weight");
-    w.post_norm = get("post_attention_layernorm.weight");
-    w.gate = linear("mlp.gate_proj.weight");
-    w.up = linear("mlp.up_proj.weight");
-    w.down = linear("mlp.down_proj.weight");
+    w.input_norm = norm(name(i, WeightRole::InputNorm));
+    w.post_norm = norm(name(i, WeightRole::PostNorm));
+    w.gate = linear(WeightRole::MlpGate);
+    w.up = linear(WeightRole::MlpUp);
+    w.down = linear(WeightRole::MlpDown);
     switch (c.layer_types[static_cast<std::size_t>(i)]) {
       case LayerKind::FullAttention:
       case LayerKind::SlidingAttention:
         w.kind = c.layer_types[static_cast<std::size_t>(i)] == LayerKind::FullAttention ? LayerWeights::Kind::Attention
                                                                                         : LayerWeights::Kind::Sliding;
         has_attention_ = true;
-        w.wq = linear("self_attn.q_proj.weight");
-        w.wk = linear("self_attn.k_proj.weight");
-        w.wv = linear("self_attn.v_proj.weight");
-        w.wo = linear("self_attn.o_proj.weight");
+        if (c.attn_output_gate) {
+          // q_proj: per head, head_dim query rows then head_dim gate rows.
+          const Tensor& q = weights_.get(name(i, WeightRole::AttnQ));
+          w.wq = gather(q, c.num_attention_heads, 2 * c.head_dim, 0, c.head_dim);
+          w.wgate = gather(q, c.num_attention_heads, 2 * c.head_dim, c.head_dim, c.head_dim);
+          packed_names.push_back(name(i, WeightRole::AttnQ));
+        } else {
+          w.wq = linear(WeightRole::AttnQ);
+        }
+        w.wk = linear(WeightRole::AttnK);
+        w.wv = linear(WeightRole::AttnV);
+        w.wo = linear(WeightRole::AttnO);
+        if (c.qk_norm) {
+          w.q_norm = norm(name(i, WeightRole::AttnQNorm));
+          w.k_norm = norm(name(i, WeightRole::AttnKNorm));
+        }
         break;
       case LayerKind::LinearAttention:
         w.kind = LayerWeights::Kind::GatedDeltaNet;
-        w.in_qkv = linear("linear_attn.in_proj_qkv.weight");
-        w.in_z = linear("linear_attn.in_proj_z.weight");
-        w.in_b = linear("linear_attn.in_proj_b.weight");
-        w.in_a = linear("linear_attn.in_proj_a.weight");
-        w.conv = get("linear_attn.conv1d.weight");
-        w.dt_bias = get("linear_attn.dt_bias");
-        w.a_log = get("linear_attn.A_log");
-        w.out_norm = get("linear_attn.norm.weight");
-        w.out = linear("linear_attn.out_proj.weight");
+        if (c.fused_gdn_projections) {
+          // Qwen3-Next groups the rows per key head g: [q (kd), k (kd), v (r vd),
+          // z (r vd)] and [b (r), a (r)] with r = lnv / lnk value heads per key
+          // head; the unfused layout is all q, all k, all v (value heads in
+          // order g * r + j), and z, b, a in value-head order.
+          const std::int64_t nk = c.linear_num_key_heads, kd = c.linear_key_head_dim;
+          const std::int64_t r = c.linear_num_value_heads / nk, rv = r * c.linear_value_head_dim;
+          const std::int64_t group = 2 * kd + 2 * rv;
+          const Tensor& qkvz = weights_.get(name(i, WeightRole::GdnQkvz));
+          const Tensor& ba = weights_.get(name(i, WeightRole::GdnBa));
+          const std::int64_t d = c.hidden_size;
+          std::vector<float> qkv(static_cast<std::size_t>(c.linear_conv_dim() * d));
+          float* dst = qkv.data();
+          for (std::int64_t part : {std::int64_t{0}, kd, 2 * kd}) {  // q, k, v blocks of each group
+            const std::int64_t count = part == 2 * kd ? rv : kd;
+            for (std::int64_t g = 0; g < nk; ++g, dst += count * d) {
+              std::memcpy(dst, qkvz.data<float>() + (g * group + part) * d, static_cast<std::size_t>(count * d) * sizeof(float));
+            }
+          }
+          w.in_qkv = k::PackedMatrix(qkv.data(), c.linear_conv_dim(), d);
+          w.in_z = gather(qkvz, nk, group, 2 * kd + rv, rv);
+          w.in_b = gather(ba, nk, 2 * r, 0, r);
+          w.in_a = gather(ba, nk, 2 * r, r, r);
+          packed_names.push_back(name(i, WeightRole::GdnQkvz));
+          packed_names.push_back(name(i, WeightRole::GdnBa));
+        } else {
+          w.in_qkv = linear(WeightRole::GdnQkv);
+          w.in_z = linear(WeightRole::GdnZ);
+          w.in_b = linear(WeightRole::GdnB);
+          w.in_a = linear(WeightRole::GdnA);
+        }
+        w.conv = get(WeightRole::GdnConv);
+        w.dt_bias = get(WeightRole::GdnDtBias);
+        w.a_log = get(WeightRole::GdnALog);
+        w.out_norm = get(WeightRole::GdnNorm);  // a plain-weight norm in every family
+        w.out = linear(WeightRole::GdnOut);
         break;
       case LayerKind::Conv:
         w.kind = LayerWeights::Kind::ShortConv;
-        w.in_bcx = linear("conv.in_proj.weight");
-        w.conv = get("conv.conv.weight");
-        w.out = linear("conv.out_proj.weight");
+        w.in_bcx = linear(WeightRole::ConvIn);
+        w.conv = get(WeightRole::ConvConv);
+        w.out = linear(WeightRole::ConvOut);
         break;
       case LayerKind::ChunkedAttention:
       case LayerKind::Hybrid:
@@ -141,7 +205,7 @@ Model::Model(ModelWeights weights) : weights_(std::move(weights)) {
     }
     layers_.push_back(std::move(w));
   }
-  for (const auto& name : packed_names) weights_.release(name);
+  for (const auto& n : packed_names) weights_.release(n);
 }
 
 Model Model::load(const std::string& dir) { return Model(ModelWeights::load(dir)); }
@@ -195,8 +259,24 @@ void Model::attention_in(const LayerWeights& w, const float* h, std::int64_t n, 
   k::matmul(h, n, w.wq, r.q.data());
   k::matmul(h, n, w.wk, r.key.data());
   k::matmul(h, n, w.wv, r.val.data());
+  if (w.q_norm != nullptr) {
+    // Per-head RMSNorm (one row per token and head: batch invariant).
+    k::rms_norm(r.q.data(), w.q_norm, n * nh, hd, c.rms_norm_eps, r.q.data());
+    k::rms_norm(r.key.data(), w.k_norm, n * nkv, hd, c.rms_norm_eps, r.key.data());
+  }
   k::rope_inplace(r.q.data(), n, nh, hd, rope);
   k::rope_inplace(r.key.data(), n, nkv, hd, rope);
+  if (w.wgate.out() > 0) {
+    r.gate.resize(r.q.size());
+    k::matmul(h, n, w.wgate, r.gate.data());
+  }
+}
+
+void Model::attention_out(const LayerWeights& w, std::int64_t n, AttentionRows& r, float* out) const {
+  if (w.wgate.out() > 0) {
+    for (std::size_t i = 0; i < r.att.size(); ++i) r.att[i] *= k::sigmoid(r.gate[i]);
+  }
+  k::matmul(r.att.data(), n, w.wo, out);
 }
 
 void Model::deltanet_in(const LayerWeights& w, const float* h, std::int64_t n, DeltaNetRows& r) const {
@@ -304,7 +384,7 @@ void Model::attention_block(const BlockArgs& a, const SequenceArgs& s) const {
   k::AttentionMask m;
   if (a.w->kind == LayerWeights::Kind::Sliding) m.window = c.sliding_window;
   k::attention(r.q.data(), n, s.pos0, nh, nkv, hd, keys, values, mask.kv_offset, mask.kv_length, m, r.att.data());
-  k::matmul(r.att.data(), n, a.w->wo, a.out);
+  attention_out(*a.w, n, r, a.out);
 }
 
 void Model::gated_deltanet_block(const BlockArgs& a, const SequenceArgs& s) const {
@@ -390,7 +470,7 @@ void Model::forward(std::span<const std::int32_t> tokens, Cache& cache, std::vec
   // every attention layer.
   std::vector<std::int64_t> positions(sz(n));
   for (std::int64_t t = 0; t < n; ++t) positions[sz(t)] = pos0 + t;
-  const k::RopeTable rope(positions.data(), has_attention_ ? n : 0, c.rope_theta, c.head_dim);
+  const k::RopeTable rope(positions.data(), has_attention_ ? n : 0, c.rope_theta, c.rope_dim());
   for (std::size_t i = 0; i < layers_.size(); ++i) {
     const LayerWeights& w = layers_[i];
     const int layer = static_cast<int>(i);
@@ -439,7 +519,7 @@ void Model::attention_block(const BlockArgs& a, const BatchArgs& b) const {
     k::attention_paged(r.q.data() + b.offset[e] * nh * hd, n, b.pos0[e], nh, nkv, hd, runs, strides, strides,
                        kv[e].kv_offset, kv[e].kv_length, m, r.att.data() + b.offset[e] * nh * hd);
   }
-  k::matmul(r.att.data(), a.n, a.w->wo, a.out);
+  attention_out(*a.w, a.n, r, a.out);
 }
 
 void Model::gated_deltanet_block(const BlockArgs& a, const BatchArgs& b) const {
@@ -523,7 +603,7 @@ void Model::forward_batch(std::span<const SequenceTokens> batch, SequenceCache& 
       positions[sz(row)] = pos0[e] + static_cast<std::int64_t>(t);
     }
   }
-  const k::RopeTable rope(positions.data(), has_attention_ ? T : 0, c.rope_theta, c.head_dim);
+  const k::RopeTable rope(positions.data(), has_attention_ ? T : 0, c.rope_theta, c.rope_dim());
   for (std::size_t i = 0; i < layers_.size(); ++i) {
     const LayerWeights& w = layers_[i];
     const int layer = static_cast<int>(i);
@@ -558,7 +638,7 @@ std::size_t Model::rollback_bytes(std::int64_t R) const { return retention_bytes
 std::vector<std::int32_t> encode_prompt(const std::string& text, const ModelConfig& config) {
   std::vector<std::int32_t> tokens;
   tokens.reserve(text.size() + 1);
-  tokens.push_back(static_cast<std::int32_t>(config.bos_token_id));
+  if (config.add_bos && config.bos_token_id >= 0) tokens.push_back(static_cast<std::int32_t>(config.bos_token_id));
   for (unsigned char ch : text) tokens.push_back(static_cast<std::int32_t>(ch));
   return tokens;
 }

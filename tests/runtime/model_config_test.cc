@@ -125,7 +125,7 @@ TEST(ModelConfig, ParsesExplicitValues) {
                    {"bos_token_id", "1"},
                    {"eos_token_id", "[2, 3]"},
                    {"torch_dtype", R"("bfloat16")"},
-                   {"model_type", R"("qwen3_5_text")"},
+                   {"model_type", R"("my_hybrid")"},
                    {"architectures", R"(["Whatever"])"}}),
       "x/config.json");
   EXPECT_EQ(c.head_dim, 16);
@@ -135,7 +135,7 @@ TEST(ModelConfig, ParsesExplicitValues) {
   EXPECT_EQ(c.bos_token_id, 1);
   EXPECT_EQ(c.eos_token_id, 2);  // the first of a list
   EXPECT_EQ(c.torch_dtype, DType::BF16);
-  EXPECT_EQ(c.model_type, "qwen3_5_text");
+  EXPECT_EQ(c.model_type, "my_hybrid");
 }
 
 TEST(ModelConfig, NewerTransformersSpellings) {

@@ -19,6 +19,7 @@
 #pragma once
 
 #include <cstdint>
+#include <deque>
 #include <span>
 #include <string>
 #include <vector>
@@ -116,6 +117,9 @@ class Model {
     kernels::PackedMatrix wk;  // [nkv*hd, d]
     kernels::PackedMatrix wv;  // [nkv*hd, d]
     kernels::PackedMatrix wo;  // [d, nh*hd]
+    kernels::PackedMatrix wgate;        // [nh*hd, d] output gate rows of q_proj (attn_output_gate), else empty
+    const float* q_norm = nullptr;      // [hd] per-head query / key RMSNorm (qk_norm), else null
+    const float* k_norm = nullptr;
     // Gated DeltaNet
     kernels::PackedMatrix in_qkv;  // [conv_dim, d]
     kernels::PackedMatrix in_z;    // [lnv*lvd, d]
@@ -132,10 +136,12 @@ class Model {
   // The math of each block that does not touch the cache, shared by
   // forward() and forward_batch() (rows are independent: batch invariance).
   struct AttentionRows {
-    std::vector<float> q, key, val, att;  // [n, nh*hd], [n, nkv*hd] x 2, [n, nh*hd]
+    std::vector<float> q, key, val, att, gate;  // [n, nh*hd], [n, nkv*hd] x 2, [n, nh*hd] x 2
   };
   void attention_in(const LayerWeights& w, const float* h, std::int64_t n, const kernels::RopeTable& rope,
                     AttentionRows& r) const;
+  // The output gate (when the model has one) and o_proj of the attention rows.
+  void attention_out(const LayerWeights& w, std::int64_t n, AttentionRows& r, float* out) const;
   struct DeltaNetRows {
     std::vector<float> qkv, z, b, a, mixed, q, key, v, g, beta, o;
   };
@@ -189,6 +195,9 @@ class Model {
   // Config, embedding, norms, conv and gate parameters; the linear weights
   // are released after packing (their copies live in layers_ / lm_head_).
   ModelWeights weights_;
+  // Norm weights with the 1 of a (1 + w) norm folded in (norm_plus_one);
+  // a deque so that the pointers into it survive growth and moves.
+  std::deque<std::vector<float>> folded_;
   std::int64_t parameter_count_ = 0;
   std::string fingerprint_;
   bool has_attention_ = false;  // any full / sliding attention layer (needs RoPE)
@@ -198,7 +207,7 @@ class Model {
   kernels::PackedMatrix lm_head_;  // [vocab, d] (a copy of the embedding when tied)
 };
 
-// Byte-level tokenizer: a text becomes BOS followed by its bytes.
+// Byte-level tokenizer: a text becomes BOS (when config.add_bos) followed by its bytes.
 std::vector<std::int32_t> encode_prompt(const std::string& text, const ModelConfig& config);
 // Bytes of the tokens that are bytes (< 256); special tokens are skipped.
 std::string decode_tokens(std::span<const std::int32_t> tokens);

@@ -46,6 +46,14 @@ class ModelWeights {
   // cannot be read. Messages name the file.
   static ModelWeights load(const std::string& dir);
 
+  // Weights from f32 tensors already in memory (another loader, or a test
+  // that alters a checkpoint): `tensors` must hold exactly
+  // expected_weights(config), each F32 with the listed shape. Throws
+  // FormatError naming the first tensor missing, unexpected, of another
+  // dtype or shape (nothing is kept then).
+  // REQUIRES: a validated config.
+  static ModelWeights from_tensors(const ModelConfig& config, std::map<std::string, Tensor, std::less<>> tensors);
+
   // The weights write_random_model(config, dir, seed, dtype) would write,
   // built in memory: equal, value for value, to load(dir) of that directory.
   // REQUIRES: a validated config.
@@ -74,7 +82,12 @@ class ModelWeights {
   std::map<std::string, Tensor, std::less<>> tensors_;
 };
 
-// Same as ModelWeights::load(dir).
+// Same as ModelWeights::load(dir). A directory holds config.json, then
+// either model.safetensors or model.safetensors.index.json with the shards
+// its weight_map names (file names in the directory), and optionally
+// generation_config.json (applied with apply_generation_config for the
+// transformers families). Tensors under ignored_weight_prefixes(config)
+// (vision tower, multi-token prediction) are skipped, never converted.
 ModelWeights load_weights(const std::string& dir);
 
 // Creates `out_dir` (and parents) if needed and writes config.json (the
