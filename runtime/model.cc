@@ -6,6 +6,10 @@
 #include <cstring>
 #include <optional>
 
+#if defined(__GLIBC__)
+#include <malloc.h>
+#endif
+
 #include "rewind/error.h"
 #include "rewind/prefix_cache.h"
 #include "runtime/kernels.h"
@@ -16,12 +20,19 @@ namespace k = kernels;
 
 namespace {
 
-const float* data_of(const ModelWeights& w, const std::string& name) { return w.get(name).data<float>(); }
+// An [out, in] matrix of `dtype` (F32 or BF16) packed for kernels::matmul in
+// the same dtype.
+k::PackedMatrix pack(const std::byte* w, DType dtype, std::int64_t out, std::int64_t in) {
+  if (dtype == DType::BF16) {
+    return k::PackedMatrix::from_bf16(static_cast<const std::uint16_t*>(static_cast<const void*>(w)), out, in);
+  }
+  return k::PackedMatrix(static_cast<const float*>(static_cast<const void*>(w)), out, in);
+}
 
 // The linear weight `name` ([out, in]) packed for kernels::matmul.
 k::PackedMatrix packed(const ModelWeights& w, const std::string& name) {
   const Tensor& t = w.get(name);
-  return k::PackedMatrix(t.data<float>(), t.view().size(0), t.view().size(1));
+  return pack(t.data<std::byte>(), t.view().dtype, t.view().size(0), t.view().size(1));
 }
 
 // The [B=1, H, n, D] keys / values view of token-major rows [n, H, D].
@@ -81,43 +92,70 @@ Model::Model(ModelWeights weights) : weights_(std::move(weights)) {
     fingerprint_ = "rewind-hybrid-" + hex;
   }
   auto name = [&c](std::int64_t layer, WeightRole role) { return weight_name(c, layer, role); };
-  // A norm weight as the kernels use it: (1 + w) folded in once for the
-  // families that multiply by it (1 + w in f32 is the rounding transformers
-  // does per forward, so the product is the same).
-  auto norm = [&](const std::string& n) -> const float* {
+  // A small tensor (norm, conv, gate parameters) as f32 for the kernels: an
+  // F32 tensor is used in place; a BF16 one is widened into folded_, and so
+  // is a (1 + w) norm weight, with the 1 folded in once (1 + w in f32 is the
+  // rounding transformers does per forward, so the product is the same).
+  auto small = [&](const std::string& n, bool plus_one) -> const float* {
     const Tensor& t = weights_.get(n);
-    if (!c.norm_plus_one) return t.data<float>();
+    const bool bf16 = t.view().dtype == DType::BF16;
+    if (!bf16 && !plus_one) return t.data<float>();
     std::vector<float> v(static_cast<std::size_t>(t.numel()));
-    for (std::size_t i = 0; i < v.size(); ++i) v[i] = 1.0f + t.data<float>()[i];
+    for (std::size_t i = 0; i < v.size(); ++i) {
+      v[i] = bf16 ? bf16_to_f32(t.data<std::uint16_t>()[i]) : t.data<float>()[i];
+      if (plus_one) v[i] = 1.0f + v[i];
+    }
     return folded_.emplace_back(std::move(v)).data();
   };
+  auto norm = [&](const std::string& n) { return small(n, c.norm_plus_one); };
+  auto data_of = [&](const ModelWeights&, const std::string& n) { return small(n, false); };
   const std::string embed_name = name(0, WeightRole::Embed);
-  embed_ = data_of(weights_, embed_name);
   final_norm_ = norm(name(0, WeightRole::FinalNorm));
   lm_head_ = packed(weights_, c.tie_word_embeddings ? embed_name : name(0, WeightRole::LmHead));
-  // Linear weights whose packed copy is the only one used from here on (a
-  // tied embedding stays: the lookup reads it).
+  // A tied embedding is looked up in the packed output matrix (the same
+  // values), so the model holds it once.
+  embed_ = c.tie_word_embeddings ? nullptr : &weights_.get(embed_name);
+  // Linear weights are released as soon as their layer is packed, so loading
+  // holds at most one layer's matrices twice.
+  if (c.tie_word_embeddings) weights_.release(embed_name);
+  if (!c.tie_word_embeddings) weights_.release(name(0, WeightRole::LmHead));
+  // glibc raises its mmap threshold as large blocks are freed, so released
+  // weights end up as free heap pages it keeps; handing them back after each
+  // release keeps freed and packed copies from adding up while loading.
+  auto trim = [] {
+#if defined(__GLIBC__)
+    malloc_trim(0);
+#endif
+  };
+  trim();
   std::vector<std::string> packed_names;
-  if (!c.tie_word_embeddings) packed_names.push_back(name(0, WeightRole::LmHead));
   // Rows [first + k * stride, ... + count) for k = 0, 1, ..., of the [out, in]
-  // matrix `t`, gathered in that order and packed: how fused projections
-  // (per-head query and gate, Qwen3-Next's per-key-head qkvz / ba groups) are
-  // split into the unfused matrices the blocks multiply with.
+  // matrix `t`, gathered in that order and packed (in t's dtype): how fused
+  // projections (per-head query and gate, Qwen3-Next's per-key-head qkvz /
+  // ba groups) are split into the unfused matrices the blocks multiply with.
   auto gather = [](const Tensor& t, std::int64_t groups, std::int64_t stride, std::int64_t first,
                    std::int64_t count) {
     const std::int64_t in = t.view().size(1);
-    std::vector<float> rows(static_cast<std::size_t>(groups * count * in));
+    const std::size_t row = static_cast<std::size_t>(in) * dtype_size(t.view().dtype);
+    std::vector<std::byte> rows(static_cast<std::size_t>(groups * count) * row);
     for (std::int64_t g = 0; g < groups; ++g) {
-      std::memcpy(rows.data() + g * count * in, t.data<float>() + (g * stride + first) * in,
-                  static_cast<std::size_t>(count * in) * sizeof(float));
+      std::memcpy(rows.data() + static_cast<std::size_t>(g * count) * row,
+                  t.data<std::byte>() + static_cast<std::size_t>(g * stride + first) * row,
+                  static_cast<std::size_t>(count) * row);
     }
-    return k::PackedMatrix(rows.data(), groups * count, in);
+    return pack(rows.data(), t.view().dtype, groups * count, in);
+  };
+  auto release_packed = [&] {
+    for (const auto& n : packed_names) weights_.release(n);
+    packed_names.clear();
+    trim();
   };
   for (std::int64_t i = 0; i < c.num_hidden_layers; ++i) {
     auto get = [&](WeightRole role) { return data_of(weights_, name(i, role)); };
     auto linear = [&](WeightRole role) {
-      packed_names.push_back(name(i, role));
-      return packed(weights_, name(i, role));
+      k::PackedMatrix m = packed(weights_, name(i, role));
+      weights_.release(name(i, role));
+      return m;
     };
     LayerWeights w;
     w.input_norm = norm(name(i, WeightRole::InputNorm));
@@ -161,15 +199,17 @@ Model::Model(ModelWeights weights) : weights_(std::move(weights)) {
           const Tensor& qkvz = weights_.get(name(i, WeightRole::GdnQkvz));
           const Tensor& ba = weights_.get(name(i, WeightRole::GdnBa));
           const std::int64_t d = c.hidden_size;
-          std::vector<float> qkv(static_cast<std::size_t>(c.linear_conv_dim() * d));
-          float* dst = qkv.data();
+          const std::size_t row = static_cast<std::size_t>(d) * dtype_size(qkvz.view().dtype);
+          std::vector<std::byte> qkv(static_cast<std::size_t>(c.linear_conv_dim()) * row);
+          std::byte* dst = qkv.data();
           for (std::int64_t part : {std::int64_t{0}, kd, 2 * kd}) {  // q, k, v blocks of each group
             const std::int64_t count = part == 2 * kd ? rv : kd;
-            for (std::int64_t g = 0; g < nk; ++g, dst += count * d) {
-              std::memcpy(dst, qkvz.data<float>() + (g * group + part) * d, static_cast<std::size_t>(count * d) * sizeof(float));
+            for (std::int64_t g = 0; g < nk; ++g, dst += static_cast<std::size_t>(count) * row) {
+              std::memcpy(dst, qkvz.data<std::byte>() + static_cast<std::size_t>(g * group + part) * row,
+                          static_cast<std::size_t>(count) * row);
             }
           }
-          w.in_qkv = k::PackedMatrix(qkv.data(), c.linear_conv_dim(), d);
+          w.in_qkv = pack(qkv.data(), qkvz.view().dtype, c.linear_conv_dim(), d);
           w.in_z = gather(qkvz, nk, group, 2 * kd + rv, rv);
           w.in_b = gather(ba, nk, 2 * r, 0, r);
           w.in_a = gather(ba, nk, 2 * r, r, r);
@@ -204,8 +244,32 @@ Model::Model(ModelWeights weights) : weights_(std::move(weights)) {
                           std::to_string(i) + " is not implemented by the runtime");
     }
     layers_.push_back(std::move(w));
+    release_packed();
   }
-  for (const auto& n : packed_names) weights_.release(n);
+}
+
+std::size_t Model::weight_bytes() const {
+  std::size_t total = weights_.bytes() + lm_head_.bytes();
+  for (const auto& v : folded_) total += v.size() * sizeof(float);
+  for (const LayerWeights& w : layers_) {
+    for (const k::PackedMatrix* m : {&w.gate, &w.up, &w.down, &w.wq, &w.wk, &w.wv, &w.wo, &w.wgate, &w.in_qkv,
+                                     &w.in_z, &w.in_b, &w.in_a, &w.out, &w.in_bcx}) {
+      total += m->bytes();
+    }
+  }
+  return total;
+}
+
+void Model::embed_row(std::int32_t token, float* dst) const {
+  const std::int64_t d = config().hidden_size;
+  if (embed_ == nullptr) {
+    lm_head_.row(token, dst);
+  } else if (embed_->view().dtype == DType::BF16) {
+    const std::uint16_t* src = embed_->data<std::uint16_t>() + token * d;
+    for (std::int64_t i = 0; i < d; ++i) dst[i] = bf16_to_f32(src[i]);
+  } else {
+    std::memcpy(dst, embed_->data<float>() + token * d, static_cast<std::size_t>(d) * sizeof(float));
+  }
 }
 
 Model Model::load(const std::string& dir) { return Model(ModelWeights::load(dir)); }
@@ -463,9 +527,7 @@ void Model::forward(std::span<const std::int32_t> tokens, Cache& cache, std::vec
     transaction.emplace(cache.begin_forward(n));
   }
   std::vector<float> x(sz(n * d)), h(sz(n * d)), mix(sz(n * d)), gate(sz(n * ff)), up(sz(n * ff));
-  for (std::int64_t t = 0; t < n; ++t) {
-    std::memcpy(x.data() + t * d, embed_ + tokens[sz(t)] * d, sz(d) * sizeof(float));
-  }
+  for (std::int64_t t = 0; t < n; ++t) embed_row(tokens[sz(t)], x.data() + t * d);
   // One table of RoPE angles for the positions of this forward, shared by
   // every attention layer.
   std::vector<std::int64_t> positions(sz(n));
@@ -599,7 +661,7 @@ void Model::forward_batch(std::span<const SequenceTokens> batch, SequenceCache& 
   for (std::size_t e = 0; e < batch.size(); ++e) {
     for (std::size_t t = 0; t < batch[e].tokens.size(); ++t) {
       const std::int64_t row = offset[e] + static_cast<std::int64_t>(t);
-      std::memcpy(x.data() + row * d, embed_ + batch[e].tokens[t] * d, sz(d) * sizeof(float));
+      embed_row(batch[e].tokens[t], x.data() + row * d);
       positions[sz(row)] = pos0[e] + static_cast<std::int64_t>(t);
     }
   }

@@ -212,7 +212,13 @@ std::int64_t lfm2_mlp_width(const KeyReader& r, std::int64_t base) {
     const double multiplier = r.positive_number("block_ffn_dim_multiplier", *m);
     const std::int64_t multiple =
         r.find("block_multiple_of") ? r.integer("block_multiple_of", *r.find("block_multiple_of"), 1, kMaxSize) : 256;
-    width = static_cast<std::int64_t>(multiplier * static_cast<double>(width));
+    const double scaled = multiplier * static_cast<double>(width);
+    // Checked before the conversion: a huge multiplier must not overflow it.
+    if (!(scaled < static_cast<double>(kMaxSize))) {
+      r.fail(r.q("block_ffn_dim_multiplier") + " (" + std::to_string(multiplier) + ") makes the MLP width exceed " +
+             std::to_string(kMaxSize));
+    }
+    width = static_cast<std::int64_t>(scaled);
     width = multiple * ((width + multiple - 1) / multiple);
   }
   if (width < 1 || width > kMaxSize) {
@@ -433,6 +439,7 @@ ModelConfig parse_model_config(const std::string& json_text, const std::string& 
     } else if (const json* f = r.find("partial_rotary_factor")) {
       factor = r.positive_number("partial_rotary_factor", *f);
     }
+    if (factor > 1.0) r.fail("partial_rotary_factor " + std::to_string(factor) + " is above 1");
     // transformers: dim = int(head_dim * partial_rotary_factor).
     c.rotary_dim = static_cast<std::int64_t>(static_cast<double>(c.head_dim) * factor);
     if (c.rotary_dim < 2 || c.rotary_dim > c.head_dim || c.rotary_dim % 2 != 0) {

@@ -106,20 +106,22 @@ std::vector<std::byte> encode(const std::vector<float>& values, DType dtype) {
   return out;
 }
 
-// An owned f32 tensor of `shape` from `n` elements of `dtype` at `src`
-// (possibly unaligned: safetensors files from other writers need not be).
-Tensor to_f32_tensor(const std::vector<std::int64_t>& shape, DType dtype, const std::byte* src) {
-  Tensor t(DType::F32, shape.data(), static_cast<int>(shape.size()));
-  float* dst = t.data<float>();
+// An owned tensor of `shape` from `n` elements of `dtype` at `src` (possibly
+// unaligned: safetensors files from other writers need not be), as the
+// model keeps it: BF16 stays BF16 (the kernels widen it exactly as they
+// load it), F16 is converted to F32 (exactly), F32 is copied.
+Tensor to_memory_tensor(const std::vector<std::int64_t>& shape, DType dtype, const std::byte* src) {
+  Tensor t(dtype == DType::BF16 ? DType::BF16 : DType::F32, shape.data(), static_cast<int>(shape.size()));
   const auto n = static_cast<std::size_t>(t.numel());
-  if (dtype == DType::F32) {
-    if (n > 0) std::memcpy(dst, src, n * sizeof(float));
+  if (dtype == DType::F32 || dtype == DType::BF16) {
+    if (n > 0) std::memcpy(t.data<std::byte>(), src, t.bytes());
     return t;
   }
+  float* dst = t.data<float>();
   for (std::size_t i = 0; i < n; ++i) {
     std::uint16_t h;
     std::memcpy(&h, src + 2 * i, 2);
-    dst[i] = dtype == DType::F16 ? f16_to_f32(h) : bf16_to_f32(h);
+    dst[i] = f16_to_f32(h);
   }
   return t;
 }
@@ -242,10 +244,13 @@ ModelWeights ModelWeights::load(const std::string& dir) {
       }
     }
   }
-  // Converted only after every check passed: a bad file costs no copies.
+  // Copied only after every check passed: a bad file costs no copies. The
+  // mapped pages of each tensor are dropped once it is copied, so the
+  // process holds the file's bytes about once, not twice, while loading.
   for (std::size_t i = 0; i < specs.size(); ++i) {
-    w.tensors_.emplace(specs[i].name, to_f32_tensor(entries[i]->shape, entries[i]->dtype, entries[i]->data));
+    w.tensors_.emplace(specs[i].name, to_memory_tensor(entries[i]->shape, entries[i]->dtype, entries[i]->data));
     w.names_.push_back(specs[i].name);
+    for (const SafetensorsFile& file : ck.files) file.drop_pages(*entries[i]);
   }
   return w;
 }
@@ -258,9 +263,9 @@ ModelWeights ModelWeights::from_tensors(const ModelConfig& config,
     if (it == tensors.end()) throw FormatError("ModelWeights::from_tensors: missing tensor '" + spec.name + "'");
     const TensorView v = it->second.view();
     const std::vector<std::int64_t> shape(v.shape.begin(), v.shape.begin() + v.rank);
-    if (v.dtype != DType::F32 || shape != spec.shape) {
-      throw FormatError("ModelWeights::from_tensors: tensor '" + spec.name + "' is " + v.describe() + ", expected F32 " +
-                        shape_string(spec.shape));
+    if ((v.dtype != DType::F32 && v.dtype != DType::BF16) || shape != spec.shape) {
+      throw FormatError("ModelWeights::from_tensors: tensor '" + spec.name + "' is " + v.describe() +
+                        ", expected F32 or BF16 " + shape_string(spec.shape));
     }
   }
   if (tensors.size() != specs.size()) {
@@ -284,7 +289,7 @@ ModelWeights ModelWeights::random(const ModelConfig& config, std::uint64_t seed,
   for (const WeightSpec& spec : expected_weights(config)) {
     // Through the stored dtype and back, exactly as a load of the file would.
     const std::vector<std::byte> bytes = encode(random_values(spec, seed), dtype);
-    w.tensors_.emplace(spec.name, to_f32_tensor(spec.shape, dtype, bytes.data()));
+    w.tensors_.emplace(spec.name, to_memory_tensor(spec.shape, dtype, bytes.data()));
     w.names_.push_back(spec.name);
   }
   return w;

@@ -650,6 +650,18 @@ int run_inspect(const std::string& model_dir, std::int64_t rollback) {
     const std::string t(layer_kind_name(kind));
     std::printf("  layer %2zu  %-18s %s\n", i, t.c_str(), detail.c_str());
   }
+  {
+    // VmHWM: the peak resident memory of this process so far, i.e. what
+    // loading the model cost on top of the CLI itself.
+    std::ifstream status("/proc/self/status");
+    std::string line, peak = "unknown";
+    while (std::getline(status, line)) {
+      if (line.rfind("VmHWM:", 0) == 0) peak = line.substr(6);
+    }
+    peak.erase(0, peak.find_first_not_of(" \t"));
+    std::printf("weights in memory: %s (stored dtype kept for bf16); peak resident memory of this process: %s\n",
+                human_bytes(static_cast<double>(model.weight_bytes())).c_str(), peak.c_str());
+  }
   std::printf("KV bytes per token (full-attention layers, f32): %s\n",
               human_bytes(static_cast<double>(model.kv_bytes_per_token())).c_str());
   std::printf("fixed state bytes per sequence (sliding windows + conv + recurrent states): %s\n",

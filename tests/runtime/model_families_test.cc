@@ -113,13 +113,13 @@ INSTANTIATE_TEST_SUITE_P(Families, FamilyLogits, ::testing::Values("lfm2", "qwen
 
 // ---- controls ------------------------------------------------------------------
 
-// A copy of every tensor of `w` (f32).
+// A copy of every tensor of `w` (F32 or BF16, as loaded).
 std::map<std::string, Tensor, std::less<>> copy_tensors(const ModelWeights& w) {
   std::map<std::string, Tensor, std::less<>> out;
   for (const auto& name : w.names()) {
     const TensorView v = w.get(name).view();
-    Tensor t(DType::F32, v.shape.data(), v.rank);
-    std::memcpy(t.data<float>(), v.data, w.get(name).bytes());
+    Tensor t(v.dtype, v.shape.data(), v.rank);
+    std::memcpy(t.data<std::byte>(), v.data, w.get(name).bytes());
     out.emplace(name, std::move(t));
   }
   return out;
@@ -128,10 +128,12 @@ std::map<std::string, Tensor, std::less<>> copy_tensors(const ModelWeights& w) {
 // Rows [first + g * stride, + count) for every group g of an [out, in] tensor.
 Tensor rows_of(const Tensor& t, std::int64_t groups, std::int64_t stride, std::int64_t first, std::int64_t count) {
   const std::int64_t in = t.view().shape[1];
-  Tensor out(DType::F32, {groups * count, in});
+  const auto row = static_cast<std::size_t>(in) * dtype_size(t.view().dtype);
+  Tensor out(t.view().dtype, {groups * count, in});
   for (std::int64_t g = 0; g < groups; ++g) {
-    std::memcpy(out.data<float>() + g * count * in, t.data<float>() + (g * stride + first) * in,
-                static_cast<std::size_t>(count * in) * sizeof(float));
+    std::memcpy(out.data<std::byte>() + static_cast<std::size_t>(g * count) * row,
+                t.data<std::byte>() + static_cast<std::size_t>(g * stride + first) * row,
+                static_cast<std::size_t>(count) * row);
   }
   return out;
 }
@@ -257,6 +259,25 @@ TEST(ModelFamilies, ToJsonRoundTripsInTheFamilyLayout) {
   for (const char* name : {"lfm2", "lfm2-draft", "qwen3_5", "qwen3_next"}) {
     SCOPED_TRACE(name);
     ModelConfig c = load_model_config(family_dir(name) + "/config.json");
+    EXPECT_EQ(parse_model_config(to_json(c), "x"), c);
+  }
+  // Edge cases the fuzz target (fuzz_config) round-trips too.
+  for (const char* text : {
+           R"({"model_type": "lfm2", "vocab_size": 10, "hidden_size": 8, "num_hidden_layers": 2,
+               "num_attention_heads": 2, "num_key_value_heads": 1, "intermediate_size": 7, "conv_L_cache": 5})",
+           R"({"model_type": "lfm2", "vocab_size": 10, "hidden_size": 8, "num_hidden_layers": 2,
+               "num_attention_heads": 2, "num_key_value_heads": 1, "block_ff_dim": 30, "full_attn_idxs": [],
+               "block_ffn_dim_multiplier": 1.3, "block_multiple_of": 7, "eos_token_id": [3, 4, 5]})",
+           R"({"model_type": "qwen3_5", "tie_word_embeddings": true, "text_config": {"vocab_size": 10,
+               "hidden_size": 8, "num_hidden_layers": 1, "num_attention_heads": 2, "num_key_value_heads": 1,
+               "intermediate_size": 8, "head_dim": 10, "layer_types": ["full_attention"],
+               "partial_rotary_factor": 0.4}})",
+           R"({"model_type": "qwen3_next", "vocab_size": 10, "hidden_size": 8, "num_hidden_layers": 1,
+               "num_attention_heads": 2, "num_key_value_heads": 1, "intermediate_size": 8, "head_dim": 6,
+               "num_experts": 0, "layer_types": ["full_attention"], "rope_parameters": {"rope_theta": 3.5,
+               "partial_rotary_factor": 0.34}, "linear_num_key_heads": 3})"}) {
+    SCOPED_TRACE(text);
+    const ModelConfig c = parse_model_config(text, "x");
     EXPECT_EQ(parse_model_config(to_json(c), "x"), c);
   }
   // A random model of a family is a checkpoint of that family.

@@ -54,6 +54,10 @@ class Model {
 
   const ModelConfig& config() const { return weights_.config(); }
   std::int64_t vocab_size() const { return config().vocab_size; }
+  // Bytes the model's weights occupy in memory: packed matrices (in the
+  // stored dtype, panel padding included), the embedding, norms and other
+  // small tensors.
+  std::size_t weight_bytes() const;
   // Parameters in the model file (tied embeddings counted once).
   std::int64_t parameter_count() const { return parameter_count_; }
   // Identifies the model and its weights: "rewind-hybrid-" + 16 hex digits
@@ -104,7 +108,8 @@ class Model {
 
  private:
   // Linear weights packed for kernels::matmul (shapes [out, in] as in
-  // nn.Linear); the rest point into weights_ (f32). Unused ones empty / null.
+  // nn.Linear), in the stored dtype (F32 or BF16); the rest are f32, in
+  // weights_ or (widened / folded) in folded_. Unused ones empty / null.
   struct LayerWeights {
     enum class Kind { Attention, Sliding, GatedDeltaNet, ShortConv } kind = Kind::Attention;
     const float* input_norm = nullptr;  // [d]
@@ -192,8 +197,9 @@ class Model {
   template <typename StateArgs>
   void mixer_block(const BlockArgs& a, const StateArgs& state) const;
 
-  // Config, embedding, norms, conv and gate parameters; the linear weights
-  // are released after packing (their copies live in layers_ / lm_head_).
+  // Config, embedding, norms, conv and gate parameters (F32, or BF16 as
+  // stored); the linear weights are released as each is packed (their
+  // copies, in the stored dtype, live in layers_ / lm_head_).
   ModelWeights weights_;
   // Norm weights with the 1 of a (1 + w) norm folded in (norm_plus_one);
   // a deque so that the pointers into it survive growth and moves.
@@ -202,7 +208,11 @@ class Model {
   std::string fingerprint_;
   bool has_attention_ = false;  // any full / sliding attention layer (needs RoPE)
   std::vector<LayerWeights> layers_;
-  const float* embed_ = nullptr;     // [vocab, d]
+  // The embedding [vocab, d] (F32 or BF16) in weights_, or null when tied:
+  // then rows are read from lm_head_.
+  const Tensor* embed_ = nullptr;
+  // Row `token` of the embedding as f32 into dst[0, d).
+  void embed_row(std::int32_t token, float* dst) const;
   const float* final_norm_ = nullptr;  // [d]
   kernels::PackedMatrix lm_head_;  // [vocab, d] (a copy of the embedding when tied)
 };

@@ -4,9 +4,10 @@
 // model.safetensors (runtime/safetensors.h). ModelWeights::load checks the
 // pair against each other before any tensor is used: the file must hold
 // exactly the tensors expected_weights(config) lists, each with exactly the
-// listed shape, no more and no fewer. Every tensor is then converted to an
-// owned, contiguous f32 rwd::Tensor, whatever dtype it was stored in, so
-// the kernels see one dtype and the file can be unmapped.
+// listed shape, no more and no fewer. Every tensor is then copied into an
+// owned, contiguous rwd::Tensor: BF16 tensors stay BF16 (the matmul kernel
+// widens bf16 weights exactly as it loads them, runtime/kernels.h), F16 and
+// F32 ones become F32 (f16 -> f32 is exact), so the file can be unmapped.
 //
 // write_random_model writes such a directory with deterministic random
 // weights (for tests, benchmarks and the CLI's demo model): the same config,
@@ -46,9 +47,9 @@ class ModelWeights {
   // cannot be read. Messages name the file.
   static ModelWeights load(const std::string& dir);
 
-  // Weights from f32 tensors already in memory (another loader, or a test
+  // Weights from tensors already in memory (another loader, or a test
   // that alters a checkpoint): `tensors` must hold exactly
-  // expected_weights(config), each F32 with the listed shape. Throws
+  // expected_weights(config), each F32 or BF16 with the listed shape. Throws
   // FormatError naming the first tensor missing, unexpected, of another
   // dtype or shape (nothing is kept then).
   // REQUIRES: a validated config.
@@ -61,7 +62,8 @@ class ModelWeights {
                              DType dtype = DType::F32);
 
   const ModelConfig& config() const { return config_; }
-  // The f32 tensor called `name` (shape as in expected_weights), or nullptr.
+  // The tensor called `name` (shape as in expected_weights; dtype F32, or
+  // BF16 when stored so), or nullptr.
   const Tensor* find(std::string_view name) const;
   // As find(), but throws InvalidArgument naming the tensor when absent.
   const Tensor& get(std::string_view name) const;
