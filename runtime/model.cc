@@ -108,7 +108,6 @@ Model::Model(ModelWeights weights) : weights_(std::move(weights)) {
     return folded_.emplace_back(std::move(v)).data();
   };
   auto norm = [&](const std::string& n) { return small(n, c.norm_plus_one); };
-  auto data_of = [&](const ModelWeights&, const std::string& n) { return small(n, false); };
   const std::string embed_name = name(0, WeightRole::Embed);
   final_norm_ = norm(name(0, WeightRole::FinalNorm));
   lm_head_ = packed(weights_, c.tie_word_embeddings ? embed_name : name(0, WeightRole::LmHead));
@@ -151,7 +150,7 @@ Model::Model(ModelWeights weights) : weights_(std::move(weights)) {
     trim();
   };
   for (std::int64_t i = 0; i < c.num_hidden_layers; ++i) {
-    auto get = [&](WeightRole role) { return data_of(weights_, name(i, role)); };
+    auto get = [&](WeightRole role) { return small(name(i, role), false); };
     auto linear = [&](WeightRole role) {
       k::PackedMatrix m = packed(weights_, name(i, role));
       weights_.release(name(i, role));

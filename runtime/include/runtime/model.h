@@ -1,9 +1,13 @@
 // runtime/model.h: the reference hybrid decoder.
 //
-// A pre-norm decoder (RMSNorm, SwiGLU MLP, byte-level vocabulary) whose
-// layers follow config.layer_types: full_attention and sliding_attention
-// (GQA with RoPE), linear_attention (Gated DeltaNet as in Qwen3-Next) and
-// conv (LFM2-style gated short convolution). All inference state lives in a
+// A pre-norm decoder (RMSNorm, SwiGLU MLP) whose layers follow
+// config.layer_types: full_attention and sliding_attention (GQA with RoPE),
+// linear_attention (Gated DeltaNet as in Qwen3-Next) and conv (LFM2-style
+// gated short convolution). It runs rewind's own layout and the
+// transformers families of runtime/model_config.h (LFM2, Qwen3.5, dense
+// Qwen3-Next): their variants ((1 + w) norms, q/k norm, the attention
+// output gate, partial RoPE, fused projections) are config flags, applied
+// row by row, so batch invariance holds for all of them. All inference state lives in a
 // rwd::Cache built by make_cache() (one sequence, forward()) or a
 // rwd::SequenceCache built by make_sequence_cache() (many sequences,
 // forward_batch()); the model touches them only through the public cache
