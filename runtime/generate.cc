@@ -58,7 +58,7 @@ bool emit(std::int32_t token, const Model& model, const GenerationOptions& optio
   if (out.empty()) stats.time_to_first_token = seconds_since(t0);
   out.push_back(token);
   if (options.on_token) options.on_token(token);
-  if (options.stop_at_eos && token == model.config().eos_token_id) return false;
+  if (options.stop_at_eos && model.config().is_eos(token)) return false;
   return static_cast<std::int64_t>(out.size()) < options.max_new_tokens;
 }
 

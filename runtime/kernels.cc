@@ -19,6 +19,7 @@
 #include "runtime/kernels.h"
 
 #include <algorithm>
+#include <type_traits>
 #include <cassert>
 #include <cmath>
 #include <cstddef>
@@ -181,17 +182,40 @@ REWIND_INLINE PanelRow load_panel_row(const float* p) {
   return v;
 }
 
+typedef std::uint16_t PanelRow16 __attribute__((vector_size(kPanel * sizeof(std::uint16_t))));
+typedef std::uint32_t PanelRowBits __attribute__((vector_size(kPanel * sizeof(std::uint32_t))));
+
+// Sixteen bf16 weights widened to f32: the bf16 bits are the high half of
+// the f32 bits, so this is exact (the same values the f32 path multiplies).
+REWIND_INLINE PanelRow load_panel_row(const std::uint16_t* p) {
+  PanelRow16 h;
+  __builtin_memcpy(&h, p, sizeof h);
+  const PanelRowBits bits = __builtin_convertvector(h, PanelRowBits) << 16;
+  PanelRow v;
+  __builtin_memcpy(&v, &bits, sizeof v);
+  return v;
+}
+
+template <class T>
+REWIND_INLINE const T* panel_of(const PackedMatrix& w, int64_t p) {
+  if constexpr (std::is_same_v<T, float>) {
+    return w.panel(p);
+  } else {
+    return w.panel_bf16(p);
+  }
+}
+
 // y rows [0, R) of panels [p, p + V): acc[r][v] lane l accumulates
 // x[r, i] * w[(p + v) * 8 + l, i] over i in order, starting from 0, then
 // the bias is added: the arithmetic of an in-order f32 dot product, whatever
 // R and V are. x: R rows with stride `in`; y: R rows with stride `out`.
-template <int R, int V>
+template <int R, int V, class T>
 REWIND_INLINE void matmul_micro(const float* x, const PackedMatrix& w, int64_t p, float* y,
                                 const float* bias) {
   const int64_t in = w.in(), out = w.out();
-  const float* panel[V];
+  const T* panel[V];
 #pragma GCC unroll 8
-  for (int v = 0; v < V; ++v) panel[v] = w.panel(p + v);
+  for (int v = 0; v < V; ++v) panel[v] = panel_of<T>(w, p + v);
   PanelRow acc[R][V] = {};
   for (int64_t i = 0; i < in; ++i) {
     PanelRow wv[V];
@@ -223,22 +247,22 @@ REWIND_INLINE void matmul_micro(const float* x, const PackedMatrix& w, int64_t p
 }
 
 // Panels [p_begin, p_end) for R rows, in steps of V panels.
-template <int R, int V>
+template <int R, int V, class T>
 REWIND_INLINE void matmul_row_group(const float* x, const PackedMatrix& w, int64_t p_begin,
                                     int64_t p_end, float* y, const float* bias) {
   int64_t p = p_begin;
-  for (; p + V <= p_end; p += V) matmul_micro<R, V>(x, w, p, y, bias);
-  for (; p < p_end; ++p) matmul_micro<R, 1>(x, w, p, y, bias);
+  for (; p + V <= p_end; p += V) matmul_micro<R, V, T>(x, w, p, y, bias);
+  for (; p < p_end; ++p) matmul_micro<R, 1, T>(x, w, p, y, bias);
 }
 
 // R rows with the panel count of the registers at hand.
-template <int R>
+template <int R, class T>
 REWIND_INLINE void rows_group(bool wide, const float* x, const PackedMatrix& w, int64_t p_begin, int64_t p_end,
                               float* y, const float* bias) {
   if (wide) {
-    matmul_row_group<R, kWidePanels>(x, w, p_begin, p_end, y, bias);
+    matmul_row_group<R, kWidePanels, T>(x, w, p_begin, p_end, y, bias);
   } else {
-    matmul_row_group<R, panels_for_rows(R)>(x, w, p_begin, p_end, y, bias);
+    matmul_row_group<R, panels_for_rows(R), T>(x, w, p_begin, p_end, y, bias);
   }
 }
 
@@ -246,6 +270,7 @@ REWIND_INLINE void rows_group(bool wide, const float* x, const PackedMatrix& w, 
 // stay in L2 while every group of rows passes over them, so each weight
 // comes from memory once per call.
 int64_t matmul_block_panels(int64_t in) {
+  // Sized for f32 panels; bf16 ones take half of it (still L2-resident).
   const int64_t panel_bytes = std::max<int64_t>(in, 1) * kPanel * int64_t{sizeof(float)};
   return std::clamp<int64_t>(int64_t{64} * 1024 / panel_bytes, 1, 16);
 }
@@ -253,9 +278,9 @@ int64_t matmul_block_panels(int64_t in) {
 // Panels [p_begin, p_end) of every row. Rows go in groups of at most
 // kMaxGroupRows, sized as evenly as possible (7 rows: 4 + 3): the grouping
 // decides which loads are shared, never an output's arithmetic.
-REWIND_MATMUL_CLONES
-void matmul_block(const float* x, int64_t rows, const PackedMatrix& w, float* y, const float* bias,
-                  int64_t p_begin, int64_t p_end, bool wide) {
+template <class T>
+REWIND_INLINE void matmul_block_of(const float* x, int64_t rows, const PackedMatrix& w, float* y, const float* bias,
+                                   int64_t p_begin, int64_t p_end, bool wide) {
   const int64_t groups = (rows + kMaxGroupRows - 1) / kMaxGroupRows;
   int64_t r = 0;
   for (int64_t g = 0; g < groups; ++g) {
@@ -263,15 +288,27 @@ void matmul_block(const float* x, int64_t rows, const PackedMatrix& w, float* y,
     const float* xg = x + r * w.in();
     float* yg = y + r * w.out();
     switch (size) {
-      case 1: rows_group<1>(wide, xg, w, p_begin, p_end, yg, bias); break;
-      case 2: rows_group<2>(wide, xg, w, p_begin, p_end, yg, bias); break;
-      case 3: rows_group<3>(wide, xg, w, p_begin, p_end, yg, bias); break;
-      case 4: rows_group<4>(wide, xg, w, p_begin, p_end, yg, bias); break;
-      case 5: rows_group<5>(wide, xg, w, p_begin, p_end, yg, bias); break;
-      default: rows_group<6>(wide, xg, w, p_begin, p_end, yg, bias); break;
+      case 1: rows_group<1, T>(wide, xg, w, p_begin, p_end, yg, bias); break;
+      case 2: rows_group<2, T>(wide, xg, w, p_begin, p_end, yg, bias); break;
+      case 3: rows_group<3, T>(wide, xg, w, p_begin, p_end, yg, bias); break;
+      case 4: rows_group<4, T>(wide, xg, w, p_begin, p_end, yg, bias); break;
+      case 5: rows_group<5, T>(wide, xg, w, p_begin, p_end, yg, bias); break;
+      default: rows_group<6, T>(wide, xg, w, p_begin, p_end, yg, bias); break;
     }
     r += size;
   }
+}
+
+REWIND_MATMUL_CLONES
+void matmul_block(const float* x, int64_t rows, const PackedMatrix& w, float* y, const float* bias,
+                  int64_t p_begin, int64_t p_end, bool wide) {
+  matmul_block_of<float>(x, rows, w, y, bias, p_begin, p_end, wide);
+}
+
+REWIND_MATMUL_CLONES
+void matmul_block_bf16(const float* x, int64_t rows, const PackedMatrix& w, float* y, const float* bias,
+                       int64_t p_begin, int64_t p_end, bool wide) {
+  matmul_block_of<std::uint16_t>(x, rows, w, y, bias, p_begin, p_end, wide);
 }
 
 // r[u] = dot_inline(x, k + u * stride, n) for u < 4, sharing the loads of
@@ -495,24 +532,47 @@ void delta_step_inplace(const float* __restrict q, const float* __restrict k,
 
 float dot(const float* a, const float* b, int64_t n) { return dot_inline(a, b, n); }
 
-void PackedMatrix::AlignedFree::operator()(float* p) const {
+void PackedMatrix::AlignedFree::operator()(std::byte* p) const {
   ::operator delete[](p, std::align_val_t{64});
 }
+
+namespace {
+
+// w: [out, in] of T into panels of T at dst (zeros past out).
+template <class T>
+void pack_panels(const T* w, int64_t out, int64_t in, int64_t panels, T* dst_all) {
+  for (int64_t p = 0; p < panels; ++p) {
+    T* dst = dst_all + p * in * kPanel;
+    for (int64_t i = 0; i < in; ++i) {
+      for (int64_t l = 0; l < kPanel; ++l) {
+        const int64_t o = p * kPanel + l;
+        dst[i * kPanel + l] = o < out ? w[o * in + i] : T{0};
+      }
+    }
+  }
+}
+
+}  // namespace
 
 PackedMatrix::PackedMatrix(const float* w, int64_t out, int64_t in) : out_(out), in_(in) {
   assert(out >= 0 && in >= 0);
   const auto n = static_cast<std::size_t>(panels() * in * kPanel);
   if (n == 0) return;
-  data_.reset(static_cast<float*>(::operator new[](n * sizeof(float), std::align_val_t{64})));
-  for (int64_t p = 0; p < panels(); ++p) {
-    float* dst = data_.get() + p * in * kPanel;
-    for (int64_t i = 0; i < in; ++i) {
-      for (int64_t l = 0; l < kPanel; ++l) {
-        const int64_t o = p * kPanel + l;
-        dst[i * kPanel + l] = o < out ? w[o * in + i] : 0.0f;
-      }
-    }
-  }
+  data_.reset(static_cast<std::byte*>(::operator new[](n * sizeof(float), std::align_val_t{64})));
+  pack_panels(w, out, in, panels(), static_cast<float*>(static_cast<void*>(data_.get())));
+}
+
+PackedMatrix PackedMatrix::from_bf16(const std::uint16_t* w, int64_t out, int64_t in) {
+  assert(out >= 0 && in >= 0);
+  PackedMatrix m;
+  m.out_ = out;
+  m.in_ = in;
+  m.bf16_ = true;
+  const auto n = static_cast<std::size_t>(m.panels() * in * kPanel);
+  if (n == 0) return m;
+  m.data_.reset(static_cast<std::byte*>(::operator new[](n * sizeof(std::uint16_t), std::align_val_t{64})));
+  pack_panels(w, out, in, m.panels(), static_cast<std::uint16_t*>(static_cast<void*>(m.data_.get())));
+  return m;
 }
 
 void matmul(const float* x, int64_t rows, const PackedMatrix& w, float* y, const float* bias) {
@@ -522,7 +582,12 @@ void matmul(const float* x, int64_t rows, const PackedMatrix& w, float* y, const
   const bool parallel = num_blocks > 1 && rows * w.in() * w.out() >= kParallelWork;
   const bool wide = wide_registers();
   parallel_for(num_blocks, parallel, [&](int64_t b) {
-    matmul_block(x, rows, w, y, bias, b * block, std::min(w.panels(), (b + 1) * block), wide);
+    const int64_t p_end = std::min(w.panels(), (b + 1) * block);
+    if (w.is_bf16()) {
+      matmul_block_bf16(x, rows, w, y, bias, b * block, p_end, wide);
+    } else {
+      matmul_block(x, rows, w, y, bias, b * block, p_end, wide);
+    }
   });
 }
 

@@ -6,6 +6,10 @@
 #include <cstring>
 #include <optional>
 
+#if defined(__GLIBC__)
+#include <malloc.h>
+#endif
+
 #include "rewind/error.h"
 #include "rewind/prefix_cache.h"
 #include "runtime/kernels.h"
@@ -16,12 +20,19 @@ namespace k = kernels;
 
 namespace {
 
-const float* data_of(const ModelWeights& w, const std::string& name) { return w.get(name).data<float>(); }
+// An [out, in] matrix of `dtype` (F32 or BF16) packed for kernels::matmul in
+// the same dtype.
+k::PackedMatrix pack(const std::byte* w, DType dtype, std::int64_t out, std::int64_t in) {
+  if (dtype == DType::BF16) {
+    return k::PackedMatrix::from_bf16(static_cast<const std::uint16_t*>(static_cast<const void*>(w)), out, in);
+  }
+  return k::PackedMatrix(static_cast<const float*>(static_cast<const void*>(w)), out, in);
+}
 
 // The linear weight `name` ([out, in]) packed for kernels::matmul.
 k::PackedMatrix packed(const ModelWeights& w, const std::string& name) {
   const Tensor& t = w.get(name);
-  return k::PackedMatrix(t.data<float>(), t.view().size(0), t.view().size(1));
+  return pack(t.data<std::byte>(), t.view().dtype, t.view().size(0), t.view().size(1));
 }
 
 // The [B=1, H, n, D] keys / values view of token-major rows [n, H, D].
@@ -80,54 +91,146 @@ Model::Model(ModelWeights weights) : weights_(std::move(weights)) {
     for (int i = 15; i >= 0; --i, h >>= 4) hex[static_cast<std::size_t>(i)] = digits[h & 15];
     fingerprint_ = "rewind-hybrid-" + hex;
   }
-  embed_ = data_of(weights_, "model.embed_tokens.weight");
-  final_norm_ = data_of(weights_, "model.norm.weight");
-  lm_head_ = packed(weights_, c.tie_word_embeddings ? "model.embed_tokens.weight" : "lm_head.weight");
-  // Linear weights whose packed copy is the only one used from here on (a
-  // tied embedding stays: the lookup reads it).
+  auto name = [&c](std::int64_t layer, WeightRole role) { return weight_name(c, layer, role); };
+  // A small tensor (norm, conv, gate parameters) as f32 for the kernels: an
+  // F32 tensor is used in place; a BF16 one is widened into folded_, and so
+  // is a (1 + w) norm weight, with the 1 folded in once (1 + w in f32 is the
+  // rounding transformers does per forward, so the product is the same).
+  auto small = [&](const std::string& n, bool plus_one) -> const float* {
+    const Tensor& t = weights_.get(n);
+    const bool bf16 = t.view().dtype == DType::BF16;
+    if (!bf16 && !plus_one) return t.data<float>();
+    std::vector<float> v(static_cast<std::size_t>(t.numel()));
+    for (std::size_t i = 0; i < v.size(); ++i) {
+      v[i] = bf16 ? bf16_to_f32(t.data<std::uint16_t>()[i]) : t.data<float>()[i];
+      if (plus_one) v[i] = 1.0f + v[i];
+    }
+    return folded_.emplace_back(std::move(v)).data();
+  };
+  auto norm = [&](const std::string& n) { return small(n, c.norm_plus_one); };
+  const std::string embed_name = name(0, WeightRole::Embed);
+  final_norm_ = norm(name(0, WeightRole::FinalNorm));
+  lm_head_ = packed(weights_, c.tie_word_embeddings ? embed_name : name(0, WeightRole::LmHead));
+  // A tied embedding is looked up in the packed output matrix (the same
+  // values), so the model holds it once.
+  embed_ = c.tie_word_embeddings ? nullptr : &weights_.get(embed_name);
+  // Linear weights are released as soon as their layer is packed, so loading
+  // holds at most one layer's matrices twice.
+  if (c.tie_word_embeddings) weights_.release(embed_name);
+  if (!c.tie_word_embeddings) weights_.release(name(0, WeightRole::LmHead));
+  // glibc raises its mmap threshold as large blocks are freed, so released
+  // weights end up as free heap pages it keeps; handing them back after each
+  // release keeps freed and packed copies from adding up while loading.
+  auto trim = [] {
+#if defined(__GLIBC__)
+    malloc_trim(0);
+#endif
+  };
+  trim();
   std::vector<std::string> packed_names;
-  if (!c.tie_word_embeddings) packed_names.push_back("lm_head.weight");
+  // Rows [first + k * stride, ... + count) for k = 0, 1, ..., of the [out, in]
+  // matrix `t`, gathered in that order and packed (in t's dtype): how fused
+  // projections (per-head query and gate, Qwen3-Next's per-key-head qkvz /
+  // ba groups) are split into the unfused matrices the blocks multiply with.
+  auto gather = [](const Tensor& t, std::int64_t groups, std::int64_t stride, std::int64_t first,
+                   std::int64_t count) {
+    const std::int64_t in = t.view().size(1);
+    const std::size_t row = static_cast<std::size_t>(in) * dtype_size(t.view().dtype);
+    std::vector<std::byte> rows(static_cast<std::size_t>(groups * count) * row);
+    for (std::int64_t g = 0; g < groups; ++g) {
+      std::memcpy(rows.data() + static_cast<std::size_t>(g * count) * row,
+                  t.data<std::byte>() + static_cast<std::size_t>(g * stride + first) * row,
+                  static_cast<std::size_t>(count) * row);
+    }
+    return pack(rows.data(), t.view().dtype, groups * count, in);
+  };
+  auto release_packed = [&] {
+    for (const auto& n : packed_names) weights_.release(n);
+    packed_names.clear();
+    trim();
+  };
   for (std::int64_t i = 0; i < c.num_hidden_layers; ++i) {
-    const std::string p = "model.layers." + std::to_string(i) + ".";
-    auto get = [&](const std::string& name) { return data_of(weights_, p + name); };
-    auto linear = [&](const std::string& name) {
-      packed_names.push_back(p + name);
-      return packed(weights_, p + name);
+    auto get = [&](WeightRole role) { return small(name(i, role), false); };
+    auto linear = [&](WeightRole role) {
+      k::PackedMatrix m = packed(weights_, name(i, role));
+      weights_.release(name(i, role));
+      return m;
     };
     LayerWeights w;
-    w.input_norm = get("input_layernorm.weight");
-    w.post_norm = get("post_attention_layernorm.weight");
-    w.gate = linear("mlp.gate_proj.weight");
-    w.up = linear("mlp.up_proj.weight");
-    w.down = linear("mlp.down_proj.weight");
+    w.input_norm = norm(name(i, WeightRole::InputNorm));
+    w.post_norm = norm(name(i, WeightRole::PostNorm));
+    w.gate = linear(WeightRole::MlpGate);
+    w.up = linear(WeightRole::MlpUp);
+    w.down = linear(WeightRole::MlpDown);
     switch (c.layer_types[static_cast<std::size_t>(i)]) {
       case LayerKind::FullAttention:
       case LayerKind::SlidingAttention:
         w.kind = c.layer_types[static_cast<std::size_t>(i)] == LayerKind::FullAttention ? LayerWeights::Kind::Attention
                                                                                         : LayerWeights::Kind::Sliding;
         has_attention_ = true;
-        w.wq = linear("self_attn.q_proj.weight");
-        w.wk = linear("self_attn.k_proj.weight");
-        w.wv = linear("self_attn.v_proj.weight");
-        w.wo = linear("self_attn.o_proj.weight");
+        if (c.attn_output_gate) {
+          // q_proj: per head, head_dim query rows then head_dim gate rows.
+          const Tensor& q = weights_.get(name(i, WeightRole::AttnQ));
+          w.wq = gather(q, c.num_attention_heads, 2 * c.head_dim, 0, c.head_dim);
+          w.wgate = gather(q, c.num_attention_heads, 2 * c.head_dim, c.head_dim, c.head_dim);
+          packed_names.push_back(name(i, WeightRole::AttnQ));
+        } else {
+          w.wq = linear(WeightRole::AttnQ);
+        }
+        w.wk = linear(WeightRole::AttnK);
+        w.wv = linear(WeightRole::AttnV);
+        w.wo = linear(WeightRole::AttnO);
+        if (c.qk_norm) {
+          w.q_norm = norm(name(i, WeightRole::AttnQNorm));
+          w.k_norm = norm(name(i, WeightRole::AttnKNorm));
+        }
         break;
       case LayerKind::LinearAttention:
         w.kind = LayerWeights::Kind::GatedDeltaNet;
-        w.in_qkv = linear("linear_attn.in_proj_qkv.weight");
-        w.in_z = linear("linear_attn.in_proj_z.weight");
-        w.in_b = linear("linear_attn.in_proj_b.weight");
-        w.in_a = linear("linear_attn.in_proj_a.weight");
-        w.conv = get("linear_attn.conv1d.weight");
-        w.dt_bias = get("linear_attn.dt_bias");
-        w.a_log = get("linear_attn.A_log");
-        w.out_norm = get("linear_attn.norm.weight");
-        w.out = linear("linear_attn.out_proj.weight");
+        if (c.fused_gdn_projections) {
+          // Qwen3-Next groups the rows per key head g: [q (kd), k (kd), v (r vd),
+          // z (r vd)] and [b (r), a (r)] with r = lnv / lnk value heads per key
+          // head; the unfused layout is all q, all k, all v (value heads in
+          // order g * r + j), and z, b, a in value-head order.
+          const std::int64_t nk = c.linear_num_key_heads, kd = c.linear_key_head_dim;
+          const std::int64_t r = c.linear_num_value_heads / nk, rv = r * c.linear_value_head_dim;
+          const std::int64_t group = 2 * kd + 2 * rv;
+          const Tensor& qkvz = weights_.get(name(i, WeightRole::GdnQkvz));
+          const Tensor& ba = weights_.get(name(i, WeightRole::GdnBa));
+          const std::int64_t d = c.hidden_size;
+          const std::size_t row = static_cast<std::size_t>(d) * dtype_size(qkvz.view().dtype);
+          std::vector<std::byte> qkv(static_cast<std::size_t>(c.linear_conv_dim()) * row);
+          std::byte* dst = qkv.data();
+          for (std::int64_t part : {std::int64_t{0}, kd, 2 * kd}) {  // q, k, v blocks of each group
+            const std::int64_t count = part == 2 * kd ? rv : kd;
+            for (std::int64_t g = 0; g < nk; ++g, dst += static_cast<std::size_t>(count) * row) {
+              std::memcpy(dst, qkvz.data<std::byte>() + static_cast<std::size_t>(g * group + part) * row,
+                          static_cast<std::size_t>(count) * row);
+            }
+          }
+          w.in_qkv = pack(qkv.data(), qkvz.view().dtype, c.linear_conv_dim(), d);
+          w.in_z = gather(qkvz, nk, group, 2 * kd + rv, rv);
+          w.in_b = gather(ba, nk, 2 * r, 0, r);
+          w.in_a = gather(ba, nk, 2 * r, r, r);
+          packed_names.push_back(name(i, WeightRole::GdnQkvz));
+          packed_names.push_back(name(i, WeightRole::GdnBa));
+        } else {
+          w.in_qkv = linear(WeightRole::GdnQkv);
+          w.in_z = linear(WeightRole::GdnZ);
+          w.in_b = linear(WeightRole::GdnB);
+          w.in_a = linear(WeightRole::GdnA);
+        }
+        w.conv = get(WeightRole::GdnConv);
+        w.dt_bias = get(WeightRole::GdnDtBias);
+        w.a_log = get(WeightRole::GdnALog);
+        w.out_norm = get(WeightRole::GdnNorm);  // a plain-weight norm in every family
+        w.out = linear(WeightRole::GdnOut);
         break;
       case LayerKind::Conv:
         w.kind = LayerWeights::Kind::ShortConv;
-        w.in_bcx = linear("conv.in_proj.weight");
-        w.conv = get("conv.conv.weight");
-        w.out = linear("conv.out_proj.weight");
+        w.in_bcx = linear(WeightRole::ConvIn);
+        w.conv = get(WeightRole::ConvConv);
+        w.out = linear(WeightRole::ConvOut);
         break;
       case LayerKind::ChunkedAttention:
       case LayerKind::Hybrid:
@@ -140,8 +243,32 @@ Model::Model(ModelWeights weights) : weights_(std::move(weights)) {
                           std::to_string(i) + " is not implemented by the runtime");
     }
     layers_.push_back(std::move(w));
+    release_packed();
   }
-  for (const auto& name : packed_names) weights_.release(name);
+}
+
+std::size_t Model::weight_bytes() const {
+  std::size_t total = weights_.bytes() + lm_head_.bytes();
+  for (const auto& v : folded_) total += v.size() * sizeof(float);
+  for (const LayerWeights& w : layers_) {
+    for (const k::PackedMatrix* m : {&w.gate, &w.up, &w.down, &w.wq, &w.wk, &w.wv, &w.wo, &w.wgate, &w.in_qkv,
+                                     &w.in_z, &w.in_b, &w.in_a, &w.out, &w.in_bcx}) {
+      total += m->bytes();
+    }
+  }
+  return total;
+}
+
+void Model::embed_row(std::int32_t token, float* dst) const {
+  const std::int64_t d = config().hidden_size;
+  if (embed_ == nullptr) {
+    lm_head_.row(token, dst);
+  } else if (embed_->view().dtype == DType::BF16) {
+    const std::uint16_t* src = embed_->data<std::uint16_t>() + token * d;
+    for (std::int64_t i = 0; i < d; ++i) dst[i] = bf16_to_f32(src[i]);
+  } else {
+    std::memcpy(dst, embed_->data<float>() + token * d, static_cast<std::size_t>(d) * sizeof(float));
+  }
 }
 
 Model Model::load(const std::string& dir) { return Model(ModelWeights::load(dir)); }
@@ -195,8 +322,24 @@ void Model::attention_in(const LayerWeights& w, const float* h, std::int64_t n, 
   k::matmul(h, n, w.wq, r.q.data());
   k::matmul(h, n, w.wk, r.key.data());
   k::matmul(h, n, w.wv, r.val.data());
+  if (w.q_norm != nullptr) {
+    // Per-head RMSNorm (one row per token and head: batch invariant).
+    k::rms_norm(r.q.data(), w.q_norm, n * nh, hd, c.rms_norm_eps, r.q.data());
+    k::rms_norm(r.key.data(), w.k_norm, n * nkv, hd, c.rms_norm_eps, r.key.data());
+  }
   k::rope_inplace(r.q.data(), n, nh, hd, rope);
   k::rope_inplace(r.key.data(), n, nkv, hd, rope);
+  if (w.wgate.out() > 0) {
+    r.gate.resize(r.q.size());
+    k::matmul(h, n, w.wgate, r.gate.data());
+  }
+}
+
+void Model::attention_out(const LayerWeights& w, std::int64_t n, AttentionRows& r, float* out) const {
+  if (w.wgate.out() > 0) {
+    for (std::size_t i = 0; i < r.att.size(); ++i) r.att[i] *= k::sigmoid(r.gate[i]);
+  }
+  k::matmul(r.att.data(), n, w.wo, out);
 }
 
 void Model::deltanet_in(const LayerWeights& w, const float* h, std::int64_t n, DeltaNetRows& r) const {
@@ -304,7 +447,7 @@ void Model::attention_block(const BlockArgs& a, const SequenceArgs& s) const {
   k::AttentionMask m;
   if (a.w->kind == LayerWeights::Kind::Sliding) m.window = c.sliding_window;
   k::attention(r.q.data(), n, s.pos0, nh, nkv, hd, keys, values, mask.kv_offset, mask.kv_length, m, r.att.data());
-  k::matmul(r.att.data(), n, a.w->wo, a.out);
+  attention_out(*a.w, n, r, a.out);
 }
 
 void Model::gated_deltanet_block(const BlockArgs& a, const SequenceArgs& s) const {
@@ -383,14 +526,12 @@ void Model::forward(std::span<const std::int32_t> tokens, Cache& cache, std::vec
     transaction.emplace(cache.begin_forward(n));
   }
   std::vector<float> x(sz(n * d)), h(sz(n * d)), mix(sz(n * d)), gate(sz(n * ff)), up(sz(n * ff));
-  for (std::int64_t t = 0; t < n; ++t) {
-    std::memcpy(x.data() + t * d, embed_ + tokens[sz(t)] * d, sz(d) * sizeof(float));
-  }
+  for (std::int64_t t = 0; t < n; ++t) embed_row(tokens[sz(t)], x.data() + t * d);
   // One table of RoPE angles for the positions of this forward, shared by
   // every attention layer.
   std::vector<std::int64_t> positions(sz(n));
   for (std::int64_t t = 0; t < n; ++t) positions[sz(t)] = pos0 + t;
-  const k::RopeTable rope(positions.data(), has_attention_ ? n : 0, c.rope_theta, c.head_dim);
+  const k::RopeTable rope(positions.data(), has_attention_ ? n : 0, c.rope_theta, c.rope_dim());
   for (std::size_t i = 0; i < layers_.size(); ++i) {
     const LayerWeights& w = layers_[i];
     const int layer = static_cast<int>(i);
@@ -562,7 +703,7 @@ void Model::attention_block(const BlockArgs& a, const BatchArgs& b) const {
     k::attention_paged(r.q.data() + b.offset[e] * nh * hd, n, b.pos0[e], nh, nkv, hd, runs, strides, strides,
                        kv[e].kv_offset, kv[e].kv_length, m, r.att.data() + b.offset[e] * nh * hd);
   }
-  k::matmul(r.att.data(), a.n, a.w->wo, a.out);
+  attention_out(*a.w, a.n, r, a.out);
 }
 
 void Model::gated_deltanet_block(const BlockArgs& a, const BatchArgs& b) const {
@@ -642,11 +783,11 @@ void Model::forward_batch(std::span<const SequenceTokens> batch, SequenceCache& 
   for (std::size_t e = 0; e < batch.size(); ++e) {
     for (std::size_t t = 0; t < batch[e].tokens.size(); ++t) {
       const std::int64_t row = offset[e] + static_cast<std::int64_t>(t);
-      std::memcpy(x.data() + row * d, embed_ + batch[e].tokens[t] * d, sz(d) * sizeof(float));
+      embed_row(batch[e].tokens[t], x.data() + row * d);
       positions[sz(row)] = pos0[e] + static_cast<std::int64_t>(t);
     }
   }
-  const k::RopeTable rope(positions.data(), has_attention_ ? T : 0, c.rope_theta, c.head_dim);
+  const k::RopeTable rope(positions.data(), has_attention_ ? T : 0, c.rope_theta, c.rope_dim());
   for (std::size_t i = 0; i < layers_.size(); ++i) {
     const LayerWeights& w = layers_[i];
     const int layer = static_cast<int>(i);
@@ -681,7 +822,7 @@ std::size_t Model::rollback_bytes(std::int64_t R) const { return retention_bytes
 std::vector<std::int32_t> encode_prompt(const std::string& text, const ModelConfig& config) {
   std::vector<std::int32_t> tokens;
   tokens.reserve(text.size() + 1);
-  tokens.push_back(static_cast<std::int32_t>(config.bos_token_id));
+  if (config.add_bos && config.bos_token_id >= 0) tokens.push_back(static_cast<std::int32_t>(config.bos_token_id));
   for (unsigned char ch : text) tokens.push_back(static_cast<std::int32_t>(ch));
   return tokens;
 }

@@ -418,6 +418,20 @@ void SafetensorsFile::release() noexcept {
   index_.clear();
 }
 
+void SafetensorsFile::drop_pages(const TensorEntry& entry) const {
+  const auto* base = static_cast<const std::byte*>(map_);
+  if (map_ == nullptr || entry.nbytes == 0 || entry.data < base || entry.data + entry.nbytes > base + map_size_) return;
+  const auto page = static_cast<std::size_t>(::sysconf(_SC_PAGESIZE));
+  // Only whole pages inside the tensor: its neighbours may still be read.
+  const auto begin = static_cast<std::size_t>(entry.data - base);
+  const std::size_t first = (begin + page - 1) / page * page;
+  const std::size_t last = (begin + entry.nbytes) / page * page;
+  if (last > first) {
+    // Advice only: a failure leaves the pages resident, nothing else.
+    (void)::madvise(const_cast<std::byte*>(base) + first, last - first, MADV_DONTNEED);
+  }
+}
+
 const TensorEntry* SafetensorsFile::find(std::string_view name) const {
   auto it = index_.find(name);
   return it == index_.end() ? nullptr : &entries_[it->second];

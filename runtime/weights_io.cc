@@ -1,5 +1,6 @@
-#include <algorithm>
 #include "runtime/weights_io.h"
+
+#include <algorithm>
 
 #include <fcntl.h>
 #include <unistd.h>
@@ -8,9 +9,14 @@
 #include <cmath>
 #include <cstring>
 #include <filesystem>
+#include <fstream>
+#include <map>
+#include <sstream>
 #include <set>
 #include <system_error>
 #include <utility>
+
+#include <nlohmann/json.hpp>
 
 #include "rewind/error.h"
 #include "runtime/safetensors.h"
@@ -100,20 +106,22 @@ std::vector<std::byte> encode(const std::vector<float>& values, DType dtype) {
   return out;
 }
 
-// An owned f32 tensor of `shape` from `n` elements of `dtype` at `src`
-// (possibly unaligned: safetensors files from other writers need not be).
-Tensor to_f32_tensor(const std::vector<std::int64_t>& shape, DType dtype, const std::byte* src) {
-  Tensor t(DType::F32, shape.data(), static_cast<int>(shape.size()));
-  float* dst = t.data<float>();
+// An owned tensor of `shape` from `n` elements of `dtype` at `src` (possibly
+// unaligned: safetensors files from other writers need not be), as the
+// model keeps it: BF16 stays BF16 (the kernels widen it exactly as they
+// load it), F16 is converted to F32 (exactly), F32 is copied.
+Tensor to_memory_tensor(const std::vector<std::int64_t>& shape, DType dtype, const std::byte* src) {
+  Tensor t(dtype == DType::BF16 ? DType::BF16 : DType::F32, shape.data(), static_cast<int>(shape.size()));
   const auto n = static_cast<std::size_t>(t.numel());
-  if (dtype == DType::F32) {
-    if (n > 0) std::memcpy(dst, src, n * sizeof(float));
+  if (dtype == DType::F32 || dtype == DType::BF16) {
+    if (n > 0) std::memcpy(t.data<std::byte>(), src, t.bytes());
     return t;
   }
+  float* dst = t.data<float>();
   for (std::size_t i = 0; i < n; ++i) {
     std::uint16_t h;
     std::memcpy(&h, src + 2 * i, 2);
-    dst[i] = dtype == DType::F16 ? f16_to_f32(h) : bf16_to_f32(h);
+    dst[i] = f16_to_f32(h);
   }
   return t;
 }
@@ -125,18 +133,98 @@ void write_text_file_atomically(const std::string& path, const std::string& text
 
 }  // namespace
 
+namespace {
+
+std::string read_text_file(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) throw Error(path + ": cannot open: " + std::strerror(errno));
+  std::ostringstream text;
+  text << in.rdbuf();
+  if (in.bad()) throw Error(path + ": cannot read");
+  return text.str();
+}
+
+// The checkpoint's safetensors files: model.safetensors, or the shards that
+// model.safetensors.index.json's weight_map names (each opened once).
+struct Checkpoint {
+  std::vector<SafetensorsFile> files;
+  std::map<std::string, std::size_t, std::less<>> shard_of;  // tensor name -> files index (sharded only)
+  std::string index_path;                                    // empty when not sharded
+};
+
+Checkpoint open_checkpoint(const std::string& dir) {
+  Checkpoint ck;
+  const std::string index_path = (fs::path(dir) / "model.safetensors.index.json").string();
+  if (!fs::exists(index_path)) {
+    ck.files.push_back(SafetensorsFile::open((fs::path(dir) / "model.safetensors").string()));
+    return ck;
+  }
+  ck.index_path = index_path;
+  nlohmann::json doc;
+  try {
+    doc = nlohmann::json::parse(read_text_file(index_path));
+  } catch (const nlohmann::json::exception& e) {
+    throw FormatError(index_path + ": not valid JSON: " + e.what());
+  }
+  if (!doc.is_object() || !doc.contains("weight_map") || !doc["weight_map"].is_object()) {
+    throw FormatError(index_path + ": missing the object 'weight_map' (tensor name -> shard file)");
+  }
+  std::map<std::string, std::size_t> file_index;
+  for (const auto& [name, file] : doc["weight_map"].items()) {
+    if (!file.is_string()) throw FormatError(index_path + ": weight_map['" + name + "'] is not a file name");
+    const auto& f = file.get_ref<const std::string&>();
+    // A shard lives next to the index: no directories, no way out of DIR.
+    if (f.empty() || f.find('/') != std::string::npos || f.find('\\') != std::string::npos || f == "." || f == "..") {
+      throw FormatError(index_path + ": weight_map['" + name + "'] is '" + f + "', not a file name in the directory");
+    }
+    auto it = file_index.find(f);
+    if (it == file_index.end()) {
+      it = file_index.emplace(f, ck.files.size()).first;
+      ck.files.push_back(SafetensorsFile::open((fs::path(dir) / f).string()));
+    }
+    ck.shard_of.emplace(name, it->second);
+  }
+  return ck;
+}
+
+bool has_prefix(std::string_view s, const std::vector<std::string>& prefixes) {
+  for (const auto& p : prefixes)
+    if (s.substr(0, p.size()) == p) return true;
+  return false;
+}
+
+}  // namespace
+
 ModelWeights ModelWeights::load(const std::string& dir) {
   const std::string config_path = (fs::path(dir) / "config.json").string();
-  const std::string weights_path = (fs::path(dir) / "model.safetensors").string();
+  const std::string generation_path = (fs::path(dir) / "generation_config.json").string();
   ModelWeights w;
   w.config_ = load_model_config(config_path);
-  const SafetensorsFile file = SafetensorsFile::open(weights_path);
+  if (w.config_.family != ModelFamily::RewindHybrid && fs::exists(generation_path)) {
+    apply_generation_config(w.config_, read_text_file(generation_path), generation_path);
+  }
+  const Checkpoint ck = open_checkpoint(dir);
+  const std::string weights_path = ck.index_path.empty() ? ck.files.front().path() : ck.index_path;
+  const std::vector<std::string> ignored = ignored_weight_prefixes(w.config_);
 
+  // Where each expected tensor is: in the index's shard (sharded) or the file.
+  auto locate = [&](const std::string& name) -> const TensorEntry* {
+    if (ck.index_path.empty()) return ck.files.front().find(name);
+    auto it = ck.shard_of.find(name);
+    if (it == ck.shard_of.end()) return nullptr;
+    const TensorEntry* e = ck.files[it->second].find(name);
+    if (e == nullptr) {
+      throw FormatError(ck.files[it->second].path() + ": missing tensor '" + name + "', which " + ck.index_path +
+                        " places there");
+    }
+    return e;
+  };
   const std::vector<WeightSpec> specs = expected_weights(w.config_);
   std::set<std::string_view> expected;
+  std::vector<const TensorEntry*> entries;
   for (const WeightSpec& spec : specs) {
     expected.insert(spec.name);
-    const TensorEntry* e = file.find(spec.name);
+    const TensorEntry* e = locate(spec.name);
     if (e == nullptr) {
       throw FormatError(weights_path + ": missing tensor '" + spec.name + "', which " +
                         config_path + " requires");
@@ -146,19 +234,51 @@ ModelWeights ModelWeights::load(const std::string& dir) {
                         shape_string(e->shape) + ", " + config_path + " implies " +
                         shape_string(spec.shape));
     }
+    entries.push_back(e);
   }
-  for (const TensorEntry& e : file.entries()) {
-    if (!expected.contains(e.name)) {
-      throw FormatError(weights_path + ": unexpected tensor '" + e.name + "', which " +
-                        config_path + " does not imply");
+  for (const SafetensorsFile& file : ck.files) {
+    for (const TensorEntry& e : file.entries()) {
+      if (!expected.contains(e.name) && !has_prefix(e.name, ignored)) {
+        throw FormatError(file.path() + ": unexpected tensor '" + e.name + "', which " + config_path +
+                          " does not imply");
+      }
     }
   }
-  // Converted only after every check passed: a bad file costs no copies.
-  for (const WeightSpec& spec : specs) {
-    const TensorEntry& e = file.get(spec.name);
-    w.tensors_.emplace(spec.name, to_f32_tensor(e.shape, e.dtype, e.data));
-    w.names_.push_back(spec.name);
+  // Copied only after every check passed: a bad file costs no copies. The
+  // mapped pages of each tensor are dropped once it is copied, so the
+  // process holds the file's bytes about once, not twice, while loading.
+  for (std::size_t i = 0; i < specs.size(); ++i) {
+    w.tensors_.emplace(specs[i].name, to_memory_tensor(entries[i]->shape, entries[i]->dtype, entries[i]->data));
+    w.names_.push_back(specs[i].name);
+    for (const SafetensorsFile& file : ck.files) file.drop_pages(*entries[i]);
   }
+  return w;
+}
+
+ModelWeights ModelWeights::from_tensors(const ModelConfig& config,
+                                       std::map<std::string, Tensor, std::less<>> tensors) {
+  const std::vector<WeightSpec> specs = expected_weights(config);
+  for (const WeightSpec& spec : specs) {
+    auto it = tensors.find(spec.name);
+    if (it == tensors.end()) throw FormatError("ModelWeights::from_tensors: missing tensor '" + spec.name + "'");
+    const TensorView v = it->second.view();
+    const std::vector<std::int64_t> shape(v.shape.begin(), v.shape.begin() + v.rank);
+    if ((v.dtype != DType::F32 && v.dtype != DType::BF16) || shape != spec.shape) {
+      throw FormatError("ModelWeights::from_tensors: tensor '" + spec.name + "' is " + v.describe() +
+                        ", expected F32 or BF16 " + shape_string(spec.shape));
+    }
+  }
+  if (tensors.size() != specs.size()) {
+    for (const auto& [name, t] : tensors) {
+      if (std::none_of(specs.begin(), specs.end(), [&](const WeightSpec& s) { return s.name == name; })) {
+        throw FormatError("ModelWeights::from_tensors: unexpected tensor '" + name + "'");
+      }
+    }
+  }
+  ModelWeights w;
+  w.config_ = config;
+  for (const WeightSpec& spec : specs) w.names_.push_back(spec.name);
+  w.tensors_ = std::move(tensors);
   return w;
 }
 
@@ -169,7 +289,7 @@ ModelWeights ModelWeights::random(const ModelConfig& config, std::uint64_t seed,
   for (const WeightSpec& spec : expected_weights(config)) {
     // Through the stored dtype and back, exactly as a load of the file would.
     const std::vector<std::byte> bytes = encode(random_values(spec, seed), dtype);
-    w.tensors_.emplace(spec.name, to_f32_tensor(spec.shape, dtype, bytes.data()));
+    w.tensors_.emplace(spec.name, to_memory_tensor(spec.shape, dtype, bytes.data()));
     w.names_.push_back(spec.name);
   }
   return w;

@@ -25,6 +25,7 @@
 #include <iostream>
 #include <iterator>
 #include <limits>
+#include <map>
 #include <memory>
 #include <optional>
 #include <random>
@@ -366,11 +367,21 @@ std::optional<Model> load_draft(const DraftChoice& choice, const Model& target, 
   Model draft = Model::load(choice.draft_dir);
   const ModelConfig& t = target.config();
   const ModelConfig& d = draft.config();
-  if (d.vocab_size != t.vocab_size || d.bos_token_id != t.bos_token_id || d.eos_token_id != t.eos_token_id) {
+  // A draft proposes token ids the target scores: the vocabularies must be
+  // the same ids (size, BOS and its use, every EOS).
+  auto ids = [](const std::vector<std::int64_t>& v) {
+    std::string s;
+    for (std::int64_t id : v) s += (s.empty() ? "" : ",") + std::to_string(id);
+    return "[" + s + "]";
+  };
+  auto describe = [&](const ModelConfig& c) {
+    return std::to_string(c.vocab_size) + " (BOS " + std::to_string(c.bos_token_id) + (c.add_bos ? "" : " not added") +
+           ", EOS " + ids(c.eos_token_ids) + ")";
+  };
+  if (d.vocab_size != t.vocab_size || d.bos_token_id != t.bos_token_id || d.add_bos != t.add_bos ||
+      d.eos_token_ids != t.eos_token_ids) {
     throw InvalidArgument("draft model " + choice.draft_dir + " is incompatible with the target: vocabulary " +
-                          std::to_string(d.vocab_size) + " (BOS " + std::to_string(d.bos_token_id) + ", EOS " +
-                          std::to_string(d.eos_token_id) + ") vs " + std::to_string(t.vocab_size) + " (BOS " +
-                          std::to_string(t.bos_token_id) + ", EOS " + std::to_string(t.eos_token_id) + ")");
+                          describe(d) + " vs " + describe(t));
   }
   // The draft proposes ids that the target verifies: the same id must be
   // the same text for both.
@@ -694,6 +705,24 @@ int run_inspect(const std::string& model_dir, std::int64_t rollback) {
               static_cast<long long>(c.vocab_size), std::string(dtype_name(c.torch_dtype)).c_str());
   std::printf("tokenizer: %s\n", load_tokenizer(model_dir, model).describe().c_str());
   std::printf("parameters: %lld\n", static_cast<long long>(model.parameter_count()));
+  {
+    std::map<std::string, int> mix;
+    for (const LayerKind kind : c.layer_types) ++mix[std::string(layer_kind_name(kind))];
+    std::string mix_text;
+    for (const auto& [kind, count] : mix) mix_text += (mix_text.empty() ? "" : ", ") + std::to_string(count) + " " + kind;
+    std::string variants;
+    auto add = [&variants](bool on, const std::string& what) {
+      if (on) variants += (variants.empty() ? "" : ", ") + what;
+    };
+    add(c.norm_plus_one, "(1 + w) RMSNorm");
+    add(c.qk_norm, "q/k norm");
+    add(c.attn_output_gate, "attention output gate");
+    add(c.rope_dim() != c.head_dim, "partial RoPE " + std::to_string(c.rope_dim()) + "/" + std::to_string(c.head_dim));
+    add(c.fused_gdn_projections, "fused in_proj_qkvz / in_proj_ba");
+    add(c.tie_word_embeddings, "tied embeddings");
+    std::printf("family: %s (model_type %s); layers: %s%s%s\n", model_family_name(c.family), c.model_type.c_str(),
+                mix_text.c_str(), variants.empty() ? "" : "; ", variants.c_str());
+  }
   for (std::size_t i = 0; i < c.layer_types.size(); ++i) {
     const LayerKind kind = c.layer_types[i];
     std::string detail;
@@ -721,6 +750,18 @@ int run_inspect(const std::string& model_dir, std::int64_t rollback) {
     }
     const std::string t(layer_kind_name(kind));
     std::printf("  layer %2zu  %-18s %s\n", i, t.c_str(), detail.c_str());
+  }
+  {
+    // VmHWM: the peak resident memory of this process so far, i.e. what
+    // loading the model cost on top of the CLI itself.
+    std::ifstream status("/proc/self/status");
+    std::string line, peak = "unknown";
+    while (std::getline(status, line)) {
+      if (line.rfind("VmHWM:", 0) == 0) peak = line.substr(6);
+    }
+    peak.erase(0, peak.find_first_not_of(" \t"));
+    std::printf("weights in memory: %s (stored dtype kept for bf16); peak resident memory of this process: %s\n",
+                human_bytes(static_cast<double>(model.weight_bytes())).c_str(), peak.c_str());
   }
   std::printf("KV bytes per token (full-attention layers, f32): %s\n",
               human_bytes(static_cast<double>(model.kv_bytes_per_token())).c_str());

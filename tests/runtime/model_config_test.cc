@@ -125,7 +125,7 @@ TEST(ModelConfig, ParsesExplicitValues) {
                    {"bos_token_id", "1"},
                    {"eos_token_id", "[2, 3]"},
                    {"torch_dtype", R"("bfloat16")"},
-                   {"model_type", R"("qwen3_5_text")"},
+                   {"model_type", R"("my_hybrid")"},
                    {"architectures", R"(["Whatever"])"}}),
       "x/config.json");
   EXPECT_EQ(c.head_dim, 16);
@@ -135,7 +135,7 @@ TEST(ModelConfig, ParsesExplicitValues) {
   EXPECT_EQ(c.bos_token_id, 1);
   EXPECT_EQ(c.eos_token_id, 2);  // the first of a list
   EXPECT_EQ(c.torch_dtype, DType::BF16);
-  EXPECT_EQ(c.model_type, "qwen3_5_text");
+  EXPECT_EQ(c.model_type, "my_hybrid");
 }
 
 TEST(ModelConfig, NewerTransformersSpellings) {
@@ -445,7 +445,8 @@ TEST_F(ModelWeightsTest, RandomModelRoundTripsInEveryDtype) {
     for (const WeightSpec& s : specs) {
       const Tensor* t = w.find(s.name);
       ASSERT_NE(t, nullptr) << s.name;
-      EXPECT_EQ(t->view().dtype, DType::F32);
+      // BF16 stays BF16 in memory (the kernels widen it); F16 becomes F32.
+      EXPECT_EQ(t->view().dtype, dt == DType::BF16 ? DType::BF16 : DType::F32);
       ASSERT_EQ(static_cast<std::size_t>(t->view().rank), s.shape.size()) << s.name;
       for (std::size_t i = 0; i < s.shape.size(); ++i) {
         EXPECT_EQ(t->view().size(static_cast<int>(i)), s.shape[i]) << s.name;
@@ -571,10 +572,14 @@ TEST_F(ModelWeightsTest, ConvertsHalfAndBfloatExactly) {
   EXPECT_EQ(h[2], 0.333251953125f);
   EXPECT_EQ(h[3], std::ldexp(1.0f, -24));
   EXPECT_EQ(h[4], -std::numeric_limits<float>::infinity());
-  const float* b = m.get("model.layers.1.input_layernorm.weight").data<float>();
-  EXPECT_EQ(b[0], 1.0f);
-  EXPECT_EQ(b[1], -3.0f);
-  EXPECT_EQ(b[2], 0.333984375f);
+  // BF16 is kept as stored, bit for bit; widened it gives the exact values.
+  const Tensor& bt = m.get("model.layers.1.input_layernorm.weight");
+  ASSERT_EQ(bt.view().dtype, DType::BF16);
+  const std::uint16_t* b = bt.data<std::uint16_t>();
+  EXPECT_TRUE(std::equal(brain.begin(), brain.end(), b));
+  EXPECT_EQ(bf16_to_f32(b[0]), 1.0f);
+  EXPECT_EQ(bf16_to_f32(b[1]), -3.0f);
+  EXPECT_EQ(bf16_to_f32(b[2]), 0.333984375f);
   // Untouched f32 tensors are copied exactly.
   EXPECT_TRUE(bitwise_equal(m.get("model.embed_tokens.weight"), w.get("model.embed_tokens.weight")));
 }

@@ -123,24 +123,35 @@ inline float softplus(float x) { return x > 20.0f ? x : std::log1p(std::exp(x));
 // Output features are grouped in panels of kPanelWidth = 16; panel p stores
 // w[p * 16 + l, i] at element i * 16 + l (zeros past `out`), so the kernel
 // streams each panel front to back and one load of it (one AVX-512 vector,
-// two AVX2 ones) serves sixteen outputs and several input rows. Holds 64-byte aligned storage of its own (the
-// source can be freed after packing); movable, not copyable.
+// two AVX2 ones) serves sixteen outputs and several input rows. The elements
+// are f32, or bf16 when packed from bf16 weights: those stay bf16 in memory
+// (half the bytes) and matmul widens each to f32 as it loads it, which is
+// exact, so the products and sums, and the results, are bit for bit those of
+// the f32 matrix of the same values. Holds 64-byte aligned storage of its own
+// (the source can be freed after packing); movable, not copyable.
 class PackedMatrix {
  public:
   static constexpr std::int64_t kPanelWidth = 16;
 
   // An empty 0 x 0 matrix.
   PackedMatrix() = default;
-  // Copies w: [out, in] into panels. REQUIRES: out, in >= 0; w points to
+  // Copies w: [out, in] into f32 panels. REQUIRES: out, in >= 0; w points to
   // out * in floats (may be null when that is 0). Throws std::bad_alloc.
   PackedMatrix(const float* w, std::int64_t out, std::int64_t in);
+  // Copies w: [out, in] of bfloat16 bit patterns into bf16 panels. REQUIRES
+  // as above (out * in uint16 values). Throws std::bad_alloc.
+  static PackedMatrix from_bf16(const std::uint16_t* w, std::int64_t out, std::int64_t in);
   // A moved-from matrix is the empty 0 x 0 one.
   PackedMatrix(PackedMatrix&& other) noexcept
-      : data_(std::move(other.data_)), out_(std::exchange(other.out_, 0)), in_(std::exchange(other.in_, 0)) {}
+      : data_(std::move(other.data_)),
+        out_(std::exchange(other.out_, 0)),
+        in_(std::exchange(other.in_, 0)),
+        bf16_(std::exchange(other.bf16_, false)) {}
   PackedMatrix& operator=(PackedMatrix&& other) noexcept {
     data_ = std::move(other.data_);
     out_ = std::exchange(other.out_, 0);
     in_ = std::exchange(other.in_, 0);
+    bf16_ = std::exchange(other.bf16_, false);
     return *this;
   }
   PackedMatrix(const PackedMatrix&) = delete;
@@ -149,24 +160,43 @@ class PackedMatrix {
   std::int64_t out() const { return out_; }
   std::int64_t in() const { return in_; }
   std::int64_t panels() const { return (out_ + kPanelWidth - 1) / kPanelWidth; }
-  // Panel p: [in][kPanelWidth]. REQUIRES: 0 <= p < panels().
-  const float* panel(std::int64_t p) const { return data_.get() + p * in_ * kPanelWidth; }
-  // w[o, i] as packed. REQUIRES: 0 <= o < out(), 0 <= i < in().
+  // True when the elements are stored as bf16 (panel_bf16), else f32 (panel).
+  bool is_bf16() const { return bf16_; }
+  // Panel p: [in][kPanelWidth]. REQUIRES: 0 <= p < panels() and !is_bf16().
+  const float* panel(std::int64_t p) const {
+    return static_cast<const float*>(static_cast<const void*>(data_.get())) + p * in_ * kPanelWidth;
+  }
+  // Panel p of a bf16 matrix (bit patterns). REQUIRES: 0 <= p < panels() and is_bf16().
+  const std::uint16_t* panel_bf16(std::int64_t p) const {
+    return static_cast<const std::uint16_t*>(static_cast<const void*>(data_.get())) + p * in_ * kPanelWidth;
+  }
+  // w[o, i] as packed (as f32). REQUIRES: 0 <= o < out(), 0 <= i < in().
   float at(std::int64_t o, std::int64_t i) const {
-    return panel(o / kPanelWidth)[i * kPanelWidth + o % kPanelWidth];
+    const std::int64_t k = i * kPanelWidth + o % kPanelWidth;
+    if (!bf16_) return panel(o / kPanelWidth)[k];
+    const std::uint32_t bits = static_cast<std::uint32_t>(panel_bf16(o / kPanelWidth)[k]) << 16;
+    float f;
+    std::memcpy(&f, &bits, sizeof f);
+    return f;
+  }
+  // Row o of w as f32 into dst[0, in()) (the embedding lookup of a tied
+  // output matrix). REQUIRES: 0 <= o < out().
+  void row(std::int64_t o, float* dst) const {
+    for (std::int64_t i = 0; i < in_; ++i) dst[i] = at(o, i);
   }
   // Bytes of the packed storage (padding included).
   std::size_t bytes() const {
-    return static_cast<std::size_t>(panels() * in_ * kPanelWidth) * sizeof(float);
+    return static_cast<std::size_t>(panels() * in_ * kPanelWidth) * (bf16_ ? 2 : sizeof(float));
   }
 
  private:
   struct AlignedFree {
-    void operator()(float* p) const;
+    void operator()(std::byte* p) const;
   };
-  std::unique_ptr<float[], AlignedFree> data_;
+  std::unique_ptr<std::byte[], AlignedFree> data_;
   std::int64_t out_ = 0;
   std::int64_t in_ = 0;
+  bool bf16_ = false;
 };
 
 // y[r, o] = sum_i x[r, i] * w[o, i] (+ bias[o]), each sum taken in order of

@@ -1,9 +1,13 @@
 // runtime/model.h: the reference hybrid decoder.
 //
-// A pre-norm decoder (RMSNorm, SwiGLU MLP, byte-level vocabulary) whose
-// layers follow config.layer_types: full_attention and sliding_attention
-// (GQA with RoPE), linear_attention (Gated DeltaNet as in Qwen3-Next) and
-// conv (LFM2-style gated short convolution). All inference state lives in a
+// A pre-norm decoder (RMSNorm, SwiGLU MLP) whose layers follow
+// config.layer_types: full_attention and sliding_attention (GQA with RoPE),
+// linear_attention (Gated DeltaNet as in Qwen3-Next) and conv (LFM2-style
+// gated short convolution). It runs rewind's own layout and the
+// transformers families of runtime/model_config.h (LFM2, Qwen3.5, dense
+// Qwen3-Next): their variants ((1 + w) norms, q/k norm, the attention
+// output gate, partial RoPE, fused projections) are config flags, applied
+// row by row, so batch invariance holds for all of them. All inference state lives in a
 // rwd::Cache built by make_cache() (one sequence, forward()) or a
 // rwd::SequenceCache built by make_sequence_cache() (many sequences,
 // forward_batch()); the model touches them only through the public cache
@@ -19,6 +23,7 @@
 #pragma once
 
 #include <cstdint>
+#include <deque>
 #include <span>
 #include <string>
 #include <vector>
@@ -53,6 +58,10 @@ class Model {
 
   const ModelConfig& config() const { return weights_.config(); }
   std::int64_t vocab_size() const { return config().vocab_size; }
+  // Bytes the model's weights occupy in memory: packed matrices (in the
+  // stored dtype, panel padding included), the embedding, norms and other
+  // small tensors.
+  std::size_t weight_bytes() const;
   // Parameters in the model file (tied embeddings counted once).
   std::int64_t parameter_count() const { return parameter_count_; }
   // Identifies the model and its weights: "rewind-hybrid-" + 16 hex digits
@@ -117,7 +126,8 @@ class Model {
 
  private:
   // Linear weights packed for kernels::matmul (shapes [out, in] as in
-  // nn.Linear); the rest point into weights_ (f32). Unused ones empty / null.
+  // nn.Linear), in the stored dtype (F32 or BF16); the rest are f32, in
+  // weights_ or (widened / folded) in folded_. Unused ones empty / null.
   struct LayerWeights {
     enum class Kind { Attention, Sliding, GatedDeltaNet, ShortConv } kind = Kind::Attention;
     const float* input_norm = nullptr;  // [d]
@@ -130,6 +140,9 @@ class Model {
     kernels::PackedMatrix wk;  // [nkv*hd, d]
     kernels::PackedMatrix wv;  // [nkv*hd, d]
     kernels::PackedMatrix wo;  // [d, nh*hd]
+    kernels::PackedMatrix wgate;        // [nh*hd, d] output gate rows of q_proj (attn_output_gate), else empty
+    const float* q_norm = nullptr;      // [hd] per-head query / key RMSNorm (qk_norm), else null
+    const float* k_norm = nullptr;
     // Gated DeltaNet
     kernels::PackedMatrix in_qkv;  // [conv_dim, d]
     kernels::PackedMatrix in_z;    // [lnv*lvd, d]
@@ -146,10 +159,12 @@ class Model {
   // The math of each block that does not touch the cache, shared by
   // forward() and forward_batch() (rows are independent: batch invariance).
   struct AttentionRows {
-    std::vector<float> q, key, val, att;  // [n, nh*hd], [n, nkv*hd] x 2, [n, nh*hd]
+    std::vector<float> q, key, val, att, gate;  // [n, nh*hd], [n, nkv*hd] x 2, [n, nh*hd] x 2
   };
   void attention_in(const LayerWeights& w, const float* h, std::int64_t n, const kernels::RopeTable& rope,
                     AttentionRows& r) const;
+  // The output gate (when the model has one) and o_proj of the attention rows.
+  void attention_out(const LayerWeights& w, std::int64_t n, AttentionRows& r, float* out) const;
   struct DeltaNetRows {
     std::vector<float> qkv, z, b, a, mixed, q, key, v, g, beta, o;
   };
@@ -210,19 +225,27 @@ class Model {
   template <typename StateArgs>
   void mixer_block(const BlockArgs& a, const StateArgs& state) const;
 
-  // Config, embedding, norms, conv and gate parameters; the linear weights
-  // are released after packing (their copies live in layers_ / lm_head_).
+  // Config, embedding, norms, conv and gate parameters (F32, or BF16 as
+  // stored); the linear weights are released as each is packed (their
+  // copies, in the stored dtype, live in layers_ / lm_head_).
   ModelWeights weights_;
+  // Norm weights with the 1 of a (1 + w) norm folded in (norm_plus_one);
+  // a deque so that the pointers into it survive growth and moves.
+  std::deque<std::vector<float>> folded_;
   std::int64_t parameter_count_ = 0;
   std::string fingerprint_;
   bool has_attention_ = false;  // any full / sliding attention layer (needs RoPE)
   std::vector<LayerWeights> layers_;
-  const float* embed_ = nullptr;     // [vocab, d]
+  // The embedding [vocab, d] (F32 or BF16) in weights_, or null when tied:
+  // then rows are read from lm_head_.
+  const Tensor* embed_ = nullptr;
+  // Row `token` of the embedding as f32 into dst[0, d).
+  void embed_row(std::int32_t token, float* dst) const;
   const float* final_norm_ = nullptr;  // [d]
   kernels::PackedMatrix lm_head_;  // [vocab, d] (a copy of the embedding when tied)
 };
 
-// Byte-level tokenizer: a text becomes BOS followed by its bytes.
+// Byte-level tokenizer: a text becomes BOS (when config.add_bos) followed by its bytes.
 std::vector<std::int32_t> encode_prompt(const std::string& text, const ModelConfig& config);
 // Bytes of the tokens that are bytes (< 256); special tokens are skipped.
 std::string decode_tokens(std::span<const std::int32_t> tokens);

@@ -25,8 +25,22 @@
 
 namespace rwd::runtime {
 
+// The checkpoint layouts the runtime reads, chosen once from config.json's
+// model_type; every difference between them is a field of ModelConfig below
+// (the model code reads those, never the family's name).
+enum class ModelFamily {
+  RewindHybrid,  // rewind's own layout (any model_type not listed below)
+  Lfm2,          // "lfm2": LiquidAI LFM2, dense
+  Qwen3_5,       // "qwen3_5" (nested text_config) or "qwen3_5_text": Qwen3.5, dense
+  Qwen3Next,     // "qwen3_next" without mixture-of-experts layers
+};
+
+// "rewind_hybrid", "lfm2", "qwen3_5", "qwen3_next" (for messages and inspect).
+const char* model_family_name(ModelFamily family);
+
 struct ModelConfig {
   std::string model_type = "rewind_hybrid";
+  ModelFamily family = ModelFamily::RewindHybrid;
   std::int64_t hidden_size = 0;          // d
   std::int64_t num_hidden_layers = 0;
   std::int64_t num_attention_heads = 0;  // nh
@@ -53,14 +67,45 @@ struct ModelConfig {
   // LFM2 short convolution (conv layers); 0 when the model has none.
   std::int64_t conv_L_cache = 0;  // kernel size
 
+  // Special tokens. bos_token_id is -1 when the config names none; add_bos
+  // says whether a prompt starts with it (LFM2 and rewind's layout do, the
+  // Qwen families do not). Generation stops at any of eos_token_ids (empty
+  // when the config names none); eos_token_id is its first entry (-1 when
+  // empty), kept for code that needs one id.
   std::int64_t bos_token_id = 256;
   std::int64_t eos_token_id = 257;
+  std::vector<std::int64_t> eos_token_ids = {257};
+  bool add_bos = true;
   DType torch_dtype = DType::F32;  // dtype of the stored weights
+
+  // Architecture variants, parsed once from the family and its keys.
+  // Where tensor names start: "model." or "model.language_model." (Qwen3.5
+  // with a nested text_config); lm_head.weight is always top-level.
+  std::string weight_prefix = "model.";
+  // RMSNorms multiply by (1 + w) (Qwen3.5, Qwen3-Next; the Gated DeltaNet
+  // output norm excepted), folded into the weight at load time.
+  bool norm_plus_one = false;
+  // Per-head RMSNorm of queries and keys before RoPE (LFM2, Qwen).
+  bool qk_norm = false;
+  // q_proj has 2 * nh * hd rows, per head hd query rows then hd gate rows;
+  // the attention output is multiplied by sigmoid(gate) before o_proj.
+  bool attn_output_gate = false;
+  // RoPE rotates the first rotary_dim elements of each head (partial RoPE:
+  // int(head_dim * partial_rotary_factor)); the rest pass through. 0 means
+  // all of head_dim (rewind's layout and LFM2).
+  std::int64_t rotary_dim = 0;
+  // Qwen3-Next: Gated DeltaNet projections fused as in_proj_qkvz / in_proj_ba,
+  // grouped per key head (the loader unfuses them by rows).
+  bool fused_gdn_projections = false;
 
   bool operator==(const ModelConfig&) const = default;
 
   // True when some layer is of kind `kind`.
   bool has_layer_type(LayerKind kind) const;
+  // True when generation stops after `token` (one of eos_token_ids).
+  bool is_eos(std::int64_t token) const;
+  // Elements of a head that RoPE rotates: rotary_dim, or head_dim when 0.
+  std::int64_t rope_dim() const { return rotary_dim > 0 ? rotary_dim : head_dim; }
   // Channels of the Gated DeltaNet causal conv: 2 * lnk * lkd + lnv * lvd.
   std::int64_t linear_conv_dim() const;
 };
@@ -69,7 +114,10 @@ struct ModelConfig {
 // full_attention, sliding_attention, linear_attention (Gated DeltaNet), conv.
 const std::vector<LayerKind>& supported_layer_kinds();
 
-// Parses and validates config.json text. `source_name` (usually the path)
+// Parses and validates config.json text. The family comes from model_type
+// (docs/model-format.md lists the keys each reads); mixture-of-experts
+// variants, vision-only configs and unsupported options (biases, RoPE
+// scaling, other activations) are refused with a message naming them. `source_name` (usually the path)
 // starts every message. Throws FormatError naming the source and the key for
 // invalid JSON, a missing required key, a wrong JSON type, a size <= 0 (or
 // above 2^24), a layer_types list whose length is not num_hidden_layers, an
@@ -82,14 +130,43 @@ ModelConfig parse_model_config(const std::string& json_text, const std::string& 
 ModelConfig load_model_config(const std::string& path_to_config_json);
 
 // config.json text (pretty-printed, every field written explicitly) that
-// parse_model_config turns back into an equal ModelConfig.
+// parse_model_config turns back into an equal ModelConfig. For the
+// families it is in their own layout (LFM2 keys, Qwen3.5's nested
+// text_config), so write_random_model writes a checkpoint transformers reads.
 std::string to_json(const ModelConfig& config);
+
+// Applies DIR/generation_config.json text: its eos_token_id (an id or a
+// list) replaces the config's EOS list and its bos_token_id fills in a BOS
+// the config lacks, as transformers' generate() uses them. Throws
+// FormatError naming `source_name` and the key for a malformed value or an
+// id outside the vocabulary (config unchanged then).
+void apply_generation_config(ModelConfig& config, const std::string& json_text, const std::string& source_name);
+
+// Tensors a checkpoint of this family may hold besides expected_weights()
+// that the runtime ignores (name prefixes: Qwen3.5's vision tower
+// "model.visual.", the multi-token-prediction head "mtp.").
+std::vector<std::string> ignored_weight_prefixes(const ModelConfig& config);
 
 // One weight tensor the architecture needs.
 struct WeightSpec {
   std::string name;
   std::vector<std::int64_t> shape;
 };
+
+// What a tensor is for; weight_name() gives its name in a family's
+// checkpoint (docs/model-format.md has the table).
+enum class WeightRole {
+  Embed, FinalNorm, LmHead,                  // global
+  InputNorm, PostNorm, MlpGate, MlpUp, MlpDown,  // every layer
+  AttnQ, AttnK, AttnV, AttnO, AttnQNorm, AttnKNorm,  // attention
+  GdnQkv, GdnZ, GdnB, GdnA, GdnQkvz, GdnBa, GdnConv, GdnDtBias, GdnALog, GdnNorm, GdnOut,  // Gated DeltaNet
+  ConvIn, ConvConv, ConvOut,                 // short conv
+};
+
+// The checkpoint name of `role` in layer `layer` (ignored for the global
+// roles), e.g. "model.layers.3.feed_forward.w1.weight" for LFM2's MlpGate.
+// REQUIRES: a validated config; 0 <= layer < num_hidden_layers for layer roles.
+std::string weight_name(const ModelConfig& config, std::int64_t layer, WeightRole role);
 
 // Every tensor the model of `config` reads, exactly (names and shapes are in
 // docs/model-format.md): global tensors first, then layer by layer.

@@ -66,6 +66,13 @@ class SafetensorsFile {
   // 'name'" when absent: callers ask for tensors their format requires.
   const TensorEntry& get(std::string_view name) const;
 
+  // Tells the system that the mapped pages lying wholly inside `entry`'s
+  // bytes are no longer needed (madvise MADV_DONTNEED): they leave this
+  // process's resident memory, and a later read of them maps the file again
+  // (the data is unchanged). A loader that copied the tensor calls it so the
+  // checkpoint is not held twice. Does nothing for an entry of another file.
+  void drop_pages(const TensorEntry& entry) const;
+
   // Tensor names in data order (ascending byte offset).
   std::vector<std::string> names() const;
   // All entries in data order.

@@ -4,9 +4,10 @@
 // model.safetensors (runtime/safetensors.h). ModelWeights::load checks the
 // pair against each other before any tensor is used: the file must hold
 // exactly the tensors expected_weights(config) lists, each with exactly the
-// listed shape, no more and no fewer. Every tensor is then converted to an
-// owned, contiguous f32 rwd::Tensor, whatever dtype it was stored in, so
-// the kernels see one dtype and the file can be unmapped.
+// listed shape, no more and no fewer. Every tensor is then copied into an
+// owned, contiguous rwd::Tensor: BF16 tensors stay BF16 (the matmul kernel
+// widens bf16 weights exactly as it loads them, runtime/kernels.h), F16 and
+// F32 ones become F32 (f16 -> f32 is exact), so the file can be unmapped.
 //
 // write_random_model writes such a directory with deterministic random
 // weights (for tests, benchmarks and the CLI's demo model): the same config,
@@ -46,6 +47,14 @@ class ModelWeights {
   // cannot be read. Messages name the file.
   static ModelWeights load(const std::string& dir);
 
+  // Weights from tensors already in memory (another loader, or a test
+  // that alters a checkpoint): `tensors` must hold exactly
+  // expected_weights(config), each F32 or BF16 with the listed shape. Throws
+  // FormatError naming the first tensor missing, unexpected, of another
+  // dtype or shape (nothing is kept then).
+  // REQUIRES: a validated config.
+  static ModelWeights from_tensors(const ModelConfig& config, std::map<std::string, Tensor, std::less<>> tensors);
+
   // The weights write_random_model(config, dir, seed, dtype) would write,
   // built in memory: equal, value for value, to load(dir) of that directory.
   // REQUIRES: a validated config.
@@ -53,7 +62,8 @@ class ModelWeights {
                              DType dtype = DType::F32);
 
   const ModelConfig& config() const { return config_; }
-  // The f32 tensor called `name` (shape as in expected_weights), or nullptr.
+  // The tensor called `name` (shape as in expected_weights; dtype F32, or
+  // BF16 when stored so), or nullptr.
   const Tensor* find(std::string_view name) const;
   // As find(), but throws InvalidArgument naming the tensor when absent.
   const Tensor& get(std::string_view name) const;
@@ -74,7 +84,12 @@ class ModelWeights {
   std::map<std::string, Tensor, std::less<>> tensors_;
 };
 
-// Same as ModelWeights::load(dir).
+// Same as ModelWeights::load(dir). A directory holds config.json, then
+// either model.safetensors or model.safetensors.index.json with the shards
+// its weight_map names (file names in the directory), and optionally
+// generation_config.json (applied with apply_generation_config for the
+// transformers families). Tensors under ignored_weight_prefixes(config)
+// (vision tower, multi-token prediction) are skipped, never converted.
 ModelWeights load_weights(const std::string& dir);
 
 // Creates `out_dir` (and parents) if needed and writes config.json (the
