@@ -589,7 +589,7 @@ void Model::attention_block(const BlockArgs& a, const TreeArgs& t) const {
                        std::span<const k::KVRun>(runs + (committed == 0 ? 1 : 0), committed == 0 ? 1 : 2), strides,
                        strides, first, committed + own, m, r.att.data() + node * nh * hd);
   }
-  k::matmul(r.att.data(), n, a.w->wo, a.out);
+  attention_out(*a.w, n, r, a.out);
 }
 
 void Model::gated_deltanet_block(const BlockArgs& a, const TreeArgs& t) const {
@@ -655,10 +655,10 @@ void Model::forward_tree(std::span<const std::int32_t> tokens, const TreeForward
   const std::int64_t d = c.hidden_size, ff = c.intermediate_size, V = c.vocab_size;
   auto sz = [](std::int64_t v) { return static_cast<std::size_t>(v); };
   std::vector<float> x(sz(n * d)), h(sz(n * d)), mix(sz(n * d)), gate(sz(n * ff)), up(sz(n * ff));
-  for (std::int64_t t = 0; t < n; ++t) std::memcpy(x.data() + t * d, embed_ + tokens[sz(t)] * d, sz(d) * sizeof(float));
+  for (std::int64_t t = 0; t < n; ++t) embed_row(tokens[sz(t)], x.data() + t * d);
   std::vector<std::int64_t> positions(sz(n));
   for (std::int64_t t = 0; t < n; ++t) positions[sz(t)] = tree.position(t);
-  const k::RopeTable rope(positions.data(), has_attention_ ? n : 0, c.rope_theta, c.head_dim);
+  const k::RopeTable rope(positions.data(), has_attention_ ? n : 0, c.rope_theta, c.rope_dim());
   for (std::size_t i = 0; i < layers_.size(); ++i) {
     const LayerWeights& w = layers_[i];
     const int layer = static_cast<int>(i);

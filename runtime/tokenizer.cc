@@ -868,9 +868,9 @@ Tokenizer Tokenizer::byte_level(std::int64_t vocab_size, std::int32_t bos, std::
                           " must be in [1, 2^31 - 1]");
   }
   for (const auto& [name, id] : {std::pair{"BOS", bos}, std::pair{"EOS", eos}}) {
-    if (id < 0 || id >= vocab_size) {
+    if (id < -1 || id >= vocab_size) {
       throw InvalidArgument(std::string("byte-level tokenizer: ") + name + " " + std::to_string(id) +
-                            " must be in [0, " + std::to_string(vocab_size) + ")");
+                            " must be in [0, " + std::to_string(vocab_size) + "), or -1 for none");
     }
   }
   auto t = std::make_shared<Impl>();
@@ -894,10 +894,10 @@ Tokenizer Tokenizer::byte_level(std::int64_t vocab_size, std::int32_t bos, std::
     }
     t->ids.emplace(t->tokens[i], id);
   }
-  t->bos = bos;
-  t->eos = eos;
-  t->add_bos = true;
-  t->prefix = {bos};
+  if (bos >= 0) t->bos = bos;
+  if (eos >= 0) t->eos = eos;
+  t->add_bos = bos >= 0;
+  if (bos >= 0) t->prefix = {bos};
   return Tokenizer(std::move(t));
 }
 

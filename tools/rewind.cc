@@ -319,8 +319,10 @@ struct SamplingChoice {
 // table is refused.
 Tokenizer load_tokenizer(const std::string& dir, const Model& model) {
   const ModelConfig& c = model.config();
-  Tokenizer t = Tokenizer::for_model_dir(dir, c.vocab_size, static_cast<std::int32_t>(c.bos_token_id),
-                                         static_cast<std::int32_t>(c.eos_token_id));
+  // A family whose prompts start without BOS (add_bos false) gets none.
+  const std::int64_t bos = c.add_bos ? c.bos_token_id : -1;
+  const std::int64_t eos = c.eos_token_ids.empty() ? -1 : c.eos_token_ids.front();
+  Tokenizer t = Tokenizer::for_model_dir(dir, c.vocab_size, static_cast<std::int32_t>(bos), static_cast<std::int32_t>(eos));
   if (t.kind() == TokenizerKind::Bpe && t.vocab_size() > c.vocab_size) {
     throw InvalidArgument(dir + "/tokenizer.json has " + std::to_string(t.vocab_size()) +
                           " tokens, more than the model's vocab_size " + std::to_string(c.vocab_size) +

@@ -356,6 +356,13 @@ TEST(Tokenizer, ByteLevelKeepsTodaysScheme) {
   EXPECT_EQ(why, "BOS differs: 256 here, 257 there");
   EXPECT_THROW(Tokenizer::byte_level(256, 256, 257), InvalidArgument);  // BOS outside the vocabulary
   EXPECT_THROW(Tokenizer::byte_level(0, 0, 0), InvalidArgument);
+  EXPECT_THROW(Tokenizer::byte_level(258, -2, 257), InvalidArgument);
+  // A family whose prompts start without BOS (Qwen): bos -1, nothing first.
+  const Tokenizer no_bos = Tokenizer::byte_level(160, -1, 5);
+  EXPECT_EQ(no_bos.encode("ab", true), (Ids{'a', 'b'}));
+  EXPECT_FALSE(no_bos.bos_id().has_value());
+  EXPECT_FALSE(no_bos.add_bos_token());
+  EXPECT_EQ(no_bos.eos_id(), 5);
 }
 
 TEST(Tokenizer, LoadReadsTheDirectoryAndFallsBack) {

@@ -44,10 +44,11 @@ class Tokenizer {
   // An empty `tokenizer_config_json` means no tokenizer_config.json.
   static Tokenizer from_json(const std::string& tokenizer_json, const std::string& tokenizer_config_json,
                              const std::string& where);
-  // Today's scheme of byte-level models: encode() gives BOS then one token
+  // Today's scheme of byte-level models: encode() gives BOS (none when bos
+  // is -1, as for a family whose prompts start without one) then one token
   // per byte, decode() keeps the tokens below 256 as bytes. Every id in
-  // [256, vocab_size) is special. Requires 256 < vocab_size and bos, eos in
-  // [256, vocab_size) (InvalidArgument otherwise).
+  // [256, vocab_size) is special. Throws InvalidArgument unless 1 <=
+  // vocab_size < 2^31 and bos, eos are in [0, vocab_size) or -1 (none).
   static Tokenizer byte_level(std::int64_t vocab_size, std::int32_t bos, std::int32_t eos);
   // load(dir) when `dir` holds tokenizer.json, else byte_level(...).
   static Tokenizer for_model_dir(const std::string& dir, std::int64_t vocab_size, std::int32_t bos,
