@@ -86,6 +86,36 @@ TEST(TreeForward, EveryNodeEqualsItsPathAsAChainAndCommitEqualsTheChain) {
   }
 }
 
+// The same on the transformers families' random checkpoints (q/k norms, the
+// output gate, partial RoPE, (1 + w) norms, fused projections).
+TEST(TreeForward, FamiliesNodeLogitsEqualTheirPathsAsChains) {
+  for (const char* family : {"lfm2", "qwen3_5", "qwen3_next"}) {
+    const Model model = Model::load(std::string(REWIND_SOURCE_DIR) + "/tests/fixtures/families/" + family);
+    const std::int64_t V = model.vocab_size();
+    std::mt19937_64 rng(17);
+    std::vector<std::int32_t> prompt;
+    for (int i = 0; i < 9; ++i) prompt.push_back(static_cast<std::int32_t>(rng() % static_cast<std::uint64_t>(V)));
+    const std::vector<std::int64_t> parents{-1, 0, 0, 1, 1, 3, 2};
+    std::vector<std::int32_t> tokens;
+    for (std::size_t i = 0; i < parents.size(); ++i) tokens.push_back(static_cast<std::int32_t>(rng() % static_cast<std::uint64_t>(V)));
+    Cache cache = model.make_cache();
+    std::vector<float> logits;
+    model.forward(prompt, cache, logits, false);
+    TreeForward tree = cache.begin_tree(parents);
+    std::vector<float> tree_logits;
+    model.forward_tree(tokens, tree, cache, tree_logits);
+    for (std::int64_t node = 0; node < tree.num_nodes(); ++node) {
+      Cache chain = model.make_cache();
+      std::vector<std::int32_t> seq = prompt;
+      for (std::int64_t p : tree.path(node)) seq.push_back(tokens[static_cast<std::size_t>(p)]);
+      std::vector<float> chain_logits;
+      model.forward(seq, chain, chain_logits, false);
+      EXPECT_TRUE(same_bits(tree_logits.data() + node * V, chain_logits.data(), static_cast<std::size_t>(V)))
+          << family << ", node " << node;
+    }
+  }
+}
+
 TEST(TreeForward, Refusals) {
   const Model model(ModelWeights::random(hybrid(kEveryKind), 71));
   Cache cache = model.make_cache();
