@@ -870,15 +870,19 @@ int run_snapshot_save(const CLI::App& cmd, const std::string& model_dir, const P
   return 0;
 }
 
-int run_snapshot_inspect(const std::string& path) {
-  const std::vector<std::byte> bytes = read_file_bytes(path);
-  std::string fingerprint;
-  Snapshot snap;
+// The snapshot in file `path`, every field checked; FormatError names the file.
+Snapshot read_snapshot_file(const std::string& path, const std::vector<std::byte>& bytes, std::string& fingerprint) {
   try {
-    snap = deserialize_snapshot(bytes, &fingerprint);
+    return deserialize_snapshot(bytes, &fingerprint);
   } catch (const FormatError& e) {
     throw FormatError(path + ": " + e.what());
   }
+}
+
+int run_snapshot_inspect(const std::string& path) {
+  const std::vector<std::byte> bytes = read_file_bytes(path);
+  std::string fingerprint;
+  const Snapshot snap = read_snapshot_file(path, bytes, fingerprint);
   const SnapshotHeader header = read_snapshot_header(bytes);
   std::printf("%s: rewind snapshot, format version %u, %zu bytes, every checksum verified\n", path.c_str(),
               header.version, bytes.size());
@@ -917,12 +921,7 @@ int run_snapshot_load(const CLI::App& cmd, const std::string& model_dir, const s
   const SamplingParams sampling = sampling_choice.resolve(cmd);
   const std::vector<std::byte> bytes = read_file_bytes(path);
   std::string fingerprint;
-  Snapshot snap;
-  try {
-    snap = deserialize_snapshot(bytes, &fingerprint);
-  } catch (const FormatError& e) {
-    throw FormatError(path + ": " + e.what());
-  }
+  const Snapshot snap = read_snapshot_file(path, bytes, fingerprint);
   const Model model = Model::load(model_dir);
   if (fingerprint != model.fingerprint()) {
     throw InvalidArgument(path + " holds a state of model " + fingerprint + ", but " + model_dir + " is model " +
