@@ -269,7 +269,8 @@ ModelWeights ModelWeights::from_tensors(const ModelConfig& config,
     }
   }
   if (tensors.size() != specs.size()) {
-    for (const auto& [name, t] : tensors) {
+    for (const auto& entry : tensors) {
+      const std::string& name = entry.first;
       if (std::none_of(specs.begin(), specs.end(), [&](const WeightSpec& s) { return s.name == name; })) {
         throw FormatError("ModelWeights::from_tensors: unexpected tensor '" + name + "'");
       }
