@@ -219,12 +219,27 @@ ModelWeights ModelWeights::load(const std::string& dir) {
     }
     return e;
   };
+  // Tied embeddings as transformers' from_pretrained ties them: only what the
+  // checkpoint allows. With both lm_head.weight and the embedding present it
+  // keeps them apart (the config is wrong about the file); with lm_head.weight
+  // alone the embedding is tied to it. rewind's own layout stays strict.
+  std::string embed_source;
+  if (w.config_.family != ModelFamily::RewindHybrid && w.config_.tie_word_embeddings) {
+    const std::string head = weight_name(w.config_, 0, WeightRole::LmHead);
+    const std::string embed = weight_name(w.config_, 0, WeightRole::Embed);
+    const bool has_head = ck.index_path.empty() ? ck.files.front().find(head) != nullptr : ck.shard_of.contains(head);
+    const bool has_embed = ck.index_path.empty() ? ck.files.front().find(embed) != nullptr : ck.shard_of.contains(embed);
+    if (has_head && has_embed) w.config_.tie_word_embeddings = false;
+    if (has_head && !has_embed) embed_source = head;
+  }
   const std::vector<WeightSpec> specs = expected_weights(w.config_);
   std::set<std::string_view> expected;
   std::vector<const TensorEntry*> entries;
   for (const WeightSpec& spec : specs) {
-    expected.insert(spec.name);
-    const TensorEntry* e = locate(spec.name);
+    const bool aliased = !embed_source.empty() && spec.name == weight_name(w.config_, 0, WeightRole::Embed);
+    const std::string& source = aliased ? embed_source : spec.name;
+    expected.insert(source);
+    const TensorEntry* e = locate(source);
     if (e == nullptr) {
       throw FormatError(weights_path + ": missing tensor '" + spec.name + "', which " +
                         config_path + " requires");

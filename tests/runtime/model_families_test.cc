@@ -387,6 +387,24 @@ fs::path edited_copy(const std::string& name, const std::string& file,
   return dir;
 }
 
+// A copy of fixture `name` (a single model.safetensors) whose tensors
+// `edit` may rename, add or drop before they are written back.
+fs::path rewritten_copy(const std::string& name,
+                        const std::function<void(std::vector<TensorToWrite>&, std::vector<std::vector<std::byte>>&)>& edit) {
+  const fs::path dir = edited_copy(name, "config.json", [](auto&) {});
+  std::vector<std::vector<std::byte>> keep;
+  std::vector<TensorToWrite> tensors;
+  {
+    const SafetensorsFile f = SafetensorsFile::open((dir / "model.safetensors").string());
+    for (const TensorEntry& e : f.entries()) keep.emplace_back(e.data, e.data + e.nbytes);
+    std::size_t i = 0;
+    for (const TensorEntry& e : f.entries()) tensors.push_back({e.name, e.dtype, e.shape, keep[i++]});
+  }
+  edit(tensors, keep);
+  write_safetensors((dir / "model.safetensors").string(), tensors);
+  return dir;
+}
+
 void expect_load_error(const fs::path& dir, const std::string& needle) {
   try {
     (void)Model::load(dir.string());
@@ -431,8 +449,34 @@ TEST(ModelFamilies, RefusesWhatItDoesNotImplement) {
                     "not a file name in the directory");
   // Only the vision tower and the MTP head are skipped: any other stray
   // tensor means the config and the weights disagree.
-  expect_load_error(edited_copy("qwen3_next", "config.json", [](auto& j) { j["tie_word_embeddings"] = true; }),
-                    "unexpected tensor 'lm_head.weight'");
+  const fs::path stray = rewritten_copy("lfm2", [](std::vector<TensorToWrite>& t, std::vector<std::vector<std::byte>>&) {
+    t.push_back({"model.layers.0.conv.extra.weight", t.front().dtype, t.front().shape, t.front().bytes});
+  });
+  expect_load_error(stray, "unexpected tensor 'model.layers.0.conv.extra.weight'");
+}
+
+TEST(ModelFamilies, TiedEmbeddingsAsFromPretrainedTiesThem) {
+  // Tied in the config, but the checkpoint holds both matrices: transformers
+  // keeps them apart, and so does the loader (the logits stay transformers').
+  const fs::path both = edited_copy("qwen3_next", "config.json", [](auto& j) { j["tie_word_embeddings"] = true; });
+  {
+    const Model m = Model::load(both.string());
+    EXPECT_FALSE(m.config().tie_word_embeddings);
+    EXPECT_LE(worst_relative_difference(m, fixture("qwen3_next")), kRelativeTolerance);
+  }
+  fs::remove_all(both);
+  // Tied, with only lm_head.weight in the file: the embedding is tied to it.
+  const fs::path head_only =
+      rewritten_copy("lfm2", [](std::vector<TensorToWrite>& t, std::vector<std::vector<std::byte>>&) {
+        for (auto& e : t)
+          if (e.name == "model.embed_tokens.weight") e.name = "lm_head.weight";
+      });
+  {
+    const Model m = Model::load(head_only.string());
+    EXPECT_TRUE(m.config().tie_word_embeddings);
+    EXPECT_LE(worst_relative_difference(m, fixture("lfm2")), kRelativeTolerance);
+  }
+  fs::remove_all(head_only);
 }
 
 // ---- speculative decoding on the families ----------------------------------------------
