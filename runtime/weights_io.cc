@@ -223,12 +223,26 @@ ModelWeights ModelWeights::load(const std::string& dir) {
   // checkpoint allows. With both lm_head.weight and the embedding present it
   // keeps them apart (the config is wrong about the file); with lm_head.weight
   // alone the embedding is tied to it. rewind's own layout stays strict.
+  auto holds = [&ck](const std::string& name) {
+    return ck.index_path.empty() ? ck.files.front().find(name) != nullptr : ck.shard_of.contains(name);
+  };
+  // transformers reads (and writes back) Qwen3.5 text-model weights under
+  // either prefix: its conversion mapping renames ^model.language_model to
+  // model for Qwen3_5ForCausalLM. The checkpoint's embedding says which.
+  if (w.config_.family == ModelFamily::Qwen3_5) {
+    for (const char* prefix : {"model.language_model.", "model."}) {
+      if (holds(std::string(prefix) + "embed_tokens.weight")) {
+        w.config_.weight_prefix = prefix;
+        break;
+      }
+    }
+  }
   std::string embed_source;
   if (w.config_.family != ModelFamily::RewindHybrid && w.config_.tie_word_embeddings) {
     const std::string head = weight_name(w.config_, 0, WeightRole::LmHead);
     const std::string embed = weight_name(w.config_, 0, WeightRole::Embed);
-    const bool has_head = ck.index_path.empty() ? ck.files.front().find(head) != nullptr : ck.shard_of.contains(head);
-    const bool has_embed = ck.index_path.empty() ? ck.files.front().find(embed) != nullptr : ck.shard_of.contains(embed);
+    const bool has_head = holds(head);
+    const bool has_embed = holds(embed);
     if (has_head && has_embed) w.config_.tie_word_embeddings = false;
     if (has_head && !has_embed) embed_source = head;
   }

@@ -455,6 +455,43 @@ TEST(ModelFamilies, RefusesWhatItDoesNotImplement) {
   expect_load_error(stray, "unexpected tensor 'model.layers.0.conv.extra.weight'");
 }
 
+TEST(ModelFamilies, Qwen3_5TextConfigReadsEitherPrefix) {
+  // Qwen3_5ForCausalLM's config (model_type qwen3_5_text, flat) next to the
+  // multimodal checkpoint's model.language_model.* names, as transformers
+  // loads it; and next to model.* names.
+  const fs::path flat = edited_copy("qwen3_5", "config.json", [](auto& j) {
+    nlohmann::json text = j["text_config"];
+    text["tie_word_embeddings"] = false;
+    j = text;
+  });
+  {
+    const Model m = Model::load(flat.string());
+    EXPECT_EQ(m.config().weight_prefix, "model.language_model.");
+    EXPECT_LE(worst_relative_difference(m, fixture("qwen3_5")), kRelativeTolerance);
+  }
+  fs::remove_all(flat);
+  const fs::path renamed = rewritten_copy("qwen3_5-draft", [](std::vector<TensorToWrite>& t, auto&) {
+    for (auto& e : t) {
+      if (e.name.rfind("model.language_model.", 0) == 0) e.name = "model." + e.name.substr(21);
+    }
+  });
+  {
+    nlohmann::json j;
+    std::ifstream(renamed / "config.json") >> j;
+    std::ofstream(renamed / "config.json") << j["text_config"].dump();
+  }
+  const Model a = Model::load(renamed.string());
+  const Model b = Model::load(family_dir("qwen3_5-draft"));
+  EXPECT_EQ(a.config().weight_prefix, "model.");
+  const std::vector<std::int32_t> tokens = {5, 9, 100, 3, 77};
+  std::vector<float> la, lb;
+  Cache ca = a.make_cache(), cb = b.make_cache();
+  a.forward(tokens, ca, la);
+  b.forward(tokens, cb, lb);
+  EXPECT_EQ(la, lb);
+  fs::remove_all(renamed);
+}
+
 TEST(ModelFamilies, TiedEmbeddingsAsFromPretrainedTiesThem) {
   // Tied in the config, but the checkpoint holds both matrices: transformers
   // keeps them apart, and so does the loader (the logits stay transformers').
