@@ -457,8 +457,9 @@ ModelConfig parse_model_config(const std::string& json_text, const std::string& 
   c.tie_word_embeddings = r.boolean("tie_word_embeddings", lfm2);
   // Lfm2Config: kwargs.get("tie_embedding", tie_word_embeddings).
   if (lfm2) c.tie_word_embeddings = r.boolean("tie_embedding", c.tie_word_embeddings);
-  // Qwen3.5's outer config decides the tying of the whole model.
-  if (text_doc != &doc) c.tie_word_embeddings = top.boolean("tie_word_embeddings", c.tie_word_embeddings);
+  // Qwen3.5's outer config (Qwen3_5Config, default false) decides the tying
+  // of the whole model; text_config's own key is not what transformers reads.
+  if (text_doc != &doc) c.tie_word_embeddings = top.boolean("tie_word_embeddings", false);
 
   // Options the runtime does not implement are refused, never ignored.
   if (lfm2 && r.boolean("conv_bias", false)) r.fail(r.q("conv_bias") + " is true: biased LFM2 convolutions are not supported");

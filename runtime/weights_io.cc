@@ -219,12 +219,41 @@ ModelWeights ModelWeights::load(const std::string& dir) {
     }
     return e;
   };
+  // Tied embeddings as transformers' from_pretrained ties them: only what the
+  // checkpoint allows. With both lm_head.weight and the embedding present it
+  // keeps them apart (the config is wrong about the file); with lm_head.weight
+  // alone the embedding is tied to it. rewind's own layout stays strict.
+  auto holds = [&ck](const std::string& name) {
+    return ck.index_path.empty() ? ck.files.front().find(name) != nullptr : ck.shard_of.contains(name);
+  };
+  // transformers reads (and writes back) Qwen3.5 text-model weights under
+  // either prefix: its conversion mapping renames ^model.language_model to
+  // model for Qwen3_5ForCausalLM. The checkpoint's embedding says which.
+  if (w.config_.family == ModelFamily::Qwen3_5) {
+    for (const char* prefix : {"model.language_model.", "model."}) {
+      if (holds(std::string(prefix) + "embed_tokens.weight")) {
+        w.config_.weight_prefix = prefix;
+        break;
+      }
+    }
+  }
+  std::string embed_source;
+  if (w.config_.family != ModelFamily::RewindHybrid && w.config_.tie_word_embeddings) {
+    const std::string head = weight_name(w.config_, 0, WeightRole::LmHead);
+    const std::string embed = weight_name(w.config_, 0, WeightRole::Embed);
+    const bool has_head = holds(head);
+    const bool has_embed = holds(embed);
+    if (has_head && has_embed) w.config_.tie_word_embeddings = false;
+    if (has_head && !has_embed) embed_source = head;
+  }
   const std::vector<WeightSpec> specs = expected_weights(w.config_);
   std::set<std::string_view> expected;
   std::vector<const TensorEntry*> entries;
   for (const WeightSpec& spec : specs) {
-    expected.insert(spec.name);
-    const TensorEntry* e = locate(spec.name);
+    const bool aliased = !embed_source.empty() && spec.name == weight_name(w.config_, 0, WeightRole::Embed);
+    const std::string& source = aliased ? embed_source : spec.name;
+    expected.insert(source);
+    const TensorEntry* e = locate(source);
     if (e == nullptr) {
       throw FormatError(weights_path + ": missing tensor '" + spec.name + "', which " +
                         config_path + " requires");
@@ -269,7 +298,8 @@ ModelWeights ModelWeights::from_tensors(const ModelConfig& config,
     }
   }
   if (tensors.size() != specs.size()) {
-    for (const auto& [name, t] : tensors) {
+    for (const auto& entry : tensors) {
+      const std::string& name = entry.first;
       if (std::none_of(specs.begin(), specs.end(), [&](const WeightSpec& s) { return s.name == name; })) {
         throw FormatError("ModelWeights::from_tensors: unexpected tensor '" + name + "'");
       }

@@ -387,6 +387,24 @@ fs::path edited_copy(const std::string& name, const std::string& file,
   return dir;
 }
 
+// A copy of fixture `name` (a single model.safetensors) whose tensors
+// `edit` may rename, add or drop before they are written back.
+fs::path rewritten_copy(const std::string& name,
+                        const std::function<void(std::vector<TensorToWrite>&, std::vector<std::vector<std::byte>>&)>& edit) {
+  const fs::path dir = edited_copy(name, "config.json", [](auto&) {});
+  std::vector<std::vector<std::byte>> keep;
+  std::vector<TensorToWrite> tensors;
+  {
+    const SafetensorsFile f = SafetensorsFile::open((dir / "model.safetensors").string());
+    for (const TensorEntry& e : f.entries()) keep.emplace_back(e.data, e.data + e.nbytes);
+    std::size_t i = 0;
+    for (const TensorEntry& e : f.entries()) tensors.push_back({e.name, e.dtype, e.shape, keep[i++]});
+  }
+  edit(tensors, keep);
+  write_safetensors((dir / "model.safetensors").string(), tensors);
+  return dir;
+}
+
 void expect_load_error(const fs::path& dir, const std::string& needle) {
   try {
     (void)Model::load(dir.string());
@@ -431,8 +449,71 @@ TEST(ModelFamilies, RefusesWhatItDoesNotImplement) {
                     "not a file name in the directory");
   // Only the vision tower and the MTP head are skipped: any other stray
   // tensor means the config and the weights disagree.
-  expect_load_error(edited_copy("qwen3_next", "config.json", [](auto& j) { j["tie_word_embeddings"] = true; }),
-                    "unexpected tensor 'lm_head.weight'");
+  const fs::path stray = rewritten_copy("lfm2", [](std::vector<TensorToWrite>& t, std::vector<std::vector<std::byte>>&) {
+    t.push_back({"model.layers.0.conv.extra.weight", t.front().dtype, t.front().shape, t.front().bytes});
+  });
+  expect_load_error(stray, "unexpected tensor 'model.layers.0.conv.extra.weight'");
+}
+
+TEST(ModelFamilies, Qwen3_5TextConfigReadsEitherPrefix) {
+  // Qwen3_5ForCausalLM's config (model_type qwen3_5_text, flat) next to the
+  // multimodal checkpoint's model.language_model.* names, as transformers
+  // loads it; and next to model.* names.
+  const fs::path flat = edited_copy("qwen3_5", "config.json", [](auto& j) {
+    nlohmann::json text = j["text_config"];
+    text["tie_word_embeddings"] = false;
+    j = text;
+  });
+  {
+    const Model m = Model::load(flat.string());
+    EXPECT_EQ(m.config().weight_prefix, "model.language_model.");
+    EXPECT_LE(worst_relative_difference(m, fixture("qwen3_5")), kRelativeTolerance);
+  }
+  fs::remove_all(flat);
+  const fs::path renamed = rewritten_copy("qwen3_5-draft", [](std::vector<TensorToWrite>& t, auto&) {
+    for (auto& e : t) {
+      if (e.name.rfind("model.language_model.", 0) == 0) e.name = "model." + e.name.substr(21);
+    }
+  });
+  {
+    nlohmann::json j;
+    std::ifstream(renamed / "config.json") >> j;
+    std::ofstream(renamed / "config.json") << j["text_config"].dump();
+  }
+  const Model a = Model::load(renamed.string());
+  const Model b = Model::load(family_dir("qwen3_5-draft"));
+  EXPECT_EQ(a.config().weight_prefix, "model.");
+  const std::vector<std::int32_t> tokens = {5, 9, 100, 3, 77};
+  std::vector<float> la, lb;
+  Cache ca = a.make_cache(), cb = b.make_cache();
+  a.forward(tokens, ca, la);
+  b.forward(tokens, cb, lb);
+  EXPECT_EQ(la, lb);
+  fs::remove_all(renamed);
+}
+
+TEST(ModelFamilies, TiedEmbeddingsAsFromPretrainedTiesThem) {
+  // Tied in the config, but the checkpoint holds both matrices: transformers
+  // keeps them apart, and so does the loader (the logits stay transformers').
+  const fs::path both = edited_copy("qwen3_next", "config.json", [](auto& j) { j["tie_word_embeddings"] = true; });
+  {
+    const Model m = Model::load(both.string());
+    EXPECT_FALSE(m.config().tie_word_embeddings);
+    EXPECT_LE(worst_relative_difference(m, fixture("qwen3_next")), kRelativeTolerance);
+  }
+  fs::remove_all(both);
+  // Tied, with only lm_head.weight in the file: the embedding is tied to it.
+  const fs::path head_only =
+      rewritten_copy("lfm2", [](std::vector<TensorToWrite>& t, std::vector<std::vector<std::byte>>&) {
+        for (auto& e : t)
+          if (e.name == "model.embed_tokens.weight") e.name = "lm_head.weight";
+      });
+  {
+    const Model m = Model::load(head_only.string());
+    EXPECT_TRUE(m.config().tie_word_embeddings);
+    EXPECT_LE(worst_relative_difference(m, fixture("lfm2")), kRelativeTolerance);
+  }
+  fs::remove_all(head_only);
 }
 
 // ---- speculative decoding on the families ----------------------------------------------
