@@ -282,13 +282,7 @@ Snapshot Cache::snapshot(std::int64_t from_position) const {
 void Cache::restore(const Snapshot& s) {
   Impl& c = state();
   if (c.busy()) c.check_whole("restore");
-  if (s.layers.size() != c.layers.size()) {
-    throw InvalidArgument("restore: the snapshot has " + std::to_string(s.layers.size()) + " layers, this cache " +
-                          std::to_string(c.layers.size()));
-  }
-  if (s.length < 0 || s.length > detail::kMaxTokens) {
-    throw InvalidArgument("restore: the snapshot's length " + std::to_string(s.length) + " is outside [0, 2^40]");
-  }
+  detail::check_snapshot_frame(s, c.layers.size(), "restore");
   for (std::size_t i = 0; i < c.layers.size(); ++i) {
     const Layer::Impl& l = c.layer_impl(i);
     if (l.batch != 1) {

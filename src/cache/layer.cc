@@ -8,6 +8,7 @@
 #include "aligned_memory.h"
 #include "cache/layer_impl.h"
 #include "cache/warnings.h"
+#include "tensor_copy.h"
 
 namespace rwd {
 namespace {
@@ -630,8 +631,7 @@ StagedInput stage(const Layer::Impl& l, const TensorView& input, const char* ope
   for (const detail::PositionBuffer* b : written) aliases = aliases || b->allocation().overlaps(span.lo, span.hi);
   if (!aliases) return {Tensor(), input};
   StagedInput staged;
-  l.budgeted(operation, [&] { staged.copy = Tensor(input.dtype, input.shape.data(), input.rank); });
-  copy_tensor(input, staged.copy.view());
+  l.budgeted(operation, [&] { staged.copy = detail::copy_of(input); });
   staged.view = staged.copy.view();
   return staged;
 }

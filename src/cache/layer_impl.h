@@ -233,6 +233,10 @@ namespace detail {
 // layer needs), nothing else present.
 void check_layer_snapshot(const LayerSnapshot& s, std::int64_t L, LayerKind kind, const LayerOptions& options,
                           const RetentionRule& rule, const std::string& where);
+// Throws InvalidArgument, the message starting with `operation`, unless `s`
+// has `num_layers` layers and a length in [0, 2^40] (what every restore
+// checks before its layers).
+void check_snapshot_frame(const Snapshot& s, std::size_t num_layers, const std::string& operation);
 
 // Bytes [lo, hi) an input view may touch (saturating: a view whose span
 // cannot be computed is treated as touching everything). Inputs that

@@ -4,17 +4,19 @@
 #include <string>
 #include <utility>
 
+#include "aligned_memory.h"
 #include "cache/layer_impl.h"
+#include "tensor_copy.h"
 
 namespace rwd {
 namespace {
 
 using detail::RetentionRule;
 using detail::TokenTrack;
+using detail::copy_of;
+using detail::present;
 
 std::string num(std::int64_t v) { return std::to_string(v); }
-
-bool present(const Tensor& t) { return t.view().data != nullptr || t.view().rank != 0; }
 
 bool has_shape(const TensorView& v, const std::vector<std::int64_t>& shape, DType dtype) {
   if (v.rank != static_cast<int>(shape.size()) || v.dtype != dtype) return false;
@@ -31,12 +33,6 @@ void require_shape(const Tensor& t, const std::vector<std::int64_t>& shape, DTyp
   want += "] " + std::string(dtype_name(dtype));
   throw InvalidArgument(where + ": the snapshot's " + part + " is " +
                         (present(t) ? t.view().describe() : std::string("absent")) + ", this layer needs " + want);
-}
-
-Tensor copy_of(const TensorView& v) {
-  Tensor out(v.dtype, v.shape.data(), v.rank);
-  copy_tensor(v, out.view());
-  return out;
 }
 
 // Rows [first, L) of the track into a new tensor shaped as the track's view.
@@ -97,6 +93,16 @@ void check_layer_snapshot(const LayerSnapshot& s, std::int64_t L, LayerKind kind
     shape.insert(shape.end(), o.recurrent_shapes[i].begin(), o.recurrent_shapes[i].end());
     require_shape(s.recurrent_states[i], shape, o.recurrent_dtype, where,
                   "recurrent state " + num(static_cast<std::int64_t>(i)));
+  }
+}
+
+void check_snapshot_frame(const Snapshot& s, std::size_t num_layers, const std::string& operation) {
+  if (s.layers.size() != num_layers) {
+    throw InvalidArgument(operation + ": the snapshot has " + std::to_string(s.layers.size()) + " layers, this cache " +
+                          std::to_string(num_layers));
+  }
+  if (s.length < 0 || s.length > kMaxTokens) {
+    throw InvalidArgument(operation + ": the snapshot's length " + num(s.length) + " is outside [0, 2^40]");
   }
 }
 

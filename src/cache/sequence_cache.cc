@@ -12,6 +12,7 @@
 #include "cache/layer_impl.h"
 #include "cache/paged_attention.h"
 #include "cache/warnings.h"
+#include "tensor_copy.h"
 
 namespace rwd {
 namespace {
@@ -417,13 +418,7 @@ struct SequenceCache::Impl {
     slots[fresh->slot].seq = std::move(fresh);
   }
   void check_snapshot(const Snapshot& snap, const std::string& operation) const {
-    if (snap.layers.size() != layers.size()) {
-      throw InvalidArgument(operation + ": the snapshot has " + num(static_cast<std::int64_t>(snap.layers.size())) +
-                            " layers, this cache " + num(static_cast<std::int64_t>(layers.size())));
-    }
-    if (snap.length < 0 || snap.length > detail::kMaxTokens) {
-      throw InvalidArgument(operation + ": the snapshot's length " + num(snap.length) + " is outside [0, 2^40]");
-    }
+    detail::check_snapshot_frame(snap, layers.size(), operation);
     for (std::size_t i = 0; i < layers.size(); ++i) {
       const LayerState& l = layers[i];
       detail::check_layer_snapshot(snap.layers[i], snap.length, l.kind, l.options,
@@ -540,8 +535,7 @@ struct SequenceCache::Impl {
   // cache's own blocks passed back in), else `input` itself.
   TensorView staged(const TensorView& input, bool aliases, Tensor& copy, int layer_idx, const char* operation) const {
     if (!aliases) return input;
-    copy = budgeted(where(layer_idx) + ": " + operation, [&] { return Tensor(input.dtype, input.shape.data(), input.rank); });
-    copy_tensor(input, copy.view());
+    copy = budgeted(where(layer_idx) + ": " + operation, [&] { return detail::copy_of(input); });
     return copy.view();
   }
   // Writes one attention part of every entry; `input` is the packed batch.

@@ -10,6 +10,7 @@
 #include "cache/cache_impl.h"
 #include "rewind/cache.h"
 #include "rewind/tree.h"
+#include "tensor_copy.h"
 
 namespace rwd {
 namespace {
@@ -24,13 +25,6 @@ void check_node(std::int64_t node, std::int64_t n, const char* what) {
   if (node < 0 || node >= n) {
     throw IndexError(std::string(what) + ": node " + num(node) + " is outside [0, " + num(n) + ")");
   }
-}
-
-// A copy of `src` (any strides) into a new contiguous tensor.
-Tensor copied(const TensorView& src) {
-  Tensor out(src.dtype, src.shape.data(), src.rank);
-  copy_tensor(src, out.view());
-  return out;
 }
 
 // The rows of `nodes` along dimension `dim` of `src`, in that order.
@@ -94,16 +88,10 @@ TreeForward Cache::begin_tree(std::span<const std::int64_t> parents) {
     t->start = c.length();
     t->parents.assign(parents.begin(), parents.end());
     t->depths.assign(static_cast<std::size_t>(n), 0);
-    t->on_path.assign(static_cast<std::size_t>(n * n), 0);
     std::int64_t max_depth = 0;
     for (std::int64_t i = 0; i < n; ++i) {
       const std::int64_t p = t->parents[static_cast<std::size_t>(i)];
-      auto row = t->on_path.begin() + i * n;
-      if (p >= 0) {
-        t->depths[static_cast<std::size_t>(i)] = t->depths[static_cast<std::size_t>(p)] + 1;
-        std::copy_n(t->on_path.begin() + p * n, n, row);
-      }
-      row[i] = 1;
+      if (p >= 0) t->depths[static_cast<std::size_t>(i)] = t->depths[static_cast<std::size_t>(p)] + 1;
       max_depth = std::max(max_depth, t->depths[static_cast<std::size_t>(i)]);
     }
     if (detail::passes_token_limit(t->start, max_depth + 1)) {
@@ -173,7 +161,7 @@ TreeKeyValues Cache::update_tree(const TensorView& keys, const TensorView& value
                           extents({1, H, n, dv}, dtype) + " (N = " + num(n) + " nodes)");
   }
   l.budgeted("update_tree", [&] {
-    Tensor k = copied(keys), v = copied(values);
+    Tensor k = detail::copy_of(keys), v = detail::copy_of(values);
     std::vector<std::int64_t> first(static_cast<std::size_t>(n));
     for (std::int64_t i = 0; i < n; ++i)
       first[static_cast<std::size_t>(i)] = l.keys.rule.visible_first(t.tree.start + t.tree.depths[static_cast<std::size_t>(i)]);
@@ -203,7 +191,7 @@ TreeRows Cache::update_tree_side(const TensorView& rows, int layer_idx, int side
     throw InvalidArgument(l.where() + ": update_tree_side(" + num(side) + ") got " + rows.describe() + "; expected " +
                           extents({1, n, D}, track.shape.dtype) + " (N = " + num(n) + " nodes)");
   }
-  l.budgeted("update_tree_side", [&] { t.scratch.sides[s] = copied(rows); });
+  l.budgeted("update_tree_side", [&] { t.scratch.sides[s] = detail::copy_of(rows); });
   t.scratch.sides_done[s] = true;
   const std::int64_t L = t.tree.start, first = track.rule.visible_first(L);
   return {track.view(first, L - first), first, t.scratch.sides[s].view()};

@@ -14,7 +14,6 @@ struct TreeState {
   std::int64_t start = 0;                  // L
   std::vector<std::int64_t> parents;       // -1 for the root
   std::vector<std::int64_t> depths;
-  std::vector<unsigned char> on_path;      // N x N: on_path[node * N + a] = a lies on root..node
 
   struct LayerTree {
     bool kv_done = false;

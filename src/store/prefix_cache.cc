@@ -11,12 +11,16 @@
 #include <utility>
 
 #include "cache/warnings.h"
+#include "tensor_copy.h"
 
 namespace rwd {
 namespace {
 
 static_assert(std::endian::native == std::endian::little,
               "prefix-cache keys hash tokens as little-endian bytes: a big-endian host needs a byte swap here");
+
+using detail::copy_of;
+using detail::present;
 
 constexpr std::int64_t kMaxTokens = std::int64_t{1} << 40;
 // After a store failure the store is left alone for this long, so that a
@@ -42,15 +46,6 @@ std::string hex16(std::uint64_t v) {
 std::span<const std::byte> bytes_of(std::span<const std::int32_t> tokens) {
   return std::as_bytes(tokens);
 }
-
-Tensor copy_of(const TensorView& v) {
-  Tensor out(v.dtype, v.shape.data(), v.rank);
-  copy_tensor(v, out.view());
-  return out;
-}
-
-// A tensor of zero rows has no data but a shape: present.
-bool present(const Tensor& t) { return t.view().data != nullptr || t.view().rank != 0; }
 
 // Joins the rows of one attention part over a chain of entries: the longest
 // run of entries, ending with the last, whose ranges follow each other.
