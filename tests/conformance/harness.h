@@ -15,6 +15,13 @@ namespace rwt {
 using rwd::Cache;
 using rwd::Layer;
 
+// Every layer kind the library has, in LayerKind's order.
+inline const std::vector<LayerKind> kEveryLayerKind = {
+    LayerKind::FullAttention, LayerKind::SlidingAttention, LayerKind::ChunkedAttention,
+    LayerKind::LinearAttention, LayerKind::Conv,          LayerKind::Hybrid,
+    LayerKind::HybridSliding,   LayerKind::SparseAttention, LayerKind::Moe,
+    LayerKind::Mlp};
+
 // ---- standard small shapes (W = 4, C = 4, K = 3, 2 heads, dims 3 / 2) --------
 
 inline LayerOptions small_options(LayerKind kind, DType dt = DType::F32, bool is_static = false,

@@ -36,12 +36,6 @@ std::vector<std::pair<LayerKind, LayerOptions>> kinds_spec(const std::vector<Lay
   return spec;
 }
 
-const std::vector<LayerKind> kEveryKind = {
-    LayerKind::FullAttention, LayerKind::SlidingAttention, LayerKind::ChunkedAttention,
-    LayerKind::LinearAttention, LayerKind::Conv,          LayerKind::Hybrid,
-    LayerKind::HybridSliding,   LayerKind::SparseAttention, LayerKind::Moe,
-    LayerKind::Mlp};
-
 class Runner {
  public:
   Runner(const Config& cfg, std::mt19937_64& rng) : cfg_(cfg), rng_(rng), b_(build_cache(cfg.spec)) {}
@@ -211,8 +205,8 @@ TEST_P(Randomized, MatchesTheReferenceAfterEveryStep) {
 INSTANTIATE_TEST_SUITE_P(
     Caches, Randomized,
     testing::Values(
-        Config{"every_kind_f32", kinds_spec(kEveryKind, DType::F32, false), 600, 12, 0x5eed0001},
-        Config{"every_kind_static_bf16", kinds_spec(kEveryKind, DType::BF16, true), 500, 12, 0x5eed0002},
+        Config{"every_kind_f32", kinds_spec(kEveryLayerKind, DType::F32, false), 600, 12, 0x5eed0001},
+        Config{"every_kind_static_bf16", kinds_spec(kEveryLayerKind, DType::BF16, true), 500, 12, 0x5eed0002},
         Config{"attention_only_f16",
                kinds_spec({LayerKind::FullAttention, LayerKind::SlidingAttention,
                            LayerKind::ChunkedAttention, LayerKind::SparseAttention, LayerKind::Moe},

@@ -35,12 +35,6 @@ using rwd::IndexError;
 using rwd::InvalidArgument;
 using rwd::StateError;
 
-const std::vector<LayerKind> kEveryKind = {
-    LayerKind::FullAttention, LayerKind::SlidingAttention, LayerKind::ChunkedAttention,
-    LayerKind::LinearAttention, LayerKind::Conv,          LayerKind::Hybrid,
-    LayerKind::HybridSliding,   LayerKind::SparseAttention, LayerKind::Moe,
-    LayerKind::Mlp};
-
 // ---- 1. randomized ------------------------------------------------------------------
 
 struct RandomConfig {
@@ -204,7 +198,7 @@ const SeqSpec kHybridsF16 = spec("hybrids_f16_bs1",
                                  {LayerKind::ChunkedAttention, LayerKind::Hybrid, LayerKind::Mlp,
                                   LayerKind::HybridSliding, LayerKind::FullAttention},
                                  DType::F16, 1, 3, 5, 2);
-const SeqSpec kEveryBF16 = spec("every_kind_bf16_bs2", kEveryKind, DType::BF16, 2);
+const SeqSpec kEveryBF16 = spec("every_kind_bf16_bs2", kEveryLayerKind, DType::BF16, 2);
 const SeqSpec kAttentionF32 = spec("attention_f32_bs16",
                                    {LayerKind::FullAttention, LayerKind::SlidingAttention, LayerKind::ChunkedAttention,
                                     LayerKind::SparseAttention, LayerKind::HybridSliding},
@@ -460,7 +454,7 @@ TEST(SequenceFork, BothWritersOfASharedPartialBlockKeepTheirOwnRows) {
 }
 
 TEST(SequenceFork, EveryKindForkedMidBlockMatchesTheReference) {
-  SeqModel m(spec("every_kind_bs4", kEveryKind, DType::F32, 4));
+  SeqModel m(spec("every_kind_bs4", kEveryLayerKind, DType::F32, 4));
   ASSERT_EQ(m.add(), "");
   ASSERT_EQ(m.activate(0, 3), "");
   ASSERT_EQ(m.forward({{0, 10}}), "");
@@ -479,7 +473,7 @@ TEST(SequenceFork, EveryKindForkedMidBlockMatchesTheReference) {
 }
 
 TEST(SequenceBatchInvariance, ARaggedBatchEqualsSingleSequenceBatches) {
-  const SeqSpec s = spec("every_kind_bs3", kEveryKind, DType::F32, 3);
+  const SeqSpec s = spec("every_kind_bs3", kEveryLayerKind, DType::F32, 3);
   SeqModel a(s), b(s);
   for (SeqModel* m : {&a, &b}) {
     for (int k = 0; k < 3; ++k) ASSERT_EQ(m->add(), "");
@@ -503,7 +497,7 @@ TEST(SequenceBatchInvariance, ARaggedBatchEqualsSingleSequenceBatches) {
 }
 
 TEST(SequenceAbandon, RestoresContentLengthsAndBlocksAtEveryPoint) {
-  SeqModel m(spec("every_kind_bs2", kEveryKind, DType::BF16, 2));
+  SeqModel m(spec("every_kind_bs2", kEveryLayerKind, DType::BF16, 2));
   ASSERT_EQ(m.add(), "");
   ASSERT_EQ(m.add(), "");
   ASSERT_EQ(m.activate(0, 3), "");

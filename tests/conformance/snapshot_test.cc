@@ -25,15 +25,9 @@ using rwd::SequenceCache;
 using rwd::SequenceSnapshot;
 using rwd::Snapshot;
 
-const std::vector<LayerKind> kEvery = {LayerKind::FullAttention, LayerKind::SlidingAttention,
-                                       LayerKind::ChunkedAttention, LayerKind::LinearAttention,
-                                       LayerKind::Conv,          LayerKind::Hybrid,
-                                       LayerKind::HybridSliding,   LayerKind::SparseAttention,
-                                       LayerKind::Moe,             LayerKind::Mlp};
-
 std::vector<std::pair<LayerKind, LayerOptions>> every_kind(DType dt, bool is_static) {
   std::vector<std::pair<LayerKind, LayerOptions>> spec;
-  for (LayerKind k : kEvery) {
+  for (LayerKind k : kEveryLayerKind) {
     LayerOptions o = small_options(k, dt, is_static, 1);
     if (is_static && (k == LayerKind::FullAttention || k == LayerKind::Hybrid || k == LayerKind::SparseAttention))
       o.static_capacity = 160;  // full attention holds the whole test's tokens
@@ -251,7 +245,7 @@ TEST(CacheSnapshot, RestoreRefusesWhatDoesNotFitAndChangesNothing) {
 seqtest::SeqSpec every_spec(DType dt, i64 block_size) {
   seqtest::SeqSpec s;
   s.name = "every";
-  s.kinds = kEvery;
+  s.kinds = kEveryLayerKind;
   s.dtype = dt;
   s.block_size = block_size;
   return s;
@@ -365,7 +359,7 @@ TEST(SequenceSnapshot, PlainSnapshotsMoveBetweenCacheAndSequenceCache) {
     ASSERT_EQ(m.activate(0, 2), "");
     for (int i = 0; i < 6; ++i) ASSERT_EQ(m.forward({{0, 1 + i % 3}}), "");
     const Snapshot plain = m.cache.export_snapshot(m.live[0].id);
-    Cache solo(seqtest::type_names(kEvery), m.options());
+    Cache solo(seqtest::type_names(kEveryLayerKind), m.options());
     solo.restore(plain);
     EXPECT_EQ(solo.get_seq_length(), m.live[0].ref.seq_length());
     RefCache want = m.live[0].ref;

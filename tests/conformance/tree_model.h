@@ -13,15 +13,9 @@
 
 namespace rwt {
 
-inline const std::vector<LayerKind> kTreeKinds = {LayerKind::FullAttention, LayerKind::SlidingAttention,
-                                       LayerKind::ChunkedAttention, LayerKind::LinearAttention,
-                                       LayerKind::Conv,          LayerKind::Hybrid,
-                                       LayerKind::HybridSliding,   LayerKind::SparseAttention,
-                                       LayerKind::Moe,             LayerKind::Mlp};
-
 inline Built tree_cache(DType dt, bool is_static) {
   std::vector<std::pair<LayerKind, LayerOptions>> spec;
-  for (LayerKind k : kTreeKinds) {
+  for (LayerKind k : kEveryLayerKind) {
     LayerOptions o = small_options(k, dt, is_static, 1);
     if (is_static && (k == LayerKind::FullAttention || k == LayerKind::Hybrid || k == LayerKind::SparseAttention))
       o.static_capacity = 256;

@@ -176,20 +176,7 @@ void concurrent_processes(std::size_t cap) {
   make_directory_store(dir.path(), cap);  // created once before the race
   const auto failures = store_test::run_processes(4, [&](int p) -> std::string {
     auto store = make_directory_store(dir.path(), cap);
-    std::uint64_t state = 1000 + static_cast<std::uint64_t>(p);
-    int reads = 0;
-    for (int i = 0; i < 300; ++i) {
-      state = store_test::splitmix64(state);
-      const std::string key = "key" + std::to_string(state % 8);
-      if (i % 2 == p % 2) {
-        if (!store->put(key, store_test::seeded_value(state, 16 + state % (256 * 1024)))) return "put refused " + key;
-      } else if (auto v = store->get(key)) {
-        ++reads;
-        const std::string bad = store_test::check_seeded_value(*v);
-        if (!bad.empty()) return "get " + key + ": " + bad;
-      }
-    }
-    return reads > 0 ? "" : "no value was ever read";
+    return store_test::race_on_eight_keys(*store, p, 1000);
   });
   EXPECT_TRUE(failures.empty()) << ::testing::PrintToString(failures);
   auto store = make_directory_store(dir.path(), cap);

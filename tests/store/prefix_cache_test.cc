@@ -27,15 +27,9 @@ using rwd::PrefixCache;
 using rwd::PrefixCacheOptions;
 using rwd::PrefixHit;
 
-const std::vector<LayerKind> kEvery = {LayerKind::FullAttention, LayerKind::SlidingAttention,
-                                       LayerKind::ChunkedAttention, LayerKind::LinearAttention,
-                                       LayerKind::Conv,          LayerKind::Hybrid,
-                                       LayerKind::HybridSliding,   LayerKind::SparseAttention,
-                                       LayerKind::Moe,             LayerKind::Mlp};
-
 Built every_kind(DType dt = DType::F32) {
   std::vector<std::pair<LayerKind, LayerOptions>> spec;
-  for (LayerKind k : kEvery) spec.push_back({k, small_options(k, dt, false, 1)});
+  for (LayerKind k : kEveryLayerKind) spec.push_back({k, small_options(k, dt, false, 1)});
   return build_cache(spec);
 }
 

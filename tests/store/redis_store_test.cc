@@ -331,20 +331,7 @@ TEST(RedisStore, FourProcessesSeeOnlyWholeValues) {
   const RedisOptions o = options_for(server);
   const auto failures = store_test::run_processes(4, [&](int p) -> std::string {
     auto store = make_redis_store(o);
-    std::uint64_t state = 2000 + static_cast<std::uint64_t>(p);
-    int reads = 0;
-    for (int i = 0; i < 300; ++i) {
-      state = store_test::splitmix64(state);
-      const std::string key = "key" + std::to_string(state % 8);
-      if (i % 2 == p % 2) {
-        if (!store->put(key, store_test::seeded_value(state, 16 + state % (256 * 1024)))) return "put refused " + key;
-      } else if (auto v = store->get(key)) {
-        ++reads;
-        const std::string bad = store_test::check_seeded_value(*v);
-        if (!bad.empty()) return "get " + key + ": " + bad;
-      }
-    }
-    return reads > 0 ? "" : "no value was ever read";
+    return store_test::race_on_eight_keys(*store, p, 2000);
   });
   EXPECT_TRUE(failures.empty()) << ::testing::PrintToString(failures);
   auto store = make_redis_store(o);

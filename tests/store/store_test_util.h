@@ -19,6 +19,8 @@
 #include <string>
 #include <vector>
 
+#include "rewind/store.h"
+
 namespace rwd::store_test {
 
 inline std::vector<std::byte> bytes_of(const std::string& s) {
@@ -174,5 +176,27 @@ class OversizeSpan {
  private:
   const std::byte* data_ = nullptr;
 };
+
+// One process of a race on one store: 300 steps over keys key0..key7,
+// process p putting on the steps of its parity and getting on the others,
+// values of 16 bytes to 256 KiB that carry their seed and size. Returns ""
+// when every value read was whole and at least one was read, else what went
+// wrong.
+inline std::string race_on_eight_keys(BlobStore& store, int p, std::uint64_t seed) {
+  std::uint64_t state = seed + static_cast<std::uint64_t>(p);
+  int reads = 0;
+  for (int i = 0; i < 300; ++i) {
+    state = splitmix64(state);
+    const std::string key = "key" + std::to_string(state % 8);
+    if (i % 2 == p % 2) {
+      if (!store.put(key, seeded_value(state, 16 + state % (256 * 1024)))) return "put refused " + key;
+    } else if (auto v = store.get(key)) {
+      ++reads;
+      const std::string bad = check_seeded_value(*v);
+      if (!bad.empty()) return "get " + key + ": " + bad;
+    }
+  }
+  return reads > 0 ? "" : "no value was ever read";
+}
 
 }  // namespace rwd::store_test
