@@ -2,11 +2,12 @@
 // layer kind, driven by the input bytes: chain forwards, trees of any shape
 // up to 24 nodes whose every node view is checked against the naive
 // reference, commits of any node (the reference takes the path as a chain),
-// abandons (explicit, by destroying the handle halfway through the layers),
-// hostile calls (malformed trees, wrong shapes, updates twice, per-layer and
-// whole-cache calls inside a tree, commits of incomplete trees, bad leaves,
-// node inputs that are views of the cache's own storage), crops of every
-// depth and recording changes. Any mismatch aborts.
+// abandons (explicit, or by destroying the handle before any layer or after
+// the first layer took its update), hostile calls (malformed trees, wrong
+// shapes, updates twice, per-layer and whole-cache calls inside a tree,
+// commits of incomplete trees, bad leaves, node keys and values that are
+// views of the cache's own retained rows), crops of every depth and
+// recording changes. Any mismatch aborts.
 #include <algorithm>
 #include <cstdint>
 #include <cstdio>
@@ -52,7 +53,7 @@ void run(ByteReader& in) {
   }
   std::uint64_t salt = cfg;
   for (int step = 0; step < 24 && !in.empty(); ++step) {
-    const std::uint8_t op = in.next() % 8;
+    const std::uint8_t op = in.next() % 9;
     if (op == 0) {
       if (b.ref.seq_length() > 120) continue;
       check(cache_step(b.cache, b.ref, in.range(1, 6), ++salt));
@@ -63,6 +64,37 @@ void run(ByteReader& in) {
       const i64 k = in.range(0, std::min<i64>(b.ref.max_rollback(), 200));
       b.cache.crop(-k);
       b.ref.crop(-k);
+      check(verify(b.cache, b.ref));
+      continue;
+    }
+    if (op == 3 && in.one_in(2)) {  // recording changes
+      if (in.one_in(2)) {
+        R = in.range(0, 6);
+        b.cache.activate_past_recording(R);
+        b.ref.activate(R);
+      } else {
+        R = -1;
+        b.cache.deactivate_past_recording();
+        b.ref.deactivate();
+      }
+      check(verify(b.cache, b.ref));
+      continue;
+    }
+    if (op == 3) {  // node inputs that alias the cache: layer 0's own retained keys and values
+      const rwd::KeyValueView own = b.cache.layer(0).keys_values();
+      const i64 n = std::min<i64>(own.keys.size(2), in.range(1, 8));
+      if (n < 1) continue;
+      const rwd::KeyValueView input{own.keys.slice(2, 0, n), own.values.slice(2, 0, n)};
+      const Bytes want_k = gather(input.keys), want_v = gather(input.values);
+      const Observed before = observe(b.cache);
+      std::vector<std::int64_t> chain{-1};
+      for (i64 i = 1; i < n; ++i) chain.push_back(i - 1);
+      rwd::TreeForward tree = b.cache.begin_tree(chain);
+      const rwd::TreeKeyValues kv = b.cache.update_tree(input.keys, input.values, 0);
+      if (gather(kv.nodes.keys) != want_k || gather(kv.nodes.values) != want_v)
+        die("update_tree of the cache's own rows stored other values");
+      tree.abandon();
+      if (std::string d = diff(before, observe(b.cache)); !d.empty()) die("a tree of the cache's own rows changed " + d);
       check(verify(b.cache, b.ref));
       continue;
     }
@@ -100,7 +132,12 @@ void run(ByteReader& in) {
     std::vector<StepData> data;
     for (const RefLayer& rl : b.ref.layers) data.push_back(rl.make_step(n, ++salt));
     const int how = in.next() % 6;
-    if (how == 0) {  // abandoned by destroying the handle before the layers took their updates
+    if (how == 0) {  // abandoned by destroying the handle, before any layer or after the first took its update
+      if (in.one_in(2)) {
+        const RefLayer& rl = b.ref.layers[0];
+        const HostTensor k = rl.kv_input(data[0], true, false), v = rl.kv_input(data[0], false, false);
+        (void)b.cache.update_tree(k.view(), v.view(), 0);
+      }
       tree.reset();
       if (std::string d = diff(before, observe(b.cache)); !d.empty()) die("abandoned tree changed " + d);
       check(verify(b.cache, b.ref));
