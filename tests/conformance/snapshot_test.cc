@@ -7,6 +7,7 @@
 // sequences_test.cc (SeqModel's snapshot operations).
 #include <gtest/gtest.h>
 
+#include <limits>
 #include <random>
 #include <string>
 #include <utility>
@@ -223,6 +224,14 @@ TEST(CacheSnapshot, RestoreRefusesWhatDoesNotFitAndChangesNothing) {
     EXPECT_EQ(diff(small_before, observe(small.cache)), "");
     EXPECT_EQ(verify(small.cache, small.ref), "");
   }
+  // First positions outside [0, L], near 2^63 included, are refused.
+  for (const i64 from : {i64{-1}, i64{13}, std::numeric_limits<i64>::max(), std::numeric_limits<i64>::min()})
+    EXPECT_THROW((void)a.cache.snapshot(from), rwd::InvalidArgument) << from;
+  {
+    Snapshot s = copy(good);
+    s.length = std::numeric_limits<i64>::max();
+    EXPECT_EQ(refused(s, "outside [0, 2^40]"), "");
+  }
   // Batch rows other than 1 are refused by snapshot().
   {
     Built wide = build_cache({{LayerKind::FullAttention, small_options(LayerKind::FullAttention, DType::F32, false, 2)}});
@@ -322,6 +331,11 @@ TEST(SequenceSnapshot, HandlesOfOtherOrDeadCachesAreRefused) {
   }
   EXPECT_EQ(other.num_sequences(), 1);
   EXPECT_THROW((void)other.snapshot(SeqId{}), rwd::IndexError);
+  EXPECT_THROW((void)other.export_snapshot(id, -1), rwd::InvalidArgument);
+  EXPECT_THROW((void)other.export_snapshot(id, std::numeric_limits<i64>::max()), rwd::InvalidArgument);
+  other.seq_rm(id);
+  EXPECT_THROW((void)other.snapshot(id), rwd::IndexError);  // a removed sequence
+  EXPECT_THROW((void)other.export_snapshot(id), rwd::IndexError);
 }
 
 TEST(SequenceSnapshot, DroppedInsideABatchReleasesWhenItCloses) {
