@@ -1077,7 +1077,6 @@ std::vector<std::int32_t> tree_speculative_generate(const Model& target, TreeDra
     ++local.rounds;
     local.drafted += n - 1;
     local.accepted += accepted;
-    if (accepted < n - 1) ++local.rollbacks;  // drafted nodes dropped (no cache rollback needed)
     for (std::int32_t token : emitted) {
       sequence.push_back(token);
       if (!emit(token, target, options, out, t0, local)) {

@@ -81,7 +81,7 @@ struct GenerationStats {
   std::int64_t rounds = 0;    // speculative rounds
   std::int64_t drafted = 0;
   std::int64_t accepted = 0;
-  std::int64_t rollbacks = 0;  // crops that removed at least one token (target)
+  std::int64_t rollbacks = 0;  // crops that removed at least one token (target; a tree never crops: 0)
   double cache_seconds = 0.0;  // time inside cache calls: updates, slots, crops (target + draft)
   std::size_t peak_cache_bytes = 0;  // reserved by the target (+ draft) caches
   std::int64_t prefix_hit_tokens = 0;  // prompt tokens restored from the prefix cache
