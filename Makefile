@@ -79,9 +79,13 @@ build: deps
 
 test-plain: build tokenizer-reference
 	cd $(BUILD) && REWIND_REQUIRE_TOKENIZER_DATA=1 ctest --output-on-failure -j $(JOBS)
-	# matmul's other register shape (the one machines without AVX-512 run)
+	# matmul's other register shape (the one machines without AVX-512 run;
+	# f16 weights widened by AVX2 + F16C there)
 	REWIND_MATMUL_NARROW=1 $(BUILD)/tests/rewind_runtime_tests \
-	  --gtest_filter='Kernels*:ForwardBatch*:GenerateBatch*:SpeculativeBatch*:ModelForward*:*Lossless*:Speculative*' --gtest_brief=1
+	  --gtest_filter='Kernels*:WeightsMemory*:ForwardBatch*:GenerateBatch*:SpeculativeBatch*:ModelForward*:*Lossless*:Speculative*' --gtest_brief=1
+	# f16 weights widened without F16C (CPUs that lack it): the shipped models are f16
+	REWIND_MATMUL_F16_SOFTWARE=1 $(BUILD)/tests/rewind_runtime_tests \
+	  --gtest_filter='Kernels*:WeightsMemory*:ShippedModels*:ForwardBatch*:*Lossless*' --gtest_brief=1
 
 # The Python tests (tests/python) against the module just built in $(BUILD)
 # (PYTHONPATH first), with Debian's python3 and pytest.

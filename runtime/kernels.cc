@@ -9,7 +9,8 @@
 //  - work is split across threads by independent outputs (output panels,
 //    (row, head) pairs, heads), never inside a sum.
 // Why matmul is shaped as it is: a one-token forward of the shipped
-// 2.6M-parameter target streams its 10.6 MB of f32 weights from L3, while
+// 2.6M-parameter target streams its weights from L3 (5.3 MB as f16 panels,
+// 10.6 MB when they were held as f32; measured when f32), while
 // a forward of K + 1 tokens must cost far less than K + 1 of those for
 // speculative decoding to pay. Packed panels let one load of 8 weights
 // serve up to 6 rows (8 outputs x 6 rows of accumulators in registers),
@@ -49,6 +50,14 @@
 #define REWIND_KERNEL_CLONES
 #define REWIND_MATMUL_CLONES
 #define REWIND_INLINE inline
+#endif
+
+// f16 weights are widened by vcvtph2ps in code compiled for AVX-512F and for
+// AVX2 + F16C under `#pragma GCC target` (GCC on x86-64); elsewhere by the
+// software conversion, which gives the same values.
+#if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__)
+#define REWIND_F16C_KERNELS 1
+#include <immintrin.h>
 #endif
 
 namespace rwd::runtime::kernels {
@@ -175,96 +184,66 @@ bool wide_registers() {
 
 constexpr int64_t kPanel = PackedMatrix::kPanelWidth;
 typedef float PanelRow __attribute__((vector_size(kPanel * sizeof(float))));
-
-REWIND_INLINE PanelRow load_panel_row(const float* p) {
-  PanelRow v;
-  __builtin_memcpy(&v, p, sizeof v);
-  return v;
-}
-
 typedef std::uint16_t PanelRow16 __attribute__((vector_size(kPanel * sizeof(std::uint16_t))));
 typedef std::uint32_t PanelRowBits __attribute__((vector_size(kPanel * sizeof(std::uint32_t))));
 
-// Sixteen bf16 weights widened to f32: the bf16 bits are the high half of
-// the f32 bits, so this is exact (the same values the f32 path multiplies).
-REWIND_INLINE PanelRow load_panel_row(const std::uint16_t* p) {
-  PanelRow16 h;
-  __builtin_memcpy(&h, p, sizeof h);
-  const PanelRowBits bits = __builtin_convertvector(h, PanelRowBits) << 16;
+REWIND_INLINE PanelRow bits_as_floats(PanelRowBits bits) {
   PanelRow v;
   __builtin_memcpy(&v, &bits, sizeof v);
   return v;
 }
 
-template <class T>
-REWIND_INLINE const T* panel_of(const PackedMatrix& w, int64_t p) {
-  if constexpr (std::is_same_v<T, float>) {
-    return w.panel(p);
-  } else {
-    return w.panel_bf16(p);
-  }
+REWIND_INLINE PanelRowBits floats_as_bits(PanelRow v) {
+  PanelRowBits bits;
+  __builtin_memcpy(&bits, &v, sizeof bits);
+  return bits;
 }
 
-// y rows [0, R) of panels [p, p + V): acc[r][v] lane l accumulates
-// x[r, i] * w[(p + v) * 8 + l, i] over i in order, starting from 0, then
-// the bias is added: the arithmetic of an in-order f32 dot product, whatever
-// R and V are. x: R rows with stride `in`; y: R rows with stride `out`.
-template <int R, int V, class T>
-REWIND_INLINE void matmul_micro(const float* x, const PackedMatrix& w, int64_t p, float* y,
-                                const float* bias) {
-  const int64_t in = w.in(), out = w.out();
-  const T* panel[V];
-#pragma GCC unroll 8
-  for (int v = 0; v < V; ++v) panel[v] = panel_of<T>(w, p + v);
-  PanelRow acc[R][V] = {};
-  for (int64_t i = 0; i < in; ++i) {
-    PanelRow wv[V];
-#pragma GCC unroll 8
-    for (int v = 0; v < V; ++v) wv[v] = load_panel_row(panel[v] + i * kPanel);
-#pragma GCC unroll 8
-    for (int r = 0; r < R; ++r) {
-      const float xr = x[r * in + i];
-#pragma GCC unroll 8
-      for (int v = 0; v < V; ++v) acc[r][v] += xr * wv[v];
-    }
+// How matmul_micro loads one panel row of each stored element type: the 16
+// weights of one input, widened to f32 exactly.
+struct F32Panels {
+  using Stored = float;
+  REWIND_INLINE static PanelRow load(const float* p) {
+    PanelRow v;
+    __builtin_memcpy(&v, p, sizeof v);
+    return v;
   }
-#pragma GCC unroll 8
-  for (int r = 0; r < R; ++r) {
-#pragma GCC unroll 8
-    for (int v = 0; v < V; ++v) {
-      const int64_t o0 = (p + v) * kPanel;
-      float* yo = y + r * out + o0;
-      const int64_t n = std::min<int64_t>(kPanel, out - o0);
-      if (n == kPanel) {
-        PanelRow s = acc[r][v];
-        if (bias != nullptr) s += load_panel_row(bias + o0);
-        __builtin_memcpy(yo, &s, sizeof s);
-      } else {
-        for (int64_t l = 0; l < n; ++l) yo[l] = bias != nullptr ? acc[r][v][l] + bias[o0 + l] : acc[r][v][l];
-      }
-    }
-  }
-}
+};
 
-// Panels [p_begin, p_end) for R rows, in steps of V panels.
-template <int R, int V, class T>
-REWIND_INLINE void matmul_row_group(const float* x, const PackedMatrix& w, int64_t p_begin,
-                                    int64_t p_end, float* y, const float* bias) {
-  int64_t p = p_begin;
-  for (; p + V <= p_end; p += V) matmul_micro<R, V, T>(x, w, p, y, bias);
-  for (; p < p_end; ++p) matmul_micro<R, 1, T>(x, w, p, y, bias);
-}
-
-// R rows with the panel count of the registers at hand.
-template <int R, class T>
-REWIND_INLINE void rows_group(bool wide, const float* x, const PackedMatrix& w, int64_t p_begin, int64_t p_end,
-                              float* y, const float* bias) {
-  if (wide) {
-    matmul_row_group<R, kWidePanels, T>(x, w, p_begin, p_end, y, bias);
-  } else {
-    matmul_row_group<R, panels_for_rows(R), T>(x, w, p_begin, p_end, y, bias);
+// bf16 bits are the high half of the f32 bits.
+struct Bf16Panels {
+  using Stored = std::uint16_t;
+  REWIND_INLINE static PanelRow load(const std::uint16_t* p) {
+    PanelRow16 h;
+    __builtin_memcpy(&h, p, sizeof h);
+    return bits_as_floats(__builtin_convertvector(h, PanelRowBits) << 16);
   }
-}
+};
+
+// IEEE binary16 to f32 without F16C, exactly (the values vcvtph2ps gives):
+// a normal f16 is its exponent rebiased by 127 - 15 = 112 and its mantissa
+// shifted up 13 bits; a subnormal one, m * 2^-24, is (1 + m / 1024) * 2^-14
+// minus 2^-14, a subtraction of two normal floats that is exact (Sterbenz),
+// so no f32 subnormal is involved (flush-to-zero modes change nothing);
+// infinities and NaNs keep their payload under an all-ones exponent.
+struct F16SoftwarePanels {
+  using Stored = std::uint16_t;
+  REWIND_INLINE static PanelRow load(const std::uint16_t* p) {
+    PanelRow16 h;
+    __builtin_memcpy(&h, p, sizeof h);
+    const PanelRowBits u = __builtin_convertvector(h, PanelRowBits);
+    const PanelRowBits magnitude = (u & 0x7FFFu) << 13;
+    const PanelRowBits exponent = u & 0x7C00u;
+    const PanelRowBits normal = magnitude + (112u << 23);
+    const PanelRowBits subnormal =
+        floats_as_bits(bits_as_floats(magnitude | (113u << 23)) - bits_as_floats(PanelRowBits{} + (113u << 23)));
+    const PanelRowBits special = magnitude | 0x7F800000u;
+    const PanelRowBits bits = exponent == 0 ? subnormal : (exponent == 0x7C00u ? special : normal);
+    return bits_as_floats(bits | ((u & 0x8000u) << 16));
+  }
+};
+
+#include "matmul_micro.inc"
 
 // Output panels per block of matmul: the block's weights (about 64 KiB)
 // stay in L2 while every group of rows passes over them, so each weight
@@ -275,40 +254,107 @@ int64_t matmul_block_panels(int64_t in) {
   return std::clamp<int64_t>(int64_t{64} * 1024 / panel_bytes, 1, 16);
 }
 
-// Panels [p_begin, p_end) of every row. Rows go in groups of at most
-// kMaxGroupRows, sized as evenly as possible (7 rows: 4 + 3): the grouping
-// decides which loads are shared, never an output's arithmetic.
-template <class T>
-REWIND_INLINE void matmul_block_of(const float* x, int64_t rows, const PackedMatrix& w, float* y, const float* bias,
-                                   int64_t p_begin, int64_t p_end, bool wide) {
-  const int64_t groups = (rows + kMaxGroupRows - 1) / kMaxGroupRows;
-  int64_t r = 0;
-  for (int64_t g = 0; g < groups; ++g) {
-    const int64_t size = rows / groups + (g < rows % groups ? 1 : 0);
-    const float* xg = x + r * w.in();
-    float* yg = y + r * w.out();
-    switch (size) {
-      case 1: rows_group<1, T>(wide, xg, w, p_begin, p_end, yg, bias); break;
-      case 2: rows_group<2, T>(wide, xg, w, p_begin, p_end, yg, bias); break;
-      case 3: rows_group<3, T>(wide, xg, w, p_begin, p_end, yg, bias); break;
-      case 4: rows_group<4, T>(wide, xg, w, p_begin, p_end, yg, bias); break;
-      case 5: rows_group<5, T>(wide, xg, w, p_begin, p_end, yg, bias); break;
-      default: rows_group<6, T>(wide, xg, w, p_begin, p_end, yg, bias); break;
-    }
-    r += size;
-  }
-}
-
 REWIND_MATMUL_CLONES
 void matmul_block(const float* x, int64_t rows, const PackedMatrix& w, float* y, const float* bias,
                   int64_t p_begin, int64_t p_end, bool wide) {
-  matmul_block_of<float>(x, rows, w, y, bias, p_begin, p_end, wide);
+  matmul_block_of<F32Panels>(x, rows, w, y, bias, p_begin, p_end, wide);
 }
 
 REWIND_MATMUL_CLONES
 void matmul_block_bf16(const float* x, int64_t rows, const PackedMatrix& w, float* y, const float* bias,
                        int64_t p_begin, int64_t p_end, bool wide) {
-  matmul_block_of<std::uint16_t>(x, rows, w, y, bias, p_begin, p_end, wide);
+  matmul_block_of<Bf16Panels>(x, rows, w, y, bias, p_begin, p_end, wide);
+}
+
+REWIND_MATMUL_CLONES
+void matmul_block_f16_software(const float* x, int64_t rows, const PackedMatrix& w, float* y, const float* bias,
+                               int64_t p_begin, int64_t p_end, bool wide) {
+  matmul_block_of<F16SoftwarePanels>(x, rows, w, y, bias, p_begin, p_end, wide);
+}
+
+#if defined(REWIND_F16C_KERNELS)
+// f16 panels widened by the CPU (vcvtph2ps: AVX-512F has the 16-wide form,
+// F16C the 8-wide one), in functions compiled for those instruction sets
+// (see matmul_micro.inc); picked at run time by f16_matmul_path().
+namespace avx512 {
+#pragma GCC push_options
+#pragma GCC target("avx512f")
+struct F16Panels {
+  using Stored = std::uint16_t;
+  REWIND_INLINE static PanelRow load(const std::uint16_t* p) {
+    // The masked form with every lane set: _mm512_cvtph_ps starts from an
+    // undefined vector that GCC 12 reports as maybe-uninitialized.
+    const __m512 f =
+        _mm512_maskz_cvtph_ps(0xFFFF, _mm256_loadu_si256(static_cast<const __m256i*>(static_cast<const void*>(p))));
+    PanelRow v;
+    __builtin_memcpy(&v, &f, sizeof v);
+    return v;
+  }
+};
+#include "matmul_micro.inc"
+void matmul_block_f16(const float* x, int64_t rows, const PackedMatrix& w, float* y, const float* bias,
+                      int64_t p_begin, int64_t p_end) {
+  matmul_block_of<F16Panels>(x, rows, w, y, bias, p_begin, p_end, true);
+}
+#pragma GCC pop_options
+}  // namespace avx512
+
+namespace avx2 {
+#pragma GCC push_options
+#pragma GCC target("avx2,f16c")
+struct F16Panels {
+  using Stored = std::uint16_t;
+  REWIND_INLINE static PanelRow load(const std::uint16_t* p) {
+    const __m256 lo = _mm256_cvtph_ps(_mm_loadu_si128(static_cast<const __m128i*>(static_cast<const void*>(p))));
+    const __m256 hi = _mm256_cvtph_ps(_mm_loadu_si128(static_cast<const __m128i*>(static_cast<const void*>(p + 8))));
+    PanelRow v;
+    __builtin_memcpy(&v, &lo, sizeof lo);
+    __builtin_memcpy(reinterpret_cast<char*>(&v) + sizeof lo, &hi, sizeof hi);
+    return v;
+  }
+};
+#include "matmul_micro.inc"
+void matmul_block_f16(const float* x, int64_t rows, const PackedMatrix& w, float* y, const float* bias,
+                      int64_t p_begin, int64_t p_end) {
+  matmul_block_of<F16Panels>(x, rows, w, y, bias, p_begin, p_end, false);
+}
+#pragma GCC pop_options
+}  // namespace avx2
+#endif
+
+// Which code widens f16 panels in this process (chosen once).
+// REWIND_MATMUL_F16_SOFTWARE=1 in the environment takes the software
+// conversion whatever the CPU has (make test runs the kernel and batch
+// tests that way too); REWIND_MATMUL_NARROW=1 takes AVX2 + F16C over
+// AVX-512, as for the other element types.
+enum class F16Path { Avx512, Avx2, Software };
+
+F16Path f16_matmul_path() {
+  static const F16Path path = [] {
+    const char* software = std::getenv("REWIND_MATMUL_F16_SOFTWARE");
+    if (software != nullptr && std::string_view(software) == "1") return F16Path::Software;
+#if defined(REWIND_F16C_KERNELS)
+    if (wide_registers()) return F16Path::Avx512;
+    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c")) return F16Path::Avx2;
+#endif
+    return F16Path::Software;
+  }();
+  return path;
+}
+
+void matmul_block_f16(const float* x, int64_t rows, const PackedMatrix& w, float* y, const float* bias,
+                      int64_t p_begin, int64_t p_end, bool wide) {
+  switch (f16_matmul_path()) {
+#if defined(REWIND_F16C_KERNELS)
+    case F16Path::Avx512: avx512::matmul_block_f16(x, rows, w, y, bias, p_begin, p_end); return;
+    case F16Path::Avx2: avx2::matmul_block_f16(x, rows, w, y, bias, p_begin, p_end); return;
+#else
+    case F16Path::Avx512:
+    case F16Path::Avx2:
+#endif
+    case F16Path::Software: break;
+  }
+  matmul_block_f16_software(x, rows, w, y, bias, p_begin, p_end, wide);
 }
 
 // r[u] = dot_inline(x, k + u * stride, n) for u < 4, sharing the loads of
@@ -554,25 +600,29 @@ void pack_panels(const T* w, int64_t out, int64_t in, int64_t panels, T* dst_all
 
 }  // namespace
 
-PackedMatrix::PackedMatrix(const float* w, int64_t out, int64_t in) : out_(out), in_(in) {
-  assert(out >= 0 && in >= 0);
-  const auto n = static_cast<std::size_t>(panels() * in * kPanel);
-  if (n == 0) return;
-  data_.reset(static_cast<std::byte*>(::operator new[](n * sizeof(float), std::align_val_t{64})));
-  pack_panels(w, out, in, panels(), static_cast<float*>(static_cast<void*>(data_.get())));
-}
-
-PackedMatrix PackedMatrix::from_bf16(const std::uint16_t* w, int64_t out, int64_t in) {
+template <class T>
+PackedMatrix PackedMatrix::packed_from(const T* w, int64_t out, int64_t in, Element element) {
   assert(out >= 0 && in >= 0);
   PackedMatrix m;
   m.out_ = out;
   m.in_ = in;
-  m.bf16_ = true;
+  m.element_ = element;
   const auto n = static_cast<std::size_t>(m.panels() * in * kPanel);
   if (n == 0) return m;
-  m.data_.reset(static_cast<std::byte*>(::operator new[](n * sizeof(std::uint16_t), std::align_val_t{64})));
-  pack_panels(w, out, in, m.panels(), static_cast<std::uint16_t*>(static_cast<void*>(m.data_.get())));
+  m.data_.reset(static_cast<std::byte*>(::operator new[](n * sizeof(T), std::align_val_t{64})));
+  pack_panels(w, out, in, m.panels(), static_cast<T*>(static_cast<void*>(m.data_.get())));
   return m;
+}
+
+PackedMatrix::PackedMatrix(const float* w, int64_t out, int64_t in)
+    : PackedMatrix(packed_from(w, out, in, Element::F32)) {}
+
+PackedMatrix PackedMatrix::from_bf16(const std::uint16_t* w, int64_t out, int64_t in) {
+  return packed_from(w, out, in, Element::BF16);
+}
+
+PackedMatrix PackedMatrix::from_f16(const std::uint16_t* w, int64_t out, int64_t in) {
+  return packed_from(w, out, in, Element::F16);
 }
 
 void matmul(const float* x, int64_t rows, const PackedMatrix& w, float* y, const float* bias) {
@@ -583,10 +633,10 @@ void matmul(const float* x, int64_t rows, const PackedMatrix& w, float* y, const
   const bool wide = wide_registers();
   parallel_for(num_blocks, parallel, [&](int64_t b) {
     const int64_t p_end = std::min(w.panels(), (b + 1) * block);
-    if (w.is_bf16()) {
-      matmul_block_bf16(x, rows, w, y, bias, b * block, p_end, wide);
-    } else {
-      matmul_block(x, rows, w, y, bias, b * block, p_end, wide);
+    switch (w.element()) {
+      case PackedMatrix::Element::F32: matmul_block(x, rows, w, y, bias, b * block, p_end, wide); break;
+      case PackedMatrix::Element::BF16: matmul_block_bf16(x, rows, w, y, bias, b * block, p_end, wide); break;
+      case PackedMatrix::Element::F16: matmul_block_f16(x, rows, w, y, bias, b * block, p_end, wide); break;
     }
   });
 }

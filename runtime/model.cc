@@ -20,13 +20,22 @@ namespace k = kernels;
 
 namespace {
 
-// An [out, in] matrix of `dtype` (F32 or BF16) packed for kernels::matmul in
-// the same dtype.
+// An [out, in] matrix of `dtype` (F32, BF16 or F16) packed for
+// kernels::matmul in the same dtype.
 k::PackedMatrix pack(const std::byte* w, DType dtype, std::int64_t out, std::int64_t in) {
-  if (dtype == DType::BF16) {
-    return k::PackedMatrix::from_bf16(static_cast<const std::uint16_t*>(static_cast<const void*>(w)), out, in);
-  }
+  const auto* half = static_cast<const std::uint16_t*>(static_cast<const void*>(w));
+  if (dtype == DType::BF16) return k::PackedMatrix::from_bf16(half, out, in);
+  if (dtype == DType::F16) return k::PackedMatrix::from_f16(half, out, in);
   return k::PackedMatrix(static_cast<const float*>(static_cast<const void*>(w)), out, in);
+}
+
+// Element i of a loaded tensor (F32, BF16 or F16) as f32, exactly.
+float element_as_f32(const Tensor& t, std::size_t i) {
+  switch (t.view().dtype) {
+    case DType::BF16: return bf16_to_f32(t.data<std::uint16_t>()[i]);
+    case DType::F16: return f16_to_f32(t.data<std::uint16_t>()[i]);
+    default: return t.data<float>()[i];
+  }
 }
 
 // The linear weight `name` ([out, in]) packed for kernels::matmul.
@@ -93,16 +102,16 @@ Model::Model(ModelWeights weights) : weights_(std::move(weights)) {
   }
   auto name = [&c](std::int64_t layer, WeightRole role) { return weight_name(c, layer, role); };
   // A small tensor (norm, conv, gate parameters) as f32 for the kernels: an
-  // F32 tensor is used in place; a BF16 one is widened into folded_, and so
-  // is a (1 + w) norm weight, with the 1 folded in once (1 + w in f32 is the
-  // rounding transformers does per forward, so the product is the same).
+  // F32 tensor is used in place; a BF16 or F16 one is widened into folded_,
+  // and so is a (1 + w) norm weight, with the 1 folded in once (1 + w in f32
+  // is the rounding transformers does per forward, so the product is the
+  // same).
   auto small = [&](const std::string& n, bool plus_one) -> const float* {
     const Tensor& t = weights_.get(n);
-    const bool bf16 = t.view().dtype == DType::BF16;
-    if (!bf16 && !plus_one) return t.data<float>();
+    if (t.view().dtype == DType::F32 && !plus_one) return t.data<float>();
     std::vector<float> v(static_cast<std::size_t>(t.numel()));
     for (std::size_t i = 0; i < v.size(); ++i) {
-      v[i] = bf16 ? bf16_to_f32(t.data<std::uint16_t>()[i]) : t.data<float>()[i];
+      v[i] = element_as_f32(t, i);
       if (plus_one) v[i] = 1.0f + v[i];
     }
     return folded_.emplace_back(std::move(v)).data();
@@ -263,11 +272,11 @@ void Model::embed_row(std::int32_t token, float* dst) const {
   const std::int64_t d = config().hidden_size;
   if (embed_ == nullptr) {
     lm_head_.row(token, dst);
-  } else if (embed_->view().dtype == DType::BF16) {
-    const std::uint16_t* src = embed_->data<std::uint16_t>() + token * d;
-    for (std::int64_t i = 0; i < d; ++i) dst[i] = bf16_to_f32(src[i]);
-  } else {
+  } else if (embed_->view().dtype == DType::F32) {
     std::memcpy(dst, embed_->data<float>() + token * d, static_cast<std::size_t>(d) * sizeof(float));
+  } else {
+    const auto first = static_cast<std::size_t>(token * d);
+    for (std::int64_t i = 0; i < d; ++i) dst[i] = element_as_f32(*embed_, first + static_cast<std::size_t>(i));
   }
 }
 

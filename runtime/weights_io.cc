@@ -106,23 +106,13 @@ std::vector<std::byte> encode(const std::vector<float>& values, DType dtype) {
   return out;
 }
 
-// An owned tensor of `shape` from `n` elements of `dtype` at `src` (possibly
-// unaligned: safetensors files from other writers need not be), as the
-// model keeps it: BF16 stays BF16 (the kernels widen it exactly as they
-// load it), F16 is converted to F32 (exactly), F32 is copied.
+// An owned tensor of `shape` from elements of `dtype` (F32, BF16 or F16) at
+// `src` (possibly unaligned: safetensors files from other writers need not
+// be), as the model keeps it: in the same dtype, copied byte for byte (the
+// kernels widen half-precision weights exactly as they load them).
 Tensor to_memory_tensor(const std::vector<std::int64_t>& shape, DType dtype, const std::byte* src) {
-  Tensor t(dtype == DType::BF16 ? DType::BF16 : DType::F32, shape.data(), static_cast<int>(shape.size()));
-  const auto n = static_cast<std::size_t>(t.numel());
-  if (dtype == DType::F32 || dtype == DType::BF16) {
-    if (n > 0) std::memcpy(t.data<std::byte>(), src, t.bytes());
-    return t;
-  }
-  float* dst = t.data<float>();
-  for (std::size_t i = 0; i < n; ++i) {
-    std::uint16_t h;
-    std::memcpy(&h, src + 2 * i, 2);
-    dst[i] = f16_to_f32(h);
-  }
+  Tensor t(dtype, shape.data(), static_cast<int>(shape.size()));
+  if (t.numel() > 0) std::memcpy(t.data<std::byte>(), src, t.bytes());
   return t;
 }
 
@@ -292,9 +282,9 @@ ModelWeights ModelWeights::from_tensors(const ModelConfig& config,
     if (it == tensors.end()) throw FormatError("ModelWeights::from_tensors: missing tensor '" + spec.name + "'");
     const TensorView v = it->second.view();
     const std::vector<std::int64_t> shape(v.shape.begin(), v.shape.begin() + v.rank);
-    if ((v.dtype != DType::F32 && v.dtype != DType::BF16) || shape != spec.shape) {
+    if ((v.dtype != DType::F32 && v.dtype != DType::BF16 && v.dtype != DType::F16) || shape != spec.shape) {
       throw FormatError("ModelWeights::from_tensors: tensor '" + spec.name + "' is " + v.describe() +
-                        ", expected F32 or BF16 " + shape_string(spec.shape));
+                        ", expected F32, BF16 or F16 " + shape_string(spec.shape));
     }
   }
   if (tensors.size() != specs.size()) {

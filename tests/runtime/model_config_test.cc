@@ -445,8 +445,8 @@ TEST_F(ModelWeightsTest, RandomModelRoundTripsInEveryDtype) {
     for (const WeightSpec& s : specs) {
       const Tensor* t = w.find(s.name);
       ASSERT_NE(t, nullptr) << s.name;
-      // BF16 stays BF16 in memory (the kernels widen it); F16 becomes F32.
-      EXPECT_EQ(t->view().dtype, dt == DType::BF16 ? DType::BF16 : DType::F32);
+      // Every dtype stays as stored (the kernels widen half precision).
+      EXPECT_EQ(t->view().dtype, dt);
       ASSERT_EQ(static_cast<std::size_t>(t->view().rank), s.shape.size()) << s.name;
       for (std::size_t i = 0; i < s.shape.size(); ++i) {
         EXPECT_EQ(t->view().size(static_cast<int>(i)), s.shape[i]) << s.name;
@@ -527,7 +527,7 @@ TEST_F(ModelWeightsTest, RandomInitScales) {
   }
 }
 
-TEST_F(ModelWeightsTest, ConvertsHalfAndBfloatExactly) {
+TEST_F(ModelWeightsTest, KeepsHalfAndBfloatAsStoredWideningToExactValues) {
   const ModelConfig c = attention_config();  // d = 16
   const std::string d = dir("mixed");
   write_random_model(c, d, 3, DType::F32);
@@ -566,13 +566,17 @@ TEST_F(ModelWeightsTest, ConvertsHalfAndBfloatExactly) {
   write_safetensors(d + "/model.safetensors", out);
 
   const ModelWeights m = load_weights(d);
-  const float* h = m.get("model.norm.weight").data<float>();
-  EXPECT_EQ(h[0], 1.0f);
-  EXPECT_EQ(h[1], -2.0f);
-  EXPECT_EQ(h[2], 0.333251953125f);
-  EXPECT_EQ(h[3], std::ldexp(1.0f, -24));
-  EXPECT_EQ(h[4], -std::numeric_limits<float>::infinity());
-  // BF16 is kept as stored, bit for bit; widened it gives the exact values.
+  // F16 and BF16 are kept as stored, bit for bit; widened they give the
+  // exact values.
+  const Tensor& ht = m.get("model.norm.weight");
+  ASSERT_EQ(ht.view().dtype, DType::F16);
+  const std::uint16_t* h = ht.data<std::uint16_t>();
+  EXPECT_TRUE(std::equal(half.begin(), half.end(), h));
+  EXPECT_EQ(f16_to_f32(h[0]), 1.0f);
+  EXPECT_EQ(f16_to_f32(h[1]), -2.0f);
+  EXPECT_EQ(f16_to_f32(h[2]), 0.333251953125f);
+  EXPECT_EQ(f16_to_f32(h[3]), std::ldexp(1.0f, -24));
+  EXPECT_EQ(f16_to_f32(h[4]), -std::numeric_limits<float>::infinity());
   const Tensor& bt = m.get("model.layers.1.input_layernorm.weight");
   ASSERT_EQ(bt.view().dtype, DType::BF16);
   const std::uint16_t* b = bt.data<std::uint16_t>();

@@ -25,7 +25,7 @@
 // and strides count elements. Arguments are not validated (hot path); the
 // REQUIRES lines are the caller's obligations (checked by assert in debug
 // builds where cheap). Outputs must not alias inputs unless stated.
-// Depends on the C++ standard library and OpenMP only.
+// Depends on the C++ standard library, OpenMP and rewind/dtype.h only.
 #pragma once
 
 #include <cmath>
@@ -37,6 +37,8 @@
 #include <memory>
 #include <utility>
 #include <vector>
+
+#include "rewind/dtype.h"
 
 #if defined(__GNUC__)
 #define REWIND_ALWAYS_INLINE __attribute__((always_inline)) inline
@@ -124,14 +126,18 @@ inline float softplus(float x) { return x > 20.0f ? x : std::log1p(std::exp(x));
 // w[p * 16 + l, i] at element i * 16 + l (zeros past `out`), so the kernel
 // streams each panel front to back and one load of it (one AVX-512 vector,
 // two AVX2 ones) serves sixteen outputs and several input rows. The elements
-// are f32, or bf16 when packed from bf16 weights: those stay bf16 in memory
-// (half the bytes) and matmul widens each to f32 as it loads it, which is
-// exact, so the products and sums, and the results, are bit for bit those of
-// the f32 matrix of the same values. Holds 64-byte aligned storage of its own
-// (the source can be freed after packing); movable, not copyable.
+// keep the checkpoint's dtype: f32, bf16 or f16. Half-precision panels take
+// half the bytes, and matmul widens each weight to f32 as it loads it (bf16:
+// a shift; f16: the CPU's F16C conversion, or the same exact conversion in
+// integer and f32 operations where it has none). Widening is exact, so the
+// products and sums, and the results, are bit for bit those of the f32
+// matrix of the same values. Holds 64-byte aligned storage of its own (the
+// source can be freed after packing); movable, not copyable.
 class PackedMatrix {
  public:
   static constexpr std::int64_t kPanelWidth = 16;
+  // How the elements are stored.
+  enum class Element : std::uint8_t { F32, BF16, F16 };
 
   // An empty 0 x 0 matrix.
   PackedMatrix() = default;
@@ -141,17 +147,20 @@ class PackedMatrix {
   // Copies w: [out, in] of bfloat16 bit patterns into bf16 panels. REQUIRES
   // as above (out * in uint16 values). Throws std::bad_alloc.
   static PackedMatrix from_bf16(const std::uint16_t* w, std::int64_t out, std::int64_t in);
+  // Copies w: [out, in] of IEEE binary16 bit patterns into f16 panels.
+  // REQUIRES as above (out * in uint16 values). Throws std::bad_alloc.
+  static PackedMatrix from_f16(const std::uint16_t* w, std::int64_t out, std::int64_t in);
   // A moved-from matrix is the empty 0 x 0 one.
   PackedMatrix(PackedMatrix&& other) noexcept
       : data_(std::move(other.data_)),
         out_(std::exchange(other.out_, 0)),
         in_(std::exchange(other.in_, 0)),
-        bf16_(std::exchange(other.bf16_, false)) {}
+        element_(std::exchange(other.element_, Element::F32)) {}
   PackedMatrix& operator=(PackedMatrix&& other) noexcept {
     data_ = std::move(other.data_);
     out_ = std::exchange(other.out_, 0);
     in_ = std::exchange(other.in_, 0);
-    bf16_ = std::exchange(other.bf16_, false);
+    element_ = std::exchange(other.element_, Element::F32);
     return *this;
   }
   PackedMatrix(const PackedMatrix&) = delete;
@@ -160,24 +169,22 @@ class PackedMatrix {
   std::int64_t out() const { return out_; }
   std::int64_t in() const { return in_; }
   std::int64_t panels() const { return (out_ + kPanelWidth - 1) / kPanelWidth; }
-  // True when the elements are stored as bf16 (panel_bf16), else f32 (panel).
-  bool is_bf16() const { return bf16_; }
-  // Panel p: [in][kPanelWidth]. REQUIRES: 0 <= p < panels() and !is_bf16().
-  const float* panel(std::int64_t p) const {
-    return static_cast<const float*>(static_cast<const void*>(data_.get())) + p * in_ * kPanelWidth;
+  Element element() const { return element_; }
+  // Bytes per stored element: 4 (f32) or 2 (bf16, f16).
+  std::size_t element_bytes() const { return element_ == Element::F32 ? sizeof(float) : sizeof(std::uint16_t); }
+  // Panel p: [in][kPanelWidth] elements of element(): floats, or uint16 bit
+  // patterns. REQUIRES: 0 <= p < panels().
+  const void* panel_data(std::int64_t p) const {
+    return data_.get() + static_cast<std::size_t>(p * in_ * kPanelWidth) * element_bytes();
   }
-  // Panel p of a bf16 matrix (bit patterns). REQUIRES: 0 <= p < panels() and is_bf16().
-  const std::uint16_t* panel_bf16(std::int64_t p) const {
-    return static_cast<const std::uint16_t*>(static_cast<const void*>(data_.get())) + p * in_ * kPanelWidth;
-  }
+  // Panel p as floats. REQUIRES: 0 <= p < panels() and element() == F32.
+  const float* panel(std::int64_t p) const { return static_cast<const float*>(panel_data(p)); }
   // w[o, i] as packed (as f32). REQUIRES: 0 <= o < out(), 0 <= i < in().
   float at(std::int64_t o, std::int64_t i) const {
     const std::int64_t k = i * kPanelWidth + o % kPanelWidth;
-    if (!bf16_) return panel(o / kPanelWidth)[k];
-    const std::uint32_t bits = static_cast<std::uint32_t>(panel_bf16(o / kPanelWidth)[k]) << 16;
-    float f;
-    std::memcpy(&f, &bits, sizeof f);
-    return f;
+    if (element_ == Element::F32) return panel(o / kPanelWidth)[k];
+    const std::uint16_t h = static_cast<const std::uint16_t*>(panel_data(o / kPanelWidth))[k];
+    return element_ == Element::BF16 ? bf16_to_f32(h) : f16_to_f32(h);
   }
   // Row o of w as f32 into dst[0, in()) (the embedding lookup of a tied
   // output matrix). REQUIRES: 0 <= o < out().
@@ -185,18 +192,18 @@ class PackedMatrix {
     for (std::int64_t i = 0; i < in_; ++i) dst[i] = at(o, i);
   }
   // Bytes of the packed storage (padding included).
-  std::size_t bytes() const {
-    return static_cast<std::size_t>(panels() * in_ * kPanelWidth) * (bf16_ ? 2 : sizeof(float));
-  }
+  std::size_t bytes() const { return static_cast<std::size_t>(panels() * in_ * kPanelWidth) * element_bytes(); }
 
  private:
   struct AlignedFree {
     void operator()(std::byte* p) const;
   };
+  template <class T>
+  static PackedMatrix packed_from(const T* w, std::int64_t out, std::int64_t in, Element element);
   std::unique_ptr<std::byte[], AlignedFree> data_;
   std::int64_t out_ = 0;
   std::int64_t in_ = 0;
-  bool bf16_ = false;
+  Element element_ = Element::F32;
 };
 
 // y[r, o] = sum_i x[r, i] * w[o, i] (+ bias[o]), each sum taken in order of

@@ -126,7 +126,7 @@ class Model {
 
  private:
   // Linear weights packed for kernels::matmul (shapes [out, in] as in
-  // nn.Linear), in the stored dtype (F32 or BF16); the rest are f32, in
+  // nn.Linear), in the stored dtype (F32, BF16 or F16); the rest are f32, in
   // weights_ or (widened / folded) in folded_. Unused ones empty / null.
   struct LayerWeights {
     enum class Kind { Attention, Sliding, GatedDeltaNet, ShortConv } kind = Kind::Attention;
@@ -225,7 +225,7 @@ class Model {
   template <typename StateArgs>
   void mixer_block(const BlockArgs& a, const StateArgs& state) const;
 
-  // Config, embedding, norms, conv and gate parameters (F32, or BF16 as
+  // Config, embedding, norms, conv and gate parameters (F32, or BF16 / F16 as
   // stored); the linear weights are released as each is packed (their
   // copies, in the stored dtype, live in layers_ / lm_head_).
   ModelWeights weights_;
@@ -236,7 +236,7 @@ class Model {
   std::string fingerprint_;
   bool has_attention_ = false;  // any full / sliding attention layer (needs RoPE)
   std::vector<LayerWeights> layers_;
-  // The embedding [vocab, d] (F32 or BF16) in weights_, or null when tied:
+  // The embedding [vocab, d] (F32, BF16 or F16) in weights_, or null when tied:
   // then rows are read from lm_head_.
   const Tensor* embed_ = nullptr;
   // Row `token` of the embedding as f32 into dst[0, d).

@@ -1,13 +1,13 @@
-// runtime/weights_io.h: a model directory on disk <-> f32 weights in memory.
+// runtime/weights_io.h: a model directory on disk <-> weights in memory.
 //
 // A model directory holds config.json (runtime/model_config.h) and
 // model.safetensors (runtime/safetensors.h). ModelWeights::load checks the
 // pair against each other before any tensor is used: the file must hold
 // exactly the tensors expected_weights(config) lists, each with exactly the
 // listed shape, no more and no fewer. Every tensor is then copied into an
-// owned, contiguous rwd::Tensor: BF16 tensors stay BF16 (the matmul kernel
-// widens bf16 weights exactly as it loads them, runtime/kernels.h), F16 and
-// F32 ones become F32 (f16 -> f32 is exact), so the file can be unmapped.
+// owned, contiguous rwd::Tensor in the file's dtype (F32, BF16 or F16: the
+// matmul kernel widens half-precision weights exactly as it loads them,
+// runtime/kernels.h), so the file can be unmapped.
 //
 // write_random_model writes such a directory with deterministic random
 // weights (for tests, benchmarks and the CLI's demo model): the same config,
@@ -49,7 +49,7 @@ class ModelWeights {
 
   // Weights from tensors already in memory (another loader, or a test
   // that alters a checkpoint): `tensors` must hold exactly
-  // expected_weights(config), each F32 or BF16 with the listed shape. Throws
+  // expected_weights(config), each F32, BF16 or F16 with the listed shape. Throws
   // FormatError naming the first tensor missing, unexpected, of another
   // dtype or shape (nothing is kept then).
   // REQUIRES: a validated config.
