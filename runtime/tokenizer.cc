@@ -1061,4 +1061,16 @@ std::string StreamDecoder::finish() {
   return std::string(kReplacement);
 }
 
+Tokenizer tokenizer_for_model(const std::string& dir, const ModelConfig& c) {
+  const std::int64_t bos = c.add_bos ? c.bos_token_id : -1;
+  const std::int64_t eos = c.eos_token_ids.empty() ? -1 : c.eos_token_ids.front();
+  Tokenizer t = Tokenizer::for_model_dir(dir, c.vocab_size, static_cast<std::int32_t>(bos), static_cast<std::int32_t>(eos));
+  if (t.kind() == TokenizerKind::Bpe && t.vocab_size() > c.vocab_size) {
+    throw InvalidArgument(dir + "/tokenizer.json has " + std::to_string(t.vocab_size()) +
+                          " tokens, more than the model's vocab_size " + std::to_string(c.vocab_size) +
+                          " (config.json): its ids would fall outside the embedding table");
+  }
+  return t;
+}
+
 }  // namespace rwd::runtime

@@ -313,23 +313,8 @@ struct SamplingChoice {
 
 // ---- tokenizers ----------------------------------------------------------------------------
 
-// The tokenizer of model directory `dir`: its tokenizer.json (with
-// tokenizer_config.json), or the byte-level scheme (BOS + bytes) of a
-// directory without one. A tokenizer whose ids reach past the embedding
-// table is refused.
-Tokenizer load_tokenizer(const std::string& dir, const Model& model) {
-  const ModelConfig& c = model.config();
-  // A family whose prompts start without BOS (add_bos false) gets none.
-  const std::int64_t bos = c.add_bos ? c.bos_token_id : -1;
-  const std::int64_t eos = c.eos_token_ids.empty() ? -1 : c.eos_token_ids.front();
-  Tokenizer t = Tokenizer::for_model_dir(dir, c.vocab_size, static_cast<std::int32_t>(bos), static_cast<std::int32_t>(eos));
-  if (t.kind() == TokenizerKind::Bpe && t.vocab_size() > c.vocab_size) {
-    throw InvalidArgument(dir + "/tokenizer.json has " + std::to_string(t.vocab_size()) +
-                          " tokens, more than the model's vocab_size " + std::to_string(c.vocab_size) +
-                          " (config.json): its ids would fall outside the embedding table");
-  }
-  return t;
-}
+// The tokenizer of model directory `dir` (runtime/tokenizer.h).
+Tokenizer load_tokenizer(const std::string& dir, const Model& model) { return tokenizer_for_model(dir, model.config()); }
 
 // `text` (named `what` in messages) encoded for generation: the
 // tokenizer's BOS / template tokens, then the text's tokens.
@@ -783,8 +768,16 @@ int run_bench(const CLI::App& cmd, const std::string& model_dir, const DraftChoi
   const Model model = Model::load(model_dir);
   DraftChoice choice;
   choice.draft_dir = tree_choice.draft_dir;
-  const std::optional<Model> draft = load_draft(choice, model, load_tokenizer(model_dir, model));
+  const Tokenizer tokenizer = load_tokenizer(model_dir, model);
+  const std::optional<Model> draft = load_draft(choice, model, tokenizer);
   DecodeBenchOptions options;
+  options.encode = [&tokenizer](const std::string& text) {
+    return encode_for_generation(tokenizer, text, "bench prompt '" + text + "'");
+  };
+  std::size_t prompt_tokens = 0;
+  for (const std::string& p : default_bench_prompts()) prompt_tokens += options.encode(p).size();
+  std::fprintf(stderr, "bench: %zu prompts, %zu prompt tokens (%s tokenizer)\n", default_bench_prompts().size(),
+               prompt_tokens, tokenizer.kind_name().c_str());
   options.max_new_tokens = max_new;
   options.repeats = repeats;
   if (!ks.empty()) options.ks = ks;

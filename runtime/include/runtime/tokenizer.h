@@ -14,6 +14,8 @@
 #include <utility>
 #include <vector>
 
+#include "runtime/model_config.h"
+
 namespace rwd::runtime {
 
 enum class TokenizerKind {
@@ -146,5 +148,13 @@ class StreamDecoder {
   bool skip_special_;
   std::string pending_;
 };
+
+// The tokenizer of the model in directory `dir` with config `config`: its
+// tokenizer.json (with tokenizer_config.json), or the byte-level scheme
+// (BOS + bytes) when it has none; BOS comes first only for a family whose
+// prompts start with it (config.add_bos). Throws what for_model_dir throws,
+// and InvalidArgument when the tokenizer's ids reach past config.vocab_size
+// (they would fall outside the embedding table).
+Tokenizer tokenizer_for_model(const std::string& dir, const ModelConfig& config);
 
 }  // namespace rwd::runtime
