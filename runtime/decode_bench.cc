@@ -1,6 +1,7 @@
 #include "runtime/decode_bench.h"
 
 #include <algorithm>
+#include <chrono>
 #include <memory>
 
 #include <nlohmann/json.hpp>
@@ -154,6 +155,51 @@ std::vector<DecodeBenchRow> run_decode_bench(const Model& target, const Model* d
   }
   const double greedy = rows.front().tokens_per_second;
   for (auto& row : rows) row.speedup = greedy > 0 ? row.tokens_per_second / greedy : 0.0;
+  return rows;
+}
+
+std::vector<ForwardCostRow> measure_forward_costs(const Model& model, std::int64_t max_q, std::int64_t context,
+                                                  int samples) {
+  if (max_q < 1 || max_q > 64) throw InvalidArgument("forward costs: q must be in [1, 64], got " + std::to_string(max_q));
+  if (context < 1 || context > (std::int64_t{1} << 20)) {
+    throw InvalidArgument("forward costs: the context must be in [1, 2^20] tokens, got " + std::to_string(context));
+  }
+  if (samples < 1 || samples > (1 << 20)) {
+    throw InvalidArgument("forward costs: samples must be in [1, 2^20], got " + std::to_string(samples));
+  }
+  // The context: the first bench prompt's bytes, repeated (the cost of a
+  // forward does not depend on which tokens it holds, only on how many).
+  const std::string& text = default_bench_prompts().front();
+  const std::int32_t vocab = static_cast<std::int32_t>(model.vocab_size());
+  auto token_at = [&](std::int64_t i) {
+    return static_cast<std::int32_t>(static_cast<unsigned char>(text[static_cast<std::size_t>(i) % text.size()])) % vocab;
+  };
+  std::vector<std::int32_t> prompt(static_cast<std::size_t>(context));
+  for (std::int64_t i = 0; i < context; ++i) prompt[static_cast<std::size_t>(i)] = token_at(i);
+  Cache cache = model.make_cache();
+  cache.activate_past_recording(max_q);
+  std::vector<float> logits;
+  model.forward(prompt, cache, logits, false);
+  std::vector<std::int32_t> next(static_cast<std::size_t>(max_q));
+  for (std::int64_t i = 0; i < max_q; ++i) next[static_cast<std::size_t>(i)] = token_at(context + i);
+  std::vector<std::vector<double>> times(static_cast<std::size_t>(max_q));
+  for (int s = 0; s < samples; ++s) {
+    for (std::int64_t q = 1; q <= max_q; ++q) {
+      const auto start = std::chrono::steady_clock::now();
+      model.forward(std::span<const std::int32_t>(next.data(), static_cast<std::size_t>(q)), cache, logits, true);
+      const auto stop = std::chrono::steady_clock::now();
+      cache.crop(-q);
+      times[static_cast<std::size_t>(q - 1)].push_back(std::chrono::duration<double, std::micro>(stop - start).count());
+    }
+  }
+  std::vector<ForwardCostRow> rows;
+  for (std::int64_t q = 1; q <= max_q; ++q) {
+    ForwardCostRow r;
+    r.q = q;
+    r.microseconds = median(times[static_cast<std::size_t>(q - 1)]);
+    r.one_token_forwards = rows.empty() ? 1.0 : r.microseconds / rows.front().microseconds;
+    rows.push_back(r);
+  }
   return rows;
 }
 

@@ -10,7 +10,9 @@
 # DEMO_PROMPT, DEMO_TOKENS (new tokens shown, default 300), DEMO_TIMING_TOKENS
 # (new tokens of the timed runs, default 1000), DEMO_REPEATS (timed runs of
 # each method, alternating; medians are shown, default 5), DEMO_DRAFT_K
-# (draft tokens per round, default 4), OMP_NUM_THREADS (default 1: on a
+# (draft tokens per round, default 4), DEMO_TREE_WIDTH / DEMO_TREE_NODES /
+# DEMO_TREE_DEPTH (the tree row: children per node, node budget, depth;
+# default 2, 12, 2), OMP_NUM_THREADS (default 1: on a
 # shared or small machine one thread per forward gives the steadiest
 # timings).
 set -eu
@@ -22,6 +24,9 @@ TOKENS=${DEMO_TOKENS:-300}
 TIMED=${DEMO_TIMING_TOKENS:-1000}
 REPEATS=${DEMO_REPEATS:-5}
 K=${DEMO_DRAFT_K:-4}
+TREE_W=${DEMO_TREE_WIDTH:-2}
+TREE_N=${DEMO_TREE_NODES:-12}
+TREE_K=${DEMO_TREE_DEPTH:-2}
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
 
 params() { "$REWIND" inspect --model "$1" | sed -n 's/^parameters: //p'; }
@@ -42,6 +47,12 @@ lookup=$("$REWIND" verify --model "$TARGET" --lookup 3 --prompt "$PROMPT" --max-
   echo "demo: prompt-lookup decoding diverged from greedy decoding" >&2
   exit 1
 }
+tree=$("$REWIND" verify --model "$TARGET" --draft "$DRAFT" --tree "$TREE_W" --tree-nodes "$TREE_N" --num-draft "$TREE_K" \
+  --prompt "$PROMPT" --max-new-tokens "$TIMED" --repeats "$REPEATS" 2>/dev/null) || {
+  echo "$tree"
+  echo "demo: tree speculative decoding diverged from greedy decoding" >&2
+  exit 1
+}
 # Lines look like "IDENTICAL: N new tokens; greedy G tok/s, speculative S tok/s
 # (Rx), acceptance A (a/d), ..."
 field() { echo "$1" | sed -n "s|.*$2.*|\\1|p"; }
@@ -52,9 +63,13 @@ a=$(field "$line" 'acceptance \([0-9.]*\)')
 ls=$(field "$lookup" 'speculative \([0-9.]*\) tok/s')
 lr=$(field "$lookup" '(\([0-9.]*x\))')
 la=$(field "$lookup" 'acceptance \([0-9.]*\)')
+ts=$(field "$tree" 'speculative \([0-9.]*\) tok/s')
+tr=$(field "$tree" '(\([0-9.]*x\))')
+ta=$(field "$tree" 'acceptance \([0-9.]*\)')
 n=$(field "$line" 'IDENTICAL: \([0-9]*\) new')
 printf '   %-34s %10s %9s %11s\n' "decoding" "tokens/s" "speedup" "acceptance"
 printf '   %-34s %10s %9s %11s\n' "greedy (target alone)" "$g" "1.00x" "-"
-printf '   %-34s %10s %9s %11s\n' "speculative, draft model (K=$K)" "$s" "$r" "$a"
-printf '   %-34s %10s %9s %11s\n' "speculative, prompt lookup (n=3)" "$ls" "$lr" "$la"
+printf '   %-34s %10s %9s %11s\n' "chain, draft model (K=$K)" "$s" "$r" "$a"
+printf '   %-34s %10s %9s %11s\n' "chain, prompt lookup (n=3)" "$ls" "$lr" "$la"
+printf '   %-34s %10s %9s %11s\n' "tree, draft model (W=$TREE_W, <=$TREE_N, K=$TREE_K)" "$ts" "$tr" "$ta"
 echo "   every run produced the same $n tokens as greedy decoding (IDENTICAL); OMP_NUM_THREADS=$OMP_NUM_THREADS"

@@ -5,6 +5,7 @@
 //   rewind eval        bits per byte of a text file (teacher forcing, chunked)
 //   rewind inspect     layers, parameters and memory of a model
 //   rewind bench       tokens/s of greedy and speculative decoding
+//   rewind forward-cost the cost of a q-token forward in one-token forwards
 //   rewind init-random write a model with random weights
 //
 // Exit status: 0 success, 1 verify or bench found a divergence, 2 bad input
@@ -747,7 +748,7 @@ int run_inspect(const std::string& model_dir, std::int64_t rollback) {
       if (line.rfind("VmHWM:", 0) == 0) peak = line.substr(6);
     }
     peak.erase(0, peak.find_first_not_of(" \t"));
-    std::printf("weights in memory: %s (stored dtype kept for bf16); peak resident memory of this process: %s\n",
+    std::printf("weights in memory: %s (in the stored dtype); peak resident memory of this process: %s\n",
                 human_bytes(static_cast<double>(model.weight_bytes())).c_str(), peak.c_str());
   }
   std::printf("KV bytes per token (full-attention layers, f32): %s\n",
@@ -808,6 +809,18 @@ int run_bench(const CLI::App& cmd, const std::string& model_dir, const DraftChoi
     if (!out) throw Error("cannot write " + json_path);
   }
   return all_identical ? 0 : 1;
+}
+
+int run_forward_cost(const std::string& model_dir, std::int64_t max_q, std::int64_t context, int samples) {
+  const Model model = Model::load(model_dir);
+  std::fprintf(stderr, "forward-cost: %lld samples per q after %lld tokens of context\n",
+               static_cast<long long>(samples), static_cast<long long>(context));
+  const auto rows = measure_forward_costs(model, max_q, context, samples);
+  std::printf("%3s %14s %20s\n", "q", "microseconds", "one-token forwards");
+  for (const auto& r : rows) {
+    std::printf("%3lld %14.1f %19.2fx\n", static_cast<long long>(r.q), r.microseconds, r.one_token_forwards);
+  }
+  return 0;
 }
 
 // ---- snapshot files (rewind/snapshot.h, docs/snapshot-format.md) ----
@@ -1168,6 +1181,17 @@ int main(int argc, char** argv) {
   ben->add_option("--json", bench_json, "also write the rows as JSON to this file")->default_str("none");
   add_threads_option(ben);
 
+  std::int64_t cost_max_q = 8, cost_context = 128;
+  int cost_samples = 200;
+  auto* cst = app.add_subcommand("forward-cost", "what a forward of q tokens costs, in one-token forwards (the "
+                                                 "verification term of speculative decoding)");
+  cst->add_option("--model", model_dir, "model directory")->required()->check(CLI::ExistingDirectory);
+  cst->add_option("--max-q", cost_max_q, "q from 1 to this")->check(integer_in(1, 64));
+  cst->add_option("--context", cost_context, "tokens in the cache before each forward")
+      ->check(integer_in(1, std::int64_t{1} << 20));
+  cst->add_option("--samples", cost_samples, "forwards timed per q (median reported)")->check(integer_in(1, 1 << 20));
+  add_threads_option(cst);
+
   std::string snapshot_out, snapshot_file;
   auto* snp = app.add_subcommand("snapshot", "save, inspect or load a sequence's whole state as a file");
   snp->require_subcommand(1);
@@ -1219,6 +1243,7 @@ int main(int argc, char** argv) {
     if (*snp_inspect) return run_snapshot_inspect(snapshot_file);
     if (*snp_load) return run_snapshot_load(*snp_load, model_dir, snapshot_file, max_new, sampling, stats);
     if (*ben) return run_bench(*ben, model_dir, choice, bench_max_new, repeats, bench_ks, bench_batches, bench_json);
+    if (*cst) return run_forward_cost(model_dir, cost_max_q, cost_context, cost_samples);
   } catch (const rwd::Error& e) {
     std::fprintf(stderr, "rewind: error: %s\n", e.what());
     return 2;

@@ -255,6 +255,35 @@ TEST_F(Cli, BenchBatchAddsAggregateRows) {
   EXPECT_EQ(bad.status, 2) << bad.all();
 }
 
+TEST_F(Cli, ForwardCostPrintsOneRowPerQRelativeToOneToken) {
+  const CliResult r = run_cli("forward-cost" + model("target") + " --max-q 4 --context 20 --samples 3");
+  ASSERT_EQ(r.status, 0) << r.all();
+  std::istringstream lines(r.out);
+  std::string line;
+  std::getline(lines, line);
+  EXPECT_NE(line.find("one-token forwards"), std::string::npos) << r.out;
+  std::vector<double> micros, ratios;
+  for (int q = 1; std::getline(lines, line); ++q) {
+    std::istringstream fields(line);
+    long long got_q = 0;
+    double us = 0, ratio = 0;
+    fields >> got_q >> us >> ratio;
+    EXPECT_EQ(got_q, q) << r.out;
+    micros.push_back(us);
+    ratios.push_back(ratio);
+  }
+  ASSERT_EQ(micros.size(), 4u) << r.out;
+  EXPECT_DOUBLE_EQ(ratios[0], 1.0);
+  for (std::size_t q = 0; q < 4; ++q) {
+    EXPECT_GT(micros[q], 0.0);
+    EXPECT_NEAR(ratios[q], micros[q] / micros[0], 0.01 + 0.001 * ratios[q]) << r.out;  // printed to 2 decimals
+  }
+  for (const char* bad : {" --max-q 0", " --max-q 65", " --context 0", " --samples 0"}) {
+    const CliResult b = run_cli("forward-cost" + model("target") + bad);
+    EXPECT_EQ(b.status, 2) << bad << ": " << b.all();
+  }
+}
+
 TEST_F(Cli, PromptAndPromptFileAreRefusedTogetherAndOneIsNeeded) {
   write_file(scratch_dir() / "p.txt", "text");
   write_file(scratch_dir() / "empty.txt", "");

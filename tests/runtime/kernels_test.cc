@@ -123,7 +123,8 @@ TEST(KernelsMatmul, RowsComputedTogetherEqualRowsAloneBitwise) {
   // (7 = 4 + 3, 13 = 5 + 4 + 4) occur, on shapes whose blocks use each
   // micro-kernel width: in = 515 gives 3-panel blocks (threaded), in = 203
   // 10-panel blocks (the 4-panel kernel of 1-2 rows runs), in = 13 one block.
-  // out % 8 != 0 everywhere (a padded last panel), in % 8 != 0.
+  // out % 8 != 0 everywhere (a padded last panel), in % 8 != 0. The first
+  // matrix (540 KB) is large enough for matmul's software prefetch.
   for (const MatmulCase c : {MatmulCase{13, 515, 262}, MatmulCase{13, 203, 179},
                              MatmulCase{13, 13, 21}}) {
     const Vec x = random_vec(static_cast<std::size_t>(c.rows * c.in), 4);

@@ -69,4 +69,21 @@ std::vector<DecodeBenchRow> run_decode_bench(const Model& target, const Model* d
 // The rows as a JSON array (one object per row).
 std::string decode_bench_json(const std::vector<DecodeBenchRow>& rows);
 
+// What a forward of q tokens costs: the verification term of speculative
+// decoding (a round of K drafts verifies K + 1 tokens in one forward).
+struct ForwardCostRow {
+  std::int64_t q = 0;             // tokens in the forward
+  double microseconds = 0.0;      // median wall time of one forward of q tokens
+  double one_token_forwards = 0.0;  // microseconds / the q = 1 median
+};
+
+// Times forwards of q tokens for q in [1, max_q] after a context of
+// `context` tokens: each sample is one forward of q tokens followed by a
+// crop that removes them (the crop is not timed), q values interleaved
+// sample by sample so that a noisy moment hits them alike; the median of
+// `samples` per q. Throws InvalidArgument unless 1 <= max_q <= 64,
+// 1 <= context <= 1 << 20 and 1 <= samples <= 1 << 20.
+std::vector<ForwardCostRow> measure_forward_costs(const Model& model, std::int64_t max_q, std::int64_t context,
+                                                  int samples);
+
 }  // namespace rwd::runtime
