@@ -507,13 +507,15 @@ int run_generate(const CLI::App& cmd, const std::string& model_dir, const Prompt
   return 0;
 }
 
-// "; acceptance by position 0.930 0.840 ...": accepted_at[i] / drafted_at[i]
+// "; accepted by position 0.930 0.840 ...": accepted_at[i] / drafted_at[i]
 // for each draft position of a round (GenerationStats); empty when nothing
-// was counted per position (tree speculation).
+// was counted per position (tree speculation). Not worded "acceptance ...":
+// scripts/demo.sh takes the overall rate from the line's last "acceptance "
+// (sed's greedy .*).
 std::string acceptance_by_position(const std::vector<std::int64_t>& drafted_at,
                                    const std::vector<std::int64_t>& accepted_at) {
   if (drafted_at.empty()) return "";
-  std::string out = "; acceptance by position";
+  std::string out = "; accepted by position";
   char buf[32];
   for (std::size_t i = 0; i < drafted_at.size(); ++i) {
     const double rate = drafted_at[i] > 0 ? static_cast<double>(accepted_at[i]) / static_cast<double>(drafted_at[i]) : 0.0;
