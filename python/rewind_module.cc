@@ -377,6 +377,8 @@ py::dict stats_dict(const rwd::runtime::GenerationStats& s) {
   d["rounds"] = s.rounds;
   d["drafted"] = s.drafted;
   d["accepted"] = s.accepted;
+  d["drafted_at"] = s.drafted_at;
+  d["accepted_at"] = s.accepted_at;
   d["rollbacks"] = s.rollbacks;
   d["cache_seconds"] = s.cache_seconds;
   d["peak_cache_bytes"] = s.peak_cache_bytes;

@@ -155,6 +155,11 @@ std::string GenerationStats::to_json() const {
   j["drafted"] = drafted;
   j["accepted"] = accepted;
   j["acceptance_rate"] = acceptance_rate();
+  j["drafted_at"] = drafted_at;
+  j["accepted_at"] = accepted_at;
+  nlohmann::json by_position = nlohmann::json::array();
+  for (std::size_t i = 0; i < drafted_at.size(); ++i) by_position.push_back(acceptance_at(i));
+  j["acceptance_at"] = by_position;
   j["rollbacks"] = rollbacks;
   j["rounds"] = rounds;
   j["forwards"] = forwards;
@@ -282,6 +287,7 @@ std::string BatchGenerationStats::to_json() const {
     per_sequence.push_back({{"new_tokens", s.new_tokens}, {"prompt_tokens", s.prompt_tokens},
                             {"time_to_first_token_s", s.time_to_first_token}, {"seconds", s.seconds},
                             {"drafted", s.drafted}, {"accepted", s.accepted}, {"acceptance_rate", s.acceptance_rate()},
+                            {"drafted_at", s.drafted_at}, {"accepted_at", s.accepted_at},
                             {"rounds", s.rounds}, {"rollbacks", s.rollbacks},
                             {"prefix_hit_tokens", s.prefix_hit_tokens}});
     hit += s.prefix_hit_tokens;
@@ -695,6 +701,12 @@ void finish_round(SpecSequence& s, const Model& target, const GenerationOptions&
   ++s.stats.rounds;
   s.stats.drafted += kd;
   s.stats.accepted += accepted;
+  if (static_cast<std::int64_t>(s.stats.drafted_at.size()) < kd) {
+    s.stats.drafted_at.resize(static_cast<std::size_t>(kd), 0);
+    s.stats.accepted_at.resize(static_cast<std::size_t>(kd), 0);
+  }
+  for (std::int64_t i = 0; i < kd; ++i) ++s.stats.drafted_at[static_cast<std::size_t>(i)];
+  for (std::int64_t i = 0; i < accepted; ++i) ++s.stats.accepted_at[static_cast<std::size_t>(i)];
   for (std::int32_t token : emitted) {
     s.sequence.push_back(token);
     if (!emit(token, target, options, s.out, t0, s.stats)) {

@@ -4,12 +4,18 @@ models, loaded back from their exported f16 files and run in f32.
 tests/runtime/shipped_models_test.cc feeds the same prompts to the C++
 runtime in uneven chunks and compares.
 
-  /usr/bin/python3 scripts/train/make_fixtures.py
+  /usr/bin/python3 scripts/train/make_fixtures.py [--only models/kjv-draft]
+
+--only DIR recomputes that model's entry alone and keeps the other entries
+as the file stores them (after retraining one model: the other's logits
+then stay byte for byte, although a different BLAS or CPU would round the
+recomputed ones differently in the last bits, ~1e-6 of the logit scale).
 
 To keep the file small only some positions are stored: the first ones, both
 sides of the sliding window (64), and the end of each prompt (which is longer
 than the window, so the C++ side must have evicted and carried state over).
 """
+import argparse
 import json
 import os
 import sys
@@ -33,6 +39,14 @@ POSITIONS = [0, 1, 2, 3, 31, 62, 63, 64, 65, 96, 127]  # plus the last 3 of each
 
 
 def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--only", choices=MODELS, help="recompute this model's entry, keep the others as stored")
+    args = ap.parse_args()
+    path = os.path.join(ROOT, "tests", "fixtures", "shipped_models_logits.json")
+    stored = {}
+    if args.only:
+        with open(path) as f:
+            stored = {m["model"]: m for m in json.load(f)["models"]}
     out = {
         "about": "Logits of scripts/train/model.py (PyTorch, f32 compute) for the shipped models loaded from "
                  "their exported files; regenerate with /usr/bin/python3 scripts/train/make_fixtures.py. "
@@ -43,6 +57,9 @@ def main():
     }
     torch.set_num_threads(1)
     for model_dir in MODELS:
+        if args.only and model_dir != args.only:
+            out["models"].append(stored[model_dir])
+            continue
         model = load_model(os.path.join(ROOT, model_dir))
         entry = {"model": model_dir, "parameters": model.parameter_count(), "prompts": []}
         for text in PROMPTS:
@@ -58,7 +75,6 @@ def main():
                 "logits": [[float(f"{v:.7g}") for v in logits[p].tolist()] for p in positions],
             })
         out["models"].append(entry)
-    path = os.path.join(ROOT, "tests", "fixtures", "shipped_models_logits.json")
     os.makedirs(os.path.dirname(path), exist_ok=True)
     with open(path, "w") as f:
         json.dump(out, f, separators=(",", ":"))

@@ -62,8 +62,30 @@ def main():
     sampled = run([args.rewind, "generate", "--model", args.model_dir, "--prompt", SAMPLE_PROMPT,
                    "--max-new-tokens", "400", "--temperature", "0.7", "--top-k", "40", "--seed", "1"]).rstrip("\n")
     size = os.path.getsize(os.path.join(args.model_dir, "model.safetensors"))
-    history = "\n".join(f"| {h['step']} | {h['tokens'] / 1e6:.2f} M | {h['minutes']:.1f} | {h['train_bpb']:.3f} | "
-                        f"{h['held_out_bpb']:.3f} |" for h in t["history"])
+    distilled = "distill_from" in t
+    if distilled:
+        history = "\n".join(
+            f"| {h['step']} | {h['tokens'] / 1e6:.2f} M | {h['minutes']:.1f} | {h['train_bpb']:.3f} | "
+            f"{h['held_out_bpb']:.3f} | {h['held_out_agreement']:.4f} |" for h in t["history"])
+        history_head = ("| step | tokens | minutes | train bpb (cross-entropy) | held-out bpb (estimate) | "
+                        "held-out agreement |\n|---|---|---|---|---|---|")
+    else:
+        history = "\n".join(f"| {h['step']} | {h['tokens'] / 1e6:.2f} M | {h['minutes']:.1f} | {h['train_bpb']:.3f} | "
+                            f"{h['held_out_bpb']:.3f} |" for h in t["history"])
+        history_head = "| step | tokens | minutes | train bpb | held-out bpb (estimate) |\n|---|---|---|---|---|"
+    distillation, agreement_row = "", ""
+    if distilled:
+        start = t.get("distill_start", 0.0)
+        distillation = f"""
+
+Distilled from `{t['distill_from']}`: {f"the first {100 * start:g}% of the budget on the data alone (cross-entropy), then " if start else ""}the loss
+{t['loss']} per position, on the target's next-token distribution
+(soft labels, full softmax, temperature 1) computed on every batch by the
+target loaded from its exported f16 file, in f32 under `torch.no_grad`
+(`--distill-from {t['distill_from']} --alpha {t['alpha']:g}{f" --distill-start {start:g}" if start else ""}`).
+The target's forward costs about three of this model's training steps."""
+        agreement_row = (f"\n| held-out top-1 agreement with `{t['distill_from']}` | {t['held_out_agreement']:.4f} "
+                         f"(`scripts/train/agreement.py`: positions of the held-out text where both argmax agree) |")
     role = ("the **target** model of `make demo`: drafted by `models/kjv-draft` in speculative decoding"
             if args.role == "target" else
             "the **draft** model of `make demo`: proposes tokens for `models/kjv-hybrid` in speculative decoding")
@@ -104,7 +126,7 @@ Training: Genesis to 3 John, 4,072,252 bytes. Held out: **Jude and Revelation**
 AdamW, peak learning rate {t['lr']}, {t['warmup']} warm-up steps, cosine decay to 10% over a
 wall-clock budget, weight decay {t['weight_decay']}, batches of {t['batch']} random windows of
 {t['seq']} bytes (BOS + window). Debian's PyTorch 1.13 on a shared 2-core CPU,
-threads: {t['threads']}.
+threads: {t['threads']}.{distillation}
 
 | | |
 |---|---|
@@ -112,10 +134,9 @@ threads: {t['threads']}.
 | steps | {t['steps']:,} |
 | tokens seen | {t['tokens']:,} ({t['epochs']:.2f} epochs of the training text) |
 | final training loss | {t['final_train_bpb']:.3f} bits per byte (moving average) |
-| held-out, PyTorch estimate | {t['held_out_bpb_python_estimate']:.3f} bits per byte (16 windows of 512 bytes) |
+| held-out, PyTorch estimate | {t['held_out_bpb_python_estimate']:.3f} bits per byte (16 windows of 512 bytes) |{agreement_row}
 
-| step | tokens | minutes | train bpb | held-out bpb (estimate) |
-|---|---|---|---|---|
+{history_head}
 {history}
 
 ## Evaluation

@@ -61,6 +61,10 @@ def test_generate_greedy_equals_speculative(target, draft):
     assert len(plain) == 40 and stats["new_tokens"] == 40 and stats["seed"] is None
     spec, sstats = target.generate(prompt, max_new_tokens=40, stop_at_eos=False, draft=draft, num_draft=4)
     assert spec == plain and sstats["drafted"] > 0 and 0 <= sstats["accepted"] <= sstats["drafted"]
+    # per draft position: lists that add up to the totals
+    assert len(sstats["drafted_at"]) == 4 and sum(sstats["drafted_at"]) == sstats["drafted"]
+    assert sum(sstats["accepted_at"]) == sstats["accepted"]
+    assert stats["drafted_at"] == [] and stats["accepted_at"] == []
     look, _ = target.generate(prompt, max_new_tokens=40, stop_at_eos=False, lookup=3, adaptive=True)
     assert look == plain
     text = target.decode(plain)

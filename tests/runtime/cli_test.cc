@@ -72,6 +72,47 @@ TEST_F(Cli, VerifyReportsIdenticalForDraftModelAndLookup) {
   }
 }
 
+// The IDENTICAL line ends with the acceptance at each draft position (K
+// figures in [0, 1]); what comes before is unchanged, and "acceptance "
+// appears once (scripts/demo.sh takes the overall rate from the last one).
+TEST_F(Cli, VerifyEndsWithAcceptanceByPosition) {
+  auto figures_after = [](const std::string& out, const std::string& marker) {
+    std::vector<double> v;
+    const std::size_t at = out.find(marker);
+    if (at == std::string::npos) return v;
+    std::istringstream rest(out.substr(at + marker.size(), out.find('\n', at) - at - marker.size()));
+    for (double x; rest >> x;) v.push_back(x);
+    return v;
+  };
+  const std::string marker = "; accepted by position";
+  const CliResult r = run_cli("verify" + model("target") + " --draft " + quote(dir_ + "/draft") +
+                              " --num-draft 3 --prompt 'in the beginning' --max-new-tokens 30");
+  ASSERT_EQ(r.status, 0) << r.all();
+  EXPECT_NE(r.out.find("new tokens; greedy "), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find(" rollbacks; accepted by position "), std::string::npos) << r.out;
+  const std::size_t first = r.out.find("acceptance ");
+  ASSERT_NE(first, std::string::npos) << r.out;
+  EXPECT_EQ(r.out.find("acceptance ", first + 1), std::string::npos) << r.out;
+  const std::vector<double> single = figures_after(r.out, marker);
+  ASSERT_EQ(single.size(), 3u) << r.out;
+  for (double x : single) {
+    EXPECT_GE(x, 0.0) << r.out;
+    EXPECT_LE(x, 1.0) << r.out;
+  }
+  // The target drafting for itself: every position accepted.
+  const CliResult self = run_cli("verify" + model("target") + " --draft " + quote(dir_ + "/target") +
+                                 " --num-draft 2 --prompt 'in the beginning' --max-new-tokens 30");
+  ASSERT_EQ(self.status, 0) << self.all();
+  EXPECT_EQ(figures_after(self.out, marker), (std::vector<double>{1.0, 1.0})) << self.out;
+  // Batched: the counts of every sequence together.
+  const fs::path file = scratch_dir() / "by_position_prompts.txt";
+  write_file(file, "in the beginning\nand God said\n");
+  const CliResult batch = run_cli("verify" + model("target") + " --draft " + quote(dir_ + "/draft") +
+                                  " --num-draft 4 --prompts " + quote(file.string()) + " --max-new-tokens 20");
+  ASSERT_EQ(batch.status, 0) << batch.all();
+  EXPECT_EQ(figures_after(batch.out, marker).size(), 4u) << batch.out;
+}
+
 TEST_F(Cli, VerifyRepeatsChecksEveryRunAndReportsMedians) {
   const CliResult r = run_cli("verify" + model("target") + " --draft " + quote(dir_ + "/draft") +
                               " --prompt 'in the beginning' --max-new-tokens 24 --repeats 3");
@@ -89,7 +130,8 @@ TEST_F(Cli, GenerateWithStatsEndsWithOneJsonLine) {
   ASSERT_EQ(r.status, 0) << r.all();
   const nlohmann::json j = stats_of(r);
   for (const char* key : {"new_tokens", "prompt_tokens", "seconds", "time_to_first_token_s", "tokens_per_second",
-                          "decode_tokens_per_second", "drafted", "accepted", "acceptance_rate", "rollbacks", "rounds",
+                          "decode_tokens_per_second", "drafted", "accepted", "acceptance_rate", "drafted_at",
+                          "accepted_at", "acceptance_at", "rollbacks", "rounds",
                           "forwards", "cache_seconds", "peak_cache_bytes", "seed", "threads"}) {
     EXPECT_TRUE(j.contains(key)) << key << " in " << j.dump();
   }
@@ -97,6 +139,11 @@ TEST_F(Cli, GenerateWithStatsEndsWithOneJsonLine) {
   EXPECT_LE(j.at("new_tokens"), 12);
   EXPECT_EQ(j.at("prompt_tokens"), 6);  // BOS + 5 bytes
   EXPECT_TRUE(j.at("seed").is_null()) << "greedy decoding has no seed: " << j.dump();
+  EXPECT_EQ(j.at("drafted_at").size(), j.at("accepted_at").size());
+  EXPECT_EQ(j.at("drafted_at").size(), j.at("acceptance_at").size());
+  std::int64_t drafted = 0;
+  for (const auto& d : j.at("drafted_at")) drafted += d.get<std::int64_t>();
+  EXPECT_EQ(drafted, j.at("drafted").get<std::int64_t>());
 }
 
 TEST_F(Cli, InspectListsLayersAndMemory) {

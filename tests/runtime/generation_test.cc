@@ -6,8 +6,12 @@
 #include <cmath>
 #include <limits>
 #include <map>
+#include <memory>
+#include <numeric>
 #include <string>
 #include <vector>
+
+#include <nlohmann/json.hpp>
 
 #include "rewind/error.h"
 #include "runtime/generate.h"
@@ -171,6 +175,200 @@ TEST(PromptLookup, ProposesWhatFollowedTheLatestMatch) {
   EXPECT_EQ(lookup.propose(s, 5, nullptr), (std::vector<std::int32_t>{5, 6, 2, 3}));
   const std::vector<std::int32_t> none = {1, 2, 3};
   EXPECT_TRUE(lookup.propose(none, 3, nullptr).empty());
+}
+
+// ---- acceptance per draft position -------------------------------------------------
+
+// Wraps a draft source and counts, from what it proposed and what accept()
+// reports each round, how many tokens were drafted and accepted at each
+// position of a round: a count independent of GenerationStats'.
+class CountingDraft : public DraftSource {
+ public:
+  explicit CountingDraft(DraftSource& inner) : inner_(inner) {}
+  void begin(std::span<const std::int32_t> prompt) override { inner_.begin(prompt); }
+  std::vector<std::int32_t> propose(std::span<const std::int32_t> sequence, std::int64_t k,
+                                    std::vector<std::vector<float>>* probs) override {
+    return inner_.propose(sequence, k, probs);
+  }
+  void accept(std::int64_t proposed, std::int64_t accepted) override {
+    for (std::int64_t i = 0; i < proposed; ++i) {
+      if (static_cast<std::int64_t>(drafted_at.size()) <= i) {
+        drafted_at.push_back(0);
+        accepted_at.push_back(0);
+      }
+      ++drafted_at[static_cast<std::size_t>(i)];
+      if (i < accepted) ++accepted_at[static_cast<std::size_t>(i)];
+    }
+    inner_.accept(proposed, accepted);
+  }
+  std::vector<std::int64_t> drafted_at, accepted_at;
+
+ private:
+  DraftSource& inner_;
+};
+
+// Drafts the known greedy continuation `script` (the tokens after the
+// prompt), with the token at draft position `wrong_at` of every round
+// replaced by another one: each round that drafts more than `wrong_at`
+// tokens has exactly `wrong_at` accepted.
+class ScriptedDraft : public DraftSource {
+ public:
+  ScriptedDraft(std::vector<std::int32_t> script, std::size_t prompt_size, std::int64_t wrong_at)
+      : script_(std::move(script)), prompt_size_(prompt_size), wrong_at_(wrong_at) {}
+  void begin(std::span<const std::int32_t>) override {}
+  std::vector<std::int32_t> propose(std::span<const std::int32_t> sequence, std::int64_t k,
+                                    std::vector<std::vector<float>>*) override {
+    std::vector<std::int32_t> out;
+    const std::size_t from = sequence.size() - prompt_size_;  // script tokens already emitted
+    for (std::int64_t i = 0; i < k && from + static_cast<std::size_t>(i) < script_.size(); ++i) {
+      const std::int32_t t = script_[from + static_cast<std::size_t>(i)];
+      out.push_back(i == wrong_at_ ? (t + 1) % 256 : t);
+    }
+    return out;
+  }
+  void accept(std::int64_t, std::int64_t) override {}
+
+ private:
+  std::vector<std::int32_t> script_;
+  std::size_t prompt_size_;
+  std::int64_t wrong_at_;
+};
+
+std::int64_t sum(const std::vector<std::int64_t>& v) { return std::accumulate(v.begin(), v.end(), std::int64_t{0}); }
+
+// The invariants of the per-position counts of one run.
+void expect_consistent(const GenerationStats& stats, std::int64_t K, const std::string& what) {
+  ASSERT_EQ(stats.drafted_at.size(), stats.accepted_at.size()) << what;
+  EXPECT_LE(static_cast<std::int64_t>(stats.drafted_at.size()), K) << what;
+  EXPECT_EQ(sum(stats.drafted_at), stats.drafted) << what;
+  EXPECT_EQ(sum(stats.accepted_at), stats.accepted) << what;
+  for (std::size_t i = 0; i < stats.drafted_at.size(); ++i) {
+    EXPECT_LE(stats.accepted_at[i], stats.drafted_at[i]) << what << ", position " << i;
+    EXPECT_LE(stats.drafted_at[i], stats.rounds) << what << ", position " << i;
+    if (i > 0) {
+      // A round accepts a prefix of its drafts and drafts a prefix of K.
+      EXPECT_LE(stats.accepted_at[i], stats.accepted_at[i - 1]) << what << ", position " << i;
+      EXPECT_LE(stats.drafted_at[i], stats.drafted_at[i - 1]) << what << ", position " << i;
+    }
+  }
+}
+
+TEST(AcceptanceByPosition, PerfectDraftAcceptsEveryPosition) {
+  const Model m = random_model(hybrid(kEveryKind), 5);
+  const auto prompt = prompt_tokens(m, "in the beginning");
+  // K = 4, 62 tokens: 12 rounds emit 5 tokens each (60), then the budget
+  // leaves room for one draft (a round emits its drafts + 1).
+  ModelDraft perfect(m, {}, 4);
+  GenerationStats stats;
+  speculative_generate(m, perfect, prompt, greedy_options(62), {4, false}, &stats);
+  EXPECT_EQ(stats.rounds, 13);
+  EXPECT_EQ(stats.drafted_at, (std::vector<std::int64_t>{13, 12, 12, 12}));
+  EXPECT_EQ(stats.accepted_at, stats.drafted_at);
+  for (std::size_t i = 0; i < 4; ++i) EXPECT_EQ(stats.acceptance_at(i), 1.0) << i;
+  EXPECT_EQ(stats.acceptance_at(4), 0.0) << "no position 4";
+  expect_consistent(stats, 4, "perfect");
+  // Plain decoding counts nothing per position.
+  GenerationStats plain;
+  generate(m, prompt, greedy_options(10), &plain);
+  EXPECT_TRUE(plain.drafted_at.empty() && plain.accepted_at.empty());
+}
+
+TEST(AcceptanceByPosition, ScriptedMistakeStopsEveryRoundThere) {
+  const Model m = random_model(hybrid(kEveryKind), 6);
+  const auto prompt = prompt_tokens(m, "and god said");
+  const GenerationOptions options = greedy_options(30);
+  const std::vector<std::int32_t> greedy = generate(m, prompt, options);
+  // Draft position 2 is always wrong: rounds of K = 4 accept 2 tokens and
+  // emit 3. After 9 rounds (27 tokens) the budget of 3 leaves room for 2
+  // drafts, both right: 10 rounds.
+  ScriptedDraft scripted(greedy, prompt.size(), 2);
+  CountingDraft counted(scripted);
+  GenerationStats stats;
+  EXPECT_EQ(speculative_generate(m, counted, prompt, options, {4, false}, &stats), greedy);
+  EXPECT_EQ(stats.rounds, 10);
+  EXPECT_EQ(stats.drafted_at, (std::vector<std::int64_t>{10, 10, 9, 9}));
+  EXPECT_EQ(stats.accepted_at, (std::vector<std::int64_t>{10, 10, 0, 0}));
+  EXPECT_EQ(stats.drafted_at, counted.drafted_at);
+  EXPECT_EQ(stats.accepted_at, counted.accepted_at);
+  EXPECT_DOUBLE_EQ(stats.acceptance_at(1), 1.0);
+  EXPECT_DOUBLE_EQ(stats.acceptance_at(2), 0.0);
+  expect_consistent(stats, 4, "scripted");
+  // The same counts per sequence when it decodes in a batch beside another
+  // prompt.
+  std::vector<std::unique_ptr<DraftSource>> sources;
+  sources.push_back(std::make_unique<ScriptedDraft>(greedy, prompt.size(), 2));
+  const auto other = prompt_tokens(m, "x");
+  sources.push_back(std::make_unique<ScriptedDraft>(generate(m, other, options), other.size(), 1));
+  PerSequenceDrafts drafts(std::move(sources));
+  BatchGenerationStats batch;
+  const std::vector<std::vector<std::int32_t>> prompts = {prompt, other};
+  speculative_generate_batch(m, drafts, prompts, options, {4, false}, &batch);
+  EXPECT_EQ(batch.sequences[0].drafted_at, stats.drafted_at);
+  EXPECT_EQ(batch.sequences[0].accepted_at, stats.accepted_at);
+  // Position 1 always wrong: rounds accept 1 token and emit 2. 13 rounds of
+  // K = 4 (26 tokens), one of 3 drafts (the budget of 4 leaves room for 3),
+  // then one of 1 draft, right: 15 rounds.
+  EXPECT_EQ(batch.sequences[1].drafted_at, (std::vector<std::int64_t>{15, 14, 14, 13}));
+  EXPECT_EQ(batch.sequences[1].accepted_at, (std::vector<std::int64_t>{15, 0, 0, 0}));
+}
+
+TEST(AcceptanceByPosition, CountsMatchAnIndependentCountForEverySource) {
+  const Model target = random_model(hybrid(kEveryKind), 7);
+  const Model small = random_model(hybrid({"conv", "sliding_attention"}, 16, 4), 8);
+  const auto prompt = prompt_tokens(target, "the lord is my shepherd; the lord is my");
+  int partial = 0;  // runs whose acceptance by position is neither all nor nothing
+  for (std::int64_t K : {1, 3, 5}) {
+    for (bool adaptive : {false, true}) {
+      for (bool sampled : {false, true}) {
+        GenerationOptions options = greedy_options(50);
+        if (sampled) {
+          options.sampling.temperature = 0.9f;
+          options.sampling.seed = 3;
+        }
+        // Another model (mostly rejected), the target itself (always
+        // accepted when greedy, often when sampled), prompt lookup (partial,
+        // sometimes fewer than K drafts), random tokens.
+        ModelDraft model_draft(small, options.sampling, K);
+        ModelDraft self_draft(target, options.sampling, K);
+        LookupDraft lookup(2);
+        RandomDraft random(target.vocab_size(), 11);
+        for (DraftSource* source : {static_cast<DraftSource*>(&model_draft), static_cast<DraftSource*>(&self_draft),
+                                    static_cast<DraftSource*>(&lookup), static_cast<DraftSource*>(&random)}) {
+          CountingDraft counted(*source);
+          GenerationStats stats;
+          speculative_generate(target, counted, prompt, options, {K, adaptive}, &stats);
+          const std::string what = "K=" + std::to_string(K) + (adaptive ? " adaptive" : "") +
+                                   (sampled ? " sampled" : " greedy");
+          EXPECT_EQ(stats.drafted_at, counted.drafted_at) << what;
+          EXPECT_EQ(stats.accepted_at, counted.accepted_at) << what;
+          expect_consistent(stats, K, what);
+          EXPECT_GT(stats.drafted, 0) << what;
+          if (!stats.accepted_at.empty() && stats.accepted_at.front() > 0 &&
+              stats.accepted_at.back() < stats.drafted_at.back())
+            ++partial;
+        }
+      }
+    }
+  }
+  EXPECT_GT(partial, 4) << "the sources must exercise partial acceptance";
+}
+
+TEST(AcceptanceByPosition, InTheStatsJsonAndEmptyForTrees) {
+  const Model m = random_model(hybrid(kEveryKind), 9);
+  const auto prompt = prompt_tokens(m, "abc abc ab");
+  ModelDraft perfect(m, {}, 2);
+  GenerationStats stats;
+  speculative_generate(m, perfect, prompt, greedy_options(9), {2, false}, &stats);
+  // 3 rounds of 2 drafts + 1 (9 tokens).
+  const nlohmann::json j = nlohmann::json::parse(stats.to_json());
+  EXPECT_EQ(j.at("drafted_at"), nlohmann::json::parse("[3, 3]"));
+  EXPECT_EQ(j.at("accepted_at"), nlohmann::json::parse("[3, 3]"));
+  EXPECT_EQ(j.at("acceptance_at"), nlohmann::json::parse("[1.0, 1.0]"));
+  LookupTreeDraft tree(2);
+  GenerationStats tree_stats;
+  tree_speculative_generate(m, tree, prompt, greedy_options(9), {2, 8, 2}, &tree_stats);
+  EXPECT_TRUE(tree_stats.drafted_at.empty() && tree_stats.accepted_at.empty());
+  EXPECT_EQ(nlohmann::json::parse(tree_stats.to_json()).at("acceptance_at"), nlohmann::json::array());
 }
 
 // ---- sampling ------------------------------------------------------------------------

@@ -25,6 +25,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "runtime/generate.h"
 #include "runtime/kernels.h"
 #include "runtime/model.h"
 
@@ -115,6 +116,29 @@ TEST(ShippedModels, DraftIsCompatibleWithTheTarget) {
     EXPECT_TRUE(target.config().has_layer_type(kind)) << layer_kind_name(kind);
   }
   EXPECT_LT(draft.parameter_count() * 4, target.parameter_count());
+}
+
+// The draft is distilled from the target (scripts/train/README.md): greedy
+// speculative decoding of the demo prompt accepts most of its drafts. The
+// draft trained on the text alone accepted 0.706 of them here (K = 4, 1000
+// tokens), 0.851 at the first position; the shipped distilled one 0.876 and
+// 0.959 (another distillation run of the same recipe: 0.831 and 0.935). The
+// thresholds sit between, so a draft that agrees no better than the one
+// trained on the text fails. Deterministic: greedy decoding, fixed weights.
+TEST(ShippedModels, DistilledDraftAgreesWithTheTarget) {
+  const Model target = Model::load(source_path("models/kjv-hybrid"));
+  const Model draft = Model::load(source_path("models/kjv-draft"));
+  GenerationOptions options;
+  options.max_new_tokens = 1000;
+  options.stop_at_eos = false;
+  ModelDraft source(draft, {}, 4);
+  GenerationStats stats;
+  const auto prompt = encode_prompt("And it came to pass, when the king heard", target.config());
+  const auto spec = speculative_generate(target, source, prompt, options, {4, false}, &stats);
+  EXPECT_EQ(spec, generate(target, prompt, options));
+  ASSERT_EQ(stats.drafted_at.size(), 4u);
+  EXPECT_GT(stats.acceptance_rate(), 0.77);
+  EXPECT_GT(stats.acceptance_at(0), 0.88);
 }
 
 }  // namespace

@@ -81,6 +81,16 @@ struct GenerationStats {
   std::int64_t rounds = 0;    // speculative rounds
   std::int64_t drafted = 0;
   std::int64_t accepted = 0;
+  // Chain speculative decoding (speculative_generate and its batched form),
+  // per draft position i, 0-based within a round: drafted_at[i] rounds
+  // drafted a token at position i, and accepted_at[i] of those tokens were
+  // accepted. A round accepts a prefix of its drafts, so accepted_at[i] also
+  // counts the rounds that accepted more than i tokens and never increases
+  // with i; drafted_at sums to drafted and accepted_at to accepted. Both
+  // have one entry per position up to the longest draft of any round (empty
+  // when nothing was drafted; tree speculation leaves them empty).
+  std::vector<std::int64_t> drafted_at;
+  std::vector<std::int64_t> accepted_at;
   std::int64_t rollbacks = 0;  // crops that removed at least one token (target; a tree never crops: 0)
   double cache_seconds = 0.0;  // time inside cache calls: updates, slots, crops (target + draft)
   std::size_t peak_cache_bytes = 0;  // reserved by the target (+ draft) caches
@@ -100,9 +110,16 @@ struct GenerationStats {
     return new_tokens > 1 && t > 0 ? static_cast<double>(new_tokens - 1) / t : 0.0;
   }
   double acceptance_rate() const { return drafted > 0 ? static_cast<double>(accepted) / static_cast<double>(drafted) : 0.0; }
+  // accepted_at[i] / drafted_at[i]: the fraction of the tokens drafted at
+  // position i that were accepted (0 when none was drafted there).
+  double acceptance_at(std::size_t i) const {
+    return i < drafted_at.size() && drafted_at[i] > 0
+               ? static_cast<double>(accepted_at[i]) / static_cast<double>(drafted_at[i])
+               : 0.0;
+  }
   // One JSON object on one line: every field above plus tokens_per_second,
-  // decode_tokens_per_second and acceptance_rate; "seed" is null for greedy
-  // decoding.
+  // decode_tokens_per_second, acceptance_rate and acceptance_at (the list
+  // of acceptance_at(i)); "seed" is null for greedy decoding.
   std::string to_json() const;
 };
 
