@@ -1,11 +1,26 @@
 #!/bin/sh
-# Final measurements on a quiet machine (one thread).
+# The measurements behind docs/performance.md section 12 and the README's
+# demo figures (raw output: docs/img/measurements_1069c79.txt), on a quiet
+# machine with one thread:
+#
+#   scripts/measure_session.sh            # REWIND=path/to/rewind, OUT=dir
+#
+# Needs a Release build (build/tools/rewind). Writes the draft trained on the
+# text alone (models/kjv-draft as of 6afde88, before distillation) to
+# /tmp/old-draft and the 26M-parameter random hybrid of
+# docs/img/random_26m_config.json, f16 and f32, to /tmp/m26 and /tmp/m26f32.
 set -u
 R=${REWIND:-build/tools/rewind}
 OUT=${OUT:-/tmp/res}
 mkdir -p $OUT
 export OMP_NUM_THREADS=1
 cd "$(dirname "$0")/.."
+if [ ! -f /tmp/old-draft/model.safetensors ]; then
+  mkdir -p /tmp/old-draft
+  for f in config.json model.safetensors; do git show 6afde88:models/kjv-draft/$f > /tmp/old-draft/$f; done
+fi
+[ -f /tmp/m26/model.safetensors ] || $R init-random --config docs/img/random_26m_config.json --out /tmp/m26 --seed 3 --dtype f16
+[ -f /tmp/m26f32/model.safetensors ] || $R init-random --config docs/img/random_26m_config.json --out /tmp/m26f32 --seed 3 --dtype f32
 P="And it came to pass, when the king heard"
 echo "== demo"; DEMO_REPEATS=5 scripts/demo.sh $R > $OUT/demo.txt 2>&1; tail -8 $OUT/demo.txt
 for d in models/kjv-draft /tmp/old-draft; do
