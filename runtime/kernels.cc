@@ -166,8 +166,10 @@ constexpr int panels_for_rows(int rows) { return rows <= 2 ? 2 : 1; }
 // With AVX-512's 32 registers two panels fit for every row count (6 rows x
 // 2 panels = 12 accumulators), so each x broadcast serves twice the outputs.
 // One or two rows keep four panels in flight (4 or 8 independent sums, four
-// weight streams): with two, a one-row forward of a 26M-parameter f16
-// model streamed its weights at about 28 GB/s, with four at about 37.
+// weight streams) where a block has room for them (matmul: L3-resident
+// matrices; a streamed matrix's 2-panel L2 blocks keep one stream): with
+// the blocks of matmul, the shipped target's one-token forward went from
+// 90 to 79 us (docs/performance.md section 12).
 constexpr int wide_panels_for_rows(int rows) { return rows <= 2 ? 4 : 2; }
 
 // True when the CPU runs matmul's AVX-512 clone. REWIND_MATMUL_NARROW=1 in
@@ -633,11 +635,11 @@ namespace {
 // How far ahead matmul prefetches in each panel stream (0: not at all). A
 // matrix larger than an L2 cache most likely streams from L3 or memory;
 // there, without software prefetch, a forward of several rows stalled on
-// its loads instead of overlapping them with the arithmetic (a 26M-
-// parameter f16 model: 5 rows cost 2.0x one row, 1.5x with prefetch 4 KiB
-// ahead; one row itself 1.2x faster). A model that fits in L3 gains
-// nothing from it and lost about 2 % to the extra instructions, hence the
-// size test.
+// its loads instead of overlapping them with the arithmetic (a 5-token
+// forward of a 26M-parameter model held as f32 cost 2.27x a one-token one
+// before, 1.31x now, docs/performance.md section 12; in f16 one token also
+// got about 1.2x faster). A model that fits in L3 gains nothing from it and
+// lost about 2 % to the extra instructions, hence the size test.
 constexpr std::size_t kPrefetchMatrixBytes = 256 * 1024;
 constexpr int64_t kPrefetchAheadBytes = 4096;
 
