@@ -637,9 +637,9 @@ namespace {
 // there, without software prefetch, a forward of several rows stalled on
 // its loads instead of overlapping them with the arithmetic (a 5-token
 // forward of a 26M-parameter model held as f32 cost 2.27x a one-token one
-// before, 1.31x now, docs/performance.md section 12; in f16 one token also
-// got about 1.2x faster). A model that fits in L3 gains nothing from it and
-// lost about 2 % to the extra instructions, hence the size test.
+// before, 1.31x now, docs/performance.md section 12). A model that fits in
+// L3 gains nothing from it and lost about 2 % to the extra instructions,
+// hence the size test.
 constexpr std::size_t kPrefetchMatrixBytes = 256 * 1024;
 constexpr int64_t kPrefetchAheadBytes = 4096;
 
