@@ -32,31 +32,36 @@
 #include <string_view>
 #include <vector>
 
-// Hot loops are also compiled for AVX2 (matmul also for AVX-512) and picked
-// at load time (GCC / Clang function multiversioning): about 3x faster
-// matmul than the SSE2 baseline.
-// AVX2 without FMA only widens the vectors; every lane still does one
-// rounded multiply and one rounded add in the same order, so each clone
-// gives the same bits as the baseline.
+// Hot loops are also compiled for AVX2 and picked at load time (GCC / Clang
+// function multiversioning). AVX2 without FMA only widens the vectors;
+// every lane still does one rounded multiply and one rounded add in the
+// same order, so each clone gives the same bits as the baseline.
 // Sanitizer builds that instrument the ifunc resolvers themselves (TSan runs
 // them before its runtime is up, and crashes) define REWIND_NO_KERNEL_CLONES.
 #if defined(__GNUC__) && defined(__x86_64__) && defined(__linux__) && !defined(REWIND_NO_KERNEL_CLONES)
 #define REWIND_KERNEL_CLONES __attribute__((target_clones("avx2", "default")))
-// matmul also has an AVX-512 clone: its 16-float panel rows are then one
-// vector (two with AVX2), the same multiply and add per lane.
-#define REWIND_MATMUL_CLONES __attribute__((target_clones("avx512f", "avx2", "default")))
-#define REWIND_INLINE __attribute__((always_inline)) inline
+// Kernels whose vectors are 16 floats wide (attention's weighted sum of
+// values) also get an AVX-512 clone, with the same arithmetic per lane.
+#define REWIND_WIDE_KERNEL_CLONES __attribute__((target_clones("avx512f", "avx2", "default")))
 #else
 #define REWIND_KERNEL_CLONES
-#define REWIND_MATMUL_CLONES
+#define REWIND_WIDE_KERNEL_CLONES
+#endif
+#if defined(__GNUC__)
+#define REWIND_INLINE __attribute__((always_inline)) inline
+#else
 #define REWIND_INLINE inline
 #endif
 
-// f16 weights are widened by vcvtph2ps in code compiled for AVX-512F and for
-// AVX2 + F16C under `#pragma GCC target` (GCC on x86-64); elsewhere by the
-// software conversion, which gives the same values.
+// matmul is compiled once per instruction set it can use, each copy in a
+// namespace of its own under `#pragma GCC target` (GCC on x86-64: AVX-512F,
+// AVX2 + F16C, and the baseline), and one is picked per process
+// (matmul_isa). Not target_clones: a clone must inline its whole call tree,
+// and one function holding every row-group kernel made GCC spill the
+// accumulators of some of them (two rows ran at 74 GFLOPS instead of 117).
+// Elsewhere only the baseline copy exists.
 #if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__)
-#define REWIND_F16C_KERNELS 1
+#define REWIND_MATMUL_ISA_KERNELS 1
 #include <immintrin.h>
 #endif
 
@@ -163,28 +168,49 @@ float rms_inverse(const float* x, int64_t dim, double eps) {
 // to hide the latency of the adds.
 constexpr int kMaxGroupRows = 6;
 constexpr int panels_for_rows(int rows) { return rows <= 2 ? 2 : 1; }
-// With AVX-512's 32 registers two panels fit for every row count (6 rows x
-// 2 panels = 12 accumulators), so each x broadcast serves twice the outputs.
-// One or two rows keep four panels in flight (4 or 8 independent sums, four
-// weight streams) where a block has room for them (matmul: L3-resident
-// matrices; a streamed matrix's 2-panel L2 blocks keep one stream): with
-// the blocks of matmul, the shipped target's one-token forward went from
-// 90 to 79 us (docs/performance.md section 12).
+// With AVX-512's 32 registers two panels fit for up to 8 rows (16
+// accumulators), so each x broadcast serves twice the outputs, and a batch
+// of 8 loads (and widens, f16) each weight once instead of twice: 16 rows of
+// the shipped target's 512 x 192 f32 matrix went from 201 to 212 GFLOPS, 8
+// rows from 188 to 231 (12 rows x 2 panels spilled: 99). One or two rows
+// keep four panels in flight (4 or 8 independent sums, four weight streams)
+// where a block has room for them (matmul: L3-resident matrices; a streamed
+// matrix's 2-panel L2 blocks keep one stream): with the blocks of matmul,
+// the shipped target's one-token forward went from 90 to 79 us
+// (docs/performance.md section 12).
+constexpr int kMaxWideGroupRows = 8;
 constexpr int wide_panels_for_rows(int rows) { return rows <= 2 ? 4 : 2; }
 
-// True when the CPU runs matmul's AVX-512 clone. REWIND_MATMUL_NARROW=1 in
-// the environment takes the other shape anyway (make test runs the kernel
-// and batch tests both ways, whatever the machine has).
-bool wide_registers() {
-#if defined(__GNUC__) && defined(__x86_64__) && defined(__linux__) && !defined(REWIND_NO_KERNEL_CLONES)
-  static const bool wide = [] {
+// The instruction set matmul runs in this process (chosen once): AVX-512F
+// where the CPU has it, else AVX2 + F16C, else the baseline.
+// REWIND_MATMUL_NARROW=1 in the environment skips AVX-512 (make test runs
+// the kernel and batch tests both ways, whatever the machine has).
+enum class MatmulIsa { Avx512, Avx2, Baseline };
+
+MatmulIsa matmul_isa() {
+#if defined(REWIND_MATMUL_ISA_KERNELS)
+  static const MatmulIsa isa = [] {
     const char* narrow = std::getenv("REWIND_MATMUL_NARROW");
-    return __builtin_cpu_supports("avx512f") && !(narrow != nullptr && std::string_view(narrow) == "1");
+    const bool skip_avx512 = narrow != nullptr && std::string_view(narrow) == "1";
+    if (__builtin_cpu_supports("avx512f") && !skip_avx512) return MatmulIsa::Avx512;
+    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c")) return MatmulIsa::Avx2;
+    return MatmulIsa::Baseline;
   }();
-  return wide;
+  return isa;
 #else
-  return false;
+  return MatmulIsa::Baseline;
 #endif
+}
+
+// REWIND_MATMUL_F16_SOFTWARE=1 in the environment widens f16 panels with the
+// software conversion whatever the CPU has (make test runs the kernel and
+// batch tests that way too).
+bool f16_software_forced() {
+  static const bool forced = [] {
+    const char* software = std::getenv("REWIND_MATMUL_F16_SOFTWARE");
+    return software != nullptr && std::string_view(software) == "1";
+  }();
+  return forced;
 }
 
 constexpr int64_t kPanel = PackedMatrix::kPanelWidth;
@@ -248,8 +274,6 @@ struct F16SoftwarePanels {
   }
 };
 
-#include "matmul_micro.inc"
-
 // Output panels per block of matmul: the block's weights (about 64 KiB)
 // stay in L2 while every group of rows passes over them, so each weight
 // comes from memory once per call.
@@ -259,28 +283,16 @@ int64_t matmul_block_panels(int64_t in) {
   return std::clamp<int64_t>(int64_t{64} * 1024 / panel_bytes, 1, 16);
 }
 
-REWIND_MATMUL_CLONES
-void matmul_block(const float* x, int64_t rows, const PackedMatrix& w, float* y, const float* bias,
-                  int64_t p_begin, int64_t p_end, bool wide, int64_t ahead) {
-  matmul_block_of<F32Panels>(x, rows, w, y, bias, p_begin, p_end, wide, ahead);
-}
+// The three copies of matmul's kernels (see REWIND_MATMUL_ISA_KERNELS).
+// Each namespace gives matmul_micro.inc its F16Panels (how f16 panel rows
+// are widened) and kWide (whether it has AVX-512's 32 registers).
+namespace baseline {
+using F16Panels = F16SoftwarePanels;
+constexpr bool kWide = false;
+#include "matmul_micro.inc"
+}  // namespace baseline
 
-REWIND_MATMUL_CLONES
-void matmul_block_bf16(const float* x, int64_t rows, const PackedMatrix& w, float* y, const float* bias,
-                       int64_t p_begin, int64_t p_end, bool wide, int64_t ahead) {
-  matmul_block_of<Bf16Panels>(x, rows, w, y, bias, p_begin, p_end, wide, ahead);
-}
-
-REWIND_MATMUL_CLONES
-void matmul_block_f16_software(const float* x, int64_t rows, const PackedMatrix& w, float* y, const float* bias,
-                               int64_t p_begin, int64_t p_end, bool wide, int64_t ahead) {
-  matmul_block_of<F16SoftwarePanels>(x, rows, w, y, bias, p_begin, p_end, wide, ahead);
-}
-
-#if defined(REWIND_F16C_KERNELS)
-// f16 panels widened by the CPU (vcvtph2ps: AVX-512F has the 16-wide form,
-// F16C the 8-wide one), in functions compiled for those instruction sets
-// (see matmul_micro.inc); picked at run time by f16_matmul_path().
+#if defined(REWIND_MATMUL_ISA_KERNELS)
 namespace avx512 {
 #pragma GCC push_options
 #pragma GCC target("avx512f")
@@ -296,11 +308,8 @@ struct F16Panels {
     return v;
   }
 };
+constexpr bool kWide = true;
 #include "matmul_micro.inc"
-void matmul_block_f16(const float* x, int64_t rows, const PackedMatrix& w, float* y, const float* bias,
-                      int64_t p_begin, int64_t p_end, int64_t ahead) {
-  matmul_block_of<F16Panels>(x, rows, w, y, bias, p_begin, p_end, true, ahead);
-}
 #pragma GCC pop_options
 }  // namespace avx512
 
@@ -318,54 +327,50 @@ struct F16Panels {
     return v;
   }
 };
+constexpr bool kWide = false;
 #include "matmul_micro.inc"
-void matmul_block_f16(const float* x, int64_t rows, const PackedMatrix& w, float* y, const float* bias,
-                      int64_t p_begin, int64_t p_end, int64_t ahead) {
-  matmul_block_of<F16Panels>(x, rows, w, y, bias, p_begin, p_end, false, ahead);
-}
 #pragma GCC pop_options
 }  // namespace avx2
 #endif
 
-// Which code widens f16 panels in this process (chosen once).
-// REWIND_MATMUL_F16_SOFTWARE=1 in the environment takes the software
-// conversion whatever the CPU has (make test runs the kernel and batch
-// tests that way too); REWIND_MATMUL_NARROW=1 takes AVX2 + F16C over
-// AVX-512, as for the other element types.
-enum class F16Path { Avx512, Avx2, Software };
-
-F16Path f16_matmul_path() {
-  static const F16Path path = [] {
-    const char* software = std::getenv("REWIND_MATMUL_F16_SOFTWARE");
-    if (software != nullptr && std::string_view(software) == "1") return F16Path::Software;
-#if defined(REWIND_F16C_KERNELS)
-    if (wide_registers()) return F16Path::Avx512;
-    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c")) return F16Path::Avx2;
-#endif
-    return F16Path::Software;
-  }();
-  return path;
-}
-
-void matmul_block_f16(const float* x, int64_t rows, const PackedMatrix& w, float* y, const float* bias,
-                      int64_t p_begin, int64_t p_end, bool wide, int64_t ahead) {
-  switch (f16_matmul_path()) {
-#if defined(REWIND_F16C_KERNELS)
-    case F16Path::Avx512: avx512::matmul_block_f16(x, rows, w, y, bias, p_begin, p_end, ahead); return;
-    case F16Path::Avx2: avx2::matmul_block_f16(x, rows, w, y, bias, p_begin, p_end, ahead); return;
+// Panels [p_begin, p_end) of every row, in the copy matmul_isa() picked.
+void matmul_block(const float* x, int64_t rows, const PackedMatrix& w, float* y, const float* bias,
+                  int64_t p_begin, int64_t p_end, int64_t ahead) {
+  const bool f16_software = f16_software_forced();
+  switch (matmul_isa()) {
+#if defined(REWIND_MATMUL_ISA_KERNELS)
+    case MatmulIsa::Avx512: avx512::matmul_block(x, rows, w, y, bias, p_begin, p_end, ahead, f16_software); return;
+    case MatmulIsa::Avx2: avx2::matmul_block(x, rows, w, y, bias, p_begin, p_end, ahead, f16_software); return;
 #else
-    case F16Path::Avx512:
-    case F16Path::Avx2:
+    case MatmulIsa::Avx512:
+    case MatmulIsa::Avx2:
 #endif
-    case F16Path::Software: break;
+    case MatmulIsa::Baseline: break;
   }
-  matmul_block_f16_software(x, rows, w, y, bias, p_begin, p_end, wide, ahead);
+  baseline::matmul_block(x, rows, w, y, bias, p_begin, p_end, ahead, f16_software);
 }
 
-// r[u] = dot_inline(x, k + u * stride, n) for u < 4, sharing the loads of
-// x: per product exactly dot_inline's arithmetic (same lanes, same tree,
-// same tail).
-REWIND_INLINE void dot4_strided(const float* x, const float* k, int64_t stride, int64_t n, float* r) {
+typedef float Quad __attribute__((vector_size(4 * sizeof(float))));
+
+// {combine(a0), combine(a1), combine(a2), combine(a3)} in one pass of
+// shuffles: lane u ends as ((a[0] + a[4]) + (a[1] + a[5])) + ((a[2] + a[6])
+// + (a[3] + a[7])) of a_u, the very adds of combine (a + b and b + a are the
+// same float), with the four keys' horizontal sums sharing the vectors.
+REWIND_INLINE Quad combine4(Lanes a0, Lanes a1, Lanes a2, Lanes a3) {
+  // h01 lane 4u + i (u < 2) = a_u[i] + a_u[i + 4]; h23 the same for a2, a3.
+  const Lanes h01 = __builtin_shufflevector(a0, a1, 0, 1, 2, 3, 8, 9, 10, 11) +
+                    __builtin_shufflevector(a0, a1, 4, 5, 6, 7, 12, 13, 14, 15);
+  const Lanes h23 = __builtin_shufflevector(a2, a3, 0, 1, 2, 3, 8, 9, 10, 11) +
+                    __builtin_shufflevector(a2, a3, 4, 5, 6, 7, 12, 13, 14, 15);
+  // pairs lane u = h_u[0] + h_u[1], lane 4 + u = h_u[2] + h_u[3].
+  const Lanes pairs = __builtin_shufflevector(h01, h23, 0, 4, 8, 12, 2, 6, 10, 14) +
+                      __builtin_shufflevector(h01, h23, 1, 5, 9, 13, 3, 7, 11, 15);
+  return __builtin_shufflevector(pairs, pairs, 0, 1, 2, 3) + __builtin_shufflevector(pairs, pairs, 4, 5, 6, 7);
+}
+
+// {dot_inline(x, k + u * stride, n) for u < 4}, sharing the loads of x: per
+// product exactly dot_inline's arithmetic (same lanes, same tree, same tail).
+REWIND_INLINE Quad dot4_strided(const float* x, const float* k, int64_t stride, int64_t n) {
   const float* k0 = k;
   const float* k1 = k + stride;
   const float* k2 = k + 2 * stride;
@@ -379,39 +384,52 @@ REWIND_INLINE void dot4_strided(const float* x, const float* k, int64_t stride, 
     a2 += xv * load_lanes(k2 + i);
     a3 += xv * load_lanes(k3 + i);
   }
-  float s0 = combine(a0), s1 = combine(a1), s2 = combine(a2), s3 = combine(a3);
+  Quad s = combine4(a0, a1, a2, a3);
   for (; i < n; ++i) {
-    s0 += x[i] * k0[i];
-    s1 += x[i] * k1[i];
-    s2 += x[i] * k2[i];
-    s3 += x[i] * k3[i];
+    s[0] += x[i] * k0[i];
+    s[1] += x[i] * k1[i];
+    s[2] += x[i] * k2[i];
+    s[3] += x[i] * k3[i];
   }
-  r[0] = s0;
-  r[1] = s1;
-  r[2] = s2;
-  r[3] = s3;
+  return s;
 }
 
 // out[0, B * 8) = sum_j e[j] * rows[j * stride + (0 .. B * 8)], in order of
-// j from 0, with the B vectors of sums held in registers.
+// j from 0, with the sums held in registers (16 floats a vector: one
+// AVX-512 register, two AVX2 ones; each lane's arithmetic is the same).
 // `resume`: the sums continue from out (a previous call over the positions
 // before these) instead of starting at 0; storing and reloading a sum keeps
 // its bits, so splitting the positions changes nothing.
+// `e_sum`, when not null: also *e_sum += e[j] in order of j, a chain of adds
+// that runs alongside the products instead of in a loop of its own.
 template <int B>
 REWIND_INLINE void weighted_sum_of_rows(const float* e, const float* rows, int64_t stride, int64_t n,
-                                        float* out, bool resume) {
-  Lanes acc[B] = {};
+                                        float* out, bool resume, float* e_sum) {
+  constexpr int kWide = B / 2, kNarrow = B % 2;  // 16-float vectors, then one of 8
+  PanelRow acc[kWide > 0 ? kWide : 1] = {};
+  Lanes tail = {};
   if (resume) {
 #pragma GCC unroll 8
-    for (int b = 0; b < B; ++b) __builtin_memcpy(&acc[b], out + b * kLanes, sizeof(Lanes));
+    for (int b = 0; b < kWide; ++b) __builtin_memcpy(&acc[b], out + b * kPanel, sizeof(PanelRow));
+    if (kNarrow) __builtin_memcpy(&tail, out + kWide * kPanel, sizeof(Lanes));
   }
+  float sum = e_sum != nullptr ? *e_sum : 0.0f;
   for (int64_t j = 0; j < n; ++j) {
     const float ej = e[j];
+    const float* row = rows + j * stride;
 #pragma GCC unroll 8
-    for (int b = 0; b < B; ++b) acc[b] += ej * load_lanes(rows + j * stride + b * kLanes);
+    for (int b = 0; b < kWide; ++b) {
+      PanelRow v;
+      __builtin_memcpy(&v, row + b * kPanel, sizeof v);
+      acc[b] += ej * v;
+    }
+    if (kNarrow) tail += ej * load_lanes(row + kWide * kPanel);
+    if (e_sum != nullptr) sum += ej;
   }
 #pragma GCC unroll 8
-  for (int b = 0; b < B; ++b) __builtin_memcpy(out + b * kLanes, &acc[b], sizeof(Lanes));
+  for (int b = 0; b < kWide; ++b) __builtin_memcpy(out + b * kPanel, &acc[b], sizeof(PanelRow));
+  if (kNarrow) __builtin_memcpy(out + kWide * kPanel, &tail, sizeof(Lanes));
+  if (e_sum != nullptr) *e_sum = sum;
 }
 
 // out[i] = silu(gate[i]) * up[i] for i < n, or silu(gate[i]) when up is
@@ -471,13 +489,18 @@ struct KVSegment {
   int64_t n;
 };
 
-REWIND_KERNEL_CLONES
+REWIND_WIDE_KERNEL_CLONES
 void attend_segments(const float* __restrict qh, const KVSegment* segments, int64_t num_segments,
                      int64_t k_pos_stride, int64_t v_pos_stride, int64_t n, int64_t head_dim, float scale,
                      float* __restrict weights, float* __restrict o) {
   // Scores four keys at a time (independent chains that overlap), each
   // with dot_inline's arithmetic, then the rest one by one: a key's score
-  // does not depend on how keys are grouped.
+  // does not depend on how keys are grouped. The maximum is kept per lane
+  // of the four and reduced at the end: a maximum does not depend on the
+  // order it is taken in (signed zeros aside, and exp(w - max) is the same
+  // for max = +0 and -0).
+  const Quad scale4 = Quad{} + scale;
+  Quad max4 = Quad{} - std::numeric_limits<float>::infinity();
   float max_score = -std::numeric_limits<float>::infinity();
   int64_t at = 0;
   for (int64_t s = 0; s < num_segments; ++s) {
@@ -485,15 +508,9 @@ void attend_segments(const float* __restrict qh, const KVSegment* segments, int6
     const int64_t count = segments[s].n;
     int64_t key = 0;
     for (; key + 4 <= count; key += 4) {
-      // Into registers first: reading the scores back from `weights` right
-      // after a wide store of them stalls on store-to-load forwarding.
-      float r[4];
-      dot4_strided(qh, kh + key * k_pos_stride, k_pos_stride, head_dim, r);
-      for (int u = 0; u < 4; ++u) {
-        const float sc = r[u] * scale;
-        weights[at + key + u] = sc;
-        max_score = std::max(max_score, sc);
-      }
+      const Quad sc = dot4_strided(qh, kh + key * k_pos_stride, k_pos_stride, head_dim) * scale4;
+      __builtin_memcpy(weights + at + key, &sc, sizeof sc);
+      max4 = max4 < sc ? sc : max4;
     }
     for (; key < count; ++key) {
       const float sc = dot_inline(qh, kh + key * k_pos_stride, head_dim) * scale;
@@ -502,11 +519,11 @@ void attend_segments(const float* __restrict qh, const KVSegment* segments, int6
     }
     at += count;
   }
-  // The exponentials first (a loop the compiler vectorises), then their
-  // sum in order of position.
+  for (int u = 0; u < 4; ++u) max_score = std::max(max_score, max4[u]);
+  // The exponentials first (a loop the compiler vectorises); their sum, in
+  // order of position, is taken in the first pass over the values.
   exp_shifted_inplace(weights, n, max_score);
   float sum = 0.0f;
-  for (int64_t j = 0; j < n; ++j) sum += weights[j];
   // Each o[d] accumulates e_j * v_j[d] over positions j in order, from 0,
   // segment after segment. Up to 64 elements of o stay in registers for a
   // whole pass over a segment's positions (storing o after every position
@@ -519,20 +536,25 @@ void attend_segments(const float* __restrict qh, const KVSegment* segments, int6
     const float* e = weights + at;
     const bool resume = s > 0;
     int64_t d0 = 0;
+    float* e_sum = &sum;  // the first pass over this segment's positions adds up e
     for (; d0 + kLanes <= head_dim;) {
       const int64_t vectors = std::min<int64_t>(8, (head_dim - d0) / kLanes);
       const float* vd = vh + d0;
       switch (vectors) {
-        case 1: weighted_sum_of_rows<1>(e, vd, v_pos_stride, count, o + d0, resume); break;
-        case 2: weighted_sum_of_rows<2>(e, vd, v_pos_stride, count, o + d0, resume); break;
-        case 3: weighted_sum_of_rows<3>(e, vd, v_pos_stride, count, o + d0, resume); break;
-        case 4: weighted_sum_of_rows<4>(e, vd, v_pos_stride, count, o + d0, resume); break;
-        case 5: weighted_sum_of_rows<5>(e, vd, v_pos_stride, count, o + d0, resume); break;
-        case 6: weighted_sum_of_rows<6>(e, vd, v_pos_stride, count, o + d0, resume); break;
-        case 7: weighted_sum_of_rows<7>(e, vd, v_pos_stride, count, o + d0, resume); break;
-        default: weighted_sum_of_rows<8>(e, vd, v_pos_stride, count, o + d0, resume); break;
+        case 1: weighted_sum_of_rows<1>(e, vd, v_pos_stride, count, o + d0, resume, e_sum); break;
+        case 2: weighted_sum_of_rows<2>(e, vd, v_pos_stride, count, o + d0, resume, e_sum); break;
+        case 3: weighted_sum_of_rows<3>(e, vd, v_pos_stride, count, o + d0, resume, e_sum); break;
+        case 4: weighted_sum_of_rows<4>(e, vd, v_pos_stride, count, o + d0, resume, e_sum); break;
+        case 5: weighted_sum_of_rows<5>(e, vd, v_pos_stride, count, o + d0, resume, e_sum); break;
+        case 6: weighted_sum_of_rows<6>(e, vd, v_pos_stride, count, o + d0, resume, e_sum); break;
+        case 7: weighted_sum_of_rows<7>(e, vd, v_pos_stride, count, o + d0, resume, e_sum); break;
+        default: weighted_sum_of_rows<8>(e, vd, v_pos_stride, count, o + d0, resume, e_sum); break;
       }
+      e_sum = nullptr;
       d0 += vectors * kLanes;
+    }
+    if (e_sum != nullptr) {  // head_dim < 8: no vector pass took the sum
+      for (int64_t i = 0; i < count; ++i) sum += e[i];
     }
     for (; d0 < head_dim; ++d0) {
       float acc = resume ? o[d0] : 0.0f;
@@ -654,7 +676,8 @@ void matmul(const float* x, int64_t rows, const PackedMatrix& w, float* y, const
   const bool worth_threads = rows * w.in() * w.out() >= kParallelWork && omp_get_max_threads() > 1;
   const int64_t ahead = matmul_prefetch_bytes(w);
   int64_t block = matmul_block_panels(w.in());
-  if (rows <= kMaxGroupRows && !(rows <= 2 && ahead != 0)) {
+  const int64_t max_group = matmul_isa() == MatmulIsa::Avx512 ? kMaxWideGroupRows : kMaxGroupRows;
+  if (rows <= max_group && !(rows <= 2 && ahead != 0)) {
     // One group of rows passes over the weights once, so L2-sized blocks
     // buy nothing; small ones cost: a block of 2 or 5 panels left the 4-
     // panel micro-kernel of one row unused, or used it once and then ran a
@@ -670,14 +693,8 @@ void matmul(const float* x, int64_t rows, const PackedMatrix& w, float* y, const
   }
   const int64_t num_blocks = (w.panels() + block - 1) / block;
   const bool parallel = num_blocks > 1 && worth_threads;
-  const bool wide = wide_registers();
   parallel_for(num_blocks, parallel, [&](int64_t b) {
-    const int64_t p_end = std::min(w.panels(), (b + 1) * block);
-    switch (w.element()) {
-      case PackedMatrix::Element::F32: matmul_block(x, rows, w, y, bias, b * block, p_end, wide, ahead); break;
-      case PackedMatrix::Element::BF16: matmul_block_bf16(x, rows, w, y, bias, b * block, p_end, wide, ahead); break;
-      case PackedMatrix::Element::F16: matmul_block_f16(x, rows, w, y, bias, b * block, p_end, wide, ahead); break;
-    }
+    matmul_block(x, rows, w, y, bias, b * block, std::min(w.panels(), (b + 1) * block), ahead);
   });
 }
 

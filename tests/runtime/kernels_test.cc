@@ -119,14 +119,16 @@ TEST(KernelsMatmul, MatchesDoubleReference) {
 }
 
 TEST(KernelsMatmul, RowsComputedTogetherEqualRowsAloneBitwise) {
-  // Every row count 1..13, so every row-group size 1..6 and uneven splits
-  // (7 = 4 + 3, 13 = 5 + 4 + 4) occur, on shapes whose blocks use each
+  // Every row count 1..17, so every row-group size 1..8 (AVX-512 groups up
+  // to 8 rows, AVX2 and the baseline up to 6) and uneven splits (AVX2: 7 =
+  // 4 + 3, 13 = 5 + 4 + 4; AVX-512: 9 = 5 + 4, 17 = 6 + 6 + 5) occur, on
+  // shapes whose blocks use each
   // micro-kernel width: in = 515 gives 3-panel blocks (threaded), in = 203
   // 10-panel blocks (the 4-panel kernel of 1-2 rows runs), in = 13 one block.
   // out % 8 != 0 everywhere (a padded last panel), in % 8 != 0. The first
   // matrix (540 KB) is large enough for matmul's software prefetch.
-  for (const MatmulCase c : {MatmulCase{13, 515, 262}, MatmulCase{13, 203, 179},
-                             MatmulCase{13, 13, 21}}) {
+  for (const MatmulCase c : {MatmulCase{17, 515, 262}, MatmulCase{17, 203, 179},
+                             MatmulCase{17, 13, 21}}) {
     const Vec x = random_vec(static_cast<std::size_t>(c.rows * c.in), 4);
     const Vec w = random_vec(static_cast<std::size_t>(c.out * c.in), 5);
     const Vec bias = random_vec(static_cast<std::size_t>(c.out), 6);
@@ -188,7 +190,7 @@ TEST(KernelsMatmul, EveryOutputEqualsNaiveInOrderSumBitwise) {
   // -ffp-contract=off); batch invariance still holds, equality here not.
   GTEST_SKIP() << "FMA contraction enabled in this build";
 #endif
-  for (const MatmulCase c : {MatmulCase{7, 203, 23}, MatmulCase{13, 515, 262},
+  for (const MatmulCase c : {MatmulCase{7, 203, 23}, MatmulCase{13, 515, 262}, MatmulCase{16, 203, 23},
                              MatmulCase{6, 8, 8}, MatmulCase{2, 1, 9}}) {
     const Vec x = random_vec(static_cast<std::size_t>(c.rows * c.in), 9);
     const Vec w = random_vec(static_cast<std::size_t>(c.out * c.in), 10);
@@ -526,6 +528,86 @@ TEST(KernelsAttention, MatchesDirectSoftmaxReference) {
     // values in [-1, 1]: a few 1e-7 in practice; 2e-6 leaves a margin.
     for (std::size_t i = 0; i < out.size(); ++i) {
       ASSERT_NEAR(out[i], ref[i], 2e-6) << c.name << " element " << i;
+    }
+  }
+}
+
+// The documented f32 arithmetic of one (query, head), written plainly: a
+// score is the dot product in 8 partial sums (lane l takes d = l, l + 8,
+// ...), combined as ((0 + 4) + (1 + 5)) + ((2 + 6) + (3 + 7)), then the
+// tail in order, times 1 / sqrt(head_dim); e_j = exp_f32(s_j - max); the sum
+// of e and each o[d] = sum of e_j * v_j[d] go in order of position from 0;
+// o[d] *= 1 / sum.
+Vec in_order_attention(const Vec& q, std::int64_t q_len, std::int64_t pos0, std::int64_t num_heads,
+                       const KVStore& kv, std::int64_t kv_offset, std::int64_t kv_len, AttentionMask mask) {
+  const std::int64_t d_dim = kv.dim, group = num_heads / kv.heads;
+  const float scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(d_dim)));
+  Vec out(static_cast<std::size_t>(q_len * num_heads * d_dim), 0.0f);
+  for (std::int64_t t = 0; t < q_len; ++t) {
+    const std::int64_t p = pos0 + t;
+    for (std::int64_t h = 0; h < num_heads; ++h) {
+      std::int64_t lo = kv_offset;
+      if (mask.window > 0) lo = std::max(lo, p - mask.window + 1);
+      if (mask.chunk > 0) lo = std::max(lo, p / mask.chunk * mask.chunk);
+      const std::int64_t hi = std::min(p, kv_offset + kv_len - 1);
+      if (hi < lo) continue;
+      const float* qh = q.data() + (t * num_heads + h) * d_dim;
+      std::vector<float> e;
+      float mx = -std::numeric_limits<float>::infinity();
+      for (std::int64_t j = lo; j <= hi; ++j) {
+        const float* kj = kv.keys.data() + kv.at(j, h / group, 0);
+        float lane[8] = {};
+        std::int64_t d = 0;
+        for (; d + 8 <= d_dim; d += 8) {
+          for (int l = 0; l < 8; ++l) lane[l] += qh[d + l] * kj[d + l];
+        }
+        float dot = ((lane[0] + lane[4]) + (lane[1] + lane[5])) + ((lane[2] + lane[6]) + (lane[3] + lane[7]));
+        for (; d < d_dim; ++d) dot += qh[d] * kj[d];
+        e.push_back(dot * scale);
+        mx = std::max(mx, e.back());
+      }
+      float sum = 0.0f;
+      for (float& x : e) {
+        x = kernels::exp_f32(x - mx);
+        sum += x;
+      }
+      const float inv = 1.0f / sum;
+      for (std::int64_t d = 0; d < d_dim; ++d) {
+        float acc = 0.0f;
+        for (std::int64_t j = lo; j <= hi; ++j) {
+          acc += e[static_cast<std::size_t>(j - lo)] * kv.values[kv.at(j, h / group, d)];
+        }
+        out[static_cast<std::size_t>((t * num_heads + h) * d_dim + d)] = acc * inv;
+      }
+    }
+  }
+  return out;
+}
+
+// Whatever grouping the kernel uses (four keys' sums combined together, the
+// maximum per lane, the sum of e taken during the pass over the values,
+// 16-wide value vectors in its AVX-512 clone), every output is the plain
+// arithmetic above, bit for bit: head dims with and without a tail of 8,
+// key counts with and without a tail of 4, one head per KV head and several.
+TEST(KernelsAttention, EqualsTheDocumentedInOrderArithmeticBitwise) {
+#if defined(__FMA__)
+  GTEST_SKIP() << "FMA contraction enabled in this build";
+#endif
+  const AttentionCase cases[] = {
+      {"d48_gqa", 4, 2, 48, {}}, {"d13_mha", 2, 2, 13, {}}, {"d24_sliding", 3, 1, 24, {7, 0}},
+      {"d5_chunked", 2, 1, 5, {0, 6}}, {"d64_gqa", 4, 1, 64, {}}, {"d136", 1, 1, 136, {}},
+  };
+  for (const AttentionCase& c : cases) {
+    const std::int64_t total = 41, q_len = 9, pos0 = total - q_len;
+    const KVStore kv(c.num_kv_heads, c.head_dim, total, 31);
+    const Vec q = random_vec(static_cast<std::size_t>(q_len * c.num_heads * c.head_dim), 32, -2.0f, 2.0f);
+    for (const std::int64_t kv_offset : {std::int64_t{0}, std::int64_t{2}}) {
+      const std::int64_t kv_len = total - kv_offset;
+      Vec out(q.size());
+      attention(q.data(), q_len, pos0, c.num_heads, c.num_kv_heads, c.head_dim, kv.k(kv_offset),
+                kv.v(kv_offset), kv_offset, kv_len, c.mask, out.data());
+      const Vec ref = in_order_attention(q, q_len, pos0, c.num_heads, kv, kv_offset, kv_len, c.mask);
+      EXPECT_TRUE(same_bits(out, ref)) << c.name << " kv_offset " << kv_offset;
     }
   }
 }

@@ -130,7 +130,7 @@ TEST(WeightsMemory, MatmulWidensEveryF16PatternExactly) {
   std::vector<std::uint16_t> w(65536);
   for (std::size_t i = 0; i < w.size(); ++i) w[i] = static_cast<std::uint16_t>(i);
   const auto m = kernels::PackedMatrix::from_f16(w.data(), 65536, 1);
-  for (const std::int64_t rows : {1, 3, 6}) {  // other row groups, other register shapes
+  for (const std::int64_t rows : {1, 3, 6, 8}) {  // other row groups, other register shapes
     std::vector<float> x(static_cast<std::size_t>(rows), 1.0f), y(static_cast<std::size_t>(rows) * 65536);
     kernels::matmul(x.data(), rows, m, y.data());
     int mismatches = 0;
