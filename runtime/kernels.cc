@@ -567,38 +567,54 @@ void attend_segments(const float* __restrict qh, const KVSegment* segments, int6
   for_each_lane_chunked(head_dim, [&](int64_t d) { o[d] *= inv_sum; });
 }
 
-// gated_delta_rule_step on a state already copied to s (in place), so that
-// one code path serves both the in-place and the out-of-place case.
-// delta: scratch [v_dim].
-REWIND_KERNEL_CLONES
-void delta_step_inplace(const float* __restrict q, const float* __restrict k,
-                        const float* __restrict v, float decay, float beta, int64_t k_dim,
-                        int64_t v_dim, float* __restrict s, float* __restrict delta,
-                        float* __restrict o) {
-  // Decay the state and read its memory of k: delta = S^T k, in order of i.
-  std::fill(delta, delta + v_dim, 0.0f);
+// Columns [j0, j0 + W) of one gated delta step, W a vector width (V: W
+// floats). Column j of the new state, kv[j], delta[j] and o[j] depend only
+// on column j of the old one, so the step goes column block by column block
+// with kv and o in registers, the block (k_dim x W floats) staying in L1
+// between its two passes. Per element exactly the arithmetic of the
+// definition: S[i][j] * decay; kv[j] summed over i in order from 0; (v[j] -
+// kv[j]) * beta; S[i][j] + k[i] * delta[j]; o[j] summed over i in order.
+template <class V>
+REWIND_INLINE void delta_step_columns(const float* q, const float* k, const float* v, float decay, float beta,
+                                      int64_t k_dim, int64_t v_dim, int64_t j0, const float* s_in, float* s_out,
+                                      float* o) {
+  constexpr int64_t kWidth = sizeof(V) / sizeof(float);
+  V kv = {};
   for (int64_t i = 0; i < k_dim; ++i) {
-    float* __restrict row = s + i * v_dim;
-    const float ki = k[i];
-    for_each_lane_chunked(v_dim, [&](int64_t j) {
-      const float decayed = row[j] * decay;
-      row[j] = decayed;
-      delta[j] += decayed * ki;
-    });
+    V row;
+    __builtin_memcpy(&row, s_in + i * v_dim + j0, sizeof row);
+    const V decayed = row * decay;
+    __builtin_memcpy(s_out + i * v_dim + j0, &decayed, sizeof decayed);
+    kv += decayed * k[i];
   }
-  for_each_lane_chunked(v_dim, [&](int64_t j) { delta[j] = (v[j] - delta[j]) * beta; });
-  // Rank-one update, then read out o = S^T q from the new state.
-  std::fill(o, o + v_dim, 0.0f);
+  V vv;
+  __builtin_memcpy(&vv, v + j0, sizeof vv);
+  const V delta = (vv - kv) * beta;
+  V out = {};
   for (int64_t i = 0; i < k_dim; ++i) {
-    float* __restrict row = s + i * v_dim;
-    const float ki = k[i];
-    const float qi = q[i];
-    for_each_lane_chunked(v_dim, [&](int64_t j) {
-      const float updated = row[j] + ki * delta[j];
-      row[j] = updated;
-      o[j] += updated * qi;
-    });
+    V row;
+    __builtin_memcpy(&row, s_out + i * v_dim + j0, sizeof row);
+    const V updated = row + k[i] * delta;
+    __builtin_memcpy(s_out + i * v_dim + j0, &updated, sizeof updated);
+    out += updated * q[i];
   }
+  __builtin_memcpy(o + j0, &out, sizeof out);
+  static_assert(kWidth > 0);
+}
+
+typedef float Single __attribute__((vector_size(sizeof(float))));
+
+// One gated delta step (kernels.h: gated_delta_rule_step) reading the old
+// state from s_in and writing the new one to s_out, which may be s_in
+// itself: each element is read before it is written, and no copy of the
+// state is made first.
+REWIND_WIDE_KERNEL_CLONES
+void delta_step(const float* __restrict q, const float* __restrict k, const float* __restrict v, float decay,
+                float beta, int64_t k_dim, int64_t v_dim, const float* s_in, float* s_out, float* __restrict o) {
+  int64_t j0 = 0;
+  for (; j0 + kPanel <= v_dim; j0 += kPanel) delta_step_columns<PanelRow>(q, k, v, decay, beta, k_dim, v_dim, j0, s_in, s_out, o);
+  for (; j0 + kLanes <= v_dim; j0 += kLanes) delta_step_columns<Lanes>(q, k, v, decay, beta, k_dim, v_dim, j0, s_in, s_out, o);
+  for (; j0 < v_dim; ++j0) delta_step_columns<Single>(q, k, v, decay, beta, k_dim, v_dim, j0, s_in, s_out, o);
 }
 
 }  // namespace
@@ -864,11 +880,7 @@ void causal_conv1d(const float* window, int64_t channels, int64_t kernel_size, i
 void gated_delta_rule_step(const float* q, const float* k, const float* v, float g, float beta,
                            int64_t k_dim, int64_t v_dim, const float* state_in, float* state_out,
                            float* o) {
-  // Per-thread scratch: the step is called per (head, token) in hot loops.
-  thread_local std::vector<float> delta;
-  delta.resize(static_cast<std::size_t>(v_dim));
-  if (state_out != state_in) std::copy(state_in, state_in + k_dim * v_dim, state_out);
-  delta_step_inplace(q, k, v, std::exp(g), beta, k_dim, v_dim, state_out, delta.data(), o);
+  delta_step(q, k, v, std::exp(g), beta, k_dim, v_dim, state_in, state_out, o);
 }
 
 void gated_delta_rule(const float* q, const float* k, const float* v, const float* g,

@@ -859,6 +859,48 @@ TEST(KernelsGatedDelta, MatchesStepByStepDoubleReference) {
   }
 }
 
+// One step against the definition's f32 arithmetic written plainly (every
+// sum over i in order from 0, no reassociation), bit for bit, whatever
+// column blocks the kernel uses: value dims of 48 (three 16-wide blocks), 27
+// (16 + 8 + 3 single columns) and 5, in place and out of place.
+TEST(KernelsGatedDelta, StepEqualsTheDefinitionInF32Bitwise) {
+#if defined(__FMA__)
+  GTEST_SKIP() << "FMA contraction enabled in this build";
+#endif
+  for (const std::int64_t vd : {std::int64_t{48}, std::int64_t{27}, std::int64_t{5}}) {
+    const DeltaInputs in(1, 1, 1, 19, vd, 100 + static_cast<std::uint32_t>(vd));
+    const std::int64_t kd = in.kd;
+    const float* q = in.q.data();
+    const float* k = in.k.data();
+    const float* v = in.v.data();
+    const float decay = std::exp(in.g[0]), beta = in.beta[0];
+    Vec S(in.state0.begin(), in.state0.begin() + kd * vd), want_o(static_cast<std::size_t>(vd));
+    for (std::int64_t j = 0; j < vd; ++j) {
+      float kv = 0.0f;
+      for (std::int64_t i = 0; i < kd; ++i) {
+        float& sij = S[static_cast<std::size_t>(i * vd + j)];
+        sij = sij * decay;
+        kv += sij * k[i];
+      }
+      const float delta = (v[j] - kv) * beta;
+      float o = 0.0f;
+      for (std::int64_t i = 0; i < kd; ++i) {
+        float& sij = S[static_cast<std::size_t>(i * vd + j)];
+        sij = sij + k[i] * delta;
+        o += sij * q[i];
+      }
+      want_o[static_cast<std::size_t>(j)] = o;
+    }
+    Vec s_in(in.state0.begin(), in.state0.begin() + kd * vd), s_out(s_in.size()), o(want_o.size());
+    gated_delta_rule_step(q, k, v, in.g[0], beta, kd, vd, s_in.data(), s_out.data(), o.data());
+    EXPECT_TRUE(same_bits(s_out, S)) << "v_dim " << vd;
+    EXPECT_TRUE(same_bits(o, want_o)) << "v_dim " << vd;
+    gated_delta_rule_step(q, k, v, in.g[0], beta, kd, vd, s_in.data(), s_in.data(), o.data());
+    EXPECT_TRUE(same_bits(s_in, S)) << "in place, v_dim " << vd;
+    EXPECT_TRUE(same_bits(o, want_o)) << "in place, v_dim " << vd;
+  }
+}
+
 TEST(KernelsGatedDelta, TokensTogetherEqualTokensOneByOneBitwise) {
   const DeltaInputs in(7, 4, 1, 16, 24, 80);
   std::vector<Vec> states_all;
