@@ -434,7 +434,8 @@ REWIND_INLINE void weighted_sum_of_rows(const float* e, const float* rows, int64
 
 // out[i] = silu(gate[i]) * up[i] for i < n, or silu(gate[i]) when up is
 // null. The out-of-line, cloned home of the element-wise SiLU loops, so
-// that exp_f32 runs 8 lanes wide.
+// that exp_of runs 16 lanes wide (one AVX-512 vector, two AVX2 ones), then
+// 8, then one at a time: the same arithmetic in every lane.
 // Clang checks the vector ABI of every call made directly from a cloned
 // function's baseline (SSE2) version, even to always-inlined helpers, and
 // rejects passing Lanes by value there; calls made from inside an inlined
@@ -442,6 +443,17 @@ REWIND_INLINE void weighted_sum_of_rows(const float* e, const float* rows, int64
 // holds its body.
 REWIND_INLINE void swiglu_span_body(const float* gate, const float* up, int64_t n, float* out) {
   int64_t i = 0;
+  for (; i + kPanel <= n; i += kPanel) {
+    PanelRow g;
+    __builtin_memcpy(&g, gate + i, sizeof g);
+    PanelRow v = silu_of<PanelRow, PanelRowBits>(g);
+    if (up != nullptr) {
+      PanelRow u;
+      __builtin_memcpy(&u, up + i, sizeof u);
+      v *= u;
+    }
+    __builtin_memcpy(out + i, &v, sizeof v);
+  }
   for (; i + kLanes <= n; i += kLanes) {
     Lanes v = silu_lanes(load_lanes(gate + i));
     if (up != nullptr) v *= load_lanes(up + i);
@@ -450,7 +462,34 @@ REWIND_INLINE void swiglu_span_body(const float* gate, const float* up, int64_t 
   for (; i < n; ++i) out[i] = up != nullptr ? silu(gate[i]) * up[i] : silu(gate[i]);
 }
 
-REWIND_KERNEL_CLONES
+// out[c] = sums[c] + bias[c] (bias may be null), then silu when `fuse_silu`:
+// the end of causal_conv1d, element-wise.
+REWIND_INLINE void add_bias_silu_body(const float* sums, const float* bias, int64_t n, bool fuse_silu, float* out) {
+  int64_t c = 0;
+  for (; c + kPanel <= n; c += kPanel) {
+    PanelRow v;
+    __builtin_memcpy(&v, sums + c, sizeof v);
+    if (bias != nullptr) {
+      PanelRow b;
+      __builtin_memcpy(&b, bias + c, sizeof b);
+      v += b;
+    }
+    if (fuse_silu) v = silu_of<PanelRow, PanelRowBits>(v);
+    __builtin_memcpy(out + c, &v, sizeof v);
+  }
+  for (; c < n; ++c) {
+    float v = sums[c];
+    if (bias != nullptr) v += bias[c];
+    out[c] = fuse_silu ? silu(v) : v;
+  }
+}
+
+REWIND_WIDE_KERNEL_CLONES
+void add_bias_silu(const float* sums, const float* bias, int64_t n, bool fuse_silu, float* out) {
+  add_bias_silu_body(sums, bias, n, fuse_silu, out);
+}
+
+REWIND_WIDE_KERNEL_CLONES
 void swiglu_span(const float* gate, const float* up, int64_t n, float* out) { swiglu_span_body(gate, up, n, out); }
 
 // One row of gated_rms_norm, given the row's 1 / rms.
@@ -868,12 +907,7 @@ void causal_conv1d(const float* window, int64_t channels, int64_t kernel_size, i
       const float* wi = weight + c0 * kernel_size + i;
       for (int64_t c = 0; c < nc; ++c) acc[c] += wi[c * kernel_size] * xs[c * channel_stride];
     }
-    float* ot = out + t * channels + c0;
-    for (int64_t c = 0; c < nc; ++c) {
-      float s = acc[c];
-      if (bias != nullptr) s += bias[c0 + c];
-      ot[c] = fuse_silu ? silu(s) : s;
-    }
+    add_bias_silu(acc, bias != nullptr ? bias + c0 : nullptr, nc, fuse_silu, out + t * channels + c0);
   });
 }
 

@@ -742,6 +742,23 @@ TEST(KernelsConv, MatchesNaiveAndTokenAlone) {
               << "fuse " << fuse << " t " << t << " c " << c;
         }
       }
+#if !defined(__FMA__)
+      // Bit for bit the documented f32 arithmetic: the K products summed in
+      // order from 0, then the bias, then silu (scalar), whatever vectors
+      // the kernel uses (300 channels: 16-wide blocks and a tail).
+      Vec plain(out.size());
+      for (std::int64_t t = 0; t < q; ++t) {
+        for (std::int64_t c = 0; c < channels; ++c) {
+          float acc = 0.0f;
+          for (std::int64_t i = 0; i < kernel; ++i) {
+            acc += weight[static_cast<std::size_t>(c * kernel + i)] * window[(t + i) * ts + c];
+          }
+          if (b != nullptr) acc += b[c];
+          plain[static_cast<std::size_t>(t * channels + c)] = fuse ? kernels::silu(acc) : acc;
+        }
+      }
+      EXPECT_TRUE(same_bits(out, plain)) << "fuse " << fuse << " bias " << (b != nullptr);
+#endif
       // Decoding token t alone sees the window shifted by t.
       for (std::int64_t t = 0; t < q; ++t) {
         Vec one(static_cast<std::size_t>(channels));
