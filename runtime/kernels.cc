@@ -394,42 +394,101 @@ REWIND_INLINE Quad dot4_strided(const float* x, const float* k, int64_t stride, 
   return s;
 }
 
-// out[0, B * 8) = sum_j e[j] * rows[j * stride + (0 .. B * 8)], in order of
-// j from 0, with the sums held in registers (16 floats a vector: one
-// AVX-512 register, two AVX2 ones; each lane's arithmetic is the same).
+
+// dot4_strided for two queries xa, xb at once (sa: xa's four sums, sb:
+// xb's), each key chunk loaded once: a 16-float vector holds xa's 8 partial
+// sums in its low half and xb's in its high half, so each half does exactly
+// dot_inline's arithmetic (same lanes, same tree, same tail), and one
+// AVX-512 multiply and add serve both queries.
+REWIND_INLINE void dot4x2_strided(const float* xa, const float* xb, const float* k, int64_t stride, int64_t n,
+                                  Quad& sa, Quad& sb) {
+  const float* k0 = k;
+  const float* k1 = k + stride;
+  const float* k2 = k + 2 * stride;
+  const float* k3 = k + 3 * stride;
+  PanelRow a0 = {}, a1 = {}, a2 = {}, a3 = {};
+  int64_t i = 0;
+  for (; i + kLanes <= n; i += kLanes) {
+    const PanelRow xv = __builtin_shufflevector(load_lanes(xa + i), load_lanes(xb + i), 0, 1, 2, 3, 4, 5, 6, 7, 8,
+                                                9, 10, 11, 12, 13, 14, 15);
+    const Lanes l0 = load_lanes(k0 + i), l1 = load_lanes(k1 + i), l2 = load_lanes(k2 + i), l3 = load_lanes(k3 + i);
+    a0 += xv * __builtin_shufflevector(l0, l0, 0, 1, 2, 3, 4, 5, 6, 7, 0, 1, 2, 3, 4, 5, 6, 7);
+    a1 += xv * __builtin_shufflevector(l1, l1, 0, 1, 2, 3, 4, 5, 6, 7, 0, 1, 2, 3, 4, 5, 6, 7);
+    a2 += xv * __builtin_shufflevector(l2, l2, 0, 1, 2, 3, 4, 5, 6, 7, 0, 1, 2, 3, 4, 5, 6, 7);
+    a3 += xv * __builtin_shufflevector(l3, l3, 0, 1, 2, 3, 4, 5, 6, 7, 0, 1, 2, 3, 4, 5, 6, 7);
+  }
+  sa = combine4(__builtin_shufflevector(a0, a0, 0, 1, 2, 3, 4, 5, 6, 7),
+                __builtin_shufflevector(a1, a1, 0, 1, 2, 3, 4, 5, 6, 7),
+                __builtin_shufflevector(a2, a2, 0, 1, 2, 3, 4, 5, 6, 7),
+                __builtin_shufflevector(a3, a3, 0, 1, 2, 3, 4, 5, 6, 7));
+  sb = combine4(__builtin_shufflevector(a0, a0, 8, 9, 10, 11, 12, 13, 14, 15),
+                __builtin_shufflevector(a1, a1, 8, 9, 10, 11, 12, 13, 14, 15),
+                __builtin_shufflevector(a2, a2, 8, 9, 10, 11, 12, 13, 14, 15),
+                __builtin_shufflevector(a3, a3, 8, 9, 10, 11, 12, 13, 14, 15));
+  for (; i < n; ++i) {
+    sa[0] += xa[i] * k0[i];
+    sa[1] += xa[i] * k1[i];
+    sa[2] += xa[i] * k2[i];
+    sa[3] += xa[i] * k3[i];
+    sb[0] += xb[i] * k0[i];
+    sb[1] += xb[i] * k1[i];
+    sb[2] += xb[i] * k2[i];
+    sb[3] += xb[i] * k3[i];
+  }
+}
+
+// For each of G queries g: out[g][0, B * 8) = sum_j e[g][j] * rows[j *
+// stride + (0 .. B * 8)], in order of j from 0, with the sums held in
+// registers (16 floats a vector: one AVX-512 register, two AVX2 ones; each
+// lane's arithmetic is the same) and each row of values loaded once for all
+// G queries.
 // `resume`: the sums continue from out (a previous call over the positions
 // before these) instead of starting at 0; storing and reloading a sum keeps
 // its bits, so splitting the positions changes nothing.
-// `e_sum`, when not null: also *e_sum += e[j] in order of j, a chain of adds
-// that runs alongside the products instead of in a loop of its own.
-template <int B>
-REWIND_INLINE void weighted_sum_of_rows(const float* e, const float* rows, int64_t stride, int64_t n,
-                                        float* out, bool resume, float* e_sum) {
+// `e_sum`, when not null: also e_sum[g] += e[g][j] in order of j, a chain of
+// adds that runs alongside the products instead of in a loop of its own.
+template <int B, int G>
+REWIND_INLINE void weighted_sum_of_rows(const float* const* e, const float* rows, int64_t stride, int64_t n,
+                                        float* const* out, bool resume, float* e_sum) {
   constexpr int kWide = B / 2, kNarrow = B % 2;  // 16-float vectors, then one of 8
-  PanelRow acc[kWide > 0 ? kWide : 1] = {};
-  Lanes tail = {};
-  if (resume) {
+  PanelRow acc[G][kWide > 0 ? kWide : 1] = {};
+  Lanes tail[G] = {};
+  float sum[G] = {};
+#pragma GCC unroll 2
+  for (int g = 0; g < G; ++g) {
+    if (resume) {
 #pragma GCC unroll 8
-    for (int b = 0; b < kWide; ++b) __builtin_memcpy(&acc[b], out + b * kPanel, sizeof(PanelRow));
-    if (kNarrow) __builtin_memcpy(&tail, out + kWide * kPanel, sizeof(Lanes));
+      for (int b = 0; b < kWide; ++b) __builtin_memcpy(&acc[g][b], out[g] + b * kPanel, sizeof(PanelRow));
+      if (kNarrow) __builtin_memcpy(&tail[g], out[g] + kWide * kPanel, sizeof(Lanes));
+    }
+    if (e_sum != nullptr) sum[g] = e_sum[g];
   }
-  float sum = e_sum != nullptr ? *e_sum : 0.0f;
   for (int64_t j = 0; j < n; ++j) {
-    const float ej = e[j];
     const float* row = rows + j * stride;
 #pragma GCC unroll 8
     for (int b = 0; b < kWide; ++b) {
       PanelRow v;
       __builtin_memcpy(&v, row + b * kPanel, sizeof v);
-      acc[b] += ej * v;
+#pragma GCC unroll 2
+      for (int g = 0; g < G; ++g) acc[g][b] += e[g][j] * v;
     }
-    if (kNarrow) tail += ej * load_lanes(row + kWide * kPanel);
-    if (e_sum != nullptr) sum += ej;
+    if (kNarrow) {
+      const Lanes v = load_lanes(row + kWide * kPanel);
+#pragma GCC unroll 2
+      for (int g = 0; g < G; ++g) tail[g] += e[g][j] * v;
+    }
+    if (e_sum != nullptr) {
+#pragma GCC unroll 2
+      for (int g = 0; g < G; ++g) sum[g] += e[g][j];
+    }
   }
+#pragma GCC unroll 2
+  for (int g = 0; g < G; ++g) {
 #pragma GCC unroll 8
-  for (int b = 0; b < kWide; ++b) __builtin_memcpy(out + b * kPanel, &acc[b], sizeof(PanelRow));
-  if (kNarrow) __builtin_memcpy(out + kWide * kPanel, &tail, sizeof(Lanes));
-  if (e_sum != nullptr) *e_sum = sum;
+    for (int b = 0; b < kWide; ++b) __builtin_memcpy(out[g] + b * kPanel, &acc[g][b], sizeof(PanelRow));
+    if (kNarrow) __builtin_memcpy(out[g] + kWide * kPanel, &tail[g], sizeof(Lanes));
+    if (e_sum != nullptr) e_sum[g] = sum[g];
+  }
 }
 
 // out[i] = silu(gate[i]) * up[i] for i < n, or silu(gate[i]) when up is
@@ -509,9 +568,15 @@ void gated_norm_row(const float* x, const float* z, const float* weight, float i
   gated_norm_row_body(x, z, weight, inv, dim, y);
 }
 
-// w[j] = exp_f32(w[j] - shift) for j < n, 8 lanes at a time.
+// w[j] = exp_f32(w[j] - shift) for j < n, 16 lanes at a time, then 8, then one.
 REWIND_INLINE void exp_shifted_inplace(float* w, int64_t n, float shift) {
   int64_t j = 0;
+  for (; j + kPanel <= n; j += kPanel) {  // 16 lanes, then 8: the same arithmetic per lane
+    PanelRow x;
+    __builtin_memcpy(&x, w + j, sizeof x);
+    const PanelRow e = exp_of<PanelRow, PanelRowBits>(x - shift);
+    __builtin_memcpy(w + j, &e, sizeof e);
+  }
   for (; j + kLanes <= n; j += kLanes) {
     const Lanes e = exp_lanes(load_lanes(w + j) - broadcast<Lanes>(shift));
     __builtin_memcpy(w + j, &e, sizeof e);
@@ -519,19 +584,24 @@ REWIND_INLINE void exp_shifted_inplace(float* w, int64_t n, float shift) {
   for (; j < n; ++j) w[j] = exp_f32(w[j] - shift);
 }
 
-// One (query, head) of attention over n keys held in segments (each a run
-// of consecutive positions, rows k_pos_stride / v_pos_stride apart), in
-// position order. weights: scratch [n].
+// A run of consecutive key / value positions of one KV head: n rows, each
+// k_pos_stride / v_pos_stride floats after the previous (see attend_group).
 struct KVSegment {
   const float* k;
   const float* v;
   int64_t n;
 };
 
-REWIND_WIDE_KERNEL_CLONES
-void attend_segments(const float* __restrict qh, const KVSegment* segments, int64_t num_segments,
-                     int64_t k_pos_stride, int64_t v_pos_stride, int64_t n, int64_t head_dim, float scale,
-                     float* __restrict weights, float* __restrict o) {
+// G queries (1 or 2: heads of one row that share a KV head, hence the same
+// keys) of attention over n keys held in segments (each a run of
+// consecutive positions, rows k_pos_stride / v_pos_stride apart), in
+// position order: query g reads qh[g], writes o[g], and uses weights[g]
+// (scratch [n]) for its softmax. Each query's arithmetic is the same
+// whatever G: two queries only share the loads of keys and values.
+template <int G>
+REWIND_INLINE void attend_group(const float* const* qh, const KVSegment* segments, int64_t num_segments,
+                                int64_t k_pos_stride, int64_t v_pos_stride, int64_t n, int64_t head_dim, float scale,
+                                float* const* weights, float* const* o) {
   // Scores four keys at a time (independent chains that overlap), each
   // with dot_inline's arithmetic, then the rest one by one: a key's score
   // does not depend on how keys are grouped. The maximum is kept per lane
@@ -539,30 +609,47 @@ void attend_segments(const float* __restrict qh, const KVSegment* segments, int6
   // order it is taken in (signed zeros aside, and exp(w - max) is the same
   // for max = +0 and -0).
   const Quad scale4 = Quad{} + scale;
-  Quad max4 = Quad{} - std::numeric_limits<float>::infinity();
-  float max_score = -std::numeric_limits<float>::infinity();
+  Quad max4[G];
+  float max_score[G];
+  for (int g = 0; g < G; ++g) {
+    max4[g] = Quad{} - std::numeric_limits<float>::infinity();
+    max_score[g] = -std::numeric_limits<float>::infinity();
+  }
   int64_t at = 0;
   for (int64_t s = 0; s < num_segments; ++s) {
     const float* kh = segments[s].k;
     const int64_t count = segments[s].n;
     int64_t key = 0;
     for (; key + 4 <= count; key += 4) {
-      const Quad sc = dot4_strided(qh, kh + key * k_pos_stride, k_pos_stride, head_dim) * scale4;
-      __builtin_memcpy(weights + at + key, &sc, sizeof sc);
-      max4 = max4 < sc ? sc : max4;
+      Quad sc[G];
+      if constexpr (G == 2) {
+        dot4x2_strided(qh[0], qh[1], kh + key * k_pos_stride, k_pos_stride, head_dim, sc[0], sc[1]);
+      } else {
+        sc[0] = dot4_strided(qh[0], kh + key * k_pos_stride, k_pos_stride, head_dim);
+      }
+      for (int g = 0; g < G; ++g) {
+        sc[g] *= scale4;
+        __builtin_memcpy(weights[g] + at + key, &sc[g], sizeof sc[g]);
+        max4[g] = max4[g] < sc[g] ? sc[g] : max4[g];
+      }
     }
     for (; key < count; ++key) {
-      const float sc = dot_inline(qh, kh + key * k_pos_stride, head_dim) * scale;
-      weights[at + key] = sc;
-      max_score = std::max(max_score, sc);
+      for (int g = 0; g < G; ++g) {
+        const float sc = dot_inline(qh[g], kh + key * k_pos_stride, head_dim) * scale;
+        weights[g][at + key] = sc;
+        max_score[g] = std::max(max_score[g], sc);
+      }
     }
     at += count;
   }
-  for (int u = 0; u < 4; ++u) max_score = std::max(max_score, max4[u]);
-  // The exponentials first (a loop the compiler vectorises); their sum, in
-  // order of position, is taken in the first pass over the values.
-  exp_shifted_inplace(weights, n, max_score);
-  float sum = 0.0f;
+  float sum[G];
+  for (int g = 0; g < G; ++g) {
+    for (int u = 0; u < 4; ++u) max_score[g] = std::max(max_score[g], max4[g][u]);
+    // The exponentials first (a loop the compiler vectorises); their sum,
+    // in order of position, is taken in the first pass over the values.
+    exp_shifted_inplace(weights[g], n, max_score[g]);
+    sum[g] = 0.0f;
+  }
   // Each o[d] accumulates e_j * v_j[d] over positions j in order, from 0,
   // segment after segment. Up to 64 elements of o stay in registers for a
   // whole pass over a segment's positions (storing o after every position
@@ -572,38 +659,57 @@ void attend_segments(const float* __restrict qh, const KVSegment* segments, int6
   for (int64_t s = 0; s < num_segments; ++s) {
     const float* vh = segments[s].v;
     const int64_t count = segments[s].n;
-    const float* e = weights + at;
+    const float* e[G];
+    for (int g = 0; g < G; ++g) e[g] = weights[g] + at;
     const bool resume = s > 0;
     int64_t d0 = 0;
-    float* e_sum = &sum;  // the first pass over this segment's positions adds up e
+    float* e_sum = sum;  // the first pass over this segment's positions adds up e
     for (; d0 + kLanes <= head_dim;) {
       const int64_t vectors = std::min<int64_t>(8, (head_dim - d0) / kLanes);
       const float* vd = vh + d0;
+      float* od[G];
+      for (int g = 0; g < G; ++g) od[g] = o[g] + d0;
       switch (vectors) {
-        case 1: weighted_sum_of_rows<1>(e, vd, v_pos_stride, count, o + d0, resume, e_sum); break;
-        case 2: weighted_sum_of_rows<2>(e, vd, v_pos_stride, count, o + d0, resume, e_sum); break;
-        case 3: weighted_sum_of_rows<3>(e, vd, v_pos_stride, count, o + d0, resume, e_sum); break;
-        case 4: weighted_sum_of_rows<4>(e, vd, v_pos_stride, count, o + d0, resume, e_sum); break;
-        case 5: weighted_sum_of_rows<5>(e, vd, v_pos_stride, count, o + d0, resume, e_sum); break;
-        case 6: weighted_sum_of_rows<6>(e, vd, v_pos_stride, count, o + d0, resume, e_sum); break;
-        case 7: weighted_sum_of_rows<7>(e, vd, v_pos_stride, count, o + d0, resume, e_sum); break;
-        default: weighted_sum_of_rows<8>(e, vd, v_pos_stride, count, o + d0, resume, e_sum); break;
+        case 1: weighted_sum_of_rows<1, G>(e, vd, v_pos_stride, count, od, resume, e_sum); break;
+        case 2: weighted_sum_of_rows<2, G>(e, vd, v_pos_stride, count, od, resume, e_sum); break;
+        case 3: weighted_sum_of_rows<3, G>(e, vd, v_pos_stride, count, od, resume, e_sum); break;
+        case 4: weighted_sum_of_rows<4, G>(e, vd, v_pos_stride, count, od, resume, e_sum); break;
+        case 5: weighted_sum_of_rows<5, G>(e, vd, v_pos_stride, count, od, resume, e_sum); break;
+        case 6: weighted_sum_of_rows<6, G>(e, vd, v_pos_stride, count, od, resume, e_sum); break;
+        case 7: weighted_sum_of_rows<7, G>(e, vd, v_pos_stride, count, od, resume, e_sum); break;
+        default: weighted_sum_of_rows<8, G>(e, vd, v_pos_stride, count, od, resume, e_sum); break;
       }
       e_sum = nullptr;
       d0 += vectors * kLanes;
     }
-    if (e_sum != nullptr) {  // head_dim < 8: no vector pass took the sum
-      for (int64_t i = 0; i < count; ++i) sum += e[i];
-    }
-    for (; d0 < head_dim; ++d0) {
-      float acc = resume ? o[d0] : 0.0f;
-      for (int64_t i = 0; i < count; ++i) acc += e[i] * vh[i * v_pos_stride + d0];
-      o[d0] = acc;
+    for (int g = 0; g < G; ++g) {
+      if (e_sum != nullptr) {  // head_dim < 8: no vector pass took the sum
+        for (int64_t i = 0; i < count; ++i) sum[g] += e[g][i];
+      }
+      for (int64_t d = d0; d < head_dim; ++d) {
+        float acc = resume ? o[g][d] : 0.0f;
+        for (int64_t i = 0; i < count; ++i) acc += e[g][i] * vh[i * v_pos_stride + d];
+        o[g][d] = acc;
+      }
     }
     at += count;
   }
-  const float inv_sum = 1.0f / sum;
-  for_each_lane_chunked(head_dim, [&](int64_t d) { o[d] *= inv_sum; });
+  for (int g = 0; g < G; ++g) {
+    const float inv_sum = 1.0f / sum[g];
+    float* og = o[g];
+    for_each_lane_chunked(head_dim, [&](int64_t d) { og[d] *= inv_sum; });
+  }
+}
+
+REWIND_WIDE_KERNEL_CLONES
+void attend_segments(const float* const* qh, int64_t queries, const KVSegment* segments, int64_t num_segments,
+                     int64_t k_pos_stride, int64_t v_pos_stride, int64_t n, int64_t head_dim, float scale,
+                     float* const* weights, float* const* o) {
+  if (queries == 2) {
+    attend_group<2>(qh, segments, num_segments, k_pos_stride, v_pos_stride, n, head_dim, scale, weights, o);
+  } else {
+    attend_group<1>(qh, segments, num_segments, k_pos_stride, v_pos_stride, n, head_dim, scale, weights, o);
+  }
 }
 
 // Columns [j0, j0 + W) of one gated delta step, W a vector width (V: W
@@ -836,48 +942,52 @@ void attention_paged(const float* q, int64_t q_len, int64_t pos0, int64_t num_he
   const int64_t group = num_heads / num_kv_heads;
   const float scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(head_dim)));
   const int64_t kv_last = kv_offset + kv_len - 1;
-  const int64_t tasks = q_len * num_heads;
-  parallel_for(tasks, tasks * kv_len * head_dim >= kParallelWork, [&](int64_t task) {
+  // Heads of one KV group go in pairs (2m, 2m + 1), which read the same keys
+  // and values over the same range (same row), so each load serves both.
+  const int64_t pairs = (group + 1) / 2;
+  const int64_t tasks = q_len * num_kv_heads * pairs;
+  parallel_for(tasks, q_len * num_heads * kv_len * head_dim >= kParallelWork, [&](int64_t task) {
     // Per-thread scratch for the softmax weights and the key segments,
     // reused across calls.
     thread_local std::vector<float> weights;
     thread_local std::vector<KVSegment> segments;
-    {
-      // Tasks run kv head by kv head: the queries of all rows that read the
-      // same keys and values come one after another, so those stay in L2
-      // instead of being fetched again for every row.
-      const int64_t kv_head = task / (q_len * group);
-      const int64_t row = task % (q_len * group) / group;
-      const int64_t head = kv_head * group + task % group;
-      const int64_t p = pos0 + row;
-      float* o = out + (row * num_heads + head) * head_dim;
-      // [lo, hi] is the query's own key range, whatever range was passed in:
-      // this is what makes the result batch invariant.
-      int64_t lo = kv_offset;
-      if (mask.window > 0) lo = std::max(lo, p - mask.window + 1);
-      if (mask.chunk > 0) lo = std::max(lo, p - p % mask.chunk);
-      const int64_t hi = std::min(p, kv_last);
-      if (hi < lo) {
-        std::fill(o, o + head_dim, 0.0f);
-        return;
-      }
-      // The runs' parts that cover [lo, hi], in order.
-      segments.clear();
-      int64_t first = kv_offset;  // position of the current run's first row
-      for (const KVRun& run : runs) {
-        const int64_t a = std::max(lo, first), b = std::min(hi + 1, first + run.count);
-        if (a < b) {
-          segments.push_back({run.k + (a - first) * ks.pos_stride + kv_head * ks.head_stride,
-                              run.v + (a - first) * vs.pos_stride + kv_head * vs.head_stride, b - a});
-        }
-        first += run.count;
-        if (first > hi) break;
-      }
-      const int64_t n = hi - lo + 1;
-      weights.resize(static_cast<std::size_t>(n));
-      attend_segments(q + (row * num_heads + head) * head_dim, segments.data(), static_cast<int64_t>(segments.size()),
-                      ks.pos_stride, vs.pos_stride, n, head_dim, scale, weights.data(), o);
+    // Tasks run kv head by kv head: the queries of all rows that read the
+    // same keys and values come one after another, so those stay in L2
+    // instead of being fetched again for every row.
+    const int64_t kv_head = task / (q_len * pairs);
+    const int64_t row = task % (q_len * pairs) / pairs;
+    const int64_t head = kv_head * group + task % pairs * 2;
+    const int64_t queries = std::min<int64_t>(2, kv_head * group + group - head);
+    const int64_t p = pos0 + row;
+    float* o[2] = {out + (row * num_heads + head) * head_dim, out + (row * num_heads + head + 1) * head_dim};
+    const float* qh[2] = {q + (row * num_heads + head) * head_dim, q + (row * num_heads + head + 1) * head_dim};
+    // [lo, hi] is the query's own key range, whatever range was passed in:
+    // this is what makes the result batch invariant.
+    int64_t lo = kv_offset;
+    if (mask.window > 0) lo = std::max(lo, p - mask.window + 1);
+    if (mask.chunk > 0) lo = std::max(lo, p - p % mask.chunk);
+    const int64_t hi = std::min(p, kv_last);
+    if (hi < lo) {
+      for (int64_t g = 0; g < queries; ++g) std::fill(o[g], o[g] + head_dim, 0.0f);
+      return;
     }
+    // The runs' parts that cover [lo, hi], in order.
+    segments.clear();
+    int64_t first = kv_offset;  // position of the current run's first row
+    for (const KVRun& run : runs) {
+      const int64_t a = std::max(lo, first), b = std::min(hi + 1, first + run.count);
+      if (a < b) {
+        segments.push_back({run.k + (a - first) * ks.pos_stride + kv_head * ks.head_stride,
+                            run.v + (a - first) * vs.pos_stride + kv_head * vs.head_stride, b - a});
+      }
+      first += run.count;
+      if (first > hi) break;
+    }
+    const int64_t n = hi - lo + 1;
+    weights.resize(static_cast<std::size_t>(2 * n));
+    float* w[2] = {weights.data(), weights.data() + n};
+    attend_segments(qh, queries, segments.data(), static_cast<int64_t>(segments.size()), ks.pos_stride, vs.pos_stride,
+                    n, head_dim, scale, w, o);
   });
 }
 
