@@ -457,22 +457,26 @@ REWIND_INLINE void weighted_sum_of_rows(const float* const* e, const float* rows
 #pragma GCC unroll 2
   for (int g = 0; g < G; ++g) {
     if (resume) {
+      if constexpr (kWide > 0) {
 #pragma GCC unroll 8
-      for (int b = 0; b < kWide; ++b) __builtin_memcpy(&acc[g][b], out[g] + b * kPanel, sizeof(PanelRow));
-      if (kNarrow) __builtin_memcpy(&tail[g], out[g] + kWide * kPanel, sizeof(Lanes));
+        for (int b = 0; b < kWide; ++b) __builtin_memcpy(&acc[g][b], out[g] + b * kPanel, sizeof(PanelRow));
+      }
+      if constexpr (kNarrow) __builtin_memcpy(&tail[g], out[g] + kWide * kPanel, sizeof(Lanes));
     }
     if (e_sum != nullptr) sum[g] = e_sum[g];
   }
   for (int64_t j = 0; j < n; ++j) {
     const float* row = rows + j * stride;
+    if constexpr (kWide > 0) {
 #pragma GCC unroll 8
-    for (int b = 0; b < kWide; ++b) {
-      PanelRow v;
-      __builtin_memcpy(&v, row + b * kPanel, sizeof v);
+      for (int b = 0; b < kWide; ++b) {
+        PanelRow v;
+        __builtin_memcpy(&v, row + b * kPanel, sizeof v);
 #pragma GCC unroll 2
-      for (int g = 0; g < G; ++g) acc[g][b] += e[g][j] * v;
+        for (int g = 0; g < G; ++g) acc[g][b] += e[g][j] * v;
+      }
     }
-    if (kNarrow) {
+    if constexpr (kNarrow) {
       const Lanes v = load_lanes(row + kWide * kPanel);
 #pragma GCC unroll 2
       for (int g = 0; g < G; ++g) tail[g] += e[g][j] * v;
@@ -484,9 +488,11 @@ REWIND_INLINE void weighted_sum_of_rows(const float* const* e, const float* rows
   }
 #pragma GCC unroll 2
   for (int g = 0; g < G; ++g) {
+    if constexpr (kWide > 0) {
 #pragma GCC unroll 8
-    for (int b = 0; b < kWide; ++b) __builtin_memcpy(out[g] + b * kPanel, &acc[g][b], sizeof(PanelRow));
-    if (kNarrow) __builtin_memcpy(out[g] + kWide * kPanel, &tail[g], sizeof(Lanes));
+      for (int b = 0; b < kWide; ++b) __builtin_memcpy(out[g] + b * kPanel, &acc[g][b], sizeof(PanelRow));
+    }
+    if constexpr (kNarrow) __builtin_memcpy(out[g] + kWide * kPanel, &tail[g], sizeof(Lanes));
     if (e_sum != nullptr) e_sum[g] = sum[g];
   }
 }
