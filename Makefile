@@ -86,6 +86,10 @@ test-plain: build tokenizer-reference
 	# f16 weights widened without F16C (CPUs that lack it): the shipped models are f16
 	REWIND_MATMUL_F16_SOFTWARE=1 $(BUILD)/tests/rewind_runtime_tests \
 	  --gtest_filter='Kernels*:WeightsMemory*:ShippedModels*:ForwardBatch*:*Lossless*' --gtest_brief=1
+	# matmul's baseline copy (CPUs without AVX2 + FMA + F16C, builds other than
+	# GCC on x86-64): the same fused multiply-adds, through fmaf
+	REWIND_MATMUL_BASELINE=1 $(BUILD)/tests/rewind_runtime_tests \
+	  --gtest_filter='KernelsMatmul*:WeightsMemory.Matmul*:ForwardBatch*' --gtest_brief=1
 
 # The Python tests (tests/python) against the module just built in $(BUILD)
 # (PYTHONPATH first), with Debian's python3 and pytest; Qwen3's tokenizer.json

@@ -55,13 +55,17 @@
 
 // matmul is compiled once per instruction set it can use, each copy in a
 // namespace of its own under `#pragma GCC target` (GCC on x86-64: AVX-512F,
-// AVX2 + F16C, and the baseline), and one is picked per process
+// AVX2 + FMA + F16C, and the baseline), and one is picked per process
 // (matmul_isa). Not target_clones: a clone must inline its whole call tree,
 // and one function holding every row-group kernel made GCC spill the
 // accumulators of some of them (two rows ran at 74 GFLOPS instead of 117).
-// Elsewhere only the baseline copy exists.
+// Elsewhere (clang: its `#pragma clang attribute` did not reach the
+// templates' instantiations) only the baseline copy exists, whose fused
+// multiply-adds go through fmaf: exact, about 100 times slower. Build the
+// runtime with GCC.
 #if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__)
 #define REWIND_MATMUL_ISA_KERNELS 1
+#include <cpuid.h>
 #include <immintrin.h>
 #endif
 
@@ -131,9 +135,6 @@ REWIND_INLINE Lanes load_lanes(const float* p) {
   return v;
 }
 
-REWIND_INLINE float combine(Lanes a) {
-  return ((a[0] + a[4]) + (a[1] + a[5])) + ((a[2] + a[6]) + (a[3] + a[7]));
-}
 
 // exp_of / silu_of (kernels.h) on kLanes values at once.
 typedef std::uint32_t ULanes __attribute__((vector_size(kLanes * sizeof(float))));
@@ -182,18 +183,27 @@ constexpr int kMaxWideGroupRows = 8;
 constexpr int wide_panels_for_rows(int rows) { return rows <= 2 ? 4 : 2; }
 
 // The instruction set matmul runs in this process (chosen once): AVX-512F
-// where the CPU has it, else AVX2 + F16C, else the baseline.
-// REWIND_MATMUL_NARROW=1 in the environment skips AVX-512 (make test runs
-// the kernel and batch tests both ways, whatever the machine has).
+// where the CPU has it, else AVX2 + FMA + F16C, else the baseline.
+// REWIND_MATMUL_NARROW=1 in the environment skips AVX-512, and
+// REWIND_MATMUL_BASELINE=1 takes the baseline copy (make test runs the
+// kernel and batch tests each way, whatever the machine has).
 enum class MatmulIsa { Avx512, Avx2, Baseline };
+
+bool environment_flag(const char* name) {
+  const char* value = std::getenv(name);
+  return value != nullptr && std::string_view(value) == "1";
+}
 
 MatmulIsa matmul_isa() {
 #if defined(REWIND_MATMUL_ISA_KERNELS)
   static const MatmulIsa isa = [] {
-    const char* narrow = std::getenv("REWIND_MATMUL_NARROW");
-    const bool skip_avx512 = narrow != nullptr && std::string_view(narrow) == "1";
+    if (environment_flag("REWIND_MATMUL_BASELINE")) return MatmulIsa::Baseline;
+    const bool skip_avx512 = environment_flag("REWIND_MATMUL_NARROW");
     if (__builtin_cpu_supports("avx512f") && !skip_avx512) return MatmulIsa::Avx512;
-    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c")) return MatmulIsa::Avx2;
+    // F16C from CPUID leaf 1 (clang's __builtin_cpu_supports has no "f16c").
+    unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
+    const bool f16c = __get_cpuid(1, &eax, &ebx, &ecx, &edx) != 0 && (ecx & bit_F16C) != 0;
+    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && f16c) return MatmulIsa::Avx2;
     return MatmulIsa::Baseline;
   }();
   return isa;
@@ -206,10 +216,7 @@ MatmulIsa matmul_isa() {
 // software conversion whatever the CPU has (make test runs the kernel and
 // batch tests that way too).
 bool f16_software_forced() {
-  static const bool forced = [] {
-    const char* software = std::getenv("REWIND_MATMUL_F16_SOFTWARE");
-    return software != nullptr && std::string_view(software) == "1";
-  }();
+  static const bool forced = environment_flag("REWIND_MATMUL_F16_SOFTWARE");
   return forced;
 }
 
@@ -288,6 +295,13 @@ int64_t matmul_block_panels(int64_t in) {
 // are widened) and kWide (whether it has AVX-512's 32 registers).
 namespace baseline {
 using F16Panels = F16SoftwarePanels;
+// fmaf per lane: one rounding, as the FMA instructions of the other copies
+// (a library call where the CPU has no FMA: exact, and slow).
+REWIND_INLINE PanelRow multiply_add(float x, PanelRow w, PanelRow acc) {
+  PanelRow out;
+  for (int l = 0; l < kPanel; ++l) out[l] = __builtin_fmaf(x, w[l], acc[l]);
+  return out;
+}
 constexpr bool kWide = false;
 #include "matmul_micro.inc"
 }  // namespace baseline
@@ -308,6 +322,15 @@ struct F16Panels {
     return v;
   }
 };
+REWIND_INLINE PanelRow multiply_add(float x, PanelRow w, PanelRow acc) {
+  __m512 wv, av;
+  __builtin_memcpy(&wv, &w, sizeof wv);
+  __builtin_memcpy(&av, &acc, sizeof av);
+  const __m512 r = _mm512_fmadd_ps(_mm512_set1_ps(x), wv, av);
+  PanelRow out;
+  __builtin_memcpy(&out, &r, sizeof out);
+  return out;
+}
 constexpr bool kWide = true;
 #include "matmul_micro.inc"
 #pragma GCC pop_options
@@ -315,7 +338,7 @@ constexpr bool kWide = true;
 
 namespace avx2 {
 #pragma GCC push_options
-#pragma GCC target("avx2,f16c")
+#pragma GCC target("avx2,fma,f16c")
 struct F16Panels {
   using Stored = std::uint16_t;
   REWIND_INLINE static PanelRow load(const std::uint16_t* p) {
@@ -327,6 +350,19 @@ struct F16Panels {
     return v;
   }
 };
+REWIND_INLINE PanelRow multiply_add(float x, PanelRow w, PanelRow acc) {
+  __m256 w_lo, w_hi, a_lo, a_hi;
+  __builtin_memcpy(&w_lo, &w, sizeof w_lo);
+  __builtin_memcpy(&w_hi, reinterpret_cast<const char*>(&w) + sizeof w_lo, sizeof w_hi);
+  __builtin_memcpy(&a_lo, &acc, sizeof a_lo);
+  __builtin_memcpy(&a_hi, reinterpret_cast<const char*>(&acc) + sizeof a_lo, sizeof a_hi);
+  const __m256 xv = _mm256_set1_ps(x);
+  const __m256 lo = _mm256_fmadd_ps(xv, w_lo, a_lo), hi = _mm256_fmadd_ps(xv, w_hi, a_hi);
+  PanelRow out;
+  __builtin_memcpy(&out, &lo, sizeof lo);
+  __builtin_memcpy(reinterpret_cast<char*>(&out) + sizeof lo, &hi, sizeof hi);
+  return out;
+}
 constexpr bool kWide = false;
 #include "matmul_micro.inc"
 #pragma GCC pop_options
@@ -352,10 +388,10 @@ void matmul_block(const float* x, int64_t rows, const PackedMatrix& w, float* y,
 
 typedef float Quad __attribute__((vector_size(4 * sizeof(float))));
 
-// {combine(a0), combine(a1), combine(a2), combine(a3)} in one pass of
-// shuffles: lane u ends as ((a[0] + a[4]) + (a[1] + a[5])) + ((a[2] + a[6])
-// + (a[3] + a[7])) of a_u, the very adds of combine (a + b and b + a are the
-// same float), with the four keys' horizontal sums sharing the vectors.
+// The horizontal sums of a0..a3 in one pass of shuffles: lane u ends as
+// ((a[0] + a[4]) + (a[1] + a[5])) + ((a[2] + a[6]) + (a[3] + a[7])) of a_u,
+// the very adds of dot_inline's combine (a + b and b + a are the same
+// float), with the four keys' sums sharing the vectors.
 REWIND_INLINE Quad combine4(Lanes a0, Lanes a1, Lanes a2, Lanes a3) {
   // h01 lane 4u + i (u < 2) = a_u[i] + a_u[i + 4]; h23 the same for a2, a3.
   const Lanes h01 = __builtin_shufflevector(a0, a1, 0, 1, 2, 3, 8, 9, 10, 11) +

@@ -35,6 +35,6 @@ echo "== bench old draft"; $R bench --model models/kjv-hybrid --draft /tmp/old-d
 for m in models/kjv-hybrid models/kjv-draft; do echo "== forward-cost $m"; $R forward-cost --model $m --samples 500 --max-q 8 2>/dev/null; done
 for m in /tmp/m26 /tmp/m26f32; do echo "== forward-cost $m"; $R forward-cost --model $m --samples 30 --max-q 8 2>/dev/null; done
 echo "== batch shipped"; $R bench --model models/kjv-hybrid --draft models/kjv-draft --k 2 --batch 1,2,4,8,16 --repeats 3 --max-new-tokens 200 --json $OUT/batch_kjv.json 2>/dev/null
-echo "== batch 26m f16"; $R bench --model /tmp/m26 --k 2 --batch 1,16 --repeats 3 --max-new-tokens 100 --json $OUT/batch_26m_f16.json 2>/dev/null
-echo "== batch 26m f32"; $R bench --model /tmp/m26f32 --k 2 --batch 1,16 --repeats 3 --max-new-tokens 100 --json $OUT/batch_26m_f32.json 2>/dev/null
+echo "== batch 26m f16"; $R bench --model /tmp/m26 --k 2 --batch 1,4,16 --repeats 3 --max-new-tokens 100 --json $OUT/batch_26m_f16.json 2>/dev/null
+echo "== batch 26m f32"; $R bench --model /tmp/m26f32 --k 2 --batch 1,4,16 --repeats 3 --max-new-tokens 100 --json $OUT/batch_26m_f32.json 2>/dev/null
 echo done
