@@ -32,10 +32,12 @@
 #include <string_view>
 #include <vector>
 
-// Hot loops are also compiled for AVX2 and picked at load time (GCC / Clang
-// function multiversioning). AVX2 without FMA only widens the vectors;
-// every lane still does one rounded multiply and one rounded add in the
-// same order, so each clone gives the same bits as the baseline.
+// Hot loops other than matmul are also compiled for AVX2 (some for AVX-512)
+// and picked at load time (GCC / Clang function multiversioning). The
+// clones only widen the vectors; every lane still does one rounded multiply
+// and one rounded add in the same order (no FMA outside matmul, whose every
+// copy fuses the same way), so each clone gives the same bits as the
+// baseline.
 // Sanitizer builds that instrument the ifunc resolvers themselves (TSan runs
 // them before its runtime is up, and crashes) define REWIND_NO_KERNEL_CLONES.
 #if defined(__GNUC__) && defined(__x86_64__) && defined(__linux__) && !defined(REWIND_NO_KERNEL_CLONES)

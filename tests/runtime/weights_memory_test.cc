@@ -86,7 +86,8 @@ TEST(WeightsMemory, HalfPrecisionKernelsGiveTheF32BitsAloneAndBatched) {
 // A 20 x 7 matrix of half-precision bit patterns w packed as `element`:
 // two panels of 16 outputs x 7 inputs at 2 bytes each, holding exactly the
 // values `widen` (the library's scalar conversion) gives, and matmul of one
-// row computing in-order f32 dot products of those values.
+// row computing matmul's in-order chains of fused multiply-adds of those
+// values.
 void expect_packed_half_matrix(const std::vector<std::uint16_t>& w, kernels::PackedMatrix::Element element,
                                float (*widen)(std::uint16_t)) {
   const auto m = element == kernels::PackedMatrix::Element::BF16 ? kernels::PackedMatrix::from_bf16(w.data(), 20, 7)
@@ -101,7 +102,7 @@ void expect_packed_half_matrix(const std::vector<std::uint16_t>& w, kernels::Pac
   kernels::matmul(x.data(), 1, m, y.data());
   for (std::int64_t o = 0; o < 20; ++o) {
     float s = 0.0f;
-    for (std::int64_t i = 0; i < 7; ++i) s += x[static_cast<std::size_t>(i)] * value(o, i);
+    for (std::int64_t i = 0; i < 7; ++i) s = std::fma(x[static_cast<std::size_t>(i)], value(o, i), s);
     EXPECT_EQ(y[static_cast<std::size_t>(o)], s) << o;
   }
 }

@@ -17,9 +17,10 @@
 // -ffast-math (it lets the compiler reassociate sums differently per path)
 // nor with floating-point contraction: the runtime's CMake passes
 // -ffp-contract=off so that a * b + c is never fused in one path and not in
-// another. Hot loops also exist as an AVX2 clone chosen once per process;
-// it does the same operations in the same order, so its results equal the
-// baseline's bit for bit.
+// another. Where a fused multiply-add is wanted (matmul), it is written as
+// one, in every path. Hot loops also exist as AVX2 / AVX-512 copies chosen
+// once per process; they do the same operations in the same order, so
+// their results equal the baseline's bit for bit.
 //
 // Conventions: f32, row-major, contiguous unless strides are given; sizes
 // and strides count elements. Arguments are not validated (hot path); the
@@ -207,14 +208,16 @@ class PackedMatrix {
 };
 
 // y[r, o] = sum_i x[r, i] * w[o, i] (+ bias[o]), each sum taken in order of
-// i in f32 from 0 (one rounded multiply and one rounded add per term), the
-// bias added last: an output's bits depend on its own row and weights only.
-// x: [rows, w.in()], bias: [w.out()] or nullptr, y: [rows, w.out()].
-// Up to 6 rows share each load of a weight panel, and panels are visited in
-// blocks that stay in L2 while all rows pass over them, so one call with
-// K + 1 rows costs far less than K + 1 one-row calls (the point of
-// verifying draft tokens in one forward). Multithreaded over blocks of
-// output panels. REQUIRES: rows >= 0; y does not alias x.
+// i in f32 from 0 as a chain of fused multiply-adds (s = fma(x, w, s): one
+// rounding per term), the bias added last: an output's bits depend on its
+// own row and weights only, on every CPU (the FMA instruction where it
+// exists, fmaf elsewhere). x: [rows, w.in()], bias: [w.out()] or nullptr,
+// y: [rows, w.out()]. Up to 8 rows (6 without AVX-512) share each load of a
+// weight panel, and panels are visited in blocks that stay in L2 while all
+// rows pass over them, so one call with K + 1 rows costs far less than K + 1
+// one-row calls (the point of verifying draft tokens in one forward).
+// Multithreaded over blocks of output panels. REQUIRES: rows >= 0; y does
+// not alias x.
 void matmul(const float* x, std::int64_t rows, const PackedMatrix& w, float* y,
             const float* bias = nullptr);
 
