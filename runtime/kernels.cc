@@ -175,14 +175,17 @@ constexpr int panels_for_rows(int rows) { return rows <= 2 ? 2 : 1; }
 // accumulators), so each x broadcast serves twice the outputs, and a batch
 // of 8 loads (and widens, f16) each weight once instead of twice: 16 rows of
 // the shipped target's 512 x 192 f32 matrix went from 201 to 212 GFLOPS, 8
-// rows from 188 to 231 (12 rows x 2 panels spilled: 99). One or two rows
-// keep four panels in flight (4 or 8 independent sums, four weight streams)
-// where a block has room for them (matmul: L3-resident matrices; a streamed
-// matrix's 2-panel L2 blocks keep one stream): with the blocks of matmul,
-// the shipped target's one-token forward went from 90 to 79 us
-// (docs/performance.md section 12).
+// rows from 188 to 231 (12 rows x 2 panels spilled: 99). Up to 4 rows keep
+// four panels in flight: a fused multiply-add waits about 4 cycles for the
+// previous one into the same accumulator and two issue per cycle, so fewer
+// than 8 independent sums leave the FMA pipes idle (the shipped target's
+// 3-token forward: 128 -> 111 us with 12 sums instead of 6; 5 and 6 rows
+// with four panels were no faster, or slower). Where a block has room for
+// them (matmul: L3-resident matrices; a streamed matrix's 2-panel L2 blocks
+// keep one stream); with the blocks of matmul, the shipped target's
+// one-token forward went from 90 to 79 us (docs/performance.md section 12).
 constexpr int kMaxWideGroupRows = 8;
-constexpr int wide_panels_for_rows(int rows) { return rows <= 2 ? 4 : 2; }
+constexpr int wide_panels_for_rows(int rows) { return rows <= 4 ? 4 : 2; }
 
 // The instruction set matmul runs in this process (chosen once): AVX-512F
 // where the CPU has it, else AVX2 + FMA + F16C, else the baseline.
