@@ -885,17 +885,21 @@ void matmul(const float* x, int64_t rows, const PackedMatrix& w, float* y, const
   const int64_t ahead = matmul_prefetch_bytes(w);
   int64_t block = matmul_block_panels(w.in());
   const int64_t max_group = matmul_isa() == MatmulIsa::Avx512 ? kMaxWideGroupRows : kMaxGroupRows;
-  if (rows <= max_group && !(rows <= 2 && ahead != 0)) {
+  const bool streamed_f32_rows = rows <= 2 && ahead != 0 && w.element() == PackedMatrix::Element::F32;
+  if (rows <= max_group && !streamed_f32_rows) {
     // One group of rows passes over the weights once, so L2-sized blocks
     // buy nothing; small ones cost: a block of 2 or 5 panels left the 4-
     // panel micro-kernel of one row unused, or used it once and then ran a
     // 1-panel tail, one accumulator waiting on its own adds. Blocks here are
     // the panels split across the threads, in multiples of 4 (the shipped
     // target's one-token forward: 90 -> 79 us). Except for one or two rows
-    // of a matrix streamed from memory (prefetched): there its L2 blocks
-    // (2 panels of 512 inputs) run one panel, one weight stream, at a time,
-    // and that was faster than two or four streams at once (a 26M-parameter
-    // f16 model's one-token forward: 1.43 ms against 1.75 with two).
+    // of an f32 matrix streamed from memory (prefetched): there its L2
+    // blocks (2 panels of 512 inputs) run two panels at a time, and that
+    // was faster than four streams at once (a 26M-parameter f32 model's
+    // two-token forward: 2.67 ms against 2.79). f16 / bf16 panels, half the
+    // bytes per weight, go the other way since matmul fuses its multiply-
+    // adds: four streams at once took that model's f16 one-token forward
+    // from 1.88 to 1.50 ms.
     const int64_t threads = worth_threads ? omp_get_max_threads() : 1;
     block = ((w.panels() + threads - 1) / threads + 3) / 4 * 4;
   }
