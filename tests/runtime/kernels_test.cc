@@ -458,6 +458,15 @@ struct KVStore {
   }
 };
 
+// The keys [lo, hi] a query at position p attends to (hi < lo: none).
+std::pair<std::int64_t, std::int64_t> key_range(std::int64_t p, std::int64_t kv_offset, std::int64_t kv_len,
+                                                AttentionMask mask) {
+  std::int64_t lo = kv_offset;
+  if (mask.window > 0) lo = std::max(lo, p - mask.window + 1);
+  if (mask.chunk > 0) lo = std::max(lo, p / mask.chunk * mask.chunk);
+  return {lo, std::min(p, kv_offset + kv_len - 1)};
+}
+
 // Direct softmax attention in double over [lo, p].
 Vec ref_attention(const Vec& q, std::int64_t q_len, std::int64_t pos0, std::int64_t num_heads,
                   const KVStore& kv, std::int64_t kv_offset, std::int64_t kv_len,
@@ -467,10 +476,7 @@ Vec ref_attention(const Vec& q, std::int64_t q_len, std::int64_t pos0, std::int6
   for (std::int64_t t = 0; t < q_len; ++t) {
     const std::int64_t p = pos0 + t;
     for (std::int64_t h = 0; h < num_heads; ++h) {
-      std::int64_t lo = kv_offset;
-      if (mask.window > 0) lo = std::max(lo, p - mask.window + 1);
-      if (mask.chunk > 0) lo = std::max(lo, p / mask.chunk * mask.chunk);
-      const std::int64_t hi = std::min(p, kv_offset + kv_len - 1);
+      const auto [lo, hi] = key_range(p, kv_offset, kv_len, mask);
       std::vector<double> s;
       double mx = -1e300;
       for (std::int64_t j = lo; j <= hi; ++j) {
@@ -544,10 +550,7 @@ Vec in_order_attention(const Vec& q, std::int64_t q_len, std::int64_t pos0, std:
   for (std::int64_t t = 0; t < q_len; ++t) {
     const std::int64_t p = pos0 + t;
     for (std::int64_t h = 0; h < num_heads; ++h) {
-      std::int64_t lo = kv_offset;
-      if (mask.window > 0) lo = std::max(lo, p - mask.window + 1);
-      if (mask.chunk > 0) lo = std::max(lo, p / mask.chunk * mask.chunk);
-      const std::int64_t hi = std::min(p, kv_offset + kv_len - 1);
+      const auto [lo, hi] = key_range(p, kv_offset, kv_len, mask);
       if (hi < lo) continue;
       const float* qh = q.data() + (t * num_heads + h) * d_dim;
       std::vector<float> e;
