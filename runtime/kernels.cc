@@ -290,14 +290,15 @@ struct F16SoftwarePanels {
 // stay in L2 while every group of rows passes over them, so each weight
 // comes from memory once per call.
 int64_t matmul_block_panels(int64_t in) {
-  // Sized for f32 panels; bf16 ones take half of it (still L2-resident).
+  // Sized for f32 panels; f16 / bf16 ones take half of it (still L2-resident).
   const int64_t panel_bytes = std::max<int64_t>(in, 1) * kPanel * int64_t{sizeof(float)};
   return std::clamp<int64_t>(int64_t{64} * 1024 / panel_bytes, 1, 16);
 }
 
 // The three copies of matmul's kernels (see REWIND_MATMUL_ISA_KERNELS).
 // Each namespace gives matmul_micro.inc its F16Panels (how f16 panel rows
-// are widened) and kWide (whether it has AVX-512's 32 registers).
+// are widened), multiply_add (its fused multiply-add) and kWide (whether it
+// has AVX-512's 32 registers).
 namespace baseline {
 using F16Panels = F16SoftwarePanels;
 // fmaf per lane: one rounding, as the FMA instructions of the other copies
