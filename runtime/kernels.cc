@@ -137,7 +137,6 @@ REWIND_INLINE Lanes load_lanes(const float* p) {
   return v;
 }
 
-
 // exp_of / silu_of (kernels.h) on kLanes values at once.
 typedef std::uint32_t ULanes __attribute__((vector_size(kLanes * sizeof(float))));
 
@@ -394,6 +393,15 @@ void matmul_block(const float* x, int64_t rows, const PackedMatrix& w, float* y,
 
 typedef float Quad __attribute__((vector_size(4 * sizeof(float))));
 
+// s[u] += x[i] * k[u * stride + i] for i from i0 to n - 1, in order: dot_inline's
+// tail, for four keys at once.
+REWIND_INLINE void add_tails4(Quad& s, const float* x, const float* k, int64_t stride, int64_t i0, int64_t n) {
+  for (int64_t i = i0; i < n; ++i) {
+#pragma GCC unroll 4
+    for (int u = 0; u < 4; ++u) s[u] += x[i] * k[u * stride + i];
+  }
+}
+
 // The horizontal sums of a0..a3 in one pass of shuffles: lane u ends as
 // ((a[0] + a[4]) + (a[1] + a[5])) + ((a[2] + a[6]) + (a[3] + a[7])) of a_u,
 // the very adds of dot_inline's combine (a + b and b + a are the same
@@ -427,15 +435,9 @@ REWIND_INLINE Quad dot4_strided(const float* x, const float* k, int64_t stride, 
     a3 += xv * load_lanes(k3 + i);
   }
   Quad s = combine4(a0, a1, a2, a3);
-  for (; i < n; ++i) {
-    s[0] += x[i] * k0[i];
-    s[1] += x[i] * k1[i];
-    s[2] += x[i] * k2[i];
-    s[3] += x[i] * k3[i];
-  }
+  add_tails4(s, x, k, stride, i, n);
   return s;
 }
-
 
 // dot4_strided for two queries xa, xb at once (sa: xa's four sums, sb:
 // xb's), each key chunk loaded once: a 16-float vector holds xa's 8 partial
@@ -467,16 +469,8 @@ REWIND_INLINE void dot4x2_strided(const float* xa, const float* xb, const float*
                 __builtin_shufflevector(a1, a1, 8, 9, 10, 11, 12, 13, 14, 15),
                 __builtin_shufflevector(a2, a2, 8, 9, 10, 11, 12, 13, 14, 15),
                 __builtin_shufflevector(a3, a3, 8, 9, 10, 11, 12, 13, 14, 15));
-  for (; i < n; ++i) {
-    sa[0] += xa[i] * k0[i];
-    sa[1] += xa[i] * k1[i];
-    sa[2] += xa[i] * k2[i];
-    sa[3] += xa[i] * k3[i];
-    sb[0] += xb[i] * k0[i];
-    sb[1] += xb[i] * k1[i];
-    sb[2] += xb[i] * k2[i];
-    sb[3] += xb[i] * k3[i];
-  }
+  add_tails4(sa, xa, k, stride, i, n);
+  add_tails4(sb, xb, k, stride, i, n);
 }
 
 // For each of G queries g: out[g][0, B * 8) = sum_j e[g][j] * rows[j *
@@ -501,7 +495,7 @@ REWIND_INLINE void weighted_sum_of_rows(const float* const* e, const float* rows
     if (resume) {
       if constexpr (kWide > 0) {
 #pragma GCC unroll 8
-        for (int b = 0; b < kWide; ++b) __builtin_memcpy(&acc[g][b], out[g] + b * kPanel, sizeof(PanelRow));
+        for (int b = 0; b < kWide; ++b) acc[g][b] = F32Panels::load(out[g] + b * kPanel);
       }
       if constexpr (kNarrow) __builtin_memcpy(&tail[g], out[g] + kWide * kPanel, sizeof(Lanes));
     }
@@ -512,8 +506,7 @@ REWIND_INLINE void weighted_sum_of_rows(const float* const* e, const float* rows
     if constexpr (kWide > 0) {
 #pragma GCC unroll 8
       for (int b = 0; b < kWide; ++b) {
-        PanelRow v;
-        __builtin_memcpy(&v, row + b * kPanel, sizeof v);
+        const PanelRow v = F32Panels::load(row + b * kPanel);
 #pragma GCC unroll 2
         for (int g = 0; g < G; ++g) acc[g][b] += e[g][j] * v;
       }
@@ -551,14 +544,8 @@ REWIND_INLINE void weighted_sum_of_rows(const float* const* e, const float* rows
 REWIND_INLINE void swiglu_span_body(const float* gate, const float* up, int64_t n, float* out) {
   int64_t i = 0;
   for (; i + kPanel <= n; i += kPanel) {
-    PanelRow g;
-    __builtin_memcpy(&g, gate + i, sizeof g);
-    PanelRow v = silu_of<PanelRow, PanelRowBits>(g);
-    if (up != nullptr) {
-      PanelRow u;
-      __builtin_memcpy(&u, up + i, sizeof u);
-      v *= u;
-    }
+    PanelRow v = silu_of<PanelRow, PanelRowBits>(F32Panels::load(gate + i));
+    if (up != nullptr) v *= F32Panels::load(up + i);
     __builtin_memcpy(out + i, &v, sizeof v);
   }
   for (; i + kLanes <= n; i += kLanes) {
@@ -574,13 +561,8 @@ REWIND_INLINE void swiglu_span_body(const float* gate, const float* up, int64_t 
 REWIND_INLINE void add_bias_silu_body(const float* sums, const float* bias, int64_t n, bool fuse_silu, float* out) {
   int64_t c = 0;
   for (; c + kPanel <= n; c += kPanel) {
-    PanelRow v;
-    __builtin_memcpy(&v, sums + c, sizeof v);
-    if (bias != nullptr) {
-      PanelRow b;
-      __builtin_memcpy(&b, bias + c, sizeof b);
-      v += b;
-    }
+    PanelRow v = F32Panels::load(sums + c);
+    if (bias != nullptr) v += F32Panels::load(bias + c);
     if (fuse_silu) v = silu_of<PanelRow, PanelRowBits>(v);
     __builtin_memcpy(out + c, &v, sizeof v);
   }
@@ -616,13 +598,12 @@ void gated_norm_row(const float* x, const float* z, const float* weight, float i
   gated_norm_row_body(x, z, weight, inv, dim, y);
 }
 
-// w[j] = exp_f32(w[j] - shift) for j < n, 16 lanes at a time, then 8, then one.
+// w[j] = exp_f32(w[j] - shift) for j < n, 16 lanes at a time, then 8, then
+// one: the same arithmetic per lane.
 REWIND_INLINE void exp_shifted_inplace(float* w, int64_t n, float shift) {
   int64_t j = 0;
-  for (; j + kPanel <= n; j += kPanel) {  // 16 lanes, then 8: the same arithmetic per lane
-    PanelRow x;
-    __builtin_memcpy(&x, w + j, sizeof x);
-    const PanelRow e = exp_of<PanelRow, PanelRowBits>(x - shift);
+  for (; j + kPanel <= n; j += kPanel) {
+    const PanelRow e = exp_of<PanelRow, PanelRowBits>(F32Panels::load(w + j) - shift);
     __builtin_memcpy(w + j, &e, sizeof e);
   }
   for (; j + kLanes <= n; j += kLanes) {
@@ -771,7 +752,6 @@ template <class V>
 REWIND_INLINE void delta_step_columns(const float* q, const float* k, const float* v, float decay, float beta,
                                       int64_t k_dim, int64_t v_dim, int64_t j0, const float* s_in, float* s_out,
                                       float* o) {
-  constexpr int64_t kWidth = sizeof(V) / sizeof(float);
   V kv = {};
   for (int64_t i = 0; i < k_dim; ++i) {
     V row;
@@ -792,7 +772,6 @@ REWIND_INLINE void delta_step_columns(const float* q, const float* k, const floa
     out += updated * q[i];
   }
   __builtin_memcpy(o + j0, &out, sizeof out);
-  static_assert(kWidth > 0);
 }
 
 typedef float Single __attribute__((vector_size(sizeof(float))));
