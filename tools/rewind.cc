@@ -508,19 +508,16 @@ int run_generate(const CLI::App& cmd, const std::string& model_dir, const Prompt
   return 0;
 }
 
-// "; accepted by position 0.930 0.840 ...": accepted_at[i] / drafted_at[i]
-// for each draft position of a round (GenerationStats); empty when nothing
-// was counted per position (tree speculation). Not worded "acceptance ...":
-// scripts/demo.sh takes the overall rate from the line's last "acceptance "
-// (sed's greedy .*).
-std::string acceptance_by_position(const std::vector<std::int64_t>& drafted_at,
-                                   const std::vector<std::int64_t>& accepted_at) {
-  if (drafted_at.empty()) return "";
+// "; accepted by position 0.930 0.840 ...": stats.acceptance_at(i) for each
+// draft position of a round; empty when nothing was counted per position
+// (tree speculation). Not worded "acceptance ...": scripts/demo.sh takes the
+// overall rate from the line's last "acceptance " (sed's greedy .*).
+std::string acceptance_by_position(const GenerationStats& stats) {
+  if (stats.drafted_at.empty()) return "";
   std::string out = "; accepted by position";
   char buf[32];
-  for (std::size_t i = 0; i < drafted_at.size(); ++i) {
-    const double rate = drafted_at[i] > 0 ? static_cast<double>(accepted_at[i]) / static_cast<double>(drafted_at[i]) : 0.0;
-    std::snprintf(buf, sizeof buf, " %.3f", rate);
+  for (std::size_t i = 0; i < stats.drafted_at.size(); ++i) {
+    std::snprintf(buf, sizeof buf, " %.3f", stats.acceptance_at(i));
     out += buf;
   }
   return out;
@@ -556,8 +553,8 @@ int run_verify_batch(const std::string& model_dir, const PromptChoice& prompt_ch
   const auto sources = make_sources(prompts.size(), choice, draft, options.sampling);
   const auto spec =
       speculative_generate_batch(model, *sources, prompts, options, {choice.num_draft, choice.adaptive}, &stats);
-  std::int64_t tokens = 0, drafted = 0, accepted = 0;
-  std::vector<std::int64_t> drafted_at, accepted_at;  // over every sequence
+  std::int64_t tokens = 0;
+  GenerationStats total;  // drafts and acceptances over every sequence
   for (std::size_t i = 0; i < prompts.size(); ++i) {
     const std::size_t common = std::min(greedy[i].size(), spec[i].size());
     for (std::size_t j = 0; j < common; ++j) {
@@ -572,23 +569,22 @@ int run_verify_batch(const std::string& model_dir, const PromptChoice& prompt_ch
       return 1;
     }
     tokens += static_cast<std::int64_t>(greedy[i].size());
-    drafted += stats.sequences[i].drafted;
-    accepted += stats.sequences[i].accepted;
     const GenerationStats& s = stats.sequences[i];
-    drafted_at.resize(std::max(drafted_at.size(), s.drafted_at.size()), 0);
-    accepted_at.resize(drafted_at.size(), 0);
+    total.drafted += s.drafted;
+    total.accepted += s.accepted;
+    total.drafted_at.resize(std::max(total.drafted_at.size(), s.drafted_at.size()), 0);
+    total.accepted_at.resize(total.drafted_at.size(), 0);
     for (std::size_t j = 0; j < s.drafted_at.size(); ++j) {
-      drafted_at[j] += s.drafted_at[j];
-      accepted_at[j] += s.accepted_at[j];
+      total.drafted_at[j] += s.drafted_at[j];
+      total.accepted_at[j] += s.accepted_at[j];
     }
   }
   std::printf("IDENTICAL: %zu prompts, %lld new tokens; greedy one at a time %.1f tok/s, speculative batch "
               "%.1f tok/s, acceptance %.3f (%lld/%lld)%s\n",
               prompts.size(), static_cast<long long>(tokens),
               greedy_seconds > 0 ? static_cast<double>(tokens) / greedy_seconds : 0.0, stats.tokens_per_second(),
-              drafted > 0 ? static_cast<double>(accepted) / static_cast<double>(drafted) : 0.0,
-              static_cast<long long>(accepted), static_cast<long long>(drafted),
-              acceptance_by_position(drafted_at, accepted_at).c_str());
+              total.acceptance_rate(), static_cast<long long>(total.accepted), static_cast<long long>(total.drafted),
+              acceptance_by_position(total).c_str());
   return 0;
 }
 
@@ -658,7 +654,7 @@ int run_verify(const CLI::App& cmd, const std::string& model_dir, const PromptCh
               static_cast<long long>(spec_stats.accepted), static_cast<long long>(spec_stats.drafted),
               static_cast<long long>(spec_stats.rounds), static_cast<long long>(spec_stats.rollbacks),
               repeats > 1 ? ("; tok/s are medians of " + std::to_string(repeats) + " runs each").c_str() : "",
-              acceptance_by_position(spec_stats.drafted_at, spec_stats.accepted_at).c_str());
+              acceptance_by_position(spec_stats).c_str());
   return 0;
 }
 
