@@ -253,14 +253,22 @@ void expect_consistent(const GenerationStats& stats, std::int64_t K, const std::
   }
 }
 
+// The statistics of greedy speculative decoding of `new_tokens` tokens at
+// draft length K with the target as its own draft (every draft accepted).
+GenerationStats perfect_draft_stats(const Model& m, const std::vector<std::int32_t>& prompt, std::int64_t K,
+                                    std::int64_t new_tokens) {
+  ModelDraft perfect(m, {}, K);
+  GenerationStats stats;
+  speculative_generate(m, perfect, prompt, greedy_options(new_tokens), {K, false}, &stats);
+  return stats;
+}
+
 TEST(AcceptanceByPosition, PerfectDraftAcceptsEveryPosition) {
   const Model m = random_model(hybrid(kEveryKind), 5);
   const auto prompt = prompt_tokens(m, "in the beginning");
   // K = 4, 62 tokens: 12 rounds emit 5 tokens each (60), then the budget
   // leaves room for one draft (a round emits its drafts + 1).
-  ModelDraft perfect(m, {}, 4);
-  GenerationStats stats;
-  speculative_generate(m, perfect, prompt, greedy_options(62), {4, false}, &stats);
+  const GenerationStats stats = perfect_draft_stats(m, prompt, 4, 62);
   EXPECT_EQ(stats.rounds, 13);
   EXPECT_EQ(stats.drafted_at, (std::vector<std::int64_t>{13, 12, 12, 12}));
   EXPECT_EQ(stats.accepted_at, stats.drafted_at);
@@ -356,9 +364,7 @@ TEST(AcceptanceByPosition, CountsMatchAnIndependentCountForEverySource) {
 TEST(AcceptanceByPosition, InTheStatsJsonAndEmptyForTrees) {
   const Model m = random_model(hybrid(kEveryKind), 9);
   const auto prompt = prompt_tokens(m, "abc abc ab");
-  ModelDraft perfect(m, {}, 2);
-  GenerationStats stats;
-  speculative_generate(m, perfect, prompt, greedy_options(9), {2, false}, &stats);
+  const GenerationStats stats = perfect_draft_stats(m, prompt, 2, 9);
   // 3 rounds of 2 drafts + 1 (9 tokens).
   const nlohmann::json j = nlohmann::json::parse(stats.to_json());
   EXPECT_EQ(j.at("drafted_at"), nlohmann::json::parse("[3, 3]"));
