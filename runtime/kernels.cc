@@ -621,33 +621,26 @@ struct KVSegment {
   int64_t n;
 };
 
-// G queries (1 or 2: heads of one row that share a KV head, hence the same
-// keys) of attention over n keys held in segments (each a run of
-// consecutive positions, rows k_pos_stride / v_pos_stride apart), in
-// position order: query g reads qh[g], writes o[g], and uses weights[g]
-// (scratch [n]) for its softmax. Each query's arithmetic is the same
-// whatever G: two queries only share the loads of keys and values.
+// Scores of G queries (1 or 2: heads of one row that share a KV head, hence
+// the same keys) against the keys j in [begin, end) of the segments (key 0:
+// the first segment's first row, rows k_pos_stride floats apart): query g's
+// score of key j, times `scale`, goes to w[g][j], and its maximum into
+// max4[g] (per lane of four keys) or max_score[g]. Four keys at a time
+// (independent chains that overlap), each with dot_inline's arithmetic,
+// then the rest one by one: a key's score does not depend on how keys are
+// grouped, and a maximum does not depend on the order it is taken in
+// (signed zeros aside, and exp(w - max) is the same for max = +0 and -0).
 template <int G>
-REWIND_INLINE void attend_group(const float* const* qh, const KVSegment* segments, int64_t num_segments,
-                                int64_t k_pos_stride, int64_t v_pos_stride, int64_t n, int64_t head_dim, float scale,
-                                float* const* weights, float* const* o) {
-  // Scores four keys at a time (independent chains that overlap), each
-  // with dot_inline's arithmetic, then the rest one by one: a key's score
-  // does not depend on how keys are grouped. The maximum is kept per lane
-  // of the four and reduced at the end: a maximum does not depend on the
-  // order it is taken in (signed zeros aside, and exp(w - max) is the same
-  // for max = +0 and -0).
+REWIND_INLINE void score_keys(const float* const* qh, const KVSegment* segments, int64_t num_segments,
+                              int64_t k_pos_stride, int64_t head_dim, float scale, int64_t begin, int64_t end,
+                              float* const* w, Quad* max4, float* max_score) {
   const Quad scale4 = Quad{} + scale;
-  Quad max4[G];
-  float max_score[G];
-  for (int g = 0; g < G; ++g) {
-    max4[g] = Quad{} - std::numeric_limits<float>::infinity();
-    max_score[g] = -std::numeric_limits<float>::infinity();
-  }
-  int64_t at = 0;
-  for (int64_t s = 0; s < num_segments; ++s) {
-    const float* kh = segments[s].k;
-    const int64_t count = segments[s].n;
+  int64_t at = 0;  // key index of the current segment's first row
+  for (int64_t s = 0; s < num_segments && at < end; at += segments[s].n, ++s) {
+    const int64_t a = std::max(begin, at), b = std::min(end, at + segments[s].n);
+    if (a >= b) continue;
+    const float* kh = segments[s].k + (a - at) * k_pos_stride;
+    const int64_t count = b - a;
     int64_t key = 0;
     for (; key + 4 <= count; key += 4) {
       Quad sc[G];
@@ -658,87 +651,168 @@ REWIND_INLINE void attend_group(const float* const* qh, const KVSegment* segment
       }
       for (int g = 0; g < G; ++g) {
         sc[g] *= scale4;
-        __builtin_memcpy(weights[g] + at + key, &sc[g], sizeof sc[g]);
+        __builtin_memcpy(w[g] + a + key, &sc[g], sizeof sc[g]);
         max4[g] = max4[g] < sc[g] ? sc[g] : max4[g];
       }
     }
     for (; key < count; ++key) {
       for (int g = 0; g < G; ++g) {
         const float sc = dot_inline(qh[g], kh + key * k_pos_stride, head_dim) * scale;
-        weights[g][at + key] = sc;
+        w[g][a + key] = sc;
         max_score[g] = std::max(max_score[g], sc);
       }
     }
-    at += count;
   }
-  float sum[G];
-  for (int g = 0; g < G; ++g) {
-    for (int u = 0; u < 4; ++u) max_score[g] = std::max(max_score[g], max4[g][u]);
-    // The exponentials first (a loop the compiler vectorises); their sum,
-    // in order of position, is taken in the first pass over the values.
-    exp_shifted_inplace(weights[g], n, max_score[g]);
-    sum[g] = 0.0f;
-  }
-  // Each o[d] accumulates e_j * v_j[d] over positions j in order, from 0,
-  // segment after segment. Up to 64 elements of o stay in registers for a
-  // whole pass over a segment's positions (storing o after every position
-  // would chain each step to the previous store); the rest goes element by
-  // element. Every path does the same operations per element.
-  at = 0;
-  for (int64_t s = 0; s < num_segments; ++s) {
-    const float* vh = segments[s].v;
-    const int64_t count = segments[s].n;
-    const float* e[G];
-    for (int g = 0; g < G; ++g) e[g] = weights[g] + at;
-    const bool resume = s > 0;
+}
+
+// o[g][0, head_dim) = sum of e[g][j] * v_j over the keys j in [begin, end)
+// of the segments (numbered as in score_keys; rows v_pos_stride floats
+// apart), in order of j, for G queries at once (each value row loaded once
+// for both); `resume`: continuing from o (the keys before `begin`) instead
+// of from 0. e_sum[g] += e[g][j] in the same order.
+// Up to 64 elements of o stay in registers for a whole pass over a
+// segment's keys (storing o after every key would chain each step to the
+// previous store); the rest goes element by element. Every path does the
+// same operations per element, and storing and reloading a sum keeps its
+// bits, so splitting the keys into calls or pieces changes nothing.
+template <int G>
+REWIND_INLINE void weighted_values(float* const* e, const KVSegment* segments, int64_t num_segments,
+                                   int64_t v_pos_stride, int64_t head_dim, int64_t begin, int64_t end, bool resume,
+                                   float* e_sum, float* const* o) {
+  int64_t at = 0;
+  for (int64_t s = 0; s < num_segments && at < end; at += segments[s].n, ++s) {
+    const int64_t a = std::max(begin, at), b = std::min(end, at + segments[s].n);
+    if (a >= b) continue;
+    const float* vh = segments[s].v + (a - at) * v_pos_stride;
+    const int64_t count = b - a;
+    const float* ea[G];
+    for (int g = 0; g < G; ++g) ea[g] = e[g] + a;
     int64_t d0 = 0;
-    float* e_sum = sum;  // the first pass over this segment's positions adds up e
+    float* sum = e_sum;  // the first pass over this piece's keys adds up e
     for (; d0 + kLanes <= head_dim;) {
       const int64_t vectors = std::min<int64_t>(8, (head_dim - d0) / kLanes);
       const float* vd = vh + d0;
       float* od[G];
       for (int g = 0; g < G; ++g) od[g] = o[g] + d0;
       switch (vectors) {
-        case 1: weighted_sum_of_rows<1, G>(e, vd, v_pos_stride, count, od, resume, e_sum); break;
-        case 2: weighted_sum_of_rows<2, G>(e, vd, v_pos_stride, count, od, resume, e_sum); break;
-        case 3: weighted_sum_of_rows<3, G>(e, vd, v_pos_stride, count, od, resume, e_sum); break;
-        case 4: weighted_sum_of_rows<4, G>(e, vd, v_pos_stride, count, od, resume, e_sum); break;
-        case 5: weighted_sum_of_rows<5, G>(e, vd, v_pos_stride, count, od, resume, e_sum); break;
-        case 6: weighted_sum_of_rows<6, G>(e, vd, v_pos_stride, count, od, resume, e_sum); break;
-        case 7: weighted_sum_of_rows<7, G>(e, vd, v_pos_stride, count, od, resume, e_sum); break;
-        default: weighted_sum_of_rows<8, G>(e, vd, v_pos_stride, count, od, resume, e_sum); break;
+        case 1: weighted_sum_of_rows<1, G>(ea, vd, v_pos_stride, count, od, resume, sum); break;
+        case 2: weighted_sum_of_rows<2, G>(ea, vd, v_pos_stride, count, od, resume, sum); break;
+        case 3: weighted_sum_of_rows<3, G>(ea, vd, v_pos_stride, count, od, resume, sum); break;
+        case 4: weighted_sum_of_rows<4, G>(ea, vd, v_pos_stride, count, od, resume, sum); break;
+        case 5: weighted_sum_of_rows<5, G>(ea, vd, v_pos_stride, count, od, resume, sum); break;
+        case 6: weighted_sum_of_rows<6, G>(ea, vd, v_pos_stride, count, od, resume, sum); break;
+        case 7: weighted_sum_of_rows<7, G>(ea, vd, v_pos_stride, count, od, resume, sum); break;
+        default: weighted_sum_of_rows<8, G>(ea, vd, v_pos_stride, count, od, resume, sum); break;
       }
-      e_sum = nullptr;
+      sum = nullptr;
       d0 += vectors * kLanes;
     }
     for (int g = 0; g < G; ++g) {
-      if (e_sum != nullptr) {  // head_dim < 8: no vector pass took the sum
-        for (int64_t i = 0; i < count; ++i) sum[g] += e[g][i];
+      if (sum != nullptr) {  // head_dim < 8: no vector pass took the sum
+        for (int64_t i = 0; i < count; ++i) sum[g] += ea[g][i];
       }
       for (int64_t d = d0; d < head_dim; ++d) {
         float acc = resume ? o[g][d] : 0.0f;
-        for (int64_t i = 0; i < count; ++i) acc += e[g][i] * vh[i * v_pos_stride + d];
+        for (int64_t i = 0; i < count; ++i) acc += ea[g][i] * vh[i * v_pos_stride + d];
         o[g][d] = acc;
       }
     }
-    at += count;
+    resume = true;
   }
-  for (int g = 0; g < G; ++g) {
-    const float inv_sum = 1.0f / sum[g];
-    float* og = o[g];
-    for_each_lane_chunked(head_dim, [&](int64_t d) { og[d] *= inv_sum; });
+}
+
+// The queries of one attention row that share a KV head, taken together
+// (G of them: 1 or 2): query g reads qh[g], attends to the keys [begin,
+// end) of the segments (numbered as in score_keys), writes o[g] and keeps
+// its softmax weights in w[g][begin, end).
+struct QueryUnit {
+  int G;
+  int64_t begin, end;
+  const float* qh[2];
+  float* o[2];
+  float* w[2];
+};
+
+// Keys per block of attend_units: a block's keys and values of one KV head
+// (64 rows of up to 2 x 128 floats of head_dim 128: 64 KB; the shipped
+// models' head_dim 48: 24 KB) stay in L1/L2 while every unit passes over
+// them.
+constexpr int64_t kKeyBlock = 64;
+
+// Attention for the units (rows of one KV head: several for a verification
+// forward or a prompt) over the same segments, key block by key block: the
+// units' scores for one block, then the next; after the softmax, the same
+// for the values. A query's arithmetic is the plain definition (kernels.h)
+// whatever the blocks and the other units: its scores do not depend on the
+// grouping of keys, its maximum not on the order, its sums of e and of e *
+// v go in order of position, resuming from their stored bits at each
+// block. What the blocks change is where keys and values come from: a
+// block is read from L2 (or DRAM) once and then from L1 by the other rows.
+REWIND_INLINE void attend_units_body(QueryUnit* units, int64_t num_units, const KVSegment* segments,
+                                     int64_t num_segments, int64_t k_pos_stride, int64_t v_pos_stride,
+                                     int64_t head_dim, float scale, int64_t key_block) {
+  int64_t first = std::numeric_limits<int64_t>::max(), last = 0;
+  for (int64_t u = 0; u < num_units; ++u) {
+    first = std::min(first, units[u].begin);
+    last = std::max(last, units[u].end);
+  }
+  constexpr int kMaxUnits = 16;
+  Quad max4[kMaxUnits][2];
+  float max_score[kMaxUnits][2], sum[kMaxUnits][2];
+  for (int64_t u = 0; u < num_units; ++u) {
+    for (int g = 0; g < 2; ++g) {
+      max4[u][g] = Quad{} - std::numeric_limits<float>::infinity();
+      max_score[u][g] = -std::numeric_limits<float>::infinity();
+      sum[u][g] = 0.0f;
+    }
+  }
+  for (int64_t b0 = first; b0 < last; b0 += key_block) {
+    for (int64_t u = 0; u < num_units; ++u) {
+      QueryUnit& q = units[u];
+      const int64_t a = std::max(b0, q.begin), b = std::min(b0 + key_block, q.end);
+      if (a >= b) continue;
+      if (q.G == 2) {
+        score_keys<2>(q.qh, segments, num_segments, k_pos_stride, head_dim, scale, a, b, q.w, max4[u], max_score[u]);
+      } else {
+        score_keys<1>(q.qh, segments, num_segments, k_pos_stride, head_dim, scale, a, b, q.w, max4[u], max_score[u]);
+      }
+    }
+  }
+  for (int64_t u = 0; u < num_units; ++u) {
+    const QueryUnit& q = units[u];
+    for (int g = 0; g < q.G; ++g) {
+      for (int l = 0; l < 4; ++l) max_score[u][g] = std::max(max_score[u][g], max4[u][g][l]);
+      // The exponentials first (a loop the compiler vectorises); their sum,
+      // in order of position, is taken in the first pass over the values.
+      exp_shifted_inplace(q.w[g] + q.begin, q.end - q.begin, max_score[u][g]);
+    }
+  }
+  for (int64_t b0 = first; b0 < last; b0 += key_block) {
+    for (int64_t u = 0; u < num_units; ++u) {
+      QueryUnit& q = units[u];
+      const int64_t a = std::max(b0, q.begin), b = std::min(b0 + key_block, q.end);
+      if (a >= b) continue;
+      if (q.G == 2) {
+        weighted_values<2>(q.w, segments, num_segments, v_pos_stride, head_dim, a, b, a > q.begin, sum[u], q.o);
+      } else {
+        weighted_values<1>(q.w, segments, num_segments, v_pos_stride, head_dim, a, b, a > q.begin, sum[u], q.o);
+      }
+    }
+  }
+  for (int64_t u = 0; u < num_units; ++u) {
+    const QueryUnit& q = units[u];
+    for (int g = 0; g < q.G; ++g) {
+      const float inv_sum = 1.0f / sum[u][g];
+      float* og = q.o[g];
+      for_each_lane_chunked(head_dim, [&](int64_t d) { og[d] *= inv_sum; });
+    }
   }
 }
 
 REWIND_WIDE_KERNEL_CLONES
-void attend_segments(const float* const* qh, int64_t queries, const KVSegment* segments, int64_t num_segments,
-                     int64_t k_pos_stride, int64_t v_pos_stride, int64_t n, int64_t head_dim, float scale,
-                     float* const* weights, float* const* o) {
-  if (queries == 2) {
-    attend_group<2>(qh, segments, num_segments, k_pos_stride, v_pos_stride, n, head_dim, scale, weights, o);
-  } else {
-    attend_group<1>(qh, segments, num_segments, k_pos_stride, v_pos_stride, n, head_dim, scale, weights, o);
-  }
+void attend_units(QueryUnit* units, int64_t num_units, const KVSegment* segments, int64_t num_segments,
+                  int64_t k_pos_stride, int64_t v_pos_stride, int64_t head_dim, float scale, int64_t key_block) {
+  attend_units_body(units, num_units, segments, num_segments, k_pos_stride, v_pos_stride, head_dim, scale, key_block);
 }
 
 // Columns [j0, j0 + W) of one gated delta step, W a vector width (V: W
@@ -974,51 +1048,90 @@ void attention_paged(const float* q, int64_t q_len, int64_t pos0, int64_t num_he
   const float scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(head_dim)));
   const int64_t kv_last = kv_offset + kv_len - 1;
   // Heads of one KV group go in pairs (2m, 2m + 1), which read the same keys
-  // and values over the same range (same row), so each load serves both.
+  // and values over the same range (same row), so each load serves both;
+  // up to kRowsTogether rows of one KV head go through attend_units
+  // together, so that each block of keys and values is fetched once for
+  // all of them (a verification forward's rows, a prompt's).
+  constexpr int64_t kRowsTogether = 8, kMaxUnits = 16;
   const int64_t pairs = (group + 1) / 2;
-  const int64_t tasks = q_len * num_kv_heads * pairs;
+  const int64_t pairs_per_task = std::min(pairs, kMaxUnits);
+  const int64_t rows_per_task = std::max<int64_t>(1, std::min(kRowsTogether, kMaxUnits / pairs_per_task));
+  const int64_t row_blocks = (q_len + rows_per_task - 1) / rows_per_task;
+  const int64_t pair_blocks = (pairs + pairs_per_task - 1) / pairs_per_task;
+  // Tasks run kv head by kv head: the queries of all rows that read the
+  // same keys and values come one after another, so those stay in L2
+  // instead of being fetched again for every row.
+  const int64_t tasks = num_kv_heads * row_blocks * pair_blocks;
   parallel_for(tasks, q_len * num_heads * kv_len * head_dim >= kParallelWork, [&](int64_t task) {
     // Per-thread scratch for the softmax weights and the key segments,
     // reused across calls.
     thread_local std::vector<float> weights;
     thread_local std::vector<KVSegment> segments;
-    // Tasks run kv head by kv head: the queries of all rows that read the
-    // same keys and values come one after another, so those stay in L2
-    // instead of being fetched again for every row.
-    const int64_t kv_head = task / (q_len * pairs);
-    const int64_t row = task % (q_len * pairs) / pairs;
-    const int64_t head = kv_head * group + task % pairs * 2;
-    const int64_t queries = std::min<int64_t>(2, kv_head * group + group - head);
-    const int64_t p = pos0 + row;
-    float* o[2] = {out + (row * num_heads + head) * head_dim, out + (row * num_heads + head + 1) * head_dim};
-    const float* qh[2] = {q + (row * num_heads + head) * head_dim, q + (row * num_heads + head + 1) * head_dim};
-    // [lo, hi] is the query's own key range, whatever range was passed in:
-    // this is what makes the result batch invariant.
-    int64_t lo = kv_offset;
-    if (mask.window > 0) lo = std::max(lo, p - mask.window + 1);
-    if (mask.chunk > 0) lo = std::max(lo, p - p % mask.chunk);
-    const int64_t hi = std::min(p, kv_last);
-    if (hi < lo) {
-      for (int64_t g = 0; g < queries; ++g) std::fill(o[g], o[g] + head_dim, 0.0f);
-      return;
+    const int64_t kv_head = task / (row_blocks * pair_blocks);
+    const int64_t row_begin = task / pair_blocks % row_blocks * rows_per_task;
+    const int64_t row_end = std::min(q_len, row_begin + rows_per_task);
+    const int64_t pair_begin = task % pair_blocks * pairs_per_task;
+    const int64_t pair_end = std::min(pairs, pair_begin + pairs_per_task);
+    // [lo, hi] is each query's own key range, whatever range was passed in:
+    // this is what makes the result batch invariant. `first` / `last`:
+    // the rows' union.
+    const auto key_lo = [&](int64_t row) {
+      const int64_t p = pos0 + row;
+      int64_t lo = kv_offset;
+      if (mask.window > 0) lo = std::max(lo, p - mask.window + 1);
+      if (mask.chunk > 0) lo = std::max(lo, p - p % mask.chunk);
+      return lo;
+    };
+    int64_t first = std::numeric_limits<int64_t>::max(), last = -1;
+    for (int64_t row = row_begin; row < row_end; ++row) {
+      const int64_t lo = key_lo(row), hi = std::min(pos0 + row, kv_last);
+      if (hi < lo) continue;
+      first = std::min(first, lo);
+      last = std::max(last, hi);
     }
-    // The runs' parts that cover [lo, hi], in order.
-    segments.clear();
-    int64_t first = kv_offset;  // position of the current run's first row
-    for (const KVRun& run : runs) {
-      const int64_t a = std::max(lo, first), b = std::min(hi + 1, first + run.count);
-      if (a < b) {
-        segments.push_back({run.k + (a - first) * ks.pos_stride + kv_head * ks.head_stride,
-                            run.v + (a - first) * vs.pos_stride + kv_head * vs.head_stride, b - a});
+    const int64_t n = last >= first ? last - first + 1 : 0;
+    QueryUnit units[kMaxUnits];
+    int64_t num_units = 0;
+    weights.resize(static_cast<std::size_t>(2 * (row_end - row_begin) * (pair_end - pair_begin) * n));
+    for (int64_t row = row_begin; row < row_end; ++row) {
+      const int64_t lo = key_lo(row), hi = std::min(pos0 + row, kv_last);
+      for (int64_t pair = pair_begin; pair < pair_end; ++pair) {
+        const int64_t head = kv_head * group + 2 * pair;
+        QueryUnit& unit = units[num_units];
+        unit.G = static_cast<int>(std::min<int64_t>(2, kv_head * group + group - head));
+        for (int g = 0; g < unit.G; ++g) {
+          unit.o[g] = out + (row * num_heads + head + g) * head_dim;
+          unit.qh[g] = q + (row * num_heads + head + g) * head_dim;
+        }
+        if (hi < lo) {
+          for (int g = 0; g < unit.G; ++g) std::fill(unit.o[g], unit.o[g] + head_dim, 0.0f);
+          continue;
+        }
+        // Keys numbered from `first`; unit u's weights at u * 2n.
+        unit.begin = lo - first;
+        unit.end = hi - first + 1;
+        for (int g = 0; g < 2; ++g) unit.w[g] = weights.data() + (2 * num_units + g) * n;
+        ++num_units;
       }
-      first += run.count;
-      if (first > hi) break;
     }
-    const int64_t n = hi - lo + 1;
-    weights.resize(static_cast<std::size_t>(2 * n));
-    float* w[2] = {weights.data(), weights.data() + n};
-    attend_segments(qh, queries, segments.data(), static_cast<int64_t>(segments.size()), ks.pos_stride, vs.pos_stride,
-                    n, head_dim, scale, w, o);
+    if (num_units == 0) return;
+    // The runs' parts that cover [first, last], in order.
+    segments.clear();
+    int64_t run_first = kv_offset;  // position of the current run's first row
+    for (const KVRun& run : runs) {
+      const int64_t a = std::max(first, run_first), b = std::min(last + 1, run_first + run.count);
+      if (a < b) {
+        segments.push_back({run.k + (a - run_first) * ks.pos_stride + kv_head * ks.head_stride,
+                            run.v + (a - run_first) * vs.pos_stride + kv_head * vs.head_stride, b - a});
+      }
+      run_first += run.count;
+      if (run_first > last) break;
+    }
+    // One row alone needs no blocks (each block's pass would store and
+    // reload its sums for nothing).
+    const int64_t key_block = row_end - row_begin > 1 ? kKeyBlock : n;
+    attend_units(units, num_units, segments.data(), static_cast<int64_t>(segments.size()), ks.pos_stride,
+                 vs.pos_stride, head_dim, scale, key_block);
   });
 }
 

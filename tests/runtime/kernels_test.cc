@@ -587,28 +587,41 @@ Vec in_order_attention(const Vec& q, std::int64_t q_len, std::int64_t pos0, std:
 
 // Whatever grouping the kernel uses (four keys' sums combined together, the
 // maximum per lane, the sum of e taken during the pass over the values,
-// 16-wide value vectors in its AVX-512 clone), every output is the plain
-// arithmetic above, bit for bit: head dims with and without a tail of 8,
-// key counts with and without a tail of 4, one head per KV head and several.
+// 16-wide value vectors in its AVX-512 clone, rows taken together over
+// blocks of 64 keys, with each sum stored and resumed at every block),
+// every output is the plain arithmetic above, bit for bit: head dims with
+// and without a tail of 8, key counts with and without a tail of 4, one
+// head per KV head and several (odd groups: a head without a pair; 40: more
+// head pairs than one task takes), rows alone and in row blocks (9 and 19
+// rows: blocks of up to 8), key ranges within one block and across several
+// (the 203-key store), rows whose ranges start at different keys (windows,
+// chunks) and rows without any key (kv_offset past their position).
 TEST(KernelsAttention, EqualsTheDocumentedInOrderArithmeticBitwise) {
 #if defined(__FMA__)
   GTEST_SKIP() << "FMA contraction enabled in this build";
 #endif
   const AttentionCase cases[] = {
-      {"d48_gqa", 4, 2, 48, {}}, {"d13_mha", 2, 2, 13, {}}, {"d24_sliding", 3, 1, 24, {7, 0}},
-      {"d5_chunked", 2, 1, 5, {0, 6}}, {"d64_gqa", 4, 1, 64, {}}, {"d136", 1, 1, 136, {}},
+      {"d48_gqa", 4, 2, 48, {}},        {"d13_mha", 2, 2, 13, {}},   {"d24_sliding", 3, 1, 24, {7, 0}},
+      {"d5_chunked", 2, 1, 5, {0, 6}},  {"d64_gqa", 4, 1, 64, {}},   {"d136", 1, 1, 136, {}},
+      {"d16_sliding100", 6, 2, 16, {100, 0}}, {"d8_chunked70", 5, 1, 8, {0, 70}}, {"d8_g40", 40, 1, 8, {}},
   };
   for (const AttentionCase& c : cases) {
-    const std::int64_t total = 41, q_len = 9, pos0 = total - q_len;
-    const KVStore kv(c.num_kv_heads, c.head_dim, total, 31);
-    const Vec q = random_vec(static_cast<std::size_t>(q_len * c.num_heads * c.head_dim), 32, -2.0f, 2.0f);
-    for (const std::int64_t kv_offset : {std::int64_t{0}, std::int64_t{2}}) {
-      const std::int64_t kv_len = total - kv_offset;
-      Vec out(q.size());
-      attention(q.data(), q_len, pos0, c.num_heads, c.num_kv_heads, c.head_dim, kv.k(kv_offset),
-                kv.v(kv_offset), kv_offset, kv_len, c.mask, out.data());
-      const Vec ref = in_order_attention(q, q_len, pos0, c.num_heads, kv, kv_offset, kv_len, c.mask);
-      EXPECT_TRUE(same_bits(out, ref)) << c.name << " kv_offset " << kv_offset;
+    for (const std::int64_t total : {std::int64_t{41}, std::int64_t{203}}) {
+      for (const std::int64_t q_len : {std::int64_t{1}, std::int64_t{9}, std::int64_t{19}}) {
+        const std::int64_t pos0 = total - q_len;
+        const KVStore kv(c.num_kv_heads, c.head_dim, total, 31);
+        const Vec q = random_vec(static_cast<std::size_t>(q_len * c.num_heads * c.head_dim), 32, -2.0f, 2.0f);
+        for (const std::int64_t kv_offset : {std::int64_t{0}, std::int64_t{2}, pos0 + 3}) {
+          if (kv_offset >= total) continue;  // one row: no position past it
+          const std::int64_t kv_len = total - kv_offset;
+          Vec out(q.size());
+          attention(q.data(), q_len, pos0, c.num_heads, c.num_kv_heads, c.head_dim, kv.k(kv_offset),
+                    kv.v(kv_offset), kv_offset, kv_len, c.mask, out.data());
+          const Vec ref = in_order_attention(q, q_len, pos0, c.num_heads, kv, kv_offset, kv_len, c.mask);
+          EXPECT_TRUE(same_bits(out, ref))
+              << c.name << " total " << total << " q_len " << q_len << " kv_offset " << kv_offset;
+        }
+      }
     }
   }
 }
@@ -647,39 +660,43 @@ TEST(KernelsAttention, QueryInWideRangeEqualsQueryOverItsOwnWindowBitwise) {
 // of the positions in separate buffers, in runs of 1 to 5 positions) give
 // bit for bit what one strided buffer gives, for every mask.
 TEST(KernelsAttention, PagedRunsEqualOneStridedBufferBitwise) {
-  for (const AttentionCase& c : kAttentionCases) {
-    const std::int64_t total = 29, q_len = 5, pos0 = total - q_len, kv_offset = 2;
-    const KVStore kv(c.num_kv_heads, c.head_dim, total, 40);
-    const Vec q = random_vec(static_cast<std::size_t>(q_len * c.num_heads * c.head_dim), 42);
-    Vec strided(q.size()), paged(q.size());
-    attention(q.data(), q_len, pos0, c.num_heads, c.num_kv_heads, c.head_dim, kv.k(kv_offset), kv.v(kv_offset),
-              kv_offset, total - kv_offset, c.mask, strided.data());
-    // Runs in their own buffers, rows H * D apart (another stride than the
-    // store's), lengths cycling 1..5.
-    const std::int64_t row = c.num_kv_heads * c.head_dim;
-    std::vector<Vec> keys, values;
-    std::vector<KVRun> runs;
-    std::int64_t p = kv_offset, len = 1;
-    while (p < total) {
-      const std::int64_t n = std::min(len, total - p);
-      Vec k(static_cast<std::size_t>(n * row)), v(k.size());
-      for (std::int64_t j = 0; j < n; ++j)
-        for (std::int64_t h = 0; h < c.num_kv_heads; ++h)
-          for (std::int64_t d = 0; d < c.head_dim; ++d) {
-            k[static_cast<std::size_t>(j * row + h * c.head_dim + d)] = kv.keys[kv.at(p + j, h, d)];
-            v[static_cast<std::size_t>(j * row + h * c.head_dim + d)] = kv.values[kv.at(p + j, h, d)];
-          }
-      keys.push_back(std::move(k));
-      values.push_back(std::move(v));
-      p += n;
-      len = len % 5 + 1;
+  // 29 keys: within one block of attend_units; 150 with 12 rows: rows
+  // taken together over blocks that start and end inside runs.
+  for (const auto& [total, q_len] : {std::pair<std::int64_t, std::int64_t>{29, 5}, {150, 12}}) {
+    for (const AttentionCase& c : kAttentionCases) {
+      const std::int64_t pos0 = total - q_len, kv_offset = 2;
+      const KVStore kv(c.num_kv_heads, c.head_dim, total, 40);
+      const Vec q = random_vec(static_cast<std::size_t>(q_len * c.num_heads * c.head_dim), 42);
+      Vec strided(q.size()), paged(q.size());
+      attention(q.data(), q_len, pos0, c.num_heads, c.num_kv_heads, c.head_dim, kv.k(kv_offset), kv.v(kv_offset),
+                kv_offset, total - kv_offset, c.mask, strided.data());
+      // Runs in their own buffers, rows H * D apart (another stride than the
+      // store's), lengths cycling 1..5.
+      const std::int64_t row = c.num_kv_heads * c.head_dim;
+      std::vector<Vec> keys, values;
+      std::vector<KVRun> runs;
+      std::int64_t p = kv_offset, len = 1;
+      while (p < total) {
+        const std::int64_t n = std::min(len, total - p);
+        Vec k(static_cast<std::size_t>(n * row)), v(k.size());
+        for (std::int64_t j = 0; j < n; ++j)
+          for (std::int64_t h = 0; h < c.num_kv_heads; ++h)
+            for (std::int64_t d = 0; d < c.head_dim; ++d) {
+              k[static_cast<std::size_t>(j * row + h * c.head_dim + d)] = kv.keys[kv.at(p + j, h, d)];
+              v[static_cast<std::size_t>(j * row + h * c.head_dim + d)] = kv.values[kv.at(p + j, h, d)];
+            }
+        keys.push_back(std::move(k));
+        values.push_back(std::move(v));
+        p += n;
+        len = len % 5 + 1;
+      }
+      for (std::size_t r = 0; r < keys.size(); ++r)
+        runs.push_back({keys[r].data(), values[r].data(), static_cast<std::int64_t>(keys[r].size()) / row});
+      const StridedKV strides{nullptr, c.head_dim, row};
+      attention_paged(q.data(), q_len, pos0, c.num_heads, c.num_kv_heads, c.head_dim, runs, strides, strides, kv_offset,
+                      total - kv_offset, c.mask, paged.data());
+      EXPECT_TRUE(same_bits(strided, paged)) << c.name << " total " << total;
     }
-    for (std::size_t r = 0; r < keys.size(); ++r)
-      runs.push_back({keys[r].data(), values[r].data(), static_cast<std::int64_t>(keys[r].size()) / row});
-    const StridedKV strides{nullptr, c.head_dim, row};
-    attention_paged(q.data(), q_len, pos0, c.num_heads, c.num_kv_heads, c.head_dim, runs, strides, strides, kv_offset,
-                    total - kv_offset, c.mask, paged.data());
-    EXPECT_TRUE(same_bits(strided, paged)) << c.name;
   }
 }
 
