@@ -20,6 +20,8 @@
 #include "runtime/kernels.h"
 
 #include <algorithm>
+#include <atomic>
+#include <mutex>
 #include <type_traits>
 #include <cassert>
 #include <cmath>
@@ -992,27 +994,97 @@ void l2_normalize(float* x, int64_t rows, int64_t dim, float eps) {
   });
 }
 
+namespace {
+
+// theta^(-2j / rotary_dim) for j < rotary_dim / 2.
+std::vector<double> rope_inv_freq(double theta, int64_t rotary_dim) {
+  std::vector<double> inv_freq(static_cast<std::size_t>(rotary_dim / 2));
+  for (std::size_t j = 0; j < inv_freq.size(); ++j) {
+    inv_freq[j] = std::pow(theta, -2.0 * static_cast<double>(j) / static_cast<double>(rotary_dim));
+  }
+  return inv_freq;
+}
+
+// The angles of one position: a function of the position alone, so a row
+// at position p is rotated by the same f32 values whatever else is in the
+// call, and whether or not they came from a RopeCache.
+void rope_angles(int64_t position, const std::vector<double>& inv_freq, float* cos_out, float* sin_out) {
+  const double pos = static_cast<double>(position);
+  for (std::size_t j = 0; j < inv_freq.size(); ++j) {
+    const double angle = pos * inv_freq[j];
+    cos_out[j] = static_cast<float>(std::cos(angle));
+    sin_out[j] = static_cast<float>(std::sin(angle));
+  }
+}
+
+}  // namespace
+
+// Block b holds positions [b * kBlockPositions, (b + 1) * kBlockPositions),
+// each as half cos values then half sin values. A block is written once,
+// under the mutex, before its pointer is published; readers take the
+// pointer with acquire and never wait once it is there.
+struct RopeCache::Blocks {
+  static constexpr int64_t kCount = kMaxPositions / kBlockPositions;
+  std::mutex mutex;
+  std::atomic<const float*> ready[kCount] = {};
+  std::vector<std::unique_ptr<float[]>> owned;
+};
+
+RopeCache::RopeCache(double theta, int64_t rotary_dim)
+    : theta_(theta), inv_freq_(rope_inv_freq(theta, rotary_dim)), blocks_(std::make_unique<Blocks>()) {
+  assert(rotary_dim % 2 == 0 && rotary_dim >= 0);
+}
+
+RopeCache::~RopeCache() = default;
+
+void RopeCache::angles(int64_t position, float* cos_out, float* sin_out) const {
+  const int64_t h = half();
+  if (position < 0 || position >= kMaxPositions) {
+    rope_angles(position, inv_freq_, cos_out, sin_out);
+    return;
+  }
+  const int64_t b = position / kBlockPositions;
+  const float* block = blocks_->ready[b].load(std::memory_order_acquire);
+  if (block == nullptr) {
+    std::lock_guard<std::mutex> lock(blocks_->mutex);
+    block = blocks_->ready[b].load(std::memory_order_relaxed);
+    if (block == nullptr) {
+      auto rows = std::make_unique<float[]>(static_cast<std::size_t>(kBlockPositions * 2 * h));
+      for (int64_t i = 0; i < kBlockPositions; ++i) {
+        rope_angles(b * kBlockPositions + i, inv_freq_, rows.get() + i * 2 * h, rows.get() + i * 2 * h + h);
+      }
+      block = rows.get();
+      blocks_->owned.push_back(std::move(rows));
+      blocks_->ready[b].store(block, std::memory_order_release);
+    }
+  }
+  const float* row = block + (position - b * kBlockPositions) * 2 * h;
+  std::memcpy(cos_out, row, static_cast<std::size_t>(h) * sizeof(float));
+  std::memcpy(sin_out, row + h, static_cast<std::size_t>(h) * sizeof(float));
+}
+
+std::size_t RopeCache::bytes() const {
+  std::lock_guard<std::mutex> lock(blocks_->mutex);
+  return blocks_->owned.size() * static_cast<std::size_t>(kBlockPositions * 2 * half()) * sizeof(float);
+}
+
 RopeTable::RopeTable(const int64_t* positions, int64_t rows, double theta, int64_t rotary_dim)
     : rows_(rows), half_(rotary_dim / 2) {
   assert(rotary_dim % 2 == 0 && rows >= 0);
   const auto n = static_cast<std::size_t>(rows * half_);
   cos_.resize(n);
   sin_.resize(n);
-  std::vector<double> inv_freq(static_cast<std::size_t>(half_));
-  for (int64_t j = 0; j < half_; ++j) {
-    inv_freq[static_cast<std::size_t>(j)] =
-        std::pow(theta, -2.0 * static_cast<double>(j) / static_cast<double>(rotary_dim));
-  }
-  for (int64_t r = 0; r < rows; ++r) {
-    // A function of the position alone, so a row at position p is rotated
-    // by the same f32 values whatever else is in the call.
-    const double pos = static_cast<double>(positions[r]);
-    for (int64_t j = 0; j < half_; ++j) {
-      const double angle = pos * inv_freq[static_cast<std::size_t>(j)];
-      cos_[static_cast<std::size_t>(r * half_ + j)] = static_cast<float>(std::cos(angle));
-      sin_[static_cast<std::size_t>(r * half_ + j)] = static_cast<float>(std::sin(angle));
-    }
-  }
+  const std::vector<double> inv_freq = rope_inv_freq(theta, rotary_dim);
+  for (int64_t r = 0; r < rows; ++r) rope_angles(positions[r], inv_freq, cos_.data() + r * half_, sin_.data() + r * half_);
+}
+
+RopeTable::RopeTable(const int64_t* positions, int64_t rows, const RopeCache& cache)
+    : rows_(rows), half_(cache.half()) {
+  assert(rows >= 0);
+  const auto n = static_cast<std::size_t>(rows * half_);
+  cos_.resize(n);
+  sin_.resize(n);
+  for (int64_t r = 0; r < rows; ++r) cache.angles(positions[r], cos_.data() + r * half_, sin_.data() + r * half_);
 }
 
 void rope_inplace(float* x, int64_t rows, int64_t heads, int64_t head_dim, const RopeTable& table) {

@@ -85,6 +85,7 @@ class CacheTimer {
 
 Model::Model(ModelWeights weights) : weights_(std::move(weights)) {
   const ModelConfig& c = weights_.config();
+  rope_cache_ = std::make_unique<kernels::RopeCache>(c.rope_theta, c.rope_dim());
   for (const auto& name : weights_.names()) parameter_count_ += weights_.get(name).numel();
   {  // before packing releases the originals
     const std::string config_text = to_json(c);
@@ -540,7 +541,7 @@ void Model::forward(std::span<const std::int32_t> tokens, Cache& cache, std::vec
   // every attention layer.
   std::vector<std::int64_t> positions(sz(n));
   for (std::int64_t t = 0; t < n; ++t) positions[sz(t)] = pos0 + t;
-  const k::RopeTable rope(positions.data(), has_attention_ ? n : 0, c.rope_theta, c.rope_dim());
+  const k::RopeTable rope(positions.data(), has_attention_ ? n : 0, *rope_cache_);
   for (std::size_t i = 0; i < layers_.size(); ++i) {
     const LayerWeights& w = layers_[i];
     const int layer = static_cast<int>(i);
@@ -667,7 +668,7 @@ void Model::forward_tree(std::span<const std::int32_t> tokens, const TreeForward
   for (std::int64_t t = 0; t < n; ++t) embed_row(tokens[sz(t)], x.data() + t * d);
   std::vector<std::int64_t> positions(sz(n));
   for (std::int64_t t = 0; t < n; ++t) positions[sz(t)] = tree.position(t);
-  const k::RopeTable rope(positions.data(), has_attention_ ? n : 0, c.rope_theta, c.rope_dim());
+  const k::RopeTable rope(positions.data(), has_attention_ ? n : 0, *rope_cache_);
   for (std::size_t i = 0; i < layers_.size(); ++i) {
     const LayerWeights& w = layers_[i];
     const int layer = static_cast<int>(i);
@@ -796,7 +797,7 @@ void Model::forward_batch(std::span<const SequenceTokens> batch, SequenceCache& 
       positions[sz(row)] = pos0[e] + static_cast<std::int64_t>(t);
     }
   }
-  const k::RopeTable rope(positions.data(), has_attention_ ? T : 0, c.rope_theta, c.rope_dim());
+  const k::RopeTable rope(positions.data(), has_attention_ ? T : 0, *rope_cache_);
   for (std::size_t i = 0; i < layers_.size(); ++i) {
     const LayerWeights& w = layers_[i];
     const int layer = static_cast<int>(i);

@@ -418,6 +418,60 @@ TEST(KernelsRope, MatchesReferenceWithPartialRotary) {
   }
 }
 
+// A table copied from a RopeCache holds exactly the angles of the formula,
+// computed here in double per element: positions in the first block, across
+// a block edge, far apart, and outside the cached range (negative, at and
+// past kMaxPositions: computed, not kept), from 4 threads at once (the
+// blocks are filled on first use); only the blocks used are held.
+TEST(KernelsRope, CacheRowsEqualTheFormulaBitwise) {
+  const double theta = 10000.0;
+  const std::int64_t rotary_dim = 48, half = rotary_dim / 2;
+  const RopeCache cache(theta, rotary_dim);
+  EXPECT_EQ(cache.bytes(), 0u);
+  const std::vector<std::int64_t> positions = {0, 1, 255, 256, 257, 1000, 4095, 65535, -3, 65536, 65537, 1 << 20, 12345, 7};
+  const auto expected = [&](std::int64_t p, std::int64_t j, bool want_sin) {
+    const double angle =
+        static_cast<double>(p) * std::pow(theta, -2.0 * static_cast<double>(j) / static_cast<double>(rotary_dim));
+    return static_cast<float>(want_sin ? std::sin(angle) : std::cos(angle));
+  };
+  with_threads(4, [&] {
+    std::vector<std::vector<float>> per_thread(4);
+#pragma omp parallel for
+    for (int t = 0; t < 4; ++t) {
+      const RopeTable table(positions.data(), static_cast<std::int64_t>(positions.size()), cache);
+      for (std::size_t r = 0; r < positions.size(); ++r) {
+        for (std::int64_t j = 0; j < half; ++j) {
+          per_thread[static_cast<std::size_t>(t)].push_back(table.cos(static_cast<std::int64_t>(r))[j]);
+          per_thread[static_cast<std::size_t>(t)].push_back(table.sin(static_cast<std::int64_t>(r))[j]);
+        }
+      }
+    }
+    for (int t = 0; t < 4; ++t) {
+      std::size_t at = 0;
+      for (const std::int64_t p : positions) {
+        for (std::int64_t j = 0; j < half; ++j) {
+          const float want[2] = {expected(p, j, false), expected(p, j, true)};
+          ASSERT_TRUE(same_bits(per_thread[static_cast<std::size_t>(t)].data() + at, want, 2))
+              << "position " << p << " pair " << j << " thread " << t;
+          at += 2;
+        }
+      }
+    }
+  });
+  // Blocks of 256 positions kept: 0 (0, 1, 255, 7), 1 (256, 257), 3 (1000),
+  // 15 (4095), 255 (65535), 48 (12345); -3 and 65536 on are not kept.
+  EXPECT_EQ(cache.bytes(), 6u * RopeCache::kBlockPositions * rotary_dim * sizeof(float));
+  // The same positions through the direct constructor: the same bits.
+  const RopeTable direct(positions.data(), static_cast<std::int64_t>(positions.size()), theta, rotary_dim);
+  const RopeTable cached(positions.data(), static_cast<std::int64_t>(positions.size()), cache);
+  for (std::size_t r = 0; r < positions.size(); ++r) {
+    EXPECT_TRUE(same_bits(direct.cos(static_cast<std::int64_t>(r)), cached.cos(static_cast<std::int64_t>(r)),
+                          static_cast<std::size_t>(half)));
+    EXPECT_TRUE(same_bits(direct.sin(static_cast<std::int64_t>(r)), cached.sin(static_cast<std::int64_t>(r)),
+                          static_cast<std::size_t>(half)));
+  }
+}
+
 TEST(KernelsRope, RowDependsOnlyOnItsPosition) {
   const std::int64_t rows = 5, heads = 2, head_dim = 12;
   const std::int64_t positions[rows] = {7, 8, 9, 10, 11};

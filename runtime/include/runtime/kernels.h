@@ -249,6 +249,41 @@ void l2_normalize(float* x, std::int64_t rows, std::int64_t dim, float eps);
 
 // ---- position encoding ------------------------------------------------------
 
+// The cos / sin of RoPE angles (RopeTable's formula) for positions below
+// kMaxPositions, each computed once, on first use, in blocks of
+// kBlockPositions positions, and kept: a model holds one, so a forward
+// copies its rows instead of calling pow, sin and cos again (on the shipped
+// 2.6M-parameter draft, 5 % of a one-token forward). Holds at most
+// kMaxPositions * rotary_dim * 4 bytes (6 MB for rotary_dim 24; 256 KB
+// once 1,024 positions have been used at rotary_dim 48); what it holds is
+// `bytes()`. Thread-safe; not copyable. REQUIRES: rotary_dim even, >= 0.
+class RopeCache {
+ public:
+  static constexpr std::int64_t kBlockPositions = 256;
+  static constexpr std::int64_t kMaxPositions = std::int64_t{1} << 16;
+
+  RopeCache(double theta, std::int64_t rotary_dim);
+  ~RopeCache();
+  RopeCache(const RopeCache&) = delete;
+  RopeCache& operator=(const RopeCache&) = delete;
+
+  double theta() const { return theta_; }
+  std::int64_t half() const { return static_cast<std::int64_t>(inv_freq_.size()); }
+  // theta^(-2j / rotary_dim) for j < half(), in double.
+  const double* inv_freq() const { return inv_freq_.data(); }
+  // Writes the half() cos and sin values of `position` (any int64; rows
+  // outside [0, kMaxPositions) are computed, not kept).
+  void angles(std::int64_t position, float* cos_out, float* sin_out) const;
+  // Bytes of angle rows held now.
+  std::size_t bytes() const;
+
+ private:
+  struct Blocks;
+  double theta_;
+  std::vector<double> inv_freq_;
+  std::unique_ptr<Blocks> blocks_;
+};
+
 // The cos / sin of the RoPE angles of `rows` positions: for row r and pair
 // j < rotary_dim / 2 the angle is positions[r] * theta^(-2j / rotary_dim),
 // computed in double from the position alone and rounded to f32. A forward
@@ -258,6 +293,8 @@ void l2_normalize(float* x, std::int64_t rows, std::int64_t dim, float eps);
 class RopeTable {
  public:
   RopeTable(const std::int64_t* positions, std::int64_t rows, double theta, std::int64_t rotary_dim);
+  // The same values, copied from `cache` (or computed by it).
+  RopeTable(const std::int64_t* positions, std::int64_t rows, const RopeCache& cache);
   std::int64_t rows() const { return rows_; }
   std::int64_t half() const { return half_; }
   // [half] values of row r. REQUIRES: 0 <= r < rows().

@@ -25,6 +25,7 @@
 #include <cstdint>
 #include <deque>
 #include <span>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -235,6 +236,9 @@ class Model {
   std::int64_t parameter_count_ = 0;
   std::string fingerprint_;
   bool has_attention_ = false;  // any full / sliding attention layer (needs RoPE)
+  // The RoPE angles of the positions seen so far (kernels::RopeCache: at
+  // most 64K positions' rows, thread-safe), shared by every forward.
+  std::unique_ptr<kernels::RopeCache> rope_cache_;
   std::vector<LayerWeights> layers_;
   // The embedding [vocab, d] (F32, BF16 or F16) in weights_, or null when tied:
   // then rows are read from lm_head_.
