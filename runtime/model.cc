@@ -4,6 +4,7 @@
 #include <chrono>
 #include <cmath>
 #include <cstring>
+#include <limits>
 #include <optional>
 
 #if defined(__GLIBC__)
@@ -319,6 +320,70 @@ Cache Model::make_cache() const {
   return Cache(std::move(layers));
 }
 
+// ---- scratch rows ----------------------------------------------------------------------
+
+void Model::ScratchRows::resize(std::size_t n) {
+  if (n > capacity_) {
+    data_.reset(new float[n]);  // not value-initialised: no zero-fill
+    capacity_ = n;
+  }
+  size_ = n;
+#ifndef NDEBUG
+  // Debug builds (the sanitizer runs) fill the rows with NaN, so a read of
+  // an element no kernel wrote (stale from an earlier forward, or never
+  // set) shows up in every bitwise comparison instead of passing silently.
+  std::fill(data_.get(), data_.get() + n, std::numeric_limits<float>::quiet_NaN());
+#endif
+}
+
+void Model::ScratchRows::trim(std::size_t keep) {
+  if (capacity_ <= keep) return;
+  data_.reset();
+  size_ = capacity_ = 0;
+}
+
+void Model::Scratch::trim(std::size_t keep) {
+  for (ScratchRows* r : {&x, &h, &mix, &gate, &up, &attention.q, &attention.key, &attention.val, &attention.att,
+                         &attention.gate, &deltanet.qkv, &deltanet.z, &deltanet.b, &deltanet.a, &deltanet.mixed,
+                         &deltanet.q, &deltanet.key, &deltanet.v, &deltanet.g, &deltanet.beta, &deltanet.o, &conv.bcx,
+                         &conv.bx, &conv.conv}) {
+    r->trim(keep);
+  }
+}
+
+// The calling thread's Scratch for one forward, and what it keeps after:
+// buffers of up to kKeepFloats (256 KB: a 16-row batch's widest rows on
+// the shipped and 26M models) stay for the next forward; a long prompt's
+// bigger ones are freed when the forward ends, as before (so a thread holds
+// at most 24 x 256 KB between forwards, on the shipped models a few tens
+// of KB). Should a forward ever start while the thread's Scratch is in use,
+// it gets one of its own.
+class Model::ScratchLease {
+ public:
+  static constexpr std::size_t kKeepFloats = std::size_t{1} << 16;
+  ScratchLease() {
+    thread_local Scratch shared;
+    if (shared.in_use) {
+      own_ = std::make_unique<Scratch>();
+      scratch_ = own_.get();
+    } else {
+      scratch_ = &shared;
+    }
+    scratch_->in_use = true;
+  }
+  ~ScratchLease() {
+    scratch_->trim(kKeepFloats);
+    scratch_->in_use = false;
+  }
+  ScratchLease(const ScratchLease&) = delete;
+  ScratchLease& operator=(const ScratchLease&) = delete;
+  Scratch& get() { return *scratch_; }
+
+ private:
+  Scratch* scratch_ = nullptr;
+  std::unique_ptr<Scratch> own_;
+};
+
 // ---- the math of each block, shared by both forwards -------------------------------
 
 void Model::attention_in(const LayerWeights& w, const float* h, std::int64_t n, const kernels::RopeTable& rope,
@@ -347,7 +412,7 @@ void Model::attention_in(const LayerWeights& w, const float* h, std::int64_t n, 
 
 void Model::attention_out(const LayerWeights& w, std::int64_t n, AttentionRows& r, float* out) const {
   if (w.wgate.out() > 0) {
-    for (std::size_t i = 0; i < r.att.size(); ++i) r.att[i] *= k::sigmoid(r.gate[i]);
+    for (std::size_t i = 0; i < r.att.size(); ++i) r.att[i] *= k::sigmoid(r.gate[i]);  // size: n rows
   }
   k::matmul(r.att.data(), n, w.wo, out);
 }
@@ -425,8 +490,8 @@ void Model::short_conv_out(const LayerWeights& w, std::int64_t n, ShortConvRows&
   k::matmul(r.conv.data(), n, w.out, out);
 }
 
-void Model::mlp(const LayerWeights& w, std::int64_t n, std::vector<float>& x, std::vector<float>& h,
-                std::vector<float>& mix, std::vector<float>& gate, std::vector<float>& up) const {
+void Model::mlp(const LayerWeights& w, std::int64_t n, ScratchRows& x, ScratchRows& h, ScratchRows& mix,
+                ScratchRows& gate, ScratchRows& up) const {
   const ModelConfig& c = config();
   const std::int64_t d = c.hidden_size, ff = c.intermediate_size;
   k::add_inplace(x.data(), mix.data(), n * d);
@@ -443,7 +508,7 @@ void Model::mlp(const LayerWeights& w, std::int64_t n, std::vector<float>& x, st
 void Model::attention_block(const BlockArgs& a, const SequenceArgs& s) const {
   const ModelConfig& c = config();
   const std::int64_t nh = c.num_attention_heads, nkv = c.num_key_value_heads, hd = c.head_dim, n = a.n;
-  AttentionRows r;
+  AttentionRows& r = a.scratch->attention;
   attention_in(*a.w, a.h, n, *a.rope, r);
   MaskSizes mask;
   KeyValueView kv;
@@ -465,7 +530,7 @@ void Model::gated_deltanet_block(const BlockArgs& a, const SequenceArgs& s) cons
   const std::int64_t nk = c.linear_num_key_heads, nv = c.linear_num_value_heads;
   const std::int64_t kd = c.linear_key_head_dim, vd = c.linear_value_head_dim, K = c.linear_conv_kernel_dim;
   const std::int64_t channels = c.linear_conv_dim(), n = a.n;
-  DeltaNetRows r;
+  DeltaNetRows& r = a.scratch->deltanet;
   deltanet_in(*a.w, a.h, n, r);
   TensorView window;
   {
@@ -496,7 +561,7 @@ void Model::gated_deltanet_block(const BlockArgs& a, const SequenceArgs& s) cons
 void Model::short_conv_block(const BlockArgs& a, const SequenceArgs& s) const {
   const ModelConfig& c = config();
   const std::int64_t d = c.hidden_size, K = c.conv_L_cache, n = a.n;
-  ShortConvRows r;
+  ShortConvRows& r = a.scratch->conv;
   short_conv_in(*a.w, a.h, n, r);
   TensorView window;
   {
@@ -535,7 +600,14 @@ void Model::forward(std::span<const std::int32_t> tokens, Cache& cache, std::vec
     CacheTimer timer(cache_seconds);
     transaction.emplace(cache.begin_forward(n));
   }
-  std::vector<float> x(sz(n * d)), h(sz(n * d)), mix(sz(n * d)), gate(sz(n * ff)), up(sz(n * ff));
+  ScratchLease lease;
+  Scratch& scratch = lease.get();
+  ScratchRows &x = scratch.x, &h = scratch.h, &mix = scratch.mix, &gate = scratch.gate, &up = scratch.up;
+  x.resize(sz(n * d));
+  h.resize(sz(n * d));
+  mix.resize(sz(n * d));
+  gate.resize(sz(n * ff));
+  up.resize(sz(n * ff));
   for (std::int64_t t = 0; t < n; ++t) embed_row(tokens[sz(t)], x.data() + t * d);
   // One table of RoPE angles for the positions of this forward, shared by
   // every attention layer.
@@ -546,7 +618,7 @@ void Model::forward(std::span<const std::int32_t> tokens, Cache& cache, std::vec
     const LayerWeights& w = layers_[i];
     const int layer = static_cast<int>(i);
     k::rms_norm(x.data(), w.input_norm, n, d, c.rms_norm_eps, h.data());
-    mixer_block({layer, &w, h.data(), n, &rope, mix.data()}, SequenceArgs{&cache, pos0, cache_seconds});
+    mixer_block({layer, &w, h.data(), n, &rope, mix.data(), &scratch}, SequenceArgs{&cache, pos0, cache_seconds});
     mlp(w, n, x, h, mix, gate, up);
   }
   const std::int64_t first = all_logits ? 0 : n - 1;
@@ -564,7 +636,7 @@ void Model::attention_block(const BlockArgs& a, const TreeArgs& t) const {
   const ModelConfig& c = config();
   const std::int64_t nh = c.num_attention_heads, nkv = c.num_key_value_heads, hd = c.head_dim, n = a.n;
   const std::int64_t row = nkv * hd;
-  AttentionRows r;
+  AttentionRows& r = a.scratch->attention;
   attention_in(*a.w, a.h, n, *a.rope, r);
   TreeKeyValues kv;
   {
@@ -607,7 +679,7 @@ void Model::gated_deltanet_block(const BlockArgs& a, const TreeArgs& t) const {
   const std::int64_t nk = c.linear_num_key_heads, nv = c.linear_num_value_heads;
   const std::int64_t kd = c.linear_key_head_dim, vd = c.linear_value_head_dim, K = c.linear_conv_kernel_dim;
   const std::int64_t channels = c.linear_conv_dim(), n = a.n;
-  DeltaNetRows r;
+  DeltaNetRows& r = a.scratch->deltanet;
   deltanet_in(*a.w, a.h, n, r);
   TensorView windows;
   {
@@ -637,7 +709,7 @@ void Model::gated_deltanet_block(const BlockArgs& a, const TreeArgs& t) const {
 void Model::short_conv_block(const BlockArgs& a, const TreeArgs& t) const {
   const ModelConfig& c = config();
   const std::int64_t d = c.hidden_size, K = c.conv_L_cache, n = a.n;
-  ShortConvRows r;
+  ShortConvRows& r = a.scratch->conv;
   short_conv_in(*a.w, a.h, n, r);
   TensorView windows;
   {
@@ -664,7 +736,14 @@ void Model::forward_tree(std::span<const std::int32_t> tokens, const TreeForward
   check_tokens(tokens, c, "Model::forward_tree");
   const std::int64_t d = c.hidden_size, ff = c.intermediate_size, V = c.vocab_size;
   auto sz = [](std::int64_t v) { return static_cast<std::size_t>(v); };
-  std::vector<float> x(sz(n * d)), h(sz(n * d)), mix(sz(n * d)), gate(sz(n * ff)), up(sz(n * ff));
+  ScratchLease lease;
+  Scratch& scratch = lease.get();
+  ScratchRows &x = scratch.x, &h = scratch.h, &mix = scratch.mix, &gate = scratch.gate, &up = scratch.up;
+  x.resize(sz(n * d));
+  h.resize(sz(n * d));
+  mix.resize(sz(n * d));
+  gate.resize(sz(n * ff));
+  up.resize(sz(n * ff));
   for (std::int64_t t = 0; t < n; ++t) embed_row(tokens[sz(t)], x.data() + t * d);
   std::vector<std::int64_t> positions(sz(n));
   for (std::int64_t t = 0; t < n; ++t) positions[sz(t)] = tree.position(t);
@@ -673,7 +752,7 @@ void Model::forward_tree(std::span<const std::int32_t> tokens, const TreeForward
     const LayerWeights& w = layers_[i];
     const int layer = static_cast<int>(i);
     k::rms_norm(x.data(), w.input_norm, n, d, c.rms_norm_eps, h.data());
-    mixer_block({layer, &w, h.data(), n, &rope, mix.data()}, TreeArgs{&cache, &tree, cache_seconds});
+    mixer_block({layer, &w, h.data(), n, &rope, mix.data(), &scratch}, TreeArgs{&cache, &tree, cache_seconds});
     mlp(w, n, x, h, mix, gate, up);
   }
   k::rms_norm(x.data(), final_norm_, n, d, c.rms_norm_eps, h.data());
@@ -688,7 +767,7 @@ void Model::forward_tree(std::span<const std::int32_t> tokens, const TreeForward
 void Model::attention_block(const BlockArgs& a, const BatchArgs& b) const {
   const ModelConfig& c = config();
   const std::int64_t nh = c.num_attention_heads, nkv = c.num_key_value_heads, hd = c.head_dim;
-  AttentionRows r;
+  AttentionRows& r = a.scratch->attention;
   attention_in(*a.w, a.h, a.n, *a.rope, r);
   const std::span<const PagedKeyValues> kv =
       b.cache->update(heads_view(r.key.data(), a.n, nkv, hd), heads_view(r.val.data(), a.n, nkv, hd), a.layer);
@@ -721,7 +800,7 @@ void Model::gated_deltanet_block(const BlockArgs& a, const BatchArgs& b) const {
   const std::int64_t nk = c.linear_num_key_heads, nv = c.linear_num_value_heads;
   const std::int64_t kd = c.linear_key_head_dim, vd = c.linear_value_head_dim, K = c.linear_conv_kernel_dim;
   const std::int64_t channels = c.linear_conv_dim(), qk = nk * kd, vv = nv * vd;
-  DeltaNetRows r;
+  DeltaNetRows& r = a.scratch->deltanet;
   deltanet_in(*a.w, a.h, a.n, r);
   const std::span<const TensorView> windows =
       b.cache->update_conv_state(channels_view(r.qkv.data(), a.n, channels), a.layer);
@@ -751,7 +830,7 @@ void Model::gated_deltanet_block(const BlockArgs& a, const BatchArgs& b) const {
 void Model::short_conv_block(const BlockArgs& a, const BatchArgs& b) const {
   const ModelConfig& c = config();
   const std::int64_t d = c.hidden_size, K = c.conv_L_cache;
-  ShortConvRows r;
+  ShortConvRows& r = a.scratch->conv;
   short_conv_in(*a.w, a.h, a.n, r);
   const std::span<const TensorView> windows = b.cache->update_conv_state(channels_view(r.bx.data(), a.n, d), a.layer);
   for (std::size_t e = 0; e < b.batch.size(); ++e) {
@@ -788,7 +867,14 @@ void Model::forward_batch(std::span<const SequenceTokens> batch, SequenceCache& 
   auto sz = [](std::int64_t v) { return static_cast<std::size_t>(v); };
   // All or nothing across the batch (an exception abandons it).
   SequenceBatch transaction = cache.begin_batch(entries);
-  std::vector<float> x(sz(T * d)), h(sz(T * d)), mix(sz(T * d)), gate(sz(T * ff)), up(sz(T * ff));
+  ScratchLease lease;
+  Scratch& scratch = lease.get();
+  ScratchRows &x = scratch.x, &h = scratch.h, &mix = scratch.mix, &gate = scratch.gate, &up = scratch.up;
+  x.resize(sz(T * d));
+  h.resize(sz(T * d));
+  mix.resize(sz(T * d));
+  gate.resize(sz(T * ff));
+  up.resize(sz(T * ff));
   std::vector<std::int64_t> positions(sz(T));
   for (std::size_t e = 0; e < batch.size(); ++e) {
     for (std::size_t t = 0; t < batch[e].tokens.size(); ++t) {
@@ -802,7 +888,7 @@ void Model::forward_batch(std::span<const SequenceTokens> batch, SequenceCache& 
     const LayerWeights& w = layers_[i];
     const int layer = static_cast<int>(i);
     k::rms_norm(x.data(), w.input_norm, T, d, c.rms_norm_eps, h.data());
-    mixer_block({layer, &w, h.data(), T, &rope, mix.data()}, BatchArgs{&cache, batch, pos0, offset});
+    mixer_block({layer, &w, h.data(), T, &rope, mix.data(), &scratch}, BatchArgs{&cache, batch, pos0, offset});
     mlp(w, T, x, h, mix, gate, up);
   }
   k::rms_norm(x.data(), final_norm_, T, d, c.rms_norm_eps, h.data());

@@ -157,30 +157,63 @@ class Model {
     // short conv
     kernels::PackedMatrix in_bcx;  // [3d, d]
   };
+  // Floats for a forward's intermediate rows. resize() does not zero-fill
+  // (every element is written before it is read, by a matmul or a kernel)
+  // and keeps its memory when asked for fewer, so a thread's next forward
+  // reuses it instead of allocating, zero-filling and, for long prompts,
+  // page-faulting every buffer of every layer again. Contents are undefined
+  // after a resize that grows.
+  class ScratchRows {
+   public:
+    void resize(std::size_t n);
+    std::size_t size() const { return size_; }
+    float* data() { return data_.get(); }
+    const float* data() const { return data_.get(); }
+    float* begin() { return data_.get(); }
+    float& operator[](std::size_t i) { return data_[i]; }
+    // Frees the memory when it holds more than `keep` floats.
+    void trim(std::size_t keep);
+
+   private:
+    std::unique_ptr<float[]> data_;
+    std::size_t size_ = 0, capacity_ = 0;
+  };
   // The math of each block that does not touch the cache, shared by
   // forward() and forward_batch() (rows are independent: batch invariance).
   struct AttentionRows {
-    std::vector<float> q, key, val, att, gate;  // [n, nh*hd], [n, nkv*hd] x 2, [n, nh*hd] x 2
+    ScratchRows q, key, val, att, gate;  // [n, nh*hd], [n, nkv*hd] x 2, [n, nh*hd] x 2
   };
   void attention_in(const LayerWeights& w, const float* h, std::int64_t n, const kernels::RopeTable& rope,
                     AttentionRows& r) const;
   // The output gate (when the model has one) and o_proj of the attention rows.
   void attention_out(const LayerWeights& w, std::int64_t n, AttentionRows& r, float* out) const;
   struct DeltaNetRows {
-    std::vector<float> qkv, z, b, a, mixed, q, key, v, g, beta, o;
+    ScratchRows qkv, z, b, a, mixed, q, key, v, g, beta, o;
   };
   void deltanet_in(const LayerWeights& w, const float* h, std::int64_t n, DeltaNetRows& r) const;
   // After the conv (r.mixed): queries, keys, values, gates and betas.
   void deltanet_mid(const LayerWeights& w, std::int64_t n, DeltaNetRows& r) const;
   void deltanet_out(const LayerWeights& w, std::int64_t n, DeltaNetRows& r, float* out) const;
   struct ShortConvRows {
-    std::vector<float> bcx, bx, conv;
+    ScratchRows bcx, bx, conv;
   };
   void short_conv_in(const LayerWeights& w, const float* h, std::int64_t n, ShortConvRows& r) const;
   void short_conv_out(const LayerWeights& w, std::int64_t n, ShortConvRows& r, float* out) const;
   // The MLP half of a layer and the embedding / final rows.
-  void mlp(const LayerWeights& w, std::int64_t n, std::vector<float>& x, std::vector<float>& h,
-           std::vector<float>& mix, std::vector<float>& gate, std::vector<float>& up) const;
+  void mlp(const LayerWeights& w, std::int64_t n, ScratchRows& x, ScratchRows& h, ScratchRows& mix, ScratchRows& gate,
+           ScratchRows& up) const;
+  // Every buffer of one forward: the residual stream, the MLP's rows and
+  // each block's rows (blocks run one after another). One per thread,
+  // reused by that thread's forwards (Model::ScratchLease).
+  struct Scratch {
+    ScratchRows x, h, mix, gate, up;
+    AttentionRows attention;
+    DeltaNetRows deltanet;
+    ShortConvRows conv;
+    bool in_use = false;
+    void trim(std::size_t keep);
+  };
+  class ScratchLease;
 
   // What a forward hands each block of a layer: the layer, its
   // normalized rows h [n, d] (n = every token of the forward), the RoPE
@@ -192,6 +225,7 @@ class Model {
     std::int64_t n = 0;
     const kernels::RopeTable* rope = nullptr;
     float* out = nullptr;
+    Scratch* scratch = nullptr;  // the forward's buffers; blocks use its rows
   };
   // One sequence (Cache): its rows are positions [pos0, pos0 + n).
   struct SequenceArgs {
