@@ -273,6 +273,18 @@ std::vector<std::int32_t> continue_generation(const Model& model, Cache& cache, 
   return decode(model, cache, logits, options, local, Clock::now(), stats);
 }
 
+double BatchGenerationStats::decode_tokens_per_second() const {
+  double last_first = 0.0;
+  std::int64_t after_first = 0;
+  for (const GenerationStats& s : sequences) {
+    if (s.new_tokens < 1) continue;
+    last_first = std::max(last_first, s.time_to_first_token);
+    after_first += s.new_tokens - 1;
+  }
+  const double t = seconds - last_first;
+  return after_first > 0 && t > 0 ? static_cast<double>(after_first) / t : 0.0;
+}
+
 std::string BatchGenerationStats::to_json() const {
   nlohmann::json j;
   j["sequences"] = sequences.size();
@@ -280,6 +292,7 @@ std::string BatchGenerationStats::to_json() const {
   j["forwards"] = forwards;
   j["seconds"] = seconds;
   j["tokens_per_second"] = tokens_per_second();
+  j["decode_tokens_per_second"] = decode_tokens_per_second();
   nlohmann::json ttft = nlohmann::json::array(), per_sequence = nlohmann::json::array();
   std::int64_t hit = 0;
   for (const GenerationStats& s : sequences) {

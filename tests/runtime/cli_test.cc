@@ -5,6 +5,7 @@
 // files are in cli_hostile_test.cc.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <filesystem>
 #include <sstream>
@@ -249,6 +250,19 @@ TEST_F(Cli, GeneratePromptsDecodesEveryLineAsOneBatch) {
   EXPECT_EQ(stats.at("sequences").get<std::size_t>(), lines.size());
   EXPECT_EQ(stats.at("per_sequence").size(), lines.size());
   EXPECT_GT(stats.at("tokens_per_second").get<double>(), 0.0);
+  // Decoding alone: the tokens after each sequence's first over the time
+  // after the last first token (all prompts prefill in one forward here).
+  {
+    double last_first = 0.0, after_first = 0.0;
+    for (const nlohmann::json& s : stats.at("per_sequence")) {
+      if (s.at("new_tokens").get<double>() < 1) continue;
+      last_first = std::max(last_first, s.at("time_to_first_token_s").get<double>());
+      after_first += s.at("new_tokens").get<double>() - 1;
+    }
+    const double decode = stats.at("decode_tokens_per_second");
+    ASSERT_GT(after_first, 0.0);
+    EXPECT_NEAR(decode, after_first / (stats.at("seconds").get<double>() - last_first), 1e-6 * decode) << stats.dump();
+  }
 
   const CliResult from_stdin = run_cli("generate" + model("target") + " --prompts - --max-new-tokens 12", file.string());
   ASSERT_EQ(from_stdin.status, 0) << from_stdin.err;

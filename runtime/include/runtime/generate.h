@@ -154,8 +154,15 @@ struct BatchGenerationStats {
   std::int64_t forwards = 0;               // batched forwards
   double seconds = 0.0;                    // wall time of the call
   double draft_cache_seconds = 0.0;        // time in the draft source's cache calls (speculative)
-  // Aggregate: every sequence's new tokens over the call's wall time.
+  // Aggregate: every sequence's new tokens over the call's wall time
+  // (prefill included: 16 prompts' prefill is 16 prompts' work however they
+  // are batched).
   double tokens_per_second() const { return seconds > 0 ? static_cast<double>(new_tokens) / seconds : 0.0; }
+  // Decoding alone, as GenerationStats::decode_tokens_per_second for one
+  // sequence: every sequence's tokens after its first, over the time after
+  // the last sequence's first token (from then on every sequence decodes).
+  // 0 when no time or no such token is left.
+  double decode_tokens_per_second() const;
   std::string to_json() const;  // one line
 };
 
