@@ -342,6 +342,11 @@ void Model::ScratchRows::trim(std::size_t keep) {
   size_ = capacity_ = 0;
 }
 
+void Model::Scratch::resize_stream(std::size_t rows, std::size_t hidden, std::size_t intermediate) {
+  for (ScratchRows* r : {&x, &h, &mix}) r->resize(rows * hidden);
+  for (ScratchRows* r : {&gate, &up}) r->resize(rows * intermediate);
+}
+
 void Model::Scratch::trim(std::size_t keep) {
   for (ScratchRows* r : {&x, &h, &mix, &gate, &up, &attention.q, &attention.key, &attention.val, &attention.att,
                          &attention.gate, &deltanet.qkv, &deltanet.z, &deltanet.b, &deltanet.a, &deltanet.mixed,
@@ -602,12 +607,8 @@ void Model::forward(std::span<const std::int32_t> tokens, Cache& cache, std::vec
   }
   ScratchLease lease;
   Scratch& scratch = lease.get();
+  scratch.resize_stream(sz(n), sz(d), sz(ff));
   ScratchRows &x = scratch.x, &h = scratch.h, &mix = scratch.mix, &gate = scratch.gate, &up = scratch.up;
-  x.resize(sz(n * d));
-  h.resize(sz(n * d));
-  mix.resize(sz(n * d));
-  gate.resize(sz(n * ff));
-  up.resize(sz(n * ff));
   for (std::int64_t t = 0; t < n; ++t) embed_row(tokens[sz(t)], x.data() + t * d);
   // One table of RoPE angles for the positions of this forward, shared by
   // every attention layer.
@@ -738,12 +739,8 @@ void Model::forward_tree(std::span<const std::int32_t> tokens, const TreeForward
   auto sz = [](std::int64_t v) { return static_cast<std::size_t>(v); };
   ScratchLease lease;
   Scratch& scratch = lease.get();
+  scratch.resize_stream(sz(n), sz(d), sz(ff));
   ScratchRows &x = scratch.x, &h = scratch.h, &mix = scratch.mix, &gate = scratch.gate, &up = scratch.up;
-  x.resize(sz(n * d));
-  h.resize(sz(n * d));
-  mix.resize(sz(n * d));
-  gate.resize(sz(n * ff));
-  up.resize(sz(n * ff));
   for (std::int64_t t = 0; t < n; ++t) embed_row(tokens[sz(t)], x.data() + t * d);
   std::vector<std::int64_t> positions(sz(n));
   for (std::int64_t t = 0; t < n; ++t) positions[sz(t)] = tree.position(t);
@@ -869,12 +866,8 @@ void Model::forward_batch(std::span<const SequenceTokens> batch, SequenceCache& 
   SequenceBatch transaction = cache.begin_batch(entries);
   ScratchLease lease;
   Scratch& scratch = lease.get();
+  scratch.resize_stream(sz(T), sz(d), sz(ff));
   ScratchRows &x = scratch.x, &h = scratch.h, &mix = scratch.mix, &gate = scratch.gate, &up = scratch.up;
-  x.resize(sz(T * d));
-  h.resize(sz(T * d));
-  mix.resize(sz(T * d));
-  gate.resize(sz(T * ff));
-  up.resize(sz(T * ff));
   std::vector<std::int64_t> positions(sz(T));
   for (std::size_t e = 0; e < batch.size(); ++e) {
     for (std::size_t t = 0; t < batch[e].tokens.size(); ++t) {

@@ -211,6 +211,8 @@ class Model {
     DeltaNetRows deltanet;
     ShortConvRows conv;
     bool in_use = false;
+    // x, h, mix: [rows, hidden]; gate, up: [rows, intermediate].
+    void resize_stream(std::size_t rows, std::size_t hidden, std::size_t intermediate);
     void trim(std::size_t keep);
   };
   class ScratchLease;
