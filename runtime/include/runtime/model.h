@@ -81,6 +81,12 @@ class Model {
   // outside the vocabulary (nothing appended then).
   // When `cache_seconds` is given, the time spent inside cache calls
   // (update, update_conv_state, recurrent slots, mask sizes) is added to it.
+  // Memory: besides the cache and `logits`, every forward (this, forward_batch,
+  // forward_tree) works in rows that its thread keeps for the next forward,
+  // up to 256 KB per buffer (24 buffers; a few tens of KB for the shipped
+  // models' decoding); larger rows, a long prompt's, are freed on return.
+  // The model also keeps the RoPE angles of the positions it has seen
+  // (kernels::RopeCache).
   void forward(std::span<const std::int32_t> tokens, Cache& cache, std::vector<float>& logits,
                bool all_logits = true, double* cache_seconds = nullptr) const;
 
