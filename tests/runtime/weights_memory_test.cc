@@ -147,6 +147,44 @@ TEST(WeightsMemory, MatmulWidensEveryF16PatternExactly) {
   }
 }
 
+// A half-precision matrix large enough to be streamed (prefetched, as a big
+// model's are: 262 x 515 in f16 is 270 KB) through every row-group shape
+// (1 to 8 rows alone; 13 and 16 in groups; 5 and 6 rows keep four panels
+// in flight there): every output is the in-order chain of fused
+// multiply-adds of the widened weights, computed here with std::fma.
+TEST(WeightsMemory, StreamedF16MatrixGivesTheInOrderFmaChainForEveryRowCount) {
+  const std::int64_t out = 262, in = 515;
+  std::vector<std::uint16_t> w(static_cast<std::size_t>(out * in));
+  for (std::size_t i = 0; i < w.size(); ++i) {
+    // Normal f16 values of both signs, from 2^-3 to 2^3.
+    const auto magnitude = static_cast<std::uint16_t>(0x3000 + (i * 2654435761u >> 7) % 0x1800);
+    w[i] = static_cast<std::uint16_t>(magnitude | (i % 3 == 0 ? 0x8000 : 0));
+  }
+  const auto m = kernels::PackedMatrix::from_f16(w.data(), out, in);
+  ASSERT_GE(m.bytes(), 256u * 1024) << "the test wants a streamed matrix";
+  for (const std::int64_t rows : {1, 2, 3, 4, 5, 6, 7, 8, 13, 16}) {
+    std::vector<float> x(static_cast<std::size_t>(rows * in)), y(static_cast<std::size_t>(rows * out));
+    for (std::size_t i = 0; i < x.size(); ++i) {
+      x[i] = static_cast<float>(static_cast<int>(i * 40503u % 2001) - 1000) / 997.0f;
+    }
+    kernels::matmul(x.data(), rows, m, y.data());
+    int mismatches = 0;
+    for (std::int64_t r = 0; r < rows; ++r) {
+      for (std::int64_t o = 0; o < out; ++o) {
+        float s = 0.0f;
+        for (std::int64_t i = 0; i < in; ++i) {
+          s = std::fma(x[static_cast<std::size_t>(r * in + i)], f16_to_f32(w[static_cast<std::size_t>(o * in + i)]), s);
+        }
+        const float got = y[static_cast<std::size_t>(r * out + o)];
+        if (std::memcmp(&got, &s, sizeof s) != 0 && ++mismatches <= 3) {
+          ADD_FAILURE() << rows << " rows: row " << r << " output " << o << ": " << got << ", want " << s;
+        }
+      }
+    }
+    EXPECT_EQ(mismatches, 0) << rows << " rows";
+  }
+}
+
 #ifdef REWIND_CLI_PATH
 // The peak resident memory `rewind inspect --model dir` reports for itself
 // (VmHWM, KiB): the CLI plus loading the model.
