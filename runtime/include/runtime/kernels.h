@@ -253,9 +253,9 @@ void l2_normalize(float* x, std::int64_t rows, std::int64_t dim, float eps);
 // kMaxPositions, each computed once, on first use, in blocks of
 // kBlockPositions positions, and kept: a model holds one, so a forward
 // copies its rows instead of calling pow, sin and cos again (on the shipped
-// 2.6M-parameter draft, 5 % of a one-token forward). Holds at most
-// kMaxPositions * rotary_dim * 4 bytes (6 MB for rotary_dim 24; 256 KB
-// once 1,024 positions have been used at rotary_dim 48); what it holds is
+// draft, 5 % of a one-token forward). Holds at most kMaxPositions *
+// rotary_dim * 4 bytes (12 MiB at the shipped models' rotary_dim 48; 192
+// KiB once their first 1,024 positions have been used); what it holds is
 // `bytes()`. Thread-safe; not copyable. REQUIRES: rotary_dim even, >= 0.
 class RopeCache {
  public:
