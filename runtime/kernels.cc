@@ -23,6 +23,7 @@
 #include <atomic>
 #include <mutex>
 #include <type_traits>
+#include <utility>
 #include <cassert>
 #include <cmath>
 #include <cstddef>
@@ -735,6 +736,10 @@ struct QueryUnit {
   float* w[2];
 };
 
+// Units one attend_units call takes (attention_paged's tasks are sized to
+// it).
+constexpr int64_t kMaxUnits = 16;
+
 // Keys per block of attend_units: a block's keys and values of one KV head
 // (64 rows of up to 2 x 128 floats of head_dim 128: 64 KB; the shipped
 // models' head_dim 48: 24 KB) stay in L1/L2 while every unit passes over
@@ -758,7 +763,6 @@ REWIND_INLINE void attend_units_body(QueryUnit* units, int64_t num_units, const 
     first = std::min(first, units[u].begin);
     last = std::max(last, units[u].end);
   }
-  constexpr int kMaxUnits = 16;
   Quad max4[kMaxUnits][2];
   float max_score[kMaxUnits][2], sum[kMaxUnits][2];
   for (int64_t u = 0; u < num_units; ++u) {
@@ -768,21 +772,25 @@ REWIND_INLINE void attend_units_body(QueryUnit* units, int64_t num_units, const 
       sum[u][g] = 0.0f;
     }
   }
-  // The two passes over the blocks (scores, then values) are written out:
-  // as one helper taking a lambda they ran 10x slower, the lambda being
-  // compiled for the baseline ISA and called from every clone.
-  for (int64_t b0 = first; b0 < last; b0 += key_block) {
-    for (int64_t u = 0; u < num_units; ++u) {
-      QueryUnit& q = units[u];
-      const int64_t a = std::max(b0, q.begin), b = std::min(b0 + key_block, q.end);
-      if (a >= b) continue;
-      if (q.G == 2) {
-        score_keys<2>(q.qh, segments, num_segments, k_pos_stride, head_dim, scale, a, b, q.w, max4[u], max_score[u]);
-      } else {
-        score_keys<1>(q.qh, segments, num_segments, k_pos_stride, head_dim, scale, a, b, q.w, max4[u], max_score[u]);
+  // Calls f(unit, a, b) for each unit's keys [a, b) of each block, block by
+  // block. The lambdas are always inlined: otherwise they are compiled for
+  // the baseline ISA and called from every clone (attention ran 10x slower).
+  const auto for_each_block = [&](auto&& f) __attribute__((always_inline)) {
+    for (int64_t b0 = first; b0 < last; b0 += key_block) {
+      for (int64_t u = 0; u < num_units; ++u) {
+        const int64_t a = std::max(b0, units[u].begin), b = std::min(b0 + key_block, units[u].end);
+        if (a < b) f(u, a, b);
       }
     }
-  }
+  };
+  for_each_block([&](int64_t u, int64_t a, int64_t b) __attribute__((always_inline)) {
+    QueryUnit& q = units[u];
+    if (q.G == 2) {
+      score_keys<2>(q.qh, segments, num_segments, k_pos_stride, head_dim, scale, a, b, q.w, max4[u], max_score[u]);
+    } else {
+      score_keys<1>(q.qh, segments, num_segments, k_pos_stride, head_dim, scale, a, b, q.w, max4[u], max_score[u]);
+    }
+  });
   for (int64_t u = 0; u < num_units; ++u) {
     const QueryUnit& q = units[u];
     for (int g = 0; g < q.G; ++g) {
@@ -792,18 +800,14 @@ REWIND_INLINE void attend_units_body(QueryUnit* units, int64_t num_units, const 
       exp_shifted_inplace(q.w[g] + q.begin, q.end - q.begin, max_score[u][g]);
     }
   }
-  for (int64_t b0 = first; b0 < last; b0 += key_block) {
-    for (int64_t u = 0; u < num_units; ++u) {
-      QueryUnit& q = units[u];
-      const int64_t a = std::max(b0, q.begin), b = std::min(b0 + key_block, q.end);
-      if (a >= b) continue;
-      if (q.G == 2) {
-        weighted_values<2>(q.w, segments, num_segments, v_pos_stride, head_dim, a, b, a > q.begin, sum[u], q.o);
-      } else {
-        weighted_values<1>(q.w, segments, num_segments, v_pos_stride, head_dim, a, b, a > q.begin, sum[u], q.o);
-      }
+  for_each_block([&](int64_t u, int64_t a, int64_t b) __attribute__((always_inline)) {
+    QueryUnit& q = units[u];
+    if (q.G == 2) {
+      weighted_values<2>(q.w, segments, num_segments, v_pos_stride, head_dim, a, b, a > q.begin, sum[u], q.o);
+    } else {
+      weighted_values<1>(q.w, segments, num_segments, v_pos_stride, head_dim, a, b, a > q.begin, sum[u], q.o);
     }
-  }
+  });
   for (int64_t u = 0; u < num_units; ++u) {
     const QueryUnit& q = units[u];
     for (int g = 0; g < q.G; ++g) {
@@ -1127,7 +1131,7 @@ void attention_paged(const float* q, int64_t q_len, int64_t pos0, int64_t num_he
   // up to kRowsTogether rows of one KV head go through attend_units
   // together, so that each block of keys and values is fetched once for
   // all of them (a verification forward's rows, a prompt's).
-  constexpr int64_t kRowsTogether = 8, kMaxUnits = 16;
+  constexpr int64_t kRowsTogether = 8;
   const int64_t pairs = (group + 1) / 2;
   const int64_t pairs_per_task = std::min(pairs, kMaxUnits);
   const int64_t rows_per_task = std::max<int64_t>(1, std::min(kRowsTogether, kMaxUnits / pairs_per_task));
@@ -1150,16 +1154,16 @@ void attention_paged(const float* q, int64_t q_len, int64_t pos0, int64_t num_he
     // [lo, hi] is each query's own key range, whatever range was passed in:
     // this is what makes the result batch invariant. `first` / `last`:
     // the rows' union.
-    const auto key_lo = [&](int64_t row) {
+    const auto key_range = [&](int64_t row) {
       const int64_t p = pos0 + row;
       int64_t lo = kv_offset;
       if (mask.window > 0) lo = std::max(lo, p - mask.window + 1);
       if (mask.chunk > 0) lo = std::max(lo, p - p % mask.chunk);
-      return lo;
+      return std::pair<int64_t, int64_t>{lo, std::min(p, kv_last)};
     };
     int64_t first = std::numeric_limits<int64_t>::max(), last = -1;
     for (int64_t row = row_begin; row < row_end; ++row) {
-      const int64_t lo = key_lo(row), hi = std::min(pos0 + row, kv_last);
+      const auto [lo, hi] = key_range(row);
       if (hi < lo) continue;
       first = std::min(first, lo);
       last = std::max(last, hi);
@@ -1169,7 +1173,7 @@ void attention_paged(const float* q, int64_t q_len, int64_t pos0, int64_t num_he
     int64_t num_units = 0;
     weights.resize(static_cast<std::size_t>(2 * (row_end - row_begin) * (pair_end - pair_begin) * n));
     for (int64_t row = row_begin; row < row_end; ++row) {
-      const int64_t lo = key_lo(row), hi = std::min(pos0 + row, kv_last);
+      const auto [lo, hi] = key_range(row);
       for (int64_t pair = pair_begin; pair < pair_end; ++pair) {
         const int64_t head = kv_head * group + 2 * pair;
         QueryUnit& unit = units[num_units];
