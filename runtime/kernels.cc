@@ -173,21 +173,26 @@ float rms_inverse(const float* x, int64_t dim, double eps) {
 // to hide the latency of the adds.
 constexpr int kMaxGroupRows = 6;
 constexpr int panels_for_rows(int rows) { return rows <= 2 ? 2 : 1; }
-// With AVX-512's 32 registers two panels fit for up to 8 rows (16
-// accumulators), so each x broadcast serves twice the outputs, and a batch
-// of 8 loads (and widens, f16) each weight once instead of twice: 16 rows of
-// the shipped target's 512 x 192 f32 matrix went from 201 to 212 GFLOPS, 8
-// rows from 188 to 231 (12 rows x 2 panels spilled: 99). Up to 4 rows keep
-// four panels in flight: a fused multiply-add waits about 4 cycles for the
-// previous one into the same accumulator and two issue per cycle, so fewer
-// than 8 independent sums leave the FMA pipes idle (the shipped target's
-// 3-token forward: 128 -> 111 us with 12 sums instead of 6; 5 and 6 rows
-// with four panels were no faster, or slower). Where a block has room for
-// them (matmul: L3-resident matrices; a streamed matrix's 2-panel L2 blocks
-// keep one stream); with the blocks of matmul, the shipped target's
-// one-token forward went from 90 to 79 us (docs/performance.md section 12).
+// With AVX-512's 32 registers, up to 6 rows keep four panels in flight (24
+// accumulators + 4 weight rows + one broadcast) and 7 or 8 rows two (16
+// accumulators). Four panels give enough independent sums to hide the
+// latency of the fused multiply-adds and widen each f16 panel row for more
+// outputs: on a Zen 4 core (one 512-bit FMA per cycle, vcvtph2ps beside
+// it) the shipped target's 5-token forward went from 340 to 303 us with
+// four panels at 5 rows instead of two, 6 rows 400 -> 356 us, while 8x2
+// ran no faster per row than two groups of 4x4. So a matrix that is
+// resident in L3 (not prefetched: the shipped models) goes through groups
+// of at most 6 rows (7 rows: 4 + 3; 16 rows: 6 + 5 + 5),
+// over L2 blocks of a multiple of 4 panels. A streamed matrix keeps groups
+// of 8 rows: there every group after the first reads the block from L2
+// again, and one pass of 8 rows was faster (a 26M-parameter model's 8-token
+// forward, f32: 6.5-6.9 ms against 7.9-8.3 ms in groups of 4). Earlier, on
+// an Intel core with two FMA ports, 8 rows x 2 panels had gone from 188 to
+// 231 GFLOPS against groups of at most 6 with one panel each, and 4 panels
+// for up to 4 rows took the 3-token forward from 128 to 111 us.
 constexpr int kMaxWideGroupRows = 8;
-constexpr int wide_panels_for_rows(int rows) { return rows <= 4 ? 4 : 2; }
+constexpr int kMaxWideResidentGroupRows = 6;
+constexpr int wide_panels_for_rows(int rows) { return rows <= 6 ? 4 : 2; }
 
 // The instruction set matmul runs in this process (chosen once): AVX-512F
 // where the CPU has it, else AVX2 + FMA + F16C, else the baseline.
@@ -297,11 +302,33 @@ int64_t matmul_block_panels(int64_t in) {
   return std::clamp<int64_t>(int64_t{64} * 1024 / panel_bytes, 1, 16);
 }
 
+// y[0, n) = lanes [0, n) of a panel row held as one PanelRow, + bias[0, n)
+// where bias is not null (n <= 16): how the baseline and AVX-512 copies
+// store their accumulators (inlined, it is compiled for each).
+REWIND_INLINE void write_panel(const PanelRow* a, const float* bias, float* y, int64_t n) {
+  const PanelRow s = a[0];
+  if (n == kPanel) {
+    PanelRow b = {};
+    if (bias != nullptr) __builtin_memcpy(&b, bias, sizeof b);
+    const PanelRow sum = bias != nullptr ? s + b : s;
+    __builtin_memcpy(y, &sum, sizeof sum);
+  } else {
+    for (int64_t l = 0; l < n; ++l) y[l] = bias != nullptr ? s[l] + bias[l] : s[l];
+  }
+}
+
 // The three copies of matmul's kernels (see REWIND_MATMUL_ISA_KERNELS).
 // Each namespace gives matmul_micro.inc its F16Panels (how f16 panel rows
-// are widened), multiply_add (its fused multiply-add) and kWide (whether it
-// has AVX-512's 32 registers).
+// are widened), multiply_add (its fused multiply-add), kWide (whether it
+// has AVX-512's 32 registers), and Reg, kRegs, load_regs and write_panel
+// (how a panel row is held in its registers).
 namespace baseline {
+using Reg = PanelRow;
+constexpr int kRegs = 1;
+template <class E>
+REWIND_INLINE void load_regs(const typename E::Stored* p, Reg* out) {
+  out[0] = E::load(p);
+}
 using F16Panels = F16SoftwarePanels;
 // fmaf per lane: one rounding, as the FMA instructions of the other copies
 // (a library call where the CPU has no FMA: exact, and slow).
@@ -318,6 +345,13 @@ constexpr bool kWide = false;
 namespace avx512 {
 #pragma GCC push_options
 #pragma GCC target("avx512f")
+// A panel row is one 512-bit register here.
+using Reg = PanelRow;
+constexpr int kRegs = 1;
+template <class E>
+REWIND_INLINE void load_regs(const typename E::Stored* p, Reg* out) {
+  out[0] = E::load(p);
+}
 struct F16Panels {
   using Stored = std::uint16_t;
   REWIND_INLINE static PanelRow load(const std::uint16_t* p) {
@@ -347,30 +381,79 @@ constexpr bool kWide = true;
 namespace avx2 {
 #pragma GCC push_options
 #pragma GCC target("avx2,fma,f16c")
+// A panel row as two 256-bit registers. GCC lowers a 16-float generic
+// vector in AVX2 code through the stack (halves stored, the whole reloaded:
+// store-forwarding stalls on every multiply-add): the shipped target's
+// one-token forward took 1.6 ms on an AVX2-only CPU, and 1,043 us against
+// 119 us now on a Zen 4 core told to skip AVX-512 (REWIND_MATMUL_NARROW=1;
+// its 5-token forward 2,623 -> 295 us).
+struct Acc {
+  __m256 lo, hi;
+};
+using Reg = __m256;
+constexpr int kRegs = 2;
+template <class E>
+REWIND_INLINE void load_regs(const typename E::Stored* p, Reg* out) {
+  const Acc a = E::load(p);
+  out[0] = a.lo;
+  out[1] = a.hi;
+}
+// y[0, n) = lanes [0, n) of the two registers, + bias[0, n) where bias is
+// not null. Neither half goes through a 64-byte generic vector, and a short
+// last panel through a call: both, inlined, made GCC keep the accumulators
+// of the multiply-add loop in memory (loaded and stored around every
+// multiply-add: with the 1 x 32-byte registers alone, the shipped target's
+// one-token forward took 336 us, its 3-token one 667 us; now 119 and 221).
+__attribute__((noinline)) void write_partial_panel(const float* s, const float* bias, float* y, int64_t n) {
+  for (int64_t l = 0; l < n; ++l) y[l] = bias != nullptr ? s[l] + bias[l] : s[l];
+}
+REWIND_INLINE void write_panel(const Reg* a, const float* bias, float* y, int64_t n) {
+  if (n == kPanel) {
+    __m256 lo = a[0], hi = a[1];
+    if (bias != nullptr) {
+      lo = _mm256_add_ps(lo, _mm256_loadu_ps(bias));
+      hi = _mm256_add_ps(hi, _mm256_loadu_ps(bias + 8));
+    }
+    _mm256_storeu_ps(y, lo);
+    _mm256_storeu_ps(y + 8, hi);
+  } else {
+    float s[kPanel];
+    _mm256_storeu_ps(s, a[0]);
+    _mm256_storeu_ps(s + 8, a[1]);
+    write_partial_panel(s, bias, y, n);
+  }
+}
+struct F32Panels {
+  using Stored = float;
+  REWIND_INLINE static Acc load(const float* p) { return {_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8)}; }
+};
+struct Bf16Panels {
+  using Stored = std::uint16_t;
+  REWIND_INLINE static __m256 widen(const std::uint16_t* p) {
+    const __m256i u = _mm256_cvtepu16_epi32(_mm_loadu_si128(static_cast<const __m128i*>(static_cast<const void*>(p))));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(u, 16));
+  }
+  REWIND_INLINE static Acc load(const std::uint16_t* p) { return {widen(p), widen(p + 8)}; }
+};
 struct F16Panels {
   using Stored = std::uint16_t;
-  REWIND_INLINE static PanelRow load(const std::uint16_t* p) {
-    const __m256 lo = _mm256_cvtph_ps(_mm_loadu_si128(static_cast<const __m128i*>(static_cast<const void*>(p))));
-    const __m256 hi = _mm256_cvtph_ps(_mm_loadu_si128(static_cast<const __m128i*>(static_cast<const void*>(p + 8))));
-    PanelRow v;
-    __builtin_memcpy(&v, &lo, sizeof lo);
-    __builtin_memcpy(reinterpret_cast<char*>(&v) + sizeof lo, &hi, sizeof hi);
-    return v;
+  REWIND_INLINE static __m256 widen(const std::uint16_t* p) {
+    return _mm256_cvtph_ps(_mm_loadu_si128(static_cast<const __m128i*>(static_cast<const void*>(p))));
+  }
+  REWIND_INLINE static Acc load(const std::uint16_t* p) { return {widen(p), widen(p + 8)}; }
+};
+// The software widening (the tests' path), split into the two registers.
+struct F16SoftwarePanels {
+  using Stored = std::uint16_t;
+  REWIND_INLINE static Acc load(const std::uint16_t* p) {
+    const PanelRow v = kernels::F16SoftwarePanels::load(p);
+    Acc a;
+    __builtin_memcpy(&a.lo, &v, sizeof a.lo);
+    __builtin_memcpy(&a.hi, reinterpret_cast<const char*>(&v) + sizeof a.lo, sizeof a.hi);
+    return a;
   }
 };
-REWIND_INLINE PanelRow multiply_add(float x, PanelRow w, PanelRow acc) {
-  __m256 w_lo, w_hi, a_lo, a_hi;
-  __builtin_memcpy(&w_lo, &w, sizeof w_lo);
-  __builtin_memcpy(&w_hi, reinterpret_cast<const char*>(&w) + sizeof w_lo, sizeof w_hi);
-  __builtin_memcpy(&a_lo, &acc, sizeof a_lo);
-  __builtin_memcpy(&a_hi, reinterpret_cast<const char*>(&acc) + sizeof a_lo, sizeof a_hi);
-  const __m256 xv = _mm256_set1_ps(x);
-  const __m256 lo = _mm256_fmadd_ps(xv, w_lo, a_lo), hi = _mm256_fmadd_ps(xv, w_hi, a_hi);
-  PanelRow out;
-  __builtin_memcpy(&out, &lo, sizeof lo);
-  __builtin_memcpy(reinterpret_cast<char*>(&out) + sizeof lo, &hi, sizeof hi);
-  return out;
-}
+REWIND_INLINE Reg multiply_add(float x, Reg w, Reg acc) { return _mm256_fmadd_ps(_mm256_set1_ps(x), w, acc); }
 constexpr bool kWide = false;
 #include "matmul_micro.inc"
 #pragma GCC pop_options
@@ -947,7 +1030,9 @@ void matmul(const float* x, int64_t rows, const PackedMatrix& w, float* y, const
   const bool worth_threads = rows * w.in() * w.out() >= kParallelWork && omp_get_max_threads() > 1;
   const int64_t ahead = matmul_prefetch_bytes(w);
   int64_t block = matmul_block_panels(w.in());
-  const int64_t max_group = matmul_isa() == MatmulIsa::Avx512 ? kMaxWideGroupRows : kMaxGroupRows;
+  const int64_t max_group = matmul_isa() != MatmulIsa::Avx512 ? kMaxGroupRows
+                            : ahead != 0                      ? kMaxWideGroupRows
+                                                              : kMaxWideResidentGroupRows;
   const bool streamed_f32_rows = rows <= 2 && ahead != 0 && w.element() == PackedMatrix::Element::F32;
   if (rows <= max_group && !streamed_f32_rows) {
     // One group of rows passes over the weights once, so L2-sized blocks
@@ -965,6 +1050,12 @@ void matmul(const float* x, int64_t rows, const PackedMatrix& w, float* y, const
     // from 1.88 to 1.50 ms.
     const int64_t threads = worth_threads ? omp_get_max_threads() : 1;
     block = ((w.panels() + threads - 1) / threads + 3) / 4 * 4;
+  } else if (ahead == 0) {
+    // Several groups over L2 blocks of a resident matrix: a multiple of 4
+    // panels, so that no group runs a 1-panel tail (the shipped target's
+    // 192 inputs gave blocks of 5 panels: its 12-token forward took 733 us
+    // against 705).
+    block = std::max<int64_t>(4, block / 4 * 4);
   }
   const int64_t num_blocks = (w.panels() + block - 1) / block;
   const bool parallel = num_blocks > 1 && worth_threads;
