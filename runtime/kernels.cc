@@ -182,17 +182,24 @@ constexpr int panels_for_rows(int rows) { return rows <= 2 ? 2 : 1; }
 // four panels at 5 rows instead of two, 6 rows 400 -> 356 us, while 8x2
 // ran no faster per row than two groups of 4x4. So a matrix that is
 // resident in L3 (not prefetched: the shipped models) goes through groups
-// of at most 6 rows (7 rows: 4 + 3; 16 rows: 6 + 5 + 5),
-// over L2 blocks of a multiple of 4 panels. A streamed matrix keeps groups
-// of 8 rows: there every group after the first reads the block from L2
-// again, and one pass of 8 rows was faster (a 26M-parameter model's 8-token
-// forward, f32: 6.5-6.9 ms against 7.9-8.3 ms in groups of 4). Earlier, on
-// an Intel core with two FMA ports, 8 rows x 2 panels had gone from 188 to
-// 231 GFLOPS against groups of at most 6 with one panel each, and 4 panels
-// for up to 4 rows took the 3-token forward from 128 to 111 us.
+// of at most 6 rows (7 rows: 4 + 3; 16 rows: 6 + 5 + 5), over L2 blocks of
+// a multiple of 4 panels, and so does a streamed f16 / bf16 one (a 26M-
+// parameter f16 model's 16-token forward: 9.5 -> 8.8 ms). A streamed f32
+// matrix keeps groups of 8 rows over blocks of 64 KiB: there every group
+// after the first reads its block from L2 again, and one pass of 8 rows
+// was faster (that model in f32, 8 tokens: 5.6 ms against 6.9 ms in groups
+// of 4 + 4). Earlier, on a Zen 5 core (two 512-bit FMAs per cycle), 8 rows
+// x 2 panels had gone from 188 to 231 GFLOPS against groups of at most 6
+// with one panel each, and 4 panels for up to 4 rows took the 3-token
+// forward from 128 to 111 us.
 constexpr int kMaxWideGroupRows = 8;
 constexpr int kMaxWideResidentGroupRows = 6;
 constexpr int wide_panels_for_rows(int rows) { return rows <= 6 ? 4 : 2; }
+// Rows per group with AVX-512: 8 for an f32 matrix streamed from memory
+// (prefetched, ahead != 0), else 6.
+inline int64_t wide_group_rows(PackedMatrix::Element element, int64_t ahead) {
+  return ahead != 0 && element == PackedMatrix::Element::F32 ? kMaxWideGroupRows : kMaxWideResidentGroupRows;
+}
 
 // The instruction set matmul runs in this process (chosen once): AVX-512F
 // where the CPU has it, else AVX2 + FMA + F16C, else the baseline.
@@ -1030,9 +1037,8 @@ void matmul(const float* x, int64_t rows, const PackedMatrix& w, float* y, const
   const bool worth_threads = rows * w.in() * w.out() >= kParallelWork && omp_get_max_threads() > 1;
   const int64_t ahead = matmul_prefetch_bytes(w);
   int64_t block = matmul_block_panels(w.in());
-  const int64_t max_group = matmul_isa() != MatmulIsa::Avx512 ? kMaxGroupRows
-                            : ahead != 0                      ? kMaxWideGroupRows
-                                                              : kMaxWideResidentGroupRows;
+  const int64_t max_group =
+      matmul_isa() != MatmulIsa::Avx512 ? kMaxGroupRows : wide_group_rows(w.element(), ahead);
   const bool streamed_f32_rows = rows <= 2 && ahead != 0 && w.element() == PackedMatrix::Element::F32;
   if (rows <= max_group && !streamed_f32_rows) {
     // One group of rows passes over the weights once, so L2-sized blocks
@@ -1050,11 +1056,11 @@ void matmul(const float* x, int64_t rows, const PackedMatrix& w, float* y, const
     // from 1.88 to 1.50 ms.
     const int64_t threads = worth_threads ? omp_get_max_threads() : 1;
     block = ((w.panels() + threads - 1) / threads + 3) / 4 * 4;
-  } else if (ahead == 0) {
-    // Several groups over L2 blocks of a resident matrix: a multiple of 4
-    // panels, so that no group runs a 1-panel tail (the shipped target's
-    // 192 inputs gave blocks of 5 panels: its 12-token forward took 733 us
-    // against 705).
+  } else if (max_group == kMaxWideResidentGroupRows) {
+    // Several groups of at most 6 rows over L2 blocks: a multiple of 4
+    // panels, so that no group runs a 1- or 2-panel tail (the shipped
+    // target's 192 inputs gave blocks of 5 panels: its 12-token forward took
+    // 733 us against 705).
     block = std::max<int64_t>(4, block / 4 * 4);
   }
   const int64_t num_blocks = (w.panels() + block - 1) / block;

@@ -120,8 +120,9 @@ TEST(KernelsMatmul, MatchesDoubleReference) {
 
 TEST(KernelsMatmul, RowsComputedTogetherEqualRowsAloneBitwise) {
   // Every row count 1..17, so every row-group size 1..8 (AVX-512 groups up
-  // to 8 rows, AVX2 and the baseline up to 6) and uneven splits (AVX2: 7 =
-  // 4 + 3, 13 = 5 + 4 + 4; AVX-512: 9 = 5 + 4, 17 = 6 + 6 + 5) occur, on
+  // to 8 rows of a streamed matrix, up to 6 of the others, as AVX2 and the
+  // baseline) and uneven splits (groups of 6: 7 = 4 + 3, 13 = 5 + 4 + 4;
+  // of 8: 9 = 5 + 4, 17 = 6 + 6 + 5) occur, on
   // shapes whose blocks use each
   // micro-kernel width: in = 515 gives 3-panel blocks (threaded), in = 203
   // 10-panel blocks (the 4-panel kernel of 1-2 rows runs), in = 13 one block.
