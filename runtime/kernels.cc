@@ -1058,7 +1058,7 @@ void matmul(const float* x, int64_t rows, const PackedMatrix& w, float* y, const
     // from 1.88 to 1.50 ms.
     const int64_t threads = worth_threads ? omp_get_max_threads() : 1;
     block = ((w.panels() + threads - 1) / threads + 3) / 4 * 4;
-  } else if (wide) {
+  } else if (wide && rows > max_group) {
     // Several groups over L2 blocks: a whole number of the widest micro-
     // kernel's panels (4 for groups of 6 rows, 3 for 8), so that no group
     // runs a narrower tail on every block (the shipped target's 192 inputs
