@@ -177,9 +177,9 @@ constexpr int panels_for_rows(int rows) { return rows <= 2 ? 2 : 1; }
 // accumulators + 4 weight rows + one broadcast) and 7 or 8 rows three (24
 // accumulators + 3 + 1; with two, 8 broadcasts and 2 weight loads served
 // 16 multiply-adds: 16 tokens of the 26M f32 model 11.0-11.5 -> 10.6-10.9
-// ms, 8 tokens 2 % to 4 % faster, alternating runs). Four panels give enough independent sums to hide the
-// latency of the fused multiply-adds and widen each f16 panel row for more
-// outputs: on a Zen 4 core (one 512-bit FMA per cycle, vcvtph2ps beside
+// ms, 8 tokens 2 % to 4 % faster, alternating runs). Four panels give
+// enough independent sums to hide the latency of the fused multiply-adds
+// and widen each f16 panel row for more outputs: on a Zen 4 core (one 512-bit FMA per cycle, vcvtph2ps beside
 // it) the shipped target's 5-token forward went from 340 to 303 us with
 // four panels at 5 rows instead of two, 6 rows 400 -> 356 us, while 8x2
 // ran no faster per row than two groups of 4x4. So a matrix that is
@@ -187,7 +187,8 @@ constexpr int panels_for_rows(int rows) { return rows <= 2 ? 2 : 1; }
 // of at most 6 rows (7 rows: 4 + 3; 16 rows: 6 + 5 + 5), over L2 blocks of
 // a multiple of 4 panels, and so does a streamed f16 / bf16 one (a 26M-
 // parameter f16 model's 16-token forward: 9.5 -> 8.8 ms). A streamed f32
-// matrix keeps groups of 8 rows over blocks of 64 KiB: there every group
+// matrix keeps groups of 8 rows over blocks of about 64 KiB (a multiple of
+// 3 panels, the 8-row kernel's width): there every group
 // after the first reads its block from L2 again, and one pass of 8 rows
 // was faster (that model in f32, 8 tokens: 5.6 ms against 6.9 ms in groups
 // of 4 + 4). Earlier, on a Zen 5 core (two 512-bit FMAs per cycle), 8 rows
@@ -311,18 +312,25 @@ int64_t matmul_block_panels(int64_t in) {
   return std::clamp<int64_t>(int64_t{64} * 1024 / panel_bytes, 1, 16);
 }
 
+// y[0, n) = s[0, n) + bias[0, n) where bias is not null: the short last
+// panel of an output. Not inlined: in the AVX2 copy, inlined, it made GCC
+// keep the accumulators of the multiply-add loop in memory.
+__attribute__((noinline)) void write_partial_panel(const float* s, const float* bias, float* y, int64_t n) {
+  for (int64_t l = 0; l < n; ++l) y[l] = bias != nullptr ? s[l] + bias[l] : s[l];
+}
+
 // y[0, n) = lanes [0, n) of a panel row held as one PanelRow, + bias[0, n)
-// where bias is not null (n <= 16): how the baseline and AVX-512 copies
-// store their accumulators (inlined, it is compiled for each).
+// where bias is not null (n <= 16).
 REWIND_INLINE void write_panel(const PanelRow* a, const float* bias, float* y, int64_t n) {
-  const PanelRow s = a[0];
   if (n == kPanel) {
     PanelRow b = {};
     if (bias != nullptr) __builtin_memcpy(&b, bias, sizeof b);
-    const PanelRow sum = bias != nullptr ? s + b : s;
+    const PanelRow sum = bias != nullptr ? a[0] + b : a[0];
     __builtin_memcpy(y, &sum, sizeof sum);
   } else {
-    for (int64_t l = 0; l < n; ++l) y[l] = bias != nullptr ? s[l] + bias[l] : s[l];
+    float s[kPanel];
+    __builtin_memcpy(s, a, sizeof s);
+    write_partial_panel(s, bias, y, n);
   }
 }
 
@@ -354,7 +362,8 @@ constexpr bool kWide = false;
 namespace avx512 {
 #pragma GCC push_options
 #pragma GCC target("avx512f")
-// A panel row is one 512-bit register here.
+// A panel row is one 512-bit register here. load_regs is defined inside the
+// target region, as every function that inlines this copy's loads must be.
 using Reg = PanelRow;
 constexpr int kRegs = 1;
 template <class E>
@@ -409,13 +418,11 @@ REWIND_INLINE void load_regs(const typename E::Stored* p, Reg* out) {
 }
 // y[0, n) = lanes [0, n) of the two registers, + bias[0, n) where bias is
 // not null. Neither half goes through a 64-byte generic vector, and a short
-// last panel through a call: both, inlined, made GCC keep the accumulators
-// of the multiply-add loop in memory (loaded and stored around every
-// multiply-add: with the 1 x 32-byte registers alone, the shipped target's
-// one-token forward took 336 us, its 3-token one 667 us; now 119 and 221).
-__attribute__((noinline)) void write_partial_panel(const float* s, const float* bias, float* y, int64_t n) {
-  for (int64_t l = 0; l < n; ++l) y[l] = bias != nullptr ? s[l] + bias[l] : s[l];
-}
+// last panel goes through write_partial_panel's call: both, inlined, made
+// GCC keep the accumulators of the multiply-add loop in memory (loaded and
+// stored around every multiply-add: with the 2 x 32-byte registers alone,
+// the shipped target's one-token forward took 336 us, its 3-token one 667
+// us; now 119 and 221).
 REWIND_INLINE void write_panel(const Reg* a, const float* bias, float* y, int64_t n) {
   if (n == kPanel) {
     __m256 lo = a[0], hi = a[1];
