@@ -723,6 +723,47 @@ struct KVSegment {
   int64_t n;
 };
 
+// Walks the key / value rows of the segments from a key index on, issuing
+// software prefetches (to L2) for the keys and values of each row it passes.
+// A batch of sequences reads each sequence's keys and values once a round,
+// block after block at scattered addresses: the hardware prefetchers lose
+// the stream at every block, and attention waited on memory for most of its
+// time (16 prompts of the shipped target while this machine's share of L3
+// was a few MB: docs/performance.md section 16). Prefetching changes no
+// result.
+struct RowPrefetcher {
+  const KVSegment* segment;
+  const KVSegment* segments_end;
+  int64_t row;  // in *segment
+  int64_t k_pos_stride, v_pos_stride, row_bytes;
+
+  RowPrefetcher(const KVSegment* segments, int64_t num_segments, int64_t key, int64_t k_stride, int64_t v_stride,
+                int64_t head_dim)
+      : segment(segments), segments_end(segments + num_segments), row(key), k_pos_stride(k_stride),
+        v_pos_stride(v_stride), row_bytes(head_dim * static_cast<int64_t>(sizeof(float))) {
+    while (segment != segments_end && row >= segment->n) row -= (segment++)->n;
+  }
+  // Prefetches the next `rows` rows (fewer at the end of the segments).
+  REWIND_INLINE void advance(int64_t rows) {
+    for (int64_t i = 0; i < rows && segment != segments_end; ++i) {
+      const char* k = reinterpret_cast<const char*>(segment->k + row * k_pos_stride);
+      const char* v = reinterpret_cast<const char*>(segment->v + row * v_pos_stride);
+      for (int64_t b = 0; b < row_bytes; b += 64) {
+        __builtin_prefetch(k + b, 0, 2);
+        __builtin_prefetch(v + b, 0, 2);
+      }
+      if (++row == segment->n) {
+        ++segment;
+        row = 0;
+      }
+    }
+  }
+};
+
+// Rows ahead of the scoring that RowPrefetcher keeps: about one memory
+// latency of scoring work (a row's scores take some 25 cycles).
+constexpr int64_t kPrefetchRows = 16;
+
 // Scores of G queries (1 or 2: heads of one row that share a KV head, hence
 // the same keys) against the keys j in [begin, end) of the segments (key 0:
 // the first segment's first row, rows k_pos_stride floats apart): query g's
@@ -732,11 +773,16 @@ struct KVSegment {
 // then the rest one by one: a key's score does not depend on how keys are
 // grouped, and a maximum does not depend on the order it is taken in
 // (signed zeros aside, and exp(w - max) is the same for max = +0 and -0).
+// `prefetch`: keep kPrefetchRows rows of keys and values (v_pos_stride
+// floats apart) requested ahead of the scoring.
 template <int G>
 REWIND_INLINE void score_keys(const float* const* qh, const KVSegment* segments, int64_t num_segments,
-                              int64_t k_pos_stride, int64_t head_dim, float scale, int64_t begin, int64_t end,
-                              float* const* w, Quad* max4, float* max_score) {
+                              int64_t k_pos_stride, int64_t v_pos_stride, int64_t head_dim, float scale,
+                              int64_t begin, int64_t end, float* const* w, Quad* max4, float* max_score,
+                              bool prefetch) {
   const Quad scale4 = Quad{} + scale;
+  RowPrefetcher ahead(segments, prefetch ? num_segments : 0, begin, k_pos_stride, v_pos_stride, head_dim);
+  if (prefetch) ahead.advance(kPrefetchRows);
   int64_t at = 0;  // key index of the current segment's first row
   for (int64_t s = 0; s < num_segments && at < end; at += segments[s].n, ++s) {
     const int64_t a = std::max(begin, at), b = std::min(end, at + segments[s].n);
@@ -745,6 +791,7 @@ REWIND_INLINE void score_keys(const float* const* qh, const KVSegment* segments,
     const int64_t count = b - a;
     int64_t key = 0;
     for (; key + 4 <= count; key += 4) {
+      ahead.advance(4);
       Quad sc[G];
       if constexpr (G == 2) {
         dot4x2_strided(qh[0], qh[1], kh + key * k_pos_stride, k_pos_stride, head_dim, sc[0], sc[1]);
@@ -758,6 +805,7 @@ REWIND_INLINE void score_keys(const float* const* qh, const KVSegment* segments,
       }
     }
     for (; key < count; ++key) {
+      ahead.advance(1);
       for (int g = 0; g < G; ++g) {
         const float sc = dot_inline(qh[g], kh + key * k_pos_stride, head_dim) * scale;
         w[g][a + key] = sc;
@@ -884,10 +932,17 @@ REWIND_INLINE void attend_units_body(QueryUnit* units, int64_t num_units, const 
   };
   for_each_block([&](int64_t u, int64_t a, int64_t b) __attribute__((always_inline)) {
     QueryUnit& q = units[u];
+    // One block of keys for every unit (a decoding row: its keys come from
+    // memory): the first unit requests them ahead of use, the others find
+    // them in cache. Rows of a longer prompt or verification share each key
+    // block, fetched once for all of them.
+    const bool prefetch = u == 0 && last - first <= key_block;
     if (q.G == 2) {
-      score_keys<2>(q.qh, segments, num_segments, k_pos_stride, head_dim, scale, a, b, q.w, max4[u], max_score[u]);
+      score_keys<2>(q.qh, segments, num_segments, k_pos_stride, v_pos_stride, head_dim, scale, a, b, q.w, max4[u],
+                    max_score[u], prefetch);
     } else {
-      score_keys<1>(q.qh, segments, num_segments, k_pos_stride, head_dim, scale, a, b, q.w, max4[u], max_score[u]);
+      score_keys<1>(q.qh, segments, num_segments, k_pos_stride, v_pos_stride, head_dim, scale, a, b, q.w, max4[u],
+                    max_score[u], prefetch);
     }
   });
   for (int64_t u = 0; u < num_units; ++u) {
