@@ -55,11 +55,11 @@ std::vector<DecodeBenchRow> run_decode_bench(const Model& target, const Model* d
     DecodeBenchRow row;
     row.method = method;
     row.k = k;
-    std::vector<double> rates, shares;
+    std::vector<double> rates, shares, decode_rates;
     std::int64_t drafted = 0, accepted = 0;
     for (int r = 0; r < options.repeats; ++r) {
-      double seconds = 0.0, cache_seconds = 0.0;
-      std::int64_t tokens = 0;
+      double seconds = 0.0, cache_seconds = 0.0, decode_seconds = 0.0;
+      std::int64_t tokens = 0, decode_tokens = 0;
       for (std::size_t p = 0; p < encoded.size(); ++p) {
         GenerationStats stats;
         std::vector<std::int32_t> out;
@@ -85,13 +85,19 @@ std::vector<DecodeBenchRow> run_decode_bench(const Model& target, const Model* d
         seconds += stats.seconds;
         cache_seconds += stats.cache_seconds;
         tokens += stats.new_tokens;
+        if (stats.new_tokens > 1) {
+          decode_seconds += stats.seconds - stats.time_to_first_token;
+          decode_tokens += stats.new_tokens - 1;
+        }
         drafted += stats.drafted;
         accepted += stats.accepted;
       }
       rates.push_back(seconds > 0 ? static_cast<double>(tokens) / seconds : 0.0);
       shares.push_back(seconds > 0 ? cache_seconds / seconds : 0.0);
+      decode_rates.push_back(decode_seconds > 0 ? static_cast<double>(decode_tokens) / decode_seconds : 0.0);
     }
     row.tokens_per_second = median(rates);
+    row.decode_tokens_per_second = median(decode_rates);
     row.cache_share = median(shares);
     row.acceptance_rate = drafted > 0 ? static_cast<double>(accepted) / static_cast<double>(drafted) : 0.0;
     return row;
@@ -106,7 +112,7 @@ std::vector<DecodeBenchRow> run_decode_bench(const Model& target, const Model* d
     row.batch = B;
     std::vector<std::vector<std::int32_t>> batch;
     for (std::int64_t i = 0; i < B; ++i) batch.push_back(encoded[static_cast<std::size_t>(i) % encoded.size()]);
-    std::vector<double> rates;
+    std::vector<double> rates, decode_rates;
     std::int64_t drafted = 0, accepted = 0;
     for (int r = 0; r < options.repeats; ++r) {
       BatchGenerationStats stats;
@@ -128,8 +134,10 @@ std::vector<DecodeBenchRow> run_decode_bench(const Model& target, const Model* d
         accepted += stats.sequences[i].accepted;
       }
       rates.push_back(stats.tokens_per_second());
+      decode_rates.push_back(stats.decode_tokens_per_second());
     }
     row.tokens_per_second = median(rates);
+    row.decode_tokens_per_second = median(decode_rates);
     row.cache_share = -1.0;  // the batched forward does not time its cache calls
     row.acceptance_rate = drafted > 0 ? static_cast<double>(accepted) / static_cast<double>(drafted) : 0.0;
     return row;
@@ -153,8 +161,11 @@ std::vector<DecodeBenchRow> run_decode_bench(const Model& target, const Model* d
     if (draft) rows.push_back(measure_batch("draft_batch", options.ks.front(), B));
     rows.push_back(measure_batch("lookup_batch", options.ks.front(), B));
   }
-  const double greedy = rows.front().tokens_per_second;
-  for (auto& row : rows) row.speedup = greedy > 0 ? row.tokens_per_second / greedy : 0.0;
+  const double greedy = rows.front().tokens_per_second, greedy_decode = rows.front().decode_tokens_per_second;
+  for (auto& row : rows) {
+    row.speedup = greedy > 0 ? row.tokens_per_second / greedy : 0.0;
+    row.decode_speedup = greedy_decode > 0 ? row.decode_tokens_per_second / greedy_decode : 0.0;
+  }
   return rows;
 }
 
@@ -213,6 +224,8 @@ std::string decode_bench_json(const std::vector<DecodeBenchRow>& rows) {
                    {"acceptance_rate", r.acceptance_rate},
                    {"cache_share", r.cache_share < 0 ? nlohmann::json(nullptr) : nlohmann::json(r.cache_share)},
                    {"speedup", r.speedup},
+                   {"decode_tokens_per_second", r.decode_tokens_per_second},
+                   {"decode_speedup", r.decode_speedup},
                    {"identical", r.identical}});
   }
   return out.dump(1);

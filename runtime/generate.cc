@@ -235,11 +235,12 @@ SeqId prefill_sequence(const Model& model, SequenceCache& cache, SeqId id, std::
   const auto V = static_cast<std::size_t>(model.vocab_size());
   std::vector<float> logits;
   for (const std::int64_t b : prefix_cache.boundaries(a, P)) {
-    const SequenceTokens one{id, tokens.subspan(static_cast<std::size_t>(a), static_cast<std::size_t>(b - a))};
+    const SequenceTokens one{id, tokens.subspan(static_cast<std::size_t>(a), static_cast<std::size_t>(b - a)),
+                             LogitRows::kLast};
     model.forward_batch(std::span<const SequenceTokens>(&one, 1), cache, logits);
     ++stats.forwards;
     prefix_cache.store(tokens.first(static_cast<std::size_t>(b)), a, cache.export_snapshot(id, a),
-                       std::span<const float>(logits.data() + static_cast<std::size_t>(b - a - 1) * V, V));
+                       std::span<const float>(logits.data(), V));
     a = b;
   }
   return id;
@@ -384,14 +385,13 @@ std::vector<std::vector<std::int32_t>> generate_batch(const Model& model,
     }
     if (active.empty()) break;
     batch.clear();
-    for (std::size_t i : active) batch.push_back({ids[i], pending[i]});
+    for (std::size_t i : active) batch.push_back({ids[i], pending[i], LogitRows::kLast});
     model.forward_batch(batch, cache, logits);
     ++local.forwards;
-    std::size_t row = 0;
+    std::size_t row = 0;  // one row of logits per sequence
     std::vector<std::size_t> still;
     for (std::size_t i : active) {
-      row += pending[i].size();
-      const std::int32_t token = pick(std::span<const float>(logits.data() + (row - 1) * V, V), options.sampling, rngs[i]);
+      const std::int32_t token = pick(std::span<const float>(logits.data() + row++ * V, V), options.sampling, rngs[i]);
       GenerationStats& s = local.sequences[i];
       ++s.forwards;
       if (emit(token, model, quiet, out[i], t0, s)) {
@@ -467,7 +467,6 @@ void BatchedModelDraft::propose(std::span<const Request> requests) {
   std::vector<float> logits;
   std::vector<SequenceTokens> batch;
   std::vector<std::int32_t> fed(requests.size());  // the draft each request feeds at the next step
-  std::vector<std::size_t> rows(requests.size());  // rows each request has in the step's batch
   // Step 0 feeds what each sequence's draft cache has not seen, every later
   // step the draft token of the step before, for the requests still drafting
   // (ModelDraft's forwards, batched).
@@ -475,8 +474,7 @@ void BatchedModelDraft::propose(std::span<const Request> requests) {
   for (std::size_t r = 0; r < requests.size(); ++r) {
     const Request& q = requests[r];
     const std::span<const std::int32_t> unseen = q.sequence.subspan(static_cast<std::size_t>(seen_[q.index]));
-    batch.push_back({ids_[q.index], unseen});
-    rows[r] = unseen.size();
+    batch.push_back({ids_[q.index], unseen, LogitRows::kLast});
     seen_[q.index] = static_cast<std::int64_t>(q.sequence.size());
     q.drafts->clear();
     live.push_back(r);
@@ -485,11 +483,10 @@ void BatchedModelDraft::propose(std::span<const Request> requests) {
     model_.forward_batch(batch, cache_, logits);
     std::vector<std::size_t> next;
     std::vector<SequenceTokens> next_batch;
-    std::size_t offset = 0;
+    std::size_t offset = 0;  // one row of logits per request
     for (std::size_t r : live) {
       const Request& q = requests[r];
-      offset += rows[r];
-      const std::span<const float> row(logits.data() + (offset - 1) * V, V);
+      const std::span<const float> row(logits.data() + offset++ * V, V);
       std::int32_t token;
       if (sampling_.greedy()) {
         token = static_cast<std::int32_t>(kernels::argmax(row.data(), static_cast<std::int64_t>(V)));
@@ -501,8 +498,7 @@ void BatchedModelDraft::propose(std::span<const Request> requests) {
       q.drafts->push_back(token);
       if (static_cast<std::int64_t>(q.drafts->size()) < q.k) {
         fed[r] = token;
-        next_batch.push_back({ids_[q.index], std::span<const std::int32_t>(&fed[r], 1)});
-        rows[r] = 1;
+        next_batch.push_back({ids_[q.index], std::span<const std::int32_t>(&fed[r], 1), LogitRows::kLast});
         ++seen_[q.index];
         next.push_back(r);
       }
@@ -832,7 +828,8 @@ std::vector<std::vector<std::int32_t>> speculative_generate_batch(
       } else {
         verify[i].assign(prompts[i].begin(), prompts[i].end() - 1);
       }
-      batch.push_back({ids[i], verify[i]});
+      // A prompt's logits are not read: its pending token verifies next round.
+      batch.push_back({ids[i], verify[i], prefilled[i] ? LogitRows::kAll : LogitRows::kNone});
       ++seqs[i].stats.forwards;
     }
     target.forward_batch(batch, cache, logits);
@@ -841,13 +838,13 @@ std::vector<std::vector<std::int32_t>> speculative_generate_batch(
     std::vector<std::size_t> still;
     for (std::size_t i : active) {
       SpecSequence& s = seqs[i];
-      const std::span<const float> rows(logits.data() + row * static_cast<std::size_t>(V), verify[i].size() * static_cast<std::size_t>(V));
-      row += verify[i].size();
-      if (!prefilled[i]) {
+      if (!prefilled[i]) {  // no rows of logits
         prefilled[i] = true;
         still.push_back(i);
         continue;
       }
+      const std::span<const float> rows(logits.data() + row * static_cast<std::size_t>(V), verify[i].size() * static_cast<std::size_t>(V));
+      row += verify[i].size();
       std::int64_t accepted = 0;
       const std::vector<std::int32_t> emitted = accept_round(s, rows, V, options.sampling, accepted);
       const auto tc = Clock::now();

@@ -885,8 +885,22 @@ void Model::forward_batch(std::span<const SequenceTokens> batch, SequenceCache& 
     mlp(w, T, x, h, mix, gate, up);
   }
   k::rms_norm(x.data(), final_norm_, T, d, c.rms_norm_eps, h.data());
-  logits.resize(sz(T * V));
-  k::matmul(h.data(), T, lm_head_, logits.data());
+  // The rows whose logits are asked for, gathered (each row's product does
+  // not depend on the others: the same bits as over all T rows).
+  std::int64_t R = 0;
+  bool every_row = true;
+  for (std::size_t e = 0; e < batch.size(); ++e) {
+    const auto n = static_cast<std::int64_t>(batch[e].tokens.size());
+    const std::int64_t wanted =
+        batch[e].logits == LogitRows::kAll ? n : batch[e].logits == LogitRows::kLast ? std::min<std::int64_t>(n, 1) : 0;
+    every_row = every_row && wanted == n;
+    if (!every_row && wanted > 0) {
+      std::memmove(h.data() + R * d, h.data() + (offset[e] + n - wanted) * d, sz(wanted * d) * sizeof(float));
+    }
+    R += wanted;
+  }
+  logits.resize(sz(R * V));
+  if (R > 0) k::matmul(h.data(), R, lm_head_, logits.data());
   transaction.commit();
 }
 

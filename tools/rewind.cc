@@ -812,8 +812,8 @@ int run_bench(const CLI::App& cmd, const std::string& model_dir, const DraftChoi
   const auto rows = run_decode_bench(model, draft ? &*draft : nullptr, options, [](const std::string& line) {
     std::fprintf(stderr, "bench: %s\n", line.c_str());
   });
-  std::printf("%-12s %5s %3s %12s %9s %11s %12s %10s\n", "method", "batch", "K", "tokens/s", "speedup",
-              "acceptance", "cache share", "identical");
+  std::printf("%-12s %5s %3s %12s %9s %12s %9s %11s %12s %10s\n", "method", "batch", "K", "tokens/s", "speedup",
+              "decode tok/s", "speedup", "acceptance", "cache share", "identical");
   bool all_identical = true;
   for (const auto& r : rows) {
     char share[32];
@@ -822,9 +822,9 @@ int run_bench(const CLI::App& cmd, const std::string& model_dir, const DraftChoi
     } else {
       std::snprintf(share, sizeof share, "%.3f%%", 100.0 * r.cache_share);
     }
-    std::printf("%-12s %5lld %3lld %12.1f %8.2fx %11.3f %12s %10s\n", r.method.c_str(),
+    std::printf("%-12s %5lld %3lld %12.1f %8.2fx %12.1f %8.2fx %11.3f %12s %10s\n", r.method.c_str(),
                 static_cast<long long>(r.batch), static_cast<long long>(r.k), r.tokens_per_second, r.speedup,
-                r.acceptance_rate, share, r.identical ? "yes" : "NO");
+                r.decode_tokens_per_second, r.decode_speedup, r.acceptance_rate, share, r.identical ? "yes" : "NO");
     all_identical = all_identical && r.identical;
   }
   if (!json_path.empty()) {

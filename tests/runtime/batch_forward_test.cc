@@ -34,12 +34,16 @@ struct Twin {
   Cache solo;
 };
 
-// Feeds `chunks[i]` to twin i: all of them in one forward_batch, each alone
-// through forward(); the logits must be equal bit for bit.
+// Feeds `chunks[i]` to twin i: all of them in one forward_batch (twin i
+// asking for the rows of logits `wanted[i]`, every row when not given), each
+// alone through forward() with every row; the rows asked for must be equal
+// bit for bit, and no other row may be written.
 void step(const Model& model, SequenceCache& batched, std::vector<Twin>& twins, const std::vector<Tokens>& chunks,
-          const std::string& what) {
+          const std::string& what, const std::vector<LogitRows>& wanted = {}) {
   std::vector<SequenceTokens> batch;
-  for (std::size_t i = 0; i < twins.size(); ++i) batch.push_back({twins[i].id, chunks[i]});
+  for (std::size_t i = 0; i < twins.size(); ++i) {
+    batch.push_back({twins[i].id, chunks[i], wanted.empty() ? LogitRows::kAll : wanted[i]});
+  }
   std::vector<float> logits;
   model.forward_batch(batch, batched, logits);
   const auto V = static_cast<std::size_t>(model.vocab_size());
@@ -47,12 +51,16 @@ void step(const Model& model, SequenceCache& batched, std::vector<Twin>& twins, 
   for (std::size_t i = 0; i < twins.size(); ++i) {
     if (chunks[i].empty()) continue;
     std::vector<float> solo;
-    model.forward(chunks[i], twins[i].solo, solo);
+    model.forward(chunks[i], twins[i].solo, solo, /*all_logits=*/true);
     ASSERT_EQ(solo.size(), chunks[i].size() * V);
-    EXPECT_EQ(std::memcmp(solo.data(), logits.data() + row * V, solo.size() * sizeof(float)), 0)
+    const LogitRows rows = batch[i].logits;
+    const std::size_t first = rows == LogitRows::kAll ? 0 : chunks[i].size() - 1;
+    const std::size_t count = rows == LogitRows::kAll ? chunks[i].size() : rows == LogitRows::kLast ? 1 : 0;
+    ASSERT_LE((row + count) * V, logits.size()) << what;
+    EXPECT_EQ(std::memcmp(solo.data() + first * V, logits.data() + row * V, count * V * sizeof(float)), 0)
         << what << ": sequence " << i << " differs from its solo forward";
     EXPECT_EQ(batched.seq_length(twins[i].id), twins[i].solo.get_seq_length()) << what;
-    row += chunks[i].size();
+    row += count;
   }
   EXPECT_EQ(row * V, logits.size()) << what;
 }
@@ -77,6 +85,34 @@ TEST(ForwardBatch, EverySequenceMatchesItsSoloForwardBitForBit) {
       step(model, batched, twins, chunks, "round " + std::to_string(round));
     }
   }
+}
+
+// Entries asking for every row, the last row or none, mixed in one batch:
+// the rows asked for come out in entry order with the bits of a full
+// forward, and the state is the same whatever is asked.
+TEST(ForwardBatch, EachEntryGetsTheLogitRowsItAsksFor) {
+  std::mt19937_64 rng(11);
+  const Model model(ModelWeights::random(testing_configs::hybrid(), 11));
+  SequenceCache batched = model.make_sequence_cache({/*block_size=*/4});
+  std::vector<Twin> twins;
+  for (int i = 0; i < 4; ++i) twins.push_back({batched.add_sequence(), model.make_cache()});
+  step(model, batched, twins, {random_tokens(rng, 9), random_tokens(rng, 1), random_tokens(rng, 5), random_tokens(rng, 3)},
+       "prompts", {LogitRows::kLast, LogitRows::kNone, LogitRows::kAll, LogitRows::kLast});
+  std::uniform_int_distribution<int> q(0, 4), kind(0, 2);
+  const LogitRows kinds[] = {LogitRows::kAll, LogitRows::kLast, LogitRows::kNone};
+  for (int round = 0; round < 10; ++round) {
+    std::vector<Tokens> chunks;
+    std::vector<LogitRows> wanted;
+    for (std::size_t i = 0; i < twins.size(); ++i) {
+      chunks.push_back(random_tokens(rng, static_cast<std::size_t>(q(rng))));
+      wanted.push_back(kinds[kind(rng)]);
+    }
+    chunks[round % 4] = random_tokens(rng, 2);
+    step(model, batched, twins, chunks, "round " + std::to_string(round), wanted);
+  }
+  // Nothing asked at all: no logits, the tokens still appended.
+  step(model, batched, twins, {random_tokens(rng, 2), random_tokens(rng, 1), {}, random_tokens(rng, 3)}, "no rows",
+       {LogitRows::kNone, LogitRows::kNone, LogitRows::kNone, LogitRows::kNone});
 }
 
 TEST(ForwardBatch, ForksAndPerSequenceRollbackStayExact) {
@@ -357,6 +393,7 @@ TEST(DecodeBenchBatch, BatchRowsAreMeasuredAndCheckedAgainstGreedy) {
     methods.push_back(r.method + "/" + std::to_string(r.batch));
     EXPECT_TRUE(r.identical) << r.method << " batch " << r.batch;
     EXPECT_GT(r.tokens_per_second, 0.0) << r.method;
+    EXPECT_GT(r.decode_tokens_per_second, 0.0) << r.method << ": 12 tokens each, 11 after the first";
     if (r.batch > 1 || r.method.find("_batch") != std::string::npos) {
       EXPECT_LT(r.cache_share, 0.0) << "batch rows do not time cache calls";
     }
@@ -374,7 +411,9 @@ TEST(DecodeBenchBatch, BatchRowsAreMeasuredAndCheckedAgainstGreedy) {
   }
   EXPECT_EQ(methods, (std::vector<std::string>{"greedy", "draft", "lookup", "draft_tree", "lookup_tree"}));
   options.tree_width = 0;
+  EXPECT_EQ(rows.front().decode_speedup, 1.0);  // greedy against itself
   EXPECT_NE(decode_bench_json(rows).find("\"batch\": 3"), std::string::npos);
+  EXPECT_NE(decode_bench_json(rows).find("\"decode_tokens_per_second\""), std::string::npos);
   options.batch_sizes = {0};
   EXPECT_THROW(run_decode_bench(target, &draft, options), InvalidArgument);
 }

@@ -51,6 +51,11 @@ struct DecodeBenchRow {
   double acceptance_rate = 0.0;    // accepted / drafted over all runs
   double cache_share = 0.0;        // median of cache_seconds / seconds; -1 (JSON null) for batch rows: not measured
   double speedup = 0.0;            // tokens_per_second / greedy's
+  // Decoding alone (GenerationStats::decode_tokens_per_second: the tokens
+  // after each sequence's first over the time after it, so without the
+  // prompts' prefill), median over repeats, and its ratio to greedy's.
+  double decode_tokens_per_second = 0.0;
+  double decode_speedup = 0.0;
   bool identical = true;           // tokens equal greedy's for every prompt
 };
 

@@ -37,11 +37,19 @@
 
 namespace rwd::runtime {
 
+// Which rows of logits a batched forward writes for one sequence.
+enum class LogitRows {
+  kAll,   // one per token (verification)
+  kLast,  // the last token's only (a prompt, a decoding step)
+  kNone,  // none (a prompt whose next token comes in a later forward)
+};
+
 // One sequence's share of a batched forward: its new tokens (none: the
-// sequence is left as it is).
+// sequence is left as it is) and the logits it needs.
 struct SequenceTokens {
   SeqId seq;
   std::span<const std::int32_t> tokens;
+  LogitRows logits = LogitRows::kAll;
 };
 
 class Model {
@@ -96,8 +104,10 @@ class Model {
 
   // One forward over a ragged batch: each entry's tokens at its sequence's
   // positions [L, L + n), all entries' rows through every weight together,
-  // attention, conv and recurrent state per sequence. Writes logits [T,
-  // vocab] for the T tokens in entry order. Batch invariant: a sequence's
+  // attention, conv and recurrent state per sequence. Writes logits [R,
+  // vocab]: each entry's rows (its logits: every token's, the last one's or
+  // none) in entry order; a prompt's other rows skip the output matmul.
+  // Batch invariant: a sequence's
   // logits and stored state are bit-identical to a forward of that sequence
   // alone (in any batch, or through forward() with a Cache). All or
   // nothing (begin_batch): an exception leaves every sequence unchanged.
