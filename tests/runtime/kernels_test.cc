@@ -207,6 +207,30 @@ TEST(KernelsMatmul, EveryOutputEqualsNaiveInOrderSumBitwise) {
   }
 }
 
+// A matrix of 2 MiB or more sits in memory asked to be in huge pages (the
+// whole ones; the tail in small pages): the same products, bit for bit, and
+// the storage follows a move (its deleter frees it with the alignment it
+// was allocated with: ASan checks the pairing).
+TEST(KernelsMatmul, MatrixOfHugePagesComputesTheSameAndMoves) {
+  const std::int64_t rows = 3, in = 600, out = 1000;  // 63 panels x 600 x 16 floats: 2.42 MB
+  const Vec x = random_vec(static_cast<std::size_t>(rows * in), 21);
+  const Vec w = random_vec(static_cast<std::size_t>(out * in), 22);
+  PackedMatrix pw(w.data(), out, in);
+  ASSERT_GE(pw.bytes(), std::size_t{2} << 20);
+  const Vec ref = naive_matmul(x, rows, w, out, in, nullptr);
+  Vec y(static_cast<std::size_t>(rows * out));
+  matmul(x.data(), rows, pw, y.data());
+  EXPECT_TRUE(same_bits(y, ref));
+  const PackedMatrix moved = std::move(pw);
+  std::fill(y.begin(), y.end(), 0.0f);
+  matmul(x.data(), rows, moved, y.data());
+  EXPECT_TRUE(same_bits(y, ref));
+  PackedMatrix small(w.data(), 4, 8);  // below 2 MiB: the other allocation
+  small = PackedMatrix(w.data(), out, in);  // frees the small one, takes the big one
+  matmul(x.data(), rows, small, y.data());
+  EXPECT_TRUE(same_bits(y, ref));
+}
+
 TEST(KernelsMatmul, EmptyShapes) {
   const Vec w = random_vec(12, 12);
   const PackedMatrix pw(w.data(), 3, 4);

@@ -197,10 +197,12 @@ class PackedMatrix {
 
  private:
   struct AlignedFree {
+    std::size_t alignment;  // what the block was allocated with
     void operator()(std::byte* p) const;
   };
   template <class T>
   static PackedMatrix packed_from(const T* w, std::int64_t out, std::int64_t in, Element element);
+  static std::unique_ptr<std::byte[], AlignedFree> allocate_panels(std::size_t bytes);
   std::unique_ptr<std::byte[], AlignedFree> data_;
   std::int64_t out_ = 0;
   std::int64_t in_ = 0;
