@@ -214,6 +214,83 @@ std::vector<ForwardCostRow> measure_forward_costs(const Model& model, std::int64
   return rows;
 }
 
+std::vector<BatchRoundCostRow> measure_batch_round_costs(const Model& model,
+                                                         const std::vector<std::int64_t>& batch_sizes,
+                                                         std::int64_t context, int samples) {
+  for (std::int64_t b : batch_sizes) {
+    if (b < 1 || b > 4096) throw InvalidArgument("batch round costs: a batch size must be in [1, 4096], got " + std::to_string(b));
+  }
+  if (context < 1 || context > (std::int64_t{1} << 20)) {
+    throw InvalidArgument("batch round costs: the context must be in [1, 2^20] tokens, got " + std::to_string(context));
+  }
+  if (samples < 1 || samples > (1 << 20)) {
+    throw InvalidArgument("batch round costs: samples must be in [1, 2^20], got " + std::to_string(samples));
+  }
+  std::vector<std::int64_t> sizes{1};
+  for (std::int64_t b : batch_sizes)
+    if (std::find(sizes.begin(), sizes.end(), b) == sizes.end()) sizes.push_back(b);
+  const std::int64_t widest = *std::max_element(sizes.begin(), sizes.end());
+  // Sequence i's context: the first bench prompt's bytes from offset i, so
+  // that sequences differ (the cost does not depend on which tokens).
+  const std::string& text = default_bench_prompts().front();
+  const std::int32_t vocab = static_cast<std::int32_t>(model.vocab_size());
+  auto token_at = [&](std::int64_t i) {
+    return static_cast<std::int32_t>(static_cast<unsigned char>(text[static_cast<std::size_t>(i) % text.size()])) % vocab;
+  };
+  SequenceCache cache = model.make_sequence_cache();
+  std::vector<SeqId> ids;
+  std::vector<std::vector<std::int32_t>> prompts(static_cast<std::size_t>(widest));
+  std::vector<SequenceTokens> batch;
+  // The parents hold context - 1 tokens; each fork takes the last one in
+  // an untimed round (which also gives it a block of its own: the timed
+  // round does not pay the copy of a shared, partly filled block).
+  for (std::int64_t s = 0; s < widest; ++s) {
+    ids.push_back(cache.add_sequence());
+    for (std::int64_t i = 0; i + 1 < context; ++i) prompts[static_cast<std::size_t>(s)].push_back(token_at(s + i));
+    batch.push_back({ids.back(), prompts[static_cast<std::size_t>(s)], LogitRows::kNone});
+  }
+  std::vector<float> logits;
+  if (context > 1) model.forward_batch(batch, cache, logits);
+  std::vector<std::int32_t> last(static_cast<std::size_t>(widest)), next(static_cast<std::size_t>(widest));
+  for (std::int64_t s = 0; s < widest; ++s) {
+    last[static_cast<std::size_t>(s)] = token_at(s + context - 1);
+    next[static_cast<std::size_t>(s)] = token_at(s + context);
+  }
+  std::vector<std::vector<double>> times(sizes.size());
+  std::vector<SeqId> forks;
+  // One token for each of the first n forks, from `tokens`.
+  const auto round = [&](std::int64_t n, const std::vector<std::int32_t>& tokens) {
+    batch.clear();
+    for (std::int64_t s = 0; s < n; ++s) {
+      batch.push_back({forks[static_cast<std::size_t>(s)],
+                       std::span<const std::int32_t>(&tokens[static_cast<std::size_t>(s)], 1), LogitRows::kLast});
+    }
+    model.forward_batch(batch, cache, logits);
+  };
+  for (int sample = 0; sample < samples; ++sample) {
+    for (std::size_t k = 0; k < sizes.size(); ++k) {
+      forks.clear();
+      for (std::int64_t s = 0; s < sizes[k]; ++s) forks.push_back(cache.fork(ids[static_cast<std::size_t>(s)]));
+      round(sizes[k], last);
+      const auto start = std::chrono::steady_clock::now();
+      round(sizes[k], next);
+      const auto stop = std::chrono::steady_clock::now();
+      for (const SeqId f : forks) cache.seq_rm(f);
+      times[k].push_back(std::chrono::duration<double, std::micro>(stop - start).count());
+    }
+  }
+  std::vector<BatchRoundCostRow> rows;
+  for (std::size_t k = 0; k < sizes.size(); ++k) {
+    BatchRoundCostRow r;
+    r.batch = sizes[k];
+    r.microseconds = median(times[k]);
+    r.per_token = r.microseconds / static_cast<double>(r.batch);
+    r.gain = rows.empty() ? 1.0 : static_cast<double>(r.batch) * rows.front().microseconds / r.microseconds;
+    rows.push_back(r);
+  }
+  return rows;
+}
+
 std::string decode_bench_json(const std::vector<DecodeBenchRow>& rows) {
   nlohmann::json out = nlohmann::json::array();
   for (const auto& r : rows) {

@@ -835,7 +835,8 @@ int run_bench(const CLI::App& cmd, const std::string& model_dir, const DraftChoi
   return all_identical ? 0 : 1;
 }
 
-int run_forward_cost(const std::string& model_dir, std::int64_t max_q, std::int64_t context, int samples) {
+int run_forward_cost(const std::string& model_dir, std::int64_t max_q, std::int64_t context, int samples,
+                     const std::vector<std::int64_t>& batch_sizes) {
   const Model model = Model::load(model_dir);
   std::fprintf(stderr, "forward-cost: %lld samples per q after %lld tokens of context\n",
                static_cast<long long>(samples), static_cast<long long>(context));
@@ -843,6 +844,14 @@ int run_forward_cost(const std::string& model_dir, std::int64_t max_q, std::int6
   std::printf("%3s %14s %20s\n", "q", "microseconds", "one-token forwards");
   for (const auto& r : rows) {
     std::printf("%3lld %14.1f %19.2fx\n", static_cast<long long>(r.q), r.microseconds, r.one_token_forwards);
+  }
+  if (!batch_sizes.empty()) {
+    std::fprintf(stderr, "forward-cost: decoding rounds of B sequences, each holding %lld tokens\n",
+                 static_cast<long long>(context));
+    std::printf("\n%5s %14s %14s %12s\n", "B", "microseconds", "per token", "gain");
+    for (const auto& r : measure_batch_round_costs(model, batch_sizes, context, samples)) {
+      std::printf("%5lld %14.1f %14.1f %11.2fx\n", static_cast<long long>(r.batch), r.microseconds, r.per_token, r.gain);
+    }
   }
   return 0;
 }
@@ -1208,6 +1217,7 @@ int main(int argc, char** argv) {
 
   std::int64_t cost_max_q = 8, cost_context = 128;
   int cost_samples = 200;
+  std::vector<std::int64_t> cost_batches;
   auto* cst = app.add_subcommand("forward-cost", "what a forward of q tokens costs, in one-token forwards (the "
                                                  "verification term of speculative decoding)");
   cst->add_option("--model", model_dir, "model directory")->required()->check(CLI::ExistingDirectory);
@@ -1215,6 +1225,12 @@ int main(int argc, char** argv) {
   cst->add_option("--context", cost_context, "tokens in the cache before each forward")
       ->check(integer_in(1, std::int64_t{1} << 20));
   cst->add_option("--samples", cost_samples, "forwards timed per q (median reported)")->check(integer_in(1, 1 << 20));
+  cst->add_option("--batch", cost_batches,
+                  "batch sizes, comma-separated: also time decoding rounds of B sequences (one token each, every "
+                  "sequence holding --context tokens) and print each round, its cost per token and its gain "
+                  "(B x the one-sequence round / this round)")
+      ->delimiter(',')
+      ->check(integer_in(1, 4096));
   add_threads_option(cst);
 
   std::string snapshot_out, snapshot_file;
@@ -1268,7 +1284,7 @@ int main(int argc, char** argv) {
     if (*snp_inspect) return run_snapshot_inspect(snapshot_file);
     if (*snp_load) return run_snapshot_load(*snp_load, model_dir, snapshot_file, max_new, sampling, stats);
     if (*ben) return run_bench(*ben, model_dir, choice, bench_max_new, repeats, bench_ks, bench_batches, bench_json);
-    if (*cst) return run_forward_cost(model_dir, cost_max_q, cost_context, cost_samples);
+    if (*cst) return run_forward_cost(model_dir, cost_max_q, cost_context, cost_samples, cost_batches);
   } catch (const rwd::Error& e) {
     std::fprintf(stderr, "rewind: error: %s\n", e.what());
     return 2;

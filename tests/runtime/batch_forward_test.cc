@@ -376,6 +376,28 @@ TEST(SpeculativeBatch, SamplingEqualsSoloSpeculativeSampling) {
   EXPECT_THROW(speculative_generate_batch(target, too_few, prompts, options, {4, false}), InvalidArgument);
 }
 
+// The rounds of B sequences are timed at the context asked, B = 1 first,
+// each size once; bad arguments are refused before anything runs.
+TEST(BatchRoundCosts, RowsPerBatchSizeAndRefusals) {
+  const Model model(ModelWeights::random(testing_configs::hybrid(), 43));
+  const auto rows = measure_batch_round_costs(model, {4, 2, 4}, 1, 2);  // context 1: no prefill at all
+  ASSERT_EQ(rows.size(), 3u);
+  EXPECT_EQ(rows[0].batch, 1);
+  EXPECT_EQ(rows[1].batch, 4);
+  EXPECT_EQ(rows[2].batch, 2);
+  EXPECT_EQ(rows[0].gain, 1.0);
+  for (const auto& r : rows) {
+    EXPECT_GT(r.microseconds, 0.0);
+    EXPECT_DOUBLE_EQ(r.per_token, r.microseconds / static_cast<double>(r.batch));
+    EXPECT_DOUBLE_EQ(r.gain, static_cast<double>(r.batch) * rows[0].microseconds / r.microseconds);
+  }
+  EXPECT_EQ(measure_batch_round_costs(model, {}, 5, 1).size(), 1u);
+  EXPECT_THROW(measure_batch_round_costs(model, {0}, 5, 1), InvalidArgument);
+  EXPECT_THROW(measure_batch_round_costs(model, {4097}, 5, 1), InvalidArgument);
+  EXPECT_THROW(measure_batch_round_costs(model, {2}, 0, 1), InvalidArgument);
+  EXPECT_THROW(measure_batch_round_costs(model, {2}, 5, 0), InvalidArgument);
+}
+
 // rewind bench --batch: batch rows decode B prompts together (the prompt
 // set repeated), each checked against greedy decoding of its prompt alone.
 TEST(DecodeBenchBatch, BatchRowsAreMeasuredAndCheckedAgainstGreedy) {

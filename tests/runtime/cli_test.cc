@@ -350,6 +350,45 @@ TEST_F(Cli, ForwardCostPrintsOneRowPerQRelativeToOneToken) {
   }
 }
 
+// forward-cost --batch: after the q rows, a blank line, a header, then one
+// row per batch size, B = 1 first and each size once, whose per-token and
+// gain columns follow from the rounds (within the printed rounding).
+TEST_F(Cli, ForwardCostBatchPrintsOneRowPerBatchSize) {
+  const CliResult r = run_cli("forward-cost" + model("target") + " --max-q 1 --context 9 --samples 3 --batch 3,1,3");
+  ASSERT_EQ(r.status, 0) << r.all();
+  const std::size_t table = r.out.find("\n\n");
+  ASSERT_NE(table, std::string::npos) << r.out;
+  std::istringstream lines(r.out.substr(table + 2));
+  std::string line;
+  std::getline(lines, line);
+  EXPECT_NE(line.find("per token"), std::string::npos) << r.out;
+  std::vector<long long> sizes;
+  std::vector<double> micros, per_token, gain;
+  while (std::getline(lines, line)) {
+    std::istringstream fields(line);
+    long long b = 0;
+    double us = 0, each = 0, g = 0;
+    fields >> b >> us >> each >> g;
+    sizes.push_back(b);
+    micros.push_back(us);
+    per_token.push_back(each);
+    gain.push_back(g);
+  }
+  ASSERT_EQ(sizes, (std::vector<long long>{1, 3})) << r.out;
+  EXPECT_DOUBLE_EQ(gain[0], 1.0);
+  for (std::size_t i = 0; i < sizes.size(); ++i) {
+    EXPECT_GT(micros[i], 0.0) << r.out;
+    EXPECT_NEAR(per_token[i], micros[i] / static_cast<double>(sizes[i]), 0.1) << r.out;
+    const double b = static_cast<double>(sizes[i]);
+    EXPECT_GE(gain[i], b * (micros[0] - 0.05) / (micros[i] + 0.05) - 0.005) << r.out;
+    EXPECT_LE(gain[i], b * (micros[0] + 0.05) / (micros[i] - 0.05) + 0.005) << r.out;
+  }
+  for (const char* bad : {" --batch 0", " --batch 4097", " --batch 2,x"}) {
+    const CliResult b = run_cli("forward-cost" + model("target") + bad);
+    EXPECT_EQ(b.status, 2) << bad << ": " << b.all();
+  }
+}
+
 TEST_F(Cli, PromptAndPromptFileAreRefusedTogetherAndOneIsNeeded) {
   write_file(scratch_dir() / "p.txt", "text");
   write_file(scratch_dir() / "empty.txt", "");

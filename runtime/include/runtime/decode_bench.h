@@ -91,4 +91,28 @@ struct ForwardCostRow {
 std::vector<ForwardCostRow> measure_forward_costs(const Model& model, std::int64_t max_q, std::int64_t context,
                                                   int samples);
 
+// What a decoding round of B sequences costs (the term batched decoding
+// divides by B).
+struct BatchRoundCostRow {
+  std::int64_t batch = 0;          // sequences, one token each
+  double microseconds = 0.0;       // median wall time of one Model::forward_batch round
+  double per_token = 0.0;          // microseconds / batch
+  double gain = 0.0;               // batch x the B = 1 round / this round: tokens per unit of time vs one sequence
+};
+
+// Times decoding rounds of B sequences (one token each, one forward_batch)
+// for each B of `batch_sizes`, every sequence holding `context` tokens (the
+// round adds the next one, as measure_forward_costs' forwards do): they are
+// prefilled once, and each sample forks all B (shared blocks, copied
+// states), feeds each fork its last context token in an untimed round,
+// times the next round and drops the forks, so the context stays the same
+// and the blocks come from the pool.
+// Sizes are interleaved sample by sample (noise hits them alike); the
+// first row is B = 1 whatever the list says, so `gain` has its base.
+// Throws InvalidArgument unless every B is in [1, 4096], 1 <= context <=
+// 1 << 20 and 1 <= samples <= 1 << 20.
+std::vector<BatchRoundCostRow> measure_batch_round_costs(const Model& model,
+                                                         const std::vector<std::int64_t>& batch_sizes,
+                                                         std::int64_t context, int samples);
+
 }  // namespace rwd::runtime
