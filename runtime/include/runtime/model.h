@@ -107,13 +107,12 @@ class Model {
   // attention, conv and recurrent state per sequence. Writes logits [R,
   // vocab]: each entry's rows (its logits: every token's, the last one's or
   // none) in entry order; a prompt's other rows skip the output matmul.
-  // Batch invariant: a sequence's
-  // logits and stored state are bit-identical to a forward of that sequence
-  // alone (in any batch, or through forward() with a Cache). All or
-  // nothing (begin_batch): an exception leaves every sequence unchanged.
-  // Throws InvalidArgument for an empty batch, no token at all or a token
-  // outside the vocabulary, and what SequenceCache::begin_batch throws
-  // (invalid or repeated ids, budget).
+  // Batch invariant: a sequence's logits and stored state are bit-identical
+  // to a forward of that sequence alone (in any batch, or through forward()
+  // with a Cache). All or nothing (begin_batch): an exception leaves every
+  // sequence unchanged. Throws InvalidArgument for an empty batch, no token
+  // at all or a token outside the vocabulary, and what
+  // SequenceCache::begin_batch throws (invalid or repeated ids, budget).
   void forward_batch(std::span<const SequenceTokens> batch, SequenceCache& cache, std::vector<float>& logits) const;
 
   // Tree verification (rewind/tree.h): runs the N nodes of `tree`, opened
