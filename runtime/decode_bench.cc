@@ -169,22 +169,35 @@ std::vector<DecodeBenchRow> run_decode_bench(const Model& target, const Model* d
   return rows;
 }
 
+namespace {
+
+// Refuses what the forward-cost measurements cannot take (`what` names the
+// measurement in the message).
+void check_context_and_samples(const char* what, std::int64_t context, int samples) {
+  if (context < 1 || context > (std::int64_t{1} << 20)) {
+    throw InvalidArgument(std::string(what) + ": the context must be in [1, 2^20] tokens, got " + std::to_string(context));
+  }
+  if (samples < 1 || samples > (1 << 20)) {
+    throw InvalidArgument(std::string(what) + ": samples must be in [1, 2^20], got " + std::to_string(samples));
+  }
+}
+
+// Token i of the measurements' contexts: the first bench prompt's bytes,
+// repeated (the cost of a forward does not depend on which tokens it
+// holds, only on how many).
+std::int32_t context_token(const Model& model, std::int64_t i) {
+  const std::string& text = default_bench_prompts().front();
+  const auto byte = static_cast<unsigned char>(text[static_cast<std::size_t>(i) % text.size()]);
+  return static_cast<std::int32_t>(byte) % static_cast<std::int32_t>(model.vocab_size());
+}
+
+}  // namespace
+
 std::vector<ForwardCostRow> measure_forward_costs(const Model& model, std::int64_t max_q, std::int64_t context,
                                                   int samples) {
   if (max_q < 1 || max_q > 64) throw InvalidArgument("forward costs: q must be in [1, 64], got " + std::to_string(max_q));
-  if (context < 1 || context > (std::int64_t{1} << 20)) {
-    throw InvalidArgument("forward costs: the context must be in [1, 2^20] tokens, got " + std::to_string(context));
-  }
-  if (samples < 1 || samples > (1 << 20)) {
-    throw InvalidArgument("forward costs: samples must be in [1, 2^20], got " + std::to_string(samples));
-  }
-  // The context: the first bench prompt's bytes, repeated (the cost of a
-  // forward does not depend on which tokens it holds, only on how many).
-  const std::string& text = default_bench_prompts().front();
-  const std::int32_t vocab = static_cast<std::int32_t>(model.vocab_size());
-  auto token_at = [&](std::int64_t i) {
-    return static_cast<std::int32_t>(static_cast<unsigned char>(text[static_cast<std::size_t>(i) % text.size()])) % vocab;
-  };
+  check_context_and_samples("forward costs", context, samples);
+  const auto token_at = [&](std::int64_t i) { return context_token(model, i); };
   std::vector<std::int32_t> prompt(static_cast<std::size_t>(context));
   for (std::int64_t i = 0; i < context; ++i) prompt[static_cast<std::size_t>(i)] = token_at(i);
   Cache cache = model.make_cache();
@@ -220,23 +233,13 @@ std::vector<BatchRoundCostRow> measure_batch_round_costs(const Model& model,
   for (std::int64_t b : batch_sizes) {
     if (b < 1 || b > 4096) throw InvalidArgument("batch round costs: a batch size must be in [1, 4096], got " + std::to_string(b));
   }
-  if (context < 1 || context > (std::int64_t{1} << 20)) {
-    throw InvalidArgument("batch round costs: the context must be in [1, 2^20] tokens, got " + std::to_string(context));
-  }
-  if (samples < 1 || samples > (1 << 20)) {
-    throw InvalidArgument("batch round costs: samples must be in [1, 2^20], got " + std::to_string(samples));
-  }
+  check_context_and_samples("batch round costs", context, samples);
   std::vector<std::int64_t> sizes{1};
   for (std::int64_t b : batch_sizes)
     if (std::find(sizes.begin(), sizes.end(), b) == sizes.end()) sizes.push_back(b);
   const std::int64_t widest = *std::max_element(sizes.begin(), sizes.end());
-  // Sequence i's context: the first bench prompt's bytes from offset i, so
-  // that sequences differ (the cost does not depend on which tokens).
-  const std::string& text = default_bench_prompts().front();
-  const std::int32_t vocab = static_cast<std::int32_t>(model.vocab_size());
-  auto token_at = [&](std::int64_t i) {
-    return static_cast<std::int32_t>(static_cast<unsigned char>(text[static_cast<std::size_t>(i) % text.size()])) % vocab;
-  };
+  // Sequence s's context starts at token s, so that sequences differ.
+  const auto token_at = [&](std::int64_t i) { return context_token(model, i); };
   SequenceCache cache = model.make_sequence_cache();
   std::vector<SeqId> ids;
   std::vector<std::vector<std::int32_t>> prompts(static_cast<std::size_t>(widest));

@@ -182,8 +182,8 @@ constexpr int panels_for_rows(int rows) { return rows <= 2 ? 2 : 1; }
 // 16 multiply-adds: 16 tokens of the 26M f32 model 11.0-11.5 -> 10.6-10.9
 // ms, 8 tokens 2 % to 4 % faster, alternating runs). Four panels give
 // enough independent sums to hide the latency of the fused multiply-adds
-// and widen each f16 panel row for more outputs: on a Zen 4 core (one 512-bit FMA per cycle, vcvtph2ps beside
-// it) the shipped target's 5-token forward went from 340 to 303 us with
+// and widen each f16 panel row for more outputs: on a Zen 4 core (one
+// 512-bit FMA per cycle, vcvtph2ps beside it) the shipped target's 5-token forward went from 340 to 303 us with
 // four panels at 5 rows instead of two, 6 rows 400 -> 356 us, while 8x2
 // ran no faster per row than two groups of 4x4. So a matrix that is
 // resident in L3 (not prefetched: the shipped models) goes through groups
@@ -1060,22 +1060,20 @@ void pack_panels(const T* w, int64_t out, int64_t in, int64_t panels, T* dst_all
 // (transparent huge pages, asked for with madvise, as Debian's default
 // "madvise" setting requires): matmul streams such a matrix from memory,
 // and with 4 KiB pages every 4 KiB of it took a TLB miss. The one-token
-// forward of a 26M-parameter f32 model (104 MB of weights) went from 5.7 to
-// 6.2 ms to 4.9 to 5.5 ms (docs/performance.md section 16). The advice is
-// a hint: refused, the memory is the same, in small pages.
+// forward of a 26M-parameter f32 model (104 MB of weights), six
+// alternating runs: median about 5.9 ms before, 5.3 after
+// (docs/performance.md section 16). The advice is a hint: refused, the
+// memory is the same, in small pages. Only the whole huge pages are
+// advised: rounding the block up instead would have reserved up to 2 MiB
+// more per matrix (a third more for a 3 MiB one); the tail stays in small
+// pages.
 std::unique_ptr<std::byte[], PackedMatrix::AlignedFree> PackedMatrix::allocate_panels(std::size_t bytes) {
   constexpr std::size_t kHugePage = std::size_t{2} << 20;
-  if (bytes < kHugePage) {
-    return std::unique_ptr<std::byte[], AlignedFree>(
-        static_cast<std::byte*>(::operator new[](bytes, std::align_val_t{64})), AlignedFree{64});
-  }
-  // Only the whole huge pages are advised: rounding the block up instead
-  // would have reserved up to 2 MiB more per matrix (a third more for a
-  // 3 MiB one); the tail stays in small pages.
-  std::unique_ptr<std::byte[], AlignedFree> p(static_cast<std::byte*>(::operator new[](bytes, std::align_val_t{kHugePage})),
-                                              AlignedFree{kHugePage});
+  const std::size_t alignment = bytes < kHugePage ? 64 : kHugePage;
+  std::unique_ptr<std::byte[], AlignedFree> p(
+      static_cast<std::byte*>(::operator new[](bytes, std::align_val_t{alignment})), AlignedFree{alignment});
 #if defined(MADV_HUGEPAGE)
-  (void)madvise(p.get(), bytes / kHugePage * kHugePage, MADV_HUGEPAGE);
+  if (alignment == kHugePage) (void)madvise(p.get(), bytes / kHugePage * kHugePage, MADV_HUGEPAGE);
 #endif
   return p;
 }
