@@ -855,6 +855,10 @@ void Model::forward_batch(std::span<const SequenceTokens> batch, SequenceCache& 
   std::int64_t T = 0;
   for (const SequenceTokens& s : batch) {
     check_tokens(s.tokens, c, "Model::forward_batch");
+    if (s.logits != LogitRows::kAll && s.logits != LogitRows::kLast && s.logits != LogitRows::kNone) {
+      throw InvalidArgument("Model::forward_batch: entry " + std::to_string(entries.size()) + " asks for logit rows " +
+                            std::to_string(static_cast<int>(s.logits)) + "; allowed: kAll, kLast, kNone");
+    }
     entries.push_back({s.seq, static_cast<std::int64_t>(s.tokens.size())});
     pos0.push_back(cache.seq_length(s.seq));
     offset.push_back(T);

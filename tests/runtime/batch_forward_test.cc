@@ -181,6 +181,8 @@ TEST(ForwardBatch, RefusesBadInputAndChangesNothing) {
   EXPECT_THROW(model.forward_batch(twice, batched, logits), InvalidArgument);
   const std::vector<SequenceTokens> nothing{{a, {}}};
   EXPECT_THROW(model.forward_batch(nothing, batched, logits), InvalidArgument);
+  const std::vector<SequenceTokens> no_such_rows{{a, good, static_cast<LogitRows>(3)}};
+  EXPECT_THROW(model.forward_batch(no_such_rows, batched, logits), InvalidArgument);
   EXPECT_EQ(batched.seq_length(a), 0);
   EXPECT_EQ(batched.memory().blocks_in_use, 0);
 }

@@ -111,7 +111,8 @@ class Model {
   // to a forward of that sequence alone (in any batch, or through forward()
   // with a Cache). All or nothing (begin_batch): an exception leaves every
   // sequence unchanged. Throws InvalidArgument for an empty batch, no token
-  // at all or a token outside the vocabulary, and what
+  // at all, a token outside the vocabulary or a LogitRows outside its three
+  // values, and what
   // SequenceCache::begin_batch throws (invalid or repeated ids, budget).
   void forward_batch(std::span<const SequenceTokens> batch, SequenceCache& cache, std::vector<float>& logits) const;
 
