@@ -140,6 +140,7 @@ test: test-plain test-python test-asan test-tsan test-fuzz
 bench: build
 	$(BUILD)/bench/rewind_bench --benchmark_min_time=0.1
 	$(BUILD)/bench/rewind_sequence_bench --benchmark_min_time=0.1
+	OMP_NUM_THREADS=1 $(BUILD)/bench/rewind_kernel_bench --benchmark_min_time=0.1
 
 # Speculative decoding with the shipped models (models/kjv-hybrid drafted by
 # models/kjv-draft): builds the CLI (Release), streams a continuation, then
