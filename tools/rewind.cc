@@ -153,6 +153,17 @@ class Progress {
 
 // ---- prompts, draft and sampling choices ------------------------------------------------
 
+// Opens `path` (given as `flag`) for reading in binary mode. Throws
+// InvalidArgument naming the flag and path when it is a directory (which
+// opens, then fails on the first read) or cannot be opened.
+std::ifstream open_input_file(const std::string& flag, const std::string& path) {
+  std::error_code ec;
+  if (fs::is_directory(path, ec)) throw InvalidArgument(flag + " " + path + ": is a directory; give a file");
+  std::ifstream in(path, std::ios::binary);
+  if (!in) throw InvalidArgument(flag + " " + path + ": cannot open it");
+  return in;
+}
+
 // The choices below are shared by subcommands; `cmd` is the one that ran,
 // whose options tell which flags were given.
 struct PromptChoice {
@@ -174,10 +185,7 @@ struct PromptChoice {
   // ends the last line, it adds none).
   std::vector<std::string> read_many() const {
     std::ifstream file_in;
-    if (prompts != "-") {
-      file_in.open(prompts, std::ios::binary);
-      if (!file_in) throw InvalidArgument("--prompts " + prompts + ": cannot open it");
-    }
+    if (prompts != "-") file_in = open_input_file("--prompts", prompts);
     std::istream& in = prompts == "-" ? std::cin : file_in;
     std::vector<std::string> lines;
     for (std::string line; std::getline(in, line);) {
@@ -207,8 +215,7 @@ struct PromptChoice {
     if (file == "-") {
       buffer << std::cin.rdbuf();
     } else {
-      std::ifstream in(file, std::ios::binary);
-      if (!in) throw InvalidArgument("--prompt-file " + file + ": cannot open it");
+      std::ifstream in = open_input_file("--prompt-file", file);
       buffer << in.rdbuf();
       if (in.bad()) throw InvalidArgument("--prompt-file " + file + ": read error");
     }
@@ -659,8 +666,7 @@ int run_verify(const CLI::App& cmd, const std::string& model_dir, const PromptCh
 }
 
 int run_eval(const std::string& model_dir, const std::string& text_path, std::int64_t chunk, std::int64_t context) {
-  std::ifstream in(text_path, std::ios::binary);
-  if (!in) throw Error("cannot open " + text_path);
+  std::ifstream in = open_input_file("--text", text_path);
   std::ostringstream buffer;
   buffer << in.rdbuf();
   const std::string text = buffer.str();
@@ -859,8 +865,7 @@ int run_forward_cost(const std::string& model_dir, std::int64_t max_q, std::int6
 // ---- snapshot files (rewind/snapshot.h, docs/snapshot-format.md) ----
 
 std::vector<std::byte> read_file_bytes(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  if (!in) throw InvalidArgument("--file " + path + ": cannot open it");
+  std::ifstream in = open_input_file("--file", path);
   std::vector<char> data((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
   if (in.bad()) throw InvalidArgument("--file " + path + ": read error");
   std::vector<std::byte> out(data.size());

@@ -287,6 +287,14 @@ TEST_F(Cli, GeneratePromptsDecodesEveryLineAsOneBatch) {
     EXPECT_EQ(bad.status, 2) << misuse << ": " << bad.all();
     EXPECT_FALSE(bad.err.empty()) << misuse;
   }
+  // A directory opens as a stream and fails on the first read: named as such.
+  for (const std::string flag : {"--prompts", "--prompt-file"}) {
+    const CliResult dir = run_cli("generate" + model("target") + " " + flag + " " + quote(scratch_dir().string()));
+    EXPECT_EQ(dir.status, 2) << dir.all();
+    EXPECT_NE(dir.err.find(flag + " " + scratch_dir().string() + ": is a directory; give a file"), std::string::npos)
+        << dir.all();
+    EXPECT_TRUE(dir.out.empty()) << dir.all();
+  }
   // Two sequences at a time, the others joining as they finish: same lines.
   const CliResult waves = run_cli("verify" + model("target") + " --prompts " + quote(file.string()) +
                                   " --max-new-tokens 30 --lookup 2 --max-batch 2");
