@@ -171,12 +171,35 @@ std::string GenerationStats::to_json() const {
   return j.dump();
 }
 
+namespace {
+
+void check_prefill_rows(std::int64_t max_rows) {
+  if (max_rows < 1) {
+    throw InvalidArgument("max_prefill_rows must be >= 1 (prompt tokens per forward), got " +
+                          std::to_string(max_rows));
+  }
+}
+
+// Feeds tokens [a, b) to `cache` in forwards of at most max_rows tokens.
+void forward_in_pieces(const Model& model, std::span<const std::int32_t> tokens, std::int64_t a, std::int64_t b,
+                       std::int64_t max_rows, Cache& cache, std::vector<float>& logits, GenerationStats& stats) {
+  while (a < b) {
+    const std::int64_t n = std::min(max_rows, b - a);
+    model.forward(tokens.subspan(static_cast<std::size_t>(a), static_cast<std::size_t>(n)), cache, logits, false,
+                  &stats.cache_seconds);
+    ++stats.forwards;
+    a += n;
+  }
+}
+
+}  // namespace
+
 std::int64_t prefill(const Model& model, std::span<const std::int32_t> tokens, Cache& cache, std::vector<float>& logits,
-                     PrefixCache* prefix_cache, GenerationStats& stats) {
+                     PrefixCache* prefix_cache, GenerationStats& stats, std::int64_t max_rows) {
+  check_prefill_rows(max_rows);
   const auto P = static_cast<std::int64_t>(tokens.size());
   if (!prefix_cache) {
-    model.forward(tokens, cache, logits, false, &stats.cache_seconds);
-    ++stats.forwards;
+    forward_in_pieces(model, tokens, 0, P, max_rows, cache, logits, stats);
     return 0;
   }
   std::int64_t restored = 0;
@@ -198,9 +221,7 @@ std::int64_t prefill(const Model& model, std::span<const std::int32_t> tokens, C
   }
   std::int64_t a = restored;
   for (const std::int64_t b : prefix_cache->boundaries(restored, P)) {
-    model.forward(tokens.subspan(static_cast<std::size_t>(a), static_cast<std::size_t>(b - a)), cache, logits, false,
-                  &stats.cache_seconds);
-    ++stats.forwards;
+    forward_in_pieces(model, tokens, a, b, max_rows, cache, logits, stats);
     prefix_cache->store(tokens.first(static_cast<std::size_t>(b)), a, cache.snapshot(a), logits);
     a = b;
   }
@@ -215,7 +236,7 @@ namespace {
 // that end at the cache's boundaries, an entry stored at each. Returns the
 // sequence's id (a restored one replaces `id`, recording R again when R >= 0).
 SeqId prefill_sequence(const Model& model, SequenceCache& cache, SeqId id, std::span<const std::int32_t> tokens,
-                       PrefixCache& prefix_cache, std::int64_t R, GenerationStats& stats) {
+                       PrefixCache& prefix_cache, std::int64_t R, std::int64_t max_rows, GenerationStats& stats) {
   const auto P = static_cast<std::int64_t>(tokens.size());
   if (P == 0) return id;
   std::int64_t a = 0;
@@ -235,10 +256,14 @@ SeqId prefill_sequence(const Model& model, SequenceCache& cache, SeqId id, std::
   const auto V = static_cast<std::size_t>(model.vocab_size());
   std::vector<float> logits;
   for (const std::int64_t b : prefix_cache.boundaries(a, P)) {
-    const SequenceTokens one{id, tokens.subspan(static_cast<std::size_t>(a), static_cast<std::size_t>(b - a)),
-                             LogitRows::kLast};
-    model.forward_batch(std::span<const SequenceTokens>(&one, 1), cache, logits);
-    ++stats.forwards;
+    for (std::int64_t c = a; c < b;) {
+      const std::int64_t n = std::min(max_rows, b - c);
+      const SequenceTokens one{id, tokens.subspan(static_cast<std::size_t>(c), static_cast<std::size_t>(n)),
+                               c + n == b ? LogitRows::kLast : LogitRows::kNone};
+      model.forward_batch(std::span<const SequenceTokens>(&one, 1), cache, logits);
+      ++stats.forwards;
+      c += n;
+    }
     prefix_cache.store(tokens.first(static_cast<std::size_t>(b)), a, cache.export_snapshot(id, a),
                        std::span<const float>(logits.data(), V));
     a = b;
@@ -257,7 +282,8 @@ std::vector<std::int32_t> generate(const Model& model, std::span<const std::int3
   Cache cache = model.make_cache();
   std::vector<float> logits;
   if (options.max_new_tokens > 0)
-    local.prefix_hit_tokens = prefill(model, prompt, cache, logits, options.prefix_cache, local);
+    local.prefix_hit_tokens =
+        prefill(model, prompt, cache, logits, options.prefix_cache, local, options.max_prefill_rows);
   return decode(model, cache, logits, options, local, t0, stats);
 }
 
@@ -319,6 +345,7 @@ namespace {
 class Admission {
  public:
   Admission(std::size_t n, const GenerationOptions& options) : n_(n) {
+    check_prefill_rows(options.max_prefill_rows);
     if (options.max_batch < 0) {
       throw InvalidArgument("max_batch must be >= 0 (0: every sequence at once), got " +
                             std::to_string(options.max_batch));
@@ -369,6 +396,7 @@ std::vector<std::vector<std::int32_t>> generate_batch(const Model& model,
   std::vector<std::size_t> active;  // sequences decoding now; a joining one feeds its prompt first
   ids.resize(n);
   std::vector<SequenceTokens> batch;
+  std::vector<std::int64_t> fed;  // tokens batch[k] feeds
   std::vector<float> logits;
   const auto V = static_cast<std::size_t>(model.vocab_size());
   while (true) {
@@ -378,19 +406,38 @@ std::vector<std::vector<std::int32_t>> generate_batch(const Model& model,
         // All but the last prompt token through the prefix cache; the last
         // one joins the batch.
         ids[i] = prefill_sequence(model, cache, ids[i], std::span(pending[i]).first(pending[i].size() - 1),
-                                  *options.prefix_cache, -1, local.sequences[i]);
+                                  *options.prefix_cache, -1, options.max_prefill_rows, local.sequences[i]);
         pending[i].erase(pending[i].begin(), pending[i].end() - 1);
       }
       active.push_back(i);
     }
     if (active.empty()) break;
+    // A decoding row goes whole; joining prompts share max_prefill_rows, a
+    // prompt that does not fit going on in the next forwards (no logits
+    // until its last token is in).
     batch.clear();
-    for (std::size_t i : active) batch.push_back({ids[i], pending[i], LogitRows::kLast});
+    fed.clear();
+    std::int64_t prompt_rows = options.max_prefill_rows;
+    for (std::size_t i : active) {
+      const auto want = static_cast<std::int64_t>(pending[i].size());
+      const std::int64_t take = want == 1 ? 1 : std::min(want, prompt_rows);
+      if (want > 1) prompt_rows -= take;
+      fed.push_back(take);
+      batch.push_back({ids[i], std::span<const std::int32_t>(pending[i]).first(static_cast<std::size_t>(take)),
+                       take == want ? LogitRows::kLast : LogitRows::kNone});
+    }
     model.forward_batch(batch, cache, logits);
     ++local.forwards;
-    std::size_t row = 0;  // one row of logits per sequence
+    std::size_t row = 0;  // one row of logits per sequence whose prompt is in
     std::vector<std::size_t> still;
-    for (std::size_t i : active) {
+    for (std::size_t k = 0; k < active.size(); ++k) {
+      const std::size_t i = active[k];
+      if (fed[k] < static_cast<std::int64_t>(pending[i].size())) {  // more of its prompt next time
+        if (fed[k] > 0) ++local.sequences[i].forwards;
+        pending[i].erase(pending[i].begin(), pending[i].begin() + fed[k]);
+        still.push_back(i);
+        continue;
+      }
       const std::int32_t token = pick(std::span<const float>(logits.data() + row++ * V, V), options.sampling, rngs[i]);
       GenerationStats& s = local.sequences[i];
       ++s.forwards;
@@ -747,7 +794,8 @@ std::vector<std::int32_t> speculative_generate(const Model& target, DraftSource&
   // The target sees every token but the last one; that "pending" token
   // leads each verify forward.
   if (prompt.size() > 1 && s.running) {
-    s.stats.prefix_hit_tokens = prefill(target, prompt.first(prompt.size() - 1), cache, logits, options.prefix_cache, s.stats);
+    s.stats.prefix_hit_tokens = prefill(target, prompt.first(prompt.size() - 1), cache, logits, options.prefix_cache,
+                                        s.stats, options.max_prefill_rows);
   }
   while (s.running) {
     plan_round(s, options);
@@ -794,8 +842,10 @@ std::vector<std::vector<std::int32_t>> speculative_generate_batch(
   std::vector<SequenceTokens> batch;
   std::vector<std::vector<std::int32_t>> verify(n);
   // A sequence that joins first feeds its prompt but the pending last token
-  // (its "prefill"), in the same forward as the others' verification.
+  // (its "prefill"), in the same forwards as the others' verification, at
+  // most max_prefill_rows prompt tokens of all joining sequences a forward.
   std::vector<bool> prefilled(n, false);
+  std::vector<std::size_t> prompt_fed(n, 0);  // of a sequence not yet prefilled
   Admission admission(n, options);
   std::vector<std::size_t> active;
   while (true) {
@@ -805,7 +855,7 @@ std::vector<std::vector<std::int32_t>> speculative_generate_batch(
       prefilled[i] = prompts[i].size() < 2;
       if (options.prefix_cache && !prefilled[i]) {
         ids[i] = prefill_sequence(target, cache, ids[i], std::span(prompts[i]).first(prompts[i].size() - 1),
-                                  *options.prefix_cache, spec.num_draft, seqs[i].stats);
+                                  *options.prefix_cache, spec.num_draft, options.max_prefill_rows, seqs[i].stats);
         prefilled[i] = true;
       }
       active.push_back(i);
@@ -822,15 +872,20 @@ std::vector<std::vector<std::int32_t>> speculative_generate_batch(
     }
     if (!requests.empty()) drafts.propose(requests);
     batch.clear();
+    std::int64_t prompt_rows = options.max_prefill_rows;
     for (std::size_t i : active) {
       if (prefilled[i]) {
         verify[i] = verify_tokens(seqs[i]);
       } else {
-        verify[i].assign(prompts[i].begin(), prompts[i].end() - 1);
+        const std::size_t rest = prompts[i].size() - 1 - prompt_fed[i];
+        const auto take = static_cast<std::size_t>(std::min<std::int64_t>(static_cast<std::int64_t>(rest), prompt_rows));
+        prompt_rows -= static_cast<std::int64_t>(take);
+        const auto from = prompts[i].begin() + static_cast<std::ptrdiff_t>(prompt_fed[i]);
+        verify[i].assign(from, from + static_cast<std::ptrdiff_t>(take));
       }
       // A prompt's logits are not read: its pending token verifies next round.
       batch.push_back({ids[i], verify[i], prefilled[i] ? LogitRows::kAll : LogitRows::kNone});
-      ++seqs[i].stats.forwards;
+      if (!verify[i].empty()) ++seqs[i].stats.forwards;
     }
     target.forward_batch(batch, cache, logits);
     ++local.forwards;
@@ -839,7 +894,8 @@ std::vector<std::vector<std::int32_t>> speculative_generate_batch(
     for (std::size_t i : active) {
       SpecSequence& s = seqs[i];
       if (!prefilled[i]) {  // no rows of logits
-        prefilled[i] = true;
+        prompt_fed[i] += verify[i].size();
+        prefilled[i] = prompt_fed[i] == prompts[i].size() - 1;
         still.push_back(i);
         continue;
       }
@@ -1027,7 +1083,8 @@ std::vector<std::int32_t> tree_speculative_generate(const Model& target, TreeDra
   draft.begin(prompt);
   bool running = options.max_new_tokens > 0;
   if (prompt.size() > 1 && running)
-    local.prefix_hit_tokens = prefill(target, prompt.first(prompt.size() - 1), cache, logits, options.prefix_cache, local);
+    local.prefix_hit_tokens = prefill(target, prompt.first(prompt.size() - 1), cache, logits, options.prefix_cache,
+                                      local, options.max_prefill_rows);
   while (running) {
     const std::int64_t budget = options.max_new_tokens - static_cast<std::int64_t>(out.size());
     TreeOptions round = tree_options;

@@ -171,6 +171,7 @@ struct PromptChoice {
   std::string file;     // "-": standard input
   std::string prompts;  // --prompts FILE: one prompt per line ("-": standard input)
   std::int64_t max_batch = 0;  // --max-batch N: sequences decoding at once (0: all)
+  std::int64_t max_prefill_rows = rwd::runtime::kDefaultMaxPrefillRows;  // --max-prefill-rows N
 
   // --max-batch shapes batched decoding; without --prompts it would be ignored.
   void check_batch(const CLI::App& cmd) const {
@@ -462,6 +463,7 @@ int run_generate_batch(const CLI::App& cmd, const std::string& model_dir, const 
   options.max_new_tokens = max_new;
   options.sampling = sampling;
   options.max_batch = prompt_choice.max_batch;
+  options.max_prefill_rows = prompt_choice.max_prefill_rows;
   BatchGenerationStats stats;
   std::vector<std::vector<std::int32_t>> out;
   if (choice.any()) {
@@ -497,6 +499,7 @@ int run_generate(const CLI::App& cmd, const std::string& model_dir, const Prompt
   options.max_new_tokens = max_new;
   options.sampling = sampling;
   options.prefix_cache = prefix.get();
+  options.max_prefill_rows = prompt_choice.max_prefill_rows;
   StdoutStream stream(tokenizer);
   options.on_token = [&stream](std::int32_t t) { stream.push(t); };
   GenerationStats stats;
@@ -545,6 +548,7 @@ int run_verify_batch(const std::string& model_dir, const PromptChoice& prompt_ch
   GenerationOptions options;
   options.max_new_tokens = max_new;
   options.max_batch = prompt_choice.max_batch;
+  options.max_prefill_rows = prompt_choice.max_prefill_rows;
   std::vector<std::vector<std::int32_t>> greedy;
   double greedy_seconds = 0.0;
   {
@@ -612,6 +616,7 @@ int run_verify(const CLI::App& cmd, const std::string& model_dir, const PromptCh
   const std::vector<std::int32_t> tokens = encode_for_generation(tokenizer, prompt, "the prompt");
   GenerationOptions options;
   options.max_new_tokens = max_new;
+  options.max_prefill_rows = prompt_choice.max_prefill_rows;
   GenerationStats greedy_stats, spec_stats;
   std::vector<std::int32_t> greedy;
   std::vector<double> greedy_rates, spec_rates;
@@ -902,7 +907,7 @@ int run_snapshot_save(const CLI::App& cmd, const std::string& model_dir, const P
   Cache cache = model.make_cache();
   std::vector<float> logits;
   GenerationStats stats;
-  prefill(model, tokens, cache, logits, nullptr, stats);
+  prefill(model, tokens, cache, logits, nullptr, stats, prompt_choice.max_prefill_rows);
   Snapshot snap = cache.snapshot();
   snap.tokens = tokens;
   snap.logits = Tensor(DType::F32, {static_cast<std::int64_t>(logits.size())});
@@ -1070,6 +1075,11 @@ int main(int argc, char** argv) {
                                  "the command line (Linux caps one argument at 128 KiB)")
                      ->type_name("FILE");
     text->excludes(file);
+    cmd->add_option("--max-prefill-rows", prompt.max_prefill_rows,
+                    "prompt tokens one forward feeds at most (all joining prompts together); longer prompts go in "
+                    "several forwards, with the same output, so that a forward's memory stays bounded")
+        ->check(integer_in(1, std::int64_t{1} << 24))
+        ->capture_default_str();
   };
   auto add_draft_options = [&](CLI::App* cmd) {
     auto* d = cmd->add_option("--draft", choice.draft_dir, "draft model directory")

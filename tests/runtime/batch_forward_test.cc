@@ -249,6 +249,76 @@ TEST(GenerateBatch, EverySequenceEqualsGenerateAlone) {
   EXPECT_THROW(generate_batch(model, std::vector<Tokens>{Tokens{1}, Tokens{}}, options), InvalidArgument);
 }
 
+// max_prefill_rows: prompts go in forwards of at most that many prompt
+// tokens (all joining prompts together), decoding rows whole; every output
+// stays the one of a single prefill (generate alone with the default), the
+// forwards are counted, and a value below 1 is refused before anything runs.
+TEST(GenerateBatch, PromptsGoInPiecesOfAtMostMaxPrefillRows) {
+  const Model model(ModelWeights::random(testing_configs::hybrid(), 12));
+  std::mt19937_64 rng(12);
+  std::vector<Tokens> prompts;
+  for (std::size_t n : {0u, 1u, 6u, 22u, 39u}) {
+    Tokens p = random_tokens(rng, n);
+    p.insert(p.end(), p.begin(), p.end());  // repeats for prompt lookup
+    p.insert(p.begin(), static_cast<std::int32_t>(model.config().bos_token_id));
+    prompts.push_back(p);
+  }
+  GenerationOptions plain;
+  plain.max_new_tokens = 9;
+  plain.stop_at_eos = false;
+  std::vector<Tokens> alone;
+  for (const Tokens& p : prompts) alone.push_back(generate(model, p, plain));
+  for (const std::int64_t rows : {1, 3, 16, 100}) {
+    GenerationOptions options = plain;
+    options.max_prefill_rows = rows;
+    GenerationStats one;
+    EXPECT_EQ(generate(model, prompts[4], options, &one), alone[4]) << rows;
+    const auto P = static_cast<std::int64_t>(prompts[4].size());
+    EXPECT_EQ(one.forwards, (P + rows - 1) / rows + plain.max_new_tokens - 1) << rows;
+
+    BatchGenerationStats stats;
+    const auto batched = generate_batch(model, prompts, options, &stats);
+    std::int64_t prompt_tokens = 0;
+    for (std::size_t i = 0; i < prompts.size(); ++i) {
+      EXPECT_EQ(batched[i], alone[i]) << "max_prefill_rows " << rows << ", prompt " << i;
+      prompt_tokens += static_cast<std::int64_t>(prompts[i].size());
+    }
+    // Every forward but the ones after the last prompt is in takes `rows`
+    // prompt tokens (the prompts of one token, BOS alone, count as decoding
+    // rows and go at once).
+    const std::int64_t multi = prompt_tokens - 1;  // the BOS-only prompt aside
+    const std::int64_t prefill_forwards = (multi + rows - 1) / rows;
+    EXPECT_GE(stats.forwards, std::max<std::int64_t>(prefill_forwards, plain.max_new_tokens)) << rows;
+    EXPECT_LE(stats.forwards, prefill_forwards + plain.max_new_tokens) << rows;
+
+    for (int source = 0; source < 2; ++source) {
+      std::vector<std::unique_ptr<DraftSource>> each;
+      for (std::size_t i = 0; i < prompts.size(); ++i) {
+        if (source == 0) each.push_back(std::make_unique<LookupDraft>(3));
+        else each.push_back(std::make_unique<ModelDraft>(model, options.sampling, 3));
+      }
+      PerSequenceDrafts drafts(std::move(each));
+      const auto spec = speculative_generate_batch(model, drafts, prompts, options, {3, false});
+      for (std::size_t i = 0; i < prompts.size(); ++i) {
+        EXPECT_EQ(spec[i], alone[i]) << "speculative, source " << source << ", max_prefill_rows " << rows
+                                     << ", prompt " << i;
+      }
+    }
+  }
+  GenerationOptions bad = plain;
+  bad.max_prefill_rows = 0;
+  EXPECT_THROW(generate(model, prompts[2], bad), InvalidArgument);
+  EXPECT_THROW(generate_batch(model, prompts, bad), InvalidArgument);
+  LookupDraft lookup(3);
+  EXPECT_THROW(speculative_generate(model, lookup, prompts[2], bad, {3, false}), InvalidArgument);
+  Cache cache = model.make_cache();
+  std::vector<float> logits;
+  GenerationStats stats;
+  EXPECT_THROW(prefill(model, prompts[2], cache, logits, nullptr, stats, -1), InvalidArgument);
+  EXPECT_EQ(cache.get_seq_length(), 0);
+  EXPECT_EQ(stats.forwards, 0);
+}
+
 // Batched speculative decoding: for random hybrids with every runtime kind
 // and a window far below the generated length, batches of 1 / 3 / 8 prompts
 // of different lengths, every draft source (draft model, prompt lookup,

@@ -50,6 +50,9 @@ std::vector<float> sampling_distribution(std::span<const float> logits, const Sa
 // Draws an index from `probs` (sums to ~1) with one uniform from `rng`.
 std::int32_t sample_from(std::span<const float> probs, std::mt19937_64& rng);
 
+// GenerationOptions::max_prefill_rows by default.
+inline constexpr std::int64_t kDefaultMaxPrefillRows = 2048;
+
 struct GenerationOptions {
   std::int64_t max_new_tokens = 128;
   bool stop_at_eos = true;
@@ -67,6 +70,13 @@ struct GenerationOptions {
   // alone through it. Not owned; null: none. Its fingerprint must be the
   // target model's (Model::fingerprint).
   PrefixCache* prefix_cache = nullptr;
+  // Prompt tokens one target forward feeds at most (>= 1): a longer prompt,
+  // or prompts joining a batch together, go in several forwards (outputs
+  // bit-identical: batch invariance), so that a forward's working rows
+  // (about 24 KB a token for the shipped target; more for larger models)
+  // stay bounded whatever the prompts' lengths. Decoding and verification
+  // rows always go whole.
+  std::int64_t max_prefill_rows = kDefaultMaxPrefillRows;
 };
 
 struct GenerationStats {
@@ -128,10 +138,12 @@ struct GenerationStats {
 // longest stored prefix (an entry that does not fit this model's cache is a
 // miss), feeds the rest in forwards that end at the cache's boundaries and
 // stores an entry at each. Returns the tokens restored. Bit-identical to
-// one forward of `tokens` (batch invariance). Adds to stats.forwards and
-// stats.cache_seconds.
+// one forward of `tokens` (batch invariance); forwards feed at most
+// `max_rows` tokens each. Adds to stats.forwards and stats.cache_seconds.
+// Throws InvalidArgument for max_rows < 1 (nothing run).
 std::int64_t prefill(const Model& model, std::span<const std::int32_t> tokens, Cache& cache, std::vector<float>& logits,
-                     PrefixCache* prefix_cache, GenerationStats& stats);
+                     PrefixCache* prefix_cache, GenerationStats& stats,
+                     std::int64_t max_rows = kDefaultMaxPrefillRows);
 
 // Plain decoding from a state: `cache` has seen a sequence (a restored
 // snapshot, say) and `logits` [vocab] are the model's output after its last

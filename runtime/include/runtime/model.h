@@ -93,6 +93,9 @@ class Model {
   // forward_tree) works in rows that its thread keeps for the next forward,
   // up to 256 KB per buffer (24 buffers; a few tens of KB for the shipped
   // models' decoding); larger rows, a long prompt's, are freed on return.
+  // Those grow with the tokens of one forward (about 24 KB a token for the
+  // shipped target): the generation functions feed prompts in pieces of
+  // GenerationOptions::max_prefill_rows (runtime/generate.h).
   // The model also keeps the RoPE angles of the positions it has seen
   // (kernels::RopeCache).
   void forward(std::span<const std::int32_t> tokens, Cache& cache, std::vector<float>& logits,
