@@ -287,6 +287,13 @@ TEST_F(Cli, GeneratePromptsDecodesEveryLineAsOneBatch) {
     EXPECT_EQ(bad.status, 2) << misuse << ": " << bad.all();
     EXPECT_FALSE(bad.err.empty()) << misuse;
   }
+  // Prompts fed 3 tokens a forward: the same lines; 0 is refused.
+  const CliResult pieces = run_cli("generate" + model("target") + " --prompts " + quote(file.string()) +
+                                   " --max-new-tokens 12 --max-prefill-rows 3");
+  ASSERT_EQ(pieces.status, 0) << pieces.all();
+  EXPECT_EQ(pieces.out + json.back().dump(), r.out.substr(0, r.out.size() - 1));
+  const CliResult zero_rows = run_cli("generate" + model("target") + " --prompt x --max-prefill-rows 0");
+  EXPECT_EQ(zero_rows.status, 2) << zero_rows.all();
   // A directory opens as a stream and fails on the first read: named as such.
   for (const std::string flag : {"--prompts", "--prompt-file"}) {
     const CliResult dir = run_cli("generate" + model("target") + " " + flag + " " + quote(scratch_dir().string()));
