@@ -197,6 +197,7 @@ void forward_in_pieces(const Model& model, std::span<const std::int32_t> tokens,
 std::int64_t prefill(const Model& model, std::span<const std::int32_t> tokens, Cache& cache, std::vector<float>& logits,
                      PrefixCache* prefix_cache, GenerationStats& stats, std::int64_t max_rows) {
   check_prefill_rows(max_rows);
+  if (tokens.empty()) throw InvalidArgument("prefill needs at least one token, got none");
   const auto P = static_cast<std::int64_t>(tokens.size());
   if (!prefix_cache) {
     forward_in_pieces(model, tokens, 0, P, max_rows, cache, logits, stats);

@@ -315,6 +315,7 @@ TEST(GenerateBatch, PromptsGoInPiecesOfAtMostMaxPrefillRows) {
   std::vector<float> logits;
   GenerationStats stats;
   EXPECT_THROW(prefill(model, prompts[2], cache, logits, nullptr, stats, -1), InvalidArgument);
+  EXPECT_THROW(prefill(model, Tokens{}, cache, logits, nullptr, stats), InvalidArgument);
   EXPECT_EQ(cache.get_seq_length(), 0);
   EXPECT_EQ(stats.forwards, 0);
 }

@@ -140,7 +140,7 @@ struct GenerationStats {
 // stores an entry at each. Returns the tokens restored. Bit-identical to
 // one forward of `tokens` (batch invariance); forwards feed at most
 // `max_rows` tokens each. Adds to stats.forwards and stats.cache_seconds.
-// Throws InvalidArgument for max_rows < 1 (nothing run).
+// Throws InvalidArgument for no token or max_rows < 1 (nothing run).
 std::int64_t prefill(const Model& model, std::span<const std::int32_t> tokens, Cache& cache, std::vector<float>& logits,
                      PrefixCache* prefix_cache, GenerationStats& stats,
                      std::int64_t max_rows = kDefaultMaxPrefillRows);
