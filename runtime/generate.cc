@@ -182,25 +182,28 @@ void check_prefill_rows(std::int64_t max_rows) {
 
 // Feeds tokens [a, b) to `cache` in forwards of at most max_rows tokens.
 void forward_in_pieces(const Model& model, std::span<const std::int32_t> tokens, std::int64_t a, std::int64_t b,
-                       std::int64_t max_rows, Cache& cache, std::vector<float>& logits, GenerationStats& stats) {
+                       std::int64_t max_rows, Cache& cache, std::vector<float>& logits, GenerationStats& stats,
+                       const std::function<void(std::int64_t, std::int64_t)>& on_piece) {
   while (a < b) {
     const std::int64_t n = std::min(max_rows, b - a);
     model.forward(tokens.subspan(static_cast<std::size_t>(a), static_cast<std::size_t>(n)), cache, logits, false,
                   &stats.cache_seconds);
     ++stats.forwards;
     a += n;
+    if (on_piece) on_piece(a, static_cast<std::int64_t>(tokens.size()));
   }
 }
 
 }  // namespace
 
 std::int64_t prefill(const Model& model, std::span<const std::int32_t> tokens, Cache& cache, std::vector<float>& logits,
-                     PrefixCache* prefix_cache, GenerationStats& stats, std::int64_t max_rows) {
+                     PrefixCache* prefix_cache, GenerationStats& stats, std::int64_t max_rows,
+                     const std::function<void(std::int64_t, std::int64_t)>& on_piece) {
   check_prefill_rows(max_rows);
   if (tokens.empty()) throw InvalidArgument("prefill needs at least one token, got none");
   const auto P = static_cast<std::int64_t>(tokens.size());
   if (!prefix_cache) {
-    forward_in_pieces(model, tokens, 0, P, max_rows, cache, logits, stats);
+    forward_in_pieces(model, tokens, 0, P, max_rows, cache, logits, stats, on_piece);
     return 0;
   }
   std::int64_t restored = 0;
@@ -222,7 +225,7 @@ std::int64_t prefill(const Model& model, std::span<const std::int32_t> tokens, C
   }
   std::int64_t a = restored;
   for (const std::int64_t b : prefix_cache->boundaries(restored, P)) {
-    forward_in_pieces(model, tokens, a, b, max_rows, cache, logits, stats);
+    forward_in_pieces(model, tokens, a, b, max_rows, cache, logits, stats, on_piece);
     prefix_cache->store(tokens.first(static_cast<std::size_t>(b)), a, cache.snapshot(a), logits);
     a = b;
   }
@@ -284,7 +287,7 @@ std::vector<std::int32_t> generate(const Model& model, std::span<const std::int3
   std::vector<float> logits;
   if (options.max_new_tokens > 0)
     local.prefix_hit_tokens =
-        prefill(model, prompt, cache, logits, options.prefix_cache, local, options.max_prefill_rows);
+        prefill(model, prompt, cache, logits, options.prefix_cache, local, options.max_prefill_rows, options.on_prefill);
   return decode(model, cache, logits, options, local, t0, stats);
 }
 
@@ -796,7 +799,7 @@ std::vector<std::int32_t> speculative_generate(const Model& target, DraftSource&
   // leads each verify forward.
   if (prompt.size() > 1 && s.running) {
     s.stats.prefix_hit_tokens = prefill(target, prompt.first(prompt.size() - 1), cache, logits, options.prefix_cache,
-                                        s.stats, options.max_prefill_rows);
+                                        s.stats, options.max_prefill_rows, options.on_prefill);
   }
   while (s.running) {
     plan_round(s, options);
@@ -1085,7 +1088,7 @@ std::vector<std::int32_t> tree_speculative_generate(const Model& target, TreeDra
   bool running = options.max_new_tokens > 0;
   if (prompt.size() > 1 && running)
     local.prefix_hit_tokens = prefill(target, prompt.first(prompt.size() - 1), cache, logits, options.prefix_cache,
-                                      local, options.max_prefill_rows);
+                                      local, options.max_prefill_rows, options.on_prefill);
   while (running) {
     const std::int64_t budget = options.max_new_tokens - static_cast<std::int64_t>(out.size());
     TreeOptions round = tree_options;

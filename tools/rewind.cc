@@ -140,9 +140,13 @@ class Progress {
                  100.0 * frac, static_cast<long long>(done), static_cast<long long>(total), unit_.c_str(), rate, s, eta);
     std::fflush(stderr);
   }
-  ~Progress() {
+  // Ends the bar's line (when it was shown), so that later output starts on
+  // a line of its own.
+  void finish() {
     if (shown_) std::fprintf(stderr, "\n");
+    shown_ = false;
   }
+  ~Progress() { finish(); }
 
  private:
   std::string what_, unit_;
@@ -500,6 +504,11 @@ int run_generate(const CLI::App& cmd, const std::string& model_dir, const Prompt
   options.sampling = sampling;
   options.prefix_cache = prefix.get();
   options.max_prefill_rows = prompt_choice.max_prefill_rows;
+  Progress prefill_progress("prefill", "tokens");  // on a terminal, for a prompt that takes over half a second
+  options.on_prefill = [&prefill_progress](std::int64_t done, std::int64_t total) {
+    prefill_progress.update(done, total);
+    if (done == total) prefill_progress.finish();
+  };
   StdoutStream stream(tokenizer);
   options.on_token = [&stream](std::int32_t t) { stream.push(t); };
   GenerationStats stats;

@@ -305,6 +305,23 @@ TEST(GenerateBatch, PromptsGoInPiecesOfAtMostMaxPrefillRows) {
       }
     }
   }
+  // on_prefill: after each piece, the tokens in so far and the total.
+  {
+    GenerationOptions options = plain;
+    options.max_prefill_rows = 16;
+    std::vector<std::pair<std::int64_t, std::int64_t>> calls;
+    options.on_prefill = [&calls](std::int64_t done, std::int64_t total) { calls.emplace_back(done, total); };
+    EXPECT_EQ(generate(model, prompts[4], options), alone[4]);
+    const auto P = static_cast<std::int64_t>(prompts[4].size());
+    std::vector<std::pair<std::int64_t, std::int64_t>> expected;
+    for (std::int64_t done = 16; done < P + 16; done += 16) expected.emplace_back(std::min(done, P), P);
+    EXPECT_EQ(calls, expected);
+    calls.clear();
+    LookupDraft lookup(3);
+    EXPECT_EQ(speculative_generate(model, lookup, prompts[4], options, {3, false}), alone[4]);
+    ASSERT_FALSE(calls.empty());
+    EXPECT_EQ(calls.back(), std::make_pair(P - 1, P - 1));  // all but the pending last token
+  }
   GenerationOptions bad = plain;
   bad.max_prefill_rows = 0;
   EXPECT_THROW(generate(model, prompts[2], bad), InvalidArgument);

@@ -77,6 +77,12 @@ struct GenerationOptions {
   // stay bounded whatever the prompts' lengths. Decoding and verification
   // rows always go whole.
   std::int64_t max_prefill_rows = kDefaultMaxPrefillRows;
+  // Called after each prefill forward of one prompt (generate,
+  // speculative_generate, tree_speculative_generate) with the tokens the
+  // prefill has in the cache (a restored prefix included) and the number it
+  // feeds in all (the prompt; speculative: all but its last token):
+  // progress for a long prompt. Not called by the batched functions.
+  std::function<void(std::int64_t done, std::int64_t total)> on_prefill;
 };
 
 struct GenerationStats {
@@ -141,9 +147,12 @@ struct GenerationStats {
 // one forward of `tokens` (batch invariance); forwards feed at most
 // `max_rows` tokens each. Adds to stats.forwards and stats.cache_seconds.
 // Throws InvalidArgument for no token or max_rows < 1 (nothing run).
+// `on_piece`, when set, is called after each forward with the tokens in the
+// cache so far and tokens.size().
 std::int64_t prefill(const Model& model, std::span<const std::int32_t> tokens, Cache& cache, std::vector<float>& logits,
                      PrefixCache* prefix_cache, GenerationStats& stats,
-                     std::int64_t max_rows = kDefaultMaxPrefillRows);
+                     std::int64_t max_rows = kDefaultMaxPrefillRows,
+                     const std::function<void(std::int64_t, std::int64_t)>& on_piece = {});
 
 // Plain decoding from a state: `cache` has seen a sequence (a restored
 // snapshot, say) and `logits` [vocab] are the model's output after its last
