@@ -97,6 +97,23 @@ void validate(const SamplingParams& p) {
   }
 }
 
+namespace {
+
+void check_prefill_rows(std::int64_t max_rows) {
+  if (max_rows < 1) {
+    throw InvalidArgument("max_prefill_rows must be >= 1 (prompt tokens per forward), got " +
+                          std::to_string(max_rows));
+  }
+}
+
+// What every generation function checks first, whatever paths the call takes.
+void validate(const GenerationOptions& options) {
+  validate(options.sampling);
+  check_prefill_rows(options.max_prefill_rows);
+}
+
+}  // namespace
+
 std::vector<float> sampling_distribution(std::span<const float> logits, const SamplingParams& params) {
   const auto n = static_cast<std::int64_t>(logits.size());
   std::vector<float> scaled(logits.begin(), logits.end());
@@ -173,24 +190,17 @@ std::string GenerationStats::to_json() const {
 
 namespace {
 
-void check_prefill_rows(std::int64_t max_rows) {
-  if (max_rows < 1) {
-    throw InvalidArgument("max_prefill_rows must be >= 1 (prompt tokens per forward), got " +
-                          std::to_string(max_rows));
-  }
-}
-
 // Feeds tokens [a, b) to `cache` in forwards of at most max_rows tokens.
 void forward_in_pieces(const Model& model, std::span<const std::int32_t> tokens, std::int64_t a, std::int64_t b,
                        std::int64_t max_rows, Cache& cache, std::vector<float>& logits, GenerationStats& stats,
                        const std::function<void(std::int64_t, std::int64_t)>& on_piece) {
-  while (a < b) {
-    const std::int64_t n = std::min(max_rows, b - a);
-    model.forward(tokens.subspan(static_cast<std::size_t>(a), static_cast<std::size_t>(n)), cache, logits, false,
-                  &stats.cache_seconds);
+  std::span<const std::int32_t> rest = tokens.subspan(static_cast<std::size_t>(a), static_cast<std::size_t>(b - a));
+  while (!rest.empty()) {
+    const std::size_t n = std::min(static_cast<std::size_t>(max_rows), rest.size());
+    model.forward(rest.first(n), cache, logits, false, &stats.cache_seconds);
     ++stats.forwards;
-    a += n;
-    if (on_piece) on_piece(a, static_cast<std::int64_t>(tokens.size()));
+    rest = rest.subspan(n);
+    if (on_piece) on_piece(b - static_cast<std::int64_t>(rest.size()), static_cast<std::int64_t>(tokens.size()));
   }
 }
 
@@ -279,7 +289,7 @@ SeqId prefill_sequence(const Model& model, SequenceCache& cache, SeqId id, std::
 
 std::vector<std::int32_t> generate(const Model& model, std::span<const std::int32_t> prompt,
                                    const GenerationOptions& options, GenerationStats* stats) {
-  validate(options.sampling);
+  validate(options);
   check_prompt(prompt);
   const auto t0 = Clock::now();
   GenerationStats local = start_stats(prompt, options.sampling);
@@ -293,7 +303,7 @@ std::vector<std::int32_t> generate(const Model& model, std::span<const std::int3
 
 std::vector<std::int32_t> continue_generation(const Model& model, Cache& cache, std::vector<float>& logits,
                                               const GenerationOptions& options, GenerationStats* stats) {
-  validate(options.sampling);
+  validate(options);
   if (cache.get_seq_length() < 1) throw InvalidArgument("continue_generation needs a cache holding at least one token");
   if (static_cast<std::int64_t>(logits.size()) != model.vocab_size()) {
     throw InvalidArgument("continue_generation needs the logits of the last token: " + std::to_string(model.vocab_size()) +
@@ -349,7 +359,6 @@ namespace {
 class Admission {
  public:
   Admission(std::size_t n, const GenerationOptions& options) : n_(n) {
-    check_prefill_rows(options.max_prefill_rows);
     if (options.max_batch < 0) {
       throw InvalidArgument("max_batch must be >= 0 (0: every sequence at once), got " +
                             std::to_string(options.max_batch));
@@ -379,7 +388,7 @@ std::string indexed_text_json(std::size_t index, const std::string& text) {
 std::vector<std::vector<std::int32_t>> generate_batch(const Model& model,
                                                       std::span<const std::vector<std::int32_t>> prompts,
                                                       const GenerationOptions& options, BatchGenerationStats* stats) {
-  validate(options.sampling);
+  validate(options);
   if (prompts.empty()) throw InvalidArgument("generate_batch needs at least one prompt");
   for (const auto& prompt : prompts) check_prompt(prompt);
   const auto t0 = Clock::now();
@@ -785,7 +794,7 @@ std::vector<std::int32_t> speculative_generate(const Model& target, DraftSource&
                                                std::span<const std::int32_t> prompt,
                                                const GenerationOptions& options, const SpeculativeOptions& spec,
                                                GenerationStats* stats) {
-  validate(options.sampling);
+  validate(options);
   check_prompt(prompt);
   check_num_draft(spec.num_draft, "num_draft (K)");
   const auto t0 = Clock::now();
@@ -827,7 +836,7 @@ std::vector<std::int32_t> speculative_generate(const Model& target, DraftSource&
 std::vector<std::vector<std::int32_t>> speculative_generate_batch(
     const Model& target, BatchDraftSource& drafts, std::span<const std::vector<std::int32_t>> prompts,
     const GenerationOptions& options, const SpeculativeOptions& spec, BatchGenerationStats* stats) {
-  validate(options.sampling);
+  validate(options);
   if (prompts.empty()) throw InvalidArgument("speculative_generate_batch needs at least one prompt");
   for (const auto& prompt : prompts) check_prompt(prompt);
   check_num_draft(spec.num_draft, "num_draft (K)");
@@ -1073,7 +1082,7 @@ std::vector<std::int32_t> tree_speculative_generate(const Model& target, TreeDra
                                                     std::span<const std::int32_t> prompt,
                                                     const GenerationOptions& options, const TreeOptions& tree_options,
                                                     GenerationStats* stats) {
-  validate(options.sampling);
+  validate(options);
   check_prompt(prompt);
   check_tree_options(tree_options);
   const auto t0 = Clock::now();

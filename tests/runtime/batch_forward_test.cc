@@ -328,6 +328,10 @@ TEST(GenerateBatch, PromptsGoInPiecesOfAtMostMaxPrefillRows) {
   EXPECT_THROW(generate_batch(model, prompts, bad), InvalidArgument);
   LookupDraft lookup(3);
   EXPECT_THROW(speculative_generate(model, lookup, prompts[2], bad, {3, false}), InvalidArgument);
+  // Refused also where no prefill would run (BOS alone, nothing to generate).
+  EXPECT_THROW(speculative_generate(model, lookup, prompts[0], bad, {3, false}), InvalidArgument);
+  bad.max_new_tokens = 0;
+  EXPECT_THROW(generate(model, prompts[2], bad), InvalidArgument);
   Cache cache = model.make_cache();
   std::vector<float> logits;
   GenerationStats stats;
