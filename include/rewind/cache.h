@@ -133,8 +133,11 @@ class Cache {
   void batch_repeat_interleave(std::int64_t repeats);
   void reorder_cache(std::span<const std::int64_t> beam_idx);
   // Every layer back to new (works on out-of-step layers: the way back from
-  // a failed forward made without begin_forward). Throws StateError while a
-  // forward is open, CapacityError when the budget or the system refuses.
+  // a failed forward made without begin_forward). Only the new layers count
+  // against the budget (the old ones go as they commit), so a cache at its
+  // cap resets whenever a new one fits. Throws StateError while a forward is
+  // open, CapacityError when the budget refuses the new layers themselves or
+  // the system refuses memory (nothing changes then).
   void reset();
 
   // ---- tree speculation (rewind/tree.h) ----

@@ -106,11 +106,34 @@ struct Cache::Impl {
     }
     return next;
   }
+  // The old layers die as the new ones commit, so only the new ones count
+  // against the budget: otherwise a cache near its cap (the usual state after
+  // a budget refused a forward) could never reset. The new layers are built
+  // uncapped (a layer's construction may briefly hold two copies of a
+  // buffer) and refused afterwards if what they keep passes the cap.
   std::vector<std::unique_ptr<Layer::Impl>> prepare_reset() const {
     if (busy()) check_whole("reset");
+    struct Uncapped {
+      detail::MemoryBudget* b;
+      std::size_t limit;
+      explicit Uncapped(detail::MemoryBudget* budget) : b(budget), limit(budget ? budget->limit : 0) {
+        if (b) b->limit = 0;
+      }
+      ~Uncapped() {
+        if (b) b->limit = limit;
+      }
+      Uncapped(const Uncapped&) = delete;
+      Uncapped& operator=(const Uncapped&) = delete;
+    } uncapped(budget ? budget.get() : nullptr);
+    const std::size_t old_bytes = budget ? budget->reserved : 0;
     std::vector<std::unique_ptr<Layer::Impl>> next;
     next.reserve(layers.size());
     for (const auto& l : layers) next.push_back(l.impl_->fresh());
+    if (budget && uncapped.limit != 0 && budget->reserved - old_bytes > uncapped.limit) {
+      throw detail::BudgetExceeded("reset: memory budget exceeded: a new cache reserves " +
+                                   std::to_string(budget->reserved - old_bytes) + " bytes, more than the budget's " +
+                                   std::to_string(uncapped.limit) + "; nothing was changed");
+    }
     return next;
   }
   void commit_layers(std::vector<std::unique_ptr<Layer::Impl>> next) noexcept {

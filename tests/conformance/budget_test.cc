@@ -112,6 +112,33 @@ TEST(MemoryBudget, FreedMemoryIsCountedBack) {
   }
 }
 
+// reset() counts only the new layers against the budget: a cache whose cap
+// equals what it reserves (no byte of headroom for the fixed parts a new
+// cache allocates) resets, to what a new cache reserves, and keeps its cap.
+TEST(MemoryBudget, ResetWorksAtTheCap) {
+  Built b = build_cache(budget_spec());
+  const std::size_t fresh = b.cache.memory().bytes_reserved;
+  ASSERT_GT(fresh, 0u);
+  std::uint64_t salt = 0;
+  ASSERT_EQ(cache_step(b.cache, b.ref, 30, ++salt), "");
+  const std::size_t full = b.cache.memory().bytes_reserved;
+  ASSERT_GT(full, fresh);
+  b.cache.set_memory_budget(full);
+  // Refused part-way through the layers (a step without begin_forward): the
+  // earlier layers took the tokens, and reset() is the way back.
+  EXPECT_NE(cache_step(b.cache, b.ref, 64, ++salt).find("memory budget exceeded"), std::string::npos);
+  b.cache.reset();
+  b.ref.reset();
+  EXPECT_EQ(b.cache.memory().bytes_reserved, fresh);
+  EXPECT_EQ(b.cache.memory_budget(), full);
+  EXPECT_EQ(verify(b.cache, b.ref), "");
+  // The cap still holds afterwards: the same 30 tokens fit, 64 more do not.
+  ASSERT_EQ(cache_step(b.cache, b.ref, 30, ++salt), "");
+  EXPECT_EQ(verify(b.cache, b.ref), "");
+  EXPECT_NE(cache_step(b.cache, b.ref, 64, ++salt).find("memory budget exceeded"), std::string::npos);
+  EXPECT_LE(b.cache.memory().bytes_reserved, full);
+}
+
 TEST(MemoryBudget, CannotBeSetBelowWhatIsReserved) {
   Built b = build_cache(budget_spec());
   std::uint64_t salt = 0;
