@@ -204,13 +204,11 @@ void forward_in_pieces(const Model& model, std::span<const std::int32_t> tokens,
   }
 }
 
-}  // namespace
-
-std::int64_t prefill(const Model& model, std::span<const std::int32_t> tokens, Cache& cache, std::vector<float>& logits,
-                     PrefixCache* prefix_cache, GenerationStats& stats, std::int64_t max_rows,
-                     const std::function<void(std::int64_t, std::int64_t)>& on_piece) {
-  check_prefill_rows(max_rows);
-  if (tokens.empty()) throw InvalidArgument("prefill needs at least one token, got none");
+// prefill() past its checks: fills `logits` and `cache`, which prefill()
+// restores to empty when this throws.
+std::int64_t prefill_pieces(const Model& model, std::span<const std::int32_t> tokens, Cache& cache,
+                            std::vector<float>& logits, PrefixCache* prefix_cache, GenerationStats& stats,
+                            std::int64_t max_rows, const std::function<void(std::int64_t, std::int64_t)>& on_piece) {
   const auto P = static_cast<std::int64_t>(tokens.size());
   if (!prefix_cache) {
     forward_in_pieces(model, tokens, 0, P, max_rows, cache, logits, stats, on_piece);
@@ -240,6 +238,37 @@ std::int64_t prefill(const Model& model, std::span<const std::int32_t> tokens, C
     a = b;
   }
   return restored;
+}
+
+}  // namespace
+
+std::int64_t prefill(const Model& model, std::span<const std::int32_t> tokens, Cache& cache, std::vector<float>& logits,
+                     PrefixCache* prefix_cache, GenerationStats& stats, std::int64_t max_rows,
+                     const std::function<void(std::int64_t, std::int64_t)>& on_piece) {
+  check_prefill_rows(max_rows);
+  if (tokens.empty()) throw InvalidArgument("prefill needs at least one token, got none");
+  for (int i = 0; i < cache.num_layers(); ++i) {  // every layer: one out of step would be reset below
+    if (cache.get_seq_length(i) != 0) {
+      throw InvalidArgument("prefill needs an empty cache, layer " + std::to_string(i) + " holds " +
+                            std::to_string(cache.get_seq_length(i)) + " tokens (reset() it, or use forward to extend it)");
+    }
+  }
+  // All or nothing, as one forward was: a piece that fails (a budget, an
+  // exception from on_piece) must not leave the earlier pieces in the
+  // caller's cache, nor their logits in `logits`.
+  std::vector<float> out;
+  try {
+    const std::int64_t restored = prefill_pieces(model, tokens, cache, out, prefix_cache, stats, max_rows, on_piece);
+    logits.swap(out);
+    return restored;
+  } catch (...) {
+    try {
+      cache.reset();  // it was empty; reset keeps the recording setting
+    } catch (const Error&) {
+      // reset refused new buffers (a budget): the original failure says more
+    }
+    throw;
+  }
 }
 
 namespace {

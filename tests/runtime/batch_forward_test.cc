@@ -341,6 +341,84 @@ TEST(GenerateBatch, PromptsGoInPiecesOfAtMostMaxPrefillRows) {
   EXPECT_EQ(stats.forwards, 0);
 }
 
+// prefill() in pieces is all or nothing, as its one forward was: a piece
+// that fails (an exception from on_piece, a budget refusing growth) comes out
+// with the caller's cache empty (recording kept) and its logits untouched,
+// and the same cache then prefills to the logits of one forward of the
+// prompt in a fresh cache. A cache that already holds tokens is refused.
+TEST(Prefill, AFailingPieceLeavesTheCacheEmptyAndTheLogitsUnchanged) {
+  const Model model(ModelWeights::random(testing_configs::hybrid(), 41));
+  std::mt19937_64 rng(41);
+  const Tokens prompt = random_tokens(rng, 50);
+  const Tokens next = random_tokens(rng, 1);
+  std::vector<float> expected, expected_next;
+  {
+    Cache fresh = model.make_cache();
+    model.forward(prompt, fresh, expected, false);
+    model.forward(next, fresh, expected_next, false);
+  }
+  const std::vector<float> sentinel{1.0f, 2.0f, 3.0f};
+  struct Stop {};
+  auto check_empty_then_reusable = [&](Cache& cache, const char* what) {
+    for (int i = 0; i < cache.num_layers(); ++i) EXPECT_EQ(cache.get_seq_length(i), 0) << what << ", layer " << i;
+    EXPECT_TRUE(cache.is_recording()) << what;
+    cache.set_memory_budget(0);
+    std::vector<float> logits;
+    GenerationStats stats;
+    prefill(model, prompt, cache, logits, nullptr, stats, 16);
+    EXPECT_EQ(logits, expected) << what;
+    model.forward(next, cache, logits, false);
+    EXPECT_EQ(logits, expected_next) << what;
+  };
+  {
+    Cache cache = model.make_cache();
+    cache.activate_past_recording(2);
+    std::vector<float> logits = sentinel;
+    GenerationStats stats;
+    int pieces = 0;
+    const auto stop_after_two = [&pieces](std::int64_t, std::int64_t) {
+      if (++pieces == 2) throw Stop{};
+    };
+    EXPECT_THROW(prefill(model, prompt, cache, logits, nullptr, stats, 16, stop_after_two), Stop);
+    EXPECT_EQ(pieces, 2);
+    EXPECT_EQ(logits, sentinel);
+    check_empty_then_reusable(cache, "on_piece threw");
+  }
+  {
+    // A budget that holds the first pieces but not the whole prompt.
+    Cache probe = model.make_cache();
+    probe.activate_past_recording(2);
+    std::vector<float> logits = sentinel;
+    model.forward(Tokens(prompt.begin(), prompt.begin() + 8), probe, logits, false);
+    const std::size_t budget = probe.memory().bytes_reserved;
+    Cache cache = model.make_cache();
+    cache.activate_past_recording(2);
+    cache.set_memory_budget(budget);
+    logits = sentinel;
+    GenerationStats stats;
+    std::int64_t in_cache = 0;
+    EXPECT_THROW(prefill(model, prompt, cache, logits, nullptr, stats, 8,
+                         [&in_cache](std::int64_t done, std::int64_t) { in_cache = done; }),
+                 CapacityError);
+    EXPECT_GE(in_cache, 8);  // a piece went in before the budget refused one
+    EXPECT_LT(in_cache, 50);
+    EXPECT_EQ(logits, sentinel);
+    check_empty_then_reusable(cache, "budget");
+  }
+  {
+    Cache cache = model.make_cache();
+    cache.activate_past_recording(2);
+    std::vector<float> logits;
+    GenerationStats stats;
+    model.forward(next, cache, logits, false);
+    logits = sentinel;
+    EXPECT_THROW(prefill(model, prompt, cache, logits, nullptr, stats), InvalidArgument);
+    EXPECT_EQ(cache.get_seq_length(), 1);
+    EXPECT_EQ(logits, sentinel);
+    EXPECT_EQ(stats.forwards, 0);
+  }
+}
+
 // Batched speculative decoding: for random hybrids with every runtime kind
 // and a window far below the generated length, batches of 1 / 3 / 8 prompts
 // of different lengths, every draft source (draft model, prompt lookup,

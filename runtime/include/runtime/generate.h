@@ -146,9 +146,15 @@ struct GenerationStats {
 // stores an entry at each. Returns the tokens restored. Bit-identical to
 // one forward of `tokens` (batch invariance); forwards feed at most
 // `max_rows` tokens each. Adds to stats.forwards and stats.cache_seconds.
-// Throws InvalidArgument for no token or max_rows < 1 (nothing run).
-// `on_piece`, when set, is called after each forward with the tokens in the
-// cache so far and tokens.size().
+// Throws InvalidArgument for no token, max_rows < 1 or a cache that is not
+// empty (nothing run). `on_piece`, when set, is called after each forward
+// with the tokens in the cache so far and tokens.size(). All or nothing: when
+// a forward (a budget's CapacityError) or on_piece throws, the exception
+// comes out with `cache` reset to empty (recording setting kept) and
+// `logits` unchanged; prefix-cache entries stored by earlier pieces stay (they
+// are correct). Only if that reset is itself refused (by the system's
+// memory: a budget that held the empty cache holds a new one) is the cache
+// left holding the earlier pieces.
 std::int64_t prefill(const Model& model, std::span<const std::int32_t> tokens, Cache& cache, std::vector<float>& logits,
                      PrefixCache* prefix_cache, GenerationStats& stats,
                      std::int64_t max_rows = kDefaultMaxPrefillRows,
