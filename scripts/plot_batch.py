@@ -38,7 +38,7 @@ def main():
     for ax, (label, runs) in zip(axes[0], models):
         table = rows_by_key(runs)
         solo = statistics.median(table[("greedy", 1, 0)])
-        for method, style in (("greedy_batch", "o-"), ("draft_batch", "s-")):
+        for method, style in (("greedy_batch", "o-"), ("draft_batch", "s-"), ("lookup_batch", "^-")):
             points = sorted((b, k, v) for (m, b, k), v in table.items() if m == method)
             if not points:
                 continue
@@ -46,7 +46,8 @@ def main():
             med = [statistics.median(v) for _, _, v in points]
             lo = [m - min(v) for m, (_, _, v) in zip(med, points)]
             hi = [max(v) - m for m, (_, _, v) in zip(med, points)]
-            name = "greedy, batched" if method == "greedy_batch" else f"speculative (draft, K={points[0][1]}), batched"
+            source = method.split("_")[0]
+            name = "greedy, batched" if source == "greedy" else f"speculative ({source}, K={points[0][1]}), batched"
             ax.errorbar(xs, med, yerr=[lo, hi], fmt=style, capsize=3, label=name)
         ax.axhline(solo, linestyle="--", color="gray", label="greedy, one prompt")
         ax.set_xscale("log", base=2)
