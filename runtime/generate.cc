@@ -204,6 +204,18 @@ void forward_in_pieces(const Model& model, std::span<const std::int32_t> tokens,
   }
 }
 
+// One forward of `tokens` (non-empty) into `cache` for its last row's
+// logits, made as forwards of at most max_rows tokens (the same logits:
+// batch invariance). The draft models' way to take a whole prompt.
+void forward_capped(const Model& model, std::span<const std::int32_t> tokens, std::int64_t max_rows, Cache& cache,
+                    std::vector<float>& logits, double* cache_seconds) {
+  while (static_cast<std::int64_t>(tokens.size()) > max_rows) {
+    model.forward(tokens.first(static_cast<std::size_t>(max_rows)), cache, logits, false, cache_seconds);
+    tokens = tokens.subspan(static_cast<std::size_t>(max_rows));
+  }
+  model.forward(tokens, cache, logits, false, cache_seconds);
+}
+
 // prefill() past its checks: fills `logits` and `cache`, which prefill()
 // restores to empty when this throws.
 std::int64_t prefill_pieces(const Model& model, std::span<const std::int32_t> tokens, Cache& cache,
@@ -533,8 +545,10 @@ double PerSequenceDrafts::cache_seconds() const {
   return total;
 }
 
-BatchedModelDraft::BatchedModelDraft(const Model& draft, SamplingParams sampling, std::int64_t max_draft)
+BatchedModelDraft::BatchedModelDraft(const Model& draft, SamplingParams sampling, std::int64_t max_draft,
+                                     std::int64_t max_prefill_rows)
     : model_(draft), sampling_(sampling), max_draft_(std::max<std::int64_t>(max_draft, 1)),
+      max_prefill_rows_((check_prefill_rows(max_prefill_rows), max_prefill_rows)),
       cache_(draft.make_sequence_cache()) {}
 
 void BatchedModelDraft::begin(std::span<const std::vector<std::int32_t>> prompts) {
@@ -560,9 +574,32 @@ void BatchedModelDraft::propose(std::span<const Request> requests) {
   // step the draft token of the step before, for the requests still drafting
   // (ModelDraft's forwards, batched).
   std::vector<std::size_t> live;
+  // All but the last unseen token of each sequence first, in forwards of at
+  // most max_prefill_rows_ rows in all and without logits: a batch of whole
+  // prompts would need working memory for all their tokens at once.
+  std::vector<std::span<const std::int32_t>> early(requests.size());
   for (std::size_t r = 0; r < requests.size(); ++r) {
     const Request& q = requests[r];
     const std::span<const std::int32_t> unseen = q.sequence.subspan(static_cast<std::size_t>(seen_[q.index]));
+    if (unseen.size() > 1) early[r] = unseen.first(unseen.size() - 1);
+  }
+  for (std::size_t r = 0; r < requests.size();) {
+    std::int64_t room = max_prefill_rows_;
+    for (; r < requests.size() && room > 0; ++r) {
+      if (early[r].empty()) continue;
+      const auto n = static_cast<std::size_t>(std::min<std::int64_t>(room, static_cast<std::int64_t>(early[r].size())));
+      batch.push_back({ids_[requests[r].index], early[r].first(n), LogitRows::kNone});
+      early[r] = early[r].subspan(n);
+      room -= static_cast<std::int64_t>(n);
+      if (!early[r].empty()) break;  // no room left: this sequence goes on in the next forward
+    }
+    if (!batch.empty()) model_.forward_batch(batch, cache_, logits);
+    batch.clear();
+  }
+  for (std::size_t r = 0; r < requests.size(); ++r) {
+    const Request& q = requests[r];
+    std::span<const std::int32_t> unseen = q.sequence.subspan(static_cast<std::size_t>(seen_[q.index]));
+    if (unseen.size() > 1) unseen = unseen.last(1);
     batch.push_back({ids_[q.index], unseen, LogitRows::kLast});
     seen_[q.index] = static_cast<std::int64_t>(q.sequence.size());
     q.drafts->clear();
@@ -611,8 +648,10 @@ void BatchedModelDraft::accept(std::size_t index, std::int64_t proposed, std::in
 
 void BatchedModelDraft::finish(std::size_t index) { cache_.seq_rm(ids_[index]); }
 
-ModelDraft::ModelDraft(const Model& draft, SamplingParams sampling, std::int64_t max_draft)
-    : model_(draft), sampling_(sampling), rng_(sampling.seed ^ 0x9e3779b97f4a7c15ull), cache_(draft.make_cache()) {
+ModelDraft::ModelDraft(const Model& draft, SamplingParams sampling, std::int64_t max_draft,
+                       std::int64_t max_prefill_rows)
+    : model_(draft), sampling_(sampling), max_prefill_rows_((check_prefill_rows(max_prefill_rows), max_prefill_rows)),
+      rng_(sampling.seed ^ 0x9e3779b97f4a7c15ull), cache_(draft.make_cache()) {
   cache_.activate_past_recording(std::max<std::int64_t>(max_draft, 1));
 }
 
@@ -627,7 +666,8 @@ std::vector<std::int32_t> ModelDraft::propose(std::span<const std::int32_t> sequ
   if (k <= 0) return out;
   std::vector<float> logits;
   const auto size = static_cast<std::int64_t>(sequence.size());
-  model_.forward(sequence.subspan(static_cast<std::size_t>(seen_)), cache_, logits, false, &cache_seconds_);
+  forward_capped(model_, sequence.subspan(static_cast<std::size_t>(seen_)), max_prefill_rows_, cache_, logits,
+                 &cache_seconds_);
   seen_ = size;
   for (std::int64_t i = 0; i < k; ++i) {
     std::int32_t token;
@@ -1045,7 +1085,9 @@ void LookupTreeDraft::propose(std::span<const std::int32_t> s, const TreeOptions
   }
 }
 
-ModelTreeDraft::ModelTreeDraft(const Model& draft) : model_(draft), cache_(draft.make_cache()) {}
+ModelTreeDraft::ModelTreeDraft(const Model& draft, std::int64_t max_prefill_rows)
+    : model_(draft), max_prefill_rows_((check_prefill_rows(max_prefill_rows), max_prefill_rows)),
+      cache_(draft.make_cache()) {}
 
 void ModelTreeDraft::begin(std::span<const std::int32_t>) {
   cache_.reset();
@@ -1059,8 +1101,8 @@ void ModelTreeDraft::propose(std::span<const std::int32_t> s, const TreeOptions&
   const auto before_root = static_cast<std::int64_t>(s.size()) - 1;
   std::vector<float> logits;
   if (before_root > seen_) {  // the tokens the last rounds accepted
-    model_.forward(s.subspan(static_cast<std::size_t>(seen_), static_cast<std::size_t>(before_root - seen_)), cache_,
-                   logits, false, &cache_seconds_);
+    forward_capped(model_, s.subspan(static_cast<std::size_t>(seen_), static_cast<std::size_t>(before_root - seen_)),
+                   max_prefill_rows_, cache_, logits, &cache_seconds_);
     seen_ = before_root;
   }
   TreeBuilder tree(parents, tokens, s.back());

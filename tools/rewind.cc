@@ -396,13 +396,14 @@ std::optional<Model> load_draft(const DraftChoice& choice, const Model& target, 
 }
 
 std::unique_ptr<DraftSource> make_source(const DraftChoice& choice, const std::optional<Model>& draft,
-                                         const SamplingParams& sampling) {
-  if (draft) return std::make_unique<ModelDraft>(*draft, sampling, choice.num_draft);
+                                         const SamplingParams& sampling, std::int64_t max_prefill_rows) {
+  if (draft) return std::make_unique<ModelDraft>(*draft, sampling, choice.num_draft, max_prefill_rows);
   return std::make_unique<LookupDraft>(choice.lookup);
 }
 
-std::unique_ptr<TreeDraftSource> make_tree_source(const DraftChoice& choice, const std::optional<Model>& draft) {
-  if (draft) return std::make_unique<ModelTreeDraft>(*draft);
+std::unique_ptr<TreeDraftSource> make_tree_source(const DraftChoice& choice, const std::optional<Model>& draft,
+                                                  std::int64_t max_prefill_rows) {
+  if (draft) return std::make_unique<ModelTreeDraft>(*draft, max_prefill_rows);
   return std::make_unique<LookupTreeDraft>(choice.lookup);
 }
 
@@ -447,10 +448,11 @@ std::vector<std::vector<std::int32_t>> encode_prompts(const PromptChoice& prompt
 // The drafts of a batch of n prompts: a draft model runs every sequence's
 // draft steps in one batched forward; prompt lookup looks in each sequence.
 std::unique_ptr<BatchDraftSource> make_sources(std::size_t n, const DraftChoice& choice,
-                                               const std::optional<Model>& draft, const SamplingParams& sampling) {
-  if (draft) return std::make_unique<BatchedModelDraft>(*draft, sampling, choice.num_draft);
+                                               const std::optional<Model>& draft, const SamplingParams& sampling,
+                                               std::int64_t max_prefill_rows) {
+  if (draft) return std::make_unique<BatchedModelDraft>(*draft, sampling, choice.num_draft, max_prefill_rows);
   std::vector<std::unique_ptr<DraftSource>> sources;
-  for (std::size_t i = 0; i < n; ++i) sources.push_back(make_source(choice, draft, sampling));
+  for (std::size_t i = 0; i < n; ++i) sources.push_back(make_source(choice, draft, sampling, max_prefill_rows));
   return std::make_unique<PerSequenceDrafts>(std::move(sources));
 }
 
@@ -471,7 +473,7 @@ int run_generate_batch(const CLI::App& cmd, const std::string& model_dir, const 
   BatchGenerationStats stats;
   std::vector<std::vector<std::int32_t>> out;
   if (choice.any()) {
-    const auto sources = make_sources(prompts.size(), choice, draft, sampling);
+    const auto sources = make_sources(prompts.size(), choice, draft, sampling, options.max_prefill_rows);
     out = speculative_generate_batch(model, *sources, prompts, options, {choice.num_draft, choice.adaptive}, &stats);
   } else {
     out = generate_batch(model, prompts, options, &stats);
@@ -513,10 +515,10 @@ int run_generate(const CLI::App& cmd, const std::string& model_dir, const Prompt
   options.on_token = [&stream](std::int32_t t) { stream.push(t); };
   GenerationStats stats;
   if (choice.tree()) {
-    auto source = make_tree_source(choice, draft);
+    auto source = make_tree_source(choice, draft, options.max_prefill_rows);
     tree_speculative_generate(model, *source, tokens, options, choice.tree_options(), &stats);
   } else if (choice.any()) {
-    auto source = make_source(choice, draft, sampling);
+    auto source = make_source(choice, draft, sampling, options.max_prefill_rows);
     speculative_generate(model, *source, tokens, options, {choice.num_draft, choice.adaptive}, &stats);
   } else {
     generate(model, tokens, options, &stats);
@@ -570,7 +572,7 @@ int run_verify_batch(const std::string& model_dir, const PromptChoice& prompt_ch
     }
   }
   BatchGenerationStats stats;
-  const auto sources = make_sources(prompts.size(), choice, draft, options.sampling);
+  const auto sources = make_sources(prompts.size(), choice, draft, options.sampling, options.max_prefill_rows);
   const auto spec =
       speculative_generate_batch(model, *sources, prompts, options, {choice.num_draft, choice.adaptive}, &stats);
   std::int64_t tokens = 0;
@@ -648,10 +650,10 @@ int run_verify(const CLI::App& cmd, const std::string& model_dir, const PromptCh
       std::int64_t n = 0;
       options.on_token = [&](std::int32_t) { progress.update(++n, max_new); };
       if (choice.tree()) {
-        auto source = make_tree_source(choice, draft);
+        auto source = make_tree_source(choice, draft, options.max_prefill_rows);
         spec = tree_speculative_generate(model, *source, tokens, options, choice.tree_options(), &spec_stats);
       } else {
-        auto source = make_source(choice, draft, options.sampling);
+        auto source = make_source(choice, draft, options.sampling, options.max_prefill_rows);
         spec = speculative_generate(model, *source, tokens, options, {choice.num_draft, choice.adaptive}, &spec_stats);
       }
     }
@@ -1085,8 +1087,9 @@ int main(int argc, char** argv) {
                      ->type_name("FILE");
     text->excludes(file);
     cmd->add_option("--max-prefill-rows", prompt.max_prefill_rows,
-                    "prompt tokens one forward feeds at most (all joining prompts together); longer prompts go in "
-                    "several forwards, with the same output, so that a forward's memory stays bounded")
+                    "prompt tokens one forward feeds at most (all joining prompts together; the target's and a "
+                    "--draft model's forwards alike); longer prompts go in several forwards, with the same output, "
+                    "so that a forward's memory stays bounded")
         ->check(integer_in(1, std::int64_t{1} << 24))
         ->capture_default_str();
   };

@@ -419,6 +419,44 @@ TEST(Prefill, AFailingPieceLeavesTheCacheEmptyAndTheLogitsUnchanged) {
   }
 }
 
+// The draft models take what their caches have not seen (whole prompts at
+// the first propose) in forwards of at most max_prefill_rows tokens, as the
+// target's prefill does: every output equals the one with the default (one
+// forward for these prompts), for ModelDraft, BatchedModelDraft (pieces of
+// several prompts sharing a forward) and ModelTreeDraft; 0 is refused.
+TEST(Drafts, ModelDraftsTakeLongPromptsInPiecesWithTheSameOutput) {
+  const Model target(ModelWeights::random(testing_configs::hybrid(), 51));
+  const Model draft(ModelWeights::random(testing_configs::hybrid({"conv", "sliding_attention"}, 16, 3), 52));
+  std::mt19937_64 rng(51);
+  std::vector<Tokens> prompts;
+  for (std::size_t n : {1u, 2u, 40u, 57u}) prompts.push_back(random_tokens(rng, n));
+  GenerationOptions options;
+  options.max_new_tokens = 10;
+  options.stop_at_eos = false;
+  std::vector<Tokens> greedy, first_drafts;
+  for (const Tokens& p : prompts) {
+    greedy.push_back(generate(target, p, options));
+    ModelDraft d(draft, {}, 3);
+    first_drafts.push_back(d.propose(p, 3, nullptr));
+  }
+  for (const std::int64_t rows : {1, 3, 16}) {
+    for (std::size_t i = 0; i < prompts.size(); ++i) {
+      ModelDraft d(draft, {}, 3, rows);
+      EXPECT_EQ(d.propose(prompts[i], 3, nullptr), first_drafts[i]) << rows << ", prompt " << i;
+      ModelDraft spec(draft, {}, 3, rows);
+      EXPECT_EQ(speculative_generate(target, spec, prompts[i], options, {3, false}), greedy[i]) << rows << ", " << i;
+      ModelTreeDraft tree(draft, rows);
+      EXPECT_EQ(tree_speculative_generate(target, tree, prompts[i], options, {2, 8, 3}), greedy[i]) << rows << ", " << i;
+    }
+    BatchedModelDraft batched(draft, options.sampling, 3, rows);
+    const auto out = speculative_generate_batch(target, batched, prompts, options, {3, false});
+    for (std::size_t i = 0; i < prompts.size(); ++i) EXPECT_EQ(out[i], greedy[i]) << "batched, " << rows << ", " << i;
+  }
+  EXPECT_THROW(ModelDraft(draft, {}, 3, 0), InvalidArgument);
+  EXPECT_THROW(BatchedModelDraft(draft, {}, 3, 0), InvalidArgument);
+  EXPECT_THROW(ModelTreeDraft(draft, -1), InvalidArgument);
+}
+
 // Batched speculative decoding: for random hybrids with every runtime kind
 // and a window far below the generated length, batches of 1 / 3 / 8 prompts
 // of different lengths, every draft source (draft model, prompt lookup,

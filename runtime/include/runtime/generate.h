@@ -239,7 +239,11 @@ class DraftSource {
 // speculative_generate).
 class ModelDraft : public DraftSource {
  public:
-  ModelDraft(const Model& draft, SamplingParams sampling, std::int64_t max_draft);
+  // The tokens it has not seen (a whole prompt at the first propose) go in
+  // forwards of at most `max_prefill_rows` tokens (the same drafts as one
+  // forward; bounded memory). Throws InvalidArgument for max_prefill_rows < 1.
+  ModelDraft(const Model& draft, SamplingParams sampling, std::int64_t max_draft,
+             std::int64_t max_prefill_rows = kDefaultMaxPrefillRows);
   void begin(std::span<const std::int32_t> prompt) override;
   std::vector<std::int32_t> propose(std::span<const std::int32_t> sequence, std::int64_t k,
                                     std::vector<std::vector<float>>* probs) override;
@@ -251,6 +255,7 @@ class ModelDraft : public DraftSource {
  private:
   const Model& model_;
   SamplingParams sampling_;
+  std::int64_t max_prefill_rows_;
   std::mt19937_64 rng_;
   Cache cache_;
   std::int64_t seen_ = 0;  // tokens of the sequence in cache_
@@ -361,7 +366,9 @@ class LookupTreeDraft : public TreeDraftSource {
 // so tree sampling treats them as one-hot proposals (exact either way).
 class ModelTreeDraft : public TreeDraftSource {
  public:
-  explicit ModelTreeDraft(const Model& draft);
+  // Tokens its cache has not seen go in forwards of at most
+  // `max_prefill_rows`. Throws InvalidArgument for max_prefill_rows < 1.
+  explicit ModelTreeDraft(const Model& draft, std::int64_t max_prefill_rows = kDefaultMaxPrefillRows);
   void begin(std::span<const std::int32_t> prompt) override;
   void propose(std::span<const std::int32_t> sequence, const TreeOptions& options, std::vector<std::int64_t>& parents,
                std::vector<std::int32_t>& tokens) override;
@@ -371,6 +378,7 @@ class ModelTreeDraft : public TreeDraftSource {
 
  private:
   const Model& model_;
+  std::int64_t max_prefill_rows_;
   Cache cache_;
   std::int64_t seen_ = 0;
   double cache_seconds_ = 0.0;
@@ -438,7 +446,11 @@ class PerSequenceDrafts : public BatchDraftSource {
 // alone (batch invariance; one random stream per sequence).
 class BatchedModelDraft : public BatchDraftSource {
  public:
-  BatchedModelDraft(const Model& draft, SamplingParams sampling, std::int64_t max_draft);
+  // What the sequences' draft caches have not seen (whole prompts at the
+  // first propose) goes in forwards of at most `max_prefill_rows` tokens in
+  // all. Throws InvalidArgument for max_prefill_rows < 1.
+  BatchedModelDraft(const Model& draft, SamplingParams sampling, std::int64_t max_draft,
+                    std::int64_t max_prefill_rows = kDefaultMaxPrefillRows);
   void begin(std::span<const std::vector<std::int32_t>> prompts) override;
   void propose(std::span<const Request> requests) override;
   void accept(std::size_t index, std::int64_t proposed, std::int64_t accepted) override;
@@ -449,6 +461,7 @@ class BatchedModelDraft : public BatchDraftSource {
   const Model& model_;
   SamplingParams sampling_;
   std::int64_t max_draft_;
+  std::int64_t max_prefill_rows_;
   SequenceCache cache_;
   std::vector<SeqId> ids_;
   std::vector<std::int64_t> seen_;  // tokens of each sequence in cache_
