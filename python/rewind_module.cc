@@ -711,11 +711,12 @@ PYBIND11_MODULE(_rewind, mod) {
       .def("generate", [](const PyModel& self, py::object prompt, std::int64_t max_new_tokens, float temperature,
                           std::int64_t top_k, float top_p, std::uint64_t seed, bool stop_at_eos,
                           std::shared_ptr<PyModel> draft, std::int64_t num_draft, std::int64_t lookup,
-                          bool adaptive) {
+                          bool adaptive, std::int64_t max_prefill_rows) {
         auto p = tokens_of(prompt);
         if (p.empty()) invalid("generate: the prompt is empty");
         rwd::runtime::GenerationOptions o;
         o.max_new_tokens = max_new_tokens;
+        o.max_prefill_rows = max_prefill_rows;
         o.stop_at_eos = stop_at_eos;
         o.sampling = sampling_of(temperature, top_k, top_p, seed);
         if (draft && lookup > 0) invalid("generate: give a draft model or prompt lookup, not both");
@@ -737,7 +738,7 @@ PYBIND11_MODULE(_rewind, mod) {
                                          ") differs from the target's (" + std::to_string(self.model.vocab_size()) + ")");
             }
             rwd::runtime::SamplingParams ds = o.sampling;
-            rwd::runtime::ModelDraft source(draft->model, ds, num_draft);
+            rwd::runtime::ModelDraft source(draft->model, ds, num_draft, max_prefill_rows);
             out = rwd::runtime::speculative_generate(self.model, source, p, o, spec, &stats);
           } else {
             rwd::runtime::LookupDraft source(lookup);
@@ -748,16 +749,19 @@ PYBIND11_MODULE(_rewind, mod) {
       }, py::arg("prompt"), py::arg("max_new_tokens") = 128, py::arg("temperature") = 0.0f, py::arg("top_k") = 0,
          py::arg("top_p") = 1.0f, py::arg("seed") = 0, py::arg("stop_at_eos") = true, py::arg("draft") = nullptr,
          py::arg("num_draft") = 4, py::arg("lookup") = 0, py::arg("adaptive") = false,
+         py::arg("max_prefill_rows") = rwd::runtime::kDefaultMaxPrefillRows,
          "Greedy (temperature 0) or sampled generation; speculative with `draft` (a Model) or prompt lookup "
-         "(`lookup` = max n-gram). Returns (new_tokens, stats).")
+         "(`lookup` = max n-gram). A prompt goes in forwards of at most `max_prefill_rows` tokens (the same "
+         "output; bounded memory). Returns (new_tokens, stats).")
       .def("generate_batch", [](const PyModel& self, py::object prompts, std::int64_t max_new_tokens,
                                 float temperature, std::int64_t top_k, float top_p, std::uint64_t seed,
                                 bool stop_at_eos, std::shared_ptr<PyModel> draft, std::int64_t num_draft,
-                                std::int64_t lookup, bool adaptive, std::int64_t max_batch) {
+                                std::int64_t lookup, bool adaptive, std::int64_t max_batch, std::int64_t max_prefill_rows) {
         std::vector<std::vector<std::int32_t>> ps;
         for (py::handle p : prompts) ps.push_back(tokens_of(p));
         rwd::runtime::GenerationOptions o;
         o.max_new_tokens = max_new_tokens;
+        o.max_prefill_rows = max_prefill_rows;
         o.stop_at_eos = stop_at_eos;
         o.sampling = sampling_of(temperature, top_k, top_p, seed);
         if (max_batch < 0) invalid("generate_batch: max_batch must be >= 0");
@@ -781,7 +785,8 @@ PYBIND11_MODULE(_rewind, mod) {
           py::gil_scoped_release nogil;
           std::unique_ptr<rwd::runtime::BatchDraftSource> sources;
           if (draft) {
-            sources = std::make_unique<rwd::runtime::BatchedModelDraft>(draft->model, o.sampling, num_draft);
+            sources =
+                std::make_unique<rwd::runtime::BatchedModelDraft>(draft->model, o.sampling, num_draft, max_prefill_rows);
           } else {
             std::vector<std::unique_ptr<rwd::runtime::DraftSource>> each;
             for (std::size_t i = 0; i < ps.size(); ++i) each.push_back(std::make_unique<rwd::runtime::LookupDraft>(lookup));
@@ -801,8 +806,10 @@ PYBIND11_MODULE(_rewind, mod) {
       }, py::arg("prompts"), py::arg("max_new_tokens") = 128, py::arg("temperature") = 0.0f, py::arg("top_k") = 0,
          py::arg("top_p") = 1.0f, py::arg("seed") = 0, py::arg("stop_at_eos") = true, py::arg("draft") = nullptr,
          py::arg("num_draft") = 4, py::arg("lookup") = 0, py::arg("adaptive") = false, py::arg("max_batch") = 0,
+         py::arg("max_prefill_rows") = rwd::runtime::kDefaultMaxPrefillRows,
          "Batched generation of many prompts in one SequenceCache (the CLI's --prompts / --max-batch); sequence i "
-         "samples with seed + i. Returns (list of new tokens per prompt, stats).");
+         "samples with seed + i; joining prompts share at most `max_prefill_rows` prompt tokens a forward. "
+         "Returns (list of new tokens per prompt, stats).");
 
   m.def("set_num_threads", [](int n) {
     if (n < 1 || n > 1024) invalid("set_num_threads: n must be in [1, 1024], got " + std::to_string(n));

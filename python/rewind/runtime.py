@@ -68,28 +68,33 @@ class Model:
 
     def generate(self, prompt: Any, max_new_tokens: int = 128, temperature: float = 0.0, top_k: int = 0,
                  top_p: float = 1.0, seed: int = 0, stop_at_eos: bool = True, draft: "Model | None" = None,
-                 num_draft: int = 4, lookup: int = 0, adaptive: bool = False) -> tuple:
+                 num_draft: int = 4, lookup: int = 0, adaptive: bool = False,
+                 max_prefill_rows: int = 2048) -> tuple:
         """Generates after ``prompt`` (token ids, or a str encoded with ``encode``): greedy (temperature 0) or
         sampled (temperature, top_k, top_p, seed); speculative with ``draft`` (K = ``num_draft``, ``adaptive``)
-        or prompt lookup (``lookup`` = largest n-gram). Returns ``(new_tokens, stats)``; greedy speculative
-        decoding returns exactly the tokens of plain greedy decoding."""
+        or prompt lookup (``lookup`` = largest n-gram). The prompt goes in forwards of at most
+        ``max_prefill_rows`` tokens (target and draft; the same tokens, bounded memory; >= 1). Returns
+        ``(new_tokens, stats)``; greedy speculative decoding returns exactly the tokens of plain greedy
+        decoding."""
         if isinstance(prompt, str):
             prompt = self.encode(prompt)
         return self._core.generate(
             prompt, max_new_tokens, temperature, top_k, top_p, seed, stop_at_eos,
-            draft._core if draft is not None else None, num_draft, lookup, adaptive,
+            draft._core if draft is not None else None, num_draft, lookup, adaptive, max_prefill_rows,
         )
 
     def generate_batch(self, prompts: Any, max_new_tokens: int = 128, temperature: float = 0.0, top_k: int = 0,
                        top_p: float = 1.0, seed: int = 0, stop_at_eos: bool = True, draft: "Model | None" = None,
-                       num_draft: int = 4, lookup: int = 0, adaptive: bool = False, max_batch: int = 0) -> tuple:
+                       num_draft: int = 4, lookup: int = 0, adaptive: bool = False, max_batch: int = 0,
+                       max_prefill_rows: int = 2048) -> tuple:
         """Many prompts in one batched cache (the CLI's ``--prompts`` / ``--max-batch``): every round one forward
-        of every unfinished sequence; sequence i equals ``generate`` of its prompt alone with seed + i.
-        Returns ``(list of new tokens per prompt, stats)``."""
+        of every unfinished sequence; sequence i equals ``generate`` of its prompt alone with seed + i. Joining
+        prompts share at most ``max_prefill_rows`` prompt tokens a forward. Returns ``(list of new tokens per
+        prompt, stats)``."""
         prompts = [self.encode(p) if isinstance(p, str) else p for p in prompts]
         return self._core.generate_batch(
             prompts, max_new_tokens, temperature, top_k, top_p, seed, stop_at_eos,
-            draft._core if draft is not None else None, num_draft, lookup, adaptive, max_batch,
+            draft._core if draft is not None else None, num_draft, lookup, adaptive, max_batch, max_prefill_rows,
         )
 
 

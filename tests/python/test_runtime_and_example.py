@@ -173,6 +173,31 @@ def test_generate_batch_equals_solo_generation(target, draft):
     assert look == solo
 
 
+def test_max_prefill_rows_splits_prompts_with_the_same_output(target, draft):
+    # Prompts go in forwards of at most max_prefill_rows tokens (the target's
+    # and the draft's): the same tokens, one forward per piece counted.
+    prompts = ["And the LORD said unto Moses", "In the beginning God created"]
+    solo = [target.generate(p, max_new_tokens=12, stop_at_eos=False) for p in prompts]
+    for rows in (1, 5):
+        out, stats = target.generate(prompts[0], max_new_tokens=12, stop_at_eos=False, max_prefill_rows=rows)
+        assert out == solo[0][0]
+        prompt_tokens = stats["prompt_tokens"]
+        assert stats["forwards"] == -(-prompt_tokens // rows) + 11
+        spec, _ = target.generate(prompts[1], max_new_tokens=12, stop_at_eos=False, draft=draft, num_draft=3,
+                                  max_prefill_rows=rows)
+        assert spec == solo[1][0]
+        batch, _ = target.generate_batch(prompts, max_new_tokens=12, stop_at_eos=False, draft=draft, num_draft=3,
+                                         max_prefill_rows=rows)
+        assert batch == [s[0] for s in solo]
+    for bad in (0, -1):
+        with pytest.raises(ValueError):
+            target.generate(prompts[0], max_prefill_rows=bad)
+        with pytest.raises(ValueError):
+            target.generate(prompts[0], draft=draft, max_prefill_rows=bad)
+        with pytest.raises(ValueError):
+            target.generate_batch(prompts, max_prefill_rows=bad)
+
+
 def test_threads_setting():
     before = rewind.get_num_threads()
     rewind.set_num_threads(1)
