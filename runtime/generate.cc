@@ -190,30 +190,32 @@ std::string GenerationStats::to_json() const {
 
 namespace {
 
-// Feeds tokens [a, b) to `cache` in forwards of at most max_rows tokens.
-void forward_in_pieces(const Model& model, std::span<const std::int32_t> tokens, std::int64_t a, std::int64_t b,
-                       std::int64_t max_rows, Cache& cache, std::vector<float>& logits, GenerationStats& stats,
-                       const std::function<void(std::int64_t, std::int64_t)>& on_piece) {
-  std::span<const std::int32_t> rest = tokens.subspan(static_cast<std::size_t>(a), static_cast<std::size_t>(b - a));
-  while (!rest.empty()) {
+// Feeds `tokens` to `cache` in forwards of at most max_rows tokens (the
+// logits after the last token in `logits`: batch invariance makes them those
+// of one forward) and calls after_piece(tokens fed so far) after each. At
+// least one forward: no token throws as Model::forward does.
+template <class AfterPiece>
+void forward_in_pieces(const Model& model, std::span<const std::int32_t> tokens, std::int64_t max_rows, Cache& cache,
+                       std::vector<float>& logits, double* cache_seconds, AfterPiece&& after_piece) {
+  std::span<const std::int32_t> rest = tokens;
+  do {
     const std::size_t n = std::min(static_cast<std::size_t>(max_rows), rest.size());
-    model.forward(rest.first(n), cache, logits, false, &stats.cache_seconds);
-    ++stats.forwards;
+    model.forward(rest.first(n), cache, logits, false, cache_seconds);
     rest = rest.subspan(n);
-    if (on_piece) on_piece(b - static_cast<std::int64_t>(rest.size()), static_cast<std::int64_t>(tokens.size()));
-  }
+    after_piece(static_cast<std::int64_t>(tokens.size() - rest.size()));
+  } while (!rest.empty());
 }
 
-// One forward of `tokens` (non-empty) into `cache` for its last row's
-// logits, made as forwards of at most max_rows tokens (the same logits:
-// batch invariance). The draft models' way to take a whole prompt.
-void forward_capped(const Model& model, std::span<const std::int32_t> tokens, std::int64_t max_rows, Cache& cache,
-                    std::vector<float>& logits, double* cache_seconds) {
-  while (static_cast<std::int64_t>(tokens.size()) > max_rows) {
-    model.forward(tokens.first(static_cast<std::size_t>(max_rows)), cache, logits, false, cache_seconds);
-    tokens = tokens.subspan(static_cast<std::size_t>(max_rows));
-  }
-  model.forward(tokens, cache, logits, false, cache_seconds);
+// prefill()'s tokens [a, b) (a < b): counted in stats, reported to on_piece.
+void prefill_range(const Model& model, std::span<const std::int32_t> tokens, std::int64_t a, std::int64_t b,
+                   std::int64_t max_rows, Cache& cache, std::vector<float>& logits, GenerationStats& stats,
+                   const std::function<void(std::int64_t, std::int64_t)>& on_piece) {
+  const auto P = static_cast<std::int64_t>(tokens.size());
+  forward_in_pieces(model, tokens.subspan(static_cast<std::size_t>(a), static_cast<std::size_t>(b - a)), max_rows,
+                    cache, logits, &stats.cache_seconds, [&](std::int64_t fed) {
+                      ++stats.forwards;
+                      if (on_piece) on_piece(a + fed, P);
+                    });
 }
 
 // prefill() past its checks: fills `logits` and `cache`, which prefill()
@@ -223,7 +225,7 @@ std::int64_t prefill_pieces(const Model& model, std::span<const std::int32_t> to
                             std::int64_t max_rows, const std::function<void(std::int64_t, std::int64_t)>& on_piece) {
   const auto P = static_cast<std::int64_t>(tokens.size());
   if (!prefix_cache) {
-    forward_in_pieces(model, tokens, 0, P, max_rows, cache, logits, stats, on_piece);
+    prefill_range(model, tokens, 0, P, max_rows, cache, logits, stats, on_piece);
     return 0;
   }
   std::int64_t restored = 0;
@@ -245,7 +247,7 @@ std::int64_t prefill_pieces(const Model& model, std::span<const std::int32_t> to
   }
   std::int64_t a = restored;
   for (const std::int64_t b : prefix_cache->boundaries(restored, P)) {
-    forward_in_pieces(model, tokens, a, b, max_rows, cache, logits, stats, on_piece);
+    prefill_range(model, tokens, a, b, max_rows, cache, logits, stats, on_piece);
     prefix_cache->store(tokens.first(static_cast<std::size_t>(b)), a, cache.snapshot(a), logits);
     a = b;
   }
@@ -577,11 +579,14 @@ void BatchedModelDraft::propose(std::span<const Request> requests) {
   // All but the last unseen token of each sequence first, in forwards of at
   // most max_prefill_rows_ rows in all and without logits: a batch of whole
   // prompts would need working memory for all their tokens at once.
-  std::vector<std::span<const std::int32_t>> early(requests.size());
+  std::vector<std::span<const std::int32_t>> early(requests.size()), last(requests.size());
   for (std::size_t r = 0; r < requests.size(); ++r) {
     const Request& q = requests[r];
-    const std::span<const std::int32_t> unseen = q.sequence.subspan(static_cast<std::size_t>(seen_[q.index]));
-    if (unseen.size() > 1) early[r] = unseen.first(unseen.size() - 1);
+    last[r] = q.sequence.subspan(static_cast<std::size_t>(seen_[q.index]));
+    if (last[r].size() > 1) {
+      early[r] = last[r].first(last[r].size() - 1);
+      last[r] = last[r].last(1);
+    }
   }
   for (std::size_t r = 0; r < requests.size();) {
     std::int64_t room = max_prefill_rows_;
@@ -598,9 +603,7 @@ void BatchedModelDraft::propose(std::span<const Request> requests) {
   }
   for (std::size_t r = 0; r < requests.size(); ++r) {
     const Request& q = requests[r];
-    std::span<const std::int32_t> unseen = q.sequence.subspan(static_cast<std::size_t>(seen_[q.index]));
-    if (unseen.size() > 1) unseen = unseen.last(1);
-    batch.push_back({ids_[q.index], unseen, LogitRows::kLast});
+    batch.push_back({ids_[q.index], last[r], LogitRows::kLast});
     seen_[q.index] = static_cast<std::int64_t>(q.sequence.size());
     q.drafts->clear();
     live.push_back(r);
@@ -666,8 +669,8 @@ std::vector<std::int32_t> ModelDraft::propose(std::span<const std::int32_t> sequ
   if (k <= 0) return out;
   std::vector<float> logits;
   const auto size = static_cast<std::int64_t>(sequence.size());
-  forward_capped(model_, sequence.subspan(static_cast<std::size_t>(seen_)), max_prefill_rows_, cache_, logits,
-                 &cache_seconds_);
+  forward_in_pieces(model_, sequence.subspan(static_cast<std::size_t>(seen_)), max_prefill_rows_, cache_, logits,
+                    &cache_seconds_, [](std::int64_t) {});
   seen_ = size;
   for (std::int64_t i = 0; i < k; ++i) {
     std::int32_t token;
@@ -1101,8 +1104,8 @@ void ModelTreeDraft::propose(std::span<const std::int32_t> s, const TreeOptions&
   const auto before_root = static_cast<std::int64_t>(s.size()) - 1;
   std::vector<float> logits;
   if (before_root > seen_) {  // the tokens the last rounds accepted
-    forward_capped(model_, s.subspan(static_cast<std::size_t>(seen_), static_cast<std::size_t>(before_root - seen_)),
-                   max_prefill_rows_, cache_, logits, &cache_seconds_);
+    forward_in_pieces(model_, s.subspan(static_cast<std::size_t>(seen_), static_cast<std::size_t>(before_root - seen_)),
+                      max_prefill_rows_, cache_, logits, &cache_seconds_, [](std::int64_t) {});
     seen_ = before_root;
   }
   TreeBuilder tree(parents, tokens, s.back());

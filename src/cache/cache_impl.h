@@ -124,7 +124,7 @@ struct Cache::Impl {
       }
       Uncapped(const Uncapped&) = delete;
       Uncapped& operator=(const Uncapped&) = delete;
-    } uncapped(budget ? budget.get() : nullptr);
+    } uncapped(budget.get());
     const std::size_t old_bytes = budget ? budget->reserved : 0;
     std::vector<std::unique_ptr<Layer::Impl>> next;
     next.reserve(layers.size());
