@@ -6,6 +6,7 @@
 
 #include <cstdint>
 #include <cstring>
+#include <limits>
 #include <random>
 #include <string>
 #include <vector>
@@ -425,6 +426,7 @@ TEST(Prefill, AFailingPieceLeavesTheCacheEmptyAndTheLogitsUnchanged) {
 // forward for these prompts), for ModelDraft, BatchedModelDraft (pieces of
 // several prompts sharing a forward) and ModelTreeDraft; 0 is refused.
 TEST(Drafts, ModelDraftsTakeLongPromptsInPiecesWithTheSameOutput) {
+  constexpr std::int64_t kHugeRows = std::numeric_limits<std::int64_t>::max();
   const Model target(ModelWeights::random(testing_configs::hybrid(), 51));
   const Model draft(ModelWeights::random(testing_configs::hybrid({"conv", "sliding_attention"}, 16, 3), 52));
   std::mt19937_64 rng(51);
@@ -439,7 +441,8 @@ TEST(Drafts, ModelDraftsTakeLongPromptsInPiecesWithTheSameOutput) {
     ModelDraft d(draft, {}, 3);
     first_drafts.push_back(d.propose(p, 3, nullptr));
   }
-  for (const std::int64_t rows : {1, 3, 16}) {
+  // INT64_MAX: no piece arithmetic may overflow; one forward as the default.
+  for (const std::int64_t rows : {std::int64_t{1}, std::int64_t{3}, std::int64_t{16}, kHugeRows}) {
     for (std::size_t i = 0; i < prompts.size(); ++i) {
       ModelDraft d(draft, {}, 3, rows);
       EXPECT_EQ(d.propose(prompts[i], 3, nullptr), first_drafts[i]) << rows << ", prompt " << i;
@@ -451,6 +454,15 @@ TEST(Drafts, ModelDraftsTakeLongPromptsInPiecesWithTheSameOutput) {
     BatchedModelDraft batched(draft, options.sampling, 3, rows);
     const auto out = speculative_generate_batch(target, batched, prompts, options, {3, false});
     for (std::size_t i = 0; i < prompts.size(); ++i) EXPECT_EQ(out[i], greedy[i]) << "batched, " << rows << ", " << i;
+  }
+  {
+    std::vector<float> one, huge;
+    Cache c1 = target.make_cache(), c2 = target.make_cache();
+    target.forward(prompts[3], c1, one, false);
+    GenerationStats stats;
+    prefill(target, prompts[3], c2, huge, nullptr, stats, kHugeRows);
+    EXPECT_EQ(huge, one);
+    EXPECT_EQ(stats.forwards, 1);
   }
   EXPECT_THROW(ModelDraft(draft, {}, 3, 0), InvalidArgument);
   EXPECT_THROW(BatchedModelDraft(draft, {}, 3, 0), InvalidArgument);
