@@ -19,14 +19,23 @@
 // prefills a prompt, before any speculative token exists, so rolled-back
 // tokens are never stored.
 //
-// A store that fails (StoreError: Redis stopped, a directory gone) turns
-// into misses and skipped writes with one warning per PrefixCache, through
-// rwd::set_warning_handler. Thread safety: none inside; one owner.
+// Nothing a store holds or fails to deliver stops a caller: an entry the
+// store refuses to hand out (StoreValueError: a FIFO, a device or a huge file
+// named like a key, a Redis key of another type), one over max_entry_bytes,
+// one that cannot be allocated or does not parse is a rejected entry (a
+// miss, counted by reason); a store that fails (StoreError: Redis stopped, a
+// directory gone) or is slow (a call over slow_call_s) is left alone for a
+// back-off of 2 s, doubling to 64 s while it stays so, its lookups and
+// writes skipped (misses, recomputation), with one warning per PrefixCache
+// and cause through rwd::set_warning_handler ("rewind: warning: prefix
+// cache ..."). A lookup stops asking the store once its calls took
+// lookup_budget_s. Thread safety: none inside; one owner.
 #pragma once
 
 #include <chrono>
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <span>
 #include <string>
@@ -45,16 +54,45 @@ std::uint64_t content_hash(std::span<const std::byte> bytes, std::uint64_t seed 
 struct PrefixCacheOptions {
   std::int64_t interval = 256;    // S: an entry every S tokens, 1..2^40
   std::string model_fingerprint;  // identifies the model (and its weights); required
+  // The largest entry a lookup accepts (BlobStore::get_bounded: a directory
+  // store refuses a larger file before reading it); 0: 2^32 bytes, any value.
+  std::size_t max_entry_bytes = 0;
+  // With entry_bytes_per_token > 0, the entry ending at b is also refused
+  // unread past entry_fixed_bytes + b * entry_bytes_per_token: its rows
+  // cover at most b tokens, so a caller that knows its model's sizes bounds
+  // what a junk file under a short prompt's key can make it read.
+  std::size_t entry_fixed_bytes = 0;
+  std::size_t entry_bytes_per_token = 0;
+  // A store call is slow when it takes longer than slow_call_s plus its
+  // bytes at slow_bytes_per_s (a big entry may take its time); a slow call
+  // starts a back-off as a failure does. slow_call_s 0: never slow; >= 0.
+  double slow_call_s = 0.25;
+  double slow_bytes_per_s = 256.0 * 1024 * 1024;  // > 0
+  // Store time one lookup may spend; past it the lookup asks no more and
+  // returns what it has joined by then (a shorter hit or a miss). 0: none.
+  double lookup_budget_s = 5.0;
+  // The clock store calls are timed by (tests inject one to make a store
+  // "slow" without waiting); empty: std::chrono::steady_clock::now.
+  std::function<std::chrono::steady_clock::time_point()> clock;
 };
 
 struct PrefixCacheStats {
   std::int64_t lookups = 0;
+  std::int64_t hits = 0;              // lookups that restored at least one token (misses: lookups - hits)
   std::int64_t hit_tokens = 0;        // summed over lookups
   std::int64_t entries_read = 0;      // entries fetched and accepted
-  std::int64_t entries_rejected = 0;  // corrupted, truncated, foreign or inconsistent entries
+  std::int64_t entries_rejected = 0;  // entries_unusable + entries_corrupt + entries_foreign
+  std::int64_t entries_unusable = 0;  // the store holds no usable value under the key: not a regular file, over
+                                      // max_entry_bytes, another Redis type, cannot be allocated
+  std::int64_t entries_corrupt = 0;   // values that do not parse: checksums, truncation, garbage
+  std::int64_t entries_foreign = 0;   // another model's, other tokens, a wrong parent link, or not joining a chain
   std::int64_t entries_written = 0;
-  std::int64_t writes_refused = 0;    // the store refused for room (put returned false)
-  std::int64_t store_errors = 0;      // StoreError from the store (reads and writes)
+  std::int64_t writes_refused = 0;    // the store refused for room or as read-only (put returned false)
+  std::int64_t store_errors = 0;      // StoreError from the store (reads and writes), each starting a back-off
+  std::int64_t slow_calls = 0;        // store calls over the slow_call_s bound, each starting a back-off
+  std::int64_t calls_skipped = 0;     // reads and writes not tried during a back-off
+  std::int64_t lookups_over_budget = 0;  // lookups cut short by lookup_budget_s
+  double store_seconds = 0;           // time spent in store calls (by options.clock)
   std::size_t bytes_read = 0;
   std::size_t bytes_written = 0;
 };
@@ -66,8 +104,9 @@ struct PrefixHit {
 
 class PrefixCache {
  public:
-  // Throws InvalidArgument for a null store, an interval outside [1, 2^40]
-  // or an empty fingerprint.
+  // Throws InvalidArgument for a null store, an interval outside [1, 2^40],
+  // an empty fingerprint, a negative or non-finite slow_call_s or
+  // lookup_budget_s, or a slow_bytes_per_s that is not positive.
   PrefixCache(std::shared_ptr<BlobStore> store, PrefixCacheOptions options);
 
   const PrefixCacheOptions& options() const { return options_; }
@@ -108,14 +147,29 @@ class PrefixCache {
   // one restorable state; false when they do not fit together.
   bool join(const std::vector<std::shared_ptr<Snapshot>>& chain, Snapshot& out) const;
   void store_failed(const std::string& what);
-  bool store_available() const;
+  // Accounts a store call that began at `start` and moved `bytes`: its time,
+  // and a back-off when it was slow; `ok` (it did not fail) and fast ends a
+  // run of back-offs.
+  void call_done(std::chrono::steady_clock::time_point start, std::size_t bytes, bool ok);
+  void back_off();
+  // False (counted in calls_skipped) during a back-off.
+  bool store_available();
+  std::chrono::steady_clock::time_point now() const;
+  // The largest entry ending at b that fetch reads (max_entry_bytes, or the
+  // per-token bound when it is smaller).
+  std::size_t entry_bound(std::int64_t b) const;
+  std::string named(const std::string& what) const;
 
   std::shared_ptr<BlobStore> store_;
   PrefixCacheOptions options_;
   std::uint64_t fingerprint_hash_ = 0;
   PrefixCacheStats stats_;
-  bool warned_ = false;
+  bool warned_failure_ = false;
+  bool warned_slow_ = false;
   std::chrono::steady_clock::time_point backoff_until_{};
+  std::chrono::steady_clock::duration backoff_{};  // the next back-off's length
+  double lookup_spent_s_ = 0;                       // store time of the lookup in progress
+  bool over_budget_ = false;                        // the lookup in progress ran out of lookup_budget_s
 };
 
 }  // namespace rwd

@@ -14,9 +14,15 @@
 // and stores nothing. As a cache, run the server with `allkeys-lru`
 // (docs/stores.md), which evicts instead.
 //
+// A key of another type under the prefix (a list, a hash) is no value of
+// ours: get throws StoreValueError naming it, contains (TYPE, not EXISTS)
+// says false, bytes_used skips it, put replaces it.
+//
 // Failures: when the server cannot be reached (stopped, network down) or
 // does not answer within the timeouts, the call throws StoreError naming
-// the server. A call never waits longer than about connect_timeout_s +
+// the store (describe()) and what failed ("timed out after 2 s waiting for
+// 127.0.0.1:6379", "cannot connect: timed out after 1 s connecting to
+// ...", "cannot connect: Connection refused"). A call never waits longer than about connect_timeout_s +
 // 2 * command_timeout_s (command_timeout_s bounds each wait for the socket
 // to accept or deliver data, so a large value that keeps moving may take
 // longer, one that stalls may not). A broken connection is dropped and the

@@ -74,14 +74,18 @@ timespec now_realtime() {
 
 class DirectoryStore final : public BlobStore {
  public:
-  DirectoryStore(std::string path, std::size_t capacity_bytes) : path_(std::move(path)), capacity_(capacity_bytes) {
+  DirectoryStore(std::string path, const DirectoryStoreOptions& options)
+      : path_(std::move(path)), capacity_(options.capacity_bytes), read_only_(options.read_only) {
     if (path_.empty()) throw InvalidArgument("directory store: the path is empty");
-    std::error_code ec;
-    std::filesystem::create_directories(path_, ec);
-    if (ec) fail_dir("cannot be created", ec.value());
+    if (!read_only_) {
+      std::error_code ec;
+      std::filesystem::create_directories(path_, ec);
+      if (ec) fail_dir("cannot be created", ec.value());
+    }
     struct stat st {};
     if (::stat(path_.c_str(), &st) != 0) fail_dir("cannot be examined", errno);
     if (!S_ISDIR(st.st_mode)) fail_dir("is not a directory", ENOTDIR);
+    if (read_only_) return;
     // Permission bits do not tell (root, ACLs, read-only mounts): a probe
     // file does.
     const std::string probe = temp_name();
@@ -92,49 +96,17 @@ class DirectoryStore final : public BlobStore {
   }
 
   std::optional<std::vector<std::byte>> get(const std::string& key) override {
-    check_store_key(key);
-    const std::string file = path_ + "/" + key;
-    Fd fd(::open(file.c_str(), O_RDONLY | O_CLOEXEC));
-    if (fd.get() < 0) {
-      if (errno == ENOENT) return std::nullopt;  // never stored, or evicted (maybe just now by another process)
-      fail_key("get", key, "cannot open " + file, errno);
-    }
-    struct stat st {};
-    if (::fstat(fd.get(), &st) != 0) fail_key("get", key, "cannot examine " + file, errno);
-    if (!S_ISREG(st.st_mode)) fail_key("get", key, file + " is not a regular file", EISDIR);
-    std::vector<std::byte> value;
-    try {
-      value.resize(static_cast<std::size_t>(st.st_size));
-    } catch (const std::bad_alloc&) {
-      throw CapacityError(describe() + ": get of key '" + key + "': cannot allocate " +
-                          std::to_string(st.st_size) + " bytes for its value");
-    }
-    // The file under a key's name is never written again, so its size is
-    // final; a shorter read means something else truncated it in place.
-    std::size_t done = 0;
-    while (done < value.size()) {
-      const std::size_t chunk = std::min<std::size_t>(value.size() - done, std::size_t{1} << 30);
-      const ssize_t n = ::read(fd.get(), value.data() + done, chunk);
-      if (n < 0) {
-        if (errno == EINTR) continue;
-        fail_key("get", key, "cannot read " + file, errno);
-      }
-      if (n == 0) {
-        throw StoreError(describe() + ": get of key '" + key + "': " + file + " ended after " + std::to_string(done) +
-                         " of its " + std::to_string(value.size()) + " bytes");
-      }
-      done += static_cast<std::size_t>(n);
-    }
-    // Recency for the cap. Best effort: a file another user wrote may not be
-    // ours to touch, and an evicted one does not need it.
-    const timespec times[2] = {now_realtime(), now_realtime()};
-    ::futimens(fd.get(), times);
-    return value;
+    return load(key, detail::kMaxStoreValueBytes);
+  }
+
+  std::optional<std::vector<std::byte>> get_bounded(const std::string& key, std::size_t max_bytes) override {
+    return load(key, std::min<std::uint64_t>(max_bytes, detail::kMaxStoreValueBytes));
   }
 
   bool put(const std::string& key, std::span<const std::byte> value) override {
     check_store_key(key);
     detail::check_store_value_size(describe(), key, value.size());
+    if (read_only_) return false;
     if (capacity_ > 0 && value.size() > capacity_) return false;
     const std::string temp = path_ + "/" + temp_name();
     Fd fd(::open(temp.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0644));
@@ -189,10 +161,12 @@ class DirectoryStore final : public BlobStore {
     const std::string file = path_ + "/" + key;
     struct stat st {};
     if (::stat(file.c_str(), &st) != 0) {
-      if (errno == ENOENT) return false;
+      if (errno == ENOENT || unusable(errno)) return false;  // what get refuses is no value
       fail_key("contains", key, "cannot examine " + file, errno);
     }
-    return S_ISREG(st.st_mode);
+    // A file this process may not read is refused by get (EACCES): not a value here either.
+    return S_ISREG(st.st_mode) && static_cast<std::uint64_t>(st.st_size) <= detail::kMaxStoreValueBytes &&
+           ::faccessat(AT_FDCWD, file.c_str(), R_OK, AT_EACCESS) == 0;
   }
 
   std::size_t bytes_used() override {
@@ -202,7 +176,8 @@ class DirectoryStore final : public BlobStore {
   }
 
   std::string describe() const override {
-    return "directory " + path_ + (capacity_ == 0 ? "" : " (cap " + detail::format_bytes(capacity_) + ")");
+    return "directory " + path_ + (capacity_ == 0 ? "" : " (cap " + detail::format_bytes(capacity_) + ")") +
+           (read_only_ ? " (read-only)" : "");
   }
 
  private:
@@ -219,6 +194,95 @@ class DirectoryStore final : public BlobStore {
   }
 
   static bool is_full(int err) { return err == ENOSPC || err == EDQUOT; }
+  // Errors about one name, not the store: a file we may not read, a link
+  // loop, a socket or a device without a driver opened in a race with the
+  // stat. The store keeps working for other keys.
+  static bool unusable(int err) {
+    return err == EACCES || err == EPERM || err == ELOOP || err == ENXIO || err == ENODEV || err == EISDIR ||
+           err == ENAMETOOLONG;
+  }
+
+  // "a FIFO", "a character device", ...: what `st` describes, for messages.
+  static std::string kind_of(const struct stat& st) {
+    if (S_ISDIR(st.st_mode)) return "a directory";
+    if (S_ISCHR(st.st_mode)) return "a character device";
+    if (S_ISBLK(st.st_mode)) return "a block device";
+    if (S_ISFIFO(st.st_mode)) return "a FIFO";
+    if (S_ISSOCK(st.st_mode)) return "a socket";
+    if (S_ISLNK(st.st_mode)) return "a symbolic link";
+    return "a file of an unknown type";
+  }
+
+  [[noreturn]] void refuse(const std::string& key, const std::string& what) const {
+    throw StoreValueError(describe() + ": get of key '" + key + "': " + what + "; only regular files are values");
+  }
+
+  // get and get_bounded: the value under `key` if it is a regular file of
+  // at most `limit` bytes. What is not a regular file is never opened for
+  // reading (a FIFO's open would wait for a writer, a device may be endless)
+  // and a size is checked before anything is allocated.
+  std::optional<std::vector<std::byte>> load(const std::string& key, std::uint64_t limit) {
+    check_store_key(key);
+    const std::string file = path_ + "/" + key;
+    struct stat st {};
+    if (::stat(file.c_str(), &st) != 0) {
+      if (errno == ENOENT) return std::nullopt;  // never stored, or evicted (maybe just now by another process)
+      if (unusable(errno)) refuse(key, "cannot examine " + file + ": " + errno_text(errno));
+      fail_key("get", key, "cannot examine " + file, errno);
+    }
+    const auto not_regular = [&](const struct stat& s) {
+      struct stat link {};
+      const bool via_link = ::lstat(file.c_str(), &link) == 0 && S_ISLNK(link.st_mode);
+      refuse(key, file + " is not a regular file (" + (via_link ? "a symbolic link to " : "") + kind_of(s) + ")");
+    };
+    if (!S_ISREG(st.st_mode)) not_regular(st);
+    // O_NONBLOCK: the name may have been replaced by a FIFO since the stat;
+    // it does not change reads of a regular file.
+    Fd fd(::open(file.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK | O_NOCTTY));
+    if (fd.get() < 0) {
+      if (errno == ENOENT) return std::nullopt;
+      if (unusable(errno)) refuse(key, "cannot open " + file + ": " + errno_text(errno));
+      fail_key("get", key, "cannot open " + file, errno);
+    }
+    if (::fstat(fd.get(), &st) != 0) fail_key("get", key, "cannot examine " + file, errno);
+    if (!S_ISREG(st.st_mode)) not_regular(st);
+    const auto size = static_cast<std::uint64_t>(st.st_size);
+    if (size > limit) {
+      refuse(key, file + " holds " + std::to_string(size) + " bytes, over the limit of " + std::to_string(limit) +
+                      (limit == detail::kMaxStoreValueBytes ? " bytes (2^32) of any value" : " bytes the caller accepts"));
+    }
+    std::vector<std::byte> value;
+    try {
+      value.resize(static_cast<std::size_t>(size));
+    } catch (const std::bad_alloc&) {
+      throw CapacityError(describe() + ": get of key '" + key + "': cannot allocate " + std::to_string(size) +
+                          " bytes for its value");
+    }
+    // The file under a key's name is never written again, so its size is
+    // final; a shorter read means something else truncated it in place.
+    std::size_t done = 0;
+    while (done < value.size()) {
+      const std::size_t chunk = std::min<std::size_t>(value.size() - done, std::size_t{1} << 30);
+      const ssize_t n = ::read(fd.get(), value.data() + done, chunk);
+      if (n < 0) {
+        if (errno == EINTR) continue;
+        fail_key("get", key, "cannot read " + file, errno);
+      }
+      if (n == 0) {
+        refuse(key, file + " ended after " + std::to_string(done) + " of its " + std::to_string(value.size()) +
+                        " bytes (truncated in place)");
+      }
+      done += static_cast<std::size_t>(n);
+    }
+    // Recency for the cap. Best effort: a file another user wrote may not be
+    // ours to touch, and an evicted one does not need it. A read-only store
+    // leaves a pre-built cache as it is.
+    if (!read_only_) {
+      const timespec times[2] = {now_realtime(), now_realtime()};
+      ::futimens(fd.get(), times);
+    }
+    return value;
+  }
 
   [[noreturn]] void fail_dir(const std::string& what, int err) const {
     throw StoreError("directory store: " + path_ + " " + what + ": " + errno_text(err));
@@ -248,7 +312,9 @@ class DirectoryStore final : public BlobStore {
           if (errno == ENOENT) continue;
           fail_dir(std::string("cannot examine its file ") + entry->d_name, errno);
         }
-        if (!S_ISREG(st.st_mode)) continue;
+        // What get refuses (not a regular file, over 2^32 bytes) is no value:
+        // neither counted nor evicted.
+        if (!S_ISREG(st.st_mode) || static_cast<std::uint64_t>(st.st_size) > detail::kMaxStoreValueBytes) continue;
         files.push_back(File{entry->d_name, static_cast<std::size_t>(st.st_size), st.st_mtim});
       }
     } catch (...) {
@@ -285,12 +351,17 @@ class DirectoryStore final : public BlobStore {
 
   const std::string path_;
   const std::size_t capacity_;
+  const bool read_only_;
 };
 
 }  // namespace
 
+std::unique_ptr<BlobStore> make_directory_store(const std::string& path, const DirectoryStoreOptions& options) {
+  return std::make_unique<DirectoryStore>(path, options);
+}
+
 std::unique_ptr<BlobStore> make_directory_store(const std::string& path, std::size_t capacity_bytes) {
-  return std::make_unique<DirectoryStore>(path, capacity_bytes);
+  return make_directory_store(path, DirectoryStoreOptions{capacity_bytes, false});
 }
 
 }  // namespace rwd

@@ -5,6 +5,8 @@
 #include <algorithm>
 #include <bit>
 #include <chrono>
+#include <cmath>
+#include <cstdio>
 #include <cstring>
 #include <map>
 #include <new>
@@ -23,9 +25,17 @@ using detail::copy_of;
 using detail::present;
 
 constexpr std::int64_t kMaxTokens = std::int64_t{1} << 40;
-// After a store failure the store is left alone for this long, so that a
-// stopped server costs one failed call per interval, not one per entry.
+// After a store failure or a slow call the store is left alone for this
+// long, so that a stopped server costs one failed call per interval, not one
+// per entry; doubled while it keeps failing or being slow, up to kMaxBackoff,
+// so that a store slower than recomputation costs little over a long run.
 constexpr std::chrono::seconds kStoreBackoff{2};
+constexpr std::chrono::seconds kMaxBackoff{64};
+constexpr std::size_t kMaxEntryBytes = std::size_t{1} << 32;  // every store's cap (rewind/store.h)
+
+double seconds_between(std::chrono::steady_clock::time_point a, std::chrono::steady_clock::time_point b) {
+  return std::chrono::duration<double>(b - a).count();
+}
 
 std::uint64_t mix(std::uint64_t x) {
   x ^= x >> 30;
@@ -104,7 +114,21 @@ PrefixCache::PrefixCache(std::shared_ptr<BlobStore> store, PrefixCacheOptions op
   if (options_.model_fingerprint.empty()) {
     throw InvalidArgument("PrefixCache needs a model fingerprint (entries of other models must be told apart)");
   }
+  const auto check_seconds = [](const char* name, double v) {
+    if (!(v >= 0.0 && std::isfinite(v))) {
+      throw InvalidArgument(std::string("PrefixCache: ") + name + " " + std::to_string(v) +
+                            " must be a finite number of seconds >= 0 (0: off)");
+    }
+  };
+  check_seconds("slow_call_s", options_.slow_call_s);
+  check_seconds("lookup_budget_s", options_.lookup_budget_s);
+  if (!(options_.slow_bytes_per_s > 0.0)) {
+    throw InvalidArgument("PrefixCache: slow_bytes_per_s " + std::to_string(options_.slow_bytes_per_s) +
+                          " must be > 0");
+  }
+  if (options_.max_entry_bytes == 0 || options_.max_entry_bytes > kMaxEntryBytes) options_.max_entry_bytes = kMaxEntryBytes;
   fingerprint_hash_ = content_hash(std::as_bytes(std::span(options_.model_fingerprint)));
+  backoff_ = kStoreBackoff;
 }
 
 std::string PrefixCache::key(std::span<const std::int32_t> tokens) const {
@@ -122,36 +146,118 @@ std::vector<std::int64_t> PrefixCache::boundaries(std::int64_t from, std::int64_
   return out;
 }
 
-void PrefixCache::store_failed(const std::string& what) {
-  ++stats_.store_errors;
-  backoff_until_ = std::chrono::steady_clock::now() + kStoreBackoff;
-  if (warned_) return;
-  warned_ = true;
-  detail::warn("rewind: prefix cache " + store_->describe() + ": " + what +
-               "; continuing without it (prefixes are recomputed; this warning is shown once)");
+std::size_t PrefixCache::entry_bound(std::int64_t b) const {
+  const std::size_t per_token = options_.entry_bytes_per_token;
+  if (per_token == 0) return options_.max_entry_bytes;
+  const auto tokens = static_cast<std::size_t>(b);
+  const std::size_t room = options_.max_entry_bytes - std::min(options_.max_entry_bytes, options_.entry_fixed_bytes);
+  if (tokens > room / per_token) return options_.max_entry_bytes;
+  return options_.entry_fixed_bytes + tokens * per_token;
 }
 
-bool PrefixCache::store_available() const { return std::chrono::steady_clock::now() >= backoff_until_; }
+std::chrono::steady_clock::time_point PrefixCache::now() const {
+  return options_.clock ? options_.clock() : std::chrono::steady_clock::now();
+}
+
+// Store errors name their store ("directory /x: get of key ..."); others
+// (a caller's store) get its description in front.
+std::string PrefixCache::named(const std::string& what) const {
+  const std::string d = store_->describe();
+  return what.compare(0, d.size(), d) == 0 ? what : d + ": " + what;
+}
+
+void PrefixCache::back_off() {
+  backoff_until_ = now() + backoff_;
+  backoff_ = std::min<std::chrono::steady_clock::duration>(backoff_ * 2, kMaxBackoff);
+}
+
+void PrefixCache::store_failed(const std::string& what) {
+  ++stats_.store_errors;
+  back_off();
+  if (warned_failure_) return;
+  warned_failure_ = true;
+  detail::warn("rewind: warning: prefix cache: " + named(what) +
+               "; skipping the store for a while, then trying again (prefixes are recomputed meanwhile; this "
+               "warning is shown once)");
+}
+
+void PrefixCache::call_done(std::chrono::steady_clock::time_point start, std::size_t bytes, bool ok) {
+  const double took = seconds_between(start, now());
+  stats_.store_seconds += took;
+  lookup_spent_s_ += took;
+  const double allowed = options_.slow_call_s + static_cast<double>(bytes) / options_.slow_bytes_per_s;
+  if (options_.slow_call_s <= 0.0 || took <= allowed) {
+    if (ok) backoff_ = kStoreBackoff;  // healthy again: the next back-off starts short
+    return;
+  }
+  ++stats_.slow_calls;
+  back_off();
+  if (warned_slow_) return;
+  warned_slow_ = true;
+  char buf[160];
+  std::snprintf(buf, sizeof buf, "a call took %.3g s, over the %.3g s allowed", took, allowed);
+  detail::warn("rewind: warning: prefix cache: " + named(buf) +
+               "; skipping the store for a while, then trying again (prefixes are recomputed meanwhile; this "
+               "warning is shown once)");
+}
+
+bool PrefixCache::store_available() {
+  if (now() >= backoff_until_) return true;
+  ++stats_.calls_skipped;
+  return false;
+}
 
 std::unique_ptr<Snapshot> PrefixCache::fetch(std::span<const std::int32_t> tokens, std::int64_t b) {
+  if (options_.lookup_budget_s > 0.0 && lookup_spent_s_ >= options_.lookup_budget_s) {
+    if (!over_budget_) ++stats_.lookups_over_budget;
+    over_budget_ = true;
+    return nullptr;
+  }
   if (!store_available()) return nullptr;
   const auto prefix = tokens.first(static_cast<std::size_t>(b));
+  const auto unusable = [&] {
+    ++stats_.entries_unusable;
+    ++stats_.entries_rejected;
+    return nullptr;
+  };
   std::optional<std::vector<std::byte>> bytes;
+  const auto start = now();
   try {
-    bytes = store_->get(key(prefix));
+    bytes = store_->get_bounded(key(prefix), entry_bound(b));
+  } catch (const StoreValueError&) {
+    // One name holds junk (a FIFO, a huge file, another Redis type): the
+    // store itself works, so no back-off.
+    call_done(start, 0, true);
+    return unusable();
   } catch (const StoreError& e) {
+    call_done(start, 0, false);
+    store_failed(e.what());
+    return nullptr;
+  } catch (const Error&) {
+    // CapacityError (a value too big to copy), InvalidArgument from a
+    // caller's store: about this entry, not a reason to fail the caller.
+    call_done(start, 0, true);
+    return unusable();
+  } catch (const std::exception& e) {
+    call_done(start, 0, false);
     store_failed(e.what());
     return nullptr;
   }
+  call_done(start, bytes ? bytes->size() : 0, true);
   if (!bytes) return nullptr;
   stats_.bytes_read += bytes->size();
+  if (bytes->size() > entry_bound(b)) return unusable();  // a caller's store that ignored the bound
   auto entry = std::make_unique<Snapshot>();
   std::string fingerprint;
   try {
     *entry = deserialize_snapshot(*bytes, &fingerprint);
   } catch (const FormatError&) {
+    ++stats_.entries_corrupt;
     ++stats_.entries_rejected;
     return nullptr;
+  } catch (const CapacityError&) {
+    // Sizes the checksums vouch for that memory cannot hold now.
+    return unusable();
   }
   const auto n = static_cast<std::int64_t>(entry->tokens.size());
   const std::int64_t a = b - n;
@@ -159,6 +265,7 @@ std::unique_ptr<Snapshot> PrefixCache::fetch(std::span<const std::int32_t> token
                   std::equal(entry->tokens.begin(), entry->tokens.end(), prefix.begin() + a) &&
                   entry->parent == (a > 0 ? key(prefix.first(static_cast<std::size_t>(a))) : std::string());
   if (!ok) {
+    ++stats_.entries_foreign;
     ++stats_.entries_rejected;
     return nullptr;
   }
@@ -168,6 +275,8 @@ std::unique_ptr<Snapshot> PrefixCache::fetch(std::span<const std::int32_t> token
 
 PrefixHit PrefixCache::lookup(std::span<const std::int32_t> tokens, bool need_logits) {
   ++stats_.lookups;
+  lookup_spent_s_ = 0;
+  over_budget_ = false;
   const auto P = static_cast<std::int64_t>(tokens.size());
   const std::int64_t S = options_.interval;
   std::vector<std::int64_t> candidates;
@@ -195,10 +304,12 @@ PrefixHit PrefixCache::lookup(std::span<const std::int32_t> tokens, bool need_lo
     std::reverse(chain.begin(), chain.end());
     PrefixHit hit;
     if (!join(chain, hit.state)) {
+      ++stats_.entries_foreign;
       ++stats_.entries_rejected;
       continue;
     }
     hit.length = b;
+    ++stats_.hits;
     stats_.hit_tokens += b;
     return hit;
   }
@@ -264,13 +375,24 @@ bool PrefixCache::store(std::span<const std::int32_t> tokens, std::int64_t a, Sn
     std::memcpy(segment.logits.data<float>(), logits.data(), logits.size() * sizeof(float));
   }
   const std::vector<std::byte> bytes = serialize_snapshot(segment, options_.model_fingerprint);
+  const auto start = now();
+  bool stored = false;
   try {
-    if (!store_->put(key(tokens), bytes)) {
-      ++stats_.writes_refused;
-      return false;
-    }
+    stored = store_->put(key(tokens), bytes);
   } catch (const StoreError& e) {
+    call_done(start, 0, false);
     store_failed(e.what());
+    return false;
+  } catch (const InvalidArgument&) {
+    // A value over a store's limit (a caller's store, Redis's
+    // proto-max-bulk-len reported as such): refused, not fatal.
+    call_done(start, 0, true);
+    ++stats_.writes_refused;
+    return false;
+  }
+  call_done(start, bytes.size(), true);
+  if (!stored) {
+    ++stats_.writes_refused;
     return false;
   }
   ++stats_.entries_written;

@@ -60,6 +60,16 @@ void check_store_value_size(const std::string& store, const std::string& key, st
 
 }  // namespace detail
 
+std::optional<std::vector<std::byte>> BlobStore::get_bounded(const std::string& key, std::size_t max_bytes) {
+  std::optional<std::vector<std::byte>> value = get(key);
+  if (value && value->size() > max_bytes) {
+    throw StoreValueError(describe() + ": get of key '" + detail::printable(key) + "': its value of " +
+                          std::to_string(value->size()) + " bytes is over the limit of " +
+                          std::to_string(max_bytes) + " bytes the caller accepts");
+  }
+  return value;
+}
+
 void check_store_key(const std::string& key) {
   const auto fail = [&](const std::string& why) {
     throw InvalidArgument("store key '" + detail::printable(key) + "' " + why +

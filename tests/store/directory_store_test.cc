@@ -4,6 +4,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <filesystem>
 #include <fstream>
 #include <string>
 #include <vector>
@@ -196,6 +197,100 @@ void concurrent_processes(std::size_t cap) {
 TEST(DirectoryStore, FourProcessesSeeOnlyWholeValues) { concurrent_processes(0); }
 
 TEST(DirectoryStore, FourProcessesSeeOnlyWholeValuesWhileEvicting) { concurrent_processes(600 * 1024); }
+
+// Everything a directory may hold under a key's name besides a value: get
+// refuses it at once with StoreValueError naming what it found (never
+// blocking on a FIFO, never allocating 100 GiB, never reading a device),
+// contains says false, and the store goes on working for other keys.
+TEST(DirectoryStore, NonValuesUnderKeyNamesAreRefusedWithoutBlockingOrAllocating) {
+  TempDir dir;
+  auto store = make_directory_store(dir.path());
+  ASSERT_TRUE(store->put("good", filled(10, 3)));
+  const std::pair<store_test::Junk, std::string> cases[] = {
+      {store_test::Junk::kHugeSparse, "holds 107374182400 bytes, over the limit of 4294967296 bytes (2^32)"},
+      {store_test::Junk::kFifo, "is not a regular file (a FIFO)"},
+      {store_test::Junk::kSocket, "is not a regular file (a socket)"},
+      {store_test::Junk::kLinkToZero, "is not a regular file (a symbolic link to a character device)"},
+      {store_test::Junk::kLinkToNull, "is not a regular file (a symbolic link to a character device)"},
+      {store_test::Junk::kDirectory, "is not a regular file (a directory)"},
+  };
+  for (const auto& [junk, expected] : cases) {
+    SCOPED_TRACE(store_test::junk_name(junk));
+    store_test::make_junk(dir / "k", junk);
+    try {
+      store->get("k");
+      ADD_FAILURE() << "get returned a value";
+    } catch (const StoreValueError& e) {
+      const std::string message = e.what();
+      EXPECT_NE(message.find("directory " + dir.path() + ": get of key 'k': " + (dir / "k") + " " + expected),
+                std::string::npos)
+          << message;
+    }
+    EXPECT_THROW(store->get_bounded("k", 1 << 20), StoreValueError);
+    EXPECT_FALSE(store->contains("k"));
+    EXPECT_EQ(store->get("good"), filled(10, 3));
+    EXPECT_EQ(store->bytes_used(), 10u);  // none of them counts
+  }
+  // A put replaces any of them but a non-empty directory.
+  store_test::make_junk(dir / "k", store_test::Junk::kFifo);
+  EXPECT_TRUE(store->put("k", filled(4, 4)));
+  EXPECT_EQ(store->get("k"), filled(4, 4));
+}
+
+// get_bounded refuses a regular file over the caller's limit from its size,
+// before reading it; at the limit it reads.
+TEST(DirectoryStore, GetBoundedRefusesLargerFilesBeforeReading) {
+  TempDir dir;
+  auto store = make_directory_store(dir.path());
+  ASSERT_TRUE(store->put("k", filled(1000, 7)));
+  EXPECT_EQ(store->get_bounded("k", 1000), filled(1000, 7));
+  try {
+    store->get_bounded("k", 999);
+    ADD_FAILURE() << "a value over the limit was returned";
+  } catch (const StoreValueError& e) {
+    EXPECT_NE(std::string(e.what()).find("holds 1000 bytes, over the limit of 999 bytes the caller accepts"),
+              std::string::npos)
+        << e.what();
+  }
+  EXPECT_FALSE(store->get_bounded("missing", 1).has_value());
+  // The default get_bounded (stores that do not override it) checks after.
+  auto memory = make_memory_store(0);
+  ASSERT_TRUE(memory->put("k", filled(1000, 7)));
+  EXPECT_EQ(memory->get_bounded("k", 1000), filled(1000, 7));
+  EXPECT_THROW(memory->get_bounded("k", 999), StoreValueError);
+}
+
+// A read-only store reads a directory others wrote, creates nothing, leaves
+// the files' times alone and refuses puts (false, nothing written).
+TEST(DirectoryStore, ReadOnlyReadsAPrebuiltDirectoryAndWritesNothing) {
+  TempDir dir;
+  {
+    auto writer = make_directory_store(dir.path());
+    ASSERT_TRUE(writer->put("a", filled(5, 1)));
+  }
+  struct stat before {};
+  ASSERT_EQ(::stat((dir / "a").c_str(), &before), 0);
+  DirectoryStoreOptions o;
+  o.read_only = true;
+  auto store = make_directory_store(dir.path(), o);
+  EXPECT_EQ(store->describe(), "directory " + dir.path() + " (read-only)");
+  EXPECT_EQ(store->get("a"), filled(5, 1));
+  EXPECT_TRUE(store->contains("a"));
+  EXPECT_FALSE(store->put("b", filled(5, 2)));
+  EXPECT_EQ(names_in(dir.path()), std::vector<std::string>{"a"});
+  struct stat after {};
+  ASSERT_EQ(::stat((dir / "a").c_str(), &after), 0);
+  EXPECT_EQ(after.st_mtim.tv_sec, before.st_mtim.tv_sec);
+  EXPECT_EQ(after.st_mtim.tv_nsec, before.st_mtim.tv_nsec);
+  // Not created when missing: a read-only cache that is not there is an error.
+  try {
+    make_directory_store(dir / "missing", o);
+    ADD_FAILURE() << "a read-only store on a missing directory was made";
+  } catch (const StoreError& e) {
+    EXPECT_NE(std::string(e.what()).find("No such file or directory"), std::string::npos) << e.what();
+  }
+  EXPECT_FALSE(std::filesystem::exists(dir / "missing"));
+}
 
 }  // namespace
 }  // namespace rwd

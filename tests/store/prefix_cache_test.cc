@@ -3,10 +3,21 @@
 // state that equals the naive reference's at the boundary, and every way an
 // entry can be missing, damaged or foreign turning into a shorter hit or a
 // miss, never a wrong state.
+#include <arpa/inet.h>
 #include <gtest/gtest.h>
+#include <netinet/in.h>
+#include <poll.h>
+#include <sys/socket.h>
+#include <unistd.h>
 
+#include <atomic>
+#include <thread>
+
+#include <chrono>
+#include <cmath>
 #include <map>
 #include <optional>
+#include <random>
 #include <span>
 #include <memory>
 #include <string>
@@ -14,6 +25,7 @@
 
 #include "conformance/harness.h"
 #include "rewind/prefix_cache.h"
+#include "store/store_test_util.h"
 #if defined(REWIND_HAVE_REDIS)
 #include "rewind/redis_store.h"
 #include "store/redis_server.h"
@@ -223,8 +235,324 @@ TEST(PrefixCache, AFailingStoreIsAMissWithOneWarning) {
   EXPECT_FALSE(pc.store(std::span(t).first(4), 0, b.cache.snapshot(0), {}));
   EXPECT_EQ(pc.lookup(t).length, 0);
   ASSERT_EQ(warnings.messages.size(), 1u);
-  EXPECT_NE(warnings.messages[0].find("dead store: connection refused"), std::string::npos) << warnings.messages[0];
+  EXPECT_EQ(warnings.messages[0].rfind("rewind: warning: prefix cache: dead store: connection refused; skipping", 0),
+            0u)
+      << warnings.messages[0];
   EXPECT_GE(pc.stats().store_errors, 1);
+}
+
+// A store that throws `E` from every get: what a store throws about an entry
+// (a value it will not hand out, one too big to copy, an argument a caller's
+// store refuses) is a rejected entry, not a failing store: no back-off, no
+// warning, and the store is asked again by the next lookup.
+template <typename E>
+class ThrowingStore : public BlobStore {
+ public:
+  std::optional<std::vector<std::byte>> get(const std::string&) override {
+    ++gets;
+    throw E("junk under this key");
+  }
+  bool put(const std::string&, std::span<const std::byte>) override { return true; }
+  bool contains(const std::string&) override { return false; }
+  std::size_t bytes_used() override { return 0; }
+  std::string describe() const override { return "throwing store"; }
+  int gets = 0;
+};
+
+template <typename E>
+void expect_rejections_only() {
+  WarningCapture warnings;
+  auto store = std::make_shared<ThrowingStore<E>>();
+  PrefixCache pc(store, opts(4));
+  const auto t = tokens_of(9);  // candidates 9, 8, 4
+  EXPECT_EQ(pc.lookup(t).length, 0);
+  EXPECT_EQ(store->gets, 3);
+  EXPECT_EQ(pc.lookup(t).length, 0);
+  EXPECT_EQ(store->gets, 6);  // no back-off
+  EXPECT_EQ(pc.stats().entries_unusable, 6);
+  EXPECT_EQ(pc.stats().entries_rejected, 6);
+  EXPECT_EQ(pc.stats().store_errors, 0);
+  EXPECT_EQ(pc.stats().calls_skipped, 0);
+  EXPECT_TRUE(warnings.messages.empty()) << warnings.messages[0];
+}
+
+TEST(PrefixCache, WhatAStoreThrowsAboutAnEntryIsARejectedEntry) {
+  expect_rejections_only<rwd::StoreValueError>();
+  expect_rejections_only<rwd::CapacityError>();
+  expect_rejections_only<rwd::InvalidArgument>();
+}
+
+// The entries of tokens_of(14) at interval 4 (boundaries 4, 8, 12, 14),
+// serialized, by boundary, and the reference state after each.
+struct StoredChain {
+  std::map<std::int64_t, std::vector<std::byte>> bytes;
+  std::map<std::int64_t, RefCache> refs;
+};
+
+StoredChain stored_chain(const std::vector<std::int32_t>& t) {
+  auto memory = std::shared_ptr<BlobStore>(rwd::make_memory_store(0));
+  PrefixCache writer(memory, opts(4));
+  Built b = every_kind();
+  StoredChain out;
+  out.refs = prefill(writer, t, 0, b);
+  for (const auto& [boundary, ref] : out.refs) {
+    out.bytes[boundary] = *memory->get(writer.key(std::span(t).first(static_cast<std::size_t>(boundary))));
+  }
+  return out;
+}
+
+// Puts every entry of `chain` (written for tokens `t` at interval 4) into `store`.
+void put_chain(BlobStore& store, const std::vector<std::int32_t>& t, const StoredChain& chain) {
+  const PrefixCache keys(std::shared_ptr<BlobStore>(&store, [](BlobStore*) {}), opts(4));
+  for (const auto& [boundary, bytes] : chain.bytes)
+    ASSERT_TRUE(store.put(keys.key(std::span(t).first(static_cast<std::size_t>(boundary))), bytes));
+}
+
+// Randomized: a directory holding a valid chain where random entries (and
+// the never-written candidate P - 1) are replaced by every kind of junk a
+// directory can hold under a key's name: huge sparse files, FIFOs, sockets,
+// links to /dev/zero and /dev/null, directories, foreign and empty files.
+// The hit is the longest prefix whose entries are all intact (independently:
+// the largest boundary with no junk at or below it), restoring the
+// reference state; every piece of junk consulted is counted as a rejection
+// by its reason; nothing blocks, nothing fails, no warning, no back-off.
+TEST(PrefixCache, JunkInADirectoryStoreIsRejectedNeverBlockingOrFailing) {
+  const auto t = tokens_of(14);
+  const StoredChain chain = stored_chain(t);
+  const PrefixCache keys(std::shared_ptr<BlobStore>(rwd::make_memory_store(0)), opts(4));
+  std::mt19937_64 rng(20260328);
+  for (int round = 0; round < 40; ++round) {
+    SCOPED_TRACE("round " + std::to_string(round));
+    rwd::store_test::TempDir dir;
+    auto store = std::shared_ptr<BlobStore>(rwd::make_directory_store(dir.path()));
+    std::map<std::int64_t, rwd::store_test::Junk> junk;
+    for (const auto& [boundary, bytes] : chain.bytes) {
+      ASSERT_TRUE(store->put(keys.key(std::span(t).first(static_cast<std::size_t>(boundary))), bytes));
+      if (rng() % 3 == 0) junk[boundary] = rwd::store_test::kEveryJunk[rng() % std::size(rwd::store_test::kEveryJunk)];
+    }
+    if (rng() % 2 == 0) junk[13] = rwd::store_test::kEveryJunk[rng() % std::size(rwd::store_test::kEveryJunk)];
+    std::string described;
+    for (const auto& [boundary, kind] : junk) {
+      rwd::store_test::make_junk(dir / keys.key(std::span(t).first(static_cast<std::size_t>(boundary))), kind, rng());
+      described += " " + std::to_string(boundary) + ": " + rwd::store_test::junk_name(kind) + ";";
+    }
+    SCOPED_TRACE("junk at" + described);
+    std::int64_t expected = 0;
+    for (const auto& [boundary, bytes] : chain.bytes) {
+      if (junk.count(boundary)) break;
+      expected = boundary;
+    }
+    WarningCapture warnings;
+    PrefixCache pc(store, opts(4));
+    const PrefixHit hit = pc.lookup(t);
+    ASSERT_EQ(hit.length, expected);
+    if (expected > 0) {
+      EXPECT_EQ(check_hit(hit, chain.refs.at(expected)), "");
+    }
+    const auto& st = pc.stats();
+    EXPECT_EQ(st.store_errors, 0);
+    EXPECT_EQ(st.calls_skipped, 0);
+    EXPECT_TRUE(warnings.messages.empty()) << warnings.messages[0];
+    EXPECT_EQ(st.entries_rejected, st.entries_unusable + st.entries_corrupt + st.entries_foreign);
+    // The first candidate (14) is always consulted: its junk is counted by kind.
+    if (junk.count(14)) {
+      const bool parsed = junk[14] == rwd::store_test::Junk::kForeignBytes || junk[14] == rwd::store_test::Junk::kEmpty;
+      EXPECT_GE(parsed ? st.entries_corrupt : st.entries_unusable, 1);
+    }
+    if (!junk.empty() && expected < 14) {
+      EXPECT_GE(st.entries_rejected, 1);
+    }
+  }
+}
+
+TEST(PrefixCache, EntriesOverMaxEntryBytesAreRejectedUnread) {
+  const auto t = tokens_of(14);
+  const StoredChain chain = stored_chain(t);
+  rwd::store_test::TempDir dir;
+  auto store = std::shared_ptr<BlobStore>(rwd::make_directory_store(dir.path()));
+  const PrefixCache keys(store, opts(4));
+  std::size_t largest = 0;
+  for (const auto& [boundary, bytes] : chain.bytes) {
+    ASSERT_TRUE(store->put(keys.key(std::span(t).first(static_cast<std::size_t>(boundary))), bytes));
+    largest = std::max(largest, bytes.size());
+  }
+  PrefixCacheOptions small = opts(4);
+  small.max_entry_bytes = chain.bytes.at(14).size() - 1;
+  PrefixCache pc(store, small);
+  EXPECT_LT(pc.lookup(t).length, 14);
+  EXPECT_GE(pc.stats().entries_unusable, 1);
+  PrefixCacheOptions enough = opts(4);
+  enough.max_entry_bytes = largest;
+  PrefixCache ok(store, enough);
+  EXPECT_EQ(ok.lookup(t).length, 14);
+  EXPECT_EQ(ok.stats().entries_rejected, 0);
+}
+
+// The per-token bound: the entry ending at b is refused unread past
+// entry_fixed_bytes + b * entry_bytes_per_token, so a large file under a
+// short prompt's key is not read although it is far below max_entry_bytes.
+TEST(PrefixCache, EntriesOverTheirPerTokenBoundAreRejectedUnread) {
+  const auto t = tokens_of(14);
+  const StoredChain chain = stored_chain(t);
+  rwd::store_test::TempDir dir;
+  auto store = std::shared_ptr<BlobStore>(rwd::make_directory_store(dir.path()));
+  const PrefixCache keys(store, opts(4));
+  for (const auto& [boundary, bytes] : chain.bytes) {
+    ASSERT_TRUE(store->put(keys.key(std::span(t).first(static_cast<std::size_t>(boundary))), bytes));
+  }
+  // A bound every real entry meets: each entry's size over its own length.
+  std::size_t per_token = 1;
+  for (const auto& [boundary, bytes] : chain.bytes) {
+    per_token = std::max(per_token, (bytes.size() + static_cast<std::size_t>(boundary) - 1) /
+                                        static_cast<std::size_t>(boundary));
+  }
+  PrefixCacheOptions bounded = opts(4);
+  bounded.entry_bytes_per_token = per_token;
+  PrefixCache ok(store, bounded);
+  EXPECT_EQ(ok.lookup(t).length, 14);
+  EXPECT_EQ(ok.stats().entries_rejected, 0);
+
+  // The entry at 4 replaced by a file one byte over 4 * per_token (a sparse
+  // file: nothing is written or read): refused from its size, so the chain
+  // from 0 breaks and the lookup misses, the entry counted as unusable.
+  const std::string first = dir.path() + "/" + keys.key(std::span(t).first(4));
+  ASSERT_EQ(::truncate(first.c_str(), static_cast<off_t>(4 * per_token + 1)), 0);
+  PrefixCache pc(store, bounded);
+  EXPECT_EQ(pc.lookup(t).length, 0);
+  EXPECT_GE(pc.stats().entries_unusable, 1);
+  EXPECT_EQ(pc.stats().entries_corrupt, 0);
+  // Without the per-token bound the same file is read and fails its checksums.
+  PrefixCache unbounded(store, opts(4));
+  EXPECT_EQ(unbounded.lookup(t).length, 0);
+  EXPECT_GE(unbounded.stats().entries_corrupt, 1);
+}
+
+// A store whose calls advance a fake clock by `delay_s`: a slow store
+// without waiting, so that nothing in the test depends on real time.
+class ClockedStore : public BlobStore {
+ public:
+  ClockedStore(std::shared_ptr<BlobStore> inner, std::chrono::steady_clock::time_point& clock)
+      : inner_(std::move(inner)), clock_(clock) {}
+  std::optional<std::vector<std::byte>> get(const std::string& key) override {
+    tick();
+    return inner_->get(key);
+  }
+  bool put(const std::string& key, std::span<const std::byte> value) override {
+    tick();
+    return inner_->put(key, value);
+  }
+  bool contains(const std::string& key) override {
+    tick();
+    return inner_->contains(key);
+  }
+  std::size_t bytes_used() override { return inner_->bytes_used(); }
+  std::string describe() const override { return "clocked " + inner_->describe(); }
+  double delay_s = 0;
+  int calls = 0;
+
+ private:
+  void tick() {
+    ++calls;
+    clock_ += std::chrono::duration_cast<std::chrono::steady_clock::duration>(std::chrono::duration<double>(delay_s));
+  }
+  std::shared_ptr<BlobStore> inner_;
+  std::chrono::steady_clock::time_point& clock_;
+};
+
+void advance(std::chrono::steady_clock::time_point& clock, double s) {
+  clock += std::chrono::duration_cast<std::chrono::steady_clock::duration>(std::chrono::duration<double>(s));
+}
+
+// A store whose calls take 1 s (by the injected clock): the first slow call
+// starts a back-off with one warning; lookups and writes meanwhile do not
+// call the store (misses: the caller recomputes); a back-off that follows
+// another without a fast call between doubles; once fast, the store hits.
+TEST(PrefixCache, ASlowStoreBacksOffWithOneWarning) {
+  const auto t = tokens_of(14);
+  const StoredChain chain = stored_chain(t);
+  auto memory = std::shared_ptr<BlobStore>(rwd::make_memory_store(0));
+  put_chain(*memory, t, chain);
+  auto clock = std::chrono::steady_clock::time_point{} + std::chrono::hours(1);
+  auto slow = std::make_shared<ClockedStore>(memory, clock);
+  slow->delay_s = 1.0;
+  PrefixCacheOptions o = opts(4);
+  o.clock = [&clock] { return clock; };
+  WarningCapture warnings;
+  PrefixCache pc(slow, o);
+  EXPECT_EQ(pc.lookup(t).length, 0);  // the first get was slow: the chain's others are skipped
+  EXPECT_EQ(slow->calls, 1);
+  EXPECT_EQ(pc.stats().slow_calls, 1);
+  EXPECT_GE(pc.stats().calls_skipped, 1);
+  EXPECT_EQ(pc.stats().store_errors, 0);
+  EXPECT_DOUBLE_EQ(pc.stats().store_seconds, 1.0);
+  ASSERT_EQ(warnings.messages.size(), 1u);
+  EXPECT_EQ(warnings.messages[0].rfind("rewind: warning: prefix cache: clocked memory store (no cap): a call took 1 s, "
+                                       "over the 0.25 s allowed; skipping the store for a while",
+                                       0),
+            0u)
+      << warnings.messages[0];
+  // During the back-off (2 s) neither lookups nor writes reach the store.
+  Built b = every_kind();
+  ASSERT_EQ(cache_step(b.cache, b.ref, 4, 1), "");
+  EXPECT_FALSE(pc.store(std::span(t).first(4), 0, b.cache.snapshot(0), {}));
+  EXPECT_EQ(pc.lookup(t).length, 0);
+  EXPECT_EQ(slow->calls, 1);
+  // Fast again after the back-off: a full hit, the reference state.
+  advance(clock, 2.5);
+  slow->delay_s = 0;
+  const PrefixHit hit = pc.lookup(t);
+  ASSERT_EQ(hit.length, 14);
+  EXPECT_EQ(check_hit(hit, chain.refs.at(14)), "");
+  EXPECT_EQ(slow->calls, 5);
+  // Slow twice in a row: 2 s, then 4 s.
+  slow->delay_s = 1.0;
+  EXPECT_EQ(pc.lookup(t).length, 0);
+  advance(clock, 2.5);
+  EXPECT_EQ(pc.lookup(t).length, 0);
+  EXPECT_EQ(slow->calls, 7);
+  advance(clock, 3.0);
+  EXPECT_EQ(pc.lookup(t).length, 0);
+  EXPECT_EQ(slow->calls, 7);  // 3 s into a 4 s back-off
+  advance(clock, 1.5);
+  EXPECT_EQ(pc.lookup(t).length, 0);
+  EXPECT_EQ(slow->calls, 8);
+  EXPECT_EQ(pc.stats().slow_calls, 4);
+  EXPECT_EQ(warnings.messages.size(), 1u);
+}
+
+// lookup_budget_s bounds the store time of one lookup: with calls of 1 s
+// and a budget of 2.5 s, a lookup makes three calls and gives up (a miss,
+// counted); without a budget the same store gives the full hit.
+TEST(PrefixCache, ALookupStopsAtItsTimeBudget) {
+  const auto t = tokens_of(14);
+  const StoredChain chain = stored_chain(t);
+  auto memory = std::shared_ptr<BlobStore>(rwd::make_memory_store(0));
+  put_chain(*memory, t, chain);
+  auto clock = std::chrono::steady_clock::time_point{} + std::chrono::hours(1);
+  auto slow = std::make_shared<ClockedStore>(memory, clock);
+  slow->delay_s = 1.0;
+  PrefixCacheOptions o = opts(4);
+  o.clock = [&clock] { return clock; };
+  o.slow_call_s = 0;  // the budget alone
+  o.lookup_budget_s = 2.5;
+  WarningCapture warnings;
+  PrefixCache pc(slow, o);
+  EXPECT_EQ(pc.lookup(t).length, 0);
+  EXPECT_EQ(slow->calls, 3);
+  EXPECT_EQ(pc.stats().lookups_over_budget, 1);
+  EXPECT_EQ(pc.stats().slow_calls, 0);
+  EXPECT_TRUE(warnings.messages.empty());
+  // The next lookup has its own budget.
+  EXPECT_EQ(pc.lookup(t).length, 0);
+  EXPECT_EQ(slow->calls, 6);
+  o.lookup_budget_s = 0;
+  PrefixCache unbounded(slow, o);
+  EXPECT_EQ(unbounded.lookup(t).length, 14);
+  EXPECT_EQ(unbounded.stats().lookups_over_budget, 0);
+  EXPECT_THROW(PrefixCache(slow, [&] { auto x = opts(4); x.lookup_budget_s = -1; return x; }()), rwd::InvalidArgument);
+  EXPECT_THROW(PrefixCache(slow, [&] { auto x = opts(4); x.slow_call_s = std::nan(""); return x; }()),
+               rwd::InvalidArgument);
+  EXPECT_THROW(PrefixCache(slow, [&] { auto x = opts(4); x.slow_bytes_per_s = 0; return x; }()), rwd::InvalidArgument);
 }
 
 #if defined(REWIND_HAVE_REDIS)
@@ -246,6 +574,120 @@ TEST(PrefixCache, SharedThroughRedisAndSurvivesItsStop) {
   server.stop();
   EXPECT_EQ(reader.lookup(t).length, 0);
   EXPECT_EQ(warnings.messages.size(), 1u);
+}
+#endif
+
+#if defined(REWIND_HAVE_REDIS)
+// A TCP proxy on 127.0.0.1 that holds every reply of the server for
+// `delay_ms` before passing it on: a slow network store, for real.
+class DelayingProxy {
+ public:
+  DelayingProxy(int server_port, int delay_ms) : server_port_(server_port), delay_ms_(delay_ms) {
+    listen_fd_ = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    sockaddr_in addr{};
+    addr.sin_family = AF_INET;
+    addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    addr.sin_port = 0;
+    if (listen_fd_ < 0 || ::bind(listen_fd_, reinterpret_cast<sockaddr*>(&addr), sizeof addr) != 0 ||
+        ::listen(listen_fd_, 4) != 0) {
+      throw std::runtime_error("proxy: cannot listen on 127.0.0.1");
+    }
+    socklen_t len = sizeof addr;
+    ::getsockname(listen_fd_, reinterpret_cast<sockaddr*>(&addr), &len);
+    port_ = ntohs(addr.sin_port);
+    thread_ = std::thread([this] { serve(); });
+  }
+  DelayingProxy(const DelayingProxy&) = delete;
+  DelayingProxy& operator=(const DelayingProxy&) = delete;
+  ~DelayingProxy() {
+    stop_ = true;
+    thread_.join();
+    ::close(listen_fd_);
+  }
+  int port() const { return port_; }
+
+ private:
+  // One client at a time (a store holds one connection), polling so that
+  // the destructor's stop is seen within 50 ms.
+  void serve() {
+    while (!stop_) {
+      pollfd p{listen_fd_, POLLIN, 0};
+      if (::poll(&p, 1, 50) <= 0) continue;
+      const int client = ::accept4(listen_fd_, nullptr, nullptr, SOCK_CLOEXEC);
+      if (client < 0) continue;
+      const int server = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+      sockaddr_in addr{};
+      addr.sin_family = AF_INET;
+      addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+      addr.sin_port = htons(static_cast<std::uint16_t>(server_port_));
+      if (server >= 0 && ::connect(server, reinterpret_cast<sockaddr*>(&addr), sizeof addr) == 0) pump(client, server);
+      if (server >= 0) ::close(server);
+      ::close(client);
+    }
+  }
+  void pump(int client, int server) {
+    char buf[1 << 16];
+    while (!stop_) {
+      pollfd p[2] = {{client, POLLIN, 0}, {server, POLLIN, 0}};
+      if (::poll(p, 2, 50) <= 0) continue;
+      for (int i = 0; i < 2; ++i) {
+        if ((p[i].revents & (POLLIN | POLLHUP | POLLERR)) == 0) continue;
+        const ssize_t n = ::recv(p[i].fd, buf, sizeof buf, 0);
+        if (n <= 0) return;
+        if (i == 1) std::this_thread::sleep_for(std::chrono::milliseconds(delay_ms_));
+        const int to = i == 0 ? server : client;
+        for (ssize_t done = 0; done < n;) {
+          const ssize_t w = ::send(to, buf + done, static_cast<std::size_t>(n - done), MSG_NOSIGNAL);
+          if (w <= 0) return;
+          done += w;
+        }
+      }
+    }
+  }
+
+  int server_port_;
+  int delay_ms_;
+  int listen_fd_ = -1;
+  int port_ = 0;
+  std::atomic<bool> stop_{false};
+  std::thread thread_;
+};
+
+// Redis behind a proxy holding each reply 300 ms, the prefix cache's slow
+// bound at 50 ms: the first reply already trips the back-off, with one
+// warning, and the lookups that follow within the back-off do not wait for
+// the store (they are skipped, counted). Only lower bounds of time matter
+// here (each reply takes at least 300 ms), so the test cannot flake on a
+// slow machine; a machine that stalls for the whole back-off only adds
+// calls, which the assertions allow.
+TEST(PrefixCache, ASlowRedisTripsTheBackOff) {
+  rwd::test::RedisServer server;
+  const auto t = tokens_of(14);
+  const StoredChain chain = stored_chain(t);
+  {
+    auto direct = std::shared_ptr<BlobStore>(rwd::make_redis_store(rwd::parse_redis_url(server.url())));
+    const PrefixCache keys(direct, opts(4));
+    for (const auto& [boundary, bytes] : chain.bytes)
+      ASSERT_TRUE(direct->put(keys.key(std::span(t).first(static_cast<std::size_t>(boundary))), bytes));
+  }
+  DelayingProxy proxy(server.port(), 300);
+  rwd::RedisOptions ro;
+  ro.port = proxy.port();
+  PrefixCacheOptions o = opts(4);
+  o.slow_call_s = 0.05;
+  WarningCapture warnings;
+  PrefixCache pc(std::shared_ptr<BlobStore>(rwd::make_redis_store(ro)), o);
+  EXPECT_EQ(pc.lookup(t).length, 0);
+  EXPECT_EQ(pc.lookup(t).length, 0);
+  EXPECT_GE(pc.stats().slow_calls, 1);
+  EXPECT_GE(pc.stats().calls_skipped, 1);
+  EXPECT_EQ(pc.stats().store_errors, 0);
+  ASSERT_EQ(warnings.messages.size(), 1u);
+  EXPECT_NE(warnings.messages[0].find("rewind: warning: prefix cache: redis://127.0.0.1:" +
+                                      std::to_string(proxy.port()) + "/rewind:: a call took "),
+            std::string::npos)
+      << warnings.messages[0];
+  EXPECT_EQ(warnings.messages[0].find("redis://"), warnings.messages[0].rfind("redis://")) << "the store named twice";
 }
 #endif
 

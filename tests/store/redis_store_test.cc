@@ -1,6 +1,7 @@
 // The Redis store, against a private redis-server (redis_server.h).
 
 #include <gtest/gtest.h>
+#include <hiredis/hiredis.h>
 #include <signal.h>
 #include <stdlib.h>
 
@@ -403,6 +404,60 @@ TEST(RedisServerHelper, StopsRestartsAndCleansUp) {
   RedisOptions o;
   o.port = port;
   EXPECT_THROW(make_redis_store(o), StoreError);
+}
+
+// A key of another Redis type under the prefix (someone's list): get refuses
+// it with StoreValueError naming the key, contains agrees (false), and a put
+// replaces it with a value.
+TEST(RedisStore, KeyOfAnotherTypeIsRefusedByGetAndNotContained) {
+  RedisServer server;
+  auto store = make_redis_store(options_for(server));
+  {
+    redisContext* c = redisConnect("127.0.0.1", server.port());
+    ASSERT_TRUE(c != nullptr && c->err == 0);
+    auto* r = static_cast<redisReply*>(redisCommand(c, "RPUSH rewind:k a b"));
+    ASSERT_TRUE(r != nullptr);
+    EXPECT_EQ(r->type, REDIS_REPLY_INTEGER);
+    freeReplyObject(r);
+    redisFree(c);
+  }
+  try {
+    store->get("k");
+    ADD_FAILURE() << "get of a list returned";
+  } catch (const StoreValueError& e) {
+    const std::string message = e.what();
+    EXPECT_NE(message.find(server.url() + "/rewind:: get of key 'k': the key rewind:k holds a value of another Redis "
+                                          "type than string"),
+              std::string::npos)
+        << message;
+  }
+  EXPECT_THROW(store->get_bounded("k", 100), StoreValueError);
+  EXPECT_FALSE(store->contains("k"));
+  EXPECT_EQ(store->bytes_used(), 0u);
+  EXPECT_TRUE(store->put("k", filled(3, 1)));
+  EXPECT_TRUE(store->contains("k"));
+  EXPECT_EQ(store->get("k"), filled(3, 1));
+}
+
+// A stalled server's timeout says what timed out, after how long, where.
+TEST(RedisStore, TimeoutMessageSaysWhatTimedOut) {
+  RedisServer server;
+  RedisOptions o = options_for(server);
+  o.command_timeout_s = 0.2;
+  auto store = make_redis_store(o);
+  server.pause();
+  try {
+    store->get("k");
+    ADD_FAILURE() << "get of a paused server returned";
+  } catch (const StoreError& e) {
+    const std::string message = e.what();
+    EXPECT_NE(message.find(server.url() + "/rewind:: get of key 'k': timed out after 0.2 s waiting for 127.0.0.1:" +
+                           std::to_string(server.port())),
+              std::string::npos)
+        << message;
+    EXPECT_EQ(message.find("Resource temporarily unavailable"), std::string::npos) << message;
+  }
+  server.resume();
 }
 
 }  // namespace

@@ -2,7 +2,11 @@
 // whole, temporary directories and forked worker processes.
 #pragma once
 
+#include <fcntl.h>
 #include <sys/mman.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <sys/un.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -100,6 +104,82 @@ class TempDir {
  private:
   std::string path_;
 };
+
+// What a directory may hold under a key's name that is not a value a store
+// wrote: each must be a refused or rejected value for its readers, never a
+// blocked, huge or failed read.
+enum class Junk { kHugeSparse, kFifo, kSocket, kLinkToZero, kLinkToNull, kDirectory, kForeignBytes, kEmpty };
+inline constexpr Junk kEveryJunk[] = {Junk::kHugeSparse, Junk::kFifo,      Junk::kSocket,       Junk::kLinkToZero,
+                                      Junk::kLinkToNull, Junk::kDirectory, Junk::kForeignBytes, Junk::kEmpty};
+
+inline const char* junk_name(Junk j) {
+  switch (j) {
+    case Junk::kHugeSparse: return "a 100 GiB sparse file";
+    case Junk::kFifo: return "a FIFO";
+    case Junk::kSocket: return "a socket";
+    case Junk::kLinkToZero: return "a symbolic link to /dev/zero";
+    case Junk::kLinkToNull: return "a symbolic link to /dev/null";
+    case Junk::kDirectory: return "a directory";
+    case Junk::kForeignBytes: return "a file of foreign bytes";
+    case Junk::kEmpty: return "an empty file";
+  }
+  return "?";
+}
+
+// Replaces whatever is at `path` by `junk` (no real disk use: the huge file
+// is sparse). Throws std::runtime_error when the system refuses.
+inline void make_junk(const std::string& path, Junk junk, std::uint64_t seed = 0) {
+  std::error_code ec;
+  std::filesystem::remove_all(path, ec);
+  const auto fail = [&](const char* what) {
+    throw std::runtime_error(std::string(what) + " " + path + ": " + std::strerror(errno));
+  };
+  switch (junk) {
+    case Junk::kHugeSparse: {
+      const int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+      if (fd < 0) fail("open");
+      const int rc = ::ftruncate(fd, off_t{100} << 30);
+      ::close(fd);
+      if (rc != 0) fail("ftruncate");
+      break;
+    }
+    case Junk::kFifo:
+      if (::mkfifo(path.c_str(), 0644) != 0) fail("mkfifo");
+      break;
+    case Junk::kSocket: {
+      sockaddr_un addr{};
+      addr.sun_family = AF_UNIX;
+      if (path.size() >= sizeof addr.sun_path) throw std::runtime_error("socket path too long: " + path);
+      std::memcpy(addr.sun_path, path.c_str(), path.size() + 1);
+      const int fd = ::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+      if (fd < 0) fail("socket");
+      const int rc = ::bind(fd, reinterpret_cast<const sockaddr*>(&addr), sizeof addr);
+      ::close(fd);  // the name stays, nobody listens
+      if (rc != 0) fail("bind");
+      break;
+    }
+    case Junk::kLinkToZero:
+      if (::symlink("/dev/zero", path.c_str()) != 0) fail("symlink");
+      break;
+    case Junk::kLinkToNull:
+      if (::symlink("/dev/null", path.c_str()) != 0) fail("symlink");
+      break;
+    case Junk::kDirectory:
+      if (::mkdir(path.c_str(), 0755) != 0) fail("mkdir");
+      break;
+    case Junk::kForeignBytes:
+    case Junk::kEmpty: {
+      const int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+      if (fd < 0) fail("open");
+      std::vector<unsigned char> bytes(junk == Junk::kEmpty ? 0 : 100 + seed % 5000);
+      for (std::size_t i = 0; i < bytes.size(); ++i) bytes[i] = static_cast<unsigned char>(splitmix64(seed + i) >> 56);
+      const ssize_t n = bytes.empty() ? 0 : ::write(fd, bytes.data(), bytes.size());
+      ::close(fd);
+      if (n != static_cast<ssize_t>(bytes.size())) fail("write");
+      break;
+    }
+  }
+}
 
 // The names in `dir`, sorted.
 inline std::vector<std::string> names_in(const std::string& dir) {

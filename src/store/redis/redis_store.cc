@@ -9,6 +9,7 @@
 
 #include <cerrno>
 #include <cmath>
+#include <cstdio>
 #include <cstring>
 #include <mutex>
 #include <new>
@@ -137,6 +138,10 @@ class RedisStore final : public BlobStore {
       return reply != nullptr;
     });
     if (reply->type == REDIS_REPLY_NIL) return std::nullopt;
+    if (is_wrongtype(*reply)) {
+      throw StoreValueError(describe() + ": get of key '" + key + "': the key " + full +
+                            " holds a value of another Redis type than string, not one of ours");
+    }
     if (reply->type != REDIS_REPLY_STRING) fail_reply("get", key, *reply);
     try {
       const auto* bytes = reinterpret_cast<const std::byte*>(reply->str);
@@ -171,11 +176,13 @@ class RedisStore final : public BlobStore {
     const std::string full = options_.key_prefix + key;
     Reply reply;
     with_connection("contains", key, [&](redisContext* c) {
-      reply = take(redisCommand(c, "EXISTS %b", full.data(), full.size()));
+      // TYPE, not EXISTS: a key of another type is no value of ours (get
+      // refuses it), so contains must say false for it too.
+      reply = take(redisCommand(c, "TYPE %b", full.data(), full.size()));
       return reply != nullptr;
     });
-    if (reply->type != REDIS_REPLY_INTEGER) fail_reply("contains", key, *reply);
-    return reply->integer > 0;
+    if (reply->type != REDIS_REPLY_STATUS) fail_reply("contains", key, *reply);
+    return std::string(reply->str, reply->len) == "string";
   }
 
   std::size_t bytes_used() override {
@@ -215,12 +222,26 @@ class RedisStore final : public BlobStore {
   std::string describe() const override { return server_ + "/" + options_.key_prefix; }
 
  private:
+  static bool is_wrongtype(const redisReply& r) {
+    return r.type == REDIS_REPLY_ERROR && r.len >= 9 && std::strncmp(r.str, "WRONGTYPE", 9) == 0;
+  }
+
+  // "timed out after 2 s waiting for 127.0.0.1:6379" where hiredis says only
+  // "Resource temporarily unavailable" (its socket timeout is EAGAIN).
+  std::string timeout_text(const char* doing, double seconds) const {
+    char buf[32];
+    std::snprintf(buf, sizeof buf, "%g", seconds);
+    return std::string("timed out after ") + buf + " s " + doing + " " + options_.host + ":" +
+           std::to_string(options_.port);
+  }
+
   // REQUIRES: mutex_ held, ctx_ null. Throws StoreError naming the server.
   void connect(const std::string& op, const std::string& key) {
     redisContext* c = redisConnectWithTimeout(options_.host.c_str(), options_.port, to_timeval(options_.connect_timeout_s));
     if (c == nullptr) fail(op, key, "cannot connect: hiredis cannot allocate a context");
     if (c->err != 0) {
-      const std::string reason = c->errstr;
+      const bool timed_out = c->err == REDIS_ERR_IO && (errno == ETIMEDOUT || errno == EAGAIN);
+      const std::string reason = timed_out ? timeout_text("connecting to", options_.connect_timeout_s) : c->errstr;
       redisFree(c);
       fail(op, key, "cannot connect: " + reason);
     }
@@ -257,11 +278,14 @@ class RedisStore final : public BlobStore {
       if (talk(ctx_)) return;
       const int saved_errno = errno;
       const int err = ctx_->err;
-      const std::string reason = ctx_->err != 0 ? std::string(ctx_->errstr) : "no reply";
+      const bool timed_out = err == REDIS_ERR_IO && (saved_errno == EAGAIN || saved_errno == EWOULDBLOCK);
+      const std::string reason = timed_out       ? timeout_text("waiting for", options_.command_timeout_s)
+                                 : ctx_->err != 0 ? std::string(ctx_->errstr)
+                                                  : "no reply";
       drop();
       const bool closed_by_server =
           err == REDIS_ERR_EOF || (err == REDIS_ERR_IO && (saved_errno == EPIPE || saved_errno == ECONNRESET));
-      if (fresh || !closed_by_server) fail(op, key, "connection failed: " + reason);
+      if (fresh || !closed_by_server) fail(op, key, timed_out ? reason : "connection failed: " + reason);
       connect(op, key);
       fresh = true;
     }
@@ -269,7 +293,7 @@ class RedisStore final : public BlobStore {
 
   [[noreturn]] void fail(const std::string& op, const std::string& key, const std::string& what) const {
     const std::string subject = key.empty() ? op : op + " of key '" + key + "'";
-    throw StoreError(server_ + " (prefix '" + options_.key_prefix + "'): " + subject + ": " + what);
+    throw StoreError(describe() + ": " + subject + ": " + what);
   }
   [[noreturn]] void fail_reply(const std::string& op, const std::string& key, const redisReply& reply) const {
     std::string text = "unexpected reply of type " + std::to_string(reply.type);
