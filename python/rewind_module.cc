@@ -15,6 +15,9 @@
 #include <pybind11/numpy.h>
 
 #include <algorithm>
+#include <bit>
+#include <cstdint>
+#include <cstdio>
 #include <cstring>
 #include <memory>
 #include <optional>
@@ -114,6 +117,18 @@ bool is_torch(const py::handle& obj) {
   return fw.has_torch && py::isinstance(obj, fw.torch_tensor_type);
 }
 
+// Refuses an element address that is not a multiple of the element size:
+// the kernels read whole floats, which such an address does not hold.
+void check_aligned(const void* data, std::size_t element_bytes, const char* what, const char* copy) {
+  const auto address = reinterpret_cast<std::uintptr_t>(data);
+  if (element_bytes > 1 && address % element_bytes != 0) {
+    char hex[32];
+    std::snprintf(hex, sizeof hex, "0x%llx", static_cast<unsigned long long>(address));
+    invalid(std::string(what) + ": the array is misaligned (its data at " + hex + " is not a multiple of its " +
+            std::to_string(element_bytes) + "-byte elements); an aligned copy is accepted: " + copy);
+  }
+}
+
 // A view of a torch tensor or a buffer-protocol object (numpy), in place.
 // The caller keeps `obj` alive for as long as the view is used.
 rwd::TensorView input_view(const py::handle& obj, const char* what) {
@@ -145,6 +160,7 @@ rwd::TensorView input_view(const py::handle& obj, const char* what) {
       v.strides[i] = i < shape.size() ? strides[i] : 0;
     }
     v.data = reinterpret_cast<void*>(obj.attr("data_ptr")().cast<std::uintptr_t>());
+    check_aligned(v.data, rwd::dtype_size(v.dtype), what, "t.clone()");
     return v;
   }
   if (!PyObject_CheckBuffer(obj.ptr())) {
@@ -152,9 +168,24 @@ rwd::TensorView input_view(const py::handle& obj, const char* what) {
             std::string(py::str(py::type::handle_of(obj).attr("__name__"))));
   }
   py::buffer_info info = py::reinterpret_borrow<py::buffer>(obj).request();
-  if (info.format == py::format_descriptor<float>::format()) v.dtype = rwd::DType::F32;
-  else if (info.format == "e") v.dtype = rwd::DType::F16;
-  else invalid(std::string(what) + ": buffer format '" + info.format + "' is not supported (float32, float16)");
+  // numpy writes a misaligned array's format with an explicit byte order
+  // ("=f"), and a standard-size one may say "<f": the same element type.
+  std::string format = info.format;
+  const bool little = std::endian::native == std::endian::little;
+  if (format.size() == 2 && (format[0] == '@' || format[0] == '=' || (little && format[0] == '<'))) format.erase(0, 1);
+  if (format == py::format_descriptor<float>::format()) v.dtype = rwd::DType::F32;
+  else if (format == "e") v.dtype = rwd::DType::F16;
+  else if (format.size() == 2 && (format[0] == '>' || format[0] == '!' || format[0] == '<') &&
+           (format[1] == 'f' || format[1] == 'e')) {
+    invalid(std::string(what) + ": buffer format '" + info.format + "' has the other byte order than this machine's; "
+            "pass a native-order copy (a.astype(a.dtype.newbyteorder('=')))");
+  } else {
+    invalid(std::string(what) + ": buffer format '" + info.format + "' is not supported (float32, float16)");
+  }
+  // np.ascontiguousarray returns an array that is already contiguous as it
+  // is, misaligned: only a copy moves the data.
+  check_aligned(info.ptr, static_cast<std::size_t>(info.itemsize), what,
+                "a.copy() (np.ascontiguousarray keeps a contiguous array where it is)");
   if (info.ndim > rwd::kMaxRank) invalid(std::string(what) + ": rank " + std::to_string(info.ndim) + " is above rewind's 4");
   v.rank = static_cast<int>(info.ndim);
   for (std::size_t i = 0; i < static_cast<std::size_t>(rwd::kMaxRank); ++i) {
@@ -346,8 +377,60 @@ struct PyModelCache {
   }
 };
 
-std::vector<std::int32_t> tokens_of(const py::handle& obj) {
-  std::vector<std::int64_t> wide = index_list(obj);
+std::string type_name_of(const py::handle& obj) { return py::str(py::type::handle_of(obj).attr("__name__")); }
+
+// The token ids in `obj` (argument `what`; `accepted` lists what the caller
+// takes): a list or tuple of ints, or a 1-D integer numpy array or torch
+// tensor. Anything else is a TypeError naming what was given, before
+// pybind11's cast could answer "Unable to cast Python instance".
+std::vector<std::int64_t> token_list(const py::handle& obj, const std::string& what, const std::string& accepted) {
+  auto refuse = [&](const std::string& given) {
+    throw py::type_error(what + " must be " + accepted + "; got " + given);
+  };
+  if (py::isinstance<py::bytes>(obj) || PyByteArray_Check(obj.ptr())) {
+    refuse(type_name_of(obj) + " (decode it to a str, or pass its token ids)");
+  }
+  if (py::isinstance<py::str>(obj)) refuse("str (text goes through Model.encode; this call takes token ids)");
+  if (is_torch(obj) || py::hasattr(obj, "dtype")) {
+    // A torch tensor or a numpy array: integer elements, one dimension.
+    const std::string dtype = py::str(obj.attr("dtype"));
+    const bool integer = is_torch(obj) ? !obj.attr("is_floating_point")().cast<bool>() &&
+                                             !obj.attr("is_complex")().cast<bool>() && dtype != "torch.bool"
+                                       : std::string(py::str(obj.attr("dtype").attr("kind"))).find_first_of("iu") == 0;
+    if (!integer) refuse(type_name_of(obj) + " of dtype " + dtype);
+    const auto ndim = obj.attr("ndim").cast<std::int64_t>();
+    if (ndim != 1) refuse(type_name_of(obj) + " with " + std::to_string(ndim) + " dimensions (one is accepted)");
+    return obj.attr("tolist")().cast<std::vector<std::int64_t>>();
+  }
+  if (!py::isinstance<py::list>(obj) && !py::isinstance<py::tuple>(obj)) refuse(type_name_of(obj));
+  std::vector<std::int64_t> out;
+  std::size_t i = 0;
+  for (py::handle item : obj) {
+    // Python ints and numpy integer scalars (both have __index__); a float does not.
+    if (!PyIndex_Check(item.ptr()) || py::isinstance<py::float_>(item)) {
+      refuse(type_name_of(obj) + " whose element " + std::to_string(i) + " is " + type_name_of(item) + " " +
+             std::string(py::repr(item)));
+    }
+    py::int_ value = py::reinterpret_steal<py::int_>(PyNumber_Index(item.ptr()));
+    if (!value) throw py::error_already_set();
+    int overflow = 0;
+    const long long v = PyLong_AsLongLongAndOverflow(value.ptr(), &overflow);
+    if (overflow != 0) invalid("token " + std::string(py::str(value)) + " is outside [0, 2^31)");
+    out.push_back(v);
+    ++i;
+  }
+  return out;
+}
+
+// What generate and generate_batch take as a prompt (Model.generate encodes a str first).
+constexpr const char* kPromptAccepted =
+    "a str (text) or a list of ints (token ids) / a 1-D integer numpy array or torch tensor";
+
+// A model call's token ids: what token_list takes.
+std::vector<std::int32_t> tokens_of(const py::handle& obj, const std::string& what = "tokens",
+                                    const std::string& accepted =
+                                        "a list of ints (token ids) or a 1-D integer numpy array / torch tensor") {
+  std::vector<std::int64_t> wide = token_list(obj, what, accepted);
   std::vector<std::int32_t> out;
   out.reserve(wide.size());
   for (std::int64_t t : wide) {
@@ -687,12 +770,12 @@ PYBIND11_MODULE(_rewind, mod) {
       }, py::arg("text"),
       "The text's tokens with the model's tokenizer, BOS / template tokens first (byte-level: BOS + bytes).")
       .def("decode", [](const PyModel& self, py::object tokens) {
-        auto t = tokens_of(tokens);
+        auto t = tokens_of(tokens, "decode: tokens");
         return py::bytes(self.tokenizer.decode(t, true));
       }, py::arg("tokens"), "The bytes of the tokens with the model's tokenizer (special tokens skipped).")
       .def("forward", [](const PyModel& self, py::object tokens, PyModelCache& cache, bool all_logits) {
         if (cache.model.get() != &self) invalid("forward: the cache was made by another model");
-        auto t = tokens_of(tokens);
+        auto t = tokens_of(tokens, "forward: tokens");
         std::vector<float> logits;
         rwd::Cache& c = cache.use();
         cache.busy = true;
@@ -712,7 +795,7 @@ PYBIND11_MODULE(_rewind, mod) {
                           std::int64_t top_k, float top_p, std::uint64_t seed, bool stop_at_eos,
                           std::shared_ptr<PyModel> draft, std::int64_t num_draft, std::int64_t lookup,
                           bool adaptive, std::int64_t max_prefill_rows) {
-        auto p = tokens_of(prompt);
+        auto p = tokens_of(prompt, "generate: the prompt", kPromptAccepted);
         if (p.empty()) invalid("generate: the prompt is empty");
         rwd::runtime::GenerationOptions o;
         o.max_new_tokens = max_new_tokens;
@@ -758,7 +841,14 @@ PYBIND11_MODULE(_rewind, mod) {
                                 bool stop_at_eos, std::shared_ptr<PyModel> draft, std::int64_t num_draft,
                                 std::int64_t lookup, bool adaptive, std::int64_t max_batch, std::int64_t max_prefill_rows) {
         std::vector<std::vector<std::int32_t>> ps;
-        for (py::handle p : prompts) ps.push_back(tokens_of(p));
+        if (py::isinstance<py::str>(prompts) || py::isinstance<py::bytes>(prompts)) {
+          throw py::type_error("generate_batch: prompts must be a list of prompts (each " + std::string(kPromptAccepted) +
+                               "); got " + type_name_of(prompts));
+        }
+        std::size_t index = 0;
+        for (py::handle p : prompts) {
+          ps.push_back(tokens_of(p, "generate_batch: prompt " + std::to_string(index++), kPromptAccepted));
+        }
         rwd::runtime::GenerationOptions o;
         o.max_new_tokens = max_new_tokens;
         o.max_prefill_rows = max_prefill_rows;

@@ -365,7 +365,7 @@ double BatchGenerationStats::decode_tokens_per_second() const {
     last_first = std::max(last_first, s.time_to_first_token);
     after_first += s.new_tokens - 1;
   }
-  const double t = seconds - last_first;
+  const double t = decode_seconds ? *decode_seconds : seconds - last_first;
   return after_first > 0 && t > 0 ? static_cast<double>(after_first) / t : 0.0;
 }
 
@@ -374,6 +374,8 @@ std::string BatchGenerationStats::to_json() const {
   j["sequences"] = sequences.size();
   j["new_tokens"] = new_tokens;
   j["forwards"] = forwards;
+  j["max_batch"] = max_batch;
+  j["peak_batch"] = peak_batch;
   j["seconds"] = seconds;
   j["tokens_per_second"] = tokens_per_second();
   j["decode_tokens_per_second"] = decode_tokens_per_second();
@@ -409,6 +411,8 @@ class Admission {
     limit_ = options.max_batch == 0 ? n : static_cast<std::size_t>(std::min<std::int64_t>(options.max_batch, static_cast<std::int64_t>(n)));
     if (options.max_new_tokens <= 0) next_ = n_;  // nothing to decode
   }
+  // Sequences that may decode at once (max_batch, or all of them for 0).
+  std::size_t limit() const { return limit_; }
   std::vector<std::size_t> admit(std::size_t active) {
     std::vector<std::size_t> joined;
     while (active + joined.size() < limit_ && next_ < n_) joined.push_back(next_++);
@@ -449,6 +453,7 @@ std::vector<std::vector<std::int32_t>> generate_batch(const Model& model,
   std::vector<SeqId> ids;
   std::vector<std::vector<std::int32_t>> pending(prompts.begin(), prompts.end());
   Admission admission(n, options);
+  local.max_batch = static_cast<std::int64_t>(admission.limit());
   std::vector<std::size_t> active;  // sequences decoding now; a joining one feeds its prompt first
   ids.resize(n);
   std::vector<SequenceTokens> batch;
@@ -468,6 +473,7 @@ std::vector<std::vector<std::int32_t>> generate_batch(const Model& model,
       active.push_back(i);
     }
     if (active.empty()) break;
+    local.peak_batch = std::max(local.peak_batch, static_cast<std::int64_t>(active.size()));
     // A decoding row goes whole; joining prompts share max_prefill_rows, a
     // prompt that does not fit going on in the next forwards (no logits
     // until its last token is in).
@@ -554,16 +560,16 @@ BatchedModelDraft::BatchedModelDraft(const Model& draft, SamplingParams sampling
       cache_(draft.make_sequence_cache()) {}
 
 void BatchedModelDraft::begin(std::span<const std::vector<std::int32_t>> prompts) {
-  for (const SeqId id : ids_) cache_.seq_rm(id);
-  ids_.clear();
+  for (const SeqId id : ids_)
+    if (id.generation != 0) cache_.seq_rm(id);
+  // A sequence's draft state is made at its first propose (it has joined
+  // the batch) and released at finish: with max_batch, only the sequences
+  // decoding hold one, however many prompts wait.
+  ids_.assign(prompts.size(), SeqId{});
   seen_.assign(prompts.size(), 0);
   rngs_.clear();
   for (std::size_t i = 0; i < prompts.size(); ++i) {
     rngs_.emplace_back((sampling_.seed + i) ^ 0x9e3779b97f4a7c15ull);  // as ModelDraft's with seed + i
-  }
-  for (std::size_t i = 0; i < prompts.size(); ++i) {
-    ids_.push_back(cache_.add_sequence());
-    cache_.activate_past_recording(ids_.back(), max_draft_);
   }
 }
 
@@ -580,6 +586,11 @@ void BatchedModelDraft::propose(std::span<const Request> requests) {
   // most max_prefill_rows_ rows in all and without logits: a batch of whole
   // prompts would need working memory for all their tokens at once.
   std::vector<std::span<const std::int32_t>> early(requests.size()), last(requests.size());
+  for (const Request& q : requests) {
+    if (ids_[q.index].generation != 0) continue;
+    ids_[q.index] = cache_.add_sequence();
+    cache_.activate_past_recording(ids_[q.index], max_draft_);
+  }
   for (std::size_t r = 0; r < requests.size(); ++r) {
     const Request& q = requests[r];
     last[r] = q.sequence.subspan(static_cast<std::size_t>(seen_[q.index]));
@@ -649,7 +660,10 @@ void BatchedModelDraft::accept(std::size_t index, std::int64_t proposed, std::in
   seen_[index] -= remove;
 }
 
-void BatchedModelDraft::finish(std::size_t index) { cache_.seq_rm(ids_[index]); }
+void BatchedModelDraft::finish(std::size_t index) {
+  if (ids_[index].generation != 0) cache_.seq_rm(ids_[index]);
+  ids_[index] = SeqId{};
+}
 
 ModelDraft::ModelDraft(const Model& draft, SamplingParams sampling, std::int64_t max_draft,
                        std::int64_t max_prefill_rows)
@@ -932,6 +946,7 @@ std::vector<std::vector<std::int32_t>> speculative_generate_batch(
   std::vector<bool> prefilled(n, false);
   std::vector<std::size_t> prompt_fed(n, 0);  // of a sequence not yet prefilled
   Admission admission(n, options);
+  local.max_batch = static_cast<std::int64_t>(admission.limit());
   std::vector<std::size_t> active;
   while (true) {
     for (std::size_t i : admission.admit(active.size())) {
@@ -946,6 +961,7 @@ std::vector<std::vector<std::int32_t>> speculative_generate_batch(
       active.push_back(i);
     }
     if (active.empty()) break;
+    local.peak_batch = std::max(local.peak_batch, static_cast<std::int64_t>(active.size()));
     // Every prefilled sequence's drafts (one request each), then one forward
     // verifies them all.
     std::vector<BatchDraftSource::Request> requests;

@@ -15,6 +15,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cctype>
 #include <charconv>
 #include <chrono>
 #include <cmath>
@@ -185,24 +186,44 @@ struct PromptChoice {
   }
 
   bool many(const CLI::App& cmd) const { return cmd.count("--prompts") > 0; }
-  // The lines of --prompts FILE, one prompt each (an empty line is a prompt
-  // of BOS alone, refused when the tokenizer adds no BOS; a final newline
-  // ends the last line, it adds none).
+
+  // The lines of --prompts FILE, one prompt each, read a few at a time (an
+  // empty line is a prompt of BOS alone, refused when the tokenizer adds no
+  // BOS; a final newline ends the last line, it adds none).
+  class Lines {
+   public:
+    explicit Lines(const std::string& path) : path_(path) {
+      if (path_ != "-") file_ = open_input_file("--prompts", path_);
+    }
+    // Up to `n` more lines (fewer at the end of the input; none after it).
+    // Throws InvalidArgument when the input holds no line at all.
+    std::vector<std::string> next(std::size_t n) {
+      std::istream& in = path_ == "-" ? std::cin : file_;
+      std::vector<std::string> lines;
+      for (std::string line; lines.size() < n && std::getline(in, line);) {
+        if (!line.empty() && line.back() == '\r') line.pop_back();
+        lines.push_back(std::move(line));
+      }
+      if (in.bad()) throw InvalidArgument("--prompts " + path_ + ": read error");
+      read_ += lines.size();
+      if (read_ == 0) {
+        throw InvalidArgument("--prompts " + (path_ == "-" ? std::string("- (standard input)") : path_) +
+                              " has no line; give one prompt per line");
+      }
+      return lines;
+    }
+    std::size_t read() const { return read_; }  // lines returned so far
+
+   private:
+    std::string path_;
+    std::ifstream file_;
+    std::size_t read_ = 0;
+  };
+
+  // Every line of --prompts FILE.
   std::vector<std::string> read_many() const {
-    std::ifstream file_in;
-    if (prompts != "-") file_in = open_input_file("--prompts", prompts);
-    std::istream& in = prompts == "-" ? std::cin : file_in;
-    std::vector<std::string> lines;
-    for (std::string line; std::getline(in, line);) {
-      if (!line.empty() && line.back() == '\r') line.pop_back();
-      lines.push_back(line);
-    }
-    if (in.bad()) throw InvalidArgument("--prompts " + prompts + ": read error");
-    if (lines.empty()) {
-      throw InvalidArgument("--prompts " + (prompts == "-" ? std::string("- (standard input)") : prompts) +
-                            " has no line; give one prompt per line");
-    }
-    return lines;
+    Lines lines(prompts);
+    return lines.next(std::numeric_limits<std::size_t>::max());
   }
 
   // The prompt text: --prompt TEXT or the bytes of --prompt-file FILE (a
@@ -265,7 +286,8 @@ struct DraftChoice {
   }
 };
 
-// --prefix-cache SPEC: a directory, or redis://HOST:PORT[/PREFIX].
+// --prefix-cache SPEC: a directory, ro:DIR (read, never written), or
+// redis://HOST:PORT[/PREFIX].
 struct PrefixChoice {
   std::string spec;
   std::int64_t interval = 256;
@@ -280,25 +302,88 @@ struct PrefixChoice {
         throw InvalidArgument("--prefix-interval and --prefix-cache-bytes need --prefix-cache");
       return nullptr;
     }
+    const std::string accepted =
+        "accepted: a directory path, ro:DIR (a directory read but never written) or redis://HOST:PORT[/PREFIX]";
+    const bool read_only = spec.rfind("ro:", 0) == 0;
+    const std::string path = read_only ? spec.substr(3) : spec;
+    const bool redis = !read_only && spec.rfind("redis://", 0) == 0;
+    if (read_only && path.empty()) throw InvalidArgument("--prefix-cache 'ro:' names no directory; " + accepted);
+    if (!redis) {
+      // "rediss://h", "REDIS://h", "file:///x", "redis:/x": a URL of a kind
+      // this build does not speak must not become a local directory.
+      std::size_t n = 0;
+      while (n < path.size() && (std::isalnum(static_cast<unsigned char>(path[n])) != 0 ||
+                                 (n > 0 && (path[n] == '+' || path[n] == '.' || path[n] == '-')))) {
+        ++n;
+      }
+      if (n > 0 && std::isalpha(static_cast<unsigned char>(path[0])) != 0 && path.compare(n, 2, ":/") == 0) {
+        throw InvalidArgument("--prefix-cache '" + path + "' is a '" + path.substr(0, n + 1) +
+                              "' URL, which rewind does not take; " + accepted + " (for a directory of that name, " +
+                              "write ./" + path + ")");
+      }
+    }
+    if ((redis || read_only) && cmd.count("--prefix-cache-bytes") > 0) {
+      throw InvalidArgument(redis ? "--prefix-cache-bytes caps a directory cache; a Redis server caps itself (maxmemory)"
+                                  : "--prefix-cache-bytes caps a cache that is written; ro:DIR is never written");
+    }
     std::shared_ptr<BlobStore> store;
     try {
-      if (spec.rfind("redis://", 0) == 0) {
-        if (cmd.count("--prefix-cache-bytes") > 0)
-          throw InvalidArgument("--prefix-cache-bytes caps a directory cache; a Redis server caps itself (maxmemory)");
+      if (redis) {
         store = make_redis_store(parse_redis_url(spec));
+      } else if (read_only) {
+        store = make_directory_store(path, DirectoryStoreOptions{static_cast<std::size_t>(bytes), true});
       } else {
-        store = make_directory_store(spec, static_cast<std::size_t>(bytes));
+        try {
+          store = make_directory_store(path, static_cast<std::size_t>(bytes));
+        } catch (const StoreError& e) {
+          // A directory this user may read but not write (a pre-built
+          // cache, another user's) still serves its entries.
+          std::error_code ec;
+          if (!std::filesystem::is_directory(path, ec)) throw;
+          store = make_directory_store(path, DirectoryStoreOptions{static_cast<std::size_t>(bytes), true});
+          std::fprintf(stderr, "rewind: warning: prefix cache: %s; reading its entries without storing new ones\n",
+                       e.what());
+        }
       }
     } catch (const StoreError& e) {
-      std::fprintf(stderr, "rewind: warning: prefix cache %s: %s; continuing without it\n", spec.c_str(), e.what());
+      std::fprintf(stderr, "rewind: warning: prefix cache: %s; continuing without it (prefixes are recomputed)\n",
+                   e.what());
       return nullptr;
     }
     PrefixCacheOptions options;
     options.interval = interval;
     options.model_fingerprint = model.fingerprint();
+    // An entry ending at b holds at most b tokens' rows, the fixed states and
+    // the logits; twice that (and 1 MiB of headers) bounds what a file under
+    // a short prompt's key is read for.
+    const std::size_t logits_bytes = static_cast<std::size_t>(model.vocab_size()) * sizeof(float);
+    options.entry_bytes_per_token = 2 * (model.kv_bytes_per_token() + sizeof(std::int32_t));
+    options.entry_fixed_bytes = 2 * (model.fixed_state_bytes() + logits_bytes) + (std::size_t{1} << 20);
     return std::make_unique<PrefixCache>(std::move(store), options);
   }
 };
+
+// `json` (one object) with "prefix_cache": the counters of `pc` (--stats),
+// unchanged without a prefix cache.
+std::string with_prefix_stats(std::string json, const PrefixCache* pc) {
+  if (pc == nullptr || json.empty() || json.back() != '}') return json;
+  const PrefixCacheStats& s = pc->stats();
+  const auto ll = [](std::int64_t v) { return static_cast<long long>(v); };
+  char buf[1024];
+  std::snprintf(buf, sizeof buf,
+                ",\"prefix_cache\":{\"lookups\":%lld,\"hits\":%lld,\"misses\":%lld,"
+                "\"hit_tokens\":%lld,\"entries_read\":%lld,\"entries_rejected\":%lld,\"rejected_unusable\":%lld,"
+                "\"rejected_corrupt\":%lld,\"rejected_foreign\":%lld,\"entries_written\":%lld,"
+                "\"writes_refused\":%lld,\"store_errors\":%lld,\"slow_calls\":%lld,\"calls_skipped\":%lld,"
+                "\"lookups_over_budget\":%lld,\"store_seconds\":%.6f,\"bytes_read\":%llu,\"bytes_written\":%llu}}",
+                ll(s.lookups), ll(s.hits), ll(s.lookups - s.hits),
+                ll(s.hit_tokens), ll(s.entries_read), ll(s.entries_rejected), ll(s.entries_unusable),
+                ll(s.entries_corrupt), ll(s.entries_foreign), ll(s.entries_written), ll(s.writes_refused),
+                ll(s.store_errors), ll(s.slow_calls), ll(s.calls_skipped), ll(s.lookups_over_budget), s.store_seconds,
+                static_cast<unsigned long long>(s.bytes_read), static_cast<unsigned long long>(s.bytes_written));
+  json.pop_back();
+  return json + buf;
+}
 
 struct SamplingChoice {
   SamplingParams params;
@@ -434,9 +519,7 @@ void set_threads(const std::optional<int>& threads) {
 
 // ---- subcommands -------------------------------------------------------------------
 
-// generate --prompts FILE: every prompt in one batch (one SequenceCache),
-// one JSON line per prompt in input order, then the batch's statistics.
-// The prompts of --prompts, encoded for `model`.
+// The prompts of --prompts (every line), encoded for `model`.
 std::vector<std::vector<std::int32_t>> encode_prompts(const PromptChoice& prompt_choice, const Tokenizer& tokenizer) {
   std::vector<std::vector<std::int32_t>> prompts;
   for (const auto& line : prompt_choice.read_many()) {
@@ -456,32 +539,122 @@ std::unique_ptr<BatchDraftSource> make_sources(std::size_t n, const DraftChoice&
   return std::make_unique<PerSequenceDrafts>(std::move(sources));
 }
 
+// The most sequences --prompts decodes at once without --max-batch.
+constexpr std::int64_t kMaxDefaultBatch = 64;
+// generate --prompts reads, decodes and prints this many times --max-batch
+// lines at a time: enough waiting prompts for finished sequences to be
+// replaced, few enough that neither the prompts nor the outputs pile up.
+constexpr std::int64_t kLinesPerBatch = 4;
+
+// The bytes of memory available now (MemAvailable in /proc/meminfo); 0 when unknown.
+std::uint64_t available_memory_bytes() {
+  std::ifstream meminfo("/proc/meminfo");
+  for (std::string line; std::getline(meminfo, line);) {
+    if (line.rfind("MemAvailable:", 0) != 0) continue;
+    std::uint64_t kib = 0;
+    std::istringstream(line.substr(13)) >> kib;
+    return kib * 1024;
+  }
+  return 0;
+}
+
+// --max-batch without the flag: as many sequences as a quarter of the
+// available memory holds, each with the state of a prompt of
+// --max-prefill-rows tokens plus --max-new-tokens (KV rows, fixed states,
+// a round's rollback record and logits; of the draft model too), between
+// 1 and kMaxDefaultBatch; kMaxDefaultBatch when the available memory is
+// unknown. With the flag: its value (0: every prompt at once).
+std::int64_t resolve_max_batch(const CLI::App& cmd, const PromptChoice& prompt_choice, const Model& model,
+                               const Model* draft, std::int64_t max_new, std::int64_t rollback) {
+  if (cmd.count("--max-batch") > 0) return prompt_choice.max_batch;
+  const auto context = static_cast<std::size_t>(prompt_choice.max_prefill_rows + max_new);
+  auto per_sequence = [&](const Model& m) {
+    return m.fixed_state_bytes() + m.kv_bytes_per_token() * context + (rollback > 0 ? m.rollback_bytes(rollback) : 0) +
+           static_cast<std::size_t>(m.vocab_size()) * sizeof(float) * static_cast<std::size_t>(rollback + 1);
+  };
+  const std::size_t each = per_sequence(model) + (draft ? per_sequence(*draft) : 0);
+  const std::uint64_t available = available_memory_bytes();
+  if (available == 0 || each == 0) return kMaxDefaultBatch;
+  return std::clamp<std::int64_t>(static_cast<std::int64_t>(available / 4 / each), 1, kMaxDefaultBatch);
+}
+
+// generate --prompts: the lines go kLinesPerBatch x max_batch at a time
+// (all at once for --max-batch 0) through one batched call each, at most
+// max_batch sequences decoding at once, and each group's JSON lines are
+// printed (input order) before the next group is read: a file of any length
+// holds only one group's prompts, states and outputs. Every sequence's
+// tokens are what one call over the whole file would give: sequence i
+// samples with seed + i (its index in the file), and the forward is batch
+// invariant. The --stats line covers every group: seconds and per-sequence
+// times count from the start of the first, decode_tokens_per_second
+// divides by the sum of each group's decoding time (after its last first
+// token), as one call's does for its own.
 int run_generate_batch(const CLI::App& cmd, const std::string& model_dir, const PromptChoice& prompt_choice,
                        std::int64_t max_new, const DraftChoice& choice, const SamplingParams& sampling,
                        const PrefixChoice& prefix_choice, bool stats_wanted) {
   const Model model = Model::load(model_dir);
   const Tokenizer tokenizer = load_tokenizer(model_dir, model);
   const std::optional<Model> draft = load_draft(choice, model, tokenizer);
-  const std::vector<std::vector<std::int32_t>> prompts = encode_prompts(prompt_choice, tokenizer);
+  const std::int64_t max_batch = resolve_max_batch(cmd, prompt_choice, model, draft ? &*draft : nullptr, max_new,
+                                                   choice.any() ? choice.num_draft : 0);
+  PromptChoice::Lines lines(prompt_choice.prompts);
   const std::unique_ptr<PrefixCache> prefix = prefix_choice.open(cmd, model);
   GenerationOptions options;
   options.prefix_cache = prefix.get();
   options.max_new_tokens = max_new;
-  options.sampling = sampling;
-  options.max_batch = prompt_choice.max_batch;
+  options.max_batch = max_batch;
   options.max_prefill_rows = prompt_choice.max_prefill_rows;
-  BatchGenerationStats stats;
-  std::vector<std::vector<std::int32_t>> out;
-  if (choice.any()) {
-    const auto sources = make_sources(prompts.size(), choice, draft, sampling, options.max_prefill_rows);
-    out = speculative_generate_batch(model, *sources, prompts, options, {choice.num_draft, choice.adaptive}, &stats);
-  } else {
-    out = generate_batch(model, prompts, options, &stats);
+  const std::size_t group = max_batch == 0 ? std::numeric_limits<std::size_t>::max()
+                                           : static_cast<std::size_t>(max_batch * kLinesPerBatch);
+  BatchGenerationStats total;
+  const auto t0 = Clock::now();
+  while (true) {
+    const std::size_t first = lines.read();
+    const std::vector<std::string> text = lines.next(group);
+    if (text.empty()) break;
+    std::vector<std::vector<std::int32_t>> prompts;
+    for (const std::string& line : text) {
+      prompts.push_back(
+          encode_for_generation(tokenizer, line, "--prompts line " + std::to_string(first + prompts.size() + 1)));
+    }
+    options.sampling = sampling;
+    options.sampling.seed = sampling.seed + first;  // sequence i of the file samples with seed + i
+    const double offset = std::chrono::duration<double>(Clock::now() - t0).count();
+    BatchGenerationStats stats;
+    std::vector<std::vector<std::int32_t>> out;
+    if (choice.any()) {
+      const auto sources = make_sources(prompts.size(), choice, draft, options.sampling, options.max_prefill_rows);
+      out = speculative_generate_batch(model, *sources, prompts, options, {choice.num_draft, choice.adaptive}, &stats);
+    } else {
+      out = generate_batch(model, prompts, options, &stats);
+    }
+    for (std::size_t i = 0; i < out.size(); ++i) {
+      std::printf("%s\n", indexed_text_json(first + i, tokenizer.decode(out[i], true)).c_str());
+    }
+    std::fflush(stdout);
+    total.new_tokens += stats.new_tokens;
+    total.forwards += stats.forwards;
+    total.peak_batch = std::max(total.peak_batch, stats.peak_batch);
+    total.draft_cache_seconds += stats.draft_cache_seconds;
+    total.seconds = offset + stats.seconds;  // from the first group's start to the end of this one's decoding
+    {
+      // Decoding time of this group: after its last first token (as one call's).
+      double last_first = 0.0;
+      for (const GenerationStats& s : stats.sequences) {
+        if (s.new_tokens > 0) last_first = std::max(last_first, s.time_to_first_token);
+      }
+      total.decode_seconds = total.decode_seconds.value_or(0.0) + std::max(0.0, stats.seconds - last_first);
+    }
+    if (stats_wanted) {
+      for (GenerationStats& s : stats.sequences) {
+        if (s.new_tokens > 0) s.time_to_first_token += offset;
+        s.seconds += offset;
+        total.sequences.push_back(std::move(s));
+      }
+    }
   }
-  for (std::size_t i = 0; i < out.size(); ++i) {
-    std::printf("%s\n", indexed_text_json(i, tokenizer.decode(out[i], true)).c_str());
-  }
-  if (stats_wanted) std::printf("%s\n", stats.to_json().c_str());
+  total.max_batch = max_batch == 0 ? static_cast<std::int64_t>(lines.read()) : max_batch;
+  if (stats_wanted) std::printf("%s\n", with_prefix_stats(total.to_json(), prefix.get()).c_str());
   return 0;
 }
 
@@ -525,7 +698,7 @@ int run_generate(const CLI::App& cmd, const std::string& model_dir, const Prompt
   }
   stream.finish();
   std::fputc('\n', stdout);
-  if (stats_wanted) std::printf("%s\n", stats.to_json().c_str());
+  if (stats_wanted) std::printf("%s\n", with_prefix_stats(stats.to_json(), prefix.get()).c_str());
   return 0;
 }
 
@@ -550,15 +723,15 @@ std::string acceptance_by_position(const GenerationStats& stats) {
 // median tokens/s of each.
 // verify --prompts: every prompt decoded speculatively in one batch, each
 // checked against greedy decoding of that prompt alone.
-int run_verify_batch(const std::string& model_dir, const PromptChoice& prompt_choice, std::int64_t max_new,
-                     const DraftChoice& choice) {
+int run_verify_batch(const CLI::App& cmd, const std::string& model_dir, const PromptChoice& prompt_choice,
+                     std::int64_t max_new, const DraftChoice& choice) {
   const Model model = Model::load(model_dir);
   const Tokenizer tokenizer = load_tokenizer(model_dir, model);
   const std::optional<Model> draft = load_draft(choice, model, tokenizer);
   const std::vector<std::vector<std::int32_t>> prompts = encode_prompts(prompt_choice, tokenizer);
   GenerationOptions options;
   options.max_new_tokens = max_new;
-  options.max_batch = prompt_choice.max_batch;
+  options.max_batch = resolve_max_batch(cmd, prompt_choice, model, draft ? &*draft : nullptr, max_new, choice.num_draft);
   options.max_prefill_rows = prompt_choice.max_prefill_rows;
   std::vector<std::vector<std::int32_t>> greedy;
   double greedy_seconds = 0.0;
@@ -618,7 +791,7 @@ int run_verify(const CLI::App& cmd, const std::string& model_dir, const PromptCh
   if (prompt_choice.many(cmd)) {
     if (choice.tree()) throw InvalidArgument("verify --tree checks one prompt (--prompt / --prompt-file); batched tree speculation is not built yet");
     if (cmd.count("--repeats") > 0) throw InvalidArgument("verify --prompts runs once; --repeats applies to --prompt");
-    return run_verify_batch(model_dir, prompt_choice, max_new, choice);
+    return run_verify_batch(cmd, model_dir, prompt_choice, max_new, choice);
   }
   const std::string prompt = prompt_choice.read(cmd);
   const Model model = Model::load(model_dir);
@@ -880,12 +1053,36 @@ int run_forward_cost(const std::string& model_dir, std::int64_t max_q, std::int6
 
 // ---- snapshot files (rewind/snapshot.h, docs/snapshot-format.md) ----
 
+// The bytes of snapshot file `path` (given as --file). Only a regular file
+// is read, and only as many bytes as its size says: a device or a pipe
+// (/dev/zero) has no end to read to, and the format's header does not give
+// the total length. Throws InvalidArgument for a file that is not there or
+// not regular, FormatError for an empty one.
 std::vector<std::byte> read_file_bytes(const std::string& path) {
+  std::error_code ec;
+  const fs::file_status status = fs::status(path, ec);
+  if (!ec && fs::exists(status) && !fs::is_regular_file(status) && !fs::is_directory(status)) {
+    const char* kind = fs::is_character_file(status) ? "a character device"
+                       : fs::is_block_file(status)   ? "a block device"
+                       : fs::is_fifo(status)         ? "a pipe"
+                       : fs::is_socket(status)       ? "a socket"
+                                                     : "not a regular file";
+    throw InvalidArgument("--file " + path + " is " + kind + "; a snapshot is read from a regular file (written by "
+                          "`rewind snapshot save`): copy the bytes to a file first");
+  }
   std::ifstream in = open_input_file("--file", path);
-  std::vector<char> data((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
-  if (in.bad()) throw InvalidArgument("--file " + path + ": read error");
-  std::vector<std::byte> out(data.size());
-  std::memcpy(out.data(), data.data(), data.size());
+  const std::uintmax_t size = fs::file_size(path, ec);
+  if (ec) throw InvalidArgument("--file " + path + ": cannot read its size (" + ec.message() + ")");
+  if (size == 0) {
+    throw FormatError("--file " + path + " is empty; a snapshot file starts with the 8 bytes \"RWNDSNAP\" and a "
+                      "52-byte header (docs/snapshot-format.md)");
+  }
+  std::vector<std::byte> out(static_cast<std::size_t>(size));
+  in.read(reinterpret_cast<char*>(out.data()), static_cast<std::streamsize>(out.size()));
+  if (in.bad() || static_cast<std::uintmax_t>(in.gcount()) != size) {
+    throw InvalidArgument("--file " + path + ": read error (read " + std::to_string(in.gcount()) + " of its " +
+                          std::to_string(size) + " bytes; did it change while being read?)");
+  }
   return out;
 }
 
@@ -1130,8 +1327,12 @@ int main(int argc, char** argv) {
         ->excludes("--prompt-file");
     cmd->add_option("--max-batch", prompt.max_batch,
                     "with --prompts: at most N sequences decode at once; the others join, in order, as "
-                    "sequences finish (0: all at once)")
-        ->check(integer_in(0, std::int64_t{1} << 24));
+                    "sequences finish. Default: as many as a quarter of the available memory holds (each with "
+                    "the state of --max-prefill-rows + --max-new-tokens tokens, a draft model's included), at "
+                    "most 64; --stats reports it as max_batch. 0: every prompt at once (generate then reads the "
+                    "whole file before it prints)")
+        ->check(integer_in(0, std::int64_t{1} << 24))
+        ->default_str("64 or what memory holds");
   };
   auto add_sampling_options = [&](CLI::App* cmd) {
     cmd->add_option("--temperature", sampling.params.temperature, "sampling temperature; 0 = greedy decoding")
@@ -1149,20 +1350,25 @@ int main(int argc, char** argv) {
   gen->add_option("--model", model_dir, "model directory")->required()->check(CLI::ExistingDirectory);
   add_prompt_options(gen);
   add_prompts_option(gen,
-                     "decode every line of FILE ('-' = standard input) as a prompt, all in one batch; prints one "
-                  "JSON line per prompt, {\"index\": i, \"text\": ...}, in input order (bytes that are not UTF-8 "
-                  "become U+FFFD); speculative with --draft / --lookup (each sequence its own drafts and "
-                  "rollbacks); with --stats a last line: sequences, new_tokens, forwards, seconds, "
+                     "decode every line of FILE ('-' = standard input) as a prompt, in batches of at most "
+                  "--max-batch sequences; prints one JSON line per prompt, {\"index\": i, \"text\": ...}, in "
+                  "input order (bytes that are not UTF-8 become U+FFFD), 4 x --max-batch lines at a time, each "
+                  "group read, decoded and printed before the next is read (a line that cannot be encoded "
+                  "stops with exit 2 after the groups before it); speculative with --draft / --lookup (each "
+                  "sequence its own drafts and rollbacks); with --stats a last line: sequences, new_tokens, "
+                  "forwards, max_batch, peak_batch (the most sequences in one forward), seconds, "
                   "tokens_per_second (all sequences' tokens over the wall time), time_to_first_token_s and "
                   "per_sequence figures (acceptance included)");
   gen->add_option("--max-new-tokens", max_new, "token budget")->check(max_new_range);
   gen->add_option("--prefix-cache", prefix.spec,
-                  "reuse prompt prefixes across runs and processes: a directory, or redis://HOST:PORT[/PREFIX]. "
+                  "reuse prompt prefixes across runs and processes: a directory, ro:DIR (a directory read but "
+                  "never written, e.g. a pre-built cache), or redis://HOST:PORT[/PREFIX]; other URLs are refused. "
                   "The prefill restores the longest stored prefix (attention rows with the conv and recurrent "
                   "states at the same position) and stores an entry every --prefix-interval tokens and at the "
-                  "prompt's end; output is identical with or without it. A store that fails is a warning, then "
-                  "recomputation")
-      ->type_name("DIR|URL")
+                  "prompt's end; output is identical with or without it. Junk under an entry's name is a miss; a "
+                  "store that fails or is slow (a call over 0.25 s) is skipped for 2 s to 64 s with one warning, "
+                  "then tried again; --stats adds the counters (prefix_cache)")
+      ->type_name("DIR|ro:DIR|URL")
       ->default_str("none");
   gen->add_option("--prefix-interval", prefix.interval, "tokens between prefix-cache entries")
       ->check(integer_in(1, std::int64_t{1} << 40));
@@ -1186,7 +1392,8 @@ int main(int argc, char** argv) {
   ver->add_option("--model", model_dir, "model directory")->required()->check(CLI::ExistingDirectory);
   add_prompt_options(ver);
   add_prompts_option(ver,
-                     "decode every line of FILE ('-' = standard input) speculatively, all in one batch, and check "
+                     "decode every line of FILE ('-' = standard input) speculatively, in batches of at most "
+                     "--max-batch sequences, and check "
                      "each against greedy decoding of that prompt alone; exit 1 names the first divergence "
                      "(prompt and position)");
   ver->add_option("--max-new-tokens", max_new, "token budget")->check(max_new_range);

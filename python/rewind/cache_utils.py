@@ -61,7 +61,26 @@ def _dtype_name(t: Any) -> str:
         return "f16"
     if "float32" in name:
         return "f32"
+    if getattr(t.dtype, "byteorder", "=") == ">" and getattr(t.dtype, "kind", "") == "f":
+        raise _rw.InvalidArgument(
+            f"dtype {name} has the other byte order than this machine's (big-endian); pass a native-order copy "
+            f"(a.astype(a.dtype.newbyteorder('=')))"
+        )
     raise _rw.InvalidArgument(f"dtype {name} is not supported (float32, float16, bfloat16)")
+
+
+def _same_values(a: Any, b: Any) -> bool:
+    """Whether tensors / arrays ``a`` and ``b`` (same shape) hold the same values, NaN equal to NaN."""
+    if _is_torch(a) or _is_torch(b):
+        import torch
+
+        a = a if _is_torch(a) else torch.from_numpy(a)
+        b = b if _is_torch(b) else torch.from_numpy(b)
+        b = b.to(a.dtype)
+        return bool(((a == b) | (torch.isnan(a) & torch.isnan(b))).all())
+    import numpy as np
+
+    return bool(np.array_equal(np.asarray(a), np.asarray(b), equal_nan=True))
 
 
 def _query_length(query_length: Any) -> int:
@@ -594,6 +613,36 @@ class LinearAttentionCacheLayerMixin(_RewindLayerBase):
         ahead = max(others) - rec if others else 0
         return ahead if ahead > 0 else 1
 
+    def _check_all_states(self, final: Any, all_states: Any, state_idx: int) -> None:
+        """Refuses (InvalidArgument, a ValueError; nothing stored) ``all_states`` whose last state is not ``final``,
+        or whose length q differs from the tokens this layer's conv part (else its attention part) is ahead of
+        the recurrent state in this step: storing it would put the layer's parts out of step."""
+        q = int(all_states.shape[0])
+        if q < 1:
+            raise _rw.InvalidArgument(f"update_recurrent_state: all_states holds no state; give [q, B, ...] with q >= 1 "
+                                      f"{self._where()}")
+        last = all_states[q - 1]
+        same_shape = tuple(int(x) for x in last.shape) == tuple(int(x) for x in final.shape)
+        if not same_shape or not _same_values(last, final):
+            what = (f"shape {tuple(int(x) for x in final.shape)} against all_states[-1]'s "
+                    f"{tuple(int(x) for x in last.shape)}" if not same_shape else "different values")
+            raise _rw.InvalidArgument(
+                f"update_recurrent_state: recurrent_states (the final state) differs from all_states[-1] ({what}); "
+                f"the final state must be the state after the last token, all_states[-1] {self._where()}"
+            )
+        rec = self._recs[state_idx].get_seq_length() if state_idx in self._recs else 0
+        if state_idx in self._convs:
+            ref, name = self._convs[state_idx].get_seq_length(), "conv part"
+        else:
+            others = [p.get_seq_length() for p in self._parts() if all(p is not r for r in self._recs.values())]
+            ref, name = (max(others), "attention part") if others else (None, "")
+        if ref is not None and ref - rec != q:
+            raise _rw.InvalidArgument(
+                f"update_recurrent_state: all_states holds {q} states but this layer's {name} received "
+                f"{ref - rec} token(s) since the recurrent state's last update (it holds {ref}, the recurrent state "
+                f"{rec}); give one state per token of this step {self._where()}"
+            )
+
     def update_recurrent_state(self, recurrent_states: Any, state_idx: int = 0, *, num_tokens: int | None = None,
                                all_states: Any = None, **kwargs: Any) -> Any:
         """Stores the state after this forward's tokens and returns it (a view of the cache's copy).
@@ -601,16 +650,21 @@ class LinearAttentionCacheLayerMixin(_RewindLayerBase):
         ``recurrent_states`` [B, ...] is the state after the forward's last token. The forward's token count q is
         ``num_tokens``, else how far this layer's conv / attention parts are ahead, else 1. With q > 1, pass
         ``all_states`` [q, B, ...] (the state after each token) to make rollbacks inside the forward exact;
-        without it, a crop that would land inside the forward raises ``RollbackError``.
+        without it, a crop that would land inside the forward raises ``RollbackError``. With ``all_states``,
+        ``recurrent_states`` must equal ``all_states[-1]`` and q must be the tokens the layer's conv part (else
+        its attention part) received in this step; otherwise InvalidArgument (a ValueError) and nothing is stored.
         """
         like = all_states[0] if all_states is not None else recurrent_states
-        part = self._rec_part(state_idx, like)
         if all_states is not None:
+            self._check_state_idx(state_idx)
             q = int(all_states.shape[0])
             if num_tokens is not None and int(num_tokens) != q:
                 raise _rw.InvalidArgument(
                     f"update_recurrent_state: num_tokens={num_tokens} but all_states holds {q} states {self._where()}"
                 )
+            self._check_all_states(recurrent_states, all_states, state_idx)
+        part = self._rec_part(state_idx, like)
+        if all_states is not None:
             update = part.begin_recurrent_update(q)
             for t in range(q):
                 update.next(t + 1)[...] = all_states[t]

@@ -91,6 +91,9 @@ class Model:
         of every unfinished sequence; sequence i equals ``generate`` of its prompt alone with seed + i. Joining
         prompts share at most ``max_prefill_rows`` prompt tokens a forward. Returns ``(list of new tokens per
         prompt, stats)``."""
+        if isinstance(prompts, (str, bytes, bytearray)):
+            raise TypeError(f"generate_batch: prompts must be a list of prompts (each a str or a list of token ids); "
+                            f"got a {type(prompts).__name__} (for one prompt, pass [prompt])")
         prompts = [self.encode(p) if isinstance(p, str) else p for p in prompts]
         return self._core.generate_batch(
             prompts, max_new_tokens, temperature, top_k, top_p, seed, stop_at_eos,

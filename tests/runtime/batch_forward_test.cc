@@ -7,6 +7,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <memory>
 #include <random>
 #include <string>
 #include <vector>
@@ -662,6 +663,61 @@ TEST(DecodeBenchBatch, BatchRowsAreMeasuredAndCheckedAgainstGreedy) {
   EXPECT_NE(decode_bench_json(rows).find("\"decode_tokens_per_second\""), std::string::npos);
   options.batch_sizes = {0};
   EXPECT_THROW(run_decode_bench(target, &draft, options), InvalidArgument);
+}
+
+// BatchGenerationStats::max_batch is the bound admission applied (the
+// prompts' number for 0 or a larger max_batch) and peak_batch the most
+// sequences one forward held, for plain and speculative batches alike; both
+// are in to_json. decode_seconds, when set, replaces the time after the last
+// first token in decode_tokens_per_second.
+TEST(GenerateBatch, StatsReportTheBatchBoundAndTheLargestBatch) {
+  const Model model(ModelWeights::random(testing_configs::hybrid(), 12));
+  std::mt19937_64 rng(12);
+  std::vector<Tokens> prompts;
+  for (std::size_t n : {3u, 1u, 4u, 2u, 6u}) {
+    Tokens p = random_tokens(rng, n);
+    p.insert(p.begin(), static_cast<std::int32_t>(model.config().bos_token_id));
+    prompts.push_back(p);
+  }
+  struct Case {
+    std::int64_t max_batch, bound, peak;
+  };
+  for (const Case c : {Case{0, 5, 5}, Case{2, 2, 2}, Case{9, 5, 5}, Case{1, 1, 1}}) {
+    GenerationOptions options;
+    options.max_new_tokens = 4;
+    options.stop_at_eos = false;
+    options.max_batch = c.max_batch;
+    BatchGenerationStats plain, spec;
+    generate_batch(model, prompts, options, &plain);
+    std::vector<std::unique_ptr<DraftSource>> each;
+    for (std::size_t i = 0; i < prompts.size(); ++i) each.push_back(std::make_unique<LookupDraft>(2));
+    PerSequenceDrafts drafts(std::move(each));
+    speculative_generate_batch(model, drafts, prompts, options, {3, false}, &spec);
+    for (const BatchGenerationStats* s : {&plain, &spec}) {
+      EXPECT_EQ(s->max_batch, c.bound) << "max_batch " << c.max_batch;
+      EXPECT_EQ(s->peak_batch, c.peak) << "max_batch " << c.max_batch;
+      const std::string json = s->to_json();
+      EXPECT_NE(json.find("\"max_batch\":" + std::to_string(c.bound) + ","), std::string::npos) << json;
+      EXPECT_NE(json.find("\"peak_batch\":" + std::to_string(c.peak) + ","), std::string::npos) << json;
+    }
+  }
+  GenerationOptions none;
+  none.max_new_tokens = 0;  // nothing decodes: no forward held a sequence
+  BatchGenerationStats idle;
+  generate_batch(model, prompts, none, &idle);
+  EXPECT_EQ(idle.peak_batch, 0);
+
+  BatchGenerationStats joined;
+  joined.seconds = 10.0;
+  GenerationStats a, b;
+  a.new_tokens = 5;
+  a.time_to_first_token = 1.0;
+  b.new_tokens = 3;
+  b.time_to_first_token = 6.0;
+  joined.sequences = {a, b};
+  EXPECT_DOUBLE_EQ(joined.decode_tokens_per_second(), 6.0 / 4.0);  // (4 + 2) tokens after 6 s
+  joined.decode_seconds = 3.0;
+  EXPECT_DOUBLE_EQ(joined.decode_tokens_per_second(), 6.0 / 3.0);
 }
 
 }  // namespace

@@ -654,6 +654,119 @@ TEST_F(Cli, OneThreadUnlessThreadsOrOmpNumThreadsSayOtherwise) {
   }
 }
 
+// ---- 8. snapshot files that are not files, or empty (issue 28) ----------------------
+
+// A device or a pipe has no end to read to and an empty file no header:
+// each is one error line and exit 2, at once (/dev/zero was read without
+// limit; an empty file passed a null pointer to memcpy).
+TEST_F(Cli, SnapshotFileThatIsEmptyOrNotARegularFileIsRefused) {
+  const fs::path empty = scratch_dir() / "empty.snap";
+  write_file(empty, "");
+  const fs::path fifo = scratch_dir() / "snap.fifo";
+  fs::remove(fifo);
+  ASSERT_EQ(std::system(("mkfifo " + quote(fifo.string())).c_str()), 0);
+  struct Case {
+    std::string file, phrase;
+  };
+  for (const Case& c : std::vector<Case>{
+           {empty.string(), " is empty; a snapshot file starts with the 8 bytes \"RWNDSNAP\""},
+           {"/dev/zero", "--file /dev/zero is a character device; a snapshot is read from a regular file"},
+           {fifo.string(), " is a pipe; a snapshot is read from a regular file"},
+       }) {
+    for (const std::string& sub : {std::string("snapshot inspect"), "snapshot load" + model("target")}) {
+      const CliResult r = run_cli(sub + " --file " + quote(c.file));
+      EXPECT_EQ(r.status, 2) << sub << " " << c.file << "\n" << r.all();
+      EXPECT_NE(r.err.find(c.phrase), std::string::npos) << sub << " " << c.file << "\n" << r.err;
+      EXPECT_EQ(std::count(r.err.begin(), r.err.end(), '\n'), 1) << r.err;
+      EXPECT_TRUE(r.out.empty()) << r.out;
+    }
+  }
+  // A saved snapshot still reads, also through a symbolic link to it.
+  const fs::path saved = scratch_dir() / "saved.snap", link = scratch_dir() / "link.snap";
+  const CliResult save = run_cli("snapshot save" + model("target") + " --prompt 'in the' --out " + quote(saved.string()));
+  ASSERT_EQ(save.status, 0) << save.all();
+  fs::remove(link);
+  fs::create_symlink(saved, link);
+  const CliResult inspect = run_cli("snapshot inspect --file " + quote(link.string()));
+  EXPECT_EQ(inspect.status, 0) << inspect.all();
+  EXPECT_NE(inspect.out.find("every checksum verified"), std::string::npos) << inspect.out;
+}
+
+// ---- 9. a long --prompts file streams in bounded batches (issue 28) --------------------
+
+// 3,000 lines: without --max-batch at most 64 sequences decode at once
+// (fewer when memory is short), and every line's text is what --prompt
+// gives for it alone, in input order; --max-batch 7 gives the same lines
+// with exactly 7 at once. Sampled and speculative decoding in groups give
+// what one batch of the whole file (--max-batch 0) gives: sequence i samples
+// with seed + i, its index in the file.
+TEST_F(Cli, GeneratePromptsStreamsALongFileInBoundedBatches) {
+  const std::vector<std::string> words{"in", "the", "beginning", "god", "created", "light", "and", "earth"};
+  std::vector<std::string> lines;
+  std::string text;
+  for (std::size_t i = 0; i < 3000; ++i) {
+    std::string line;
+    for (std::size_t w = 0; w < i % 4; ++w) line += (w ? " " : "") + words[(i * 7 + w * 3) % words.size()];
+    if (i % 4 == 0) line = words[i % words.size()] + std::to_string(i);
+    lines.push_back(line);
+    text += line + "\n";
+  }
+  const fs::path file = scratch_dir() / "many_prompts.txt";
+  write_file(file, text);
+  auto json_lines = [](const CliResult& r) {
+    std::istringstream out(r.out);
+    std::vector<nlohmann::json> json;
+    for (std::string line; std::getline(out, line);) json.push_back(nlohmann::json::parse(line));
+    return json;
+  };
+  const std::string gen = "generate" + model("target") + " --prompts " + quote(file.string()) + " --max-new-tokens 3";
+  const CliResult r = run_cli(gen + " --stats");
+  ASSERT_EQ(r.status, 0) << r.err;
+  const std::vector<nlohmann::json> json = json_lines(r);
+  ASSERT_EQ(json.size(), lines.size() + 1);
+  for (std::size_t i = 0; i < lines.size(); ++i) ASSERT_EQ(json[i].at("index").get<std::size_t>(), i);
+  const nlohmann::json& stats = json.back();
+  EXPECT_EQ(stats.at("sequences").get<std::size_t>(), lines.size());
+  const auto max_batch = stats.at("max_batch").get<std::int64_t>();
+  EXPECT_GE(max_batch, 1);
+  EXPECT_LE(max_batch, 64);
+  EXPECT_GE(stats.at("peak_batch").get<std::int64_t>(), 1);
+  EXPECT_LE(stats.at("peak_batch").get<std::int64_t>(), max_batch);
+  std::int64_t tokens = 0;
+  for (const nlohmann::json& s : stats.at("per_sequence")) tokens += s.at("new_tokens").get<std::int64_t>();
+  EXPECT_EQ(stats.at("new_tokens").get<std::int64_t>(), tokens);
+  for (const std::size_t i : {std::size_t{1}, std::size_t{4}, std::size_t{255}, std::size_t{256}, std::size_t{1999},
+                              std::size_t{2999}}) {
+    const CliResult alone = run_cli("generate" + model("target") + " --prompt " + quote(lines[i]) + " --max-new-tokens 3");
+    ASSERT_EQ(alone.status, 0) << alone.err;
+    const std::string expected = nlohmann::json::parse(nlohmann::json(alone.out.substr(0, alone.out.size() - 1))
+                                                           .dump(-1, ' ', false, nlohmann::json::error_handler_t::replace));
+    EXPECT_EQ(json[i].at("text").get<std::string>(), expected) << "line " << i << ": " << lines[i];
+  }
+  const std::string without_stats = r.out.substr(0, r.out.size() - stats.dump().size() - 1);
+  const CliResult seven = run_cli(gen + " --max-batch 7 --stats");
+  ASSERT_EQ(seven.status, 0) << seven.err;
+  EXPECT_EQ(seven.out.substr(0, without_stats.size()), without_stats);
+  EXPECT_EQ(stats_of(seven).at("max_batch"), 7);
+  EXPECT_EQ(stats_of(seven).at("peak_batch"), 7);
+
+  // The first 300 lines, sampled, plain and speculative: groups of 20 (--max-batch 5) and one batch agree.
+  std::string head;
+  for (std::size_t i = 0; i < 300; ++i) head += lines[i] + "\n";
+  const fs::path head_file = scratch_dir() / "head_prompts.txt";
+  write_file(head_file, head);
+  for (const std::string& source : {std::string(), std::string(" --lookup 2"), " --draft " + quote(dir_ + "/draft")}) {
+    const std::string sampled = "generate" + model("target") + " --prompts " + quote(head_file.string()) +
+                                " --max-new-tokens 6 --temperature 1 --seed 11" + source;
+    const CliResult grouped = run_cli(sampled + " --max-batch 5");
+    const CliResult whole = run_cli(sampled + " --max-batch 0");
+    ASSERT_EQ(grouped.status, 0) << source << ": " << grouped.err;
+    ASSERT_EQ(whole.status, 0) << source << ": " << whole.err;
+    EXPECT_EQ(std::count(grouped.out.begin(), grouped.out.end(), '\n'), 300) << source;
+    EXPECT_EQ(grouped.out, whole.out) << source;
+  }
+}
+
 }  // namespace
 }  // namespace rwd::runtime
 #endif

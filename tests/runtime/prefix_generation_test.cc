@@ -7,8 +7,10 @@
 
 #include <nlohmann/json.hpp>
 
+#include <algorithm>
 #include <cstdint>
 #include <filesystem>
+#include <fstream>
 #include <memory>
 #include <string>
 #include <vector>
@@ -20,6 +22,7 @@
 #include "runtime/model.h"
 #include "runtime/weights_io.h"
 #include "store/redis_server.h"
+#include "store/store_test_util.h"
 #include "test_configs.h"
 
 namespace rwd::runtime {
@@ -324,6 +327,95 @@ TEST_F(PrefixCli, SnapshotFilesSaveInspectAndLoad) {
   EXPECT_NE(cut.err.find("truncated"), std::string::npos) << cut.err;
   EXPECT_EQ(run_cli("snapshot load --model " + quote(dir_ + "/target") + " --file " + quote(file)).status, 2);
   EXPECT_EQ(run_cli("snapshot inspect --file " + quote(dir_ + "/missing")).status, 2);
+}
+
+// What a user can give and find, through the CLI: URLs of kinds the CLI
+// does not speak are usage errors (never a local directory); every kind of
+// junk under the entries' names is a miss with the same output, counted in
+// --stats; ro:DIR reads a pre-built cache and writes nothing.
+TEST_F(PrefixCli, UrlsJunkAndReadOnlyCaches) {
+  const std::string base = "generate --model " + quote(dir_ + "/target") + " --prompt x ";
+  for (const std::string url : {"rediss://127.0.0.1:6379", "REDIS://127.0.0.1:6379", "file:///tmp/x",
+                                "redis:/127.0.0.1:6379", "http://h/x", "ro:redis://127.0.0.1:1"}) {
+    SCOPED_TRACE(url);
+    const CliResult r = run_cli(base + "--prefix-cache " + quote(url));
+    EXPECT_EQ(r.status, 2) << r.all();
+    EXPECT_NE(r.err.find("rewind: error: --prefix-cache '"), std::string::npos) << r.err;
+    EXPECT_NE(r.err.find("accepted: a directory path, ro:DIR (a directory read but never written) or "
+                         "redis://HOST:PORT[/PREFIX]"),
+              std::string::npos)
+        << r.err;
+  }
+  EXPECT_EQ(run_cli(base + "--prefix-cache ro:").status, 2);
+
+  const std::string want = plain_text();
+  const std::string cache = dir_ + "/junk_cache";
+  ASSERT_EQ(run_cli(args(cache)).status, 0);
+  const CliResult warm = run_cli(args(cache));
+  ASSERT_EQ(warm.status, 0) << warm.all();
+  const nlohmann::json pc = stats_of(warm)["prefix_cache"];
+  EXPECT_EQ(pc["lookups"], 1);
+  EXPECT_EQ(pc["hits"], 1);
+  EXPECT_EQ(pc["misses"], 0);
+  EXPECT_EQ(pc["entries_read"], 11);  // 64, 128, ..., 640 and 701
+  EXPECT_EQ(pc["entries_rejected"], 0);
+
+  // Read-only: a full hit, nothing written (not even times), counted.
+  std::vector<std::string> names;
+  for (const auto& e : fs::directory_iterator(cache)) names.push_back(e.path().filename().string());
+  const auto when = fs::last_write_time(cache + "/" + names[0]);
+  const CliResult ro = run_cli(args("ro:" + cache));
+  ASSERT_EQ(ro.status, 0) << ro.all();
+  EXPECT_EQ(text_of(ro), want);
+  EXPECT_EQ(stats_of(ro)["prefix_hit_tokens"], 701);
+  EXPECT_EQ(stats_of(ro)["prefix_cache"]["entries_written"], 0);
+  EXPECT_EQ(fs::last_write_time(cache + "/" + names[0]), when);
+  // A read-only cache that misses stores nothing: writes are refused, counted.
+  const CliResult ro_miss = run_cli("generate --model " + quote(dir_ + "/target") +
+                                    " --prompt 'another prompt' --max-new-tokens 4 --stats --prefix-cache " +
+                                    quote("ro:" + cache));
+  ASSERT_EQ(ro_miss.status, 0) << ro_miss.all();
+  EXPECT_GE(stats_of(ro_miss)["prefix_cache"]["writes_refused"], 1);
+  std::size_t after = 0;
+  for ([[maybe_unused]] const auto& e : fs::directory_iterator(cache)) ++after;
+  EXPECT_EQ(after, names.size());
+
+  // Junk under every entry's name, each kind in turn: the same output, no
+  // hit, rejections counted, never an error.
+  std::sort(names.begin(), names.end());
+  for (std::size_t i = 0; i < names.size(); ++i) {
+    const auto kind = rwd::store_test::kEveryJunk[i % std::size(rwd::store_test::kEveryJunk)];
+    rwd::store_test::make_junk(cache + "/" + names[i], kind, i);
+  }
+  const CliResult junk = run_cli(args("ro:" + cache));
+  ASSERT_EQ(junk.status, 0) << junk.all();
+  EXPECT_EQ(text_of(junk), want);
+  EXPECT_EQ(stats_of(junk)["prefix_hit_tokens"], 0);
+  EXPECT_GE(stats_of(junk)["prefix_cache"]["entries_rejected"], 1);
+  EXPECT_EQ(stats_of(junk)["prefix_cache"]["store_errors"], 0);
+  EXPECT_EQ(junk.err.find("error"), std::string::npos) << junk.err;
+  // Written over (a directory named like an entry may refuse its put: a
+  // warning, never a failure), then hit again.
+  const CliResult rewrite = run_cli(args(cache));
+  ASSERT_EQ(rewrite.status, 0) << rewrite.all();
+  EXPECT_EQ(text_of(rewrite), want);
+  EXPECT_EQ(rewrite.err.find("error:"), std::string::npos) << rewrite.err;
+
+  // A 1 GiB sparse file under every entry's name: far below 2^32, but over
+  // what an entry of at most 701 tokens of this model can hold, so each is
+  // refused from its size and never read (no byte read, none corrupt).
+  for (const std::string& name : names) {
+    fs::remove_all(cache + "/" + name);
+    std::ofstream(cache + "/" + name).put('x');
+    fs::resize_file(cache + "/" + name, std::uintmax_t{1} << 30);
+  }
+  const CliResult big = run_cli(args("ro:" + cache));
+  ASSERT_EQ(big.status, 0) << big.all();
+  EXPECT_EQ(text_of(big), want);
+  EXPECT_EQ(stats_of(big)["prefix_hit_tokens"], 0);
+  EXPECT_GE(stats_of(big)["prefix_cache"]["rejected_unusable"], 1);
+  EXPECT_EQ(stats_of(big)["prefix_cache"]["rejected_corrupt"], 0);
+  EXPECT_EQ(stats_of(big)["prefix_cache"]["bytes_read"], 0);
 }
 #endif
 

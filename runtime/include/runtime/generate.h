@@ -179,6 +179,11 @@ struct BatchGenerationStats {
   std::vector<GenerationStats> sequences;  // in prompt order
   std::int64_t new_tokens = 0;             // over every sequence
   std::int64_t forwards = 0;               // batched forwards
+  // The most sequences allowed to decode at once (options.max_batch capped
+  // by the number of prompts; that number for 0), and the most one forward
+  // held (prefilling ones included; 0 when nothing decoded).
+  std::int64_t max_batch = 0;
+  std::int64_t peak_batch = 0;
   double seconds = 0.0;                    // wall time of the call
   double draft_cache_seconds = 0.0;        // time in the draft source's cache calls (speculative)
   // Aggregate: every sequence's new tokens over the call's wall time
@@ -187,10 +192,17 @@ struct BatchGenerationStats {
   double tokens_per_second() const { return seconds > 0 ? static_cast<double>(new_tokens) / seconds : 0.0; }
   // Decoding alone, as GenerationStats::decode_tokens_per_second for one
   // sequence: every sequence's tokens after its first, over the time after
-  // the last sequence's first token (from then on every sequence decodes).
-  // 0 when no time or no such token is left.
+  // the last sequence's first token (from then on every sequence decodes),
+  // or over decode_seconds when set. 0 when no time or no such token is left.
   double decode_tokens_per_second() const;
-  std::string to_json() const;  // one line
+  // Set by a caller that joins several calls' statistics (the CLI's
+  // --prompts groups): the sum of each call's time after its last first
+  // token. Empty: seconds minus the last first token's time.
+  std::optional<double> decode_seconds;
+  // One line: sequences, new_tokens, forwards, max_batch, peak_batch,
+  // seconds, tokens_per_second, decode_tokens_per_second, prefix_hit_tokens,
+  // time_to_first_token_s (per sequence) and per_sequence.
+  std::string to_json() const;
 };
 
 // Plain decoding of many prompts in one SequenceCache: the prompts in one
@@ -443,7 +455,9 @@ class PerSequenceDrafts : public BatchDraftSource {
 // forward of every drafting sequence (the draft's weights read once per step
 // for the batch). Sequence i drafts exactly what a ModelDraft of the same
 // model and max_draft, with the sampling seed raised by i, would for it
-// alone (batch invariance; one random stream per sequence).
+// alone (batch invariance; one random stream per sequence). A sequence's
+// draft state exists from its first propose until finish(), so waiting
+// prompts (max_batch) hold none.
 class BatchedModelDraft : public BatchDraftSource {
  public:
   // What the sequences' draft caches have not seen (whole prompts at the
