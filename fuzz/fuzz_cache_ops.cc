@@ -29,7 +29,9 @@
 //   carrying on out of step); with begin_forward either begin_forward is
 //   refused and nothing changed, or every part of every layer goes through.
 // - crops of any n (huge ones included), recording changes, batch select /
-//   reorder / repeat, reset, shrink_to_fit.
+//   reorder / repeat, reset, shrink_to_fit; with header bit 16 each under a
+//   budget of a few KiB over what is reserved, its refusals (like every
+//   other refusal here) compared with memory() before, bytes reserved too.
 // - read-only per-layer queries through cache.layer(i) (check_crop must throw
 //   what the reference predicts for that layer alone), and views held across
 //   later operations, re-read while the lifetime rule says they are valid.
@@ -84,7 +86,7 @@ enum Stat {
   kEarlyCommit, kOpenProbe, kOvershoot, kCommit, kChunked, kInputFresh, kInputPermuted, kInputBroadcast,
   kInputReversed, kInputAliasSameLayer, kInputAliasOtherLayer, kInputAliasReturned, kRecFromCache,
   kDroppedUpdate, kHeldChecked, kQuery, kCheckCropRefused, kHuge, kHugeLayerBuilt, kHugeLayerRefused,
-  kTwin, kStatCount
+  kTwin, kWholeBudget, kWholeBudgetRefused, kStatCount
 };
 constexpr const char* kStatNames[kStatCount] = {
     "plain forwards", "forwards in begin_forward", "budgeted plain forwards", "budgeted begin_forward forwards",
@@ -97,7 +99,8 @@ constexpr const char* kStatNames[kStatCount] = {
     "inputs: aliasing a returned view", "recurrent slots written from cache views", "recurrent updates dropped",
     "held views re-read", "per-layer query rounds", "layer(i).check_crop refusals matched", "hostile-size calls",
     "huge-option layers built (unused field or huge window)", "huge-option layers refused",
-    "huge-window layers compared with full attention"};
+    "huge-window layers compared with full attention", "whole-cache calls under a budget",
+    "  refused by the budget"};
 FuzzStats<kStatCount>& stats() {
   static FuzzStats<kStatCount> s(kStatNames);
   return s;
@@ -302,8 +305,8 @@ enum class Chunk { Done, Refused, Abandoned };
 
 class Fuzzer {
  public:
-  Fuzzer(ByteReader& in, DType dt, bool with_static)
-      : in_(in), dt_(dt), b_(build_cache(every_kind(dt, with_static))),
+  Fuzzer(ByteReader& in, DType dt, bool with_static, bool budget_whole)
+      : in_(in), dt_(dt), budget_whole_(budget_whole), b_(build_cache(every_kind(dt, with_static))),
         gen_(static_cast<std::size_t>(b_.cache.num_layers()), 0) {}
 
   void run() {
@@ -351,6 +354,7 @@ class Fuzzer {
  private:
   ByteReader& in_;
   DType dt_;
+  bool budget_whole_;  // whole-cache calls may run under a budget (header bit 16)
   Built b_;
   std::vector<std::uint64_t> gen_;  // per layer, bumped by every call that mutates it
   std::vector<Held> held_;
@@ -377,13 +381,21 @@ class Fuzzer {
   void same(const std::vector<Bytes>& before, const std::string& what) {
     if (std::string e = print_diff(before, fingerprint(cache())); !e.empty()) fail(what + " changed " + e);
   }
+  // A refusal leaves every memory() figure (bytes reserved included, which
+  // the fingerprint leaves out) as it was.
+  void same_memory(const std::string& before, const std::string& what) {
+    if (std::string now = memory_str(cache().memory()); now != before)
+      fail(what + " changed memory(): " + before + " -> " + now);
+  }
   // A call that must be refused with one of `kinds` and change nothing.
   template <class F>
   void refused(const std::string& what, F&& f, std::initializer_list<Err> kinds) {
     note(what);
     const std::vector<Bytes> before = fingerprint(cache());
+    const std::string memory = memory_str(cache().memory());
     if (std::string e = expect_kinds(f, kinds); !e.empty()) fail(what + ": " + e);
     same(before, what);
+    same_memory(memory, what);
   }
 
   // ---- views held across operations (the lifetime rule) -------------------
@@ -563,14 +575,53 @@ class Fuzzer {
     return {Expect{Err::State, -1, {}}};
   }
 
+  // A whole-cache call: refused as `xs` predicts (changing nothing), or
+  // applied to the reference. In budget_whole_ inputs it may run under a
+  // budget of what is reserved plus up to 3 KiB: then a CapacityError is
+  // accepted too, and must change nothing, memory() included.
   template <class F, class A>
   void whole(const std::string& name, F&& f, const std::vector<Expect>& xs, A&& apply) {
     note(name);
-    std::vector<Bytes> before;
-    if (!xs.empty()) before = fingerprint(cache());
-    if (std::string e = expect_any_outcome(f, xs); !e.empty()) fail(name + ": " + e);
+    std::size_t cap = 0;
+    if (budget_whole_) {
+      const std::uint8_t k = next();
+      if (k % 2 == 1) {
+        cap = cache().memory().bytes_reserved + static_cast<std::size_t>(k / 2) * 24;
+        note("set_memory_budget(" + std::to_string(cap) + ")");
+        set_budget(cap);
+        count(kWholeBudget);
+      }
+    }
+    const std::vector<Bytes> before = fingerprint(cache());
+    const std::string memory = memory_str(cache().memory());
+    std::string by_budget;
+    auto call = [&] {
+      try {
+        f();
+      } catch (const rwd::CapacityError& e) {
+        if (cap == 0) throw;
+        by_budget = e.what();
+      }
+    };
+    std::string e = expect_any_outcome(call, xs);
+    if (cap != 0) {
+      note("set_memory_budget(0)");
+      set_budget(0);
+    }
+    if (!by_budget.empty()) {
+      // Checks come before allocations: a predicted refusal is never pre-empted by the budget.
+      if (!xs.empty()) fail(name + ": refused by the budget instead of the predicted error: " + by_budget);
+      note("  -> refused by the budget");
+      count(kWholeBudgetRefused);
+      same(before, "budget-refused " + name);
+      same_memory(memory, "budget-refused " + name);
+      check(verify(cache(), ref()));
+      return;
+    }
+    if (!e.empty()) fail(name + ": " + e);
     if (!xs.empty()) {
       same(before, "refused " + name);
+      same_memory(memory, "refused " + name);
     } else {
       apply();
       bump_all();
@@ -716,7 +767,11 @@ class Fuzzer {
   template <class F>
   bool attempt(int i, const std::string& what, const Run& run, F&& f) {
     Bytes before;
-    if (run.budget) before = fingerprint(cache().layer(i));
+    std::string memory;
+    if (run.budget) {
+      before = fingerprint(cache().layer(i));
+      memory = memory_str(cache().memory());
+    }
     try {
       f();
     } catch (const rwd::CapacityError& e) {
@@ -726,6 +781,7 @@ class Fuzzer {
       if (!names_layer(e.what(), i)) fail(what + ": the budget refusal does not name layer " + num(i) + ": " + e.what());
       if (before != fingerprint(cache().layer(i)))
         fail("layer " + num(i) + " " + what + " refused by the budget, but changed the layer");
+      same_memory(memory, "layer " + num(i) + " " + what + " refused by the budget");
       return false;
     } catch (const rwd::Error& e) {
       fail("layer " + num(i) + " " + what + ": unexpected " + err_name(classify(e)) + ": " + e.what());
@@ -795,6 +851,7 @@ class Fuzzer {
       count(kRecoverReset);
       note("reset()");
       const std::vector<Bytes> before = fingerprint(cache());
+      const std::string memory = memory_str(cache().memory());
       try {
         cache().reset();
       } catch (const rwd::CapacityError&) {
@@ -802,6 +859,7 @@ class Fuzzer {
         // only when a new cache alone passes the cap (batch operations may
         // have left fewer rows than the options' batch_size a reset returns to).
         same(before, "refused reset");
+        same_memory(memory, "refused reset");
         const std::size_t cap = cache().memory_budget();
         lift_budget(run);
         note("reset()");
@@ -1099,8 +1157,10 @@ class Fuzzer {
         const StepData st = rl.make_step(q, ++salt_);
         const HostTensor k = rl.kv_input(st, true, false), v = rl.kv_input(st, false, false);
         const std::vector<Bytes> before = fingerprint(cache());
+        const std::string memory = memory_str(cache().memory());
         check(expect_outcome([&] { (void)cache().update(k.view(), v.view(), i); }, x));
         same(before, "refused update");
+        same_memory(memory, "refused update");
       }
       return;
     }
@@ -1125,6 +1185,7 @@ class Fuzzer {
     RefCache pending;
     if (run.forward) {
       before_forward = fingerprint(cache());
+      const std::string memory = memory_str(cache().memory());
       note("begin_forward(" + num(q) + ")");
       const i64 L = cache().get_seq_length();
       try {
@@ -1134,6 +1195,7 @@ class Fuzzer {
         if (!(k == Err::State && !ref().in_step()) && !(k == Err::Capacity && run.budget))
           fail("begin_forward(" + num(q) + "): unexpected " + err_name(k) + ": " + e.what());
         same(before_forward, "refused begin_forward");
+        same_memory(memory, "refused begin_forward");
         if (k == Err::Capacity) count(kBeginRefused);
         lift_budget(run);
         check(verify(cache(), ref()));
@@ -1602,7 +1664,7 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
   rwt::ByteReader in(data, size);
   const std::uint8_t header = in.next();
   const rwt::DType dt = header % 3 == 0 ? rwt::DType::F32 : header % 3 == 1 ? rwt::DType::F16 : rwt::DType::BF16;
-  rwt::Fuzzer fuzzer(in, dt, (header & 8) != 0);
+  rwt::Fuzzer fuzzer(in, dt, (header & 8) != 0, (header & 16) != 0);
   fuzzer.run();
   return 0;
 }

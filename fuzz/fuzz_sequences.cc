@@ -362,6 +362,7 @@ class Fuzzer {
       fo.abandon_layer = static_cast<int>(next() % (m_.num_layers() + 1));
       fo.abandon_stage = next() % 3;
       fo.abandon_how = next() % 3;
+      fo.remove_after_abandon = (flags & 64) != 0;
     }
     if (hostile || (flags & 8) != 0) fo.input = [this](int layer, int part, const std::vector<i64>& shape) {
       return alias_input(layer, part, shape);

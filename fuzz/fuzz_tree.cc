@@ -7,7 +7,10 @@
 // shapes, updates twice, per-layer and whole-cache calls inside a tree,
 // commits of incomplete trees, bad leaves, node keys and values that are
 // views of the cache's own retained rows), crops of every depth and
-// recording changes. Any mismatch aborts.
+// recording changes, trees opened and committed under a memory budget
+// (refusals of begin_tree and commit must leave memory() exactly as it
+// was), and recurrent slots kept past their tree's commit or abandon (every
+// call on them then throws StateError). Any mismatch aborts.
 #include <algorithm>
 #include <cstdint>
 #include <cstdio>
@@ -22,6 +25,14 @@
 namespace rwt {
 namespace {
 
+// Paths this target adds (REWIND_FUZZ_STATS=1 prints them).
+// (begin_tree is never refused by the budget: a tree's scratch is not
+// counted, rewind/cache.h.)
+enum Path : std::size_t { kBudgetTree, kBudgetRefusedCommit, kStaleSlotsRefused, kNumPaths };
+const char* const kPathNames[kNumPaths] = {"trees under a budget", "commit refused by the budget",
+                                           "stale recurrent slots refused"};
+FuzzStats<kNumPaths> stats(kPathNames);
+
 [[noreturn]] void die(const std::string& what) {
   std::fprintf(stderr, "tree / reference mismatch\n%s\n", what.c_str());
   std::abort();
@@ -29,16 +40,46 @@ namespace {
 void check(const std::string& e) {
   if (!e.empty()) die(e);
 }
+// "" when neither the observable state nor any memory() figure changed.
+struct Before {
+  explicit Before(const Cache& c) : observed(observe(c)), memory(memory_str(c.memory())) {}
+  std::string changed(const Cache& c) const {
+    if (std::string d = diff(observed, observe(c)); !d.empty()) return d;
+    if (std::string m = memory_str(c.memory()); m != memory) return "memory() from " + memory + " to " + m;
+    return "";
+  }
+  Observed observed;
+  std::string memory;
+};
 template <typename F>
 void refused(const char* what, F&& f, Cache& cache) {
-  const Observed before = observe(cache);
+  const Before before(cache);
   try {
     f();
   } catch (const rwd::Error&) {
-    if (std::string d = diff(before, observe(cache)); !d.empty()) die(std::string(what) + " was refused but changed " + d);
+    if (std::string d = before.changed(cache); !d.empty()) die(std::string(what) + " was refused but changed " + d);
     return;
   }
   die(std::string(what) + " was accepted");
+}
+
+// Slots of a tree that ended: every call throws StateError (never reads the
+// tree's freed scratch), whatever happened to the cache since.
+void check_stale(std::vector<rwd::TreeRecurrentSlots>& stale) {
+  for (const rwd::TreeRecurrentSlots& s : stale) {
+    for (int call = 0; call < 2; ++call) {
+      try {
+        (void)(call == 0 ? s.previous(0) : s.next(s.num_nodes() - 1));
+        die("TreeRecurrentSlots of an ended tree returned a view");
+      } catch (const rwd::StateError&) {
+      } catch (const rwd::Error& e) {
+        die(std::string("TreeRecurrentSlots of an ended tree threw other than StateError: ") + e.what());
+      }
+    }
+    stats.count(kStaleSlotsRefused);
+  }
+  // The newest few are enough (each is checked at every later step).
+  if (stale.size() > 12) stale.erase(stale.begin(), stale.end() - 12);
 }
 
 void run(ByteReader& in) {
@@ -52,7 +93,10 @@ void run(ByteReader& in) {
     b.ref.activate(R);
   }
   std::uint64_t salt = cfg;
+  std::vector<rwd::TreeRecurrentSlots> stale;  // slots of trees that ended
   for (int step = 0; step < 24 && !in.empty(); ++step) {
+    check_stale(stale);
+    b.cache.set_memory_budget(0);  // a budget holds for one tree only
     const std::uint8_t op = in.next() % 9;
     if (op == 0) {
       if (b.ref.seq_length() > 120) continue;
@@ -112,14 +156,22 @@ void run(ByteReader& in) {
     const i64 n = in.range(1, 24);
     std::vector<std::int64_t> parents{-1};
     for (i64 i = 1; i < n; ++i) parents.push_back(in.next() % 4 == 0 ? i - 1 : in.range(0, i - 1));
-    const Observed before = observe(b.cache);
+    // A budget between what is reserved and a few KiB more: begin_tree
+    // and commit refuse at any of their allocations.
+    const bool budget = in.one_in(4);
+    if (budget) {
+      b.cache.set_memory_budget(b.cache.memory().bytes_reserved + static_cast<std::size_t>(in.range(0, 255)) * 24);
+      stats.count(kBudgetTree);
+    }
+    const Before before_all(b.cache);
     std::optional<rwd::TreeForward> tree;
     try {
       tree.emplace(b.cache.begin_tree(parents));
     } catch (const rwd::CapacityError&) {
-      if (std::string d = diff(before, observe(b.cache)); !d.empty()) die("refused begin_tree changed " + d);
+      if (std::string d = before_all.changed(b.cache); !d.empty()) die("refused begin_tree changed " + d);
       continue;
     }
+    check_stale(stale);  // a new tree open does not revive old slots
     // Hostile calls inside the tree: refused, nothing changes.
     if (in.one_in(3)) {
       refused("crop inside a tree", [&] { b.cache.crop(-1); }, b.cache);
@@ -138,12 +190,16 @@ void run(ByteReader& in) {
         const HostTensor k = rl.kv_input(data[0], true, false), v = rl.kv_input(data[0], false, false);
         (void)b.cache.update_tree(k.view(), v.view(), 0);
       }
+      // Layer 3 (linear attention) hands out its slots before the abandon on
+      // every other tree (no input byte read, so older seeds keep their paths).
+      if (salt % 2 == 0) stale.push_back(b.cache.tree_recurrent_slots(3, 0));
       tree.reset();
-      if (std::string d = diff(before, observe(b.cache)); !d.empty()) die("abandoned tree changed " + d);
+      if (std::string d = before_all.changed(b.cache); !d.empty()) die("abandoned tree changed " + d);
       check(verify(b.cache, b.ref));
       continue;
     }
-    check(tree_updates(b.cache, b.ref, *tree, data));
+    std::vector<rwd::TreeRecurrentSlots> kept;
+    check(tree_updates(b.cache, b.ref, *tree, data, &kept));
     if (in.one_in(4)) {  // a part given twice
       refused("update_tree_conv twice", [&] {
         const HostTensor x = b.ref.layers[4].conv_input(data[4], 0);
@@ -153,20 +209,28 @@ void run(ByteReader& in) {
     }
     if (how == 1) {
       tree->abandon();
-      if (std::string d = diff(before, observe(b.cache)); !d.empty()) die("abandon changed " + d);
+      if (std::string d = before_all.changed(b.cache); !d.empty()) die("abandon changed " + d);
       check(verify(b.cache, b.ref));
+      stale.insert(stale.end(), kept.begin(), kept.end());
+      check_stale(stale);
       continue;
     }
     const i64 leaf = in.range(0, n - 1);
     const std::vector<std::int64_t> path = tree->path(leaf);
+    const Before at_commit(b.cache);  // inside the tree (max_rollback refuses there)
     try {
       tree->commit(leaf);
-    } catch (const rwd::CapacityError&) {  // a static layer without room: nothing changed, the tree stays open
-      if (std::string d = diff(before, observe(b.cache)); !d.empty()) die("refused commit changed " + d);
+    } catch (const rwd::CapacityError&) {  // a static layer without room, or the budget: nothing changed, the tree stays open
+      if (std::string d = at_commit.changed(b.cache); !d.empty()) die("refused commit changed " + d);
       if (!tree->is_open()) die("a refused commit closed the tree");
+      if (budget) stats.count(kBudgetRefusedCommit);
       tree->abandon();
+      if (std::string d = before_all.changed(b.cache); !d.empty()) die("abandon after a refused commit changed " + d);
+      stale.insert(stale.end(), kept.begin(), kept.end());
       continue;
     }
+    stale.insert(stale.end(), kept.begin(), kept.end());
+    refused("commit of a committed tree", [&] { tree->commit(leaf); }, b.cache);
     for (std::size_t li = 0; li < b.ref.layers.size(); ++li)
       if (!b.ref.layers[li].stateless()) b.ref.layers[li].apply_update(path_step(data[li], path));
     check(verify(b.cache, b.ref));

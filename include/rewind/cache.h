@@ -205,7 +205,11 @@ class Cache {
   // operation that would allocate past the cap throws CapacityError before
   // allocating and changes nothing; growth counts old and new buffer while
   // both exist. The cap counts the cache's buffers, not the temporary copy
-  // of an input that aliases the cache. Throws CapacityError, keeping the
+  // of an input that aliases the cache, an open tree's scratch (the nodes'
+  // keys, values, windows and recurrent slots, freed when the tree ends:
+  // begin_tree and the update_tree calls are never refused by the cap, only
+  // TreeForward::commit, which grows the layers) nor a Snapshot (the
+  // caller's copy). Throws CapacityError, keeping the
   // old cap, when more than `bytes` are already reserved, StateError while
   // a forward is open.
   void set_memory_budget(std::size_t bytes);

@@ -44,6 +44,7 @@
 #include <vector>
 
 #include "rewind/cache.h"
+#include "rewind/error.h"
 
 namespace rwd {
 
@@ -175,7 +176,8 @@ class SequenceSnapshot {
   SequenceSnapshot() = default;  // empty
   // True when it holds a snapshot of a live cache.
   bool valid() const;
-  // The sequence length it was taken at (0 when empty).
+  // The sequence length it was taken at; 0 when empty, which includes a
+  // snapshot whose cache was destroyed.
   std::int64_t length() const;
 
  private:
@@ -239,7 +241,8 @@ class SequenceCache {
   std::int64_t num_sequences() const;
   std::vector<SeqId> sequences() const;  // live ones, in slot order
 
-  // Tokens seen. seq_pos_max is L - 1; seq_pos_min the smallest position
+  // Tokens seen (as Cache::get_seq_length: 0 in a model whose layers keep
+  // no state, moe / mlp only, whatever was fed). seq_pos_max is L - 1; seq_pos_min the smallest position
   // whose keys some attention layer still holds, at most L - 1 (L - 1 for a
   // model without attention: only the state after the last token is kept,
   // as llama.cpp's recurrent memory reports). Both are -1 when the sequence
@@ -362,6 +365,8 @@ class SequenceCache {
   std::int64_t num_snapshots() const;
 
   // ---- memory ----
+  // Every refusal above (budget included, at any layer) leaves all of
+  // these figures exactly as they were.
   SequenceMemory memory() const;
   // Caps the bytes the cache may reserve (0: no cap). Throws CapacityError
   // when more is reserved already, StateError while a batch is open.
@@ -419,7 +424,11 @@ class SequenceBatch {
 };
 
 // Recurrent slots of every entry of a batch (Layer's RecurrentUpdate per
-// sequence). Move-only. REQUIRES: the cache outlives the handle.
+// sequence). Move-only. It belongs to the batch it was taken in: once that
+// batch ends (commit, abandon, and then whatever happens to its sequences:
+// seq_rm, restore, another batch), previous, next and commit throw
+// StateError instead of reaching the sequences' states. REQUIRES: the cache
+// outlives the handle.
 class BatchRecurrentUpdate {
  public:
   BatchRecurrentUpdate(BatchRecurrentUpdate&&) noexcept;
@@ -432,16 +441,22 @@ class BatchRecurrentUpdate {
   std::size_t num_entries() const { return index_.size(); }
   std::int64_t num_tokens(std::size_t entry) const;  // q of the entry; IndexError for a bad entry
   // S(L) of entry `entry` [1, shape...]; next(entry, t) the slot for
-  // S(L + t), 1 <= t <= q. Throw IndexError for a bad entry or t.
+  // S(L + t), 1 <= t <= q. Throw IndexError for a bad entry or t,
+  // StateError once the batch ended.
   TensorView previous(std::size_t entry) const;
   TensorView next(std::size_t entry, std::int64_t t) const;
   // Commits every entry's new states. Throws StateError as
-  // RecurrentUpdate::commit does.
+  // RecurrentUpdate::commit does, and once the batch ended.
   void commit();
 
  private:
   friend class SequenceCache;
   BatchRecurrentUpdate() = default;
+  // Throws StateError unless the batch this handle was taken in is still open.
+  void check_open(const char* operation) const;
+  SequenceCache::Impl* cache_ = nullptr;
+  std::uint64_t batch_ = 0;  // the batch's serial (SequenceCache::Impl::batch_serial)
+  int layer_ = 0;
   std::vector<RecurrentUpdate> updates_;  // entries with q >= 1
   std::vector<std::int32_t> index_;       // entry -> updates_ index, -1 for q = 0
   std::vector<TensorView> previous_;      // S(L) per entry

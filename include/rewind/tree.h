@@ -54,16 +54,22 @@ struct TreeRows {
 // Recurrent state slots of a tree, one per node, for one recurrent state
 // of one layer: previous(i) is the state before node i (S(L) for the root,
 // the parent's slot otherwise), next(i) the slot the kernel writes node i's
-// state into. Valid while the tree is open.
+// state into. Valid while the tree is open: once it ends (commit, abandon),
+// previous and next throw StateError. REQUIRES: the cache outlives it.
 class TreeRecurrentSlots {
  public:
   std::int64_t num_nodes() const { return static_cast<std::int64_t>(parents_.size()); }
-  // [1, shape...]. Throw IndexError for a node outside [0, N).
+  // [1, shape...]. Throw IndexError for a node outside [0, N), StateError
+  // once the tree ended.
   TensorView previous(std::int64_t node) const;
   TensorView next(std::int64_t node) const;
 
  private:
   friend class Cache;
+  // Throws StateError unless the tree these slots were taken in is open.
+  void check_open(const char* operation) const;
+  const std::uint64_t* open_tree_ = nullptr;  // the cache's serial of its open tree (0: none)
+  std::uint64_t tree_ = 0;             // the serial of the tree these slots belong to
   TensorView root_;                    // S(L)
   std::vector<TensorView> slots_;      // per node
   std::span<const std::int64_t> parents_;

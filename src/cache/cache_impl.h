@@ -24,6 +24,10 @@ struct Cache::Impl {
   Forward* open = nullptr;  // the handle of the open forward
   std::unique_ptr<detail::TreeState> tree;  // the open tree (begin_tree)
   TreeForward* tree_handle = nullptr;
+  // The open tree's serial (0: none) and the last one issued: a tree's
+  // slot handles compare them to tell whether their tree is still open.
+  std::uint64_t open_tree = 0;
+  std::uint64_t trees_opened = 0;
   std::vector<Layer::Impl::ForwardPlan> forward_plans;  // begin_forward's scratch (capacity reused)
 
   ~Impl() {
@@ -158,9 +162,10 @@ struct Cache::Impl {
     return 0;
   }
 
-  // Cache::begin_forward (also what a tree's commit uses).
-  Forward begin_forward(std::int64_t q) {
-    auto operation = [q] { return "begin_forward(" + std::to_string(q) + ")"; };
+  // Cache::begin_forward (also what a tree's commit uses; `caller` then
+  // names that call in messages).
+  Forward begin_forward(std::int64_t q, const char* caller = nullptr) {
+    auto operation = [q, caller] { return caller ? std::string(caller) : "begin_forward(" + std::to_string(q) + ")"; };
     if (q < 1 || q > detail::kMaxTokens) throw InvalidArgument(operation() + " needs a token count in [1, 2^40]");
     check_whole(operation);
     if (detail::passes_token_limit(length(), q)) {
@@ -171,7 +176,7 @@ struct Cache::Impl {
     // left from earlier growth) allocates nothing here.
     forward_plans.clear();
     try {
-      for (const auto& l : layers) forward_plans.push_back(l.impl_->plan_forward(q));
+      for (const auto& l : layers) forward_plans.push_back(l.impl_->plan_forward(q, caller ? caller : "begin_forward"));
     } catch (...) {
       forward_plans.clear();  // the layers planned so far give their room (and budget) back
       throw;

@@ -3,6 +3,7 @@
 #include <cstring>
 #include <limits>
 #include <new>
+#include <string_view>
 #include <utility>
 
 #include "aligned_memory.h"
@@ -318,13 +319,16 @@ void Layer::Impl::commit_recording(bool on, std::int64_t R, RecordingPlan plan) 
 
 // ---- forward transactions --------------------------------------------------
 
-Layer::Impl::ForwardPlan Layer::Impl::plan_forward(std::int64_t q) const {
+Layer::Impl::ForwardPlan Layer::Impl::plan_forward(std::int64_t q, const char* operation) const {
   ForwardPlan plan;
   if (stateless()) return plan;
-  check_in_step("begin_forward");
+  check_in_step(operation);
   auto room = [&](const TokenTrack& t, const char* part) {
     if (!t.buffer.can_append(q)) {
-      throw CapacityError(where() + ": begin_forward(" + num(q) + ") needs " + num(t.buffer.rows_needed(q)) +
+      // begin_forward keeps the message users know; other callers say how many tokens.
+      const std::string call = std::string_view(operation) == "begin_forward" ? "begin_forward(" + num(q) + ")"
+                                                                               : operation + (" of " + num(q) + " tokens");
+      throw CapacityError(where() + ": " + call + " needs " + num(t.buffer.rows_needed(q)) +
                           " token slots for its " + part + " (" + num(t.buffer.stored()) + " retained + " + num(q) +
                           " new), but static_capacity is " + num(t.buffer.slots()));
     }
@@ -333,7 +337,7 @@ Layer::Impl::ForwardPlan Layer::Impl::plan_forward(std::int64_t q) const {
   bool allocates = false;
   for_tracks([&](const TokenTrack& t) { allocates = allocates || t.buffer.plan_allocates(q); });
   for (const auto& r : recurrents) allocates = allocates || !r.has_room(q);
-  budgeted("begin_forward", [&] {
+  budgeted(operation, [&] {
     // The decode path (room left by earlier growth) allocates nothing here.
     if (allocates) {
       for_tracks([&](const TokenTrack& t) { plan.tracks.push_back(t.buffer.plan_append(q)); });
@@ -422,7 +426,9 @@ void Layer::Impl::abandon_forward() noexcept {
   std::size_t i = 0;
   for_tracks([&](TokenTrack& t) {
     const PositionRange& range = saved.tracks[i++];
+    const bool written = t.buffer.end() != range.end;
     t.buffer.restore(range.first, range.end);
+    if (written) t.buffer.relocate();  // debug builds: the forward's views (conv windows too) become unreadable
     t.protect();
   });
   for (std::size_t j = 0; j < recurrents.size(); ++j) {
@@ -455,9 +461,9 @@ void Layer::Impl::check_batch_rows(std::span<const std::int64_t> rows, const cha
   }
 }
 
-std::unique_ptr<Layer::Impl> Layer::Impl::gathered(std::span<const std::int64_t> rows) const {
-  check_in_step("a batch operation");
-  return budgeted("a batch operation", [&] {
+std::unique_ptr<Layer::Impl> Layer::Impl::gathered(std::span<const std::int64_t> rows, const char* operation) const {
+  check_in_step(operation);
+  return budgeted(operation, [&] {
     auto out = std::make_unique<Impl>();
     out->kind = kind;
     out->options = options;

@@ -134,7 +134,8 @@ struct Layer::Impl {
     std::vector<Recurrent> recurrents;
   };
   // Checks and allocates room for q tokens in every part; changes nothing.
-  ForwardPlan plan_forward(std::int64_t q) const;
+  // `operation` names the caller's call in messages.
+  ForwardPlan plan_forward(std::int64_t q, const char* operation = "begin_forward") const;
   // Applies the plan (cannot fail) and opens the forward: every part may
   // then take q tokens, no more, without allocating.
   void open_forward(std::int64_t q, ForwardPlan plan) noexcept;
@@ -156,8 +157,9 @@ struct Layer::Impl {
   // would pass the open forward's L + q.
   void check_forward_room(std::int64_t part_length, std::int64_t q, const std::string& part) const;
 
-  // A new Impl holding batch rows `rows` of every stored tensor; throws.
-  std::unique_ptr<Impl> gathered(std::span<const std::int64_t> rows) const;
+  // A new Impl holding batch rows `rows` of every stored tensor; throws
+  // (messages name `operation`).
+  std::unique_ptr<Impl> gathered(std::span<const std::int64_t> rows, const char* operation = "a batch operation") const;
   void check_batch_rows(std::span<const std::int64_t> rows, const char* operation) const;
   // A new, empty Impl with the same options, index, budget and recording; throws.
   std::unique_ptr<Impl> fresh() const;

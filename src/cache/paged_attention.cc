@@ -53,6 +53,10 @@ void BlockPool::check_room(std::int64_t n) const {
 
 void BlockPool::release(std::byte* block) noexcept {
   --in_use_;
+  if (marked_) {
+    free_.push_back(block);  // within the capacity reserved by acquire; restore_mark() settles it
+    return;
+  }
 #if defined(REWIND_DEBUG_VIEWS)
   // Debug builds free at once, so a stale view of the block is reported.
   destroy(block);
@@ -68,6 +72,22 @@ void BlockPool::release(std::byte* block) noexcept {
 void BlockPool::trim() noexcept {
   for (std::byte* block : free_) destroy(block);
   free_.clear();
+}
+
+void BlockPool::mark() noexcept {
+  marked_ = true;
+  mark_ = free_.size();
+}
+
+void BlockPool::restore_mark() noexcept {
+  marked_ = false;
+  // The blocks given back beyond the mark are the ones the operation had to
+  // allocate (it took the free ones first): freeing them restores the
+  // reserved bytes. Every block is interchangeable, so which go does not matter.
+  while (free_.size() > mark_) {
+    destroy(free_.back());
+    free_.pop_back();
+  }
 }
 
 void BlockPool::destroy(std::byte* block) noexcept {

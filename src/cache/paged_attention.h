@@ -45,6 +45,14 @@ class BlockPool {
   void release(std::byte* block) noexcept;
   // Returns every free block to the system.
   void trim() noexcept;
+  // Exact undo of a refused operation. mark() remembers the free list's
+  // size; until restore_mark() or unmark(), release() keeps every block on
+  // the free list (no cap, no early free), so once the operation has given
+  // back what it acquired, restore_mark() frees just the blocks it had to
+  // allocate: bytes reserved, blocks free and in use are as at mark().
+  void mark() noexcept;
+  void restore_mark() noexcept;
+  void unmark() noexcept { marked_ = false; }
 
   std::size_t block_bytes() const { return block_bytes_; }
   std::int64_t in_use() const { return in_use_; }
@@ -57,6 +65,8 @@ class BlockPool {
   MemoryBudget* budget_;
   std::vector<std::byte*> free_;  // capacity >= every block ever live, so release never allocates
   std::int64_t in_use_ = 0;
+  bool marked_ = false;
+  std::size_t mark_ = 0;  // free list size at mark()
 };
 
 struct PagedPart;

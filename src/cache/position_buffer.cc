@@ -193,6 +193,16 @@ PositionBuffer PositionBuffer::gathered(std::span<const std::int64_t> rows, std:
 }
 
 #if defined(REWIND_DEBUG_VIEWS)
+void PositionBuffer::relocate() noexcept {
+  if (buffer_.size() == 0 || static_) return;  // a static buffer's address is part of its contract
+  try {
+    // Not counted twice against the budget: move_into counts the new one as the old one goes.
+    move_into(AlignedBuffer(static_cast<std::size_t>(slots_) * row_bytes_, nullptr), slots_);
+  } catch (...) {
+    // the system refused the copy: the old allocation stays (only a debug aid is lost)
+  }
+}
+
 void PositionBuffer::protect(std::int64_t visible_first) const noexcept {
   if (buffer_.size() == 0) return;
   const std::int64_t lo = std::max(std::min(visible_first, first_), base_);

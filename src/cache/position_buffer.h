@@ -171,8 +171,13 @@ class PositionBuffer {
   // past its validity reads poison instead of replaced data.
 #if defined(REWIND_DEBUG_VIEWS)
   void protect(std::int64_t visible_first) const noexcept;
+  // Moves the retained rows to a new allocation of the same size (best
+  // effort), so every view into the old one reads freed memory: an
+  // abandoned forward's views, old rows included, are then reported.
+  void relocate() noexcept;
 #else
   void protect(std::int64_t) const noexcept {}
+  void relocate() noexcept {}
 #endif
 
   std::size_t bytes_reserved() const { return buffer_.size(); }

@@ -159,8 +159,12 @@ struct SequenceCache::Impl {
   std::vector<std::uint32_t> free_slots;  // capacity == slots.size(): seq_rm never allocates
   std::int64_t live = 0;
 
-  // The open batch.
+  bool keeps_tokens = false;  // some layer has attention, conv or recurrent state
+
+  // The open batch, and a serial per batch ever opened (handles taken in a
+  // batch compare it to tell whether their batch is still the open one).
   SequenceBatch* open = nullptr;
+  std::uint64_t batch_serial = 0;
   struct Active {
     Sequence* seq;
     std::int64_t q;
@@ -237,7 +241,8 @@ struct SequenceCache::Impl {
       std::unique_ptr<Layer::Impl> impl;
       if (parent) {
         const std::int64_t row0 = 0;
-        impl = layer_impl(*parent->linear[i]).gathered(std::span<const std::int64_t>(&row0, 1));
+        impl = layer_impl(*parent->linear[i]).gathered(std::span<const std::int64_t>(&row0, 1),
+                                                       "copying its conv and recurrent states");
       } else {
         impl = std::make_unique<Layer::Impl>(l.linear_kind, l.options, static_cast<int>(i), &budget);
         impl->kind = l.kind;  // messages name the model's layer kind
@@ -286,6 +291,23 @@ struct SequenceCache::Impl {
     slots[slot].seq.reset();
     free_slots.push_back(slot);  // capacity reserved by reserve_slot
     --live;
+  }
+
+  // A refused operation gives back the blocks it acquired: between
+  // mark_pools() and restore_pools() they return to the free lists
+  // unconditionally, and restore_pools() trims each list back to its size
+  // at the mark, so memory() is exactly as before the operation.
+  void mark_pools() noexcept {
+    for (auto& l : layers)
+      if (l.paged) l.paged->pool().mark();
+  }
+  void restore_pools() noexcept {
+    for (auto& l : layers)
+      if (l.paged) l.paged->pool().restore_mark();
+  }
+  void unmark_pools() noexcept {
+    for (auto& l : layers)
+      if (l.paged) l.paged->pool().unmark();
   }
 
   // ---- rollback ----
@@ -371,6 +393,7 @@ struct SequenceCache::Impl {
     if (!open) throw StateError(std::string(operation) + " needs an open batch (begin_batch)");
   }
   void close_batch() noexcept {
+    ++batch_serial;
     for (const Active& a : active) a.seq->in_batch = false;
     active.clear();
     if (open) open->cache_ = nullptr;
@@ -629,6 +652,7 @@ void SequenceCache::init(const Cache& probe, std::int64_t block_size) {
       l.paged = std::make_unique<PagedLayer>(model.keys.rule, std::move(layout), &c.budget);
       l.sides_done.assign(model.sides.size(), false);
     }
+    if (!model.stateless()) c.keeps_tokens = true;
     if (model.linear()) {
       l.linear = true;
       l.linear_kind = model.kind == LayerKind::Conv ? LayerKind::Conv : LayerKind::LinearAttention;
@@ -841,6 +865,7 @@ SequenceBatch SequenceCache::begin_batch(std::span<const BatchEntry> entries) {
   // Progress: entries before `at_entry` hold every layer's reservation,
   // entry `at_entry` those of the layers before `at_layer`.
   std::size_t at_entry = 0, at_layer = 0;
+  c.mark_pools();
   try {
     budgeted("begin_batch", [&] {
       c.active.reserve(entries.size());
@@ -860,7 +885,9 @@ SequenceBatch SequenceCache::begin_batch(std::span<const BatchEntry> entries) {
         Sequence& s = *seqs[at_entry];
         c.plans[at_entry].resize(L);
         for (at_layer = 0; at_layer < L; ++at_layer) {
-          if (s.linear[at_layer]) c.plans[at_entry][at_layer] = layer_impl(*s.linear[at_layer]).plan_forward(q);
+          if (s.linear[at_layer]) {
+            c.plans[at_entry][at_layer] = layer_impl(*s.linear[at_layer]).plan_forward(q, "begin_batch");
+          }
           if (c.layers[at_layer].paged) c.layers[at_layer].paged->reserve(s.parts[at_layer], q);
         }
         at_layer = 0;
@@ -873,10 +900,12 @@ SequenceBatch SequenceCache::begin_batch(std::span<const BatchEntry> entries) {
       for (std::size_t i = 0; i < held; ++i)
         if (c.layers[i].paged) c.layers[i].paged->unreserve(seqs[e]->parts[i]);
     }
+    c.restore_pools();
     for (auto& p : c.plans) p.clear();
     clear_marks();
     throw;
   }
+  c.unmark_pools();
   // Phase 2: cannot fail.
   SequenceBatch batch;
   batch.cache_ = &c;
@@ -999,6 +1028,9 @@ BatchRecurrentUpdate SequenceCache::begin_recurrent_update(int layer_idx, int st
                      num(static_cast<std::int64_t>(l.num_recurrent)) + ")");
   }
   BatchRecurrentUpdate out;
+  out.cache_ = &c;
+  out.batch_ = c.batch_serial;
+  out.layer_ = layer_idx;
   budgeted([&] { return c.where(layer_idx) + ": begin_recurrent_update"; }, [&] {
     out.updates_.reserve(c.active.size());
     out.index_.reserve(c.active.size());
@@ -1112,7 +1144,7 @@ detail::SnapshotHold::~SnapshotHold() {
 }
 
 bool SequenceSnapshot::valid() const { return hold_ && hold_->cache; }
-std::int64_t SequenceSnapshot::length() const { return hold_ ? hold_->length : 0; }
+std::int64_t SequenceSnapshot::length() const { return valid() ? hold_->length : 0; }
 
 detail::SnapshotHold& SequenceCache::hold_of(const SequenceSnapshot& snapshot, const Impl& cache, const char* operation) {
   if (!snapshot.hold_) throw InvalidArgument(std::string(operation) + ": the snapshot is empty (default-constructed)");
@@ -1188,10 +1220,18 @@ SeqId SequenceCache::import_snapshot(const Snapshot& s) {
   Impl& c = state();
   c.refuse_in_batch("import_snapshot");
   c.check_snapshot(s, "import_snapshot");
-  return budgeted("import_snapshot", [&] {
-    c.reserve_slot();
-    return c.place(c.import(s));
-  });
+  c.mark_pools();
+  try {
+    SeqId id = budgeted("import_snapshot", [&] {
+      c.reserve_slot();
+      return c.place(c.import(s));
+    });
+    c.unmark_pools();
+    return id;
+  } catch (...) {
+    c.restore_pools();
+    throw;
+  }
 }
 
 std::int64_t SequenceCache::num_snapshots() const { return static_cast<std::int64_t>(state().holds.size()); }
@@ -1298,7 +1338,7 @@ void SequenceBatch::commit() {
       if (c.layers[i].paged) c.layers[i].paged->commit(a.seq->parts[i], a.seq->retained_history());
       if (a.seq->linear[i]) SequenceCache::layer_impl(*a.seq->linear[i]).close_forward();
     }
-    a.seq->length += a.q;
+    if (c.keeps_tokens) a.seq->length += a.q;  // Cache::get_seq_length: 0 when no layer keeps tokens
   }
   c.close_batch();
 }
@@ -1313,6 +1353,17 @@ BatchRecurrentUpdate::BatchRecurrentUpdate(BatchRecurrentUpdate&&) noexcept = de
 BatchRecurrentUpdate& BatchRecurrentUpdate::operator=(BatchRecurrentUpdate&&) noexcept = default;
 BatchRecurrentUpdate::~BatchRecurrentUpdate() = default;
 
+void BatchRecurrentUpdate::check_open(const char* operation) const {
+  // Compared before anything is dereferenced: after the batch ended, a
+  // sequence (and its layers) may be gone.
+  if (cache_ == nullptr || cache_->open == nullptr || cache_->batch_serial != batch_) {
+    throw StateError(std::string("BatchRecurrentUpdate::") + operation + ": the handle of layer " +
+                     std::to_string(layer_) +
+                     " belongs to a batch that was committed or abandoned; take a new one "
+                     "with begin_recurrent_update in the open batch");
+  }
+}
+
 std::int64_t BatchRecurrentUpdate::num_tokens(std::size_t entry) const {
   if (entry >= index_.size()) {
     throw IndexError("BatchRecurrentUpdate: entry " + std::to_string(entry) + " is outside [0, " +
@@ -1322,11 +1373,13 @@ std::int64_t BatchRecurrentUpdate::num_tokens(std::size_t entry) const {
 }
 
 TensorView BatchRecurrentUpdate::previous(std::size_t entry) const {
+  check_open("previous");
   num_tokens(entry);  // checks the entry
   return previous_[entry];
 }
 
 TensorView BatchRecurrentUpdate::next(std::size_t entry, std::int64_t t) const {
+  check_open("next");
   const std::int64_t q = num_tokens(entry);
   if (q == 0) {
     throw IndexError("BatchRecurrentUpdate::next(" + std::to_string(entry) + ", " + std::to_string(t) +
@@ -1336,6 +1389,7 @@ TensorView BatchRecurrentUpdate::next(std::size_t entry, std::int64_t t) const {
 }
 
 void BatchRecurrentUpdate::commit() {
+  check_open("commit");
   for (auto& u : updates_) u.commit();
 }
 

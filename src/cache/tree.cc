@@ -95,8 +95,9 @@ TreeForward Cache::begin_tree(std::span<const std::int64_t> parents) {
       max_depth = std::max(max_depth, t->depths[static_cast<std::size_t>(i)]);
     }
     if (detail::passes_token_limit(t->start, max_depth + 1)) {
-      throw CapacityError(operation() + ": a path of " + num(max_depth + 1) + " tokens at length " + num(t->start) +
-                          " passes the limit of 2^40 tokens per sequence");
+      // budgeted puts the operation in front (once).
+      throw CapacityError("a path of " + num(max_depth + 1) + " tokens at length " + num(t->start) +
+                          " passes the limit of 2^40 tokens per sequence; nothing was changed");
     }
     t->layers.resize(c.layers.size());
     for (std::size_t i = 0; i < c.layers.size(); ++i) {
@@ -117,6 +118,7 @@ TreeForward Cache::begin_tree(std::span<const std::int64_t> parents) {
     handle.depths_ = t->depths;
     c.tree = std::move(t);
     c.tree_handle = &handle;
+    c.open_tree = ++c.trees_opened;
     return handle;
   });
 }
@@ -262,16 +264,29 @@ TreeRecurrentSlots Cache::tree_recurrent_slots(int layer_idx, int state) {
   t.scratch.recurrents_done[s] = true;
   out.root_ = r.view(r.length);
   out.parents_ = t.tree.parents;
+  out.open_tree_ = &t.cache.open_tree;
+  out.tree_ = t.cache.open_tree;
   return out;
 }
 
+void TreeRecurrentSlots::check_open(const char* operation) const {
+  // Checked before the tree's scratch (freed when it ended) is touched.
+  if (open_tree_ == nullptr || *open_tree_ != tree_) {
+    throw StateError(std::string("TreeRecurrentSlots::") + operation +
+                     ": the tree these slots were taken in was committed or abandoned; slots are valid only while "
+                     "their tree is open");
+  }
+}
+
 TensorView TreeRecurrentSlots::previous(std::int64_t node) const {
+  check_open("previous");
   check_node(node, num_nodes(), "TreeRecurrentSlots::previous");
   const std::int64_t p = parents_[static_cast<std::size_t>(node)];
   return p < 0 ? root_ : slots_[static_cast<std::size_t>(p)];
 }
 
 TensorView TreeRecurrentSlots::next(std::int64_t node) const {
+  check_open("next");
   check_node(node, num_nodes(), "TreeRecurrentSlots::next");
   return slots_[static_cast<std::size_t>(node)];
 }
@@ -328,6 +343,7 @@ void TreeForward::abandon() noexcept {
   if (!cache_) return;
   cache_->tree.reset();
   cache_->tree_handle = nullptr;
+  cache_->open_tree = 0;
   cache_ = nullptr;
 }
 
@@ -356,10 +372,11 @@ void TreeForward::commit(std::int64_t leaf) {
   // The layers take the path as one chain forward; the tree steps aside
   // meanwhile and comes back if that fails (begin_forward reserves
   // everything first, and an exception abandons the forward).
+  const std::string commit_name = "TreeForward::commit(" + num(leaf) + ")";
   std::unique_ptr<TreeState> held = std::move(c.tree);
   c.tree_handle = nullptr;
   try {
-    Forward f = c.begin_forward(k);
+    Forward f = c.begin_forward(k, commit_name.c_str());
     for (std::size_t i = 0; i < c.layers.size(); ++i) {
       Layer& layer = c.layers[i];
       const Layer::Impl& l = c.layer_impl(i);
@@ -392,6 +409,7 @@ void TreeForward::commit(std::int64_t leaf) {
     c.tree_handle = this;
     throw;
   }
+  c.open_tree = 0;
   cache_ = nullptr;
 }
 

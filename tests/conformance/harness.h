@@ -423,6 +423,17 @@ inline Observed observe(const Cache& c) {
   return o;
 }
 
+// Every figure of memory() (totals and each layer's), to compare before and
+// after a refusal (observe() holds bytes_used only).
+inline std::string memory_str(const rwd::MemoryReport& m) {
+  std::string s = "reserved " + std::to_string(m.bytes_reserved) + " used " + std::to_string(m.bytes_used);
+  for (std::size_t i = 0; i < m.layers.size(); ++i) {
+    s += "; layer " + std::to_string(i) + " " + m.layers[i].kind + " reserved " +
+         std::to_string(m.layers[i].bytes_reserved) + " used " + std::to_string(m.layers[i].bytes_used);
+  }
+  return s;
+}
+
 // "" when equal, else the first field that differs.
 inline std::string diff(const Observed& before, const Observed& after) {
   for (std::size_t i = 0; i < before.size() && i < after.size(); ++i) {

@@ -175,6 +175,10 @@ struct ForwardOptions {
   int abandon_layer = -1;  // abandon the batch at this layer (num_layers: after the last one, before commit)
   int abandon_stage = 0;   // 0 before the layer, 1 after its attention part, 2 with a recurrent update in flight
   int abandon_how = 0;     // 0 abandon(), 1 destroy the handle, 2 move it into another and destroy that one
+  // With a recurrent update in flight at the abandon: seq_rm the batch's
+  // first sequence afterwards, then every call of the kept handle must be
+  // refused (StateError), never reach the removed sequence's state.
+  bool remove_after_abandon = false;
   // A replacement for the input of one call (layer, part: 0 keys, 1 values,
   // 2 + s side s, 100 + s conv s, shape wanted), or nullopt. The oracle takes
   // what the view holds just before the call.
@@ -454,7 +458,10 @@ class SeqModel {
     } catch (const rwd::Error& e) {
       const Err got = classify(e);
       refusal = err_name(got);
-      if (budget_ && got == Err::Capacity) ++budget_refusals;
+      if (budget_ && got == Err::Capacity) {
+        ++budget_refusals;
+        last_capacity = e.what();
+      }
       if (!(budget_ && got == Err::Capacity)) {
         if (xs.empty()) return fail(name + ": unexpected " + err_name(got) + ": " + e.what());
         std::string all;
@@ -712,6 +719,7 @@ class SeqModel {
   }
   bool budget_set() const { return budget_; }
   std::uint64_t budget_refusals = 0;  // CapacityErrors accepted under a budget
+  std::string last_capacity;          // the message of the last of them
 
   // Every per-sequence call with an id that names no live sequence (removed,
   // or never issued by this cache): IndexError, and seq_rm returns false;
@@ -868,6 +876,7 @@ class SeqModel {
     } catch (const rwd::CapacityError& e) {
       if (!budget_) return fail("begin_batch: unexpected CapacityError: " + std::string(e.what()));
       ++budget_refusals;
+      last_capacity = e.what();
       note("  -> refused by the budget");
       if (std::string d = same_as(before); !d.empty()) return fail("a refused begin_batch changed " + d);
       return check();
@@ -906,16 +915,29 @@ class SeqModel {
         }
       }
       if (cache.batch_open()) return fail("batch_open() after the batch was abandoned");
-      if (in_flight != nullptr && in_flight->has_value()) {
+      auto stale_handle = [&](const char* after) -> std::string {
+        if (in_flight == nullptr || !in_flight->has_value()) return "";
+        for (std::size_t e = 0; e < E; ++e) {
+          if (std::string x = expect_kinds([&] { (void)(*in_flight)->previous(e); }, {Err::State}); !x.empty())
+            return fail(std::string("BatchRecurrentUpdate::previous ") + after + ": " + x);
+          if (std::string x = expect_kinds([&] { (void)(*in_flight)->next(e, 1); }, {Err::State}); !x.empty())
+            return fail(std::string("BatchRecurrentUpdate::next ") + after + ": " + x);
+        }
         if (std::string x = expect_kinds([&] { (*in_flight)->commit(); }, {Err::State}); !x.empty())
-          return fail("BatchRecurrentUpdate::commit after its batch was abandoned: " + x);
-      }
+          return fail(std::string("BatchRecurrentUpdate::commit ") + after + ": " + x);
+        return "";
+      };
+      if (std::string x = stale_handle("after its batch was abandoned"); !x.empty()) return x;
       for (std::size_t e = 0; e < E; ++e) live[plan[e].first].ref = std::move(saved[e]);
       const SequenceMemory m = cache.memory();
       if (m.blocks_in_use != before.mem.blocks_in_use || m.bytes_used != before.mem.bytes_used)
         return fail("abandon did not restore the memory figures: blocks_in_use " + n(before.mem.blocks_in_use) + " -> " +
                     n(m.blocks_in_use) + ", bytes_used " + std::to_string(before.mem.bytes_used) + " -> " +
                     std::to_string(m.bytes_used));
+      if (fo.remove_after_abandon && in_flight != nullptr && in_flight->has_value()) {
+        if (std::string x = remove(plan[0].first); !x.empty()) return x;
+        if (std::string x = stale_handle("after its batch was abandoned and a sequence removed"); !x.empty()) return x;
+      }
       return check();
     };
 

@@ -20,6 +20,7 @@
 #include <algorithm>
 #include <memory>
 #include <numeric>
+#include <optional>
 #include <ostream>
 #include <random>
 #include <string>
@@ -151,6 +152,7 @@ class RandomDriver {
       fo.abandon_layer = static_cast<int>(uniform(0, m_.num_layers()));
       fo.abandon_stage = static_cast<int>(uniform(0, 2));
       fo.abandon_how = static_cast<int>(uniform(0, 2));
+      fo.remove_after_abandon = chance(50);
     }
     return m_.forward(plan, fo);
   }
@@ -917,6 +919,305 @@ TEST(SequenceMemoryBounds, SlidingLayersReturnBlocksToThePool) {
       ASSERT_LE(mem.bytes_reserved, reserved_early) << "the pool grew at L = " << m.live[0].ref.seq_length();
   }
 }
+
+
+// ---- 3. issue 28: stale handles, exact refusals, lengths, messages -------------------
+
+// Fills every part of every stateful layer of a one-sequence-per-entry batch
+// with zeros (the values do not matter to these tests); returns the
+// recurrent handle of `keep_layer` (state 0) uncommitted when asked.
+void fill_batch(SequenceCache& c, SequenceBatch& b, std::optional<BatchRecurrentUpdate>* keep = nullptr,
+                int keep_layer = -1) {
+  const i64 T = b.num_tokens();
+  for (int i = 0; i < c.num_layers(); ++i) {
+    const LayerOptions& o = c.layer_options(i);
+    const LayerKind k = c.layer_kind(i);
+    const bool attention = k != LayerKind::LinearAttention && k != LayerKind::Conv && k != LayerKind::Moe &&
+                           k != LayerKind::Mlp;
+    const bool linear = k == LayerKind::LinearAttention || k == LayerKind::Conv || k == LayerKind::Hybrid ||
+                        k == LayerKind::HybridSliding;
+    if (attention) {
+      std::vector<float> kk(static_cast<std::size_t>(o.num_kv_heads * T * o.key_dim), 0.5f);
+      std::vector<float> vv(static_cast<std::size_t>(o.num_kv_heads * T * o.value_dim), 0.25f);
+      (void)c.update(TensorView::contiguous(kk.data(), DType::F32, {1, o.num_kv_heads, T, o.key_dim}),
+                     TensorView::contiguous(vv.data(), DType::F32, {1, o.num_kv_heads, T, o.value_dim}), i);
+      if (k == LayerKind::SparseAttention)
+        for (std::size_t sd = 0; sd < o.side_dims.size(); ++sd) {
+          std::vector<float> r(static_cast<std::size_t>(T * o.side_dims[sd]), 1.0f);
+          (void)c.update_side(TensorView::contiguous(r.data(), DType::F32, {1, T, o.side_dims[sd]}), i,
+                              static_cast<int>(sd));
+        }
+    }
+    if (!linear) continue;
+    for (std::size_t cs = 0; cs < o.conv_channels.size(); ++cs) {
+      std::vector<float> x(static_cast<std::size_t>(o.conv_channels[cs] * T), 1.0f);
+      (void)c.update_conv_state(TensorView::contiguous(x.data(), DType::F32, {1, o.conv_channels[cs], T}), i,
+                                static_cast<int>(cs));
+    }
+    if (k == LayerKind::Conv) continue;
+    for (std::size_t rs = 0; rs < o.recurrent_shapes.size(); ++rs) {
+      BatchRecurrentUpdate u = c.begin_recurrent_update(i, static_cast<int>(rs));
+      if (keep != nullptr && i == keep_layer && rs == 0) {
+        keep->emplace(std::move(u));
+        continue;
+      }
+      u.commit();
+    }
+  }
+}
+
+SequenceCache linear_cache(std::vector<LayerKind> kinds, i64 block_size = 4) {
+  const SeqSpec sp = spec("issue28", std::move(kinds), DType::F32, block_size);
+  return SequenceCache(type_names(sp.kinds), seq_options(sp), SequenceCacheOptions{block_size});
+}
+
+void expect_same_memory(const SequenceMemory& a, const SequenceMemory& b) {
+  EXPECT_EQ(a.bytes_reserved, b.bytes_reserved);
+  EXPECT_EQ(a.bytes_used, b.bytes_used);
+  EXPECT_EQ(a.blocks_in_use, b.blocks_in_use);
+  EXPECT_EQ(a.blocks_free, b.blocks_free);
+}
+
+// Issue 28 item 1: a BatchRecurrentUpdate kept across abandon + seq_rm read
+// the removed sequence's freed layer (heap-use-after-free under ASan).
+TEST(SequenceStaleHandles, RecurrentUpdateKeptAcrossAbandonAndSeqRmIsRefused) {
+  SequenceCache c = linear_cache({LayerKind::LinearAttention, LayerKind::FullAttention});
+  const SeqId a = c.add_sequence(), b = c.add_sequence();
+  const BatchEntry en[2] = {{a, 2}, {b, 0}};
+  std::optional<BatchRecurrentUpdate> step;
+  {
+    SequenceBatch batch = c.begin_batch(en);
+    step.emplace(c.begin_recurrent_update(0));
+    batch.abandon();
+  }
+  ASSERT_TRUE(c.seq_rm(a));
+  EXPECT_THROW((void)step->previous(0), StateError);
+  EXPECT_THROW((void)step->previous(1), StateError);  // the 0-token entry's S(L) view too
+  EXPECT_THROW((void)step->next(0, 1), StateError);
+  EXPECT_THROW(step->commit(), StateError);
+  // A new batch (the slot of `a` reused by a new sequence) does not revive it.
+  const SeqId d = c.add_sequence();
+  const BatchEntry en2[1] = {{d, 1}};
+  SequenceBatch again = c.begin_batch(en2);
+  EXPECT_THROW(step->commit(), StateError);
+  EXPECT_THROW((void)step->previous(0), StateError);
+  fill_batch(c, again);
+  again.commit();
+  EXPECT_EQ(c.seq_length(d), 1);
+}
+
+TEST(SequenceStaleHandles, RecurrentUpdateOfACommittedBatchIsRefusedEverywhere) {
+  SequenceCache c = linear_cache({LayerKind::Hybrid});
+  const SeqId a = c.add_sequence();
+  const BatchEntry en[1] = {{a, 3}};
+  std::optional<BatchRecurrentUpdate> kept;
+  {
+    SequenceBatch batch = c.begin_batch(en);
+    fill_batch(c, batch, &kept, 0);
+    EXPECT_NO_THROW((void)kept->previous(0));
+    kept->commit();
+    batch.commit();
+  }
+  EXPECT_THROW((void)kept->previous(0), StateError);
+  EXPECT_THROW(kept->commit(), StateError);
+  // Across restore (the sequence's layers replaced) and snapshot restore.
+  const rwd::SequenceSnapshot snap = c.snapshot(a);
+  c.restore(a, snap);
+  EXPECT_THROW((void)kept->next(0, 1), StateError);
+  c.seq_keep(a);
+  EXPECT_THROW(kept->commit(), StateError);
+  EXPECT_EQ(c.seq_length(a), 3);
+}
+
+// Tree slot handles read the tree's scratch, freed when the tree ends.
+TEST(SequenceStaleHandles, TreeRecurrentSlotsAfterTheTreeEndedAreRefused) {
+  LayerOptions o = seq_options(spec("t", {LayerKind::LinearAttention}, DType::F32, 4));
+  rwd::Cache c(std::vector<std::string>{"linear_attention"}, o);
+  const std::vector<std::int64_t> parents{-1, 0, 0};
+  std::optional<rwd::TreeRecurrentSlots> slots;
+  {
+    rwd::TreeForward t = c.begin_tree(parents);
+    slots.emplace(c.tree_recurrent_slots(0, 0));
+    EXPECT_NO_THROW((void)slots->previous(1));
+    t.abandon();
+  }
+  EXPECT_THROW((void)slots->previous(1), StateError);
+  EXPECT_THROW((void)slots->next(2), StateError);
+  rwd::TreeForward t2 = c.begin_tree(parents);  // another tree does not revive them
+  EXPECT_THROW((void)slots->next(0), StateError);
+  t2.abandon();
+  EXPECT_EQ(c.get_seq_length(), 0);
+}
+
+// Issue 28 item 3: a refusal at the second layer left the first layer's
+// block on the free list (bytes_reserved 0 -> 128, blocks_free 0 -> 1).
+TEST(SequenceBudget, ARefusalAtEveryLayerLeavesMemoryExactlyAsItWas) {
+  for (int layers = 1; layers <= 3; ++layers) {
+    for (int fits = 0; fits < layers; ++fits) {  // the budget holds the blocks of `fits` layers
+      SequenceCache c = linear_cache(std::vector<LayerKind>(static_cast<std::size_t>(layers), LayerKind::FullAttention));
+      const SeqId a = c.add_sequence();
+      const std::size_t block = c.block_layout(0).block_bytes;
+      const SequenceMemory before = c.memory();
+      c.set_memory_budget(before.bytes_reserved + static_cast<std::size_t>(fits) * block + block / 2);
+      const BatchEntry en[1] = {{a, 2}};
+      EXPECT_THROW((void)c.begin_batch(en), CapacityError);
+      expect_same_memory(c.memory(), before);
+      // import_snapshot of 2 tokens needs one block per layer too.
+      c.set_memory_budget(0);
+      SequenceCache src = linear_cache(std::vector<LayerKind>(static_cast<std::size_t>(layers), LayerKind::FullAttention));
+      const SeqId s = src.add_sequence();
+      const BatchEntry es[1] = {{s, 2}};
+      SequenceBatch sb = src.begin_batch(es);
+      fill_batch(src, sb);
+      sb.commit();
+      const rwd::Snapshot exported = src.export_snapshot(s);
+      const SequenceMemory before_import = c.memory();
+      c.set_memory_budget(before_import.bytes_reserved + static_cast<std::size_t>(fits) * block + block / 2);
+      EXPECT_THROW((void)c.import_snapshot(exported), CapacityError);
+      expect_same_memory(c.memory(), before_import);
+      EXPECT_EQ(c.num_sequences(), 1);
+      c.set_memory_budget(0);
+      const SeqId imported = c.import_snapshot(exported);  // and it still works
+      EXPECT_EQ(c.seq_length(imported), 2);
+    }
+  }
+}
+
+TEST(SequenceBudget, ARefusalWithFreeBlocksOnTheListLeavesThemThere) {
+  // 20 sequences of one block each, removed: 16 blocks stay on the free list
+  // of each layer (the pool keeps max(16, in use)).
+  SequenceCache c = linear_cache({LayerKind::FullAttention, LayerKind::FullAttention}, 2);
+  std::vector<SeqId> ids;
+  for (int k = 0; k < 20; ++k) ids.push_back(c.add_sequence());
+  std::vector<BatchEntry> en;
+  for (const SeqId& id : ids) en.push_back({id, 2});
+  SequenceBatch b = c.begin_batch(en);
+  fill_batch(c, b);
+  b.commit();
+  for (const SeqId& id : ids) ASSERT_TRUE(c.seq_rm(id));
+  const SeqId a = c.add_sequence();
+  ASSERT_EQ(c.memory().blocks_in_use, 0);
+  const SequenceMemory before = c.memory();
+#if !defined(REWIND_DEBUG_VIEWS)  // debug-views builds free a released block at once: no free list there
+  ASSERT_GT(before.blocks_free, 0);
+#endif
+  // 2 * 16 + 2 positions: layer 0 takes its free blocks and allocates more, layer 1 is refused.
+  const i64 free_per_layer = before.blocks_free / 2;
+  const i64 q = 2 * (free_per_layer + 2);
+  c.set_memory_budget(before.bytes_reserved + 2 * c.block_layout(0).block_bytes + 1);
+  const BatchEntry big[1] = {{a, q}};
+  EXPECT_THROW((void)c.begin_batch(big), CapacityError);
+  expect_same_memory(c.memory(), before);
+}
+
+// Issue 28 item 10: fork at the budget named "a batch operation".
+TEST(SequenceBudget, ForkAtTheBudgetNamesTheForkAndChangesNothing) {
+  SequenceCache c = linear_cache({LayerKind::FullAttention, LayerKind::LinearAttention});
+  const SeqId a = c.add_sequence();
+  const BatchEntry en[1] = {{a, 2}};
+  SequenceBatch b = c.begin_batch(en);
+  fill_batch(c, b);
+  b.commit();
+  const SequenceMemory before = c.memory();
+  c.set_memory_budget(before.bytes_reserved);
+  try {
+    (void)c.fork(a);
+    ADD_FAILURE() << "fork passed the budget";
+  } catch (const CapacityError& e) {
+    const std::string m = e.what();
+    EXPECT_NE(m.find("fork(" + rwd::to_string(a) + ")"), std::string::npos) << m;
+    EXPECT_EQ(m.find("a batch operation"), std::string::npos) << m;
+    EXPECT_EQ(m.find("nothing was changed"), m.rfind("nothing was changed")) << m;  // said once
+  }
+  expect_same_memory(c.memory(), before);
+  EXPECT_EQ(c.num_sequences(), 1);
+  EXPECT_THROW((void)c.snapshot(a), CapacityError);
+  expect_same_memory(c.memory(), before);
+}
+
+// Issue 28 item 4.
+TEST(SequenceSnapshots, ASnapshotOfADestroyedCacheIsEmptyWithLengthZero) {
+  rwd::SequenceSnapshot snap;
+  {
+    SequenceCache c = linear_cache({LayerKind::FullAttention, LayerKind::Conv});
+    const SeqId a = c.add_sequence();
+    const BatchEntry en[1] = {{a, 3}};
+    SequenceBatch b = c.begin_batch(en);
+    fill_batch(c, b);
+    b.commit();
+    snap = c.snapshot(a);
+    EXPECT_TRUE(snap.valid());
+    EXPECT_EQ(snap.length(), 3);
+  }
+  EXPECT_FALSE(snap.valid());
+  EXPECT_EQ(snap.length(), 0);
+  const rwd::SequenceSnapshot copy = snap;
+  EXPECT_EQ(copy.length(), 0);
+}
+
+TEST(SequenceHandles, AModelWithoutStateCountsNoTokensAsCacheDoes) {
+  const std::vector<std::string> types{"moe", "mlp"};
+  const LayerOptions o = seq_options(spec("stateless", {LayerKind::Moe, LayerKind::Mlp}, DType::F32, 4));
+  rwd::Cache single(types, o);
+  {
+    rwd::Forward f = single.begin_forward(4);
+    f.commit();
+  }
+  SequenceCache c(types, o);
+  const SeqId a = c.add_sequence();
+  const BatchEntry en[1] = {{a, 4}};
+  SequenceBatch b = c.begin_batch(en);
+  b.commit();
+  EXPECT_EQ(single.get_seq_length(), 0);
+  EXPECT_EQ(c.seq_length(a), single.get_seq_length());
+  EXPECT_EQ(c.seq_pos_max(a), -1);
+  EXPECT_EQ(c.seq_pos_min(a), -1);
+  EXPECT_EQ(c.max_rollback(a), single.max_rollback());
+  EXPECT_EQ(c.snapshot(a).length(), 0);
+  EXPECT_EQ(c.export_snapshot(a).length, single.snapshot().length);
+}
+
+// Issue 28 item 10: tree messages say what was asked, once.
+TEST(TreeMessages, CommitAtTheBudgetNamesTheCommitNotBeginForward) {
+  LayerOptions o = seq_options(spec("t", {LayerKind::FullAttention}, DType::F32, 4));
+  rwd::Cache c(std::vector<std::string>{"full_attention"}, o);
+  const std::vector<std::int64_t> parents{-1, 0, 1};
+  c.set_memory_budget(c.memory().bytes_reserved + 1);  // the tree's scratch is not the layers'
+  rwd::TreeForward t = c.begin_tree(parents);
+  std::vector<float> k(static_cast<std::size_t>(2 * 3 * 3), 1.0f), v(static_cast<std::size_t>(2 * 3 * 2), 1.0f);
+  (void)c.update_tree(TensorView::contiguous(k.data(), DType::F32, {1, 2, 3, 3}),
+                      TensorView::contiguous(v.data(), DType::F32, {1, 2, 3, 2}), 0);
+  try {
+    t.commit(2);
+    ADD_FAILURE() << "the commit passed the budget";
+  } catch (const CapacityError& e) {
+    const std::string m = e.what();
+    EXPECT_NE(m.find("TreeForward::commit(2)"), std::string::npos) << m;
+    EXPECT_EQ(m.find("begin_forward"), std::string::npos) << m;
+  }
+  EXPECT_TRUE(t.is_open());
+  EXPECT_EQ(c.get_seq_length(), 0);
+  t.abandon();
+}
+
+#if defined(REWIND_DEBUG_VIEWS) && defined(__SANITIZE_ADDRESS__)
+// Issue 28 item 9: a conv window of an abandoned batch read as valid data.
+TEST(SequenceDebugViewsDeathTest, ConvWindowOfAnAbandonedBatchIsReported) {
+  SequenceCache c = linear_cache({LayerKind::Conv});
+  const SeqId a = c.add_sequence();
+  const BatchEntry en[1] = {{a, 2}};
+  std::vector<float> x(3 * 2, 1.0f);
+  TensorView window;
+  {
+    SequenceBatch b = c.begin_batch(en);
+    window = c.update_conv_state(TensorView::contiguous(x.data(), DType::F32, {1, 3, 2}), 0)[0];
+    EXPECT_EQ(window.get(0, 0, 0), 0.0f);  // the zero padding before position 0, readable while open
+    b.abandon();
+  }
+  EXPECT_DEATH((void)window.get(0, 0, 0), "use-after-poison|heap-use-after-free");
+  EXPECT_DEATH((void)window.get(0, 0, 2), "use-after-poison|heap-use-after-free");
+}
+#endif
 
 }  // namespace
 }  // namespace rwt::seqtest

@@ -59,8 +59,10 @@ inline i64 first_visible(const RefLayer& rl, i64 position) {
 
 // Runs every layer's tree update with the data of `st` (one row per node)
 // and checks what each returns against the reference (before the tree).
+// The recurrent slots taken go to `keep` when given (to be tried once the
+// tree ended).
 inline std::string tree_updates(Cache& cache, const RefCache& ref, const rwd::TreeForward& tree,
-                         const std::vector<StepData>& data) {
+                         const std::vector<StepData>& data, std::vector<rwd::TreeRecurrentSlots>* keep = nullptr) {
   const i64 n = tree.num_nodes(), L = tree.start_length();
   for (int li = 0; li < cache.num_layers(); ++li) {
     const RefLayer& rl = ref.layers[static_cast<std::size_t>(li)];
@@ -122,6 +124,7 @@ inline std::string tree_updates(Cache& cache, const RefCache& ref, const rwd::Tr
     }
     for (std::size_t s = 0; s < rl.rec_shapes.size(); ++s) {
       const rwd::TreeRecurrentSlots slots = cache.tree_recurrent_slots(li, static_cast<int>(s));
+      if (keep) keep->push_back(slots);
       if (std::string e = check_view(at + "S(L)", slots.previous(0), rl.rdtype(), rl.rec_state_shape(s), rl.expect_rec(s, L));
           !e.empty())
         return e;
