@@ -1,6 +1,7 @@
 # Single entry point. `make test` installs missing Debian build dependencies
 # (as root), configures, builds and runs every test, plain and under
-# AddressSanitizer + UndefinedBehaviorSanitizer.
+# AddressSanitizer + UndefinedBehaviorSanitizer, and configures each
+# documented CMake option combination. `make check` is the fast loop.
 SHELL := /bin/bash
 JOBS ?= 2
 BUILD ?= build
@@ -34,9 +35,16 @@ PYTHON_SITE ?= $(shell $(PYTHON) -c 'import sys; print("/usr/local/lib/python3.%
 # CLI) in its own directory, and needs only these.
 INSTALL_DEB_PACKAGES := cmake g++ make
 INSTALL_BUILD ?= build-install
+# `make check`: the Release build of $(BUILD) and its fast tests; no clang,
+# node, torch or sanitizer runtime (libomp-dev is clang's OpenMP; g++ has its own).
+CHECK_DEB_PACKAGES := cmake g++ make pkg-config libgtest-dev libgmock-dev libbenchmark-dev \
+                      nlohmann-json3-dev libcli11-dev libhiredis-dev $(TOKENIZER_DEB_PACKAGES)
+# `make demo`: the CLI alone (no tests, benchmarks, Python, fuzzers or Redis).
+DEMO_DEB_PACKAGES := cmake g++ make nlohmann-json3-dev libcli11-dev $(TOKENIZER_DEB_PACKAGES)
+DEMO_BUILD ?= build-demo
 INSTALL_PREFIX = $(abspath $(or $(PREFIX),/usr/local))
 
-.PHONY: all deps install-deps python-deps node-deps tokenizer-reference build test test-plain test-python test-asan test-tsan test-fuzz fuzz bench install python clean demo train-models
+.PHONY: all deps install-deps python-deps check-deps demo-deps node-deps tokenizer-reference build check build-options test test-plain test-python test-asan test-tsan test-fuzz fuzz bench install python clean demo train-models
 
 all: build
 
@@ -46,7 +54,9 @@ all: build
 deps: APT_PACKAGES = $(DEB_PACKAGES)
 install-deps: APT_PACKAGES = $(INSTALL_DEB_PACKAGES)
 python-deps: APT_PACKAGES = $(PYTHON_BUILD_DEB_PACKAGES)
-deps install-deps python-deps:
+check-deps: APT_PACKAGES = $(CHECK_DEB_PACKAGES)
+demo-deps: APT_PACKAGES = $(DEMO_DEB_PACKAGES)
+deps install-deps python-deps check-deps demo-deps:
 	@missing=""; for p in $(APT_PACKAGES); do \
 	  dpkg-query -W -f='$${Status}' $$p 2>/dev/null | grep -q "install ok installed" || missing="$$missing $$p"; \
 	done; \
@@ -77,8 +87,28 @@ build: deps
 	cmake -S . -B $(BUILD) -DCMAKE_BUILD_TYPE=Release -DREWIND_WERROR=ON $(CMAKE_FLAGS)
 	cmake --build $(BUILD) -j $(JOBS)
 
+# The fast loop: the Release build of $(BUILD) (as `make build`, with only
+# the packages it needs: as root the missing ones are installed, otherwise
+# named), then every test not labelled slow, network (the npm tokenizer
+# data) or python; the Redis ones only when redis-server is on PATH. No
+# network, no sanitizers.
+check: check-deps
+	cmake -S . -B $(BUILD) -DCMAKE_BUILD_TYPE=Release -DREWIND_WERROR=ON $(CMAKE_FLAGS)
+	cmake --build $(BUILD) -j $(JOBS)
+	@labels='slow|network|python'; \
+	if ! command -v redis-server > /dev/null; then \
+	  labels="$$labels|redis"; echo "check: no redis-server on PATH, so the Redis tests are left out (apt-get install redis-server)"; \
+	fi; \
+	cd $(BUILD) && ctest --output-on-failure -j $(JOBS) -LE "$$labels"
+
+# Configures (only) each CMake option combination the docs name, each in a
+# scratch directory (scripts/check_build_options.sh).
+build-options: deps
+	scripts/check_build_options.sh
+
+# Every label but python (test-python runs those with the tokenizer data required).
 test-plain: build tokenizer-reference
-	cd $(BUILD) && REWIND_REQUIRE_TOKENIZER_DATA=1 ctest --output-on-failure -j $(JOBS)
+	cd $(BUILD) && REWIND_REQUIRE_TOKENIZER_DATA=1 ctest --output-on-failure -j $(JOBS) -LE python
 	# matmul's other register shape (the one machines without AVX-512 run;
 	# f16 weights widened by AVX2 + F16C there)
 	REWIND_MATMUL_NARROW=1 $(BUILD)/tests/rewind_runtime_tests \
@@ -135,7 +165,7 @@ fuzz: deps
 
 test-fuzz: fuzz
 
-test: test-plain test-python test-asan test-tsan test-fuzz
+test: build-options test-plain test-python test-asan test-tsan test-fuzz
 
 bench: build
 	$(BUILD)/bench/rewind_bench --benchmark_min_time=0.1
@@ -143,13 +173,17 @@ bench: build
 	OMP_NUM_THREADS=1 $(BUILD)/bench/rewind_kernel_bench --benchmark_min_time=0.1
 
 # Speculative decoding with the shipped models (models/kjv-hybrid drafted by
-# models/kjv-draft): builds the CLI (Release), streams a continuation, then
-# compares greedy and speculative tokens/s (scripts/demo.sh; DEMO_PROMPT,
-# DEMO_TOKENS, DEMO_DRAFT_K, OMP_NUM_THREADS override its defaults).
-demo: deps
-	cmake -S . -B $(BUILD) -DCMAKE_BUILD_TYPE=Release -DREWIND_WERROR=ON $(CMAKE_FLAGS)
-	cmake --build $(BUILD) -j $(JOBS) --target rewind_cli
-	@scripts/demo.sh $(BUILD)/tools/rewind
+# models/kjv-draft): builds the CLI alone (Release, in $(DEMO_BUILD)/, with
+# only the packages it needs: no GoogleTest, Google Benchmark, torch, clang
+# or hiredis), streams a continuation, then compares greedy and speculative
+# tokens/s (scripts/demo.sh; DEMO_PROMPT, DEMO_TOKENS, DEMO_DRAFT_K,
+# OMP_NUM_THREADS override its defaults).
+demo: demo-deps
+	cmake -S . -B $(DEMO_BUILD) -DCMAKE_BUILD_TYPE=Release -DREWIND_BUILD_TESTS=OFF -DREWIND_BUILD_BENCH=OFF \
+	  -DREWIND_BUILD_RUNTIME=ON -DREWIND_BUILD_PYTHON=OFF -DREWIND_BUILD_REDIS=OFF -DREWIND_FUZZ=OFF \
+	  -DREWIND_SANITIZE=OFF -DREWIND_TSAN=OFF -DREWIND_WERROR=OFF $(CMAKE_FLAGS)
+	cmake --build $(DEMO_BUILD) -j $(JOBS) --target rewind_cli
+	@scripts/demo.sh $(DEMO_BUILD)/tools/rewind
 
 # Retrains both shipped models from the KJV text (Debian's python3-torch,
 # about 55 minutes on 2 cores; the draft is distilled from the freshly
@@ -195,4 +229,4 @@ python: python-deps
 	cd / && $(PYTHON) -c 'import rewind; print("installed rewind", rewind.__version__, "in", rewind.__path__[0])'
 
 clean:
-	rm -rf $(BUILD) $(ASAN_BUILD) $(TSAN_BUILD) $(FUZZ_BUILD) $(INSTALL_BUILD) $(PY_BUILD)
+	rm -rf $(BUILD) $(ASAN_BUILD) $(TSAN_BUILD) $(FUZZ_BUILD) $(INSTALL_BUILD) $(PY_BUILD) $(DEMO_BUILD)

@@ -7,7 +7,12 @@
 #   - the README's example and abi_check.cc, built with -std=c++23 (C++20 is
 #     the minimum, not a pin) through find_package(rewind) and through
 #     pkg-config, run against the installed library: an exception thrown in
-#     the library is caught by type in the consumer.
+#     the library is caught by type in the consumer;
+#   - a plain install is the library alone (no rewind/redis_store.h, whose
+#     library is not installed; no runtime), and in a build with the runtime
+#     the optional component `runtime` adds bin/rewind and rewind::runtime
+#     (librewind_runtime.so), which a find_package(rewind COMPONENTS runtime)
+#     consumer links and runs.
 # Works on any configured and built tree: `make install`'s library-only one
 # or the full build (Release, tests on; ctest runs it as
 # install_and_find_package).
@@ -25,6 +30,12 @@ prefix=$work/prefix
 
 cmake --install "$build" --prefix "$prefix" > "$work/install.log" || { cat "$work/install.log"; fail "cmake --install"; }
 test -f "$prefix/include/rewind/cache.h" || fail "headers not installed"
+# A plain install is the library alone: no header of something it does not
+# ship (the Redis store is in-tree only), no runtime component.
+test ! -e "$prefix/include/rewind/redis_store.h" || fail "rewind/redis_store.h installed without its library"
+for path in bin/rewind include/runtime; do
+  test ! -e "$prefix/$path" || fail "$path installed by a plain install (it belongs to the runtime component)"
+done
 
 # ---- the shared library: SONAME, exports, dependencies -------------------
 link=$(find "$prefix" -name librewind.so | head -n 1)
@@ -107,5 +118,28 @@ c++ -std=$std "$src/examples/quickstart.cc" $cflags $libs -Wl,-rpath,"$libdir" -
 c++ -std=$std "$src/tests/install/consumer/abi_check.cc" $cflags $libs -Wl,-rpath,"$libdir" -o "$work/pc_abi_check"
 check_consumer pkg-config "$work/pc_consumer" "$work/pc_abi_check"
 
+# ---- the optional runtime component (builds with the runtime) -------------
+runtime_note="no runtime in this build"
+if test -f "$build/runtime/librewind_runtime.so"; then
+  cmake --install "$build" --prefix "$prefix" --component runtime > "$work/runtime.log" ||
+    { cat "$work/runtime.log"; fail "cmake --install --component runtime"; }
+  test -x "$prefix/bin/rewind" || fail "the runtime component has no bin/rewind"
+  test -f "$prefix/include/runtime/model.h" || fail "the runtime component has no runtime headers"
+  cmake -S "$src/tests/install/runtime_consumer" -B "$work/runtime_consumer" -DCMAKE_PREFIX_PATH="$prefix" \
+    -DCMAKE_BUILD_TYPE=Release > "$work/runtime_consumer.log" 2>&1 ||
+    { cat "$work/runtime_consumer.log"; fail "runtime consumer: configure"; }
+  cmake --build "$work/runtime_consumer" > "$work/runtime_consumer.log" 2>&1 ||
+    { cat "$work/runtime_consumer.log"; fail "runtime consumer: build"; }
+  got=$("$work/runtime_consumer/runtime_consumer" "$src/models/kjv-draft/config.json") || fail "runtime consumer failed"
+  layers=$(sed -n 's/.*"num_hidden_layers": *\([0-9]*\).*/\1/p' "$src/models/kjv-draft/config.json")
+  test "$got" = "family rewind_hybrid, $layers layers" || fail "runtime consumer printed '$got', expected $layers layers"
+  loaded=$(ldd "$work/runtime_consumer/runtime_consumer")
+  grep -q "librewind_runtime.so.* => $libdir/" <<< "$loaded" || { echo "$loaded"; fail "runtime consumer does not load $libdir/librewind_runtime.so"; }
+  "$prefix/bin/rewind" inspect --model "$src/models/kjv-draft" > "$work/inspect.out" 2>&1 ||
+    { cat "$work/inspect.out"; fail "installed bin/rewind inspect failed"; }
+  runtime_note="runtime component: bin/rewind and rewind::runtime (librewind_runtime.so) work"
+fi
+
 echo "installed rewind works: $soname ($(grep -c . <<< "$exports") exported symbols, none in rwd::detail;" \
-  "needs ${needed//$'\n'/ }); find_package and pkg-config consumers built with -std=$std catch its exceptions by type"
+  "needs ${needed//$'\n'/ }); find_package and pkg-config consumers built with -std=$std catch its exceptions by type;" \
+  "$runtime_note"
