@@ -20,6 +20,8 @@ using nlohmann::json;
 // Sizes are capped so that every product expected_weights() forms (at most
 // three factors, e.g. 2 * lnk * lkd) stays far inside int64.
 constexpr std::int64_t kMaxSize = std::int64_t{1} << 24;
+// max_position_embeddings is no size of a tensor: only a limit the CLI checks.
+constexpr std::int64_t kMaxPositions = std::int64_t{1} << 40;
 
 const char* json_type(const json& v) {
   if (v.is_boolean()) return "a boolean";
@@ -198,6 +200,12 @@ namespace {
 
 // Variants of the supported families that the runtime refuses by name
 // rather than misload (their tensors would not match, or worse, would).
+// What the runtime reads, as messages about other architectures list it.
+constexpr const char* kSupportedArchitectures =
+    "rewind_hybrid (rewind's own layout, with 'layer_types'), lfm2 (Lfm2ForCausalLM, dense), qwen3_5 and "
+    "qwen3_5_text (Qwen3_5ForConditionalGeneration / Qwen3_5ForCausalLM, dense), qwen3_next (Qwen3NextForCausalLM "
+    "without experts)";
+
 constexpr const char* kRefusedModelTypes[] = {"qwen3_5_moe", "qwen3_5_moe_text", "qwen3_next_moe",
                                               "lfm2_moe", "lfm2_vl", "qwen3_vl_moe"};
 
@@ -283,6 +291,33 @@ ModelConfig parse_model_config(const std::string& json_text, const std::string& 
                "supported: rewind_hybrid, lfm2, qwen3_5, qwen3_5_text, qwen3_next without experts)");
     }
   }
+  // A Hugging Face config of another family (Llama, Qwen3, Mistral, ...)
+  // would otherwise be read as rewind's own layout and fail on some key it
+  // lacks ('layer_types'), which says nothing of the real problem. rewind's
+  // layout is model_type rewind_hybrid, or another name with 'layer_types'
+  // and no transformers class in 'architectures'.
+  {
+    const bool named = top.find("model_type") != nullptr;
+    const bool known = c.model_type == "rewind_hybrid" || c.model_type == "lfm2" || c.model_type == "qwen3_5" ||
+                       c.model_type == "qwen3_5_text" || c.model_type == "qwen3_next";
+    std::string hf_class;
+    if (const json* a = top.find("architectures"); a != nullptr && a->is_array()) {
+      for (const json& name : *a) {
+        if (!name.is_string()) continue;
+        const std::string& s = name.get_ref<const std::string&>();
+        for (const std::string_view suffix : {"ForCausalLM", "ForConditionalGeneration", "LMHeadModel"}) {
+          if (s.size() > suffix.size() && s.compare(s.size() - suffix.size(), suffix.size(), suffix) == 0) hf_class = s;
+        }
+        if (!hf_class.empty()) break;
+      }
+    }
+    if (!known && (!hf_class.empty() || (named && !doc.contains("layer_types")))) {
+      top.fail((hf_class.empty() ? std::string() : "architecture '" + hf_class + "' ") +
+               (named ? (hf_class.empty() ? "model_type '" + c.model_type + "'" : "(model_type '" + c.model_type + "')")
+                      : std::string("(no model_type)")) +
+               " is not supported; supported: " + kSupportedArchitectures);
+    }
+  }
   // The one place the family's name is compared: everything below and in the
   // model reads the fields it sets.
   const json* text_doc = &doc;
@@ -318,6 +353,9 @@ ModelConfig parse_model_config(const std::string& json_text, const std::string& 
     c.intermediate_size = r.required_size("intermediate_size");
   }
   c.vocab_size = r.required_size("vocab_size");
+  if (const json* v = r.find("max_position_embeddings")) {
+    c.max_position_embeddings = r.integer("max_position_embeddings", *v, 1, kMaxPositions);
+  }
   if (c.num_attention_heads % c.num_key_value_heads != 0) {
     r.fail(r.q("num_attention_heads") + " (" + std::to_string(c.num_attention_heads) + ") is not a multiple of " +
            r.q("num_key_value_heads") + " (" + std::to_string(c.num_key_value_heads) + ")");
@@ -597,6 +635,7 @@ std::string to_json(const ModelConfig& c) {
     t["head_dim"] = c.head_dim;
     t["intermediate_size"] = c.intermediate_size;
     t["vocab_size"] = c.vocab_size;
+    if (c.max_position_embeddings > 0) t["max_position_embeddings"] = c.max_position_embeddings;
     t["layer_types"] = types;
     nlohmann::ordered_json rope;
     rope["rope_type"] = "default";
@@ -645,6 +684,7 @@ std::string to_json(const ModelConfig& c) {
   j["head_dim"] = c.head_dim;
   j["intermediate_size"] = c.intermediate_size;
   j["vocab_size"] = c.vocab_size;
+  if (c.max_position_embeddings > 0) j["max_position_embeddings"] = c.max_position_embeddings;
   j["layer_types"] = types;
   // Kind-specific sizes are written when set; 0 means "unused" and reads
   // back as absent.

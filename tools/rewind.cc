@@ -8,9 +8,13 @@
 //   rewind forward-cost the cost of a q-token forward in one-token forwards
 //   rewind init-random write a model with random weights
 //
+// Short flags as llama.cpp's llama-cli spells them: -m --model, -p --prompt,
+// -n --max-new-tokens, -t --threads, -s --seed, -c --ctx-size; --version.
+//
 // Exit status: 0 success, 1 verify or bench found a divergence, 2 bad input
-// (unknown flag, missing or malformed model, bad value, a flag that would
-// have no effect).
+// (unknown flag or subcommand, with the nearest known one; missing or
+// malformed model, bad value, a flag that would have no effect, a run past
+// the context length).
 #include <omp.h>
 #include <unistd.h>
 
@@ -39,7 +43,9 @@
 
 #include "rewind/error.h"
 #include "rewind/prefix_cache.h"
+#if REWIND_HAVE_REDIS
 #include "rewind/redis_store.h"
+#endif
 #include "rewind/snapshot.h"
 #include "rewind/store.h"
 #include "runtime/decode_bench.h"
@@ -49,6 +55,12 @@
 #include "runtime/model_config.h"
 #include "runtime/tokenizer.h"
 #include "runtime/weights_io.h"
+
+// CMake's project() version (tools/CMakeLists.txt passes it in);
+// Cli.VersionPrintsTheProjectVersion checks it against CMakeLists.txt.
+#ifndef REWIND_VERSION
+#error "REWIND_VERSION must be defined by the build (tools/CMakeLists.txt)"
+#endif
 
 namespace {
 
@@ -329,7 +341,13 @@ struct PrefixChoice {
     std::shared_ptr<BlobStore> store;
     try {
       if (redis) {
+#if REWIND_HAVE_REDIS
         store = make_redis_store(parse_redis_url(spec));
+#else
+        throw InvalidArgument("--prefix-cache " + spec +
+                              ": this build has no Redis support (built with -DREWIND_BUILD_REDIS=OFF); " +
+                              "give a directory or ro:DIR");
+#endif
       } else if (read_only) {
         store = make_directory_store(path, DirectoryStoreOptions{static_cast<std::size_t>(bytes), true});
       } else {
@@ -517,6 +535,39 @@ void set_threads(const std::optional<int>& threads) {
   omp_set_num_threads(1);
 }
 
+// ---- context length ----------------------------------------------------------------
+
+// The most positions a run may use: --ctx-size N, else the model's
+// max_position_embeddings (0: no limit, for a config that names none). A
+// --ctx-size past max_position_embeddings is refused: the model was not
+// built for those positions, and its output there means nothing.
+std::int64_t resolve_ctx_size(const std::optional<std::int64_t>& ctx_size, const Model& model) {
+  const std::int64_t trained = model.config().max_position_embeddings;
+  if (!ctx_size) return trained;
+  if (trained > 0 && *ctx_size > trained) {
+    throw InvalidArgument("--ctx-size " + std::to_string(*ctx_size) + " is past the model's max_position_embeddings (" +
+                          std::to_string(trained) + "); give at most " + std::to_string(trained));
+  }
+  return *ctx_size;
+}
+
+// Refuses, before any work, `what` of `prompt_tokens` tokens (BOS included)
+// whose run of `max_new` new tokens would go past `ctx` positions (0: no
+// limit).
+void check_context(std::int64_t prompt_tokens, std::int64_t max_new, std::int64_t ctx, bool ctx_from_flag,
+                   const std::string& what) {
+  if (ctx <= 0 || prompt_tokens + max_new <= ctx) return;
+  const std::string context = std::to_string(ctx) + (ctx_from_flag ? " (-c / --ctx-size)"
+                                                                    : " (the model's max_position_embeddings, -c / --ctx-size)");
+  if (max_new == 0) {  // snapshot save
+    throw InvalidArgument(what + " (" + std::to_string(prompt_tokens) + " tokens) is past the context of " + context +
+                          "; shorten the prompt");
+  }
+  throw InvalidArgument(what + " (" + std::to_string(prompt_tokens) + " tokens) plus --max-new-tokens " +
+                        std::to_string(max_new) + " needs " + std::to_string(prompt_tokens + max_new) +
+                        " positions, past the context of " + context + "; shorten the prompt or lower -n / --max-new-tokens");
+}
+
 // ---- subcommands -------------------------------------------------------------------
 
 // The prompts of --prompts (every line), encoded for `model`.
@@ -591,8 +642,9 @@ std::int64_t resolve_max_batch(const CLI::App& cmd, const PromptChoice& prompt_c
 // token), as one call's does for its own.
 int run_generate_batch(const CLI::App& cmd, const std::string& model_dir, const PromptChoice& prompt_choice,
                        std::int64_t max_new, const DraftChoice& choice, const SamplingParams& sampling,
-                       const PrefixChoice& prefix_choice, bool stats_wanted) {
+                       const PrefixChoice& prefix_choice, bool stats_wanted, const std::optional<std::int64_t>& ctx_size) {
   const Model model = Model::load(model_dir);
+  const std::int64_t ctx = resolve_ctx_size(ctx_size, model);
   const Tokenizer tokenizer = load_tokenizer(model_dir, model);
   const std::optional<Model> draft = load_draft(choice, model, tokenizer);
   const std::int64_t max_batch = resolve_max_batch(cmd, prompt_choice, model, draft ? &*draft : nullptr, max_new,
@@ -614,8 +666,9 @@ int run_generate_batch(const CLI::App& cmd, const std::string& model_dir, const 
     if (text.empty()) break;
     std::vector<std::vector<std::int32_t>> prompts;
     for (const std::string& line : text) {
-      prompts.push_back(
-          encode_for_generation(tokenizer, line, "--prompts line " + std::to_string(first + prompts.size() + 1)));
+      const std::string what = "--prompts line " + std::to_string(first + prompts.size() + 1);
+      prompts.push_back(encode_for_generation(tokenizer, line, what));
+      check_context(static_cast<std::int64_t>(prompts.back().size()), max_new, ctx, ctx_size.has_value(), what);
     }
     options.sampling = sampling;
     options.sampling.seed = sampling.seed + first;  // sequence i of the file samples with seed + i
@@ -660,19 +713,22 @@ int run_generate_batch(const CLI::App& cmd, const std::string& model_dir, const 
 
 int run_generate(const CLI::App& cmd, const std::string& model_dir, const PromptChoice& prompt_choice,
                  std::int64_t max_new, const DraftChoice& choice, const SamplingChoice& sampling_choice,
-                 const PrefixChoice& prefix_choice, bool stats_wanted) {
+                 const PrefixChoice& prefix_choice, bool stats_wanted, const std::optional<std::int64_t>& ctx_size) {
   choice.check(cmd);
   const SamplingParams sampling = sampling_choice.resolve(cmd);
   prompt_choice.check_batch(cmd);
   if (prompt_choice.many(cmd)) {
     if (choice.tree()) throw InvalidArgument("--tree decodes one prompt (--prompt / --prompt-file); batched tree speculation is not built yet");
-    return run_generate_batch(cmd, model_dir, prompt_choice, max_new, choice, sampling, prefix_choice, stats_wanted);
+    return run_generate_batch(cmd, model_dir, prompt_choice, max_new, choice, sampling, prefix_choice, stats_wanted,
+                              ctx_size);
   }
   const std::string prompt = prompt_choice.read(cmd);
   const Model model = Model::load(model_dir);
   const Tokenizer tokenizer = load_tokenizer(model_dir, model);
   const std::optional<Model> draft = load_draft(choice, model, tokenizer);
   const std::vector<std::int32_t> tokens = encode_for_generation(tokenizer, prompt, "the prompt");
+  check_context(static_cast<std::int64_t>(tokens.size()), max_new, resolve_ctx_size(ctx_size, model),
+                ctx_size.has_value(), "the prompt");
   const std::unique_ptr<PrefixCache> prefix = prefix_choice.open(cmd, model);
   GenerationOptions options;
   options.max_new_tokens = max_new;
@@ -724,11 +780,16 @@ std::string acceptance_by_position(const GenerationStats& stats) {
 // verify --prompts: every prompt decoded speculatively in one batch, each
 // checked against greedy decoding of that prompt alone.
 int run_verify_batch(const CLI::App& cmd, const std::string& model_dir, const PromptChoice& prompt_choice,
-                     std::int64_t max_new, const DraftChoice& choice) {
+                     std::int64_t max_new, const DraftChoice& choice, const std::optional<std::int64_t>& ctx_size) {
   const Model model = Model::load(model_dir);
   const Tokenizer tokenizer = load_tokenizer(model_dir, model);
   const std::optional<Model> draft = load_draft(choice, model, tokenizer);
   const std::vector<std::vector<std::int32_t>> prompts = encode_prompts(prompt_choice, tokenizer);
+  const std::int64_t ctx = resolve_ctx_size(ctx_size, model);
+  for (std::size_t i = 0; i < prompts.size(); ++i) {
+    check_context(static_cast<std::int64_t>(prompts[i].size()), max_new, ctx, ctx_size.has_value(),
+                  "--prompts line " + std::to_string(i + 1));
+  }
   GenerationOptions options;
   options.max_new_tokens = max_new;
   options.max_batch = resolve_max_batch(cmd, prompt_choice, model, draft ? &*draft : nullptr, max_new, choice.num_draft);
@@ -784,20 +845,22 @@ int run_verify_batch(const CLI::App& cmd, const std::string& model_dir, const Pr
 }
 
 int run_verify(const CLI::App& cmd, const std::string& model_dir, const PromptChoice& prompt_choice,
-               std::int64_t max_new, const DraftChoice& choice, int repeats) {
+               std::int64_t max_new, const DraftChoice& choice, int repeats, const std::optional<std::int64_t>& ctx_size) {
   if (!choice.any()) throw InvalidArgument("verify needs a draft source: --draft DIR or --lookup N");
   choice.check(cmd);
   prompt_choice.check_batch(cmd);
   if (prompt_choice.many(cmd)) {
     if (choice.tree()) throw InvalidArgument("verify --tree checks one prompt (--prompt / --prompt-file); batched tree speculation is not built yet");
     if (cmd.count("--repeats") > 0) throw InvalidArgument("verify --prompts runs once; --repeats applies to --prompt");
-    return run_verify_batch(cmd, model_dir, prompt_choice, max_new, choice);
+    return run_verify_batch(cmd, model_dir, prompt_choice, max_new, choice, ctx_size);
   }
   const std::string prompt = prompt_choice.read(cmd);
   const Model model = Model::load(model_dir);
   const Tokenizer tokenizer = load_tokenizer(model_dir, model);
   const std::optional<Model> draft = load_draft(choice, model, tokenizer);
   const std::vector<std::int32_t> tokens = encode_for_generation(tokenizer, prompt, "the prompt");
+  check_context(static_cast<std::int64_t>(tokens.size()), max_new, resolve_ctx_size(ctx_size, model),
+                ctx_size.has_value(), "the prompt");
   GenerationOptions options;
   options.max_new_tokens = max_new;
   options.max_prefill_rows = prompt_choice.max_prefill_rows;
@@ -866,6 +929,19 @@ int run_eval(const std::string& model_dir, const std::string& text_path, std::in
   if (load_tokenizer(model_dir, model).kind() != TokenizerKind::ByteLevel) {
     throw InvalidArgument("eval scores byte-level models only; " + model_dir +
                           " has a tokenizer.json (BPE), whose tokens are not bytes");
+  }
+  // Each segment is BOS + its bytes: positions the model must have been built for.
+  if (const std::int64_t limit = model.config().max_position_embeddings; limit > 0) {
+    const auto bytes = static_cast<std::int64_t>(text.size());
+    const std::int64_t segment = context > 0 ? std::min(context, bytes) : bytes;
+    if (segment + 1 > limit) {
+      throw InvalidArgument((context > 0 ? "--context " + std::to_string(context) + " makes segments of "
+                                         : "--context 0 makes the whole file (" + std::to_string(bytes) +
+                                               " bytes) one segment of ") +
+                            std::to_string(segment + 1) + " positions (BOS + bytes), past the model's "
+                            "max_position_embeddings (" + std::to_string(limit) + "); give --context at most " +
+                            std::to_string(limit - 1));
+    }
   }
   EvalOptions options;
   options.chunk = chunk;
@@ -1107,11 +1183,13 @@ void write_file_atomically(const std::string& path, const std::vector<std::byte>
 }
 
 int run_snapshot_save(const CLI::App& cmd, const std::string& model_dir, const PromptChoice& prompt_choice,
-                      const std::string& out_path) {
+                      const std::string& out_path, const std::optional<std::int64_t>& ctx_size) {
   const std::string prompt = prompt_choice.read(cmd);
   const Model model = Model::load(model_dir);
   const std::vector<std::int32_t> tokens =
       encode_for_generation(load_tokenizer(model_dir, model), prompt, "the prompt");
+  check_context(static_cast<std::int64_t>(tokens.size()), 0, resolve_ctx_size(ctx_size, model), ctx_size.has_value(),
+                "the prompt");
   Cache cache = model.make_cache();
   std::vector<float> logits;
   GenerationStats stats;
@@ -1174,7 +1252,7 @@ int run_snapshot_inspect(const std::string& path) {
 }
 
 int run_snapshot_load(const CLI::App& cmd, const std::string& model_dir, const std::string& path, std::int64_t max_new,
-                      const SamplingChoice& sampling_choice, bool stats_wanted) {
+                      const SamplingChoice& sampling_choice, bool stats_wanted, const std::optional<std::int64_t>& ctx_size) {
   const SamplingParams sampling = sampling_choice.resolve(cmd);
   const std::vector<std::byte> bytes = read_file_bytes(path);
   std::string fingerprint;
@@ -1187,6 +1265,8 @@ int run_snapshot_load(const CLI::App& cmd, const std::string& model_dir, const s
   if (snap.logits.numel() != model.vocab_size() || snap.length < 1) {
     throw InvalidArgument(path + " holds no logits of its last token (or no token): `snapshot save` files do");
   }
+  check_context(snap.length, max_new, resolve_ctx_size(ctx_size, model), ctx_size.has_value(),
+                "the snapshot's sequence");
   Cache cache = model.make_cache();
   cache.restore(snap);
   std::vector<float> logits(snap.logits.data<float>(), snap.logits.data<float>() + model.vocab_size());
@@ -1253,11 +1333,113 @@ int run_init_random(const std::string& config_path, const std::string& out_dir, 
   return 0;
 }
 
+// ---- unknown subcommands and flags ---------------------------------------------------
+
+// Levenshtein distance, for "did you mean" suggestions.
+std::size_t edit_distance(const std::string& a, const std::string& b) {
+  std::vector<std::size_t> row(b.size() + 1);
+  for (std::size_t j = 0; j <= b.size(); ++j) row[j] = j;
+  for (std::size_t i = 1; i <= a.size(); ++i) {
+    std::size_t diagonal = row[0];
+    row[0] = i;
+    for (std::size_t j = 1; j <= b.size(); ++j) {
+      const std::size_t above = row[j];
+      row[j] = std::min({row[j] + 1, row[j - 1] + 1, diagonal + (a[i - 1] == b[j - 1] ? 0 : 1)});
+      diagonal = above;
+    }
+  }
+  return row[b.size()];
+}
+
+// "; did you mean 'X'?" for the candidate nearest to `typed` (at most 2
+// edits, or a third of its length for long names), or "" when none is near.
+std::string did_you_mean(const std::string& typed, const std::vector<std::string>& candidates) {
+  const std::size_t limit = std::max<std::size_t>(2, typed.size() / 3);
+  std::string best;
+  std::size_t best_distance = limit + 1;
+  for (const std::string& c : candidates) {
+    const std::size_t d = edit_distance(typed, c);
+    if (d < best_distance) {
+      best = c;
+      best_distance = d;
+    }
+  }
+  return best.empty() ? "" : "; did you mean '" + best + "'?";
+}
+
+std::string joined(const std::vector<std::string>& names) {
+  std::string out;
+  for (const std::string& n : names) out += (out.empty() ? "" : ", ") + n;
+  return out;
+}
+
+// After a parse error: a message naming the unknown subcommand or flag in
+// argv, with the nearest known one, or "" when argv holds none (CLI11's own
+// message is printed then). Option values are skipped, so that a prompt
+// such as "-x" is not taken for a flag.
+std::string diagnose_usage(const CLI::App& app, int argc, char** argv) {
+  const CLI::App* cur = &app;
+  std::string path = "rewind";
+  auto subcommand_names = [](const CLI::App* a) {
+    std::vector<std::string> names;
+    for (const CLI::App* s : a->get_subcommands([](const CLI::App*) { return true; })) names.push_back(s->get_name());
+    return names;
+  };
+  for (int i = 1; i < argc; ++i) {
+    const std::string arg = argv[i];
+    if (arg == "--") break;
+    const bool number = arg.size() > 1 && (std::isdigit(static_cast<unsigned char>(arg[1])) != 0 || arg[1] == '.');
+    if (arg.size() > 1 && arg[0] == '-' && !number) {
+      const std::string name = arg.substr(0, arg.find('='));
+      const CLI::Option* known = nullptr;
+      for (const CLI::Option* opt : cur->get_options()) {
+        if (opt->check_name(name)) known = opt;
+      }
+      if (known != nullptr) {
+        if (name.size() == arg.size() && known->get_items_expected_min() > 0) ++i;  // its value
+        continue;
+      }
+      const std::vector<std::string> subcommands = subcommand_names(cur);
+      if (cur == &app) {
+        return "'" + name + "' comes before any subcommand; give one first, as in `rewind generate -m DIR -p TEXT` " +
+               "(subcommands: " + joined(subcommands) + ")";
+      }
+      std::vector<std::string> flags;
+      for (const CLI::Option* opt : cur->get_options()) {
+        for (const std::string& l : opt->get_lnames()) flags.push_back("--" + l);
+        for (const std::string& sn : opt->get_snames()) flags.push_back("-" + sn);
+      }
+      return "unknown flag '" + name + "' for " + path + did_you_mean(name, flags) + " (`" + path +
+             " --help` lists its flags)";
+    }
+    const std::vector<std::string> subcommands = subcommand_names(cur);
+    if (subcommands.empty()) return "";  // a stray word: CLI11 names it
+    bool found = false;
+    for (const CLI::App* s : cur->get_subcommands([](const CLI::App*) { return true; })) {
+      if (s->check_name(arg)) {
+        cur = s;
+        path += " " + s->get_name();
+        found = true;
+      }
+    }
+    if (!found) {
+      return "unknown subcommand '" + arg + "'" + (cur == &app ? "" : " of " + path) + did_you_mean(arg, subcommands) +
+             " (subcommands: " + joined(subcommands) + ")";
+    }
+  }
+  if (cur->get_require_subcommand_min() > 0) {
+    return path + " needs a subcommand (subcommands: " + joined(subcommand_names(cur)) + "; `" + path +
+           " --help` describes them)";
+  }
+  return "";
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
   CLI::App app{"rewind: reference runtime for exact-rollback inference caches"};
   app.require_subcommand(1);
+  app.set_version_flag("--version", std::string("rewind ") + REWIND_VERSION, "print the version and exit");
   // Every option's help line shows its default (subcommands copy this).
   app.option_defaults()->always_capture_default();
   app.footer(
@@ -1270,6 +1452,7 @@ int main(int argc, char** argv) {
   std::uint64_t init_seed = 0;
   bool stats = false, force = false;
   std::optional<int> threads;
+  std::optional<std::int64_t> ctx_size;
   PromptChoice prompt;
   DraftChoice choice;
   SamplingChoice sampling;
@@ -1277,7 +1460,7 @@ int main(int argc, char** argv) {
 
   const CLI::Validator max_new_range = integer_in(0, std::int64_t{1} << 30);
   auto add_prompt_options = [&](CLI::App* cmd) {
-    auto* text = cmd->add_option("--prompt", prompt.text, "prompt text (or --prompt-file)");
+    auto* text = cmd->add_option("-p,--prompt", prompt.text, "prompt text (or --prompt-file)");
     auto* file = cmd->add_option("--prompt-file", prompt.file,
                                  "read the prompt from FILE ('-' = standard input), for prompts too long for "
                                  "the command line (Linux caps one argument at 128 KiB)")
@@ -1312,7 +1495,7 @@ int main(int argc, char** argv) {
         ->check(integer_in(2, 1024));
   };
   auto add_threads_option = [&](CLI::App* cmd) {
-    cmd->add_option("--threads", threads,
+    cmd->add_option("-t,--threads", threads,
                     "OpenMP threads; default 1, or OMP_NUM_THREADS when set. More threads help only models "
                     "too big for the caches, or long prompts, on an idle machine: on a busy one they can make "
                     "decoding many times slower")
@@ -1320,6 +1503,14 @@ int main(int argc, char** argv) {
         ->default_str("1 or $OMP_NUM_THREADS");
   };
 
+  auto add_ctx_option = [&](CLI::App* cmd) {
+    cmd->add_option("-c,--ctx-size", ctx_size,
+                    "the most positions a run may use (prompt tokens + --max-new-tokens): a run past it is refused "
+                    "before any work; at most the model's max_position_embeddings (no limit when its config names "
+                    "none)")
+        ->check(integer_in(1, std::int64_t{1} << 40))
+        ->default_str("max_position_embeddings");
+  };
   auto add_prompts_option = [&](CLI::App* cmd, const char* what) {
     cmd->add_option("--prompts", prompt.prompts, what)
         ->type_name("FILE")
@@ -1341,13 +1532,13 @@ int main(int argc, char** argv) {
         ->check(integer_in(0, std::numeric_limits<std::int32_t>::max()));
     cmd->add_option("--top-p", sampling.params.top_p, "nucleus mass (1 = off); needs --temperature")
         ->check(finite_number(0.0, 1.0, true, "(0, 1]"));
-    cmd->add_option("--seed", sampling.params.seed,
+    cmd->add_option("-s,--seed", sampling.params.seed,
                     "sampling seed; needs --temperature; default: a random seed, printed by --stats")
         ->check(unsigned_integer())
         ->default_str("random");
   };
   auto* gen = app.add_subcommand("generate", "generate text (greedy, sampled or speculative)");
-  gen->add_option("--model", model_dir, "model directory")->required()->check(CLI::ExistingDirectory);
+  gen->add_option("-m,--model", model_dir, "model directory")->required()->check(CLI::ExistingDirectory);
   add_prompt_options(gen);
   add_prompts_option(gen,
                      "decode every line of FILE ('-' = standard input) as a prompt, in batches of at most "
@@ -1359,7 +1550,7 @@ int main(int argc, char** argv) {
                   "forwards, max_batch, peak_batch (the most sequences in one forward), seconds, "
                   "tokens_per_second (all sequences' tokens over the wall time), time_to_first_token_s and "
                   "per_sequence figures (acceptance included)");
-  gen->add_option("--max-new-tokens", max_new, "token budget")->check(max_new_range);
+  gen->add_option("-n,--max-new-tokens", max_new, "token budget")->check(max_new_range);
   gen->add_option("--prefix-cache", prefix.spec,
                   "reuse prompt prefixes across runs and processes: a directory, ro:DIR (a directory read but "
                   "never written, e.g. a pre-built cache), or redis://HOST:PORT[/PREFIX]; other URLs are refused. "
@@ -1378,6 +1569,7 @@ int main(int argc, char** argv) {
   add_draft_options(gen);
   add_sampling_options(gen);
   add_threads_option(gen);
+  add_ctx_option(gen);
   gen->add_flag("--stats", stats,
                 "end with one JSON line: new_tokens, prompt_tokens, seconds (wall time of prefill + decoding), "
                 "time_to_first_token_s (prefill + the forward of the first token), tokens_per_second "
@@ -1389,23 +1581,24 @@ int main(int argc, char** argv) {
 
   int verify_repeats = 1;
   auto* ver = app.add_subcommand("verify", "check that speculative decoding equals greedy decoding");
-  ver->add_option("--model", model_dir, "model directory")->required()->check(CLI::ExistingDirectory);
+  ver->add_option("-m,--model", model_dir, "model directory")->required()->check(CLI::ExistingDirectory);
   add_prompt_options(ver);
   add_prompts_option(ver,
                      "decode every line of FILE ('-' = standard input) speculatively, in batches of at most "
                      "--max-batch sequences, and check "
                      "each against greedy decoding of that prompt alone; exit 1 names the first divergence "
                      "(prompt and position)");
-  ver->add_option("--max-new-tokens", max_new, "token budget")->check(max_new_range);
+  ver->add_option("-n,--max-new-tokens", max_new, "token budget")->check(max_new_range);
   add_draft_options(ver);
   ver->add_option("--repeats", verify_repeats,
                   "decode greedily and speculatively this many times each, alternating; every run is "
                   "checked and tok/s (end to end, prefill included) are medians")
       ->check(integer_in(1, 100));
   add_threads_option(ver);
+  add_ctx_option(ver);
 
   auto* evl = app.add_subcommand("eval", "bits per byte of a text file under a model (teacher forcing)");
-  evl->add_option("--model", model_dir, "model directory")->required()->check(CLI::ExistingDirectory);
+  evl->add_option("-m,--model", model_dir, "model directory")->required()->check(CLI::ExistingDirectory);
   evl->add_option("--text", text_path, "text file, scored byte by byte")->required()->check(CLI::ExistingFile);
   evl->add_option("--chunk", chunk, "tokens per forward (the result does not depend on it)")
       ->check(integer_in(1, std::int64_t{1} << 30));
@@ -1416,7 +1609,7 @@ int main(int argc, char** argv) {
   add_threads_option(evl);
 
   auto* ins = app.add_subcommand("inspect", "describe a model's layers and memory");
-  ins->add_option("--model", model_dir, "model directory")->required()->check(CLI::ExistingDirectory);
+  ins->add_option("-m,--model", model_dir, "model directory")->required()->check(CLI::ExistingDirectory);
   ins->add_option("--rollback", rollback, "R for the rollback-memory figure")
       ->check(integer_in(0, std::numeric_limits<std::int64_t>::max()));
 
@@ -1425,11 +1618,11 @@ int main(int argc, char** argv) {
   std::vector<std::int64_t> bench_ks, bench_batches;
   std::int64_t bench_max_new = 128;
   auto* ben = app.add_subcommand("bench", "tokens/s of greedy and speculative decoding over a fixed prompt set");
-  ben->add_option("--model", model_dir, "target model directory")->required()->check(CLI::ExistingDirectory);
+  ben->add_option("-m,--model", model_dir, "target model directory")->required()->check(CLI::ExistingDirectory);
   ben->add_option("--draft", choice.draft_dir, "draft model directory (none: no draft-model rows)")
       ->check(CLI::ExistingDirectory)
       ->default_str("none");
-  ben->add_option("--max-new-tokens", bench_max_new, "tokens per prompt")->check(integer_in(1, std::int64_t{1} << 20));
+  ben->add_option("-n,--max-new-tokens", bench_max_new, "tokens per prompt")->check(integer_in(1, std::int64_t{1} << 20));
   ben->add_option("--repeats", repeats, "runs per configuration (median reported)")->check(integer_in(1, 100));
   ben->add_option("--batch", bench_batches,
                   "batch sizes to add, comma-separated: B prompts decoded together (greedy, and with --draft "
@@ -1454,7 +1647,7 @@ int main(int argc, char** argv) {
   std::vector<std::int64_t> cost_batches;
   auto* cst = app.add_subcommand("forward-cost", "what a forward of q tokens costs, in one-token forwards (the "
                                                  "verification term of speculative decoding)");
-  cst->add_option("--model", model_dir, "model directory")->required()->check(CLI::ExistingDirectory);
+  cst->add_option("-m,--model", model_dir, "model directory")->required()->check(CLI::ExistingDirectory);
   cst->add_option("--max-q", cost_max_q, "q from 1 to this")->check(integer_in(1, 64));
   cst->add_option("--context", cost_context, "tokens in the cache before each forward")
       ->check(integer_in(1, std::int64_t{1} << 20));
@@ -1472,51 +1665,58 @@ int main(int argc, char** argv) {
   snp->require_subcommand(1);
   auto* snp_save = snp->add_subcommand("save", "prefill a prompt and write the state (with the logits of its last "
                                                 "token) to a snapshot file");
-  snp_save->add_option("--model", model_dir, "model directory")->required()->check(CLI::ExistingDirectory);
+  snp_save->add_option("-m,--model", model_dir, "model directory")->required()->check(CLI::ExistingDirectory);
   add_prompt_options(snp_save);
   snp_save->add_option("--out", snapshot_out, "snapshot file to write (written whole, then renamed into place)")
       ->required();
   add_threads_option(snp_save);
+  add_ctx_option(snp_save);
   auto* snp_inspect = snp->add_subcommand("inspect", "validate a snapshot file (every checksum) and describe it");
   snp_inspect->add_option("--file", snapshot_file, "snapshot file")->required();
   auto* snp_load = snp->add_subcommand("load", "restore a snapshot file and continue generating from it (same "
                                                 "tokens as generating from its prompt)");
-  snp_load->add_option("--model", model_dir, "model directory (must be the snapshot's model)")
+  snp_load->add_option("-m,--model", model_dir, "model directory (must be the snapshot's model)")
       ->required()
       ->check(CLI::ExistingDirectory);
   snp_load->add_option("--file", snapshot_file, "snapshot file")->required();
-  snp_load->add_option("--max-new-tokens", max_new, "token budget")->check(max_new_range);
+  snp_load->add_option("-n,--max-new-tokens", max_new, "token budget")->check(max_new_range);
   add_sampling_options(snp_load);
   snp_load->add_flag("--stats", stats, "end with one JSON line of figures (as generate --stats)");
   add_threads_option(snp_load);
+  add_ctx_option(snp_load);
 
   auto* ini = app.add_subcommand("init-random", "write a model with random weights");
   ini->add_option("--config", config_path, "config.json to use")->required()->check(CLI::ExistingFile);
   ini->add_option("--out", out_dir, "output directory (refused if it already holds a model, unless --force)")
       ->required();
-  ini->add_option("--seed", init_seed, "random seed")->required()->check(unsigned_integer())->default_str("");
+  ini->add_option("-s,--seed", init_seed, "random seed")->required()->check(unsigned_integer())->default_str("");
   ini->add_option("--dtype", dtype, "f32, f16 or bf16");
   ini->add_flag("--force", force,
                 "overwrite the model in --out; its model card (README.md) is replaced and training.json removed");
 
   try {
     app.parse(argc, argv);
-  } catch (const CLI::CallForHelp& e) {
+  } catch (const CLI::Success& e) {  // --help, --version
     return app.exit(e);
   } catch (const CLI::ParseError& e) {
-    app.exit(e);
+    const std::string usage = diagnose_usage(app, argc, argv);
+    if (usage.empty()) {
+      app.exit(e);
+    } else {
+      std::fprintf(stderr, "rewind: error: %s\n", usage.c_str());
+    }
     return 2;
   }
   try {
     set_threads(threads);
-    if (*gen) return run_generate(*gen, model_dir, prompt, max_new, choice, sampling, prefix, stats);
-    if (*ver) return run_verify(*ver, model_dir, prompt, max_new, choice, verify_repeats);
+    if (*gen) return run_generate(*gen, model_dir, prompt, max_new, choice, sampling, prefix, stats, ctx_size);
+    if (*ver) return run_verify(*ver, model_dir, prompt, max_new, choice, verify_repeats, ctx_size);
     if (*evl) return run_eval(model_dir, text_path, chunk, context);
     if (*ins) return run_inspect(model_dir, rollback);
     if (*ini) return run_init_random(config_path, out_dir, init_seed, dtype, force);
-    if (*snp_save) return run_snapshot_save(*snp_save, model_dir, prompt, snapshot_out);
+    if (*snp_save) return run_snapshot_save(*snp_save, model_dir, prompt, snapshot_out, ctx_size);
     if (*snp_inspect) return run_snapshot_inspect(snapshot_file);
-    if (*snp_load) return run_snapshot_load(*snp_load, model_dir, snapshot_file, max_new, sampling, stats);
+    if (*snp_load) return run_snapshot_load(*snp_load, model_dir, snapshot_file, max_new, sampling, stats, ctx_size);
     if (*ben) return run_bench(*ben, model_dir, choice, bench_max_new, repeats, bench_ks, bench_batches, bench_json);
     if (*cst) return run_forward_cost(model_dir, cost_max_q, cost_context, cost_samples, cost_batches);
   } catch (const rwd::Error& e) {

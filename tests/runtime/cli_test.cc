@@ -555,7 +555,11 @@ TEST_F(Cli, HelpShowsTheDefaultOfEveryOptionThatTakesAValue) {
     std::istringstream lines(r.out);
     int checked = 0;
     for (std::string line; std::getline(lines, line);) {
-      if (line.rfind("  --", 0) != 0) continue;
+      // "  --name ..." or, with a short flag, "  -n,--name ...".
+      const bool with_short = line.size() > 6 && line.compare(0, 3, "  -") == 0 && line[3] != '-' && line[4] == ',';
+      if (line.rfind("  --", 0) != 0 && !with_short) continue;
+      if (with_short) line.erase(2, 3);
+      if (line.rfind("  --help", 0) == 0) continue;
       // The option column ends at the first double space (or the line's end).
       const std::string column = line.substr(2, line.find("  ", 2) - 2);
       const bool takes_value = column.find(' ') != std::string::npos;
@@ -765,6 +769,194 @@ TEST_F(Cli, GeneratePromptsStreamsALongFileInBoundedBatches) {
     EXPECT_EQ(std::count(grouped.out.begin(), grouped.out.end(), '\n'), 300) << source;
     EXPECT_EQ(grouped.out, whole.out) << source;
   }
+}
+
+// ---- 9. llama.cpp habits (issue 29) -------------------------------------------------
+
+// -m -p -n -t -s -c as llama-cli users type them: the same run as the long
+// flags, byte for byte, on every subcommand that has the long flag.
+TEST_F(Cli, ShortFlagsAsLlamaCppUsersTypeThemEqualTheLongFlags) {
+  const std::string dir = quote(dir_ + "/target");
+  const std::string prompt = quote("in the beginning");
+  auto same = [](const std::string& short_args, const std::string& long_args, const std::string& until = "") {
+    const CliResult s = run_cli(short_args), l = run_cli(long_args);
+    EXPECT_EQ(s.status, 0) << short_args << "\n" << s.all();
+    EXPECT_EQ(l.status, 0) << long_args << "\n" << l.all();
+    const std::string s_out = until.empty() ? s.out : s.out.substr(0, s.out.find(until));
+    const std::string l_out = until.empty() ? l.out : l.out.substr(0, l.out.find(until));
+    EXPECT_FALSE(l_out.empty()) << long_args;
+    EXPECT_EQ(s_out, l_out) << short_args << "\nvs\n" << long_args;
+    EXPECT_EQ(s.err, l.err) << short_args;
+  };
+  same("generate -m " + dir + " -p " + prompt + " -n 8 -s 1 -t 1 --temperature 0.8",
+       "generate --model " + dir + " --prompt " + prompt + " --max-new-tokens 8 --seed 1 --threads 1 --temperature 0.8");
+  same("generate -m " + dir + " -p " + prompt + " -n 8 -t 1 -c 64",
+       "generate --model " + dir + " --prompt " + prompt + " --max-new-tokens 8 --threads 1 --ctx-size 64");
+  // A seed that differs gives other text: -s is not ignored.
+  EXPECT_NE(run_cli("generate -m " + dir + " -p " + prompt + " -n 16 -s 1 --temperature 1.5").out,
+            run_cli("generate -m " + dir + " -p " + prompt + " -n 16 -s 2 --temperature 1.5").out);
+  // verify's and eval's lines end with timings: compared before them.
+  same("verify -m " + dir + " -p " + prompt + " -n 12 -t 1 -c 64 --lookup 2",
+       "verify --model " + dir + " --prompt " + prompt + " --max-new-tokens 12 --threads 1 --ctx-size 64 --lookup 2",
+       "; greedy");
+  const fs::path text = scratch_dir() / "habits_eval.txt";
+  write_file(text, "in the beginning was the word\n");
+  same("eval -m " + dir + " --text " + quote(text.string()) + " -t 1",
+       "eval --model " + dir + " --text " + quote(text.string()) + " --threads 1", " bytes, ");
+  same("inspect -m " + dir, "inspect --model " + dir, "weights in memory");
+  const std::string snap = quote((scratch_dir() / "habits.snap").string());
+  same("snapshot save -m " + dir + " -p " + prompt + " -t 1 -c 64 --out " + snap,
+       "snapshot save --model " + dir + " --prompt " + prompt + " --threads 1 --ctx-size 64 --out " + snap);
+  same("snapshot load -m " + dir + " --file " + snap + " -n 8 -s 3 -t 1 -c 64 --temperature 0.9",
+       "snapshot load --model " + dir + " --file " + snap +
+           " --max-new-tokens 8 --seed 3 --threads 1 --ctx-size 64 --temperature 0.9");
+  const fs::path a = scratch_dir() / "habits_init_a", b = scratch_dir() / "habits_init_b";
+  const std::string config = quote(dir_ + "/target/config.json");
+  ASSERT_EQ(run_cli("init-random --config " + config + " --out " + quote(a.string()) + " -s 11").status, 0);
+  ASSERT_EQ(run_cli("init-random --config " + config + " --out " + quote(b.string()) + " --seed 11").status, 0);
+  EXPECT_EQ(read_file(a / "model.safetensors"), read_file(b / "model.safetensors"));
+  // bench and forward-cost print timings only: their help names the flags.
+  for (const auto& [sub, flags] : std::vector<std::pair<std::string, std::vector<std::string>>>{
+           {"bench", {"-m,--model", "-n,--max-new-tokens", "-t,--threads"}},
+           {"forward-cost", {"-m,--model", "-t,--threads"}},
+           {"generate", {"-m,--model", "-p,--prompt", "-n,--max-new-tokens", "-t,--threads", "-s,--seed", "-c,--ctx-size"}},
+           {"verify", {"-m,--model", "-p,--prompt", "-n,--max-new-tokens", "-t,--threads", "-c,--ctx-size"}},
+           {"eval", {"-m,--model", "-t,--threads"}},
+           {"init-random", {"-s,--seed"}},
+       }) {
+    const CliResult h = run_cli(sub + " --help");
+    for (const std::string& f : flags) EXPECT_NE(h.out.find("  " + f + " "), std::string::npos) << sub << " " << f;
+  }
+  const CliResult r = run_cli("forward-cost -m " + dir + " -t 1 --max-q 1 --samples 2 --context 4");
+  EXPECT_EQ(r.status, 0) << r.all();
+}
+
+// --version prints the version of CMake's project() and exits 0, with or
+// without a subcommand's help around it.
+TEST_F(Cli, VersionPrintsTheProjectVersion) {
+  const std::string cmake = read_file(std::string(REWIND_SOURCE_DIR) + "/CMakeLists.txt");
+  const std::string marker = "project(rewind VERSION ";
+  const std::size_t at = cmake.find(marker);
+  ASSERT_NE(at, std::string::npos);
+  const std::size_t from = at + marker.size();
+  const std::string version = cmake.substr(from, cmake.find(' ', from) - from);
+  ASSERT_FALSE(version.empty());
+  const CliResult r = run_cli("--version");
+  EXPECT_EQ(r.status, 0) << r.all();
+  EXPECT_EQ(r.out, "rewind " + version + "\n");
+  EXPECT_EQ(r.err, "");
+}
+
+// A misspelt subcommand or flag: the nearest one, the list, exit 2.
+TEST_F(Cli, MisspeltSubcommandsAndFlagsGetADidYouMean) {
+  const std::string all = "(subcommands: generate, verify, eval, inspect, bench, forward-cost, snapshot, init-random)";
+  struct Case {
+    std::string args, err;
+  };
+  for (const Case& c : std::vector<Case>{
+           {"generat --model x", "rewind: error: unknown subcommand 'generat'; did you mean 'generate'? " + all + "\n"},
+           {"verfy", "rewind: error: unknown subcommand 'verfy'; did you mean 'verify'? " + all + "\n"},
+           {"frobnicate", "rewind: error: unknown subcommand 'frobnicate' " + all + "\n"},
+           {"snapshot sav", "rewind: error: unknown subcommand 'sav' of rewind snapshot; did you mean 'save'? "
+                            "(subcommands: save, inspect, load)\n"},
+           {"generate" + model("target") + " -p x --max-new-token 3",
+            "rewind: error: unknown flag '--max-new-token' for rewind generate; did you mean '--max-new-tokens'? "
+            "(`rewind generate --help` lists its flags)\n"},
+           {"generate" + model("target") + " --promt x",
+            "rewind: error: unknown flag '--promt' for rewind generate; did you mean '--prompt'? "
+            "(`rewind generate --help` lists its flags)\n"},
+           {"-m " + quote(dir_ + "/target") + " -p x",
+            "rewind: error: '-m' comes before any subcommand; give one first, as in `rewind generate -m DIR -p TEXT` " +
+                all + "\n"},
+           {"", "rewind: error: rewind needs a subcommand " + all.substr(0, all.size() - 1) +
+                    "; `rewind --help` describes them)\n"},
+       }) {
+    const CliResult r = run_cli(c.args);
+    EXPECT_EQ(r.status, 2) << c.args << "\n" << r.all();
+    EXPECT_EQ(r.err, c.err) << c.args;
+    EXPECT_EQ(r.out, "") << c.args;
+  }
+  // A value that starts with '-' is a value, not a flag to correct.
+  const CliResult r = run_cli("generate" + model("target") + " -p -x -n 2");
+  EXPECT_EQ(r.status, 0) << r.all();
+}
+
+// The context: prompt tokens + --max-new-tokens at most --ctx-size, by
+// default the model's max_position_embeddings; refused before any work.
+TEST_F(Cli, ContextLengthIsCheckedAgainstTheModels) {
+  ModelConfig config = hybrid({"conv", "sliding_attention"}, 16, 4);
+  config.max_position_embeddings = 16;
+  const std::string ctx16 = dir_ + "/ctx16";
+  write_random_model(config, ctx16, 9, DType::F32);
+  const std::string m = " -m " + quote(ctx16);
+  // "abc": BOS + 3 bytes = 4 tokens.
+  const CliResult fits = run_cli("generate" + m + " -p abc -n 12");
+  EXPECT_EQ(fits.status, 0) << fits.all();
+  struct Case {
+    std::string args, err;
+  };
+  for (const Case& c : std::vector<Case>{
+           {"generate" + m + " -p abc -n 13",
+            "rewind: error: the prompt (4 tokens) plus --max-new-tokens 13 needs 17 positions, past the context of 16 "
+            "(the model's max_position_embeddings, -c / --ctx-size); shorten the prompt or lower -n / "
+            "--max-new-tokens\n"},
+           {"generate" + m + " -p abc -n 5 -c 8",
+            "rewind: error: the prompt (4 tokens) plus --max-new-tokens 5 needs 9 positions, past the context of 8 "
+            "(-c / --ctx-size); shorten the prompt or lower -n / --max-new-tokens\n"},
+           {"generate" + model("target") + " -p abc -n 5 -c 8",
+            "rewind: error: the prompt (4 tokens) plus --max-new-tokens 5 needs 9 positions, past the context of 8 "
+            "(-c / --ctx-size); shorten the prompt or lower -n / --max-new-tokens\n"},
+           {"generate" + m + " -p abc -n 4 -c 17",
+            "rewind: error: --ctx-size 17 is past the model's max_position_embeddings (16); give at most 16\n"},
+           {"verify" + m + " --lookup 2 -p abc -n 13",
+            "rewind: error: the prompt (4 tokens) plus --max-new-tokens 13 needs 17 positions, past the context of 16 "
+            "(the model's max_position_embeddings, -c / --ctx-size); shorten the prompt or lower -n / "
+            "--max-new-tokens\n"},
+       }) {
+    const CliResult r = run_cli(c.args);
+    EXPECT_EQ(r.status, 2) << c.args << "\n" << r.all();
+    EXPECT_EQ(r.err, c.err) << c.args;
+    EXPECT_EQ(r.out, "") << c.args;  // before any work: nothing generated
+  }
+  EXPECT_EQ(run_cli("generate" + m + " -p abc -n 4 -c 8").status, 0);
+  EXPECT_EQ(run_cli("verify" + m + " --lookup 2 -p abc -n 12").status, 0);
+  EXPECT_EQ(run_cli("generate" + model("target") + " -p abc -n 200").status, 0);  // no limit named: none
+  // --prompts: the line past the context is named.
+  const fs::path prompts = scratch_dir() / "ctx_prompts.txt";
+  write_file(prompts, "abc\nabcdefghij\n");
+  const CliResult batch = run_cli("generate" + m + " --prompts " + quote(prompts.string()) + " -n 8");
+  EXPECT_EQ(batch.status, 2) << batch.all();
+  EXPECT_NE(batch.err.find("--prompts line 2 (11 tokens) plus --max-new-tokens 8 needs 19 positions, past the "
+                           "context of 16"),
+            std::string::npos)
+      << batch.all();
+  // snapshot load: the saved sequence's length counts.
+  const std::string snap = quote((scratch_dir() / "ctx.snap").string());
+  ASSERT_EQ(run_cli("snapshot save" + m + " -p abc --out " + snap).status, 0);
+  EXPECT_EQ(run_cli("snapshot load" + m + " --file " + snap + " -n 12").status, 0);
+  // eval: a segment is BOS + --context bytes (the whole file for 0).
+  const fs::path text = scratch_dir() / "ctx_eval.txt";
+  write_file(text, "in the beginning was the word\n");  // 30 bytes
+  const std::string eval = "eval" + m + " --text " + quote(text.string());
+  EXPECT_EQ(run_cli(eval + " --context 15").status, 0);
+  const CliResult segments = run_cli(eval + " --context 16");
+  EXPECT_EQ(segments.status, 2) << segments.all();
+  EXPECT_EQ(segments.err, "rewind: error: --context 16 makes segments of 17 positions (BOS + bytes), past the "
+                          "model's max_position_embeddings (16); give --context at most 15\n");
+  const CliResult whole = run_cli(eval + " --context 0");
+  EXPECT_EQ(whole.status, 2) << whole.all();
+  EXPECT_NE(whole.err.find("--context 0 makes the whole file (30 bytes) one segment of 31 positions"),
+            std::string::npos)
+      << whole.all();
+  const CliResult long_save = run_cli("snapshot save" + m + " -p abcdefghijklmnop --out " + snap);
+  EXPECT_EQ(long_save.status, 2) << long_save.all();
+  EXPECT_EQ(long_save.err, "rewind: error: the prompt (17 tokens) is past the context of 16 (the model's "
+                           "max_position_embeddings, -c / --ctx-size); shorten the prompt\n");
+  const CliResult over = run_cli("snapshot load" + m + " --file " + snap + " -n 13");
+  EXPECT_EQ(over.status, 2) << over.all();
+  EXPECT_NE(over.err.find("the snapshot's sequence (4 tokens) plus --max-new-tokens 13 needs 17 positions"),
+            std::string::npos)
+      << over.all();
 }
 
 }  // namespace

@@ -293,6 +293,67 @@ TEST(ModelConfig, InvalidConfigsThrowFormatError) {
   }
 }
 
+// Hugging Face configs of families the runtime does not read (as the Hub
+// ships them, trimmed): refused by name, with the supported list, before
+// any "missing required key".
+TEST(ModelConfig, UnsupportedArchitecturesAreNamedWithTheSupportedList) {
+  const std::string llama = R"({"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 2048,
+      "intermediate_size": 8192, "num_attention_heads": 32, "num_hidden_layers": 16, "num_key_value_heads": 8,
+      "vocab_size": 128256, "max_position_embeddings": 131072, "rope_theta": 500000.0, "hidden_act": "silu"})";
+  // transformers >= 4.55 writes layer_types into Qwen3 configs: the layout
+  // key alone must not make it rewind's own.
+  const std::string qwen3 = R"({"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "hidden_size": 1024,
+      "intermediate_size": 3072, "num_attention_heads": 16, "num_hidden_layers": 2, "num_key_value_heads": 8,
+      "head_dim": 128, "vocab_size": 151936, "max_position_embeddings": 40960,
+      "layer_types": ["full_attention", "full_attention"], "tie_word_embeddings": true})";
+  const std::string no_architectures = R"({"model_type": "mistral", "hidden_size": 64, "num_hidden_layers": 2,
+      "num_attention_heads": 4, "num_key_value_heads": 2, "intermediate_size": 128, "vocab_size": 300})";
+  struct Case {
+    std::string text, named;
+  };
+  for (const Case& k : std::vector<Case>{
+           {llama, "config.json: architecture 'LlamaForCausalLM' (model_type 'llama') is not supported; supported: "},
+           {qwen3, "config.json: architecture 'Qwen3ForCausalLM' (model_type 'qwen3') is not supported; supported: "},
+           {no_architectures, "config.json: model_type 'mistral' is not supported; supported: "},
+       }) {
+    try {
+      parse_model_config(k.text, "config.json");
+      ADD_FAILURE() << "accepted: " << k.text;
+    } catch (const FormatError& e) {
+      const std::string msg = e.what();
+      EXPECT_EQ(msg.rfind(k.named, 0), 0u) << msg;
+      for (const char* family : {"rewind_hybrid", "lfm2", "qwen3_5", "qwen3_5_text", "qwen3_next"}) {
+        EXPECT_NE(msg.find(family, k.named.size()), std::string::npos) << family << " missing in: " << msg;
+      }
+      EXPECT_EQ(msg.find("missing required key"), std::string::npos) << msg;
+      EXPECT_EQ(msg.find('\n'), std::string::npos) << msg;
+    }
+  }
+  // rewind's own layout under another name still parses (ParsesExplicitValues),
+  // and rewind_hybrid without layer_types still says what it lacks.
+  EXPECT_EQ(parse_model_config(hybrid_text({{"model_type", R"("my_hybrid")"}}), "x").model_type, "my_hybrid");
+  EXPECT_THROW(
+      {
+        try {
+          parse_model_config(hybrid_text({}, {"layer_types"}), "x");
+        } catch (const FormatError& e) {
+          EXPECT_NE(std::string(e.what()).find("missing required key 'layer_types'"), std::string::npos) << e.what();
+          throw;
+        }
+      },
+      FormatError);
+}
+
+TEST(ModelConfig, MaxPositionEmbeddingsIsReadAndRoundTrips) {
+  EXPECT_EQ(hybrid_config().max_position_embeddings, 0);  // absent: no limit named
+  const ModelConfig c = parse_model_config(hybrid_text({{"max_position_embeddings", "4096"}}), "x");
+  EXPECT_EQ(c.max_position_embeddings, 4096);
+  EXPECT_EQ(parse_model_config(to_json(c), "rt"), c);
+  for (const char* bad : {"0", "-1", "\"long\"", "1e3"}) {
+    EXPECT_THROW(parse_model_config(hybrid_text({{"max_position_embeddings", bad}}), "x"), FormatError) << bad;
+  }
+}
+
 // ---- expected_weights ------------------------------------------------------------
 
 std::map<std::string, std::vector<std::int64_t>> spec_map(const ModelConfig& c) {

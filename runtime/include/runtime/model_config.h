@@ -48,6 +48,11 @@ struct ModelConfig {
   std::int64_t head_dim = 0;             // hd, default d / nh
   std::int64_t intermediate_size = 0;    // ff
   std::int64_t vocab_size = 0;
+  // The most positions the model was built for (config.json's
+  // max_position_embeddings, in [1, 2^40]); 0 when the config names none.
+  // Nothing in the runtime depends on it: the CLI refuses a run whose
+  // prompt and new tokens would go past it.
+  std::int64_t max_position_embeddings = 0;
   // One per layer, parsed once from config.json's strings (layer_kind_name
   // gives them back); only supported_layer_kinds() occur.
   std::vector<LayerKind> layer_types;
@@ -115,7 +120,10 @@ struct ModelConfig {
 const std::vector<LayerKind>& supported_layer_kinds();
 
 // Parses and validates config.json text. The family comes from model_type
-// (docs/model-format.md lists the keys each reads); mixture-of-experts
+// (docs/model-format.md lists the keys each reads); a config of another
+// architecture (a model_type or a transformers class in "architectures"
+// that is none of the families, e.g. LlamaForCausalLM) is refused first,
+// naming it and the supported ones; mixture-of-experts
 // variants, vision-only configs and unsupported options (biases, RoPE
 // scaling, other activations) are refused with a message naming them. `source_name` (usually the path)
 // starts every message. Throws FormatError naming the source and the key for
