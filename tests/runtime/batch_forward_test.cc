@@ -30,6 +30,17 @@ Tokens random_tokens(std::mt19937_64& rng, std::size_t n) {
   return t;
 }
 
+// One prompt per length in `lengths`: BOS, then random tokens.
+std::vector<Tokens> bos_prompts(const Model& model, std::mt19937_64& rng, std::initializer_list<std::size_t> lengths) {
+  std::vector<Tokens> prompts;
+  for (std::size_t n : lengths) {
+    Tokens p = random_tokens(rng, n);
+    p.insert(p.begin(), static_cast<std::int32_t>(model.config().bos_token_id));
+    prompts.push_back(p);
+  }
+  return prompts;
+}
+
 // One sequence of the batched cache and its solo twin.
 struct Twin {
   SeqId id;
@@ -195,12 +206,7 @@ TEST(ForwardBatch, RefusesBadInputAndChangesNothing) {
 TEST(GenerateBatch, EverySequenceEqualsGenerateAlone) {
   const Model model(ModelWeights::random(testing_configs::hybrid(), 11));
   std::mt19937_64 rng(11);
-  std::vector<Tokens> prompts;
-  for (std::size_t n : {1u, 5u, 9u, 2u}) {
-    Tokens p = random_tokens(rng, n);
-    p.insert(p.begin(), static_cast<std::int32_t>(model.config().bos_token_id));
-    prompts.push_back(p);
-  }
+  const std::vector<Tokens> prompts = bos_prompts(model, rng, {1u, 5u, 9u, 2u});
   for (const float temperature : {0.0f, 0.9f}) {
     for (const std::int64_t max_new : {0, 1, 17}) {
       GenerationOptions options;
@@ -673,12 +679,7 @@ TEST(DecodeBenchBatch, BatchRowsAreMeasuredAndCheckedAgainstGreedy) {
 TEST(GenerateBatch, StatsReportTheBatchBoundAndTheLargestBatch) {
   const Model model(ModelWeights::random(testing_configs::hybrid(), 12));
   std::mt19937_64 rng(12);
-  std::vector<Tokens> prompts;
-  for (std::size_t n : {3u, 1u, 4u, 2u, 6u}) {
-    Tokens p = random_tokens(rng, n);
-    p.insert(p.begin(), static_cast<std::int32_t>(model.config().bos_token_id));
-    prompts.push_back(p);
-  }
+  const std::vector<Tokens> prompts = bos_prompts(model, rng, {3u, 1u, 4u, 2u, 6u});
   struct Case {
     std::int64_t max_batch, bound, peak;
   };

@@ -463,20 +463,33 @@ void advance(std::chrono::steady_clock::time_point& clock, double s) {
   clock += std::chrono::duration_cast<std::chrono::steady_clock::duration>(std::chrono::duration<double>(s));
 }
 
+// The chain of tokens_of(14) at interval 4 in a memory store behind a
+// ClockedStore whose calls take 1 s, and options timed by that clock.
+struct SlowChain {
+  SlowChain() {
+    put_chain(*memory, t, chain);
+    slow->delay_s = 1.0;
+    o.clock = [this] { return clock; };
+  }
+  SlowChain(const SlowChain&) = delete;  // the store and the options refer to `clock`
+  const std::vector<std::int32_t> t = tokens_of(14);
+  const StoredChain chain = stored_chain(t);
+  std::shared_ptr<BlobStore> memory = std::shared_ptr<BlobStore>(rwd::make_memory_store(0));
+  std::chrono::steady_clock::time_point clock = std::chrono::steady_clock::time_point{} + std::chrono::hours(1);
+  std::shared_ptr<ClockedStore> slow = std::make_shared<ClockedStore>(memory, clock);
+  PrefixCacheOptions o = opts(4);
+};
+
 // A store whose calls take 1 s (by the injected clock): the first slow call
 // starts a back-off with one warning; lookups and writes meanwhile do not
 // call the store (misses: the caller recomputes); a back-off that follows
 // another without a fast call between doubles; once fast, the store hits.
 TEST(PrefixCache, ASlowStoreBacksOffWithOneWarning) {
-  const auto t = tokens_of(14);
-  const StoredChain chain = stored_chain(t);
-  auto memory = std::shared_ptr<BlobStore>(rwd::make_memory_store(0));
-  put_chain(*memory, t, chain);
-  auto clock = std::chrono::steady_clock::time_point{} + std::chrono::hours(1);
-  auto slow = std::make_shared<ClockedStore>(memory, clock);
-  slow->delay_s = 1.0;
-  PrefixCacheOptions o = opts(4);
-  o.clock = [&clock] { return clock; };
+  SlowChain sc;
+  const std::vector<std::int32_t>& t = sc.t;
+  auto& clock = sc.clock;
+  auto& slow = sc.slow;
+  PrefixCacheOptions& o = sc.o;
   WarningCapture warnings;
   PrefixCache pc(slow, o);
   EXPECT_EQ(pc.lookup(t).length, 0);  // the first get was slow: the chain's others are skipped
@@ -502,7 +515,7 @@ TEST(PrefixCache, ASlowStoreBacksOffWithOneWarning) {
   slow->delay_s = 0;
   const PrefixHit hit = pc.lookup(t);
   ASSERT_EQ(hit.length, 14);
-  EXPECT_EQ(check_hit(hit, chain.refs.at(14)), "");
+  EXPECT_EQ(check_hit(hit, sc.chain.refs.at(14)), "");
   EXPECT_EQ(slow->calls, 5);
   // Slow twice in a row: 2 s, then 4 s.
   slow->delay_s = 1.0;
@@ -524,15 +537,10 @@ TEST(PrefixCache, ASlowStoreBacksOffWithOneWarning) {
 // and a budget of 2.5 s, a lookup makes three calls and gives up (a miss,
 // counted); without a budget the same store gives the full hit.
 TEST(PrefixCache, ALookupStopsAtItsTimeBudget) {
-  const auto t = tokens_of(14);
-  const StoredChain chain = stored_chain(t);
-  auto memory = std::shared_ptr<BlobStore>(rwd::make_memory_store(0));
-  put_chain(*memory, t, chain);
-  auto clock = std::chrono::steady_clock::time_point{} + std::chrono::hours(1);
-  auto slow = std::make_shared<ClockedStore>(memory, clock);
-  slow->delay_s = 1.0;
-  PrefixCacheOptions o = opts(4);
-  o.clock = [&clock] { return clock; };
+  SlowChain sc;
+  const std::vector<std::int32_t>& t = sc.t;
+  auto& slow = sc.slow;
+  PrefixCacheOptions& o = sc.o;
   o.slow_call_s = 0;  // the budget alone
   o.lookup_budget_s = 2.5;
   WarningCapture warnings;
