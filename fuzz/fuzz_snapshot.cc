@@ -19,6 +19,7 @@
 #include <vector>
 
 #include "fuzz_support.h"
+#include "rewind/checksum.h"
 #include "rewind/error.h"
 #include "rewind/snapshot.h"
 

@@ -82,6 +82,94 @@ void check_stale(std::vector<rwd::TreeRecurrentSlots>& stale) {
   if (stale.size() > 12) stale.erase(stale.begin(), stale.end() - 12);
 }
 
+// One tree round of run(): a random tree, hostile calls inside it, every
+// node's update checked, then an abandon (explicit or by the handle's
+// destruction) or a commit (refused or not) checked against the reference.
+void tree_round(ByteReader& in, Built& b, DType dt, std::uint64_t& salt, std::vector<rwd::TreeRecurrentSlots>& stale) {
+  if (b.ref.seq_length() > 120) return;
+  const i64 n = in.range(1, 24);
+  std::vector<std::int64_t> parents{-1};
+  for (i64 i = 1; i < n; ++i) parents.push_back(in.next() % 4 == 0 ? i - 1 : in.range(0, i - 1));
+  // A budget between what is reserved and a few KiB more: begin_tree
+  // and commit refuse at any of their allocations.
+  const bool budget = in.one_in(4);
+  if (budget) {
+    b.cache.set_memory_budget(b.cache.memory().bytes_reserved + static_cast<std::size_t>(in.range(0, 255)) * 24);
+    stats.count(kBudgetTree);
+  }
+  const Before before_all(b.cache);
+  std::optional<rwd::TreeForward> tree;
+  try {
+    tree.emplace(b.cache.begin_tree(parents));
+  } catch (const rwd::CapacityError&) {
+    if (std::string d = before_all.changed(b.cache); !d.empty()) die("refused begin_tree changed " + d);
+    return;
+  }
+  check_stale(stale);  // a new tree open does not revive old slots
+  // Hostile calls inside the tree: refused, nothing changes.
+  if (in.one_in(3)) {
+    refused("crop inside a tree", [&] { b.cache.crop(-1); }, b.cache);
+    refused("begin_forward inside a tree", [&] { (void)b.cache.begin_forward(1); }, b.cache);
+    refused("begin_tree inside a tree", [&] { (void)b.cache.begin_tree(parents); }, b.cache);
+    refused("commit of an incomplete tree", [&] { tree->commit(0); }, b.cache);
+    HostTensor k(dt, {1, 2, n + 1, 3}), v(dt, {1, 2, n + 1, 2});
+    refused("TreeForward::update of N + 1 rows", [&] { (void)tree->update(k.view(), v.view(), 0); }, b.cache);
+  }
+  std::vector<StepData> data;
+  for (const RefLayer& rl : b.ref.layers) data.push_back(rl.make_step(n, ++salt));
+  const int how = in.next() % 6;
+  if (how == 0) {  // abandoned by destroying the handle, before any layer or after the first took its update
+    if (in.one_in(2)) {
+      const RefLayer& rl = b.ref.layers[0];
+      const HostTensor k = rl.kv_input(data[0], true, false), v = rl.kv_input(data[0], false, false);
+      (void)tree->update(k.view(), v.view(), 0);
+    }
+    // Layer 3 (linear attention) hands out its slots before the abandon on
+    // every other tree (no input byte read, so older seeds keep their paths).
+    if (salt % 2 == 0) stale.push_back(tree->recurrent_slots(3, 0));
+    tree.reset();
+    if (std::string d = before_all.changed(b.cache); !d.empty()) die("abandoned tree changed " + d);
+    check(verify(b.cache, b.ref));
+    return;
+  }
+  std::vector<rwd::TreeRecurrentSlots> kept;
+  check(tree_updates(b.cache, b.ref, *tree, data, &kept));
+  if (in.one_in(4)) {  // a part given twice
+    refused("TreeForward::update_conv twice", [&] {
+      const HostTensor x = b.ref.layers[4].conv_input(data[4], 0);
+      (void)tree->update_conv(x.view(), 4, 0);
+    }, b.cache);
+    refused("commit of a node outside the tree", [&] { tree->commit(n); }, b.cache);
+  }
+  if (how == 1) {
+    tree->abandon();
+    if (std::string d = before_all.changed(b.cache); !d.empty()) die("abandon changed " + d);
+    check(verify(b.cache, b.ref));
+    stale.insert(stale.end(), kept.begin(), kept.end());
+    check_stale(stale);
+    return;
+  }
+  const i64 leaf = in.range(0, n - 1);
+  const std::vector<std::int64_t> path = tree->path(leaf);
+  const Before at_commit(b.cache);  // inside the tree (max_rollback refuses there)
+  try {
+    tree->commit(leaf);
+  } catch (const rwd::CapacityError&) {  // a static layer without room, or the budget: nothing changed, the tree stays open
+    if (std::string d = at_commit.changed(b.cache); !d.empty()) die("refused commit changed " + d);
+    if (!tree->is_open()) die("a refused commit closed the tree");
+    if (budget) stats.count(kBudgetRefusedCommit);
+    tree->abandon();
+    if (std::string d = before_all.changed(b.cache); !d.empty()) die("abandon after a refused commit changed " + d);
+    stale.insert(stale.end(), kept.begin(), kept.end());
+    return;
+  }
+  stale.insert(stale.end(), kept.begin(), kept.end());
+  refused("commit of a committed tree", [&] { tree->commit(leaf); }, b.cache);
+  for (std::size_t li = 0; li < b.ref.layers.size(); ++li)
+    if (!b.ref.layers[li].stateless()) b.ref.layers[li].apply_update(path_step(data[li], path));
+  check(verify(b.cache, b.ref));
+}
+
 void run(ByteReader& in) {
   const std::uint8_t cfg = in.next();
   const DType dt = cfg % 3 == 0 ? DType::F32 : cfg % 3 == 1 ? DType::F16 : DType::BF16;
@@ -134,9 +222,9 @@ void run(ByteReader& in) {
       std::vector<std::int64_t> chain{-1};
       for (i64 i = 1; i < n; ++i) chain.push_back(i - 1);
       rwd::TreeForward tree = b.cache.begin_tree(chain);
-      const rwd::TreeKeyValues kv = b.cache.update_tree(input.keys, input.values, 0);
+      const rwd::TreeKeyValues kv = tree.update(input.keys, input.values, 0);
       if (gather(kv.nodes.keys) != want_k || gather(kv.nodes.values) != want_v)
-        die("update_tree of the cache's own rows stored other values");
+        die("TreeForward::update of the cache's own rows stored other values");
       tree.abandon();
       if (std::string d = diff(before, observe(b.cache)); !d.empty()) die("a tree of the cache's own rows changed " + d);
       check(verify(b.cache, b.ref));
@@ -151,89 +239,7 @@ void run(ByteReader& in) {
       if (!ok) refused("begin_tree of a malformed tree", [&] { (void)b.cache.begin_tree(parents); }, b.cache);
       continue;
     }
-    // A tree.
-    if (b.ref.seq_length() > 120) continue;
-    const i64 n = in.range(1, 24);
-    std::vector<std::int64_t> parents{-1};
-    for (i64 i = 1; i < n; ++i) parents.push_back(in.next() % 4 == 0 ? i - 1 : in.range(0, i - 1));
-    // A budget between what is reserved and a few KiB more: begin_tree
-    // and commit refuse at any of their allocations.
-    const bool budget = in.one_in(4);
-    if (budget) {
-      b.cache.set_memory_budget(b.cache.memory().bytes_reserved + static_cast<std::size_t>(in.range(0, 255)) * 24);
-      stats.count(kBudgetTree);
-    }
-    const Before before_all(b.cache);
-    std::optional<rwd::TreeForward> tree;
-    try {
-      tree.emplace(b.cache.begin_tree(parents));
-    } catch (const rwd::CapacityError&) {
-      if (std::string d = before_all.changed(b.cache); !d.empty()) die("refused begin_tree changed " + d);
-      continue;
-    }
-    check_stale(stale);  // a new tree open does not revive old slots
-    // Hostile calls inside the tree: refused, nothing changes.
-    if (in.one_in(3)) {
-      refused("crop inside a tree", [&] { b.cache.crop(-1); }, b.cache);
-      refused("begin_forward inside a tree", [&] { (void)b.cache.begin_forward(1); }, b.cache);
-      refused("begin_tree inside a tree", [&] { (void)b.cache.begin_tree(parents); }, b.cache);
-      refused("commit of an incomplete tree", [&] { tree->commit(0); }, b.cache);
-      HostTensor k(dt, {1, 2, n + 1, 3}), v(dt, {1, 2, n + 1, 2});
-      refused("update_tree of N + 1 rows", [&] { (void)b.cache.update_tree(k.view(), v.view(), 0); }, b.cache);
-    }
-    std::vector<StepData> data;
-    for (const RefLayer& rl : b.ref.layers) data.push_back(rl.make_step(n, ++salt));
-    const int how = in.next() % 6;
-    if (how == 0) {  // abandoned by destroying the handle, before any layer or after the first took its update
-      if (in.one_in(2)) {
-        const RefLayer& rl = b.ref.layers[0];
-        const HostTensor k = rl.kv_input(data[0], true, false), v = rl.kv_input(data[0], false, false);
-        (void)b.cache.update_tree(k.view(), v.view(), 0);
-      }
-      // Layer 3 (linear attention) hands out its slots before the abandon on
-      // every other tree (no input byte read, so older seeds keep their paths).
-      if (salt % 2 == 0) stale.push_back(b.cache.tree_recurrent_slots(3, 0));
-      tree.reset();
-      if (std::string d = before_all.changed(b.cache); !d.empty()) die("abandoned tree changed " + d);
-      check(verify(b.cache, b.ref));
-      continue;
-    }
-    std::vector<rwd::TreeRecurrentSlots> kept;
-    check(tree_updates(b.cache, b.ref, *tree, data, &kept));
-    if (in.one_in(4)) {  // a part given twice
-      refused("update_tree_conv twice", [&] {
-        const HostTensor x = b.ref.layers[4].conv_input(data[4], 0);
-        (void)b.cache.update_tree_conv(x.view(), 4, 0);
-      }, b.cache);
-      refused("commit of a node outside the tree", [&] { tree->commit(n); }, b.cache);
-    }
-    if (how == 1) {
-      tree->abandon();
-      if (std::string d = before_all.changed(b.cache); !d.empty()) die("abandon changed " + d);
-      check(verify(b.cache, b.ref));
-      stale.insert(stale.end(), kept.begin(), kept.end());
-      check_stale(stale);
-      continue;
-    }
-    const i64 leaf = in.range(0, n - 1);
-    const std::vector<std::int64_t> path = tree->path(leaf);
-    const Before at_commit(b.cache);  // inside the tree (max_rollback refuses there)
-    try {
-      tree->commit(leaf);
-    } catch (const rwd::CapacityError&) {  // a static layer without room, or the budget: nothing changed, the tree stays open
-      if (std::string d = at_commit.changed(b.cache); !d.empty()) die("refused commit changed " + d);
-      if (!tree->is_open()) die("a refused commit closed the tree");
-      if (budget) stats.count(kBudgetRefusedCommit);
-      tree->abandon();
-      if (std::string d = before_all.changed(b.cache); !d.empty()) die("abandon after a refused commit changed " + d);
-      stale.insert(stale.end(), kept.begin(), kept.end());
-      continue;
-    }
-    stale.insert(stale.end(), kept.begin(), kept.end());
-    refused("commit of a committed tree", [&] { tree->commit(leaf); }, b.cache);
-    for (std::size_t li = 0; li < b.ref.layers.size(); ++li)
-      if (!b.ref.layers[li].stateless()) b.ref.layers[li].apply_update(path_step(data[li], path));
-    check(verify(b.cache, b.ref));
+    tree_round(in, b, dt, salt, stale);
   }
 }
 

@@ -143,34 +143,17 @@ class Cache {
   // ---- tree speculation (rewind/tree.h) ----
   // Opens a tree of N = parents.size() nodes at length L: parents[0] = -1
   // (the root, the pending token), 0 <= parents[i] < i. Until it commits or
-  // abandons, every stateful layer takes one tree update per part (below)
-  // and nothing else: the per-layer updates and whole-cache operations throw
-  // StateError; the layers do not change before commit. Throws
-  // InvalidArgument for a malformed tree or N outside [1, 1024] (naming the
-  // node) or a layer with batch_size != 1, StateError as crop does (an open forward or tree, layers out of
-  // step), CapacityError past 2^40 tokens or when the tree's scratch cannot
-  // be allocated; nothing changes then.
+  // abandons, every stateful layer takes one tree update per part through
+  // the returned handle (TreeForward::update, update_side, update_conv,
+  // recurrent_slots) and nothing else: the per-layer updates and
+  // whole-cache operations throw StateError; the layers do not change
+  // before commit. Throws InvalidArgument for a malformed tree or N outside
+  // [1, 1024] (naming the node) or a layer with batch_size != 1, StateError
+  // as crop does (an open forward or tree, layers out of step),
+  // CapacityError past 2^40 tokens or when the tree's scratch cannot be
+  // allocated; nothing changes then.
   TreeForward begin_tree(std::span<const std::int64_t> parents);
   bool tree_open() const;
-  // The nodes' keys [1, H, N, key_dim] and values (any strides, the layer's
-  // dtype), copied; returns what the nodes attend to. Throws StateError
-  // without an open tree, on a layer without attention or when this part
-  // already took its tree update, InvalidArgument for shapes or dtype,
-  // IndexError; nothing is stored then.
-  TreeKeyValues update_tree(const TensorView& keys, const TensorView& values, int layer_idx);
-  // Side tensor rows [1, N, D] of the nodes. Throws as update_tree.
-  TreeRows update_tree_side(const TensorView& rows, int layer_idx, int side = 0);
-  // The nodes' conv inputs x [1, C, N]; returns their windows [N, C, K]:
-  // row n holds, for the K positions ending at node n's, the inputs along
-  // its path (committed inputs before L, zeros before position 0), oldest
-  // first. Stored time-major as the cache keeps conv inputs (strides
-  // [K * C, 1, C]: one position's channels contiguous). Throws as
-  // update_tree.
-  TensorView update_tree_conv(const TensorView& x, int layer_idx, int state = 0);
-  // The slots of recurrent state `state` (TreeRecurrentSlots); the kernel
-  // writes every node's state into next(node) before commit. Throws as
-  // update_tree.
-  TreeRecurrentSlots tree_recurrent_slots(int layer_idx, int state = 0);
 
   // ---- snapshots (rewind/snapshot.h) ----
   // A copy of what every layer needs to continue from the current length L:
@@ -207,7 +190,7 @@ class Cache {
   // both exist. The cap counts the cache's buffers, not the temporary copy
   // of an input that aliases the cache, an open tree's scratch (the nodes'
   // keys, values, windows and recurrent slots, freed when the tree ends:
-  // begin_tree and the update_tree calls are never refused by the cap, only
+  // begin_tree and the tree's updates are never refused by the cap, only
   // TreeForward::commit, which grows the layers) nor a Snapshot (the
   // caller's copy). Throws CapacityError, keeping the
   // old cap, when more than `bytes` are already reserved, StateError while
@@ -257,8 +240,12 @@ class Forward {
   std::int64_t start_ = 0;
 };
 
-// An open tree (Cache::begin_tree). Move-only; destroying it open abandons
-// it; a handle whose cache died is inert.
+// An open tree (Cache::begin_tree): the nodes' updates of every layer go
+// through it. Move-only; destroying it open abandons it. A handle whose
+// cache was destroyed is inert: not open, its updates throw StateError,
+// abandon does nothing. What the updates return (views into the cache and
+// the tree's scratch) is valid while the tree is open. REQUIRES: those views
+// are not used after the tree ends or the cache is destroyed.
 class TreeForward {
  public:
   TreeForward(TreeForward&& other) noexcept;
@@ -268,6 +255,8 @@ class TreeForward {
   ~TreeForward();
 
   bool is_open() const { return cache_ != nullptr; }
+  // True when this tree is open on `cache` (not on another cache).
+  bool is_open_on(const Cache& cache) const;
   std::int64_t num_nodes() const { return static_cast<std::int64_t>(parents_.size()); }
   std::int64_t start_length() const { return start_; }  // L
   // Parent (-1 for the root), depth (0 for the root) and position L + depth
@@ -280,6 +269,28 @@ class TreeForward {
   // True when `a` lies on the path root..node (a == node included). Throws
   // IndexError as above.
   bool is_ancestor(std::int64_t a, std::int64_t node) const;
+
+  // ---- the tree updates: one per part of every stateful layer ----
+  // Every one throws StateError when the tree is not open, when this part
+  // already took its tree update or the layer lacks the part,
+  // IndexError for a bad layer_idx (or part), InvalidArgument for shapes or
+  // dtype; nothing is stored then. The layers change only at commit.
+
+  // The nodes' keys [1, H, N, key_dim] and values (any strides, the layer's
+  // dtype), copied; returns what the nodes attend to. Throws StateError
+  // also on a layer without attention.
+  TreeKeyValues update(const TensorView& keys, const TensorView& values, int layer_idx);
+  // Side tensor rows [1, N, D] of the nodes, copied.
+  TreeRows update_side(const TensorView& rows, int layer_idx, int side = 0);
+  // The nodes' conv inputs x [1, C, N]; returns their windows [N, C, K]:
+  // row n holds, for the K positions ending at node n's, the inputs along
+  // its path (committed inputs before L, zeros before position 0), oldest
+  // first. Stored time-major as the cache keeps conv inputs (strides
+  // [K * C, 1, C]: one position's channels contiguous).
+  TensorView update_conv(const TensorView& x, int layer_idx, int state = 0);
+  // The slots of recurrent state `state` (TreeRecurrentSlots); the kernel
+  // writes every node's state into next(node) before commit.
+  TreeRecurrentSlots recurrent_slots(int layer_idx, int state = 0);
 
   // Keeps the path root..leaf: every layer then holds exactly what feeding
   // those depth(leaf) + 1 tokens as a chain would leave (what a rollback can
@@ -299,40 +310,6 @@ class TreeForward {
   Cache::Impl* cache_ = nullptr;
   std::int64_t start_ = 0;
   std::vector<std::int64_t> parents_, depths_;
-};
-
-
-// Encoder-decoder state: a self-attention cache that rolls back like any
-// other, and a cross-attention cache written once from the encoder output
-// and never cropped.
-class EncoderDecoderCache {
- public:
-  EncoderDecoderCache(Cache self_attention, Cache cross_attention);
-  Cache& self_attention_cache() { return self_; }
-  Cache& cross_attention_cache() { return cross_; }
-  const Cache& self_attention_cache() const { return self_; }
-  const Cache& cross_attention_cache() const { return cross_; }
-
-  // Writes the encoder keys / values of `layer_idx` once and returns them;
-  // later calls return the stored ones unchanged (the inputs are ignored),
-  // as transformers' `is_updated` does.
-  KeyValueView update_cross_attention(const TensorView& keys, const TensorView& values,
-                                      int layer_idx);
-  bool is_cross_attention_updated(int layer_idx) const;
-
-  std::int64_t get_seq_length() const { return self_.get_seq_length(); }
-  // Crops the self-attention part only; the cross-attention part is kept.
-  void crop(std::int64_t n) { self_.crop(n); }
-  // Batch operations apply to both parts, transactionally.
-  void batch_select_indices(std::span<const std::int64_t> indices);
-  void batch_repeat_interleave(std::int64_t repeats);
-  void reorder_cache(std::span<const std::int64_t> beam_idx);
-  // Both parts back to new.
-  void reset();
-
- private:
-  Cache self_;
-  Cache cross_;
 };
 
 }  // namespace rwd

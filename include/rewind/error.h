@@ -8,7 +8,6 @@
 #pragma once
 
 #include <cstdint>
-#include <functional>
 #include <stdexcept>
 #include <string>
 
@@ -69,16 +68,5 @@ class StoreError : public Error {
  public:
   using Error::Error;
 };
-
-// Receives rewind's warnings (today only the one-time deprecation warning of
-// a positive crop). The default handler writes the message to stderr.
-using WarningHandler = std::function<void(const std::string& message)>;
-// Installs `handler` (an empty function restores the default) and returns
-// the previous one. Thread-safe: installing and emitting take one lock, so a
-// handler runs with that lock held. REQUIRES: the handler does not call
-// set_warning_handler (it would deadlock).
-WarningHandler set_warning_handler(WarningHandler handler);
-// Makes one-time warnings fire again (for tests).
-void reset_one_time_warnings();
 
 }  // namespace rwd

@@ -111,10 +111,4 @@ struct SnapshotHeader {
 };
 SnapshotHeader read_snapshot_header(std::span<const std::byte> bytes);
 
-// CRC-32C (Castagnoli; the checksum of every snapshot part) of `bytes`,
-// continuing from `crc`: the value a previous call over the bytes before
-// returned, 0 to start. crc32c("123456789") == 0xE3069283. Uses the SSE4.2
-// crc32 instruction where the CPU has it, a table otherwise (same results).
-std::uint32_t crc32c(std::span<const std::byte> bytes, std::uint32_t crc = 0);
-
 }  // namespace rwd

@@ -13,8 +13,8 @@
 //
 // Typical round (Cache::begin_tree):
 //   TreeForward t = cache.begin_tree(parents);      // layers unchanged until commit
-//   ... every layer: update_tree / update_tree_side / update_tree_conv /
-//       tree_recurrent_slots (the kernel writes each node's state) ...
+//   ... every layer: t.update / t.update_side / t.update_conv /
+//       t.recurrent_slots (the kernel writes each node's state) ...
 //   t.commit(leaf);                                  // keep root..leaf
 //
 // Memory: the tree's inputs, conv windows and recurrent slots live in
@@ -51,10 +51,10 @@ struct TreeRows {
   TensorView nodes;
 };
 
-// Recurrent state slots of a tree, one per node, for one recurrent state
-// of one layer: previous(i) is the state before node i (S(L) for the root,
-// the parent's slot otherwise), next(i) the slot the kernel writes node i's
-// state into. Valid while the tree is open: once it ends (commit, abandon),
+// Recurrent state slots of a tree (TreeForward::recurrent_slots), one per
+// node, for one recurrent state of one layer: previous(i) is the state
+// before node i (S(L) for the root, the parent's slot otherwise), next(i)
+// the slot the kernel writes node i's state into. Valid while the tree is open: once it ends (commit, abandon),
 // previous and next throw StateError. REQUIRES: the cache outlives it.
 class TreeRecurrentSlots {
  public:
@@ -65,7 +65,7 @@ class TreeRecurrentSlots {
   TensorView next(std::int64_t node) const;
 
  private:
-  friend class Cache;
+  friend class TreeForward;
   // Throws StateError unless the tree these slots were taken in is open.
   void check_open(const char* operation) const;
   const std::uint64_t* open_tree_ = nullptr;  // the cache's serial of its open tree (0: none)

@@ -1,4 +1,5 @@
 #include "rewind/cache.h"
+#include "rewind/encoder_decoder_cache.h"
 
 #include <functional>
 #include <string>
@@ -128,8 +129,8 @@ Layer& mutable_layer(Cache::Impl& impl, int layer_idx) {
   impl.check_index(layer_idx);
   if (impl.tree) {
     throw StateError("layer " + std::to_string(layer_idx) +
-                     ": a per-layer update while a tree is open (begin_tree); the tree takes update_tree, "
-                     "update_tree_side, update_tree_conv and tree_recurrent_slots until it commits or abandons");
+                     ": a per-layer update while a tree is open (begin_tree); the tree's handle takes the updates "
+                     "(TreeForward::update, update_side, update_conv, recurrent_slots) until it commits or abandons");
   }
   return impl.layers[static_cast<std::size_t>(layer_idx)];
 }

@@ -82,81 +82,85 @@ std::string_view layer_kind_name(LayerKind kind) {
 
 Layer::Impl::Impl(LayerKind k, const LayerOptions& o, int layer_index, detail::MemoryBudget* memory_budget)
     : kind(k), options(o), index(layer_index), batch(o.batch_size), budget(memory_budget) {
-  auto require = [&](bool ok, const std::string& what) {
-    if (!ok) throw InvalidArgument(where() + ": " + what);
-  };
-  require(o.batch_size >= 1 && o.batch_size <= detail::kMaxBatch,
-          "option batch_size must be in [1, 2^24], got " + num(o.batch_size));
-  require(o.static_capacity >= 0, "option static_capacity must be >= 0, got " + num(o.static_capacity));
+  require_option(o.batch_size >= 1 && o.batch_size <= detail::kMaxBatch,
+                 "option batch_size must be in [1, 2^24], got " + num(o.batch_size));
+  require_option(o.static_capacity >= 0, "option static_capacity must be >= 0, got " + num(o.static_capacity));
   attention = kind_has_attention(k);
-  if (attention) {
-    require(o.num_kv_heads >= 1, "option num_kv_heads must be >= 1, got " + num(o.num_kv_heads));
-    require(o.key_dim >= 1, "option key_dim must be >= 1, got " + num(o.key_dim));
-    require(o.value_dim >= 0, "option value_dim must be >= 0 (0: same as key_dim), got " + num(o.value_dim));
-    RetentionRule rule;
-    if (k == LayerKind::SlidingAttention || k == LayerKind::HybridSliding) {
-      require(o.sliding_window >= 1, "option sliding_window must be >= 1, got " + num(o.sliding_window));
-      rule = {RetentionRule::Kind::Sliding, std::min(o.sliding_window, detail::kMaxWindow)};
-      require(o.static_capacity == 0 || o.static_capacity >= o.sliding_window,
-              "static_capacity " + num(o.static_capacity) + " cannot hold the window: it must be >= sliding_window (" +
-                  num(o.sliding_window) + ")");
-    } else if (k == LayerKind::ChunkedAttention) {
-      require(o.chunk_size >= 1, "option chunk_size must be >= 1, got " + num(o.chunk_size));
-      rule = {RetentionRule::Kind::Chunked, std::min(o.chunk_size, detail::kMaxWindow)};
-      require(o.static_capacity == 0 || o.static_capacity >= o.chunk_size,
-              "static_capacity " + num(o.static_capacity) + " cannot hold a chunk: it must be >= chunk_size (" +
-                  num(o.chunk_size) + ")");
-    }
-    if (k == LayerKind::SparseAttention) {
-      require(!o.side_dims.empty(), "deepseek_sparse_attention needs at least one side tensor (option side_dims)");
-    }
-    const std::int64_t vdim = o.value_dim == 0 ? o.key_dim : o.value_dim;
-    checked_bytes({o.batch_size, o.num_kv_heads, std::max(o.key_dim, vdim), std::max<std::int64_t>(o.static_capacity, 1)},
-                  dtype_size(o.dtype), where());
-    TrackShape ks{TrackShape::Layout::Heads, o.batch_size, o.num_kv_heads, o.key_dim, o.dtype};
-    TrackShape vs{TrackShape::Layout::Heads, o.batch_size, o.num_kv_heads, vdim, o.dtype};
-    keys = TokenTrack(ks, rule, o.static_capacity, budget);
-    values = TokenTrack(vs, rule, o.static_capacity, budget);
-    for (std::size_t i = 0; i < o.side_dims.size(); ++i) {
-      require(o.side_dims[i] >= 1, "side_dims[" + num(static_cast<std::int64_t>(i)) + "] must be >= 1, got " +
-                                       num(o.side_dims[i]));
-      checked_bytes({o.batch_size, o.side_dims[i], std::max<std::int64_t>(o.static_capacity, 1)}, dtype_size(o.dtype),
-                    where());
-      TrackShape ss{TrackShape::Layout::Rows, o.batch_size, 1, o.side_dims[i], o.dtype};
-      sides.emplace_back(ss, rule, o.static_capacity, budget);
-    }
+  if (attention) build_attention_parts(o);
+  if (kind_is_linear(k)) build_linear_parts(o);
+}
+
+void Layer::Impl::require_option(bool ok, const std::string& what) const {
+  if (!ok) throw InvalidArgument(where() + ": " + what);
+}
+
+void Layer::Impl::build_attention_parts(const LayerOptions& o) {
+  require_option(o.num_kv_heads >= 1, "option num_kv_heads must be >= 1, got " + num(o.num_kv_heads));
+  require_option(o.key_dim >= 1, "option key_dim must be >= 1, got " + num(o.key_dim));
+  require_option(o.value_dim >= 0, "option value_dim must be >= 0 (0: same as key_dim), got " + num(o.value_dim));
+  RetentionRule rule;
+  if (kind == LayerKind::SlidingAttention || kind == LayerKind::HybridSliding) {
+    require_option(o.sliding_window >= 1, "option sliding_window must be >= 1, got " + num(o.sliding_window));
+    rule = {RetentionRule::Kind::Sliding, std::min(o.sliding_window, detail::kMaxWindow)};
+    require_option(o.static_capacity == 0 || o.static_capacity >= o.sliding_window,
+                   "static_capacity " + num(o.static_capacity) +
+                       " cannot hold the window: it must be >= sliding_window (" + num(o.sliding_window) + ")");
+  } else if (kind == LayerKind::ChunkedAttention) {
+    require_option(o.chunk_size >= 1, "option chunk_size must be >= 1, got " + num(o.chunk_size));
+    rule = {RetentionRule::Kind::Chunked, std::min(o.chunk_size, detail::kMaxWindow)};
+    require_option(o.static_capacity == 0 || o.static_capacity >= o.chunk_size,
+                   "static_capacity " + num(o.static_capacity) + " cannot hold a chunk: it must be >= chunk_size (" +
+                       num(o.chunk_size) + ")");
   }
-  if (kind_is_linear(k)) {
-    const bool conv_only = k == LayerKind::Conv;
-    require(!o.conv_channels.empty() || (!conv_only && !o.recurrent_shapes.empty()),
-            conv_only ? "a conv layer needs at least one conv state (option conv_channels)"
-                      : "a linear-attention layer needs at least one conv or recurrent state "
-                        "(options conv_channels, recurrent_shapes)");
-    if (!o.conv_channels.empty()) {
-      require(o.conv_kernel_size >= 1, "option conv_kernel_size must be >= 1, got " + num(o.conv_kernel_size));
-    }
-    for (std::size_t i = 0; i < o.conv_channels.size(); ++i) {
-      require(o.conv_channels[i] >= 1, "conv_channels[" + num(static_cast<std::int64_t>(i)) + "] must be >= 1, got " +
-                                           num(o.conv_channels[i]));
-      checked_bytes({o.batch_size, o.conv_channels[i], o.conv_kernel_size}, dtype_size(o.dtype), where());
-      TrackShape cs{TrackShape::Layout::Channels, o.batch_size, 1, o.conv_channels[i], o.dtype};
-      convs.emplace_back(cs, RetentionRule{RetentionRule::Kind::Conv, o.conv_kernel_size}, 0, budget);
-    }
-    if (!conv_only) {
-      for (std::size_t i = 0; i < o.recurrent_shapes.size(); ++i) {
-        const auto& shape = o.recurrent_shapes[i];
-        require(!shape.empty() && shape.size() <= 3,
-                "recurrent_shapes[" + num(static_cast<std::int64_t>(i)) + "] must have 1 to 3 dimensions, got " +
-                    num(static_cast<std::int64_t>(shape.size())));
-        for (std::int64_t e : shape) {
-          require(e >= 1, "recurrent_shapes[" + num(static_cast<std::int64_t>(i)) + "] has extent " + num(e) +
-                              "; extents must be >= 1");
-        }
-        std::size_t bytes = checked_bytes({o.batch_size, 2}, dtype_size(o.recurrent_dtype), where());
-        for (std::int64_t e : shape) bytes = checked_bytes({e}, bytes, where());
-        // R + 1 = 1 snapshot, plus the fresh slot an update writes into.
-        recurrents.emplace_back(shape, o.recurrent_dtype, o.batch_size, 1, 2, budget);
+  if (kind == LayerKind::SparseAttention) {
+    require_option(!o.side_dims.empty(), "deepseek_sparse_attention needs at least one side tensor (option side_dims)");
+  }
+  const std::int64_t vdim = o.value_dim == 0 ? o.key_dim : o.value_dim;
+  checked_bytes({o.batch_size, o.num_kv_heads, std::max(o.key_dim, vdim), std::max<std::int64_t>(o.static_capacity, 1)},
+                dtype_size(o.dtype), where());
+  TrackShape ks{TrackShape::Layout::Heads, o.batch_size, o.num_kv_heads, o.key_dim, o.dtype};
+  TrackShape vs{TrackShape::Layout::Heads, o.batch_size, o.num_kv_heads, vdim, o.dtype};
+  keys = TokenTrack(ks, rule, o.static_capacity, budget);
+  values = TokenTrack(vs, rule, o.static_capacity, budget);
+  for (std::size_t i = 0; i < o.side_dims.size(); ++i) {
+    require_option(o.side_dims[i] >= 1,
+                   "side_dims[" + num(static_cast<std::int64_t>(i)) + "] must be >= 1, got " + num(o.side_dims[i]));
+    checked_bytes({o.batch_size, o.side_dims[i], std::max<std::int64_t>(o.static_capacity, 1)}, dtype_size(o.dtype),
+                  where());
+    TrackShape ss{TrackShape::Layout::Rows, o.batch_size, 1, o.side_dims[i], o.dtype};
+    sides.emplace_back(ss, rule, o.static_capacity, budget);
+  }
+}
+
+void Layer::Impl::build_linear_parts(const LayerOptions& o) {
+  const bool conv_only = kind == LayerKind::Conv;
+  require_option(!o.conv_channels.empty() || (!conv_only && !o.recurrent_shapes.empty()),
+                 conv_only ? "a conv layer needs at least one conv state (option conv_channels)"
+                           : "a linear-attention layer needs at least one conv or recurrent state "
+                             "(options conv_channels, recurrent_shapes)");
+  if (!o.conv_channels.empty()) {
+    require_option(o.conv_kernel_size >= 1, "option conv_kernel_size must be >= 1, got " + num(o.conv_kernel_size));
+  }
+  for (std::size_t i = 0; i < o.conv_channels.size(); ++i) {
+    const std::string name = "conv_channels[" + num(static_cast<std::int64_t>(i)) + "]";
+    require_option(o.conv_channels[i] >= 1, name + " must be >= 1, got " + num(o.conv_channels[i]));
+    checked_bytes({o.batch_size, o.conv_channels[i], o.conv_kernel_size}, dtype_size(o.dtype), where());
+    TrackShape cs{TrackShape::Layout::Channels, o.batch_size, 1, o.conv_channels[i], o.dtype};
+    convs.emplace_back(cs, RetentionRule{RetentionRule::Kind::Conv, o.conv_kernel_size}, 0, budget);
+  }
+  if (!conv_only) {
+    for (std::size_t i = 0; i < o.recurrent_shapes.size(); ++i) {
+      const auto& shape = o.recurrent_shapes[i];
+      const std::string name = "recurrent_shapes[" + num(static_cast<std::int64_t>(i)) + "]";
+      require_option(!shape.empty() && shape.size() <= 3,
+                     name + " must have 1 to 3 dimensions, got " + num(static_cast<std::int64_t>(shape.size())));
+      for (std::int64_t e : shape) {
+        require_option(e >= 1, name + " has extent " + num(e) + "; extents must be >= 1");
       }
+      std::size_t bytes = checked_bytes({o.batch_size, 2}, dtype_size(o.recurrent_dtype), where());
+      for (std::int64_t e : shape) bytes = checked_bytes({e}, bytes, where());
+      // R + 1 = 1 snapshot, plus the fresh slot an update writes into.
+      recurrents.emplace_back(shape, o.recurrent_dtype, o.batch_size, 1, 2, budget);
     }
   }
 }

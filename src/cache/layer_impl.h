@@ -80,6 +80,13 @@ struct Layer::Impl {
   // Builds an empty layer; throws InvalidArgument for missing options.
   Impl(LayerKind k, const LayerOptions& o, int layer_index, detail::MemoryBudget* memory_budget = nullptr);
   Impl() = default;
+  // The constructor's two halves, each checking the options it reads: the
+  // attention parts (keys, values, side tensors) and the linear parts (conv
+  // and recurrent states).
+  void build_attention_parts(const LayerOptions& o);
+  void build_linear_parts(const LayerOptions& o);
+  // Throws InvalidArgument "<where()>: <what>" unless `ok`.
+  void require_option(bool ok, const std::string& what) const;
 
   // "layer 3 (sliding_attention)".
   std::string where() const;

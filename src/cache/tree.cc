@@ -125,6 +125,10 @@ TreeForward Cache::begin_tree(std::span<const std::int64_t> parents) {
 
 bool Cache::tree_open() const { return state().tree != nullptr; }
 
+bool TreeForward::is_open_on(const Cache& cache) const {
+  return cache_ != nullptr && cache.impl_.get() == cache_;
+}
+
 // ---- the per-layer tree updates ------------------------------------------------------
 
 namespace {
@@ -136,8 +140,12 @@ struct TreeCall {
   TreeState::LayerTree& scratch;
 };
 
-TreeCall tree_call(Cache::Impl& c, int layer_idx, const char* operation) {
-  if (!c.tree) throw StateError(std::string(operation) + " needs an open tree (begin_tree)");
+TreeCall tree_call(Cache::Impl* cache, int layer_idx, const char* operation) {
+  if (cache == nullptr || !cache->tree) {
+    throw StateError(std::string(operation) +
+                     ": the tree is not open (committed, abandoned, moved from, or its cache was destroyed)");
+  }
+  Cache::Impl& c = *cache;
   c.check_index(layer_idx);
   Layer::Impl& l = c.layer_impl(static_cast<std::size_t>(layer_idx));
   return {c, *c.tree, l, c.tree->layers[static_cast<std::size_t>(layer_idx)]};
@@ -149,20 +157,20 @@ TreeCall tree_call(Cache::Impl& c, int layer_idx, const char* operation) {
 
 }  // namespace
 
-TreeKeyValues Cache::update_tree(const TensorView& keys, const TensorView& values, int layer_idx) {
-  TreeCall t = tree_call(state(), layer_idx, "update_tree");
+TreeKeyValues TreeForward::update(const TensorView& keys, const TensorView& values, int layer_idx) {
+  TreeCall t = tree_call(cache_, layer_idx, "TreeForward::update");
   Layer::Impl& l = t.layer;
-  if (!l.attention) throw StateError(l.where() + ": update_tree needs an attention layer");
-  if (t.scratch.kv_done) twice(l, "keys and values", "update_tree");
+  if (!l.attention) throw StateError(l.where() + ": TreeForward::update needs an attention layer");
+  if (t.scratch.kv_done) twice(l, "keys and values", "TreeForward::update");
   const std::int64_t n = t.tree.size(), H = l.keys.shape.heads;
   const std::int64_t dk = l.keys.shape.width, dv = l.values.shape.width;
   const DType dtype = l.keys.shape.dtype;
   if (!same_extents(keys, {1, H, n, dk}, dtype) || !same_extents(values, {1, H, n, dv}, dtype)) {
-    throw InvalidArgument(l.where() + ": update_tree got keys " + keys.describe() + " and values " +
+    throw InvalidArgument(l.where() + ": TreeForward::update got keys " + keys.describe() + " and values " +
                           values.describe() + "; expected " + extents({1, H, n, dk}, dtype) + " and " +
                           extents({1, H, n, dv}, dtype) + " (N = " + num(n) + " nodes)");
   }
-  l.budgeted("update_tree", [&] {
+  l.budgeted("TreeForward::update", [&] {
     Tensor k = detail::copy_of(keys), v = detail::copy_of(values);
     std::vector<std::int64_t> first(static_cast<std::size_t>(n));
     for (std::int64_t i = 0; i < n; ++i)
@@ -182,38 +190,38 @@ TreeKeyValues Cache::update_tree(const TensorView& keys, const TensorView& value
   return out;
 }
 
-TreeRows Cache::update_tree_side(const TensorView& rows, int layer_idx, int side) {
-  TreeCall t = tree_call(state(), layer_idx, "update_tree_side");
+TreeRows TreeForward::update_side(const TensorView& rows, int layer_idx, int side) {
+  TreeCall t = tree_call(cache_, layer_idx, "TreeForward::update_side");
   Layer::Impl& l = t.layer;
-  const detail::TokenTrack& track = l.side(side, "update_tree_side");
+  const detail::TokenTrack& track = l.side(side, "TreeForward::update_side");
   const auto s = static_cast<std::size_t>(side);
-  if (t.scratch.sides_done[s]) twice(l, "side tensor " + num(side), "update_tree_side");
+  if (t.scratch.sides_done[s]) twice(l, "side tensor " + num(side), "TreeForward::update_side");
   const std::int64_t n = t.tree.size(), D = track.shape.width;
   if (!same_extents(rows, {1, n, D}, track.shape.dtype)) {
-    throw InvalidArgument(l.where() + ": update_tree_side(" + num(side) + ") got " + rows.describe() + "; expected " +
-                          extents({1, n, D}, track.shape.dtype) + " (N = " + num(n) + " nodes)");
+    throw InvalidArgument(l.where() + ": TreeForward::update_side(" + num(side) + ") got " + rows.describe() +
+                          "; expected " + extents({1, n, D}, track.shape.dtype) + " (N = " + num(n) + " nodes)");
   }
-  l.budgeted("update_tree_side", [&] { t.scratch.sides[s] = detail::copy_of(rows); });
+  l.budgeted("TreeForward::update_side", [&] { t.scratch.sides[s] = detail::copy_of(rows); });
   t.scratch.sides_done[s] = true;
   const std::int64_t L = t.tree.start, first = track.rule.visible_first(L);
   return {track.view(first, L - first), first, t.scratch.sides[s].view()};
 }
 
-TensorView Cache::update_tree_conv(const TensorView& x, int layer_idx, int state) {
-  TreeCall t = tree_call(this->state(), layer_idx, "update_tree_conv");
+TensorView TreeForward::update_conv(const TensorView& x, int layer_idx, int state) {
+  TreeCall t = tree_call(cache_, layer_idx, "TreeForward::update_conv");
   Layer::Impl& l = t.layer;
-  const detail::TokenTrack& track = l.conv(state, "update_tree_conv");
+  const detail::TokenTrack& track = l.conv(state, "TreeForward::update_conv");
   const auto s = static_cast<std::size_t>(state);
-  if (t.scratch.convs_done[s]) twice(l, "conv state " + num(state), "update_tree_conv");
+  if (t.scratch.convs_done[s]) twice(l, "conv state " + num(state), "TreeForward::update_conv");
   const std::int64_t n = t.tree.size(), C = track.shape.width, K = track.rule.size;
   const DType dtype = track.shape.dtype;
   if (!same_extents(x, {1, C, n}, dtype)) {
-    throw InvalidArgument(l.where() + ": update_tree_conv(" + num(state) + ") got " + x.describe() + "; expected " +
-                          extents({1, C, n}, dtype) + " (N = " + num(n) + " nodes)");
+    throw InvalidArgument(l.where() + ": TreeForward::update_conv(" + num(state) + ") got " + x.describe() +
+                          "; expected " + extents({1, C, n}, dtype) + " (N = " + num(n) + " nodes)");
   }
   const std::size_t es = dtype_size(dtype);
   const auto row_bytes = static_cast<std::size_t>(C) * es;
-  l.budgeted("update_tree_conv", [&] {
+  l.budgeted("TreeForward::update_conv", [&] {
     // Time-major storage, as the cache keeps conv inputs: one position's C
     // channels are contiguous, so every window column is one row copy.
     Tensor inputs(dtype, {n, C});
@@ -244,15 +252,15 @@ TensorView Cache::update_tree_conv(const TensorView& x, int layer_idx, int state
   return TensorView::strided(t.scratch.conv_windows[s].view().data, dtype, {n, C, K}, {K * C, 1, C});
 }
 
-TreeRecurrentSlots Cache::tree_recurrent_slots(int layer_idx, int state) {
-  TreeCall t = tree_call(this->state(), layer_idx, "tree_recurrent_slots");
+TreeRecurrentSlots TreeForward::recurrent_slots(int layer_idx, int state) {
+  TreeCall t = tree_call(cache_, layer_idx, "TreeForward::recurrent_slots");
   Layer::Impl& l = t.layer;
-  const detail::RecurrentState& r = l.recurrent(state, "tree_recurrent_slots");
+  const detail::RecurrentState& r = l.recurrent(state, "TreeForward::recurrent_slots");
   const auto s = static_cast<std::size_t>(state);
-  if (t.scratch.recurrents_done[s]) twice(l, "recurrent state " + num(state), "tree_recurrent_slots");
+  if (t.scratch.recurrents_done[s]) twice(l, "recurrent state " + num(state), "TreeForward::recurrent_slots");
   const std::int64_t n = t.tree.size();
   TreeRecurrentSlots out;
-  l.budgeted("tree_recurrent_slots", [&] {
+  l.budgeted("TreeForward::recurrent_slots", [&] {
     std::array<std::int64_t, kMaxRank> shape{};
     shape[0] = n;
     for (std::size_t d = 0; d < r.shape.size(); ++d) shape[d + 1] = r.shape[d];
@@ -359,13 +367,14 @@ void TreeForward::commit(std::int64_t leaf) {
       throw StateError("TreeForward::commit: " + l.where() + " did not receive the tree's " + part + " (" + call +
                        "); every stateful layer takes its tree update in every part first");
     };
-    if (l.attention && !lt.kv_done) missing("keys and values", "update_tree");
+    if (l.attention && !lt.kv_done) missing("keys and values", "TreeForward::update");
     for (std::size_t s = 0; s < lt.sides_done.size(); ++s)
-      if (!lt.sides_done[s]) missing("side tensor " + num(static_cast<std::int64_t>(s)), "update_tree_side");
+      if (!lt.sides_done[s]) missing("side tensor " + num(static_cast<std::int64_t>(s)), "TreeForward::update_side");
     for (std::size_t s = 0; s < lt.convs_done.size(); ++s)
-      if (!lt.convs_done[s]) missing("conv state " + num(static_cast<std::int64_t>(s)), "update_tree_conv");
+      if (!lt.convs_done[s]) missing("conv state " + num(static_cast<std::int64_t>(s)), "TreeForward::update_conv");
     for (std::size_t s = 0; s < lt.recurrents_done.size(); ++s)
-      if (!lt.recurrents_done[s]) missing("recurrent state " + num(static_cast<std::int64_t>(s)), "tree_recurrent_slots");
+      if (!lt.recurrents_done[s])
+        missing("recurrent state " + num(static_cast<std::int64_t>(s)), "TreeForward::recurrent_slots");
   }
   const std::vector<std::int64_t> nodes = path(leaf);
   const auto k = static_cast<std::int64_t>(nodes.size());

@@ -4,7 +4,7 @@
 #include <cstdio>
 #include <mutex>
 
-#include "rewind/error.h"
+#include "rewind/warnings.h"
 
 namespace rwd {
 namespace {

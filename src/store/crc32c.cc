@@ -5,7 +5,7 @@
 #include <cstring>
 #include <span>
 
-#include "rewind/snapshot.h"
+#include "rewind/checksum.h"
 
 #if defined(__x86_64__)
 #include <nmmintrin.h>

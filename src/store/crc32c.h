@@ -1,5 +1,5 @@
 // Library-internal: the two implementations behind rwd::crc32c
-// (rewind/snapshot.h), exposed so tests can check that they agree.
+// (rewind/checksum.h), exposed so tests can check that they agree.
 #pragma once
 
 #include <cstddef>

@@ -20,6 +20,7 @@
 #include <string_view>
 #include <utility>
 
+#include "rewind/checksum.h"
 #include "rewind/error.h"
 #include "rewind/snapshot.h"
 #include "cache/layer_kinds.h"
@@ -479,7 +480,11 @@ LayerSnapshot read_layer(Reader& r, std::size_t index, std::int64_t length) {
 
 // ---- serialize ---------------------------------------------------------------
 
-std::vector<std::byte> serialize_snapshot(const Snapshot& snapshot, std::string_view model_fingerprint) {
+namespace {
+
+// serialize_snapshot's checks of everything but the layers; the number of
+// logits (0 for none).
+std::int64_t check_snapshot_fields(const Snapshot& snapshot, std::string_view model_fingerprint) {
   if (model_fingerprint.size() > kMaxFingerprint) {
     invalid("model fingerprint of " + unum(model_fingerprint.size()) + " bytes, at most " + unum(kMaxFingerprint) +
             " allowed");
@@ -502,23 +507,25 @@ std::vector<std::byte> serialize_snapshot(const Snapshot& snapshot, std::string_
               " at index " + unum(i) + "; allowed are [A-Za-z0-9._:-]");
     }
   }
-  std::int64_t num_logits = 0;
-  if (!is_empty_tensor(snapshot.logits)) {
-    const TensorView& v = snapshot.logits.view();
-    if (v.rank != 1 || v.dtype != DType::F32 || v.shape[0] < 1 || v.shape[0] > kMaxLogits || v.data == nullptr) {
-      invalid("logits " + v.describe() + " must be [V] f32 with 1 <= V <= 2^40, or an empty Tensor for none");
-    }
-    num_logits = v.shape[0];
+  if (is_empty_tensor(snapshot.logits)) return 0;
+  const TensorView& v = snapshot.logits.view();
+  if (v.rank != 1 || v.dtype != DType::F32 || v.shape[0] < 1 || v.shape[0] > kMaxLogits || v.data == nullptr) {
+    invalid("logits " + v.describe() + " must be [V] f32 with 1 <= V <= 2^40, or an empty Tensor for none");
   }
+  return v.shape[0];
+}
 
-  // Validate everything and size the output first: one allocation, and
-  // nothing written for a snapshot that is refused.
-  struct Sized {
-    const Tensor* tensor;
-    std::size_t bytes;
-  };
-  std::vector<Sized> parts;
-  std::uint64_t total = kHeaderBytes + model_fingerprint.size() + kCrcBytes;
+// One tensor to write, checked, with its byte count.
+struct SizedPart {
+  const Tensor* tensor;
+  std::size_t bytes;
+};
+
+// Checks every layer of `snapshot`, appending its tensors in file order to
+// `parts`; the bytes the layers take in the file.
+std::uint64_t check_layers(const Snapshot& snapshot, std::vector<SizedPart>& parts) {
+  const std::int64_t L = snapshot.length;
+  std::uint64_t total = 0;
   for (std::size_t li = 0; li < snapshot.layers.size(); ++li) {
     const LayerSnapshot& layer = snapshot.layers[li];
     if (code_of(kKindCodes, layer.kind) >= kKindCodes.size()) {
@@ -554,6 +561,36 @@ std::vector<std::byte> serialize_snapshot(const Snapshot& snapshot, std::string_
       add(Role::Recurrent, i, layer.recurrent_states[i], 0);
     }
   }
+  return total;
+}
+
+// Every layer's head and parts (`parts` from check_layers).
+void write_layers(Writer& w, const Snapshot& snapshot, const std::vector<SizedPart>& parts) {
+  std::size_t next_part = 0;
+  for (const LayerSnapshot& layer : snapshot.layers) {
+    const std::size_t head = w.size();
+    w.u32(code_of(kKindCodes, layer.kind));
+    w.u32(static_cast<std::uint32_t>(layer.sides.size()));
+    w.u32(static_cast<std::uint32_t>(layer.conv_states.size()));
+    w.u32(static_cast<std::uint32_t>(layer.recurrent_states.size()));
+    w.i64(layer.first);
+    w.crc_since(head);
+    const std::size_t count = (detail::kind_has_attention(layer.kind) ? 2 : 0) + layer.sides.size() + layer.conv_states.size() +
+                              layer.recurrent_states.size();
+    for (std::size_t k = 0; k < count; ++k, ++next_part) write_part(w, *parts[next_part].tensor, parts[next_part].bytes);
+  }
+}
+
+}  // namespace
+
+std::vector<std::byte> serialize_snapshot(const Snapshot& snapshot, std::string_view model_fingerprint) {
+  const std::int64_t num_logits = check_snapshot_fields(snapshot, model_fingerprint);
+  const std::int64_t L = snapshot.length;
+  // Validate everything and size the output first: one allocation, and
+  // nothing written for a snapshot that is refused.
+  std::vector<SizedPart> parts;
+  std::uint64_t total = kHeaderBytes + model_fingerprint.size() + kCrcBytes;
+  total += check_layers(snapshot, parts);
   total += 4 * snapshot.tokens.size() + 4 * static_cast<std::uint64_t>(num_logits) + snapshot.parent.size() +
            kCrcBytes;
   if (total > std::numeric_limits<std::size_t>::max()) {
@@ -574,19 +611,7 @@ std::vector<std::byte> serialize_snapshot(const Snapshot& snapshot, std::string_
   w.bytes(model_fingerprint.data(), model_fingerprint.size());
   w.crc_since(fingerprint);
 
-  std::size_t next_part = 0;
-  for (const LayerSnapshot& layer : snapshot.layers) {
-    const std::size_t head = w.size();
-    w.u32(code_of(kKindCodes, layer.kind));
-    w.u32(static_cast<std::uint32_t>(layer.sides.size()));
-    w.u32(static_cast<std::uint32_t>(layer.conv_states.size()));
-    w.u32(static_cast<std::uint32_t>(layer.recurrent_states.size()));
-    w.i64(layer.first);
-    w.crc_since(head);
-    const std::size_t count = (detail::kind_has_attention(layer.kind) ? 2 : 0) + layer.sides.size() + layer.conv_states.size() +
-                              layer.recurrent_states.size();
-    for (std::size_t k = 0; k < count; ++k, ++next_part) write_part(w, *parts[next_part].tensor, parts[next_part].bytes);
-  }
+  write_layers(w, snapshot, parts);
 
   const std::size_t trailer = w.size();
   w.elements(snapshot.tokens.data(), snapshot.tokens.size(), sizeof(std::int32_t));

@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "conformance/harness.h"
+#include "rewind/encoder_decoder_cache.h"
 
 namespace rwt {
 namespace {

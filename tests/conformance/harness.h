@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "conformance/reference.h"
+#include "rewind/warnings.h"
 
 namespace rwt {
 

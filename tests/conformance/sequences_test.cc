@@ -1037,7 +1037,7 @@ TEST(SequenceStaleHandles, TreeRecurrentSlotsAfterTheTreeEndedAreRefused) {
   std::optional<rwd::TreeRecurrentSlots> slots;
   {
     rwd::TreeForward t = c.begin_tree(parents);
-    slots.emplace(c.tree_recurrent_slots(0, 0));
+    slots.emplace(t.recurrent_slots(0, 0));
     EXPECT_NO_THROW((void)slots->previous(1));
     t.abandon();
   }
@@ -1185,8 +1185,8 @@ TEST(TreeMessages, CommitAtTheBudgetNamesTheCommitNotBeginForward) {
   c.set_memory_budget(c.memory().bytes_reserved + 1);  // the tree's scratch is not the layers'
   rwd::TreeForward t = c.begin_tree(parents);
   std::vector<float> k(static_cast<std::size_t>(2 * 3 * 3), 1.0f), v(static_cast<std::size_t>(2 * 3 * 2), 1.0f);
-  (void)c.update_tree(TensorView::contiguous(k.data(), DType::F32, {1, 2, 3, 3}),
-                      TensorView::contiguous(v.data(), DType::F32, {1, 2, 3, 2}), 0);
+  (void)t.update(TensorView::contiguous(k.data(), DType::F32, {1, 2, 3, 3}),
+                 TensorView::contiguous(v.data(), DType::F32, {1, 2, 3, 2}), 0);
   try {
     t.commit(2);
     ADD_FAILURE() << "the commit passed the budget";

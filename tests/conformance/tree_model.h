@@ -61,7 +61,7 @@ inline i64 first_visible(const RefLayer& rl, i64 position) {
 // and checks what each returns against the reference (before the tree).
 // The recurrent slots taken go to `keep` when given (to be tried once the
 // tree ended).
-inline std::string tree_updates(Cache& cache, const RefCache& ref, const rwd::TreeForward& tree,
+inline std::string tree_updates(Cache& cache, const RefCache& ref, rwd::TreeForward& tree,
                          const std::vector<StepData>& data, std::vector<rwd::TreeRecurrentSlots>* keep = nullptr) {
   const i64 n = tree.num_nodes(), L = tree.start_length();
   for (int li = 0; li < cache.num_layers(); ++li) {
@@ -70,7 +70,7 @@ inline std::string tree_updates(Cache& cache, const RefCache& ref, const rwd::Tr
     const std::string at = "layer " + std::to_string(li) + ": ";
     if (rl.has_attention()) {
       const HostTensor k = rl.kv_input(st, true, false), v = rl.kv_input(st, false, false);
-      const rwd::TreeKeyValues kv = cache.update_tree(k.view(), v.view(), li);
+      const rwd::TreeKeyValues kv = tree.update(k.view(), v.view(), li);
       const i64 from = first_visible(rl, L);
       if (kv.committed_first != from) return at + "committed_first " + std::to_string(kv.committed_first);
       if (std::string e = check_view(at + "committed keys", kv.committed.keys, rl.dtype(), {1, rl.H, L - from, rl.Dk},
@@ -88,7 +88,7 @@ inline std::string tree_updates(Cache& cache, const RefCache& ref, const rwd::Tr
           return at + "first_visible of node " + std::to_string(i);
       for (std::size_t s = 0; s < rl.side_dims.size(); ++s) {
         const HostTensor r = rl.side_input(st, s);
-        const rwd::TreeRows rows = cache.update_tree_side(r.view(), li, static_cast<int>(s));
+        const rwd::TreeRows rows = tree.update_side(r.view(), li, static_cast<int>(s));
         if (std::string e = check_view(at + "committed side", rows.committed, rl.dtype(), {1, L - from, rl.side_dims[s]},
                                        rl.expect_side(s, from, L));
             !e.empty())
@@ -97,7 +97,7 @@ inline std::string tree_updates(Cache& cache, const RefCache& ref, const rwd::Tr
     }
     for (std::size_t s = 0; s < rl.conv_ch.size(); ++s) {
       const HostTensor x = rl.conv_input(st, s);
-      const TensorView w = cache.update_tree_conv(x.view(), li, static_cast<int>(s));
+      const TensorView w = tree.update_conv(x.view(), li, static_cast<int>(s));
       const i64 C = rl.conv_ch[s], K = rl.K;
       const std::size_t es = rl.esize();
       for (i64 node = 0; node < n; ++node) {
@@ -123,7 +123,7 @@ inline std::string tree_updates(Cache& cache, const RefCache& ref, const rwd::Tr
       }
     }
     for (std::size_t s = 0; s < rl.rec_shapes.size(); ++s) {
-      const rwd::TreeRecurrentSlots slots = cache.tree_recurrent_slots(li, static_cast<int>(s));
+      const rwd::TreeRecurrentSlots slots = tree.recurrent_slots(li, static_cast<int>(s));
       if (keep) keep->push_back(slots);
       if (std::string e = check_view(at + "S(L)", slots.previous(0), rl.rdtype(), rl.rec_state_shape(s), rl.expect_rec(s, L));
           !e.empty())

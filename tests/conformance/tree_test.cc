@@ -111,10 +111,10 @@ TEST(Tree, RefusalsChangeNothing) {
     EXPECT_THROW(b.cache.update(k.view(), v.view(), 0), rwd::StateError);
     // Wrong shapes, a layer without attention, twice.
     HostTensor k3(DType::F32, {1, 2, 3, 3}), v3(DType::F32, {1, 2, 3, 2}), k2(DType::F32, {1, 2, 2, 3});
-    EXPECT_THROW(b.cache.update_tree(k2.view(), v3.view(), 0), rwd::InvalidArgument);
-    EXPECT_THROW(b.cache.update_tree(k3.view(), v3.view(), 3), rwd::StateError);  // linear_attention
-    (void)b.cache.update_tree(k3.view(), v3.view(), 0);
-    EXPECT_THROW(b.cache.update_tree(k3.view(), v3.view(), 0), rwd::StateError);
+    EXPECT_THROW(tree.update(k2.view(), v3.view(), 0), rwd::InvalidArgument);
+    EXPECT_THROW(tree.update(k3.view(), v3.view(), 3), rwd::StateError);  // linear_attention
+    (void)tree.update(k3.view(), v3.view(), 0);
+    EXPECT_THROW(tree.update(k3.view(), v3.view(), 0), rwd::StateError);
     // Commit before every layer took its update: StateError, the tree stays open.
     try {
       tree.commit(1);
@@ -144,6 +144,47 @@ TEST(Tree, RefusalsChangeNothing) {
   EXPECT_THROW(orphan.commit(0), rwd::StateError);
 }
 
+// The tree's updates live on its handle: they follow a move, and a handle
+// that is not open (moved from, abandoned, committed, or whose cache died)
+// refuses them with StateError and changes nothing.
+TEST(Tree, UpdatesGoThroughTheOpenHandleOnly) {
+  Built b = tree_cache(DType::F32, false);
+  ASSERT_EQ(cache_step(b.cache, b.ref, 3, 1), "");
+  const Observed before = observe(b.cache);
+  Built other = tree_cache(DType::F32, false);
+  const std::vector<std::int64_t> parents{-1, 0, 0};
+  HostTensor k(DType::F32, {1, 2, 3, 3}), v(DType::F32, {1, 2, 3, 2}), x(DType::F32, {1, 4, 3});
+  rwd::TreeForward tree = b.cache.begin_tree(parents);
+  EXPECT_TRUE(tree.is_open_on(b.cache));
+  EXPECT_FALSE(tree.is_open_on(other.cache));
+  rwd::TreeForward moved = std::move(tree);
+  EXPECT_FALSE(tree.is_open_on(b.cache));  // NOLINT: moved-from is specified
+  EXPECT_THROW((void)tree.update(k.view(), v.view(), 0), rwd::StateError);
+  EXPECT_TRUE(moved.is_open_on(b.cache));
+  const rwd::TreeKeyValues kv = moved.update(k.view(), v.view(), 0);
+  EXPECT_EQ(kv.nodes.keys.size(2), 3);
+  moved.abandon();
+  try {
+    (void)moved.update(k.view(), v.view(), 0);
+    ADD_FAILURE() << "an update of an abandoned tree";
+  } catch (const rwd::StateError& e) {
+    EXPECT_NE(std::string(e.what()).find("TreeForward::update: the tree is not open"), std::string::npos) << e.what();
+  }
+  EXPECT_THROW((void)moved.update_conv(x.view(), 4, 0), rwd::StateError);
+  EXPECT_THROW((void)moved.recurrent_slots(3, 0), rwd::StateError);
+  EXPECT_FALSE(moved.is_open_on(b.cache));
+  EXPECT_EQ(diff(before, observe(b.cache)), "");
+  EXPECT_EQ(verify(b.cache, b.ref), "");
+  rwd::TreeForward orphan = [] {
+    Built c = tree_cache(DType::F32, false);
+    const std::vector<std::int64_t> one{-1};
+    return c.cache.begin_tree(one);
+  }();
+  HostTensor k1(DType::F32, {1, 2, 1, 3}), v1(DType::F32, {1, 2, 1, 2});
+  EXPECT_THROW((void)orphan.update(k1.view(), v1.view(), 0), rwd::StateError);
+  EXPECT_THROW((void)orphan.recurrent_slots(3, 0), rwd::StateError);
+}
+
 // A static full layer without room for the path: commit throws
 // CapacityError, the tree stays open and the cache unchanged.
 TEST(Tree, CommitThatDoesNotFitLeavesTheTreeOpen) {
@@ -155,7 +196,7 @@ TEST(Tree, CommitThatDoesNotFitLeavesTheTreeOpen) {
   rwd::TreeForward tree = b.cache.begin_tree(chain);
   const StepData st = b.ref.layers[0].make_step(4, 9);
   const HostTensor k = b.ref.layers[0].kv_input(st, true, false), v = b.ref.layers[0].kv_input(st, false, false);
-  (void)b.cache.update_tree(k.view(), v.view(), 0);
+  (void)tree.update(k.view(), v.view(), 0);
   const Observed before = observe(b.cache);
   EXPECT_THROW(tree.commit(3), rwd::CapacityError);  // 4 + 4 > 6 slots
   EXPECT_TRUE(tree.is_open());

@@ -18,6 +18,7 @@
 #include <string>
 #include <vector>
 
+#include "rewind/checksum.h"
 #include "rewind/error.h"
 #include "rewind/snapshot.h"
 #include "store/crc32c.h"
