@@ -1,7 +1,6 @@
 #include "runtime/model.h"
 
 #include <algorithm>
-#include <chrono>
 #include <cmath>
 #include <cstring>
 #include <limits>
@@ -14,10 +13,19 @@
 #include "rewind/error.h"
 #include "rewind/prefix_cache.h"
 #include "runtime/kernels.h"
+#include "cache_rows.h"
 
 namespace rwd::runtime {
 
 namespace k = kernels;
+using detail::AttendedKeys;
+using detail::BatchRows;
+using detail::CacheRows;
+using detail::CacheTimer;
+using detail::ConvWindow;
+using detail::RecurrentChain;
+using detail::SequenceRows;
+using detail::TreeRows;
 
 namespace {
 
@@ -45,16 +53,6 @@ k::PackedMatrix packed(const ModelWeights& w, const std::string& name) {
   return pack(t.data<std::byte>(), t.view().dtype, t.view().size(0), t.view().size(1));
 }
 
-// The [B=1, H, n, D] keys / values view of token-major rows [n, H, D].
-TensorView heads_view(float* rows, std::int64_t n, std::int64_t heads, std::int64_t dim) {
-  return TensorView::strided(rows, DType::F32, {1, heads, n, dim}, {n * heads * dim, dim, heads * dim, 1});
-}
-
-// The [B=1, C, n] conv-input view of token-major rows [n, C].
-TensorView channels_view(float* rows, std::int64_t n, std::int64_t channels) {
-  return TensorView::strided(rows, DType::F32, {1, channels, n}, {n * channels, 1, channels});
-}
-
 // Throws InvalidArgument naming the first token outside the vocabulary.
 void check_tokens(std::span<const std::int32_t> tokens, const ModelConfig& c, const char* where) {
   for (std::size_t t = 0; t < tokens.size(); ++t) {
@@ -65,196 +63,216 @@ void check_tokens(std::span<const std::int32_t> tokens, const ModelConfig& c, co
   }
 }
 
-// Adds the wall time of its scope to *sink (when sink is non-null).
-class CacheTimer {
- public:
-  explicit CacheTimer(double* sink) : sink_(sink) {
-    if (sink_) start_ = std::chrono::steady_clock::now();
+// "rewind-hybrid-" + 16 hex digits hashing config.json's fields and every
+// tensor's name, shape and bytes (Model::fingerprint).
+std::string fingerprint_of(const ModelWeights& weights) {
+  const std::string config_text = to_json(weights.config());
+  std::uint64_t h = content_hash(std::as_bytes(std::span(config_text)));
+  for (const auto& name : weights.names()) {
+    const Tensor& t = weights.get(name);
+    const std::string head = name + ":" + t.view().describe();
+    h = content_hash(std::as_bytes(std::span(head)), h);
+    h = content_hash(std::span(static_cast<const std::byte*>(t.view().data), t.bytes()), h);
   }
-  ~CacheTimer() {
-    if (sink_) *sink_ += std::chrono::duration<double>(std::chrono::steady_clock::now() - start_).count();
-  }
-  CacheTimer(const CacheTimer&) = delete;
-  CacheTimer& operator=(const CacheTimer&) = delete;
+  static constexpr char digits[] = "0123456789abcdef";
+  std::string hex(16, '0');
+  for (int i = 15; i >= 0; --i, h >>= 4) hex[static_cast<std::size_t>(i)] = digits[h & 15];
+  return "rewind-hybrid-" + hex;
+}
 
- private:
-  double* sink_;
-  std::chrono::steady_clock::time_point start_;
-};
+// Rows [first + k * stride, ... + count) for k = 0, 1, ..., groups - 1 of
+// the [out, in] matrix `t`, gathered in that order and packed (in t's
+// dtype): how fused projections (per-head query and gate, Qwen3-Next's
+// per-key-head qkvz / ba groups) are split into the unfused matrices the
+// blocks multiply with.
+k::PackedMatrix gathered_rows(const Tensor& t, std::int64_t groups, std::int64_t stride, std::int64_t first,
+                              std::int64_t count) {
+  const std::int64_t in = t.view().size(1);
+  const std::size_t row = static_cast<std::size_t>(in) * dtype_size(t.view().dtype);
+  std::vector<std::byte> rows(static_cast<std::size_t>(groups * count) * row);
+  for (std::int64_t g = 0; g < groups; ++g) {
+    std::memcpy(rows.data() + static_cast<std::size_t>(g * count) * row,
+                t.data<std::byte>() + static_cast<std::size_t>(g * stride + first) * row,
+                static_cast<std::size_t>(count) * row);
+  }
+  return pack(rows.data(), t.view().dtype, groups * count, in);
+}
+
+// glibc raises its mmap threshold as large blocks are freed, so released
+// weights end up as free heap pages it keeps; handing them back after each
+// release keeps freed and packed copies from adding up while loading.
+void return_freed_memory() {
+#if defined(__GLIBC__)
+  malloc_trim(0);
+#endif
+}
 
 }  // namespace
 
-Model::Model(ModelWeights weights) : weights_(std::move(weights)) {
-  const ModelConfig& c = weights_.config();
-  rope_cache_ = std::make_unique<kernels::RopeCache>(c.rope_theta, c.rope_dim());
-  for (const auto& name : weights_.names()) parameter_count_ += weights_.get(name).numel();
-  {  // before packing releases the originals
-    const std::string config_text = to_json(c);
-    std::uint64_t h = content_hash(std::as_bytes(std::span(config_text)));
-    for (const auto& name : weights_.names()) {
-      const Tensor& t = weights_.get(name);
-      const std::string head = name + ":" + t.view().describe();
-      h = content_hash(std::as_bytes(std::span(head)), h);
-      h = content_hash(std::span(static_cast<const std::byte*>(t.view().data), t.bytes()), h);
-    }
-    static constexpr char digits[] = "0123456789abcdef";
-    std::string hex(16, '0');
-    for (int i = 15; i >= 0; --i, h >>= 4) hex[static_cast<std::size_t>(i)] = digits[h & 15];
-    fingerprint_ = "rewind-hybrid-" + hex;
-  }
-  auto name = [&c](std::int64_t layer, WeightRole role) { return weight_name(c, layer, role); };
+// Packs the weights layer by layer for Model::Model: small tensors as f32,
+// linear weights for kernels::matmul, each original released as soon as
+// it is packed, so loading holds at most one layer's matrices twice.
+class Model::Packer {
+ public:
+  explicit Packer(Model& model) : m_(model), c_(model.weights_.config()) {}
+
+  std::string name(std::int64_t layer, WeightRole role) const { return weight_name(c_, layer, role); }
   // A small tensor (norm, conv, gate parameters) as f32 for the kernels: an
   // F32 tensor is used in place; a BF16 or F16 one is widened into folded_,
   // and so is a (1 + w) norm weight, with the 1 folded in once (1 + w in f32
   // is the rounding transformers does per forward, so the product is the
   // same).
-  auto small = [&](const std::string& n, bool plus_one) -> const float* {
-    const Tensor& t = weights_.get(n);
+  const float* small(const std::string& n, bool plus_one) {
+    const Tensor& t = m_.weights_.get(n);
     if (t.view().dtype == DType::F32 && !plus_one) return t.data<float>();
     std::vector<float> v(static_cast<std::size_t>(t.numel()));
     for (std::size_t i = 0; i < v.size(); ++i) {
       v[i] = element_as_f32(t, i);
       if (plus_one) v[i] = 1.0f + v[i];
     }
-    return folded_.emplace_back(std::move(v)).data();
-  };
-  auto norm = [&](const std::string& n) { return small(n, c.norm_plus_one); };
-  const std::string embed_name = name(0, WeightRole::Embed);
-  final_norm_ = norm(name(0, WeightRole::FinalNorm));
-  lm_head_ = packed(weights_, c.tie_word_embeddings ? embed_name : name(0, WeightRole::LmHead));
+    return m_.folded_.emplace_back(std::move(v)).data();
+  }
+  const float* norm(const std::string& n) { return small(n, c_.norm_plus_one); }
+  const float* get(std::int64_t layer, WeightRole role) { return small(name(layer, role), false); }
+  // The linear weight of `role` packed; the original is released.
+  k::PackedMatrix linear(std::int64_t layer, WeightRole role) {
+    k::PackedMatrix m = packed(m_.weights_, name(layer, role));
+    m_.weights_.release(name(layer, role));
+    return m;
+  }
+  // Layer i's weights; the originals are released when it returns.
+  LayerWeights layer(std::int64_t i);
+
+ private:
+  void attention(std::int64_t i, LayerWeights& w);
+  void gated_deltanet(std::int64_t i, LayerWeights& w);
+  // A fused tensor split with gathered_rows, released once its layer is packed.
+  const Tensor& fused(std::int64_t layer, WeightRole role) {
+    fused_.push_back(name(layer, role));
+    return m_.weights_.get(fused_.back());
+  }
+
+  Model& m_;
+  const ModelConfig& c_;
+  std::vector<std::string> fused_;
+};
+
+void Model::Packer::attention(std::int64_t i, LayerWeights& w) {
+  if (c_.attn_output_gate) {
+    // q_proj: per head, head_dim query rows then head_dim gate rows.
+    const Tensor& q = fused(i, WeightRole::AttnQ);
+    w.wq = gathered_rows(q, c_.num_attention_heads, 2 * c_.head_dim, 0, c_.head_dim);
+    w.wgate = gathered_rows(q, c_.num_attention_heads, 2 * c_.head_dim, c_.head_dim, c_.head_dim);
+  } else {
+    w.wq = linear(i, WeightRole::AttnQ);
+  }
+  w.wk = linear(i, WeightRole::AttnK);
+  w.wv = linear(i, WeightRole::AttnV);
+  w.wo = linear(i, WeightRole::AttnO);
+  if (c_.qk_norm) {
+    w.q_norm = norm(name(i, WeightRole::AttnQNorm));
+    w.k_norm = norm(name(i, WeightRole::AttnKNorm));
+  }
+}
+
+void Model::Packer::gated_deltanet(std::int64_t i, LayerWeights& w) {
+  if (c_.fused_gdn_projections) {
+    // Qwen3-Next groups the rows per key head g: [q (kd), k (kd), v (r vd),
+    // z (r vd)] and [b (r), a (r)] with r = lnv / lnk value heads per key
+    // head; the unfused layout is all q, all k, all v (value heads in
+    // order g * r + j), and z, b, a in value-head order.
+    const std::int64_t nk = c_.linear_num_key_heads, kd = c_.linear_key_head_dim;
+    const std::int64_t r = c_.linear_num_value_heads / nk, rv = r * c_.linear_value_head_dim;
+    const std::int64_t group = 2 * kd + 2 * rv;
+    const Tensor& qkvz = fused(i, WeightRole::GdnQkvz);
+    const Tensor& ba = fused(i, WeightRole::GdnBa);
+    const std::int64_t d = c_.hidden_size;
+    const std::size_t row = static_cast<std::size_t>(d) * dtype_size(qkvz.view().dtype);
+    std::vector<std::byte> qkv(static_cast<std::size_t>(c_.linear_conv_dim()) * row);
+    std::byte* dst = qkv.data();
+    for (std::int64_t part : {std::int64_t{0}, kd, 2 * kd}) {  // q, k, v blocks of each group
+      const std::int64_t count = part == 2 * kd ? rv : kd;
+      for (std::int64_t g = 0; g < nk; ++g, dst += static_cast<std::size_t>(count) * row) {
+        std::memcpy(dst, qkvz.data<std::byte>() + static_cast<std::size_t>(g * group + part) * row,
+                    static_cast<std::size_t>(count) * row);
+      }
+    }
+    w.in_qkv = pack(qkv.data(), qkvz.view().dtype, c_.linear_conv_dim(), d);
+    w.in_z = gathered_rows(qkvz, nk, group, 2 * kd + rv, rv);
+    w.in_b = gathered_rows(ba, nk, 2 * r, 0, r);
+    w.in_a = gathered_rows(ba, nk, 2 * r, r, r);
+  } else {
+    w.in_qkv = linear(i, WeightRole::GdnQkv);
+    w.in_z = linear(i, WeightRole::GdnZ);
+    w.in_b = linear(i, WeightRole::GdnB);
+    w.in_a = linear(i, WeightRole::GdnA);
+  }
+  w.conv = get(i, WeightRole::GdnConv);
+  w.dt_bias = get(i, WeightRole::GdnDtBias);
+  w.a_log = get(i, WeightRole::GdnALog);
+  w.out_norm = get(i, WeightRole::GdnNorm);  // a plain-weight norm in every family
+  w.out = linear(i, WeightRole::GdnOut);
+}
+
+Model::LayerWeights Model::Packer::layer(std::int64_t i) {
+  const LayerKind kind = c_.layer_types[static_cast<std::size_t>(i)];
+  LayerWeights w;
+  w.input_norm = norm(name(i, WeightRole::InputNorm));
+  w.post_norm = norm(name(i, WeightRole::PostNorm));
+  w.gate = linear(i, WeightRole::MlpGate);
+  w.up = linear(i, WeightRole::MlpUp);
+  w.down = linear(i, WeightRole::MlpDown);
+  switch (kind) {
+    case LayerKind::FullAttention:
+    case LayerKind::SlidingAttention:
+      w.kind = kind == LayerKind::FullAttention ? LayerWeights::Kind::Attention : LayerWeights::Kind::Sliding;
+      attention(i, w);
+      break;
+    case LayerKind::LinearAttention:
+      w.kind = LayerWeights::Kind::GatedDeltaNet;
+      gated_deltanet(i, w);
+      break;
+    case LayerKind::Conv:
+      w.kind = LayerWeights::Kind::ShortConv;
+      w.in_bcx = linear(i, WeightRole::ConvIn);
+      w.conv = get(i, WeightRole::ConvConv);
+      w.out = linear(i, WeightRole::ConvOut);
+      break;
+    case LayerKind::ChunkedAttention:
+    case LayerKind::Hybrid:
+    case LayerKind::HybridSliding:
+    case LayerKind::SparseAttention:
+    case LayerKind::Moe:
+    case LayerKind::Mlp:
+      throw FormatError("config.json: layer type '" + std::string(layer_kind_name(kind)) + "' of layer " +
+                        std::to_string(i) + " is not implemented by the runtime");
+  }
+  for (const auto& n : fused_) m_.weights_.release(n);
+  fused_.clear();
+  return_freed_memory();
+  return w;
+}
+
+Model::Model(ModelWeights weights) : weights_(std::move(weights)) {
+  const ModelConfig& c = weights_.config();
+  rope_cache_ = std::make_unique<kernels::RopeCache>(c.rope_theta, c.rope_dim());
+  for (const auto& name : weights_.names()) parameter_count_ += weights_.get(name).numel();
+  fingerprint_ = fingerprint_of(weights_);  // before packing releases the originals
+  Packer packer(*this);
+  const std::string embed_name = packer.name(0, WeightRole::Embed);
+  final_norm_ = packer.norm(packer.name(0, WeightRole::FinalNorm));
+  lm_head_ = packed(weights_, c.tie_word_embeddings ? embed_name : packer.name(0, WeightRole::LmHead));
   // A tied embedding is looked up in the packed output matrix (the same
   // values), so the model holds it once.
   embed_ = c.tie_word_embeddings ? nullptr : &weights_.get(embed_name);
-  // Linear weights are released as soon as their layer is packed, so loading
-  // holds at most one layer's matrices twice.
-  if (c.tie_word_embeddings) weights_.release(embed_name);
-  if (!c.tie_word_embeddings) weights_.release(name(0, WeightRole::LmHead));
-  // glibc raises its mmap threshold as large blocks are freed, so released
-  // weights end up as free heap pages it keeps; handing them back after each
-  // release keeps freed and packed copies from adding up while loading.
-  auto trim = [] {
-#if defined(__GLIBC__)
-    malloc_trim(0);
-#endif
-  };
-  trim();
-  std::vector<std::string> packed_names;
-  // Rows [first + k * stride, ... + count) for k = 0, 1, ..., of the [out, in]
-  // matrix `t`, gathered in that order and packed (in t's dtype): how fused
-  // projections (per-head query and gate, Qwen3-Next's per-key-head qkvz /
-  // ba groups) are split into the unfused matrices the blocks multiply with.
-  auto gather = [](const Tensor& t, std::int64_t groups, std::int64_t stride, std::int64_t first,
-                   std::int64_t count) {
-    const std::int64_t in = t.view().size(1);
-    const std::size_t row = static_cast<std::size_t>(in) * dtype_size(t.view().dtype);
-    std::vector<std::byte> rows(static_cast<std::size_t>(groups * count) * row);
-    for (std::int64_t g = 0; g < groups; ++g) {
-      std::memcpy(rows.data() + static_cast<std::size_t>(g * count) * row,
-                  t.data<std::byte>() + static_cast<std::size_t>(g * stride + first) * row,
-                  static_cast<std::size_t>(count) * row);
-    }
-    return pack(rows.data(), t.view().dtype, groups * count, in);
-  };
-  auto release_packed = [&] {
-    for (const auto& n : packed_names) weights_.release(n);
-    packed_names.clear();
-    trim();
-  };
+  weights_.release(c.tie_word_embeddings ? embed_name : packer.name(0, WeightRole::LmHead));
+  return_freed_memory();
   for (std::int64_t i = 0; i < c.num_hidden_layers; ++i) {
-    auto get = [&](WeightRole role) { return small(name(i, role), false); };
-    auto linear = [&](WeightRole role) {
-      k::PackedMatrix m = packed(weights_, name(i, role));
-      weights_.release(name(i, role));
-      return m;
-    };
-    LayerWeights w;
-    w.input_norm = norm(name(i, WeightRole::InputNorm));
-    w.post_norm = norm(name(i, WeightRole::PostNorm));
-    w.gate = linear(WeightRole::MlpGate);
-    w.up = linear(WeightRole::MlpUp);
-    w.down = linear(WeightRole::MlpDown);
-    switch (c.layer_types[static_cast<std::size_t>(i)]) {
-      case LayerKind::FullAttention:
-      case LayerKind::SlidingAttention:
-        w.kind = c.layer_types[static_cast<std::size_t>(i)] == LayerKind::FullAttention ? LayerWeights::Kind::Attention
-                                                                                        : LayerWeights::Kind::Sliding;
-        has_attention_ = true;
-        if (c.attn_output_gate) {
-          // q_proj: per head, head_dim query rows then head_dim gate rows.
-          const Tensor& q = weights_.get(name(i, WeightRole::AttnQ));
-          w.wq = gather(q, c.num_attention_heads, 2 * c.head_dim, 0, c.head_dim);
-          w.wgate = gather(q, c.num_attention_heads, 2 * c.head_dim, c.head_dim, c.head_dim);
-          packed_names.push_back(name(i, WeightRole::AttnQ));
-        } else {
-          w.wq = linear(WeightRole::AttnQ);
-        }
-        w.wk = linear(WeightRole::AttnK);
-        w.wv = linear(WeightRole::AttnV);
-        w.wo = linear(WeightRole::AttnO);
-        if (c.qk_norm) {
-          w.q_norm = norm(name(i, WeightRole::AttnQNorm));
-          w.k_norm = norm(name(i, WeightRole::AttnKNorm));
-        }
-        break;
-      case LayerKind::LinearAttention:
-        w.kind = LayerWeights::Kind::GatedDeltaNet;
-        if (c.fused_gdn_projections) {
-          // Qwen3-Next groups the rows per key head g: [q (kd), k (kd), v (r vd),
-          // z (r vd)] and [b (r), a (r)] with r = lnv / lnk value heads per key
-          // head; the unfused layout is all q, all k, all v (value heads in
-          // order g * r + j), and z, b, a in value-head order.
-          const std::int64_t nk = c.linear_num_key_heads, kd = c.linear_key_head_dim;
-          const std::int64_t r = c.linear_num_value_heads / nk, rv = r * c.linear_value_head_dim;
-          const std::int64_t group = 2 * kd + 2 * rv;
-          const Tensor& qkvz = weights_.get(name(i, WeightRole::GdnQkvz));
-          const Tensor& ba = weights_.get(name(i, WeightRole::GdnBa));
-          const std::int64_t d = c.hidden_size;
-          const std::size_t row = static_cast<std::size_t>(d) * dtype_size(qkvz.view().dtype);
-          std::vector<std::byte> qkv(static_cast<std::size_t>(c.linear_conv_dim()) * row);
-          std::byte* dst = qkv.data();
-          for (std::int64_t part : {std::int64_t{0}, kd, 2 * kd}) {  // q, k, v blocks of each group
-            const std::int64_t count = part == 2 * kd ? rv : kd;
-            for (std::int64_t g = 0; g < nk; ++g, dst += static_cast<std::size_t>(count) * row) {
-              std::memcpy(dst, qkvz.data<std::byte>() + static_cast<std::size_t>(g * group + part) * row,
-                          static_cast<std::size_t>(count) * row);
-            }
-          }
-          w.in_qkv = pack(qkv.data(), qkvz.view().dtype, c.linear_conv_dim(), d);
-          w.in_z = gather(qkvz, nk, group, 2 * kd + rv, rv);
-          w.in_b = gather(ba, nk, 2 * r, 0, r);
-          w.in_a = gather(ba, nk, 2 * r, r, r);
-          packed_names.push_back(name(i, WeightRole::GdnQkvz));
-          packed_names.push_back(name(i, WeightRole::GdnBa));
-        } else {
-          w.in_qkv = linear(WeightRole::GdnQkv);
-          w.in_z = linear(WeightRole::GdnZ);
-          w.in_b = linear(WeightRole::GdnB);
-          w.in_a = linear(WeightRole::GdnA);
-        }
-        w.conv = get(WeightRole::GdnConv);
-        w.dt_bias = get(WeightRole::GdnDtBias);
-        w.a_log = get(WeightRole::GdnALog);
-        w.out_norm = get(WeightRole::GdnNorm);  // a plain-weight norm in every family
-        w.out = linear(WeightRole::GdnOut);
-        break;
-      case LayerKind::Conv:
-        w.kind = LayerWeights::Kind::ShortConv;
-        w.in_bcx = linear(WeightRole::ConvIn);
-        w.conv = get(WeightRole::ConvConv);
-        w.out = linear(WeightRole::ConvOut);
-        break;
-      case LayerKind::ChunkedAttention:
-      case LayerKind::Hybrid:
-      case LayerKind::HybridSliding:
-      case LayerKind::SparseAttention:
-      case LayerKind::Moe:
-      case LayerKind::Mlp:
-        throw FormatError("config.json: layer type '" +
-                          std::string(layer_kind_name(c.layer_types[static_cast<std::size_t>(i)])) + "' of layer " +
-                          std::to_string(i) + " is not implemented by the runtime");
+    if (c.layer_types[static_cast<std::size_t>(i)] == LayerKind::FullAttention ||
+        c.layer_types[static_cast<std::size_t>(i)] == LayerKind::SlidingAttention) {
+      has_attention_ = true;
     }
-    layers_.push_back(std::move(w));
-    release_packed();
+    layers_.push_back(packer.layer(i));
   }
 }
 
@@ -318,6 +336,13 @@ Cache Model::make_cache() const {
     layers.emplace_back(kind, o, static_cast<int>(i));
   }
   return Cache(std::move(layers));
+}
+
+SequenceCache Model::make_sequence_cache(SequenceCacheOptions options) const {
+  const Cache one = make_cache();  // the layers' kinds and options, once
+  std::vector<SequenceLayer> layers;
+  for (int i = 0; i < one.num_layers(); ++i) layers.push_back({one.layer(i).kind(), one.layer(i).options()});
+  return SequenceCache(std::move(layers), options);
 }
 
 // ---- scratch rows ----------------------------------------------------------------------
@@ -389,7 +414,7 @@ class Model::ScratchLease {
   std::unique_ptr<Scratch> own_;
 };
 
-// ---- the math of each block, shared by both forwards -------------------------------
+// ---- the math of each block that does not touch the cache ---------------------------
 
 void Model::attention_in(const LayerWeights& w, const float* h, std::int64_t n, const kernels::RopeTable& rope,
                          AttentionRows& r) const {
@@ -508,85 +533,93 @@ void Model::mlp(const LayerWeights& w, std::int64_t n, ScratchRows& x, ScratchRo
   k::add_inplace(x.data(), mix.data(), n * d);
 }
 
-// ---- one sequence: rwd::Cache ---------------------------------------------------------
+// ---- the blocks, once for every front-end ------------------------------------------------
 
-void Model::attention_block(const BlockArgs& a, const SequenceArgs& s) const {
+void Model::attention_block(const BlockArgs& a, CacheRows& cache) const {
   const ModelConfig& c = config();
-  const std::int64_t nh = c.num_attention_heads, nkv = c.num_key_value_heads, hd = c.head_dim, n = a.n;
+  const std::int64_t nh = c.num_attention_heads, nkv = c.num_key_value_heads, hd = c.head_dim;
   AttentionRows& r = a.scratch->attention;
-  attention_in(*a.w, a.h, n, *a.rope, r);
-  MaskSizes mask;
-  KeyValueView kv;
-  {
-    CacheTimer timer(s.cache_seconds);
-    mask = s.cache->get_mask_sizes(n, a.layer);
-    kv = s.cache->update(heads_view(r.key.data(), n, nkv, hd), heads_view(r.val.data(), n, nkv, hd), a.layer);
-  }
-  const k::StridedKV keys{static_cast<const float*>(kv.keys.data), kv.keys.stride(1), kv.keys.stride(2)};
-  const k::StridedKV values{static_cast<const float*>(kv.values.data), kv.values.stride(1), kv.values.stride(2)};
+  attention_in(*a.w, a.h, a.n, *a.rope, r);
+  cache.store_keys(a.layer, r.key.data(), r.val.data(), nkv, hd);
   k::AttentionMask m;
   if (a.w->kind == LayerWeights::Kind::Sliding) m.window = c.sliding_window;
-  k::attention(r.q.data(), n, s.pos0, nh, nkv, hd, keys, values, mask.kv_offset, mask.kv_length, m, r.att.data());
-  attention_out(*a.w, n, r, a.out);
+  const std::span<const CacheRows::Group> groups = cache.groups();
+  for (std::size_t g = 0; g < groups.size(); ++g) {
+    const CacheRows::Group& group = groups[g];
+    const std::int64_t pos0 = cache.positions()[static_cast<std::size_t>(group.row)];
+    const AttendedKeys kv = cache.attended(g);
+    k::attention_paged(r.q.data() + group.row * nh * hd, group.count, pos0, nh, nkv, hd, kv.runs, kv.k_strides,
+                       kv.v_strides, kv.kv_offset, kv.kv_len, m, r.att.data() + group.row * nh * hd);
+  }
+  attention_out(*a.w, a.n, r, a.out);
 }
 
-void Model::gated_deltanet_block(const BlockArgs& a, const SequenceArgs& s) const {
+void Model::conv_rows(const LayerWeights& w, int layer, float* x, std::int64_t channels, std::int64_t kernel_size,
+                      bool fuse_silu, CacheRows& cache, float* out) const {
+  const std::span<const ConvWindow> windows = cache.conv(layer, x, channels);
+  const std::span<const CacheRows::Group> groups = cache.groups();
+  for (std::size_t g = 0; g < groups.size(); ++g) {
+    k::causal_conv1d(windows[g].data, channels, kernel_size, groups[g].count, windows[g].channel_stride,
+                     windows[g].time_stride, w.conv, nullptr, fuse_silu, out + groups[g].row * channels);
+  }
+}
+
+void Model::gated_deltanet_block(const BlockArgs& a, CacheRows& cache) const {
   const ModelConfig& c = config();
   const std::int64_t nk = c.linear_num_key_heads, nv = c.linear_num_value_heads;
-  const std::int64_t kd = c.linear_key_head_dim, vd = c.linear_value_head_dim, K = c.linear_conv_kernel_dim;
-  const std::int64_t channels = c.linear_conv_dim(), n = a.n;
+  const std::int64_t kd = c.linear_key_head_dim, vd = c.linear_value_head_dim;
+  const std::int64_t qk = nk * kd, vv = nv * vd;
   DeltaNetRows& r = a.scratch->deltanet;
-  deltanet_in(*a.w, a.h, n, r);
-  TensorView window;
-  {
-    CacheTimer timer(s.cache_seconds);
-    window = s.cache->update_conv_state(channels_view(r.qkv.data(), n, channels), a.layer);
+  deltanet_in(*a.w, a.h, a.n, r);
+  conv_rows(*a.w, a.layer, r.qkv.data(), c.linear_conv_dim(), c.linear_conv_kernel_dim, /*fuse_silu=*/true, cache,
+            r.mixed.data());
+  deltanet_mid(*a.w, a.n, r);
+  const std::span<const RecurrentChain> chains = cache.begin_recurrent(a.layer);
+  const std::span<const CacheRows::Group> groups = cache.groups();
+  for (std::size_t g = 0; g < groups.size(); ++g) {
+    const std::int64_t o = groups[g].row;
+    k::gated_delta_rule(r.q.data() + o * qk, r.key.data() + o * qk, r.v.data() + o * vv, r.g.data() + o * nv,
+                        r.beta.data() + o * nv, groups[g].count, nv, nk, kd, vd, chains[g].previous, chains[g].next,
+                        r.o.data() + o * vv);
   }
-  k::causal_conv1d(static_cast<const float*>(window.data), channels, K, n, window.stride(1), window.stride(2),
-                   a.w->conv, nullptr, /*fuse_silu=*/true, r.mixed.data());
-  deltanet_mid(*a.w, n, r);
-  std::vector<float*> states(static_cast<std::size_t>(n));
-  const float* previous = nullptr;
-  std::optional<RecurrentUpdate> update;
-  {
-    CacheTimer timer(s.cache_seconds);
-    update.emplace(s.cache->begin_recurrent_update(n, a.layer));
-    for (std::int64_t t = 0; t < n; ++t) states[static_cast<std::size_t>(t)] = static_cast<float*>(update->next(t + 1).data);
-    previous = static_cast<const float*>(update->previous().data);
-  }
-  k::gated_delta_rule(r.q.data(), r.key.data(), r.v.data(), r.g.data(), r.beta.data(), n, nv, nk, kd, vd, previous,
-                      states.data(), r.o.data());
-  {
-    CacheTimer timer(s.cache_seconds);
-    update->commit();
-  }
-  deltanet_out(*a.w, n, r, a.out);
+  cache.end_recurrent();
+  deltanet_out(*a.w, a.n, r, a.out);
 }
 
-void Model::short_conv_block(const BlockArgs& a, const SequenceArgs& s) const {
+void Model::short_conv_block(const BlockArgs& a, CacheRows& cache) const {
   const ModelConfig& c = config();
-  const std::int64_t d = c.hidden_size, K = c.conv_L_cache, n = a.n;
   ShortConvRows& r = a.scratch->conv;
-  short_conv_in(*a.w, a.h, n, r);
-  TensorView window;
-  {
-    CacheTimer timer(s.cache_seconds);
-    window = s.cache->update_conv_state(channels_view(r.bx.data(), n, d), a.layer);
-  }
-  k::causal_conv1d(static_cast<const float*>(window.data), d, K, n, window.stride(1), window.stride(2), a.w->conv,
-                   nullptr, /*fuse_silu=*/false, r.conv.data());
-  short_conv_out(*a.w, n, r, a.out);
+  short_conv_in(*a.w, a.h, a.n, r);
+  conv_rows(*a.w, a.layer, r.bx.data(), c.hidden_size, c.conv_L_cache, /*fuse_silu=*/false, cache, r.conv.data());
+  short_conv_out(*a.w, a.n, r, a.out);
 }
 
-template <typename StateArgs>
-void Model::mixer_block(const BlockArgs& a, const StateArgs& state) const {
-  switch (a.w->kind) {
-    case LayerWeights::Kind::Attention:
-    case LayerWeights::Kind::Sliding: attention_block(a, state); break;
-    case LayerWeights::Kind::GatedDeltaNet: gated_deltanet_block(a, state); break;
-    case LayerWeights::Kind::ShortConv: short_conv_block(a, state); break;
+void Model::run_layers(std::span<const std::int32_t> tokens, CacheRows& cache, Scratch& scratch) const {
+  const ModelConfig& c = config();
+  const auto n = static_cast<std::int64_t>(tokens.size());
+  const std::int64_t d = c.hidden_size;
+  scratch.resize_stream(static_cast<std::size_t>(n), static_cast<std::size_t>(d),
+                        static_cast<std::size_t>(c.intermediate_size));
+  ScratchRows &x = scratch.x, &h = scratch.h, &mix = scratch.mix;
+  for (std::int64_t t = 0; t < n; ++t) embed_row(tokens[static_cast<std::size_t>(t)], x.data() + t * d);
+  // One table of RoPE angles for the rows' positions, shared by every
+  // attention layer.
+  const k::RopeTable rope(cache.positions().data(), has_attention_ ? n : 0, *rope_cache_);
+  for (std::size_t i = 0; i < layers_.size(); ++i) {
+    const LayerWeights& w = layers_[i];
+    k::rms_norm(x.data(), w.input_norm, n, d, c.rms_norm_eps, h.data());
+    const BlockArgs a{static_cast<int>(i), &w, h.data(), n, &rope, mix.data(), &scratch};
+    switch (w.kind) {
+      case LayerWeights::Kind::Attention:
+      case LayerWeights::Kind::Sliding: attention_block(a, cache); break;
+      case LayerWeights::Kind::GatedDeltaNet: gated_deltanet_block(a, cache); break;
+      case LayerWeights::Kind::ShortConv: short_conv_block(a, cache); break;
+    }
+    mlp(w, n, x, h, mix, scratch.gate, scratch.up);
   }
 }
+
+// ---- the three forwards ------------------------------------------------------------------
 
 void Model::forward(std::span<const std::int32_t> tokens, Cache& cache, std::vector<float>& logits,
                     bool all_logits, double* cache_seconds) const {
@@ -594,8 +627,7 @@ void Model::forward(std::span<const std::int32_t> tokens, Cache& cache, std::vec
   const auto n = static_cast<std::int64_t>(tokens.size());
   if (n < 1) throw InvalidArgument("Model::forward needs at least one token");
   check_tokens(tokens, c, "Model::forward");
-  const std::int64_t d = c.hidden_size, ff = c.intermediate_size, V = c.vocab_size;
-  auto sz = [](std::int64_t v) { return static_cast<std::size_t>(v); };
+  const std::int64_t d = c.hidden_size, V = c.vocab_size;
   const std::int64_t pos0 = cache.get_seq_length();
   // All or nothing: room and budget for n tokens in every layer are reserved
   // before any layer changes, and an exception anywhere below (a kernel, an
@@ -605,245 +637,17 @@ void Model::forward(std::span<const std::int32_t> tokens, Cache& cache, std::vec
     CacheTimer timer(cache_seconds);
     transaction.emplace(cache.begin_forward(n));
   }
+  SequenceRows rows(cache, pos0, n, cache_seconds);
   ScratchLease lease;
   Scratch& scratch = lease.get();
-  scratch.resize_stream(sz(n), sz(d), sz(ff));
-  ScratchRows &x = scratch.x, &h = scratch.h, &mix = scratch.mix, &gate = scratch.gate, &up = scratch.up;
-  for (std::int64_t t = 0; t < n; ++t) embed_row(tokens[sz(t)], x.data() + t * d);
-  // One table of RoPE angles for the positions of this forward, shared by
-  // every attention layer.
-  std::vector<std::int64_t> positions(sz(n));
-  for (std::int64_t t = 0; t < n; ++t) positions[sz(t)] = pos0 + t;
-  const k::RopeTable rope(positions.data(), has_attention_ ? n : 0, *rope_cache_);
-  for (std::size_t i = 0; i < layers_.size(); ++i) {
-    const LayerWeights& w = layers_[i];
-    const int layer = static_cast<int>(i);
-    k::rms_norm(x.data(), w.input_norm, n, d, c.rms_norm_eps, h.data());
-    mixer_block({layer, &w, h.data(), n, &rope, mix.data(), &scratch}, SequenceArgs{&cache, pos0, cache_seconds});
-    mlp(w, n, x, h, mix, gate, up);
-  }
+  run_layers(tokens, rows, scratch);
   const std::int64_t first = all_logits ? 0 : n - 1;
-  const std::int64_t rows = n - first;
-  k::rms_norm(x.data() + first * d, final_norm_, rows, d, c.rms_norm_eps, h.data());
-  logits.resize(sz(rows * V));
-  k::matmul(h.data(), rows, lm_head_, logits.data());
+  const std::int64_t count = n - first;
+  k::rms_norm(scratch.x.data() + first * d, final_norm_, count, d, c.rms_norm_eps, scratch.h.data());
+  logits.resize(static_cast<std::size_t>(count * V));
+  k::matmul(scratch.h.data(), count, lm_head_, logits.data());
   CacheTimer timer(cache_seconds);
   transaction->commit();
-}
-
-// ---- trees: rwd::TreeForward -------------------------------------------------------------
-
-void Model::attention_block(const BlockArgs& a, const TreeArgs& t) const {
-  const ModelConfig& c = config();
-  const std::int64_t nh = c.num_attention_heads, nkv = c.num_key_value_heads, hd = c.head_dim, n = a.n;
-  const std::int64_t row = nkv * hd;
-  AttentionRows& r = a.scratch->attention;
-  attention_in(*a.w, a.h, n, *a.rope, r);
-  TreeKeyValues kv;
-  {
-    CacheTimer timer(t.cache_seconds);
-    kv = t.cache->update_tree(heads_view(r.key.data(), n, nkv, hd), heads_view(r.val.data(), n, nkv, hd), a.layer);
-  }
-  k::AttentionMask m;
-  if (a.w->kind == LayerWeights::Kind::Sliding) m.window = c.sliding_window;
-  const k::StridedKV strides{nullptr, hd, row};  // token-major, as the committed rows
-  const std::int64_t L = t.tree->start_length();
-  std::vector<float> path_k, path_v;
-  for (std::int64_t node = 0; node < n; ++node) {
-    // Node i reads the committed rows its window sees, then its path's rows
-    // in position order: the keys its chain would hold, in the same order.
-    const std::int64_t first = kv.first_visible[static_cast<std::size_t>(node)];
-    const std::vector<std::int64_t> path = t.tree->path(node);
-    path_k.clear();
-    path_v.clear();
-    for (std::int64_t p : path) {
-      if (L + t.tree->depth(p) < first) continue;
-      path_k.insert(path_k.end(), r.key.begin() + p * row, r.key.begin() + (p + 1) * row);
-      path_v.insert(path_v.end(), r.val.begin() + p * row, r.val.begin() + (p + 1) * row);
-    }
-    const std::int64_t own = static_cast<std::int64_t>(path_k.size()) / row;
-    const std::int64_t committed = std::max<std::int64_t>(0, L - first);
-    const std::int64_t skip = std::max<std::int64_t>(0, first - kv.committed_first);
-    const k::KVRun runs[2] = {
-        {static_cast<const float*>(kv.committed.keys.data) + skip * row,
-         static_cast<const float*>(kv.committed.values.data) + skip * row, committed},
-        {path_k.data(), path_v.data(), own}};
-    k::attention_paged(r.q.data() + node * nh * hd, 1, L + t.tree->depth(node), nh, nkv, hd,
-                       std::span<const k::KVRun>(runs + (committed == 0 ? 1 : 0), committed == 0 ? 1 : 2), strides,
-                       strides, first, committed + own, m, r.att.data() + node * nh * hd);
-  }
-  attention_out(*a.w, n, r, a.out);
-}
-
-void Model::gated_deltanet_block(const BlockArgs& a, const TreeArgs& t) const {
-  const ModelConfig& c = config();
-  const std::int64_t nk = c.linear_num_key_heads, nv = c.linear_num_value_heads;
-  const std::int64_t kd = c.linear_key_head_dim, vd = c.linear_value_head_dim, K = c.linear_conv_kernel_dim;
-  const std::int64_t channels = c.linear_conv_dim(), n = a.n;
-  DeltaNetRows& r = a.scratch->deltanet;
-  deltanet_in(*a.w, a.h, n, r);
-  TensorView windows;
-  {
-    CacheTimer timer(t.cache_seconds);
-    windows = t.cache->update_tree_conv(channels_view(r.qkv.data(), n, channels), a.layer);
-  }
-  // Each node's window along its path: [N, C, K] (time-major rows).
-  for (std::int64_t node = 0; node < n; ++node)
-    k::causal_conv1d(static_cast<const float*>(windows.data) + node * windows.stride(0), channels, K, 1, windows.stride(1),
-                     windows.stride(2), a.w->conv, nullptr, /*fuse_silu=*/true, r.mixed.data() + node * channels);
-  deltanet_mid(*a.w, n, r);
-  TreeRecurrentSlots slots;
-  {
-    CacheTimer timer(t.cache_seconds);
-    slots = t.cache->tree_recurrent_slots(a.layer);
-  }
-  // Parents come before their children: a node's previous state is written.
-  for (std::int64_t node = 0; node < n; ++node) {
-    float* next = static_cast<float*>(slots.next(node).data);
-    k::gated_delta_rule(r.q.data() + node * nk * kd, r.key.data() + node * nk * kd, r.v.data() + node * nv * vd,
-                        r.g.data() + node * nv, r.beta.data() + node * nv, 1, nv, nk, kd, vd,
-                        static_cast<const float*>(slots.previous(node).data), &next, r.o.data() + node * nv * vd);
-  }
-  deltanet_out(*a.w, n, r, a.out);
-}
-
-void Model::short_conv_block(const BlockArgs& a, const TreeArgs& t) const {
-  const ModelConfig& c = config();
-  const std::int64_t d = c.hidden_size, K = c.conv_L_cache, n = a.n;
-  ShortConvRows& r = a.scratch->conv;
-  short_conv_in(*a.w, a.h, n, r);
-  TensorView windows;
-  {
-    CacheTimer timer(t.cache_seconds);
-    windows = t.cache->update_tree_conv(channels_view(r.bx.data(), n, d), a.layer);
-  }
-  for (std::int64_t node = 0; node < n; ++node)
-    k::causal_conv1d(static_cast<const float*>(windows.data) + node * windows.stride(0), d, K, 1, windows.stride(1),
-                     windows.stride(2), a.w->conv, nullptr, /*fuse_silu=*/false, r.conv.data() + node * d);
-  short_conv_out(*a.w, n, r, a.out);
-}
-
-void Model::forward_tree(std::span<const std::int32_t> tokens, const TreeForward& tree, Cache& cache,
-                         std::vector<float>& logits, double* cache_seconds) const {
-  const ModelConfig& c = config();
-  const auto n = static_cast<std::int64_t>(tokens.size());
-  if (!tree.is_open() || !cache.tree_open()) {
-    throw StateError("Model::forward_tree needs a tree opened on this cache (Cache::begin_tree)");
-  }
-  if (n != tree.num_nodes()) {
-    throw InvalidArgument("Model::forward_tree got " + std::to_string(n) + " tokens for a tree of " +
-                          std::to_string(tree.num_nodes()) + " nodes");
-  }
-  check_tokens(tokens, c, "Model::forward_tree");
-  const std::int64_t d = c.hidden_size, ff = c.intermediate_size, V = c.vocab_size;
-  auto sz = [](std::int64_t v) { return static_cast<std::size_t>(v); };
-  ScratchLease lease;
-  Scratch& scratch = lease.get();
-  scratch.resize_stream(sz(n), sz(d), sz(ff));
-  ScratchRows &x = scratch.x, &h = scratch.h, &mix = scratch.mix, &gate = scratch.gate, &up = scratch.up;
-  for (std::int64_t t = 0; t < n; ++t) embed_row(tokens[sz(t)], x.data() + t * d);
-  std::vector<std::int64_t> positions(sz(n));
-  for (std::int64_t t = 0; t < n; ++t) positions[sz(t)] = tree.position(t);
-  const k::RopeTable rope(positions.data(), has_attention_ ? n : 0, *rope_cache_);
-  for (std::size_t i = 0; i < layers_.size(); ++i) {
-    const LayerWeights& w = layers_[i];
-    const int layer = static_cast<int>(i);
-    k::rms_norm(x.data(), w.input_norm, n, d, c.rms_norm_eps, h.data());
-    mixer_block({layer, &w, h.data(), n, &rope, mix.data(), &scratch}, TreeArgs{&cache, &tree, cache_seconds});
-    mlp(w, n, x, h, mix, gate, up);
-  }
-  k::rms_norm(x.data(), final_norm_, n, d, c.rms_norm_eps, h.data());
-  logits.resize(sz(n * V));
-  k::matmul(h.data(), n, lm_head_, logits.data());
-}
-
-// ---- many sequences: rwd::SequenceCache ---------------------------------------------
-
-// ---- many sequences: the blocks over a ragged batch ---------------------------------
-
-void Model::attention_block(const BlockArgs& a, const BatchArgs& b) const {
-  const ModelConfig& c = config();
-  const std::int64_t nh = c.num_attention_heads, nkv = c.num_key_value_heads, hd = c.head_dim;
-  AttentionRows& r = a.scratch->attention;
-  attention_in(*a.w, a.h, a.n, *a.rope, r);
-  const std::span<const PagedKeyValues> kv =
-      b.cache->update(heads_view(r.key.data(), a.n, nkv, hd), heads_view(r.val.data(), a.n, nkv, hd), a.layer);
-  const BlockLayout& layout = b.cache->block_layout(a.layer);
-  k::AttentionMask m;
-  if (a.w->kind == LayerWeights::Kind::Sliding) m.window = c.sliding_window;
-  // Attention reads each sequence's keys and values in place, block by
-  // block (the same values in the same order as a contiguous cache, so the
-  // result is the single-sequence one).
-  std::vector<k::KVRun> runs;
-  const k::StridedKV strides{nullptr, hd, nkv * hd};
-  for (std::size_t e = 0; e < b.batch.size(); ++e) {
-    const auto n = static_cast<std::int64_t>(b.batch[e].tokens.size());
-    if (n == 0) continue;
-    runs.clear();
-    layout.for_each_block_rows(kv[e].spans, kv[e].kv_offset, kv[e].kv_length,
-                               [&](const std::byte* block, std::int64_t row, std::int64_t count, std::int64_t) {
-                                 runs.push_back({static_cast<const float*>(layout.rows(block, 0, row, count).data),
-                                                 static_cast<const float*>(layout.rows(block, 1, row, count).data),
-                                                 count});
-                               });
-    k::attention_paged(r.q.data() + b.offset[e] * nh * hd, n, b.pos0[e], nh, nkv, hd, runs, strides, strides,
-                       kv[e].kv_offset, kv[e].kv_length, m, r.att.data() + b.offset[e] * nh * hd);
-  }
-  attention_out(*a.w, a.n, r, a.out);
-}
-
-void Model::gated_deltanet_block(const BlockArgs& a, const BatchArgs& b) const {
-  const ModelConfig& c = config();
-  const std::int64_t nk = c.linear_num_key_heads, nv = c.linear_num_value_heads;
-  const std::int64_t kd = c.linear_key_head_dim, vd = c.linear_value_head_dim, K = c.linear_conv_kernel_dim;
-  const std::int64_t channels = c.linear_conv_dim(), qk = nk * kd, vv = nv * vd;
-  DeltaNetRows& r = a.scratch->deltanet;
-  deltanet_in(*a.w, a.h, a.n, r);
-  const std::span<const TensorView> windows =
-      b.cache->update_conv_state(channels_view(r.qkv.data(), a.n, channels), a.layer);
-  for (std::size_t e = 0; e < b.batch.size(); ++e) {
-    const auto n = static_cast<std::int64_t>(b.batch[e].tokens.size());
-    if (n == 0) continue;
-    k::causal_conv1d(static_cast<const float*>(windows[e].data), channels, K, n, windows[e].stride(1),
-                     windows[e].stride(2), a.w->conv, nullptr, /*fuse_silu=*/true, r.mixed.data() + b.offset[e] * channels);
-  }
-  deltanet_mid(*a.w, a.n, r);
-  BatchRecurrentUpdate update = b.cache->begin_recurrent_update(a.layer);
-  std::vector<float*> states;
-  for (std::size_t e = 0; e < b.batch.size(); ++e) {
-    const auto n = static_cast<std::int64_t>(b.batch[e].tokens.size());
-    if (n == 0) continue;
-    states.resize(static_cast<std::size_t>(n));
-    for (std::int64_t t = 0; t < n; ++t) states[static_cast<std::size_t>(t)] = static_cast<float*>(update.next(e, t + 1).data);
-    const std::int64_t o = b.offset[e];
-    k::gated_delta_rule(r.q.data() + o * qk, r.key.data() + o * qk, r.v.data() + o * vv, r.g.data() + o * nv,
-                        r.beta.data() + o * nv, n, nv, nk, kd, vd, static_cast<const float*>(update.previous(e).data),
-                        states.data(), r.o.data() + o * vv);
-  }
-  update.commit();
-  deltanet_out(*a.w, a.n, r, a.out);
-}
-
-void Model::short_conv_block(const BlockArgs& a, const BatchArgs& b) const {
-  const ModelConfig& c = config();
-  const std::int64_t d = c.hidden_size, K = c.conv_L_cache;
-  ShortConvRows& r = a.scratch->conv;
-  short_conv_in(*a.w, a.h, a.n, r);
-  const std::span<const TensorView> windows = b.cache->update_conv_state(channels_view(r.bx.data(), a.n, d), a.layer);
-  for (std::size_t e = 0; e < b.batch.size(); ++e) {
-    const auto n = static_cast<std::int64_t>(b.batch[e].tokens.size());
-    if (n == 0) continue;
-    k::causal_conv1d(static_cast<const float*>(windows[e].data), d, K, n, windows[e].stride(1), windows[e].stride(2),
-                     a.w->conv, nullptr, /*fuse_silu=*/false, r.conv.data() + b.offset[e] * d);
-  }
-  short_conv_out(*a.w, a.n, r, a.out);
-}
-
-SequenceCache Model::make_sequence_cache(SequenceCacheOptions options) const {
-  const Cache one = make_cache();  // the layers' kinds and options, once
-  std::vector<SequenceLayer> layers;
-  for (int i = 0; i < one.num_layers(); ++i) layers.push_back({one.layer(i).kind(), one.layer(i).options()});
-  return SequenceCache(std::move(layers), options);
 }
 
 void Model::forward_batch(std::span<const SequenceTokens> batch, SequenceCache& cache,
@@ -852,7 +656,7 @@ void Model::forward_batch(std::span<const SequenceTokens> batch, SequenceCache& 
   if (batch.empty()) throw InvalidArgument("Model::forward_batch needs at least one sequence");
   std::vector<BatchEntry> entries;
   std::vector<std::int64_t> pos0, offset;
-  std::int64_t T = 0;
+  std::vector<std::int32_t> tokens;  // every entry's, in entry order
   for (const SequenceTokens& s : batch) {
     check_tokens(s.tokens, c, "Model::forward_batch");
     if (s.logits != LogitRows::kAll && s.logits != LogitRows::kLast && s.logits != LogitRows::kNone) {
@@ -861,34 +665,19 @@ void Model::forward_batch(std::span<const SequenceTokens> batch, SequenceCache& 
     }
     entries.push_back({s.seq, static_cast<std::int64_t>(s.tokens.size())});
     pos0.push_back(cache.seq_length(s.seq));
-    offset.push_back(T);
-    T += static_cast<std::int64_t>(s.tokens.size());
+    offset.push_back(static_cast<std::int64_t>(tokens.size()));
+    tokens.insert(tokens.end(), s.tokens.begin(), s.tokens.end());
   }
-  const std::int64_t d = c.hidden_size, ff = c.intermediate_size, V = c.vocab_size;
+  const std::int64_t d = c.hidden_size, V = c.vocab_size, T = static_cast<std::int64_t>(tokens.size());
   auto sz = [](std::int64_t v) { return static_cast<std::size_t>(v); };
   // All or nothing across the batch (an exception abandons it).
   SequenceBatch transaction = cache.begin_batch(entries);
+  BatchRows rows(cache, batch, pos0, offset);
   ScratchLease lease;
   Scratch& scratch = lease.get();
-  scratch.resize_stream(sz(T), sz(d), sz(ff));
-  ScratchRows &x = scratch.x, &h = scratch.h, &mix = scratch.mix, &gate = scratch.gate, &up = scratch.up;
-  std::vector<std::int64_t> positions(sz(T));
-  for (std::size_t e = 0; e < batch.size(); ++e) {
-    for (std::size_t t = 0; t < batch[e].tokens.size(); ++t) {
-      const std::int64_t row = offset[e] + static_cast<std::int64_t>(t);
-      embed_row(batch[e].tokens[t], x.data() + row * d);
-      positions[sz(row)] = pos0[e] + static_cast<std::int64_t>(t);
-    }
-  }
-  const k::RopeTable rope(positions.data(), has_attention_ ? T : 0, *rope_cache_);
-  for (std::size_t i = 0; i < layers_.size(); ++i) {
-    const LayerWeights& w = layers_[i];
-    const int layer = static_cast<int>(i);
-    k::rms_norm(x.data(), w.input_norm, T, d, c.rms_norm_eps, h.data());
-    mixer_block({layer, &w, h.data(), T, &rope, mix.data(), &scratch}, BatchArgs{&cache, batch, pos0, offset});
-    mlp(w, T, x, h, mix, gate, up);
-  }
-  k::rms_norm(x.data(), final_norm_, T, d, c.rms_norm_eps, h.data());
+  run_layers(tokens, rows, scratch);
+  ScratchRows& h = scratch.h;
+  k::rms_norm(scratch.x.data(), final_norm_, T, d, c.rms_norm_eps, h.data());
   // The rows whose logits are asked for, gathered (each row's product does
   // not depend on the others: the same bits as over all T rows).
   std::int64_t R = 0;
@@ -906,6 +695,28 @@ void Model::forward_batch(std::span<const SequenceTokens> batch, SequenceCache& 
   logits.resize(sz(R * V));
   if (R > 0) k::matmul(h.data(), R, lm_head_, logits.data());
   transaction.commit();
+}
+
+void Model::forward_tree(std::span<const std::int32_t> tokens, TreeForward& tree, Cache& cache,
+                         std::vector<float>& logits, double* cache_seconds) const {
+  const ModelConfig& c = config();
+  const auto n = static_cast<std::int64_t>(tokens.size());
+  if (!tree.is_open_on(cache)) {
+    throw StateError("Model::forward_tree needs a tree opened on this cache (Cache::begin_tree)");
+  }
+  if (n != tree.num_nodes()) {
+    throw InvalidArgument("Model::forward_tree got " + std::to_string(n) + " tokens for a tree of " +
+                          std::to_string(tree.num_nodes()) + " nodes");
+  }
+  check_tokens(tokens, c, "Model::forward_tree");
+  const std::int64_t d = c.hidden_size, V = c.vocab_size;
+  TreeRows rows(tree, cache_seconds);
+  ScratchLease lease;
+  Scratch& scratch = lease.get();
+  run_layers(tokens, rows, scratch);
+  k::rms_norm(scratch.x.data(), final_norm_, n, d, c.rms_norm_eps, scratch.h.data());
+  logits.resize(static_cast<std::size_t>(n * V));
+  k::matmul(scratch.h.data(), n, lm_head_, logits.data());
 }
 
 // The library owns the retention rules: ask a cache of this model's shapes.

@@ -117,6 +117,8 @@ class KeyReader {
   }
 
   const json& doc() const { return doc_; }
+  // What q() puts before a key ("text_config." inside a nested config).
+  const std::string& key_prefix() const { return key_prefix_; }
 
   // A token id, or (transformers allows several eos ids) a non-empty list
   // of them, of which the first is used.
@@ -198,21 +200,260 @@ const char* model_family_name(ModelFamily family) {
 
 namespace {
 
-// Variants of the supported families that the runtime refuses by name
-// rather than misload (their tensors would not match, or worse, would).
-// What the runtime reads, as messages about other architectures list it.
-constexpr const char* kSupportedArchitectures =
-    "rewind_hybrid (rewind's own layout, with 'layer_types'), lfm2 (Lfm2ForCausalLM, dense), qwen3_5 and "
-    "qwen3_5_text (Qwen3_5ForConditionalGeneration / Qwen3_5ForCausalLM, dense), qwen3_next (Qwen3NextForCausalLM "
-    "without experts)";
+// ---- shared readers --------------------------------------------------------
+// Each reads one group of keys the same way for every family that calls it;
+// the family adapters below call them in one fixed order, so a config with
+// several problems is refused for the same first one whatever its family.
 
-constexpr const char* kRefusedModelTypes[] = {"qwen3_5_moe", "qwen3_5_moe_text", "qwen3_next_moe",
-                                              "lfm2_moe", "lfm2_vl", "qwen3_vl_moe"};
+json parse_json(const std::string& json_text, const std::string& source_name) {
+  try {
+    return json::parse(json_text);
+  } catch (const json::exception& e) {
+    throw FormatError(source_name + ": not valid JSON: " + e.what());
+  }
+}
+
+// One config.json being read: `top` reads the whole file, `text` the
+// language model's keys (the same object unless the family nests them, as
+// Qwen3.5 does in text_config).
+struct ConfigKeys {
+  const KeyReader& top;
+  const KeyReader& text;
+  bool nested() const { return &text.doc() != &top.doc(); }
+};
+
+// The MLP width: 'intermediate_size' itself, or a family's rule applied to it.
+using MlpWidthReader = std::int64_t (*)(const KeyReader&);
+
+std::int64_t plain_mlp_width(const KeyReader& r) { return r.required_size("intermediate_size"); }
+
+// The sizes every family has, in this order: hidden_size,
+// num_hidden_layers, the head counts, the MLP width, vocab_size,
+// max_position_embeddings, then head_dim (`default_head_dim` when absent,
+// or d / nh when that is 0).
+void read_sizes(const KeyReader& r, ModelConfig& c, MlpWidthReader mlp_width, std::int64_t default_head_dim) {
+  c.hidden_size = r.required_size("hidden_size");
+  c.num_hidden_layers = r.required_size("num_hidden_layers");
+  c.num_attention_heads = r.required_size("num_attention_heads");
+  c.num_key_value_heads = r.required_size("num_key_value_heads");
+  c.intermediate_size = mlp_width(r);
+  c.vocab_size = r.required_size("vocab_size");
+  if (const json* v = r.find("max_position_embeddings")) {
+    c.max_position_embeddings = r.integer("max_position_embeddings", *v, 1, kMaxPositions);
+  }
+  if (c.num_attention_heads % c.num_key_value_heads != 0) {
+    r.fail(r.q("num_attention_heads") + " (" + std::to_string(c.num_attention_heads) + ") is not a multiple of " +
+           r.q("num_key_value_heads") + " (" + std::to_string(c.num_key_value_heads) + ")");
+  }
+  if (const json* v = r.find("head_dim")) {
+    c.head_dim = r.integer("head_dim", *v, 1, kMaxSize);
+  } else if (default_head_dim > 0) {
+    c.head_dim = default_head_dim;
+  } else {
+    if (c.hidden_size % c.num_attention_heads != 0) {
+      r.fail(r.q("head_dim") + " is absent and " + r.q("hidden_size") + " (" + std::to_string(c.hidden_size) +
+             ") is not a multiple of " + r.q("num_attention_heads") + " (" + std::to_string(c.num_attention_heads) +
+             ")");
+    }
+    c.head_dim = c.hidden_size / c.num_attention_heads;
+  }
+}
+
+// c.layer_types from `types` (config.json's layer_types, or the list a
+// family implies without one), each one of `supported`.
+void read_layer_types(const KeyReader& r, ModelConfig& c, const json& types, const std::vector<LayerKind>& supported) {
+  if (!types.is_array()) r.fail(r.q("layer_types") + " must be a list, got " + json_type(types));
+  if (static_cast<std::int64_t>(types.size()) != c.num_hidden_layers) {
+    r.fail(r.q("layer_types") + " has " + std::to_string(types.size()) + " entries, but " +
+           r.q("num_hidden_layers") + " is " + std::to_string(c.num_hidden_layers));
+  }
+  std::string supported_names;
+  for (LayerKind k : supported) supported_names += (supported_names.empty() ? "" : ", ") + std::string(layer_kind_name(k));
+  for (std::size_t i = 0; i < types.size(); ++i) {
+    const std::string where = r.key_prefix() + "layer_types[" + std::to_string(i) + "]";
+    if (!types[i].is_string()) r.fail(where + " must be a string, got " + json_type(types[i]));
+    const auto& t = types[i].get_ref<const std::string&>();
+    auto unsupported = [&] {
+      r.fail(where + " is '" + t + "', which the runtime does not support" +
+             (c.family == ModelFamily::RewindHybrid ? std::string()
+                                                    : std::string(" in ") + model_family_name(c.family) + " models") +
+             " (supported: " + supported_names + ")");
+    };
+    LayerKind kind;
+    try {
+      kind = parse_layer_kind(t);
+    } catch (const InvalidArgument&) {
+      unsupported();
+    }
+    if (std::find(supported.begin(), supported.end(), kind) == supported.end()) unsupported();
+    c.layer_types.push_back(kind);
+  }
+}
+
+// A family's layer_types: config.json's, or when it has none the list
+// `implied` derives from the family's own keys.
+void read_layer_types_or_implied(const KeyReader& r, ModelConfig& c, const std::vector<LayerKind>& supported,
+                                 json (*implied)(const KeyReader&, std::int64_t layers)) {
+  if (const json* types = r.find("layer_types")) {
+    read_layer_types(r, c, *types, supported);
+  } else {
+    read_layer_types(r, c, implied(r, c.num_hidden_layers), supported);
+  }
+}
+
+// Why a layer kind's key is required: "(layer 3 is conv)".
+std::string because(const ModelConfig& c, LayerKind kind) {
+  return "(layer " + std::to_string(first_layer_of(c, kind)) + " is " + std::string(layer_kind_name(kind)) + ")";
+}
+
+// Keys a layer kind needs are required exactly when that kind is present;
+// otherwise they are optional (real configs often carry unused ones).
+void read_sliding_window(const KeyReader& r, ModelConfig& c) {
+  if (c.has_layer_type(LayerKind::SlidingAttention)) {
+    c.sliding_window = r.required_size("sliding_window", because(c, LayerKind::SlidingAttention));
+  } else {
+    c.sliding_window = r.optional_size("sliding_window");
+  }
+}
+
+void read_linear_attention_sizes(const KeyReader& r, ModelConfig& c) {
+  const char* keys[] = {"linear_conv_kernel_dim", "linear_num_key_heads", "linear_num_value_heads",
+                        "linear_key_head_dim", "linear_value_head_dim"};
+  std::int64_t* fields[] = {&c.linear_conv_kernel_dim, &c.linear_num_key_heads, &c.linear_num_value_heads,
+                            &c.linear_key_head_dim, &c.linear_value_head_dim};
+  const bool has_linear = c.has_layer_type(LayerKind::LinearAttention);
+  for (std::size_t i = 0; i < 5; ++i) {
+    *fields[i] = has_linear ? r.required_size(keys[i], because(c, LayerKind::LinearAttention))
+                            : r.optional_size(keys[i]);
+  }
+  if (c.linear_num_key_heads > 0 && c.linear_num_value_heads % c.linear_num_key_heads != 0) {
+    r.fail(r.q("linear_num_value_heads") + " (" + std::to_string(c.linear_num_value_heads) +
+           ") is not a multiple of " + r.q("linear_num_key_heads") + " (" + std::to_string(c.linear_num_key_heads) +
+           ")");
+  }
+}
+
+// conv_L_cache; `default_kernel` (when > 0) stands in for an absent key.
+void read_conv_kernel(const KeyReader& r, ModelConfig& c, std::int64_t default_kernel) {
+  if (!c.has_layer_type(LayerKind::Conv)) {
+    c.conv_L_cache = r.optional_size("conv_L_cache");
+  } else if (default_kernel > 0 && r.find("conv_L_cache") == nullptr) {
+    c.conv_L_cache = default_kernel;
+  } else {
+    c.conv_L_cache = r.required_size("conv_L_cache", because(c, LayerKind::Conv));
+  }
+}
+
+// RoPE: theta at the top level or (transformers >= 4.56) in
+// rope_parameters, c.rope_theta when neither names one. With
+// `only_default_rope`, a rope_parameters or rope_scaling of another
+// rope_type is refused: only the default (unscaled) RoPE is implemented.
+void read_rope(const KeyReader& r, ModelConfig& c, bool only_default_rope) {
+  const json* rope_params = r.find("rope_parameters");
+  if (rope_params != nullptr && !rope_params->is_object()) {
+    r.fail(r.q("rope_parameters") + " must be an object, got " + json_type(*rope_params));
+  }
+  if (const json* v = r.find("rope_theta")) {
+    c.rope_theta = r.positive_number("rope_theta", *v);
+  } else if (rope_params != nullptr && rope_params->contains("rope_theta")) {
+    c.rope_theta = r.positive_number("rope_parameters.rope_theta", (*rope_params)["rope_theta"]);
+  }
+  if (!only_default_rope) return;
+  for (const char* key : {"rope_parameters", "rope_scaling"}) {
+    const json* p = r.find(key);
+    if (p == nullptr || !p->is_object()) continue;
+    const char* type_key = p->contains("rope_type") ? "rope_type" : "type";
+    if (p->contains(type_key) && !(*p)[type_key].is_null() && (*p)[type_key] != "default") {
+      r.fail(r.q(key) + " has " + type_key + " " + (*p)[type_key].dump() +
+             ", which the runtime does not support (only the default RoPE is implemented)");
+    }
+  }
+}
+
+// Partial RoPE (the Qwen families): c.rotary_dim from partial_rotary_factor
+// (in rope_parameters or at the top level, 0.25 when absent).
+void read_partial_rotary(const KeyReader& r, ModelConfig& c) {
+  const json* rope_params = r.find("rope_parameters");
+  double factor = 0.25;  // the Qwen3-Next / Qwen3.5 configs' default
+  if (rope_params != nullptr && rope_params->contains("partial_rotary_factor")) {
+    factor = r.positive_number("rope_parameters.partial_rotary_factor", (*rope_params)["partial_rotary_factor"]);
+  } else if (const json* f = r.find("partial_rotary_factor")) {
+    factor = r.positive_number("partial_rotary_factor", *f);
+  }
+  if (factor > 1.0) r.fail("partial_rotary_factor " + std::to_string(factor) + " is above 1");
+  // transformers: dim = int(head_dim * partial_rotary_factor).
+  c.rotary_dim = static_cast<std::int64_t>(static_cast<double>(c.head_dim) * factor);
+  if (c.rotary_dim < 2 || c.rotary_dim > c.head_dim || c.rotary_dim % 2 != 0) {
+    r.fail("partial_rotary_factor " + std::to_string(factor) + " gives " + std::to_string(c.rotary_dim) +
+           " rotary dimensions of 'head_dim' " + std::to_string(c.head_dim) + " (must be even, in [2, head_dim])");
+  }
+}
+
+// The RMSNorm epsilon under `key`, c.rms_norm_eps when absent.
+void read_norm_eps(const KeyReader& r, ModelConfig& c, const char* key) {
+  if (const json* v = r.find(key)) c.rms_norm_eps = r.positive_number(key, *v);
+}
+
+// The special tokens of a transformers config: ids in the language model's
+// keys or, when those are nested, at the top level; none when absent.
+void read_listed_special_tokens(const ConfigKeys& k, ModelConfig& c) {
+  auto ids = [&](const char* key) {
+    std::vector<std::int64_t> v = k.text.token_ids(key, c.vocab_size);
+    if (v.empty() && k.nested()) v = k.top.token_ids(key, c.vocab_size);
+    return v;
+  };
+  const std::vector<std::int64_t> bos = ids("bos_token_id");
+  c.eos_token_ids = ids("eos_token_id");
+  c.bos_token_id = bos.empty() ? -1 : bos.front();
+  c.eos_token_id = c.eos_token_ids.empty() ? -1 : c.eos_token_ids.front();
+  c.add_bos = false;
+}
+
+// transformers >= 4.56 writes "dtype"; older versions "torch_dtype". The
+// language model's keys are read first, then a nesting config's.
+void read_torch_dtype(const ConfigKeys& k, ModelConfig& c) {
+  for (const KeyReader* reader : {&k.text, &k.top}) {
+    if (const json* v = reader->find("torch_dtype")) {
+      c.torch_dtype = parse_torch_dtype(*reader, "torch_dtype", *v);
+      return;
+    }
+    if (const json* d = reader->find("dtype")) {
+      c.torch_dtype = parse_torch_dtype(*reader, "dtype", *d);
+      return;
+    }
+    if (!k.nested()) return;
+  }
+}
+
+// ---- rewind_hybrid ---------------------------------------------------------
+
+void read_rewind_hybrid(const ConfigKeys& k, ModelConfig& c) {
+  const KeyReader& r = k.text;
+  read_sizes(r, c, plain_mlp_width, 0);
+  read_layer_types(r, c, r.require("layer_types"), supported_layer_kinds());
+  read_sliding_window(r, c);
+  read_linear_attention_sizes(r, c);
+  read_conv_kernel(r, c, 0);
+  read_rope(r, c, false);
+  read_norm_eps(r, c, "rms_norm_eps");
+  c.tie_word_embeddings = r.boolean("tie_word_embeddings", false);
+  // rewind's byte vocabulary: BOS 256, EOS 257 unless the config names others.
+  c.bos_token_id = r.token_id("bos_token_id", 256, c.vocab_size);
+  c.eos_token_id = r.token_id("eos_token_id", 257, c.vocab_size);
+  c.eos_token_ids = r.find("eos_token_id") ? r.token_ids("eos_token_id", c.vocab_size)
+                                           : std::vector<std::int64_t>{c.eos_token_id};
+  read_torch_dtype(k, c);
+}
+
+// ---- lfm2 ------------------------------------------------------------------
 
 // LFM2's MLP width rule (transformers' Lfm2MLP): with block_auto_adjust_ff_dim
 // the width is int(2 * I / 3), then, when block_ffn_dim_multiplier is set,
 // int(multiplier * width) rounded up to a multiple of block_multiple_of.
-std::int64_t lfm2_mlp_width(const KeyReader& r, std::int64_t base) {
+// transformers' Lfm2Config reads the original key block_ff_dim before
+// intermediate_size.
+std::int64_t lfm2_mlp_width(const KeyReader& r) {
+  const std::int64_t base = r.required_size(r.find("block_ff_dim") ? "block_ff_dim" : "intermediate_size");
   if (!r.boolean("block_auto_adjust_ff_dim", true)) return base;
   auto width = static_cast<std::int64_t>(2.0 * static_cast<double>(base) / 3.0);
   const json* m = r.find("block_ffn_dim_multiplier");
@@ -236,46 +477,212 @@ std::int64_t lfm2_mlp_width(const KeyReader& r, std::int64_t base) {
   return width;
 }
 
-// The layer kinds a family's checkpoints have.
-std::vector<LayerKind> family_layer_kinds(ModelFamily f) {
-  switch (f) {
-    case ModelFamily::RewindHybrid: return supported_layer_kinds();
-    case ModelFamily::Lfm2: return {LayerKind::FullAttention, LayerKind::Conv};
-    case ModelFamily::Qwen3_5:
-    case ModelFamily::Qwen3Next: return {LayerKind::FullAttention, LayerKind::LinearAttention};
+// LFM2's layer_types when the config has none: full_attn_idxs lists the
+// attention layers (all layers when absent), the others are conv.
+json lfm2_default_layer_types(const KeyReader& r, std::int64_t layers) {
+  std::vector<bool> attention(static_cast<std::size_t>(layers), r.find("full_attn_idxs") == nullptr);
+  if (const json* idx = r.find("full_attn_idxs")) {
+    if (!idx->is_array()) r.fail(r.q("full_attn_idxs") + " must be a list, got " + json_type(*idx));
+    for (const json& i : *idx) attention[static_cast<std::size_t>(r.integer("full_attn_idxs", i, 0, layers - 1))] = true;
   }
-  return {};
+  json types = json::array();
+  for (bool a : attention) types.push_back(a ? "full_attention" : "conv");
+  return types;
 }
 
-// layer_types when the config has none: LFM2 lists its attention layers in
-// full_attn_idxs (all layers when absent), the Qwen families place one full
-// attention layer every full_attention_interval (4) layers.
-json default_layer_types(const KeyReader& r, ModelFamily f, std::int64_t layers) {
+void read_lfm2(const ConfigKeys& k, ModelConfig& c) {
+  const KeyReader& r = k.text;
+  read_sizes(r, c, lfm2_mlp_width, 0);
+  read_layer_types_or_implied(r, c, {LayerKind::FullAttention, LayerKind::Conv}, lfm2_default_layer_types);
+  read_conv_kernel(r, c, 3);  // Lfm2Config's default
+  c.rope_theta = 1000000.0;   // Lfm2Config.default_theta
+  read_rope(r, c, true);
+  c.rms_norm_eps = 1e-5;
+  read_norm_eps(r, c, "norm_eps");
+  c.tie_word_embeddings = r.boolean("tie_word_embeddings", true);
+  // Lfm2Config: kwargs.get("tie_embedding", tie_word_embeddings).
+  c.tie_word_embeddings = r.boolean("tie_embedding", c.tie_word_embeddings);
+  // Options the runtime does not implement are refused, never ignored.
+  if (r.boolean("conv_bias", false)) r.fail(r.q("conv_bias") + " is true: biased LFM2 convolutions are not supported");
+  // Lfm2Config's BOS 1 and EOS 2 when the config names none; a prompt starts
+  // with BOS.
+  read_listed_special_tokens(k, c);
+  if (c.bos_token_id < 0) c.bos_token_id = r.token_id("bos_token_id", 1, c.vocab_size);
+  if (c.eos_token_ids.empty()) c.eos_token_ids = {r.token_id("eos_token_id", 2, c.vocab_size)};
+  c.eos_token_id = c.eos_token_ids.front();
+  c.add_bos = true;
+  read_torch_dtype(k, c);
+  c.qk_norm = true;
+}
+
+// ---- qwen3_5, qwen3_5_text and qwen3_next ----------------------------------
+
+// The Qwen families' layer_types when the config has none: one full
+// attention layer every full_attention_interval (4) layers, the others
+// Gated DeltaNet.
+json qwen_default_layer_types(const KeyReader& r, std::int64_t layers) {
+  const json* iv = r.find("full_attention_interval");
+  const std::int64_t interval = iv ? r.integer("full_attention_interval", *iv, 1, kMaxSize) : 4;
   json types = json::array();
-  if (f == ModelFamily::Lfm2) {
-    std::vector<bool> attention(static_cast<std::size_t>(layers), r.find("full_attn_idxs") == nullptr);
-    if (const json* idx = r.find("full_attn_idxs")) {
-      if (!idx->is_array()) r.fail(r.q("full_attn_idxs") + " must be a list, got " + json_type(*idx));
-      for (const json& i : *idx) attention[static_cast<std::size_t>(r.integer("full_attn_idxs", i, 0, layers - 1))] = true;
-    }
-    for (bool a : attention) types.push_back(a ? "full_attention" : "conv");
-  } else {
-    const json* iv = r.find("full_attention_interval");
-    const std::int64_t interval = iv ? r.integer("full_attention_interval", *iv, 1, kMaxSize) : 4;
-    for (std::int64_t i = 0; i < layers; ++i) types.push_back((i + 1) % interval ? "linear_attention" : "full_attention");
-  }
+  for (std::int64_t i = 0; i < layers; ++i) types.push_back((i + 1) % interval ? "linear_attention" : "full_attention");
   return types;
+}
+
+// What Qwen3.5 and Qwen3-Next's text models share: everything but the
+// experts, the special tokens and the projection layout.
+void read_qwen_text_model(const ConfigKeys& k, ModelConfig& c) {
+  const KeyReader& r = k.text;
+  read_sizes(r, c, plain_mlp_width, 256);  // Qwen3NextConfig / Qwen3_5TextConfig's head_dim
+  read_layer_types_or_implied(r, c, {LayerKind::FullAttention, LayerKind::LinearAttention}, qwen_default_layer_types);
+  read_linear_attention_sizes(r, c);
+  read_rope(r, c, true);
+  read_partial_rotary(r, c);
+  read_norm_eps(r, c, "rms_norm_eps");
+  c.tie_word_embeddings = r.boolean("tie_word_embeddings", false);
+  // Qwen3.5's outer config (Qwen3_5Config, default false) decides the tying
+  // of the whole model; text_config's own key is not what transformers reads.
+  if (k.nested()) c.tie_word_embeddings = k.top.boolean("tie_word_embeddings", false);
+  // Options the runtime does not implement are refused, never ignored.
+  if (r.boolean("attention_bias", false)) r.fail(r.q("attention_bias") + " is true: attention biases are not supported");
+  if (const json* act = r.find("hidden_act"); act != nullptr && *act != "silu") {
+    r.fail(r.q("hidden_act") + " is " + act->dump() + ": only \"silu\" is supported");
+  }
+}
+
+// The Qwen families add no BOS and name their EOS in the config or
+// generation_config.json; their RMSNorms multiply by (1 + w), queries and
+// keys are normed, and the attention output is gated.
+void finish_qwen(const ConfigKeys& k, ModelConfig& c) {
+  read_listed_special_tokens(k, c);
+  read_torch_dtype(k, c);
+  c.norm_plus_one = true;
+  c.qk_norm = true;
+  c.attn_output_gate = true;
+}
+
+void read_qwen3_5(const ConfigKeys& k, ModelConfig& c) {
+  read_qwen_text_model(k, c);
+  finish_qwen(k, c);
+}
+
+// Qwen3NextDecoderLayer: a layer is a sparse MoE block unless it is in
+// mlp_only_layers, when num_experts > 0 and (i + 1) % decoder_sparse_step == 0.
+// Only dense checkpoints load.
+void refuse_qwen3_next_experts(const KeyReader& r, const ModelConfig& c) {
+  const json* ne = r.find("num_experts");
+  const std::int64_t experts = ne ? r.integer("num_experts", *ne, 0, kMaxSize) : 512;
+  const json* st = r.find("decoder_sparse_step");
+  const std::int64_t step = st ? r.integer("decoder_sparse_step", *st, 1, kMaxSize) : 1;
+  std::vector<bool> dense(static_cast<std::size_t>(c.num_hidden_layers), false);
+  if (const json* only = r.find("mlp_only_layers")) {
+    if (!only->is_array()) r.fail(r.q("mlp_only_layers") + " must be a list, got " + json_type(*only));
+    for (const json& i : *only) {
+      dense[static_cast<std::size_t>(r.integer("mlp_only_layers", i, 0, c.num_hidden_layers - 1))] = true;
+    }
+  }
+  for (std::int64_t i = 0; i < c.num_hidden_layers; ++i) {
+    if (!dense[static_cast<std::size_t>(i)] && experts > 0 && (i + 1) % step == 0) {
+      r.fail("layer " + std::to_string(i) + " is a mixture-of-experts layer ('num_experts' " +
+             std::to_string(experts) + (ne ? "" : " by default") +
+             "), which the runtime does not support: only dense Qwen3-Next (num_experts 0, or every layer in "
+             "mlp_only_layers) loads");
+    }
+  }
+}
+
+void read_qwen3_next(const ConfigKeys& k, ModelConfig& c) {
+  read_qwen_text_model(k, c);
+  refuse_qwen3_next_experts(k.text, c);
+  finish_qwen(k, c);
+  c.fused_gdn_projections = true;  // in_proj_qkvz / in_proj_ba
+}
+
+// ---- the family table --------------------------------------------------------
+
+// The one place a family's name is compared: the adapters set the fields of
+// ModelConfig that the model reads.
+struct FamilyAdapter {
+  const char* model_type;
+  ModelFamily family;
+  // The language model's keys are in the object 'text_config', and its
+  // tensors under "model.language_model.".
+  bool nested_text_config;
+  void (*read)(const ConfigKeys&, ModelConfig&);
+};
+
+constexpr FamilyAdapter kFamilies[] = {
+    {"rewind_hybrid", ModelFamily::RewindHybrid, false, read_rewind_hybrid},
+    {"lfm2", ModelFamily::Lfm2, false, read_lfm2},
+    {"qwen3_5", ModelFamily::Qwen3_5, true, read_qwen3_5},
+    {"qwen3_5_text", ModelFamily::Qwen3_5, false, read_qwen3_5},
+    {"qwen3_next", ModelFamily::Qwen3Next, false, read_qwen3_next},
+};
+
+// What the runtime reads, as messages about other architectures list it.
+constexpr const char* kSupportedArchitectures =
+    "rewind_hybrid (rewind's own layout, with 'layer_types'), lfm2 (Lfm2ForCausalLM, dense), qwen3_5 and "
+    "qwen3_5_text (Qwen3_5ForConditionalGeneration / Qwen3_5ForCausalLM, dense), qwen3_next (Qwen3NextForCausalLM "
+    "without experts)";
+
+// Variants of the supported families that the runtime refuses by name
+// rather than misload (their tensors would not match, or worse, would).
+constexpr const char* kRefusedModelTypes[] = {"qwen3_5_moe", "qwen3_5_moe_text", "qwen3_next_moe",
+                                              "lfm2_moe", "lfm2_vl", "qwen3_vl_moe"};
+
+const FamilyAdapter* find_family(const std::string& model_type) {
+  for (const FamilyAdapter& f : kFamilies) {
+    if (model_type == f.model_type) return &f;
+  }
+  return nullptr;
+}
+
+// The transformers class named in 'architectures' (the first name ending
+// like one), or "".
+std::string transformers_class(const KeyReader& top) {
+  const json* a = top.find("architectures");
+  if (a == nullptr || !a->is_array()) return "";
+  for (const json& name : *a) {
+    if (!name.is_string()) continue;
+    const std::string& s = name.get_ref<const std::string&>();
+    std::string hf_class;
+    for (const std::string_view suffix : {"ForCausalLM", "ForConditionalGeneration", "LMHeadModel"}) {
+      if (s.size() > suffix.size() && s.compare(s.size() - suffix.size(), suffix.size(), suffix) == 0) hf_class = s;
+    }
+    if (!hf_class.empty()) return hf_class;
+  }
+  return "";
+}
+
+// The adapter for config.json's model_type. A Hugging Face config of
+// another family (Llama, Qwen3, Mistral, ...) would otherwise be read as
+// rewind's own layout and fail on some key it lacks ('layer_types'), which
+// says nothing of the real problem, so it is refused naming the supported
+// list. rewind's layout is model_type rewind_hybrid, or another name with
+// 'layer_types' and no transformers class in 'architectures'.
+const FamilyAdapter& choose_family(const KeyReader& top, const std::string& model_type) {
+  for (const char* refused : kRefusedModelTypes) {
+    if (model_type == refused) {
+      top.fail("model_type '" + model_type +
+               "' is not supported (mixture-of-experts and vision-language variants are not implemented; "
+               "supported: rewind_hybrid, lfm2, qwen3_5, qwen3_5_text, qwen3_next without experts)");
+    }
+  }
+  if (const FamilyAdapter* known = find_family(model_type)) return *known;
+  const bool named = top.find("model_type") != nullptr;
+  const std::string hf_class = transformers_class(top);
+  if (!hf_class.empty() || (named && !top.doc().contains("layer_types"))) {
+    top.fail((hf_class.empty() ? std::string() : "architecture '" + hf_class + "' ") +
+             (named ? (hf_class.empty() ? "model_type '" + model_type + "'" : "(model_type '" + model_type + "')")
+                    : std::string("(no model_type)")) +
+             " is not supported; supported: " + kSupportedArchitectures);
+  }
+  return kFamilies[0];
 }
 
 }  // namespace
 
 ModelConfig parse_model_config(const std::string& json_text, const std::string& source_name) {
-  json doc;
-  try {
-    doc = json::parse(json_text);
-  } catch (const json::exception& e) {
-    throw FormatError(source_name + ": not valid JSON: " + e.what());
-  }
+  const json doc = parse_json(json_text, source_name);
   KeyReader top(doc, source_name);
   if (!doc.is_object()) top.fail("config is not a JSON object");
 
@@ -284,306 +691,25 @@ ModelConfig parse_model_config(const std::string& json_text, const std::string& 
     if (!v->is_string()) top.fail(std::string("'model_type' must be a string, got ") + json_type(*v));
     c.model_type = v->get<std::string>();
   }
-  for (const char* refused : kRefusedModelTypes) {
-    if (c.model_type == refused) {
-      top.fail("model_type '" + c.model_type +
-               "' is not supported (mixture-of-experts and vision-language variants are not implemented; "
-               "supported: rewind_hybrid, lfm2, qwen3_5, qwen3_5_text, qwen3_next without experts)");
-    }
-  }
-  // A Hugging Face config of another family (Llama, Qwen3, Mistral, ...)
-  // would otherwise be read as rewind's own layout and fail on some key it
-  // lacks ('layer_types'), which says nothing of the real problem. rewind's
-  // layout is model_type rewind_hybrid, or another name with 'layer_types'
-  // and no transformers class in 'architectures'.
-  {
-    const bool named = top.find("model_type") != nullptr;
-    const bool known = c.model_type == "rewind_hybrid" || c.model_type == "lfm2" || c.model_type == "qwen3_5" ||
-                       c.model_type == "qwen3_5_text" || c.model_type == "qwen3_next";
-    std::string hf_class;
-    if (const json* a = top.find("architectures"); a != nullptr && a->is_array()) {
-      for (const json& name : *a) {
-        if (!name.is_string()) continue;
-        const std::string& s = name.get_ref<const std::string&>();
-        for (const std::string_view suffix : {"ForCausalLM", "ForConditionalGeneration", "LMHeadModel"}) {
-          if (s.size() > suffix.size() && s.compare(s.size() - suffix.size(), suffix.size(), suffix) == 0) hf_class = s;
-        }
-        if (!hf_class.empty()) break;
-      }
-    }
-    if (!known && (!hf_class.empty() || (named && !doc.contains("layer_types")))) {
-      top.fail((hf_class.empty() ? std::string() : "architecture '" + hf_class + "' ") +
-               (named ? (hf_class.empty() ? "model_type '" + c.model_type + "'" : "(model_type '" + c.model_type + "')")
-                      : std::string("(no model_type)")) +
-               " is not supported; supported: " + kSupportedArchitectures);
-    }
-  }
-  // The one place the family's name is compared: everything below and in the
-  // model reads the fields it sets.
+  const FamilyAdapter& family = choose_family(top, c.model_type);
+  c.family = family.family;
   const json* text_doc = &doc;
   std::string key_prefix;
-  if (c.model_type == "lfm2") {
-    c.family = ModelFamily::Lfm2;
-  } else if (c.model_type == "qwen3_5") {
-    c.family = ModelFamily::Qwen3_5;
+  if (family.nested_text_config) {
     text_doc = top.find("text_config");
     if (text_doc == nullptr || !text_doc->is_object()) {
-      top.fail("model_type 'qwen3_5' needs the object 'text_config' (the language model's config)");
+      top.fail("model_type '" + c.model_type + "' needs the object 'text_config' (the language model's config)");
     }
     c.weight_prefix = "model.language_model.";
     key_prefix = "text_config.";
-  } else if (c.model_type == "qwen3_5_text") {
-    c.family = ModelFamily::Qwen3_5;
-  } else if (c.model_type == "qwen3_next") {
-    c.family = ModelFamily::Qwen3Next;
   }
-  const bool lfm2 = c.family == ModelFamily::Lfm2;
-  const bool qwen = c.family == ModelFamily::Qwen3_5 || c.family == ModelFamily::Qwen3Next;
-  KeyReader r(*text_doc, source_name, key_prefix);
-
-  c.hidden_size = r.required_size("hidden_size");
-  c.num_hidden_layers = r.required_size("num_hidden_layers");
-  c.num_attention_heads = r.required_size("num_attention_heads");
-  c.num_key_value_heads = r.required_size("num_key_value_heads");
-  if (lfm2) {
-    // transformers' Lfm2Config reads the original key block_ff_dim first.
-    const char* key = r.find("block_ff_dim") ? "block_ff_dim" : "intermediate_size";
-    c.intermediate_size = lfm2_mlp_width(r, r.required_size(key));
-  } else {
-    c.intermediate_size = r.required_size("intermediate_size");
-  }
-  c.vocab_size = r.required_size("vocab_size");
-  if (const json* v = r.find("max_position_embeddings")) {
-    c.max_position_embeddings = r.integer("max_position_embeddings", *v, 1, kMaxPositions);
-  }
-  if (c.num_attention_heads % c.num_key_value_heads != 0) {
-    r.fail(r.q("num_attention_heads") + " (" + std::to_string(c.num_attention_heads) + ") is not a multiple of " +
-           r.q("num_key_value_heads") + " (" + std::to_string(c.num_key_value_heads) + ")");
-  }
-  if (const json* v = r.find("head_dim")) {
-    c.head_dim = r.integer("head_dim", *v, 1, kMaxSize);
-  } else if (qwen) {
-    c.head_dim = 256;  // Qwen3NextConfig / Qwen3_5TextConfig's default
-  } else {
-    if (c.hidden_size % c.num_attention_heads != 0) {
-      r.fail(r.q("head_dim") + " is absent and " + r.q("hidden_size") + " (" + std::to_string(c.hidden_size) +
-             ") is not a multiple of " + r.q("num_attention_heads") + " (" + std::to_string(c.num_attention_heads) +
-             ")");
-    }
-    c.head_dim = c.hidden_size / c.num_attention_heads;
-  }
-
-  json implied_types;
-  const json* types_ptr = r.find("layer_types");
-  if (types_ptr == nullptr && c.family != ModelFamily::RewindHybrid) {
-    implied_types = default_layer_types(r, c.family, c.num_hidden_layers);
-    types_ptr = &implied_types;
-  }
-  const json& types = types_ptr ? *types_ptr : r.require("layer_types");
-  if (!types.is_array()) r.fail(r.q("layer_types") + " must be a list, got " + json_type(types));
-  if (static_cast<std::int64_t>(types.size()) != c.num_hidden_layers) {
-    r.fail(r.q("layer_types") + " has " + std::to_string(types.size()) + " entries, but " +
-           r.q("num_hidden_layers") + " is " + std::to_string(c.num_hidden_layers));
-  }
-  const std::vector<LayerKind> supported = family_layer_kinds(c.family);
-  std::string supported_names;
-  for (LayerKind k : supported) supported_names += (supported_names.empty() ? "" : ", ") + std::string(layer_kind_name(k));
-  for (std::size_t i = 0; i < types.size(); ++i) {
-    const std::string where = key_prefix + "layer_types[" + std::to_string(i) + "]";
-    if (!types[i].is_string()) r.fail(where + " must be a string, got " + json_type(types[i]));
-    const auto& t = types[i].get_ref<const std::string&>();
-    auto unsupported = [&] {
-      r.fail(where + " is '" + t + "', which the runtime does not support" +
-             (c.family == ModelFamily::RewindHybrid ? std::string()
-                                                    : std::string(" in ") + model_family_name(c.family) + " models") +
-             " (supported: " + supported_names + ")");
-    };
-    LayerKind kind;
-    try {
-      kind = parse_layer_kind(t);
-    } catch (const InvalidArgument&) {
-      unsupported();
-    }
-    if (std::find(supported.begin(), supported.end(), kind) == supported.end()) unsupported();
-    c.layer_types.push_back(kind);
-  }
-
-  // Keys a layer kind needs are required exactly when that kind is present;
-  // otherwise they are optional (real configs often carry unused ones).
-  auto because = [&c](LayerKind kind) {
-    return "(layer " + std::to_string(first_layer_of(c, kind)) + " is " + std::string(layer_kind_name(kind)) + ")";
-  };
-  if (c.has_layer_type(LayerKind::SlidingAttention)) {
-    c.sliding_window = r.required_size("sliding_window", because(LayerKind::SlidingAttention));
-  } else if (c.family == ModelFamily::RewindHybrid) {
-    c.sliding_window = r.optional_size("sliding_window");
-  }
-  const char* linear_keys[] = {"linear_conv_kernel_dim", "linear_num_key_heads",
-                               "linear_num_value_heads", "linear_key_head_dim",
-                               "linear_value_head_dim"};
-  std::int64_t* linear_fields[] = {&c.linear_conv_kernel_dim, &c.linear_num_key_heads,
-                                   &c.linear_num_value_heads, &c.linear_key_head_dim,
-                                   &c.linear_value_head_dim};
-  const bool has_linear = c.has_layer_type(LayerKind::LinearAttention);
-  for (std::size_t i = 0; i < 5; ++i) {
-    if (has_linear) {
-      *linear_fields[i] = r.required_size(linear_keys[i], because(LayerKind::LinearAttention));
-    } else if (!lfm2) {
-      *linear_fields[i] = r.optional_size(linear_keys[i]);
-    }
-  }
-  if (c.linear_num_key_heads > 0 && c.linear_num_value_heads % c.linear_num_key_heads != 0) {
-    r.fail(r.q("linear_num_value_heads") + " (" + std::to_string(c.linear_num_value_heads) +
-           ") is not a multiple of " + r.q("linear_num_key_heads") + " (" + std::to_string(c.linear_num_key_heads) +
-           ")");
-  }
-  if (c.has_layer_type(LayerKind::Conv)) {
-    if (lfm2 && r.find("conv_L_cache") == nullptr) {
-      c.conv_L_cache = 3;  // Lfm2Config's default
-    } else {
-      c.conv_L_cache = r.required_size("conv_L_cache", because(LayerKind::Conv));
-    }
-  } else if (!qwen) {
-    c.conv_L_cache = r.optional_size("conv_L_cache");
-  }
-
-  // RoPE: theta at the top level or (transformers >= 4.56) in
-  // rope_parameters; only the default (unscaled) RoPE is implemented.
-  if (lfm2) c.rope_theta = 1000000.0;  // Lfm2Config.default_theta
-  const json* rope_params = r.find("rope_parameters");
-  if (rope_params != nullptr && !rope_params->is_object()) {
-    r.fail(r.q("rope_parameters") + " must be an object, got " + json_type(*rope_params));
-  }
-  if (const json* v = r.find("rope_theta")) {
-    c.rope_theta = r.positive_number("rope_theta", *v);
-  } else if (rope_params != nullptr && rope_params->contains("rope_theta")) {
-    c.rope_theta = r.positive_number("rope_parameters.rope_theta", (*rope_params)["rope_theta"]);
-  }
-  if (c.family != ModelFamily::RewindHybrid) {
-    for (const char* key : {"rope_parameters", "rope_scaling"}) {
-      const json* p = r.find(key);
-      if (p == nullptr || !p->is_object()) continue;
-      const char* type_key = p->contains("rope_type") ? "rope_type" : "type";
-      if (p->contains(type_key) && !(*p)[type_key].is_null() && (*p)[type_key] != "default") {
-        r.fail(r.q(key) + " has " + type_key + " " + (*p)[type_key].dump() +
-               ", which the runtime does not support (only the default RoPE is implemented)");
-      }
-    }
-  }
-  if (qwen) {
-    double factor = 0.25;  // the Qwen3-Next / Qwen3.5 configs' default
-    if (rope_params != nullptr && rope_params->contains("partial_rotary_factor")) {
-      factor = r.positive_number("rope_parameters.partial_rotary_factor", (*rope_params)["partial_rotary_factor"]);
-    } else if (const json* f = r.find("partial_rotary_factor")) {
-      factor = r.positive_number("partial_rotary_factor", *f);
-    }
-    if (factor > 1.0) r.fail("partial_rotary_factor " + std::to_string(factor) + " is above 1");
-    // transformers: dim = int(head_dim * partial_rotary_factor).
-    c.rotary_dim = static_cast<std::int64_t>(static_cast<double>(c.head_dim) * factor);
-    if (c.rotary_dim < 2 || c.rotary_dim > c.head_dim || c.rotary_dim % 2 != 0) {
-      r.fail("partial_rotary_factor " + std::to_string(factor) + " gives " + std::to_string(c.rotary_dim) +
-             " rotary dimensions of 'head_dim' " + std::to_string(c.head_dim) + " (must be even, in [2, head_dim])");
-    }
-  }
-
-  if (lfm2) {
-    c.rms_norm_eps = 1e-5;
-    if (const json* v = r.find("norm_eps")) c.rms_norm_eps = r.positive_number("norm_eps", *v);
-  } else if (const json* v = r.find("rms_norm_eps")) {
-    c.rms_norm_eps = r.positive_number("rms_norm_eps", *v);
-  }
-  c.tie_word_embeddings = r.boolean("tie_word_embeddings", lfm2);
-  // Lfm2Config: kwargs.get("tie_embedding", tie_word_embeddings).
-  if (lfm2) c.tie_word_embeddings = r.boolean("tie_embedding", c.tie_word_embeddings);
-  // Qwen3.5's outer config (Qwen3_5Config, default false) decides the tying
-  // of the whole model; text_config's own key is not what transformers reads.
-  if (text_doc != &doc) c.tie_word_embeddings = top.boolean("tie_word_embeddings", false);
-
-  // Options the runtime does not implement are refused, never ignored.
-  if (lfm2 && r.boolean("conv_bias", false)) r.fail(r.q("conv_bias") + " is true: biased LFM2 convolutions are not supported");
-  if (qwen && r.boolean("attention_bias", false)) {
-    r.fail(r.q("attention_bias") + " is true: attention biases are not supported");
-  }
-  if (qwen) {
-    if (const json* act = r.find("hidden_act"); act != nullptr && *act != "silu") {
-      r.fail(r.q("hidden_act") + " is " + act->dump() + ": only \"silu\" is supported");
-    }
-  }
-  if (c.family == ModelFamily::Qwen3Next) {
-    // Qwen3NextDecoderLayer: a layer is a sparse MoE block unless it is in
-    // mlp_only_layers, when num_experts > 0 and (i + 1) % decoder_sparse_step == 0.
-    const json* ne = r.find("num_experts");
-    const std::int64_t experts = ne ? r.integer("num_experts", *ne, 0, kMaxSize) : 512;
-    const json* st = r.find("decoder_sparse_step");
-    const std::int64_t step = st ? r.integer("decoder_sparse_step", *st, 1, kMaxSize) : 1;
-    std::vector<bool> dense(static_cast<std::size_t>(c.num_hidden_layers), false);
-    if (const json* only = r.find("mlp_only_layers")) {
-      if (!only->is_array()) r.fail(r.q("mlp_only_layers") + " must be a list, got " + json_type(*only));
-      for (const json& i : *only) {
-        dense[static_cast<std::size_t>(r.integer("mlp_only_layers", i, 0, c.num_hidden_layers - 1))] = true;
-      }
-    }
-    for (std::int64_t i = 0; i < c.num_hidden_layers; ++i) {
-      if (!dense[static_cast<std::size_t>(i)] && experts > 0 && (i + 1) % step == 0) {
-        r.fail("layer " + std::to_string(i) + " is a mixture-of-experts layer ('num_experts' " +
-               std::to_string(experts) + (ne ? "" : " by default") +
-               "), which the runtime does not support: only dense Qwen3-Next (num_experts 0, or every layer in "
-               "mlp_only_layers) loads");
-      }
-    }
-  }
-
-  // Special tokens. rewind's layout defaults to its byte vocabulary's BOS
-  // 256 / EOS 257, LFM2 to its config class's 1 / 2; the Qwen families add
-  // no BOS and name their EOS in the config or generation_config.json.
-  if (c.family == ModelFamily::RewindHybrid) {
-    c.bos_token_id = r.token_id("bos_token_id", 256, c.vocab_size);
-    c.eos_token_id = r.token_id("eos_token_id", 257, c.vocab_size);
-    c.eos_token_ids = r.find("eos_token_id") ? r.token_ids("eos_token_id", c.vocab_size)
-                                             : std::vector<std::int64_t>{c.eos_token_id};
-  } else {
-    auto ids = [&](const char* key) {
-      std::vector<std::int64_t> v = r.token_ids(key, c.vocab_size);
-      if (v.empty() && text_doc != &doc) v = top.token_ids(key, c.vocab_size);
-      return v;
-    };
-    const std::vector<std::int64_t> bos = ids("bos_token_id");
-    c.eos_token_ids = ids("eos_token_id");
-    c.bos_token_id = bos.empty() ? -1 : bos.front();
-    if (lfm2) {
-      if (bos.empty()) c.bos_token_id = r.token_id("bos_token_id", 1, c.vocab_size);
-      if (c.eos_token_ids.empty()) c.eos_token_ids = {r.token_id("eos_token_id", 2, c.vocab_size)};
-    }
-    c.eos_token_id = c.eos_token_ids.empty() ? -1 : c.eos_token_ids.front();
-    c.add_bos = lfm2;
-  }
-  // transformers >= 4.56 writes "dtype"; older versions "torch_dtype".
-  for (const KeyReader* reader : {&r, &top}) {
-    if (const json* v = reader->find("torch_dtype")) {
-      c.torch_dtype = parse_torch_dtype(*reader, "torch_dtype", *v);
-      break;
-    }
-    if (const json* d = reader->find("dtype")) {
-      c.torch_dtype = parse_torch_dtype(*reader, "dtype", *d);
-      break;
-    }
-    if (text_doc == &doc) break;
-  }
-
-  c.norm_plus_one = qwen;
-  c.qk_norm = lfm2 || qwen;
-  c.attn_output_gate = qwen;
-  c.fused_gdn_projections = c.family == ModelFamily::Qwen3Next;
+  const KeyReader text(*text_doc, source_name, key_prefix);
+  family.read(ConfigKeys{top, text}, c);
   return c;
 }
 
 void apply_generation_config(ModelConfig& config, const std::string& json_text, const std::string& source_name) {
-  json doc;
-  try {
-    doc = json::parse(json_text);
-  } catch (const json::exception& e) {
-    throw FormatError(source_name + ": not valid JSON: " + e.what());
-  }
+  const json doc = parse_json(json_text, source_name);
   KeyReader r(doc, source_name);
   if (!doc.is_object()) r.fail("generation config is not a JSON object");
   const std::vector<std::int64_t> eos = r.token_ids("eos_token_id", config.vocab_size);
@@ -614,78 +740,99 @@ ModelConfig load_model_config(const std::string& path_to_config_json) {
   return parse_model_config(text.str(), path_to_config_json);
 }
 
-std::string to_json(const ModelConfig& c) {
-  // nlohmann's ordered_json keeps the insertion order, so the file reads in
-  // the same order as the struct.
-  nlohmann::ordered_json j;
+namespace {
+
+using ordered_json = nlohmann::ordered_json;
+
+json layer_type_names(const ModelConfig& c) {
   json types = json::array();
   for (LayerKind k : c.layer_types) types.push_back(std::string(layer_kind_name(k)));
-  auto eos_value = [&c]() -> json {
-    if (c.eos_token_ids.size() == 1) return c.eos_token_ids.front();
-    return c.eos_token_ids;
-  };
-  if (c.family != ModelFamily::RewindHybrid) {
-    // The family's own layout: what transformers writes for such a model.
-    nlohmann::ordered_json t;
-    t["model_type"] = c.model_type;
-    t["hidden_size"] = c.hidden_size;
-    t["num_hidden_layers"] = c.num_hidden_layers;
-    t["num_attention_heads"] = c.num_attention_heads;
-    t["num_key_value_heads"] = c.num_key_value_heads;
-    t["head_dim"] = c.head_dim;
-    t["intermediate_size"] = c.intermediate_size;
-    t["vocab_size"] = c.vocab_size;
-    if (c.max_position_embeddings > 0) t["max_position_embeddings"] = c.max_position_embeddings;
-    t["layer_types"] = types;
-    nlohmann::ordered_json rope;
-    rope["rope_type"] = "default";
-    rope["rope_theta"] = c.rope_theta;
-    if (c.family == ModelFamily::Lfm2) {
-      t["block_auto_adjust_ff_dim"] = false;  // intermediate_size is the MLP width itself
-      t["norm_eps"] = c.rms_norm_eps;
-      t["conv_L_cache"] = c.conv_L_cache;
-      t["conv_bias"] = false;
-    } else {
-      // The smallest factor whose int(head_dim * factor) is rotary_dim.
-      double factor = static_cast<double>(c.rope_dim()) / static_cast<double>(c.head_dim);
-      while (static_cast<std::int64_t>(static_cast<double>(c.head_dim) * factor) < c.rope_dim()) {
-        factor = std::nextafter(factor, 2.0);
-      }
-      rope["partial_rotary_factor"] = factor;
-      t["rms_norm_eps"] = c.rms_norm_eps;
-      t["hidden_act"] = "silu";
-      t["attention_bias"] = false;
-      t["linear_conv_kernel_dim"] = c.linear_conv_kernel_dim;
-      t["linear_num_key_heads"] = c.linear_num_key_heads;
-      t["linear_num_value_heads"] = c.linear_num_value_heads;
-      t["linear_key_head_dim"] = c.linear_key_head_dim;
-      t["linear_value_head_dim"] = c.linear_value_head_dim;
-      if (c.family == ModelFamily::Qwen3Next) t["num_experts"] = 0;
-    }
-    t["rope_parameters"] = rope;
-    t["tie_word_embeddings"] = c.tie_word_embeddings;
-    if (c.bos_token_id >= 0) t["bos_token_id"] = c.bos_token_id;
-    if (!c.eos_token_ids.empty()) t["eos_token_id"] = eos_value();
-    t["torch_dtype"] = torch_dtype_name(c.torch_dtype);
-    if (c.weight_prefix == "model.language_model.") {
-      t["model_type"] = "qwen3_5_text";
-      j["model_type"] = "qwen3_5";
-      j["text_config"] = t;
-      j["tie_word_embeddings"] = c.tie_word_embeddings;
-      return j.dump(2) + "\n";
-    }
-    return t.dump(2) + "\n";
+  return types;
+}
+
+// eos_token_id as transformers writes it: one id, or the list of several.
+json eos_value(const ModelConfig& c) {
+  if (c.eos_token_ids.size() == 1) return c.eos_token_ids.front();
+  return c.eos_token_ids;
+}
+
+// The keys every family's layout starts with, in the order transformers
+// writes them (nlohmann's ordered_json keeps the insertion order).
+ordered_json family_layout_head(const ModelConfig& c) {
+  ordered_json t;
+  t["model_type"] = c.model_type;
+  t["hidden_size"] = c.hidden_size;
+  t["num_hidden_layers"] = c.num_hidden_layers;
+  t["num_attention_heads"] = c.num_attention_heads;
+  t["num_key_value_heads"] = c.num_key_value_heads;
+  t["head_dim"] = c.head_dim;
+  t["intermediate_size"] = c.intermediate_size;
+  t["vocab_size"] = c.vocab_size;
+  if (c.max_position_embeddings > 0) t["max_position_embeddings"] = c.max_position_embeddings;
+  t["layer_types"] = layer_type_names(c);
+  return t;
+}
+
+ordered_json default_rope(const ModelConfig& c) {
+  ordered_json rope;
+  rope["rope_type"] = "default";
+  rope["rope_theta"] = c.rope_theta;
+  return rope;
+}
+
+// The keys every family's layout ends with, and the file's text: Qwen3.5
+// with its weights under "model.language_model." nests the language model
+// in text_config.
+std::string finish_family_layout(ordered_json t, const ordered_json& rope, const ModelConfig& c) {
+  t["rope_parameters"] = rope;
+  t["tie_word_embeddings"] = c.tie_word_embeddings;
+  if (c.bos_token_id >= 0) t["bos_token_id"] = c.bos_token_id;
+  if (!c.eos_token_ids.empty()) t["eos_token_id"] = eos_value(c);
+  t["torch_dtype"] = torch_dtype_name(c.torch_dtype);
+  if (c.weight_prefix == "model.language_model.") {
+    t["model_type"] = "qwen3_5_text";
+    ordered_json j;
+    j["model_type"] = "qwen3_5";
+    j["text_config"] = t;
+    j["tie_word_embeddings"] = c.tie_word_embeddings;
+    return j.dump(2) + "\n";
   }
-  j["model_type"] = c.model_type;
-  j["hidden_size"] = c.hidden_size;
-  j["num_hidden_layers"] = c.num_hidden_layers;
-  j["num_attention_heads"] = c.num_attention_heads;
-  j["num_key_value_heads"] = c.num_key_value_heads;
-  j["head_dim"] = c.head_dim;
-  j["intermediate_size"] = c.intermediate_size;
-  j["vocab_size"] = c.vocab_size;
-  if (c.max_position_embeddings > 0) j["max_position_embeddings"] = c.max_position_embeddings;
-  j["layer_types"] = types;
+  return t.dump(2) + "\n";
+}
+
+std::string write_lfm2(const ModelConfig& c) {
+  ordered_json t = family_layout_head(c);
+  t["block_auto_adjust_ff_dim"] = false;  // intermediate_size is the MLP width itself
+  t["norm_eps"] = c.rms_norm_eps;
+  t["conv_L_cache"] = c.conv_L_cache;
+  t["conv_bias"] = false;
+  return finish_family_layout(std::move(t), default_rope(c), c);
+}
+
+// Qwen3.5 and Qwen3-Next (which adds num_experts 0: a dense model).
+std::string write_qwen(const ModelConfig& c) {
+  ordered_json t = family_layout_head(c);
+  ordered_json rope = default_rope(c);
+  // The smallest factor whose int(head_dim * factor) is rotary_dim.
+  double factor = static_cast<double>(c.rope_dim()) / static_cast<double>(c.head_dim);
+  while (static_cast<std::int64_t>(static_cast<double>(c.head_dim) * factor) < c.rope_dim()) {
+    factor = std::nextafter(factor, 2.0);
+  }
+  rope["partial_rotary_factor"] = factor;
+  t["rms_norm_eps"] = c.rms_norm_eps;
+  t["hidden_act"] = "silu";
+  t["attention_bias"] = false;
+  t["linear_conv_kernel_dim"] = c.linear_conv_kernel_dim;
+  t["linear_num_key_heads"] = c.linear_num_key_heads;
+  t["linear_num_value_heads"] = c.linear_num_value_heads;
+  t["linear_key_head_dim"] = c.linear_key_head_dim;
+  t["linear_value_head_dim"] = c.linear_value_head_dim;
+  if (c.family == ModelFamily::Qwen3Next) t["num_experts"] = 0;
+  return finish_family_layout(std::move(t), rope, c);
+}
+
+std::string write_rewind_hybrid(const ModelConfig& c) {
+  ordered_json j = family_layout_head(c);
   // Kind-specific sizes are written when set; 0 means "unused" and reads
   // back as absent.
   auto optional = [&j](const char* key, std::int64_t v) {
@@ -702,9 +849,21 @@ std::string to_json(const ModelConfig& c) {
   optional("linear_value_head_dim", c.linear_value_head_dim);
   optional("conv_L_cache", c.conv_L_cache);
   j["bos_token_id"] = c.bos_token_id;
-  j["eos_token_id"] = eos_value();
+  j["eos_token_id"] = eos_value(c);
   j["torch_dtype"] = torch_dtype_name(c.torch_dtype);
   return j.dump(2) + "\n";
+}
+
+}  // namespace
+
+std::string to_json(const ModelConfig& c) {
+  switch (c.family) {
+    case ModelFamily::RewindHybrid: return write_rewind_hybrid(c);
+    case ModelFamily::Lfm2: return write_lfm2(c);
+    case ModelFamily::Qwen3_5:
+    case ModelFamily::Qwen3Next: return write_qwen(c);
+  }
+  return write_rewind_hybrid(c);
 }
 
 std::string weight_name(const ModelConfig& c, std::int64_t layer, WeightRole role) {

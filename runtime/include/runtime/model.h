@@ -10,8 +10,10 @@
 // row by row, so batch invariance holds for all of them. All inference state lives in a
 // rwd::Cache built by make_cache() (one sequence, forward()) or a
 // rwd::SequenceCache built by make_sequence_cache() (many sequences,
-// forward_batch()); the model touches them only through the public cache
-// API, like any other user.
+// forward_batch()), or a draft tree on a Cache (forward_tree()); the model
+// touches them only through the public cache API, like any other user,
+// behind one internal interface over the three (runtime/cache_rows.h), so
+// that each layer kind is written once.
 //
 // forward() is batch invariant: the logits of a token are bit-identical
 // whether it is processed alone or inside a multi-token forward, because
@@ -36,6 +38,10 @@
 #include "runtime/weights_io.h"
 
 namespace rwd::runtime {
+
+namespace detail {
+class CacheRows;  // how a forward addresses its cache (runtime/cache_rows.h)
+}
 
 // Which rows of logits a batched forward writes for one sequence.
 enum class LogitRows {
@@ -128,9 +134,9 @@ class Model {
   // accepted path (TreeForward::commit) or abandons the tree. Throws
   // InvalidArgument for tokens.size() != N or a token outside the
   // vocabulary, StateError when `tree` is not open on `cache`, and what the
-  // cache's tree updates throw; the layers are unchanged then (the tree stays
+  // tree's updates throw; the layers are unchanged then (the tree stays
   // open for the caller to abandon).
-  void forward_tree(std::span<const std::int32_t> tokens, const TreeForward& tree, Cache& cache,
+  void forward_tree(std::span<const std::int32_t> tokens, TreeForward& tree, Cache& cache,
                     std::vector<float>& logits, double* cache_seconds = nullptr) const;
 
   // Cache memory of one sequence, from the library's retention rules
@@ -198,7 +204,7 @@ class Model {
     std::size_t size_ = 0, capacity_ = 0;
   };
   // The math of each block that does not touch the cache, shared by
-  // forward() and forward_batch() (rows are independent: batch invariance).
+  // every forward (rows are independent: batch invariance).
   struct AttentionRows {
     ScratchRows q, key, val, att, gate;  // [n, nh*hd], [n, nkv*hd] x 2, [n, nh*hd] x 2
   };
@@ -237,7 +243,7 @@ class Model {
   class ScratchLease;
 
   // What a forward hands each block of a layer: the layer, its
-  // normalized rows h [n, d] (n = every token of the forward), the RoPE
+  // normalized rows h [n, d] (n = every row of the forward), the RoPE
   // table of those rows, and out [n, d] for the block's result.
   struct BlockArgs {
     int layer = 0;
@@ -248,38 +254,23 @@ class Model {
     float* out = nullptr;
     Scratch* scratch = nullptr;  // the forward's buffers; blocks use its rows
   };
-  // One sequence (Cache): its rows are positions [pos0, pos0 + n).
-  struct SequenceArgs {
-    Cache* cache = nullptr;
-    std::int64_t pos0 = 0;
-    double* cache_seconds = nullptr;  // time in cache calls is added here when non-null
-  };
-  // A ragged batch (SequenceCache): entry e's rows are [offset[e], offset[e]
-  // + tokens[e]) at positions [pos0[e], ...).
-  struct BatchArgs {
-    SequenceCache* cache = nullptr;
-    std::span<const SequenceTokens> batch;
-    std::span<const std::int64_t> pos0, offset;
-  };
-  // A tree (Cache::begin_tree): its N rows are the nodes, node i at
-  // position pos0 + depth(i).
-  struct TreeArgs {
-    Cache* cache = nullptr;
-    const TreeForward* tree = nullptr;
-    double* cache_seconds = nullptr;
-  };
-  void attention_block(const BlockArgs& a, const SequenceArgs& s) const;
-  void attention_block(const BlockArgs& a, const TreeArgs& t) const;
-  void gated_deltanet_block(const BlockArgs& a, const TreeArgs& t) const;
-  void short_conv_block(const BlockArgs& a, const TreeArgs& t) const;
-  void gated_deltanet_block(const BlockArgs& a, const SequenceArgs& s) const;
-  void short_conv_block(const BlockArgs& a, const SequenceArgs& s) const;
-  void attention_block(const BlockArgs& a, const BatchArgs& b) const;
-  void gated_deltanet_block(const BlockArgs& a, const BatchArgs& b) const;
-  void short_conv_block(const BlockArgs& a, const BatchArgs& b) const;
-  // Runs layer i's mixer block (attention, Gated DeltaNet or short conv).
-  template <typename StateArgs>
-  void mixer_block(const BlockArgs& a, const StateArgs& state) const;
+  // Each layer kind once, for every front-end: `cache` is the forward's
+  // view of its cache (one sequence, a batch, a tree; detail::CacheRows in
+  // runtime/cache_rows.h), which stores the block's rows and says what
+  // each group of rows reads.
+  void attention_block(const BlockArgs& a, detail::CacheRows& cache) const;
+  void gated_deltanet_block(const BlockArgs& a, detail::CacheRows& cache) const;
+  void short_conv_block(const BlockArgs& a, detail::CacheRows& cache) const;
+  // The conv of a Gated DeltaNet or short-conv block: x [n, channels] into
+  // the cache, then out [n, channels] from each group's window.
+  void conv_rows(const LayerWeights& w, int layer, float* x, std::int64_t channels, std::int64_t kernel_size,
+                 bool fuse_silu, detail::CacheRows& cache, float* out) const;
+  // Embeds `tokens` (row t at cache.positions()[t]) and runs them through
+  // every layer; the last layer's rows are left in scratch.x. REQUIRES:
+  // tokens.size() == cache.rows().
+  void run_layers(std::span<const std::int32_t> tokens, detail::CacheRows& cache, Scratch& scratch) const;
+  // Packs the weights in the constructor (model.cc).
+  class Packer;
 
   // Config, embedding, norms, conv and gate parameters (F32, or BF16 / F16 as
   // stored); the linear weights are released as each is packed (their
