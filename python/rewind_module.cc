@@ -30,6 +30,7 @@
 #include "rewind/error.h"
 #include "rewind/layer.h"
 #include "rewind/tensor.h"
+#include "rewind/warnings.h"
 #include "runtime/generate.h"
 #include "runtime/model.h"
 #include "runtime/tokenizer.h"
@@ -547,23 +548,44 @@ PYBIND11_MODULE(_rewind, mod) {
     }
   });
 
-  m.def("set_warning_handler", [](py::object handler) {
-    if (handler.is_none()) {
-      rwd::set_warning_handler({});
-      return;
+  // rewind keeps the handler in a C++ static that outlives the interpreter,
+  // so the Python callable in it is dropped while Python still runs: the
+  // atexit hook below uninstalls it, and one destroyed later all the same
+  // (installed by a later atexit callback) is leaked, since decref'ing it
+  // with no interpreter aborts. rwd::set_warning_handler is called without
+  // the GIL: a thread emitting a warning holds rewind's warning lock while
+  // its handler waits for the GIL.
+  static void (*const install_warning_handler)(py::object) = [](py::object handler) {
+    rwd::WarningHandler next;
+    if (!handler.is_none()) {
+      std::shared_ptr<py::object> shared(new py::object(std::move(handler)), [](py::object* h) {
+        if (Py_IsInitialized()) {
+          py::gil_scoped_acquire gil;
+          delete h;
+        } else {
+          h->release();  // leaked: no interpreter to release it in
+          delete h;
+        }
+      });
+      next = [shared](const std::string& message) {
+        py::gil_scoped_acquire gil;
+        try {
+          (*shared)(message);
+        } catch (const py::error_already_set&) {
+          // A failing handler must not turn a successful crop into an error.
+        }
+      };
     }
-    // The handler runs under rewind's warning lock, from the calling thread,
-    // which holds the GIL (every cache call does).
-    auto shared = std::make_shared<py::object>(std::move(handler));
-    rwd::set_warning_handler([shared](const std::string& message) {
-      py::gil_scoped_acquire gil;
-      try {
-        (*shared)(message);
-      } catch (const py::error_already_set&) {
-        // A failing handler must not turn a successful crop into an error.
-      }
-    });
-  }, py::arg("handler"), "Routes rewind's one-time warnings (deprecated positive crop) to `handler(message)`; None restores stderr.");
+    rwd::WarningHandler previous;
+    {
+      py::gil_scoped_release nogil;
+      previous = rwd::set_warning_handler(std::move(next));
+    }
+    // `previous`, and the Python callable it may hold, go here, with the GIL.
+  };
+  m.def("set_warning_handler", [](py::object handler) { install_warning_handler(std::move(handler)); },
+        py::arg("handler"), "Routes rewind's one-time warnings (deprecated positive crop) to `handler(message)`; None restores stderr.");
+  py::module_::import("atexit").attr("register")(py::cpp_function([] { install_warning_handler(py::none()); }));
   m.def("reset_one_time_warnings", &rwd::reset_one_time_warnings, "Lets one-time warnings fire again (tests).");
 
   m.def("pin_stats", [] {
