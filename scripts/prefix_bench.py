@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Time to first token with and without the prefix cache (docs/performance.md section 10).
+"""Time to first token with and without the prefix cache (docs/performance.md section 7).
 
 Runs `rewind generate --stats` on one prompt, alternating per repeat:
 no cache, a cold directory cache (fresh directory), a warm directory
