@@ -133,6 +133,10 @@ class _RewindLayerBase:
         self._indexer = None
         self._convs: dict[int, Any] = {}
         self._recs: dict[int, Any] = {}
+        # Per conv state: the torch tensors `conv_states` handed out since the
+        # cache last changed, with a copy of what each held and its version
+        # counter (see _commit_conv_writes).
+        self._conv_handouts: dict[int, list] = {}
         # Per recurrent state: the first position p >= 1 from which S(p)..S(L)
         # were all given to the cache (0: all of them). A crop that would land
         # before it is refused: the state there is unknown.
@@ -154,6 +158,7 @@ class _RewindLayerBase:
 
     # ---- parts ----
     def _parts(self) -> list:
+        self._commit_conv_writes()
         parts = []
         if self._kv is not None:
             parts.append(self._kv)
@@ -162,6 +167,46 @@ class _RewindLayerBase:
         parts.extend(self._convs[i] for i in sorted(self._convs))
         parts.extend(self._recs[i] for i in sorted(self._recs))
         return parts
+
+    def _commit_conv_writes(self) -> None:
+        """Takes an in-place write into a handed-out ``conv_states`` tensor as the conv input it stands for.
+
+        transformers' LFM2, Qwen3.5 and Qwen3-Next, on a one-token cached step with recording off, run a fused
+        ``causal_conv1d_update`` on ``layer.conv_states[0]``: it shifts the window left by one and writes the new
+        input into the last column, and ``update_conv_state`` is never called. transformers' cache sees it because
+        that tensor is its storage. rewind's tensor is a view of its storage too; at the next call that reads or
+        changes this layer, the written window is put back and its new column appended through the C++ layer, so
+        lengths, recording and rollback bounds stay exact.
+        A write that is not such a shift cannot be taken (rewind stores inputs, not arbitrary windows): it is
+        refused with StateError and the layer keeps its state."""
+        handouts = getattr(self, "_conv_handouts", None)
+        if not handouts:
+            return
+        self._conv_handouts = {}
+        for i, entries in handouts.items():
+            written = [(t, orig) for t, orig, version in entries if t._version != version]
+            if not written:
+                continue
+            import torch
+
+            part = self._convs[i]
+            t = written[-1][0].clone()
+            orig = written[-1][1]
+            # The views alias the layer's storage (all of them: a write through one shows in every one): put
+            # back what the layer holds before appending through it.
+            for view, before in written:
+                view.copy_(before)
+            if t.shape != orig.shape or not torch.equal(t[..., :-1], orig[..., 1:]):
+                raise _rw.StateError(
+                    f"conv state {i} was written in place, but not as a one-token shift (columns 0..K-2 must be "
+                    f"the old 1..K-1, the new input in column K-1, as causal_conv1d_update does); rewind cannot "
+                    f"take an arbitrary window: call update_conv_state(x) instead {self._where_parts()}"
+                )
+            part.update_conv_state(t[..., -1:].contiguous())
+
+    def _where_parts(self) -> str:
+        where = f"layer {self._index} ({self._kind_name})" if self._index >= 0 else f"{self._kind_name} layer"
+        return f"[{where}]"
 
     def _new_part(self, kind: str, like: Any, **options: Any):
         part = _rw._Layer(kind, dtype=_dtype_name(like), index=self._index, as_torch=_is_torch(like),
@@ -184,6 +229,7 @@ class _RewindLayerBase:
 
     def get_seq_length(self) -> int:
         """Tokens seen (the position of the next token); counted on every layer kind."""
+        self._commit_conv_writes()
         if self._kv is not None:
             return self._kv.get_seq_length()
         lengths = [p.get_seq_length() for p in self._parts()]
@@ -596,12 +642,14 @@ class LinearAttentionCacheLayerMixin(_RewindLayerBase):
         """Appends conv inputs [B, C, q] and returns the window [B, C, K-1+q]: the K-1 inputs before them (zeros
         before position 0) then the q new ones, so output j = sum_i w[i] * window[..., j+i]."""
         self._check_state_idx(state_idx)
+        self._commit_conv_writes()
         if state_idx not in self._convs:
             self.lazy_initialization(conv_states=conv_states, state_idx=state_idx, conv_kernel_size=conv_kernel_size)
         return self._convs[state_idx].update_conv_state(conv_states)
 
     def _rec_part(self, state_idx: int, like: Any) -> Any:
         self._check_state_idx(state_idx)
+        self._commit_conv_writes()
         if state_idx not in self._recs:
             self.lazy_initialization(recurrent_states=like, state_idx=state_idx)
         return self._recs[state_idx]
@@ -703,8 +751,19 @@ class LinearAttentionCacheLayerMixin(_RewindLayerBase):
     @property
     def conv_states(self) -> dict:
         """Per state index: the last K conv inputs [B, C, K] (zeros before position 0), or None before the first
-        update."""
-        return {i: (self._convs[i].get_conv_state() if i in self._convs else None) for i in range(self.number_of_states)}
+        update. A torch tensor may be written in place as transformers' ``causal_conv1d_update`` does (shift
+        left, new input last): that write is this layer's update (_commit_conv_writes)."""
+        self._commit_conv_writes()
+        out = {}
+        for i in range(self.number_of_states):
+            if i not in self._convs:
+                out[i] = None
+                continue
+            view = self._convs[i].get_conv_state()
+            if _is_torch(view):
+                self._conv_handouts.setdefault(i, []).append((view, view.clone(), view._version))
+            out[i] = view
+        return out
 
     @property
     def recurrent_states(self) -> dict:
@@ -724,6 +783,7 @@ class LinearAttentionCacheLayerMixin(_RewindLayerBase):
     @property
     def has_previous_state(self) -> dict:
         """Per state index: whether that state has seen a token (a full rollback makes it False again)."""
+        self._commit_conv_writes()
         out = {}
         for i in range(self.number_of_states):
             parts = [p for p in (self._convs.get(i), self._recs.get(i)) if p is not None]
@@ -879,6 +939,13 @@ def _build_layer(layer_type: str, kwargs: dict) -> _RewindLayerBase:
     short = kwargs.pop("short_conv_kernel_size", None)
     if layer_type == "conv" and short is not None:
         kwargs["conv_kernel_size"] = short
+    if layer_type == "chunked_attention":
+        # transformers' DynamicCache runs chunked layers as sliding windows of the chunk size and builds the chunk
+        # mask itself, relative to each row's first real token when the batch is left-padded; keeping only the
+        # current chunk of absolute positions (DynamicChunkedLayer) would drop keys such a row still attends to.
+        layer = DynamicSlidingWindowLayer(sliding_window=kwargs["chunk_size"])
+        layer._kind_name = "chunked_attention"
+        return layer
     layer = cls(**kwargs)
     if layer_type in ("moe", "mlp"):
         layer._kind_name = layer_type
@@ -1022,7 +1089,7 @@ class Cache:
                     return layer.get_seq_length()
         return self._layer(layer_idx).get_seq_length()
 
-    def get_query_offset(self, layer_idx: int) -> int:
+    def get_query_offset(self, layer_idx: int = 0) -> int:
         """Position of the next query of layer layer_idx (its length)."""
         return self.get_seq_length(layer_idx)
 
@@ -1201,6 +1268,24 @@ class Cache:
             layer.shrink_to_fit()
 
     # ---- properties ----
+    @property
+    def max_batch_size(self) -> int:
+        """transformers' name of ``batch_size`` (a dynamic cache has no preallocated batch)."""
+        return self.batch_size
+
+    @property
+    def max_cache_len(self) -> int:
+        """``get_max_length()``: the largest window or chunk size over the layers, -1 when none has a maximum."""
+        return self.get_max_length()
+
+    def offload(self, layer_idx: int, only_non_sliding: bool = True) -> None:
+        """transformers' offloading hook; rewind's state is in CPU memory already, so nothing moves."""
+        self._layer(layer_idx).offload()
+
+    def prefetch(self, layer_idx: int, only_non_sliding: bool = True) -> None:
+        """transformers' offloading hook; rewind's state is in CPU memory already, so nothing moves."""
+        self._layer(layer_idx).prefetch()
+
     @property
     def batch_size(self) -> int:
         """Batch size shared by the layers; -1 before any update. Raises StateError when layers disagree."""

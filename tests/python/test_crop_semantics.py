@@ -243,13 +243,40 @@ def test_config_object_and_dict_build_the_same_layers():
     kinds = [type(x).__name__ for x in c.layers]
     assert kinds == ["DynamicLayer", "DynamicSlidingWindowLayer", "LinearAttentionLayer",
                      "LinearAttentionAndFullAttentionLayer", "LinearAttentionAndSlidingWindowAttentionLayer",
-                     "DynamicChunkedLayer", "DynamicIndexedLayer", "LinearAttentionLayer", "StatelessLayer"]
+                     "DynamicSlidingWindowLayer", "DynamicIndexedLayer", "LinearAttentionLayer", "StatelessLayer"]
+    assert c.layers[5].sliding_window == 3  # chunked layers run as windows of the chunk size, as in transformers
     assert c.is_sliding == [False, True, False, False, True, True, False, False, False]
     assert c.is_linear == [False, False, True, False, True, False, False, True, False]
     assert c.layers[2].conv_kernel_size[0] == 4
     assert isinstance(c.layers[3], rewind.DynamicLayer) and isinstance(c.layers[3], rewind.LinearAttentionLayer)
     d = rewind.DynamicCache(config={"num_hidden_layers": 3, "sliding_window": 7})
     assert [x.sliding_window for x in d.layers] == [7, 7, 7]
+
+
+def test_chunked_layers_of_a_config_keep_what_transformers_keeps():
+    """transformers' numbers: chunk 4, 8 tokens (a batch row of 7 pads among them): get_mask_sizes(1, 0) is
+    (4, 5) and the decode step gets 4 keys, positions 5..8 (the mask, not the cache, applies the chunks)."""
+    c = rewind.DynamicCache(config={"layer_types": ["chunked_attention"], "attention_chunk_size": 4})
+    c.update(kv(0, 8, batch=2), kv(0, 8, batch=2), 0)
+    assert c.get_mask_sizes(1, 0) == (4, 5)
+    keys, _ = c.update(kv(8, 1, batch=2), kv(8, 1, batch=2), 0)
+    assert tuple(keys.shape)[2] == 4
+    assert positions(keys) == [5, 6, 7, 8]
+    assert [int(x) for x in keys[1, 0, :, 0].tolist()] == [1005, 1006, 1007, 1008]  # the padded row keeps as many
+
+
+def test_transformers_attributes_with_their_defaults():
+    c = rewind.DynamicCache(config={"layer_types": ["full_attention", "sliding_attention"], "sliding_window": 5})
+    assert c.max_cache_len == 5 and c.max_batch_size == -1
+    c.update(kv(0, 3, batch=2), kv(0, 3, batch=2), 0)
+    c.update(kv(0, 3, batch=2), kv(0, 3, batch=2), 1)
+    assert c.get_query_offset() == 3 and c.max_batch_size == 2
+    c.offload(1)
+    c.prefetch(1)
+    assert positions(c.layers[1].keys) == [0, 1, 2]  # nothing moved or changed
+    with pytest.raises(rewind.IndexError):
+        c.offload(2)
+    assert rewind.DynamicCache(config={"num_hidden_layers": 2}).max_cache_len == -1
 
 
 def test_default_cache_grows_lazily_and_records():
