@@ -39,6 +39,8 @@ from .cache_utils import (  # noqa: F401
     StatelessLayer,
     layer_types_and_kwargs,
 )
+from . import generation  # noqa: F401
+from .generation import generate  # noqa: F401
 from .runtime import Model, ModelCache, get_num_threads, set_num_threads  # noqa: F401
 
 __version__ = "0.1.0"
@@ -52,7 +54,7 @@ __all__ = [
     "LinearAttentionLayer", "LinearAttentionAndFullAttentionLayer", "LinearAttentionAndSlidingWindowAttentionLayer",
     "StatelessLayer", "LAYER_TYPE_MAPPING", "DEFAULT_MAX_ROLLBACK", "layer_types_and_kwargs",
     "Model", "ModelCache", "set_num_threads", "get_num_threads", "pin_stats", "set_warning_handler",
-    "reset_one_time_warnings", "__version__",
+    "reset_one_time_warnings", "generate", "__version__",
 ]
 
 
