@@ -41,6 +41,7 @@ class Budget {
   // Moves this budget's reserved bytes from its old parent to `parent`
   // (null: none). A parent's limit may be exceeded by the move itself.
   void set_parent(const std::shared_ptr<Budget>& parent);
+  const std::shared_ptr<Budget>& parent() const { return parent_; }
 
  private:
   friend struct BudgetAccess;

@@ -299,8 +299,13 @@ class PyLayer {
         layer_(with_budget(budget_, index, [&] { return rwd::Layer(rwd::parse_layer_kind(kind), options, index); })),
         as_torch_(as_torch) {}
 
+  // Takes a ready-made layer (a clone) whose buffers were allocated under `budget`.
+  PyLayer(rwd::Layer&& layer, bool as_torch, std::shared_ptr<Budget> budget)
+      : budget_(std::move(budget)), layer_(std::move(layer)), as_torch_(as_torch) {}
+
   rwd::Layer& layer() { return layer_; }
   const rwd::Layer& layer() const { return layer_; }
+  const std::shared_ptr<Budget>& budget() const { return budget_; }
   py::object out(const rwd::TensorView& v) const { return output_view(v, as_torch_); }
   bool as_torch() const { return as_torch_; }
   // Runs a call that may allocate with this layer's budget.
@@ -357,6 +362,174 @@ rwd::LayerOptions make_options(const std::string& dtype, std::int64_t batch_size
   o.recurrent_shapes = std::move(recurrent_shapes);
   o.recurrent_dtype = rwd::parse_dtype(recurrent_dtype);
   return o;
+}
+
+// ---- copies: deepcopy and pickle of a _Layer -------------------------------------
+
+// A contiguous view of `shape` over `data` (row-major; unused dims 1 / 0).
+rwd::TensorView contiguous_view(const void* data, rwd::DType dtype, const std::vector<std::int64_t>& shape) {
+  rwd::TensorView t;
+  t.data = const_cast<void*>(data);  // only ever read: the input of an update
+  t.dtype = dtype;
+  t.rank = static_cast<int>(shape.size());
+  std::int64_t stride = 1;
+  for (int i = t.rank - 1; i >= 0; --i) {
+    t.shape[static_cast<std::size_t>(i)] = shape[static_cast<std::size_t>(i)];
+    t.strides[static_cast<std::size_t>(i)] = stride;
+    stride *= shape[static_cast<std::size_t>(i)];
+  }
+  for (int i = t.rank; i < rwd::kMaxRank; ++i) {
+    t.shape[static_cast<std::size_t>(i)] = 1;
+    t.strides[static_cast<std::size_t>(i)] = 0;
+  }
+  return t;
+}
+
+// Zeros of `shape` that cost no memory (stride 0): what a replay feeds for
+// positions whose values the layer no longer holds.
+rwd::TensorView zeros_view(rwd::DType dtype, const std::vector<std::int64_t>& shape) {
+  static const std::uint32_t zero[4] = {0, 0, 0, 0};
+  rwd::TensorView t = contiguous_view(zero, dtype, shape);
+  for (auto& st : t.strides) st = 0;
+  return t;
+}
+
+std::vector<std::int64_t> shape_of(const rwd::TensorView& v) {
+  return std::vector<std::int64_t>(v.shape.begin(), v.shape.begin() + v.rank);
+}
+
+// (bytes, shape): `v`'s elements, contiguous in logical order.
+py::tuple tensor_state(const rwd::TensorView& v) {
+  std::string buf(static_cast<std::size_t>(v.numel()) * rwd::dtype_size(v.dtype), '\0');
+  if (!buf.empty()) rwd::copy_tensor(v, contiguous_view(buf.data(), v.dtype, shape_of(v)));
+  return py::make_tuple(py::bytes(buf), py::cast(shape_of(v)));
+}
+
+// Reads back a (bytes, shape) of tensor_state; `bytes` must outlive the view.
+rwd::TensorView tensor_from_state(const py::handle& state, rwd::DType dtype, std::string& bytes) {
+  auto t = state.cast<py::tuple>();
+  if (t.size() != 2) invalid("_Layer state: a tensor entry must be (bytes, shape)");
+  bytes = t[0].cast<std::string>();
+  const auto shape = t[1].cast<std::vector<std::int64_t>>();
+  if (shape.empty() || shape.size() > static_cast<std::size_t>(rwd::kMaxRank)) invalid("_Layer state: bad tensor rank");
+  std::size_t n = rwd::dtype_size(dtype);
+  for (std::int64_t e : shape) {
+    if (e < 0 || e > (std::int64_t{1} << 40)) invalid("_Layer state: bad tensor extent");
+    n *= static_cast<std::size_t>(e);
+  }
+  if (n != bytes.size()) invalid("_Layer state: tensor bytes do not match its shape");
+  return contiguous_view(bytes.data(), dtype, shape);
+}
+
+// Positions fed per update when a replay walks over positions it has no
+// values for: bounds the rows a sliding or chunked part holds meanwhile.
+constexpr std::int64_t kReplayChunk = 1024;
+
+// What __setstate__ needs to rebuild the layer: its kind and options (with
+// the current batch size), its length, recording, and what it holds at that
+// length: attention rows [first, L), the last K inputs of every conv state,
+// S(L) of every recurrent state. Rollback history is not part of it.
+py::tuple layer_state(const PyLayer& l) {
+  const rwd::Layer& layer = l.layer();
+  const rwd::LayerOptions& o = layer.options();
+  if (!o.side_dims.empty()) {
+    invalid("pickling a layer with side tensors (" + std::string(rwd::layer_kind_name(layer.kind())) +
+            ") is not supported; copy.deepcopy copies it");
+  }
+  py::tuple options = py::make_tuple(std::string(rwd::dtype_name(o.dtype)), o.num_kv_heads, o.key_dim, o.value_dim,
+                                     o.sliding_window, o.chunk_size, o.static_capacity, o.conv_kernel_size,
+                                     o.conv_channels, o.recurrent_shapes, std::string(rwd::dtype_name(o.recurrent_dtype)));
+  py::object attention = py::none();
+  if (layer.has_attention()) {
+    const rwd::PositionRange r = layer.stored_range();
+    const rwd::KeyValueView kv = layer.keys_values();
+    attention = py::make_tuple(r.first, tensor_state(kv.keys), tensor_state(kv.values));
+  }
+  py::list convs, recurrents;
+  for (std::size_t s = 0; s < o.conv_channels.size(); ++s) convs.append(tensor_state(layer.get_conv_state(static_cast<int>(s))));
+  for (std::size_t s = 0; s < o.recurrent_shapes.size(); ++s) {
+    recurrents.append(tensor_state(layer.get_recurrent_state(static_cast<int>(s))));
+  }
+  py::object budget = l.budget() ? py::cast(l.budget()) : py::none();
+  return py::make_tuple(1, std::string(rwd::layer_kind_name(layer.kind())), options, layer.batch_size(),
+                        layer.get_seq_length(), layer.is_recording() ? layer.recording_capacity() : std::int64_t{-1},
+                        l.as_torch(), layer.index(), budget, attention, convs, recurrents);
+}
+
+// Feeds `layer`, new and not recording, up to length L with the values of
+// layer_state: zeros (stride 0) for the positions it no longer holds, then
+// the held ones. Reading the result back gives layer_state's tensors.
+void replay(rwd::Layer& layer, std::int64_t L, const py::object& attention, const py::list& convs,
+            const py::list& recurrents) {
+  const rwd::LayerOptions& o = layer.options();
+  const std::int64_t B = layer.batch_size();
+  if (layer.has_attention()) {
+    if (attention.is_none()) invalid("_Layer state: the attention rows are missing");
+    auto a = attention.cast<py::tuple>();
+    const auto first = a[0].cast<std::int64_t>();
+    std::string kb, vb;
+    rwd::TensorView keys = tensor_from_state(a[1], o.dtype, kb), values = tensor_from_state(a[2], o.dtype, vb);
+    if (first < 0 || first > L || keys.rank != 4 || keys.size(2) != L - first || values.rank != 4 ||
+        values.size(2) != L - first) {
+      invalid("_Layer state: attention rows do not match the length");
+    }
+    for (std::int64_t p = 0; p < first; p += kReplayChunk) {
+      const std::int64_t q = std::min(kReplayChunk, first - p);
+      layer.update(zeros_view(o.dtype, {B, keys.size(1), q, keys.size(3)}),
+                   zeros_view(o.dtype, {B, values.size(1), q, values.size(3)}));
+    }
+    if (L > first) layer.update(keys, values);
+  }
+  if (convs.size() != o.conv_channels.size() || recurrents.size() != o.recurrent_shapes.size()) {
+    invalid("_Layer state: the number of conv / recurrent states does not match the options");
+  }
+  for (std::size_t s = 0; s < convs.size(); ++s) {
+    std::string bytes;
+    rwd::TensorView window = tensor_from_state(convs[s], o.dtype, bytes);  // [B, C, K]
+    const std::int64_t K = window.rank == 3 ? window.size(2) : 0;
+    if (K != o.conv_kernel_size) invalid("_Layer state: a conv window does not match the kernel size");
+    const std::int64_t held = std::min(L, K);
+    for (std::int64_t p = 0; p < L - held; p += kReplayChunk) {
+      const std::int64_t q = std::min(kReplayChunk, L - held - p);
+      layer.update_conv_state(zeros_view(o.dtype, {B, window.size(1), q}), static_cast<int>(s));
+    }
+    if (held > 0) layer.update_conv_state(window.slice(2, K - held, held), static_cast<int>(s));
+  }
+  for (std::size_t s = 0; s < recurrents.size(); ++s) {
+    std::string bytes;
+    rwd::TensorView state = tensor_from_state(recurrents[s], o.recurrent_dtype, bytes);
+    if (L == 0) continue;
+    // Not recording: next(1) .. next(L) are one slot, so this costs one state.
+    rwd::RecurrentUpdate u = layer.begin_recurrent_update(L, static_cast<int>(s));
+    rwd::copy_tensor(state, u.next(L));
+    u.commit();
+  }
+}
+
+std::shared_ptr<PyLayer> layer_from_state(const py::tuple& st) {
+  if (st.size() != 12 || st[0].cast<int>() != 1) invalid("_Layer state: not a version-1 layer state");
+  auto o = st[2].cast<py::tuple>();
+  if (o.size() != 11) invalid("_Layer state: bad options");
+  const auto L = st[4].cast<std::int64_t>();
+  const auto R = st[5].cast<std::int64_t>();
+  std::shared_ptr<Budget> budget = st[8].is_none() ? nullptr : st[8].cast<std::shared_ptr<Budget>>();
+  auto out = std::make_shared<PyLayer>(
+      st[1].cast<std::string>(),
+      make_options(o[0].cast<std::string>(), st[3].cast<std::int64_t>(), o[1].cast<std::int64_t>(),
+                   o[2].cast<std::int64_t>(), o[3].cast<std::int64_t>(), o[4].cast<std::int64_t>(),
+                   o[5].cast<std::int64_t>(), o[6].cast<std::int64_t>(), {}, o[7].cast<std::int64_t>(),
+                   o[8].cast<std::vector<std::int64_t>>(), o[9].cast<std::vector<std::vector<std::int64_t>>>(),
+                   o[10].cast<std::string>()),
+      st[7].cast<int>(), st[6].cast<bool>(), budget);
+  if (L < 0) invalid("_Layer state: negative length");
+  out->guarded([&] { replay(out->layer(), L, st[9], st[10].cast<py::list>(), st[11].cast<py::list>()); });
+  if (R >= 0) out->guarded([&] { out->layer().activate_past_recording(R); });
+  return out;
+}
+
+std::shared_ptr<Budget> deepcopied_budget(const std::shared_ptr<Budget>& b, py::dict memo) {
+  if (!b) return nullptr;
+  return py::module_::import("copy").attr("deepcopy")(py::cast(b), memo).cast<std::shared_ptr<Budget>>();
 }
 
 // ---- runtime ----------------------------------------------------------------------
@@ -612,7 +785,22 @@ PYBIND11_MODULE(_rewind, mod) {
       .def("set_limit", &Budget::set_limit, py::arg("bytes"),
            "Sets the cap; raises CapacityError, keeping the old one, when more are reserved already.")
       .def("set_parent", &Budget::set_parent, py::arg("parent"),
-           "Counts this budget's bytes (now and later) in `parent` too (None: in no other).");
+           "Counts this budget's bytes (now and later) in `parent` too (None: in no other).")
+      .def("__deepcopy__", [](const Budget& b, py::dict memo) {
+        auto out = std::make_shared<Budget>();
+        out->set_limit(b.limit());
+        out->set_parent(deepcopied_budget(b.parent(), memo));
+        return out;
+      }, py::arg("memo"), "A budget with the same cap and a copy of the parent; nothing reserved yet.")
+      .def(py::pickle(
+          [](const Budget& b) { return py::make_tuple(b.limit(), b.parent() ? py::cast(b.parent()) : py::none()); },
+          [](const py::tuple& t) {
+            if (t.size() != 2) invalid("_Budget state: expected (limit, parent)");
+            auto out = std::make_shared<Budget>();
+            out->set_limit(t[0].cast<std::size_t>());
+            if (!t[1].is_none()) out->set_parent(t[1].cast<std::shared_ptr<Budget>>());
+            return out;
+          }));
 
   py::class_<PyRecurrentUpdate>(m, "RecurrentUpdate",
                                 "Zero-copy recurrent update: read previous() = S(L), write next(t) = S(L+t) for "
@@ -738,7 +926,24 @@ PYBIND11_MODULE(_rewind, mod) {
       .def("retention_bytes", [](const PyLayer& l, std::int64_t r) {
         auto b = l.layer().retention_bytes(r);
         return py::make_tuple(b.bounded, b.per_token);
-      }, py::arg("R"));
+      }, py::arg("R"))
+      .def("__deepcopy__", [](const PyLayer& l, py::dict memo) {
+        std::shared_ptr<Budget> budget = deepcopied_budget(l.budget(), memo);
+        rwd::Layer copy = with_budget(budget, l.layer().index(), [&] { return l.layer().clone(); });
+        return std::make_shared<PyLayer>(std::move(copy), l.as_torch(), std::move(budget));
+      }, py::arg("memo"), "An independent copy (rwd::Layer::clone): every part, rollback history and recording.")
+      .def("_clone", [](const PyLayer& l) {
+        rwd::Layer copy = with_budget(l.budget(), l.layer().index(), [&] { return l.layer().clone(); });
+        return std::make_shared<PyLayer>(std::move(copy), l.as_torch(), l.budget());
+      }, "A copy counted in this layer's own budget: the backup of a change made all or nothing.")
+      .def("_swap", [](PyLayer& a, PyLayer& b) {
+        if (a.budget() != b.budget()) invalid("_swap: the two layers count in different budgets");
+        std::swap(a.layer(), b.layer());
+      }, py::arg("other"), "Exchanges the two layers' states (cannot fail): puts a _clone backup back.")
+      .def(py::pickle([](const PyLayer& l) { return layer_state(l); },
+                      [](const py::tuple& st) { return layer_from_state(st); }),
+           "Pickles what the layer needs to continue from its length (no rollback history: recording restarts "
+           "there).");
 
   // ---- runtime ----
   py::class_<PyModelCache, std::shared_ptr<PyModelCache>>(m, "ModelCache",

@@ -313,6 +313,12 @@ class Layer {
   // (on with the same R, or off) stays. Throws CapacityError when the
   // budget or the system refuses the new buffers; nothing changes then.
   void reset();
+  // A deep, independent copy: every part with its retained tokens, states
+  // and rollback history, the recording setting, the index. Its buffers
+  // count against no cache budget (Cache(std::vector<Layer>) attaches one).
+  // Throws StateError when the parts are out of step, CapacityError when the
+  // copy cannot be allocated.
+  Layer clone() const;
 
   LayerMemory memory() const;
   // The retention rule in bytes (docs/semantics.md section 4): after any

@@ -90,6 +90,21 @@ def _query_length(query_length: Any) -> int:
     return int(query_length)
 
 
+def _with_grad(out: Any, new: Any, dim: int) -> Any:
+    """``out`` (a view of rewind's storage whose last ``new.shape[dim]`` entries along ``dim`` are ``new``) as
+    transformers returns it: ``torch.cat([cached, new])``, which carries ``new``'s autograd history. rewind's storage
+    has none, so when ``new`` requires grad (and grad mode is on) the result is that concatenation, a copy; else
+    the view itself."""
+    if not (_is_torch(new) and new.requires_grad):
+        return out
+    import torch
+
+    if not torch.is_grad_enabled():
+        return out
+    q = int(new.shape[dim])
+    return torch.cat([out.narrow(dim, 0, int(out.shape[dim]) - q), new.to(out.dtype)], dim=dim)
+
+
 def _zeros_broadcast(like: Any, shape: tuple) -> Any:
     """A read-only zero tensor of `shape` that costs one element (stride 0)."""
     if _is_torch(like):
@@ -137,6 +152,9 @@ class _RewindLayerBase:
         # cache last changed, with a copy of what each held and its version
         # counter (see _commit_conv_writes).
         self._conv_handouts: dict[int, list] = {}
+        # Per conv state, while recording: the columns transformers' conv_states would show (its recorded inputs
+        # since the last crop); absent means K (conv_states property).
+        self._conv_shown: dict[int, int] = {}
         # Per recurrent state: the first position p >= 1 from which S(p)..S(L)
         # were all given to the cache (0: all of them). A crop that would land
         # before it is refused: the state there is unknown.
@@ -155,6 +173,19 @@ class _RewindLayerBase:
 
     def __repr__(self) -> str:
         return f"{self.__class__.__name__}"
+
+    # ---- copies (copy.deepcopy, pickle, torch.save) ----
+    def __getstate__(self) -> dict:
+        """The layer's attributes; a pending in-place conv write is taken first, and the tensors handed out stay
+        with this layer. deepcopy copies each part with rwd::Layer::clone (history included); pickle stores what each
+        part needs to continue (_Layer's pickle: no rollback history)."""
+        self._commit_conv_writes()
+        state = self.__dict__.copy()
+        state["_conv_handouts"] = {}
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
 
     # ---- parts ----
     def _parts(self) -> list:
@@ -203,6 +234,8 @@ class _RewindLayerBase:
                     f"take an arbitrary window: call update_conv_state(x) instead {self._where_parts()}"
                 )
             part.update_conv_state(t[..., -1:].contiguous())
+            if i in self._conv_shown:
+                self._conv_shown[i] += 1
 
     def _where_parts(self) -> str:
         where = f"layer {self._index} ({self._kind_name})" if self._index >= 0 else f"{self._kind_name} layer"
@@ -293,6 +326,10 @@ class _RewindLayerBase:
             self._rec_exact_from = {i: 0 for i in self._rec_exact_from}
         for p in self._parts():
             p.crop(n)
+        # transformers keeps the K columns before the removed ones (fewer when fewer precede them).
+        for i, shown in list(self._conv_shown.items()):
+            k = self.conv_kernel_size[i]
+            self._conv_shown[i] = max(0, shown + n) - max(0, shown + n - k) if n < 0 else min(shown, k)
 
     def max_rollback(self) -> int:
         """Largest k for which ``crop(-k)`` is exact now (the layer's length means any depth)."""
@@ -308,17 +345,14 @@ class _RewindLayerBase:
         return value
 
     def activate_past_recording(self, max_tokens: int | None = None) -> None:
-        """Keeps enough history to remove up to ``max_tokens`` tokens exactly (default DEFAULT_MAX_ROLLBACK)."""
+        """Keeps enough history to remove up to ``max_tokens`` tokens exactly (default DEFAULT_MAX_ROLLBACK).
+        All or nothing over the layer's parts."""
         r = DEFAULT_MAX_ROLLBACK if max_tokens is None else int(max_tokens)
-        for p in self._parts():
-            p.activate_past_recording(r)
-        self._recording = r
+        _change_recording([self], r)
 
     def deactivate_past_recording(self) -> None:
-        """Stops recording and drops the history."""
-        for p in self._parts():
-            p.deactivate_past_recording()
-        self._recording = None
+        """Stops recording and drops the history (all or nothing over the layer's parts)."""
+        _change_recording([self], None)
 
     @property
     def record_past(self) -> bool:
@@ -374,6 +408,7 @@ class _RewindLayerBase:
         for p in self._parts():
             p.reset()
         self._rec_exact_from = {i: 0 for i in self._rec_exact_from}
+        self._conv_shown = {}
 
     def memory(self) -> dict:
         """Bytes reserved and used by this layer's parts."""
@@ -412,6 +447,40 @@ class _RewindLayerBase:
         """Batch size of the stored tensors; -1 before the first update."""
         parts = self._parts()
         return parts[0].batch_size() if parts else -1
+
+
+def _change_recording(layers: list, r: int | None) -> None:
+    """Recording R (None: off) on every part of ``layers``, all or nothing.
+
+    Only a recurrent part allocates for a recording change (its snapshot slots, which the budget or the system
+    may refuse); the others cannot fail. So the recurrent parts change first, each after a backup (``_clone``, in
+    its own budget: one state when not recording, R + 1 when recording); a refusal swaps the changed ones back
+    and re-raises, before any other part changed. Then the other parts change, and the layers' bookkeeping."""
+    parts = [p for layer in layers for p in layer._parts()]
+    fallible = [p for p in parts if p.kind == "linear_attention"]
+    changed = []
+    try:
+        for p in fallible:
+            backup = p._clone()
+            if r is None:
+                p.deactivate_past_recording()
+            else:
+                p.activate_past_recording(r)
+            changed.append((p, backup))
+    except BaseException:
+        for p, backup in reversed(changed):
+            p._swap(backup)
+        raise
+    for p in parts:
+        if p.kind != "linear_attention":
+            if r is None:
+                p.deactivate_past_recording()
+            else:
+                p.activate_past_recording(r)
+    for layer in layers:
+        layer._recording = r
+        if r is None:
+            layer._conv_shown = {}
 
 
 def _index_list(indices: Any) -> list[int]:
@@ -453,7 +522,8 @@ class CacheLayerMixin(_RewindLayerBase):
         (full: positions [0, L+q); sliding: [max(0, L-W+1), L+q); chunked: [floor(L/C)*C, L+q)), as views."""
         if self._kv is None:
             self.lazy_initialization(key_states, value_states)
-        return self._kv.update(key_states, value_states)
+        keys, values = self._kv.update(key_states, value_states)
+        return _with_grad(keys, key_states, -2), _with_grad(values, value_states, -2)
 
     def get_mask_sizes(self, query_length: Any, *args: Any) -> tuple:
         """``(kv_length, kv_offset)`` of the keys the next update of ``query_length`` tokens returns."""
@@ -573,7 +643,7 @@ class DynamicIndexedLayer(DynamicLayer):
             self.is_indexer_initialized = True
         keys = indexer_key_states.unsqueeze(1) if _is_torch(indexer_key_states) else indexer_key_states[:, None]
         out, _ = self._indexer.update(keys, _zeros_broadcast(indexer_key_states, (b, 1, q, 1)))
-        return out[:, 0]
+        return _with_grad(out[:, 0], indexer_key_states, -2)
 
     @property
     def indexer_keys(self) -> Any:
@@ -645,7 +715,13 @@ class LinearAttentionCacheLayerMixin(_RewindLayerBase):
         self._commit_conv_writes()
         if state_idx not in self._convs:
             self.lazy_initialization(conv_states=conv_states, state_idx=state_idx, conv_kernel_size=conv_kernel_size)
-        return self._convs[state_idx].update_conv_state(conv_states)
+        part = self._convs[state_idx]
+        fresh = part.get_seq_length() == 0
+        window = part.update_conv_state(conv_states)
+        if self._recording is not None:
+            q = int(conv_states.shape[-1])
+            self._conv_shown[state_idx] = q if fresh else self._conv_shown.get(state_idx, self.conv_kernel_size[state_idx]) + q
+        return _with_grad(window, conv_states, -1)
 
     def _rec_part(self, state_idx: int, like: Any) -> Any:
         self._check_state_idx(state_idx)
@@ -751,15 +827,24 @@ class LinearAttentionCacheLayerMixin(_RewindLayerBase):
     @property
     def conv_states(self) -> dict:
         """Per state index: the last K conv inputs [B, C, K] (zeros before position 0), or None before the first
-        update. A torch tensor may be written in place as transformers' ``causal_conv1d_update`` does (shift
-        left, new input last): that write is this layer's update (_commit_conv_writes)."""
+        update. While recording, the inputs transformers' cache shows then: every input since the last crop (all
+        of a prefill made while recording, unpadded), after a crop the K before the removed ones (fewer when fewer
+        precede them); at most what rewind retains (K + R); K zeros at L = 0. A torch tensor may be written in place as transformers' ``causal_conv1d_update``
+        does (shift left, new input last): that write is this layer's update (_commit_conv_writes)."""
         self._commit_conv_writes()
         out = {}
         for i in range(self.number_of_states):
             if i not in self._convs:
                 out[i] = None
                 continue
-            view = self._convs[i].get_conv_state()
+            shown = self._conv_shown.get(i, self.conv_kernel_size[i])
+            # At L = 0 (new, or rolled back entirely) the K zeros of a new layer.
+            if shown == self.conv_kernel_size[i] or self._convs[i].get_seq_length() == 0:
+                view = self._convs[i].get_conv_state()
+            else:
+                inputs = self._convs[i].conv_inputs()
+                n = int(inputs.shape[-1])
+                view = inputs[..., n - min(shown, n):]
             if _is_torch(view):
                 self._conv_handouts.setdefault(i, []).append((view, view.clone(), view._version))
             out[i] = view
@@ -829,7 +914,8 @@ class LinearAttentionAndFullAttentionLayer(LinearAttentionLayer, DynamicLayer):
         """Appends q tokens to the attention part; returns (keys, values) as DynamicLayer.update."""
         if self._kv is None:
             CacheLayerMixin.lazy_initialization(self, key_states, value_states)
-        return self._kv.update(key_states, value_states)
+        keys, values = self._kv.update(key_states, value_states)
+        return _with_grad(keys, key_states, -2), _with_grad(values, value_states, -2)
 
 
 class LinearAttentionAndSlidingWindowAttentionLayer(LinearAttentionLayer, DynamicSlidingWindowLayer):
@@ -955,8 +1041,8 @@ def _build_layer(layer_type: str, kwargs: dict) -> _RewindLayerBase:
 
 
 class Cache:
-    """A list of layers, one per model layer (transformers' ``Cache``); whole-cache operations are transactional:
-    every layer is checked before any changes."""
+    """A list of layers, one per model layer (transformers' ``Cache``); whole-cache operations check every layer
+    before any changes (crop and recording changes are all or nothing; docs/python.md, Known gaps)."""
 
     def __init__(self, layers: list | None = None, layer_class_to_replicate: type | None = None,
                  offloading: bool = False, offload_only_non_sliding: bool = True) -> None:
@@ -1183,15 +1269,15 @@ class Cache:
 
     def activate_past_recording(self, max_tokens: int | None = None) -> None:
         """Every layer keeps enough history to remove up to ``max_tokens`` tokens exactly
-        (default DEFAULT_MAX_ROLLBACK); call before the first forward."""
-        for layer in self.layers:
-            layer.activate_past_recording(max_tokens)
-        self._recording = DEFAULT_MAX_ROLLBACK if max_tokens is None else int(max_tokens)
+        (default DEFAULT_MAX_ROLLBACK); call before the first forward. All or nothing: a refusal (CapacityError:
+        the budget or the system refused recurrent snapshot slots) leaves every layer as it was."""
+        r = DEFAULT_MAX_ROLLBACK if max_tokens is None else int(max_tokens)
+        _change_recording(self.layers, r)
+        self._recording = r
 
     def deactivate_past_recording(self) -> None:
-        """Stops recording in every layer and drops the history."""
-        for layer in self.layers:
-            layer.deactivate_past_recording()
+        """Stops recording in every layer and drops the history (all or nothing, as activate_past_recording)."""
+        _change_recording(self.layers, None)
         self._recording = None
 
     def is_recording(self) -> bool:

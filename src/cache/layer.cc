@@ -861,6 +861,16 @@ void Layer::reorder_cache(std::span<const std::int64_t> beam_idx) {
 
 void Layer::reset() { impl_ = impl_->fresh(); }
 
+Layer Layer::clone() const {
+  std::vector<std::int64_t> rows(static_cast<std::size_t>(impl_->batch));
+  for (std::size_t i = 0; i < rows.size(); ++i) rows[i] = static_cast<std::int64_t>(i);
+  std::unique_ptr<Impl> copy = impl_->gathered(rows, "clone");
+  // gathered() counts the copy against the owner's budget; the copy lives
+  // outside any cache.
+  copy->attach_budget(nullptr);
+  return Layer(std::move(copy));
+}
+
 void Layer::shrink_to_fit() { impl_->shrink_to_fit(); }
 
 RetentionBytes Layer::retention_bytes(std::int64_t R) const {

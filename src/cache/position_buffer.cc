@@ -61,6 +61,7 @@ AlignedBuffer::~AlignedBuffer() {
 }
 
 void AlignedBuffer::attach(MemoryBudget* budget) noexcept {
+  if (budget_ && size_) budget_->release(size_);  // moves the count (Layer::clone detaches from its cache's)
   budget_ = budget;
   if (budget_) budget_->reserved += size_;
 }

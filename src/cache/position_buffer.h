@@ -64,7 +64,7 @@ class AlignedBuffer {
   std::byte* data() const { return data_.get(); }
   std::size_t size() const { return size_; }
   MemoryBudget* budget() const { return budget_; }
-  // Starts counting this buffer against `budget` (REQUIRES: none yet).
+  // Counts this buffer against `budget` (null: none) instead of the one before.
   void attach(MemoryBudget* budget) noexcept;
   // True when addresses [lo, hi) intersect this allocation.
   bool overlaps(std::uintptr_t lo, std::uintptr_t hi) const {
