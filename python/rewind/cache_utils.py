@@ -237,9 +237,12 @@ class _RewindLayerBase:
             if i in self._conv_shown:
                 self._conv_shown[i] += 1
 
+    def _label(self) -> str:
+        return f"layer {self._index} ({self._kind_name})" if self._index >= 0 else f"{self._kind_name} layer"
+
     def _where_parts(self) -> str:
-        where = f"layer {self._index} ({self._kind_name})" if self._index >= 0 else f"{self._kind_name} layer"
-        return f"[{where}]"
+        """Where, for messages raised while the parts may be out of step (no length read)."""
+        return f"[{self._label()}]"
 
     def _new_part(self, kind: str, like: Any, **options: Any):
         part = _rw._Layer(kind, dtype=_dtype_name(like), index=self._index, as_torch=_is_torch(like),
@@ -257,8 +260,7 @@ class _RewindLayerBase:
             p.set_index(index)
 
     def _where(self, n: int | None = None) -> str:
-        where = f"layer {self._index} ({self._kind_name})" if self._index >= 0 else f"{self._kind_name} layer"
-        return f"[{where}: L={self.get_seq_length()}" + (f", crop({n})]" if n is not None else "]")
+        return f"[{self._label()}: L={self.get_seq_length()}" + (f", crop({n})]" if n is not None else "]")
 
     def get_seq_length(self) -> int:
         """Tokens seen (the position of the next token); counted on every layer kind."""
