@@ -18,6 +18,7 @@ from typing import Any
 from . import _rewind as _rw
 
 _KERNELS = ("chunk_gated_delta_rule", "recurrent_gated_delta_rule")
+_MISSING = object()  # a kernel attribute the module did not hold in its own __dict__
 
 
 def _bad(what: str, allowed: str, got: Any) -> Exception:
@@ -96,9 +97,6 @@ def _per_token_states(model: Any, cache: Any):
                     delattr(module, n)
                 else:
                     setattr(module, n, value)
-
-
-_MISSING = object()
 
 
 class _Runner:
@@ -219,6 +217,9 @@ def generate(model: Any, input_ids: Any, *, max_new_tokens: int, assistant_model
             f"rewind.generate: past_key_values holds {target.length()} tokens; it must hold fewer than the "
             f"{input_ids.shape[1]} of input_ids (a prefix of them)"
         )
+
+    if max_new_tokens == 0:  # no forward: the cache stays as given
+        return input_ids.clone()
 
     def pick(logits: Any) -> Any:  # [B, V] -> [B]
         if not do_sample:

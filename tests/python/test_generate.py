@@ -243,5 +243,9 @@ def test_bad_arguments_are_refused_before_any_forward():
         rewind.generate(model, torch.cat([PROMPT, PROMPT]), max_new_tokens=2, prompt_lookup_num_tokens=2)
     with pytest.raises(rewind.InvalidArgument, match="not both"):
         rewind.generate(model, PROMPT, max_new_tokens=2, prompt_lookup_num_tokens=2, assistant_model=model)
+    for kw in ({}, {"prompt_lookup_num_tokens": 2}, {"assistant_model": model}):
+        cache = rewind.DynamicCache(config=model.config)
+        assert torch.equal(rewind.generate(model, PROMPT, max_new_tokens=0, past_key_values=cache, **kw), PROMPT)
+        assert cache.get_seq_length() == 0
     with pytest.raises(rewind.InvalidArgument, match="temperature"):
         rewind.generate(model, PROMPT, max_new_tokens=2, do_sample=True, temperature=0)
