@@ -1,5 +1,5 @@
-// The runtime's decode attention in isolation (rewind_kernel_bench):
-// kernels::attention_paged for S sequences of one decoding row each, every
+// The runtime's decode attention in isolation (BM_DecodeAttention* of
+// rewind_kernel_bench): kernels::attention_paged for S sequences of one decoding row each, every
 // sequence's keys and values in 16-row blocks at scattered addresses, as a
 // batched decoding round over a SequenceCache reads them. Arguments:
 // sequences, context (keys per sequence), and whether the caches are
@@ -70,8 +70,8 @@ struct Batch {
         runs.push_back({keys[i].data(), values[i].data(), std::min(kBlockRows, context - b * kBlockRows)});
       }
       const std::int64_t offset = s * shape.heads * shape.head_dim;
-      k::attention_paged(q.data() + offset, 1, context - 1, shape.heads, shape.kv_heads, shape.head_dim, runs,
-                         strides, strides, 0, context, {}, out.data() + offset);
+      k::attention_paged(q.data() + offset, 1, context - 1, shape.heads, shape.kv_heads, shape.head_dim, runs, strides,
+                         strides, 0, context, {}, out.data() + offset);
     }
   }
 };
@@ -97,11 +97,11 @@ void decode_attention(benchmark::State& state, Shape shape) {
     benchmark::DoNotOptimize(batch.out.data());
   }
   const double kv_bytes = 2.0 * static_cast<double>(sequences * context * shape.kv_heads * shape.head_dim) * 4.0;
-  state.counters["kv_bytes_per_second"] =
-      benchmark::Counter(kv_bytes, benchmark::Counter::kIsIterationInvariantRate, benchmark::Counter::kIs1024);
-  state.counters["per_key_head"] =
-      benchmark::Counter(static_cast<double>(sequences * context * shape.kv_heads),
-                         benchmark::Counter::kIsIterationInvariantRate | benchmark::Counter::kInvert);
+  state.counters["kv_bytes_per_second"] = benchmark::Counter(kv_bytes, benchmark::Counter::kIsIterationInvariantRate,
+                                                             benchmark::Counter::kIs1024);
+  state.counters["per_key_head"] = benchmark::Counter(
+      static_cast<double>(sequences * context * shape.kv_heads),
+      benchmark::Counter::kIsIterationInvariantRate | benchmark::Counter::kInvert);
 }
 
 void BM_DecodeAttentionShipped(benchmark::State& state) { decode_attention(state, {4, 2, 48}); }
@@ -117,5 +117,3 @@ BENCHMARK(BM_DecodeAttentionQwen3)
     ->Unit(benchmark::kMicrosecond);
 
 }  // namespace
-
-BENCHMARK_MAIN();

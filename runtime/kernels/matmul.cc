@@ -1,0 +1,156 @@
+// matmul's packed weights (PackedMatrix) and its driver: how the output
+// panels are split into blocks and across threads. The arithmetic is in the
+// per-ISA copies (matmul_internal.h), picked by matmul_dispatch.cc.
+#include <omp.h>
+#include <algorithm>
+#include <cassert>
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <new>
+#if defined(__linux__)
+#include <sys/mman.h>
+#endif
+
+#include "matmul_internal.h"
+
+namespace rwd::runtime::kernels {
+
+using namespace detail;
+
+namespace {
+
+// Output panels per block of matmul: the block's weights (about 64 KiB)
+// stay in L2 while every group of rows passes over them, so each weight
+// comes from memory once per call.
+int64_t matmul_block_panels(int64_t in) {
+  // Sized for f32 panels; f16 / bf16 ones take half of it (still L2-resident).
+  const int64_t panel_bytes = std::max<int64_t>(in, 1) * kPanel * int64_t{sizeof(float)};
+  return std::clamp<int64_t>(int64_t{64} * 1024 / panel_bytes, 1, 16);
+}
+
+// w: [out, in] of T into panels of T at dst (zeros past out).
+template <class T>
+void pack_panels(const T* w, int64_t out, int64_t in, int64_t panels, T* dst_all) {
+  for (int64_t p = 0; p < panels; ++p) {
+    T* dst = dst_all + p * in * kPanel;
+    for (int64_t i = 0; i < in; ++i) {
+      for (int64_t l = 0; l < kPanel; ++l) {
+        const int64_t o = p * kPanel + l;
+        dst[i * kPanel + l] = o < out ? w[o * in + i] : T{0};
+      }
+    }
+  }
+}
+
+}  // namespace
+
+void PackedMatrix::AlignedFree::operator()(std::byte* p) const { ::operator delete[](p, std::align_val_t{alignment}); }
+
+// Storage for `bytes` of panels, 64-byte aligned. A matrix of at least a
+// huge page (2 MiB) gets whole huge pages where the kernel grants them
+// (transparent huge pages, asked for with madvise, as Debian's default
+// "madvise" setting requires): matmul streams such a matrix from memory,
+// and with 4 KiB pages every 4 KiB of it took a TLB miss. The one-token
+// forward of a 26M-parameter f32 model (104 MB of weights), six
+// alternating runs: median about 5.9 ms before, 5.3 after
+// (docs/performance.md section 16). The advice is a hint: refused, the
+// memory is the same, in small pages. Only the whole huge pages are
+// advised: rounding the block up instead would have reserved up to 2 MiB
+// more per matrix (a third more for a 3 MiB one); the tail stays in small
+// pages.
+std::unique_ptr<std::byte[], PackedMatrix::AlignedFree> PackedMatrix::allocate_panels(std::size_t bytes) {
+  constexpr std::size_t kHugePage = std::size_t{2} << 20;
+  const std::size_t alignment = bytes < kHugePage ? 64 : kHugePage;
+  std::unique_ptr<std::byte[], AlignedFree> p(
+      static_cast<std::byte*>(::operator new[](bytes, std::align_val_t{alignment})), AlignedFree{alignment});
+#if defined(MADV_HUGEPAGE)
+  if (alignment == kHugePage) (void)madvise(p.get(), bytes / kHugePage * kHugePage, MADV_HUGEPAGE);
+#endif
+  return p;
+}
+
+template <class T>
+PackedMatrix PackedMatrix::packed_from(const T* w, int64_t out, int64_t in, Element element) {
+  assert(out >= 0 && in >= 0);
+  PackedMatrix m;
+  m.out_ = out;
+  m.in_ = in;
+  m.element_ = element;
+  const auto n = static_cast<std::size_t>(m.panels() * in * kPanel);
+  if (n == 0) return m;
+  m.data_ = allocate_panels(n * sizeof(T));
+  pack_panels(w, out, in, m.panels(), static_cast<T*>(static_cast<void*>(m.data_.get())));
+  return m;
+}
+
+PackedMatrix::PackedMatrix(const float* w, int64_t out, int64_t in)
+    : PackedMatrix(packed_from(w, out, in, Element::F32)) {}
+
+PackedMatrix PackedMatrix::from_bf16(const std::uint16_t* w, int64_t out, int64_t in) {
+  return packed_from(w, out, in, Element::BF16);
+}
+
+PackedMatrix PackedMatrix::from_f16(const std::uint16_t* w, int64_t out, int64_t in) {
+  return packed_from(w, out, in, Element::F16);
+}
+
+namespace {
+
+// How far ahead matmul prefetches in each panel stream (0: not at all). A
+// matrix larger than an L2 cache most likely streams from L3 or memory;
+// there, without software prefetch, a forward of several rows stalled on
+// its loads instead of overlapping them with the arithmetic (a 5-token
+// forward of a 26M-parameter model held as f32 cost 2.27x a one-token one
+// before, 1.31x now, docs/performance.md section 12). A model that fits in
+// L3 gains nothing from it and lost about 2 % to the extra instructions,
+// hence the size test.
+constexpr std::size_t kPrefetchMatrixBytes = 256 * 1024;
+constexpr int64_t kPrefetchAheadBytes = 4096;
+
+int64_t matmul_prefetch_bytes(const PackedMatrix& w) {
+  return w.bytes() >= kPrefetchMatrixBytes ? kPrefetchAheadBytes : 0;
+}
+
+}  // namespace
+
+void matmul(const float* x, int64_t rows, const PackedMatrix& w, float* y, const float* bias) {
+  if (rows <= 0 || w.out() <= 0) return;
+  const bool worth_threads = rows * w.in() * w.out() >= kParallelWork && omp_get_max_threads() > 1;
+  const int64_t ahead = matmul_prefetch_bytes(w);
+  int64_t block = matmul_block_panels(w.in());
+  const bool wide = matmul_isa() == MatmulIsa::Avx512;
+  const int64_t max_group = wide ? wide_group_rows(w.element(), ahead) : kMaxGroupRows;
+  const bool streamed_f32_rows = rows <= 2 && ahead != 0 && w.element() == PackedMatrix::Element::F32;
+  if (rows <= max_group && !streamed_f32_rows) {
+    // One group of rows passes over the weights once, so L2-sized blocks
+    // buy nothing; small ones cost: a block of 2 or 5 panels left the 4-
+    // panel micro-kernel of one row unused, or used it once and then ran a
+    // 1-panel tail, one accumulator waiting on its own adds. Blocks here are
+    // the panels split across the threads, in multiples of 4 (the shipped
+    // target's one-token forward: 90 -> 79 us). Except for one or two rows
+    // of an f32 matrix streamed from memory (prefetched): there its L2
+    // blocks (2 panels of 512 inputs) run two panels at a time, and that
+    // was faster than four streams at once (a 26M-parameter f32 model's
+    // two-token forward: 2.67 ms against 2.79). f16 / bf16 panels, half the
+    // bytes per weight, go the other way since matmul fuses its multiply-
+    // adds: four streams at once took that model's f16 one-token forward
+    // from 1.88 to 1.50 ms.
+    const int64_t threads = worth_threads ? omp_get_max_threads() : 1;
+    block = ((w.panels() + threads - 1) / threads + 3) / 4 * 4;
+  } else if (wide && rows > max_group) {
+    // Several groups over L2 blocks: a whole number of the widest micro-
+    // kernel's panels (4 for groups of 6 rows, 3 for 8), so that no group
+    // runs a narrower tail on every block (the shipped target's 192 inputs
+    // gave blocks of 5 panels: its 12-token forward took 733 us against 705).
+    const int64_t step = wide_panels_for_rows(static_cast<int>(max_group));
+    block = std::max<int64_t>(step, block / step * step);
+  }
+  const int64_t num_blocks = (w.panels() + block - 1) / block;
+  const bool parallel = num_blocks > 1 && worth_threads;
+  parallel_for(num_blocks, parallel, [&](int64_t b) {
+    matmul_block(x, rows, w, y, bias, b * block, std::min(w.panels(), (b + 1) * block), ahead);
+  });
+}
+
+}  // namespace rwd::runtime::kernels
