@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <functional>
 #include <memory>
 
 #include <nlohmann/json.hpp>
@@ -27,6 +28,142 @@ const std::vector<std::string>& default_bench_prompts() {
   return prompts;
 }
 
+namespace {
+
+// What every configuration of run_decode_bench runs over: the prompts
+// encoded, the options of a plain run and the greedy tokens of each prompt
+// (the reference every row is compared with).
+struct BenchRun {
+  const Model& target;
+  const Model* draft;
+  const DecodeBenchOptions& options;
+  const std::function<void(const std::string&)>& progress;
+  std::vector<std::vector<std::int32_t>> encoded;
+  GenerationOptions gen;
+  std::vector<std::vector<std::int32_t>> reference;
+
+  // `gen` drafting K tokens a round: a chain of K, or a tree of depth K.
+  GenerationOptions chain(std::int64_t k) const {
+    GenerationOptions o = gen;
+    o.speculation = {k, false};
+    return o;
+  }
+  GenerationOptions tree(std::int64_t k) const {
+    GenerationOptions o = gen;
+    o.tree = {options.tree_width, options.tree_nodes, k};
+    return o;
+  }
+};
+
+// Runs one configuration over every prompt, `repeats` times ("greedy" fills
+// run.reference).
+DecodeBenchRow measure(BenchRun& run, const std::string& method, std::int64_t k) {
+  const Model& target = run.target;
+  const Model* draft = run.draft;
+  const DecodeBenchOptions& options = run.options;
+  const std::vector<std::vector<std::int32_t>>& encoded = run.encoded;
+  const GenerationOptions& gen = run.gen;
+  std::vector<std::vector<std::int32_t>>& reference = run.reference;
+  const auto& progress = run.progress;
+  if (progress) progress(method + (k ? " K=" + std::to_string(k) : std::string()));
+  DecodeBenchRow row;
+  row.method = method;
+  row.k = k;
+  std::vector<double> rates, shares, decode_rates;
+  std::int64_t drafted = 0, accepted = 0;
+  for (int r = 0; r < options.repeats; ++r) {
+    double seconds = 0.0, cache_seconds = 0.0, decode_seconds = 0.0;
+    std::int64_t tokens = 0, decode_tokens = 0;
+    for (std::size_t p = 0; p < encoded.size(); ++p) {
+      GenerationStats stats;
+      std::vector<std::int32_t> out;
+      if (method == "greedy") {
+        out = generate(target, encoded[p], gen, &stats);
+        if (r == 0) reference[p] = out;
+      } else if (method == "draft") {
+        ModelDraft source(*draft, gen.sampling, k);
+        out = speculative_generate(target, source, encoded[p], run.chain(k), &stats);
+      } else if (method == "draft_tree") {
+        ModelTreeDraft source(*draft);
+        out = tree_speculative_generate(target, source, encoded[p], run.tree(k), &stats);
+      } else if (method == "lookup_tree") {
+        LookupTreeDraft source(options.lookup_ngram);
+        out = tree_speculative_generate(target, source, encoded[p], run.tree(k), &stats);
+      } else {
+        LookupDraft source(options.lookup_ngram);
+        out = speculative_generate(target, source, encoded[p], run.chain(k), &stats);
+      }
+      row.identical = row.identical && out == reference[p];
+      seconds += stats.seconds;
+      cache_seconds += stats.cache_seconds;
+      tokens += stats.new_tokens;
+      if (stats.new_tokens > 1) {
+        decode_seconds += stats.seconds - stats.time_to_first_token;
+        decode_tokens += stats.new_tokens - 1;
+      }
+      drafted += stats.drafted;
+      accepted += stats.accepted;
+    }
+    rates.push_back(seconds > 0 ? static_cast<double>(tokens) / seconds : 0.0);
+    shares.push_back(seconds > 0 ? cache_seconds / seconds : 0.0);
+    decode_rates.push_back(decode_seconds > 0 ? static_cast<double>(decode_tokens) / decode_seconds : 0.0);
+  }
+  row.tokens_per_second = median(rates);
+  row.decode_tokens_per_second = median(decode_rates);
+  row.cache_share = median(shares);
+  row.acceptance_rate = drafted > 0 ? static_cast<double>(accepted) / static_cast<double>(drafted) : 0.0;
+  return row;
+}
+
+// B prompts decoded together: aggregate tokens / wall time of the call.
+DecodeBenchRow measure_batch(BenchRun& run, const std::string& method, std::int64_t k, std::int64_t B) {
+  const Model& target = run.target;
+  const Model* draft = run.draft;
+  const DecodeBenchOptions& options = run.options;
+  const std::vector<std::vector<std::int32_t>>& encoded = run.encoded;
+  const GenerationOptions& gen = run.gen;
+  const std::vector<std::vector<std::int32_t>>& reference = run.reference;
+  const auto& progress = run.progress;
+  if (progress) progress(method + " B=" + std::to_string(B) + (k ? " K=" + std::to_string(k) : std::string()));
+  DecodeBenchRow row;
+  row.method = method;
+  row.k = k;
+  row.batch = B;
+  std::vector<std::vector<std::int32_t>> batch;
+  for (std::int64_t i = 0; i < B; ++i) batch.push_back(encoded[static_cast<std::size_t>(i) % encoded.size()]);
+  std::vector<double> rates, decode_rates;
+  std::int64_t drafted = 0, accepted = 0;
+  for (int r = 0; r < options.repeats; ++r) {
+    BatchGenerationStats stats;
+    std::vector<std::vector<std::int32_t>> out;
+    if (method == "greedy_batch") {
+      out = generate_batch(target, batch, gen, &stats);
+    } else if (method == "lookup_batch") {
+      std::vector<std::unique_ptr<DraftSource>> sources;
+      for (std::int64_t i = 0; i < B; ++i) sources.push_back(std::make_unique<LookupDraft>(options.lookup_ngram));
+      PerSequenceDrafts source(std::move(sources));
+      out = speculative_generate_batch(target, source, batch, run.chain(k), &stats);
+    } else {
+      BatchedModelDraft source(*draft, gen.sampling, k);
+      out = speculative_generate_batch(target, source, batch, run.chain(k), &stats);
+    }
+    for (std::size_t i = 0; i < out.size(); ++i) {
+      row.identical = row.identical && out[i] == reference[i % encoded.size()];
+      drafted += stats.sequences[i].drafted;
+      accepted += stats.sequences[i].accepted;
+    }
+    rates.push_back(stats.tokens_per_second());
+    decode_rates.push_back(stats.decode_tokens_per_second());
+  }
+  row.tokens_per_second = median(rates);
+  row.decode_tokens_per_second = median(decode_rates);
+  row.cache_share = -1.0;  // the batched forward does not time its cache calls
+  row.acceptance_rate = drafted > 0 ? static_cast<double>(accepted) / static_cast<double>(drafted) : 0.0;
+  return row;
+}
+
+}  // namespace
+
 std::vector<DecodeBenchRow> run_decode_bench(const Model& target, const Model* draft,
                                              const DecodeBenchOptions& options,
                                              const std::function<void(const std::string&)>& progress) {
@@ -39,127 +176,31 @@ std::vector<DecodeBenchRow> run_decode_bench(const Model& target, const Model* d
     if (b < 1 || b > 4096) throw InvalidArgument("bench: a batch size must be in [1, 4096], got " + std::to_string(b));
   }
   const std::vector<std::string>& prompts = options.prompts.empty() ? default_bench_prompts() : options.prompts;
-  std::vector<std::vector<std::int32_t>> encoded;
+  BenchRun run{target, draft, options, progress, {}, {}, {}};
   for (const auto& p : prompts) {
-    encoded.push_back(options.encode ? options.encode(p) : encode_prompt(p, target.config()));
+    run.encoded.push_back(options.encode ? options.encode(p) : encode_prompt(p, target.config()));
   }
-
-  GenerationOptions gen;
-  gen.max_new_tokens = options.max_new_tokens;
-  gen.stop_at_eos = false;  // every run produces the same number of tokens
-
-  std::vector<std::vector<std::int32_t>> reference(encoded.size());
-  // Runs one configuration over every prompt, `repeats` times.
-  auto measure = [&](const std::string& method, std::int64_t k) {
-    if (progress) progress(method + (k ? " K=" + std::to_string(k) : std::string()));
-    DecodeBenchRow row;
-    row.method = method;
-    row.k = k;
-    std::vector<double> rates, shares, decode_rates;
-    std::int64_t drafted = 0, accepted = 0;
-    for (int r = 0; r < options.repeats; ++r) {
-      double seconds = 0.0, cache_seconds = 0.0, decode_seconds = 0.0;
-      std::int64_t tokens = 0, decode_tokens = 0;
-      for (std::size_t p = 0; p < encoded.size(); ++p) {
-        GenerationStats stats;
-        std::vector<std::int32_t> out;
-        if (method == "greedy") {
-          out = generate(target, encoded[p], gen, &stats);
-          if (r == 0) reference[p] = out;
-        } else if (method == "draft") {
-          ModelDraft source(*draft, gen.sampling, k);
-          out = speculative_generate(target, source, encoded[p], gen, {k, false}, &stats);
-        } else if (method == "draft_tree") {
-          ModelTreeDraft source(*draft);
-          out = tree_speculative_generate(target, source, encoded[p], gen, {options.tree_width, options.tree_nodes, k},
-                                          &stats);
-        } else if (method == "lookup_tree") {
-          LookupTreeDraft source(options.lookup_ngram);
-          out = tree_speculative_generate(target, source, encoded[p], gen, {options.tree_width, options.tree_nodes, k},
-                                          &stats);
-        } else {
-          LookupDraft source(options.lookup_ngram);
-          out = speculative_generate(target, source, encoded[p], gen, {k, false}, &stats);
-        }
-        row.identical = row.identical && out == reference[p];
-        seconds += stats.seconds;
-        cache_seconds += stats.cache_seconds;
-        tokens += stats.new_tokens;
-        if (stats.new_tokens > 1) {
-          decode_seconds += stats.seconds - stats.time_to_first_token;
-          decode_tokens += stats.new_tokens - 1;
-        }
-        drafted += stats.drafted;
-        accepted += stats.accepted;
-      }
-      rates.push_back(seconds > 0 ? static_cast<double>(tokens) / seconds : 0.0);
-      shares.push_back(seconds > 0 ? cache_seconds / seconds : 0.0);
-      decode_rates.push_back(decode_seconds > 0 ? static_cast<double>(decode_tokens) / decode_seconds : 0.0);
-    }
-    row.tokens_per_second = median(rates);
-    row.decode_tokens_per_second = median(decode_rates);
-    row.cache_share = median(shares);
-    row.acceptance_rate = drafted > 0 ? static_cast<double>(accepted) / static_cast<double>(drafted) : 0.0;
-    return row;
-  };
-
-  // B prompts decoded together: aggregate tokens / wall time of the call.
-  auto measure_batch = [&](const std::string& method, std::int64_t k, std::int64_t B) {
-    if (progress) progress(method + " B=" + std::to_string(B) + (k ? " K=" + std::to_string(k) : std::string()));
-    DecodeBenchRow row;
-    row.method = method;
-    row.k = k;
-    row.batch = B;
-    std::vector<std::vector<std::int32_t>> batch;
-    for (std::int64_t i = 0; i < B; ++i) batch.push_back(encoded[static_cast<std::size_t>(i) % encoded.size()]);
-    std::vector<double> rates, decode_rates;
-    std::int64_t drafted = 0, accepted = 0;
-    for (int r = 0; r < options.repeats; ++r) {
-      BatchGenerationStats stats;
-      std::vector<std::vector<std::int32_t>> out;
-      if (method == "greedy_batch") {
-        out = generate_batch(target, batch, gen, &stats);
-      } else if (method == "lookup_batch") {
-        std::vector<std::unique_ptr<DraftSource>> sources;
-        for (std::int64_t i = 0; i < B; ++i) sources.push_back(std::make_unique<LookupDraft>(options.lookup_ngram));
-        PerSequenceDrafts source(std::move(sources));
-        out = speculative_generate_batch(target, source, batch, gen, {k, false}, &stats);
-      } else {
-        BatchedModelDraft source(*draft, gen.sampling, k);
-        out = speculative_generate_batch(target, source, batch, gen, {k, false}, &stats);
-      }
-      for (std::size_t i = 0; i < out.size(); ++i) {
-        row.identical = row.identical && out[i] == reference[i % encoded.size()];
-        drafted += stats.sequences[i].drafted;
-        accepted += stats.sequences[i].accepted;
-      }
-      rates.push_back(stats.tokens_per_second());
-      decode_rates.push_back(stats.decode_tokens_per_second());
-    }
-    row.tokens_per_second = median(rates);
-    row.decode_tokens_per_second = median(decode_rates);
-    row.cache_share = -1.0;  // the batched forward does not time its cache calls
-    row.acceptance_rate = drafted > 0 ? static_cast<double>(accepted) / static_cast<double>(drafted) : 0.0;
-    return row;
-  };
+  run.reference.resize(run.encoded.size());
+  run.gen.max_new_tokens = options.max_new_tokens;
+  run.gen.stop_at_eos = false;  // every run produces the same number of tokens
 
   std::vector<DecodeBenchRow> rows;
-  rows.push_back(measure("greedy", 0));
+  rows.push_back(measure(run, "greedy", 0));
   if (draft) {
-    for (std::int64_t k : options.ks) rows.push_back(measure("draft", k));
+    for (std::int64_t k : options.ks) rows.push_back(measure(run, "draft", k));
   }
-  for (std::int64_t k : options.ks) rows.push_back(measure("lookup", k));
+  for (std::int64_t k : options.ks) rows.push_back(measure(run, "lookup", k));
   if (options.tree_width >= 2) {
     check_tree_options({options.tree_width, options.tree_nodes, options.ks.front()});
     if (draft) {
-      for (std::int64_t k : options.ks) rows.push_back(measure("draft_tree", k));
+      for (std::int64_t k : options.ks) rows.push_back(measure(run, "draft_tree", k));
     }
-    for (std::int64_t k : options.ks) rows.push_back(measure("lookup_tree", k));
+    for (std::int64_t k : options.ks) rows.push_back(measure(run, "lookup_tree", k));
   }
   for (std::int64_t B : options.batch_sizes) {
-    rows.push_back(measure_batch("greedy_batch", 0, B));
-    if (draft) rows.push_back(measure_batch("draft_batch", options.ks.front(), B));
-    rows.push_back(measure_batch("lookup_batch", options.ks.front(), B));
+    rows.push_back(measure_batch(run, "greedy_batch", 0, B));
+    if (draft) rows.push_back(measure_batch(run, "draft_batch", options.ks.front(), B));
+    rows.push_back(measure_batch(run, "lookup_batch", options.ks.front(), B));
   }
   const double greedy = rows.front().tokens_per_second, greedy_decode = rows.front().decode_tokens_per_second;
   for (auto& row : rows) {

@@ -934,18 +934,19 @@ TEST_F(Cli, ContextLengthIsCheckedAgainstTheModels) {
   const std::string snap = quote((scratch_dir() / "ctx.snap").string());
   ASSERT_EQ(run_cli("snapshot save" + m + " -p abc --out " + snap).status, 0);
   EXPECT_EQ(run_cli("snapshot load" + m + " --file " + snap + " -n 12").status, 0);
-  // eval: a segment is BOS + --context bytes (the whole file for 0).
+  // eval: a window is BOS + --context bytes (the whole file for 0); the
+  // message is evaluate_text's.
   const fs::path text = scratch_dir() / "ctx_eval.txt";
   write_file(text, "in the beginning was the word\n");  // 30 bytes
   const std::string eval = "eval" + m + " --text " + quote(text.string());
   EXPECT_EQ(run_cli(eval + " --context 15").status, 0);
   const CliResult segments = run_cli(eval + " --context 16");
   EXPECT_EQ(segments.status, 2) << segments.all();
-  EXPECT_EQ(segments.err, "rewind: error: --context 16 makes segments of 17 positions (BOS + bytes), past the "
-                          "model's max_position_embeddings (16); give --context at most 15\n");
+  EXPECT_EQ(segments.err, "rewind: error: evaluate_text: context 16 makes windows of 17 positions (1 before the text + "
+                          "16 bytes), past the model's max_position_embeddings (16); give a context of at most 15\n");
   const CliResult whole = run_cli(eval + " --context 0");
   EXPECT_EQ(whole.status, 2) << whole.all();
-  EXPECT_NE(whole.err.find("--context 0 makes the whole file (30 bytes) one segment of 31 positions"),
+  EXPECT_NE(whole.err.find("context 0 makes windows of 31 positions (1 before the text + 30 bytes)"),
             std::string::npos)
       << whole.all();
   const CliResult long_save = run_cli("snapshot save" + m + " -p abcdefghijklmnop --out " + snap);

@@ -156,6 +156,37 @@ TEST(Speculative, RejectsBadDraftLength) {
   EXPECT_THROW(speculative_generate(m, lookup, prompt, greedy_options(4), {65, false}), InvalidArgument);
 }
 
+// GenerationOptions is the one options type: the draft length and the tree
+// shape are its members, checked by validate() for every entry point (a
+// plain generate() refuses a bad speculation.num_draft as well), and the
+// forms taking them apart give the same tokens.
+TEST(Speculative, OptionsCarryTheDraftLengthAndTreeShape) {
+  const Model m = random_model(hybrid(kEveryKind), 1);
+  const auto prompt = prompt_tokens(m, "abcabcab");
+  GenerationOptions o = greedy_options(9);
+  o.speculation = {3, true};
+  o.tree = {2, 8, 3};
+  EXPECT_NO_THROW(validate(o));
+  LookupDraft a(2), b(2);
+  GenerationStats sa, sb;
+  EXPECT_EQ(speculative_generate(m, a, prompt, o, &sa), speculative_generate(m, b, prompt, greedy_options(9), {3, true}, &sb));
+  EXPECT_EQ(sa.drafted, sb.drafted);
+  EXPECT_EQ(sa.accepted_at, sb.accepted_at);
+  LookupTreeDraft ta(2), tb(2);
+  EXPECT_EQ(tree_speculative_generate(m, ta, prompt, o), tree_speculative_generate(m, tb, prompt, greedy_options(9), {2, 8, 3}));
+  EXPECT_EQ(tree_speculative_generate(m, ta, prompt, o), generate(m, prompt, o));
+  GenerationOptions bad = greedy_options(4);
+  bad.speculation.num_draft = 0;
+  EXPECT_THROW(validate(bad), InvalidArgument);
+  EXPECT_THROW(generate(m, prompt, bad), InvalidArgument);
+  bad = greedy_options(4);
+  bad.tree.width = 1;
+  EXPECT_THROW(generate(m, prompt, bad), InvalidArgument);
+  bad = greedy_options(4);
+  bad.max_batch = -1;
+  EXPECT_THROW(generate(m, prompt, bad), InvalidArgument);
+}
+
 TEST(Speculative, StopsAtEosAndBudgetLikeGreedy) {
   const Model m = random_model(hybrid(kEveryKind), 9);
   const auto prompt = prompt_tokens(m, "abc");
@@ -318,6 +349,29 @@ TEST(AcceptanceByPosition, ScriptedMistakeStopsEveryRoundThere) {
   // then one of 1 draft, right: 15 rounds.
   EXPECT_EQ(batch.sequences[1].drafted_at, (std::vector<std::int64_t>{15, 14, 14, 13}));
   EXPECT_EQ(batch.sequences[1].accepted_at, (std::vector<std::int64_t>{15, 0, 0, 0}));
+  // One serializer: each per_sequence entry is that sequence's own JSON line,
+  // with the keys (and drafted_at) of a single call's.
+  const nlohmann::json single = nlohmann::json::parse(stats.to_json());
+  const nlohmann::json batched = nlohmann::json::parse(batch.to_json());
+  ASSERT_EQ(batched.at("per_sequence").size(), 2u);
+  for (std::size_t i = 0; i < 2; ++i) {
+    const nlohmann::json& entry = batched.at("per_sequence")[i];
+    EXPECT_EQ(entry, nlohmann::json::parse(batch.sequences[i].to_json())) << i;
+    std::vector<std::string> keys, want;
+    for (const auto& [key, value] : entry.items()) keys.push_back(key);
+    for (const auto& [key, value] : single.items()) want.push_back(key);
+    EXPECT_EQ(keys, want) << i;
+  }
+  EXPECT_EQ(batched.at("per_sequence")[0].at("drafted_at"), single.at("drafted_at"));
+  // The batch's own line has every key of a single call's, over the batch:
+  // sums of the two sequences' counts (computed here from the figures above).
+  for (const auto& [key, value] : single.items()) EXPECT_TRUE(batched.contains(key)) << key;
+  const GenerationStats total = batch.total();
+  EXPECT_EQ(total.drafted, batch.sequences[0].drafted + batch.sequences[1].drafted);
+  EXPECT_EQ(total.accepted_at, (std::vector<std::int64_t>{10 + 15, 10 + 0, 0 + 0, 0 + 0}));
+  EXPECT_EQ(total.drafted_at, (std::vector<std::int64_t>{10 + 15, 10 + 14, 9 + 14, 9 + 13}));
+  EXPECT_EQ(batched.at("drafted_at"), nlohmann::json(total.drafted_at));
+  EXPECT_EQ(batched.at("sequences"), 2);
 }
 
 TEST(AcceptanceByPosition, CountsMatchAnIndependentCountForEverySource) {

@@ -50,6 +50,30 @@ std::vector<float> sampling_distribution(std::span<const float> logits, const Sa
 // Draws an index from `probs` (sums to ~1) with one uniform from `rng`.
 std::int32_t sample_from(std::span<const float> probs, std::mt19937_64& rng);
 
+// Draft lengths K the runtime accepts: [1, kMaxDraft].
+inline constexpr std::int64_t kMaxDraft = 64;
+// Throws InvalidArgument naming `what` unless 1 <= k <= kMaxDraft.
+void check_num_draft(std::int64_t k, const char* what);
+
+struct SpeculativeOptions {
+  std::int64_t num_draft = 4;  // K (the maximum when adaptive)
+  // Adapt K from the acceptance (transformers' heuristic): +2 after a round
+  // that accepted everything, -1 otherwise, within [1, num_draft].
+  bool adaptive = false;
+};
+
+// Shape of a draft tree: at most `width` children per node, `max_nodes`
+// nodes (the root, the pending token, included) and `depth` drafted tokens
+// on any path.
+struct TreeOptions {
+  std::int64_t width = 2;
+  std::int64_t max_nodes = 16;
+  std::int64_t depth = 4;
+};
+// Throws InvalidArgument naming the option unless 2 <= width <= 64,
+// 2 <= max_nodes <= 1024 and 1 <= depth <= kMaxDraft.
+void check_tree_options(const TreeOptions& options);
+
 // GenerationOptions::max_prefill_rows by default.
 inline constexpr std::int64_t kDefaultMaxPrefillRows = 2048;
 
@@ -83,7 +107,18 @@ struct GenerationOptions {
   // feeds in all (the prompt; speculative: all but its last token):
   // progress for a long prompt. Not called by the batched functions.
   std::function<void(std::int64_t done, std::int64_t total)> on_prefill;
+  // Chain speculative decoding (speculative_generate and its batched form):
+  // the draft length K and its adaptation.
+  SpeculativeOptions speculation;
+  // Tree speculation (tree_speculative_generate): the draft tree's shape.
+  TreeOptions tree;
 };
+
+// What every generation function checks first: throws InvalidArgument
+// naming the option for what validate(sampling) refuses, max_prefill_rows
+// < 1, max_batch < 0, speculation.num_draft outside [1, kMaxDraft] and
+// what check_tree_options(tree) refuses.
+void validate(const GenerationOptions& options);
 
 struct GenerationStats {
   std::int64_t new_tokens = 0;
@@ -135,7 +170,9 @@ struct GenerationStats {
   }
   // One JSON object on one line: every field above plus tokens_per_second,
   // decode_tokens_per_second, acceptance_rate and acceptance_at (the list
-  // of acceptance_at(i)); "seed" is null for greedy decoding.
+  // of acceptance_at(i)); "seed" is null for greedy decoding. The one
+  // serializer: each entry of BatchGenerationStats' per_sequence has the
+  // same keys, and time_to_first_token is "time_to_first_token_s".
   std::string to_json() const;
 };
 
@@ -199,9 +236,18 @@ struct BatchGenerationStats {
   // --prompts groups): the sum of each call's time after its last first
   // token. Empty: seconds minus the last first token's time.
   std::optional<double> decode_seconds;
-  // One line: sequences, new_tokens, forwards, max_batch, peak_batch,
-  // seconds, tokens_per_second, decode_tokens_per_second, prefix_hit_tokens,
-  // time_to_first_token_s (per sequence) and per_sequence.
+  // The batch as one GenerationStats: every sequence's counts summed
+  // (tokens, drafts and acceptances, per position too, rounds, rollbacks,
+  // prefix hits, cache time plus draft_cache_seconds), the call's seconds
+  // and batched forwards, time_to_first_token when the last sequence's first
+  // token came (0 when none), the cache bytes of the largest sequence, and
+  // sequence 0's seed and threads. Its decode_tokens_per_second() is one
+  // sequence's formula; the batch's own is decode_tokens_per_second() above.
+  GenerationStats total() const;
+  // One line: total()'s GenerationStats::to_json keys, with the batch's
+  // decode_tokens_per_second and time_to_first_token_s as the list of every
+  // sequence's; plus sequences (their number), max_batch, peak_batch and
+  // per_sequence (each sequence's GenerationStats::to_json object).
   std::string to_json() const;
 };
 
@@ -302,40 +348,23 @@ class RandomDraft : public DraftSource {
   std::mt19937_64 rng_;
 };
 
-// Draft lengths K the runtime accepts: [1, kMaxDraft].
-inline constexpr std::int64_t kMaxDraft = 64;
-// Throws InvalidArgument naming `what` unless 1 <= k <= kMaxDraft.
-void check_num_draft(std::int64_t k, const char* what);
 
-struct SpeculativeOptions {
-  std::int64_t num_draft = 4;  // K (the maximum when adaptive)
-  // Adapt K from the acceptance (transformers' heuristic): +2 after a round
-  // that accepted everything, -1 otherwise, within [1, num_draft].
-  bool adaptive = false;
-};
-
-// Speculative decoding. Throws InvalidArgument for an empty prompt or a
-// num_draft outside [1, kMaxDraft]. Same result contract as
+// Speculative decoding with options.speculation. Throws InvalidArgument for
+// an empty prompt and what validate() throws. Same result contract as
 // generate() (identical tokens in greedy mode).
 std::vector<std::int32_t> speculative_generate(const Model& target, DraftSource& draft,
                                                std::span<const std::int32_t> prompt,
-                                               const GenerationOptions& options,
-                                               const SpeculativeOptions& spec,
+                                               const GenerationOptions& options, GenerationStats* stats = nullptr);
+
+// Transitional: speculative_generate with options.speculation = spec, for
+// callers that still hold it apart (python/bind_runtime.cc, some tests).
+std::vector<std::int32_t> speculative_generate(const Model& target, DraftSource& draft,
+                                               std::span<const std::int32_t> prompt,
+                                               const GenerationOptions& options, const SpeculativeOptions& spec,
                                                GenerationStats* stats = nullptr);
 
 // ---- tree speculation (rewind/tree.h) ----
 
-// Shape of a draft tree: at most `width` children per node, `max_nodes`
-// nodes (the root, the pending token, included) and `depth` drafted tokens
-// on any path.
-struct TreeOptions {
-  std::int64_t width = 2;
-  std::int64_t max_nodes = 16;
-  std::int64_t depth = 4;
-};
-// Throws InvalidArgument naming the option unless 2 <= width <= 64,
-// 2 <= max_nodes <= 1024 and 1 <= depth <= kMaxDraft.
-void check_tree_options(const TreeOptions& options);
 
 // Proposes a draft tree each round: parents[0] = -1 and tokens[0] =
 // sequence.back() (the root, the pending token), then nodes whose parent
@@ -406,8 +435,15 @@ class ModelTreeDraft : public TreeDraftSource {
 // what is left, which is exactly a draw from the target's distribution (same
 // distribution as generate(), other random streams). The path walked is
 // kept (TreeForward::commit) and one more token emitted. The target cache
-// needs no rollback (a tree adds only the kept path). Throws InvalidArgument
-// for an empty prompt, what validate() and check_tree_options throw.
+// needs no rollback (a tree adds only the kept path). The tree's shape is
+// options.tree. Throws InvalidArgument for an empty prompt and what
+// validate() throws.
+std::vector<std::int32_t> tree_speculative_generate(const Model& target, TreeDraftSource& draft,
+                                                    std::span<const std::int32_t> prompt,
+                                                    const GenerationOptions& options,
+                                                    GenerationStats* stats = nullptr);
+
+// Transitional: tree_speculative_generate with options.tree = tree.
 std::vector<std::int32_t> tree_speculative_generate(const Model& target, TreeDraftSource& draft,
                                                     std::span<const std::int32_t> prompt,
                                                     const GenerationOptions& options, const TreeOptions& tree,
@@ -491,8 +527,14 @@ class BatchedModelDraft : public BatchDraftSource {
 // speculative_generate()'s for its prompt alone with the same options, the
 // sampling seed raised by i, and an equivalent draft source (greedy: equal
 // to generate()'s).
-// options.on_token is not called. Throws InvalidArgument for an empty list
-// or an empty prompt, and what speculative_generate throws.
+// options.on_token is not called; K is options.speculation. Throws
+// InvalidArgument for an empty list or an empty prompt, and what
+// speculative_generate throws.
+std::vector<std::vector<std::int32_t>> speculative_generate_batch(
+    const Model& target, BatchDraftSource& drafts, std::span<const std::vector<std::int32_t>> prompts,
+    const GenerationOptions& options, BatchGenerationStats* stats = nullptr);
+
+// Transitional: speculative_generate_batch with options.speculation = spec.
 std::vector<std::vector<std::int32_t>> speculative_generate_batch(
     const Model& target, BatchDraftSource& drafts, std::span<const std::vector<std::int32_t>> prompts,
     const GenerationOptions& options, const SpeculativeOptions& spec, BatchGenerationStats* stats = nullptr);

@@ -1,0 +1,326 @@
+// runtime/generation/speculative.cc: chain speculative decoding, one sequence or a
+// batch.
+#include "runtime/generate.h"
+
+#include <algorithm>
+
+#include "internal.h"
+#include "rewind/error.h"
+#include "runtime/kernels.h"
+
+namespace rwd::runtime {
+
+using namespace generation;
+
+void check_num_draft(std::int64_t k, const char* what) {
+  if (k < 1 || k > kMaxDraft) {
+    throw InvalidArgument(std::string(what) + " must be in [1, " + std::to_string(kMaxDraft) + "], got " +
+                          std::to_string(k));
+  }
+}
+
+namespace {
+
+// One sequence under speculative decoding: what it has emitted, its own
+// random stream and draft length, and its statistics. The pieces below each
+// do one job of a round; speculative_generate and its batched form chain
+// them around their forwards.
+struct SpecSequence {
+  std::vector<std::int32_t> sequence;  // prompt + emitted; the last token is pending
+  std::vector<std::int32_t> out;
+  std::mt19937_64 rng;
+  std::int64_t k_now = 0;
+  bool running = true;
+  GenerationStats stats;
+  // The round in flight.
+  std::vector<std::int32_t> drafts;
+  std::vector<std::vector<float>> q;  // draft distributions (sampling mode)
+  std::int64_t k = 0;                 // draft length asked for this round
+};
+
+// `seed_offset`: sequence i of a batch draws from seed + i.
+SpecSequence start_spec(std::span<const std::int32_t> prompt, const GenerationOptions& options,
+                        const SpeculativeOptions& spec, std::uint64_t seed_offset = 0) {
+  SpecSequence s;
+  s.sequence.assign(prompt.begin(), prompt.end());
+  s.rng.seed(options.sampling.seed + seed_offset);
+  s.k_now = spec.num_draft;
+  s.running = options.max_new_tokens > 0;
+  s.stats = start_stats(prompt, options.sampling);
+  return s;
+}
+
+// Sets this round's draft length (a round emits accepted + 1 tokens, so at
+// most the budget - 1) and clears the last round's drafts.
+void plan_round(SpecSequence& s, const GenerationOptions& options) {
+  const std::int64_t budget = options.max_new_tokens - static_cast<std::int64_t>(s.out.size());
+  s.k = std::min(s.k_now, budget - 1);
+  s.q.clear();
+  s.drafts.clear();
+}
+
+// The verify tokens once the drafts are in: the pending token, then the
+// drafts (a source that proposed more than k is cut to k).
+std::vector<std::int32_t> verify_tokens(SpecSequence& s) {
+  if (static_cast<std::int64_t>(s.drafts.size()) > s.k) s.drafts.resize(static_cast<std::size_t>(std::max<std::int64_t>(s.k, 0)));
+  std::vector<std::int32_t> verify;
+  verify.reserve(s.drafts.size() + 1);
+  verify.push_back(s.sequence.back());
+  verify.insert(verify.end(), s.drafts.begin(), s.drafts.end());
+  return verify;
+}
+
+// The tokens this round emits from the verify forward's logits ([kd + 1,
+// V]): the accepted drafts and one more. Greedy: the longest prefix the
+// target's argmax agrees with. Sampling: accept draft d with probability
+// min(1, p(d) / q(d)); on rejection draw from the residual max(0, p - q),
+// renormalised (a deterministic draft has q = one-hot).
+std::vector<std::int32_t> accept_round(SpecSequence& s, std::span<const float> logits, std::int64_t V,
+                                       const SamplingParams& sampling, std::int64_t& accepted) {
+  auto row = [&](std::int64_t j) { return logits.subspan(static_cast<std::size_t>(j * V), static_cast<std::size_t>(V)); };
+  const auto kd = static_cast<std::int64_t>(s.drafts.size());
+  std::vector<std::int32_t> emitted;
+  accepted = 0;
+  if (sampling.greedy()) {
+    while (accepted < kd && kernels::argmax(row(accepted).data(), V) == s.drafts[static_cast<std::size_t>(accepted)]) {
+      ++accepted;
+    }
+    emitted.assign(s.drafts.begin(), s.drafts.begin() + accepted);
+    emitted.push_back(static_cast<std::int32_t>(kernels::argmax(row(accepted).data(), V)));
+    return emitted;
+  }
+  for (std::int64_t j = 0; j < kd; ++j) {
+    const std::vector<float> p = sampling_distribution(row(j), sampling);
+    const auto d = static_cast<std::size_t>(s.drafts[static_cast<std::size_t>(j)]);
+    const bool has_q = static_cast<std::size_t>(j) < s.q.size();
+    const double qd = has_q ? s.q[static_cast<std::size_t>(j)][d] : 1.0;
+    if (qd > 0.0 && uniform01(s.rng) < std::min(1.0, static_cast<double>(p[d]) / qd)) {
+      emitted.push_back(static_cast<std::int32_t>(d));
+      ++accepted;
+      continue;
+    }
+    std::vector<float> residual(p.size());
+    double total = 0.0;
+    for (std::size_t t = 0; t < p.size(); ++t) {
+      const double qt = has_q ? s.q[static_cast<std::size_t>(j)][t] : (t == d ? 1.0 : 0.0);
+      residual[t] = static_cast<float>(std::max(0.0, static_cast<double>(p[t]) - qt));
+      total += residual[t];
+    }
+    if (total > 0.0) {
+      for (float& r : residual) r = static_cast<float>(r / total);
+      emitted.push_back(sample_from(residual, s.rng));
+    } else {
+      emitted.push_back(sample_from(p, s.rng));
+    }
+    return emitted;
+  }
+  emitted.push_back(sample_from(sampling_distribution(row(kd), sampling), s.rng));
+  return emitted;
+}
+
+// After the target's crop and the draft's accept: counts the round, emits
+// the tokens (stopping at EOS / the budget) and adapts K.
+void finish_round(SpecSequence& s, const Model& target, const GenerationOptions& options,
+                  const SpeculativeOptions& spec, std::int64_t accepted, const std::vector<std::int32_t>& emitted,
+                  Clock::time_point t0) {
+  const auto kd = static_cast<std::int64_t>(s.drafts.size());
+  if (kd - accepted > 0) ++s.stats.rollbacks;
+  ++s.stats.rounds;
+  s.stats.drafted += kd;
+  s.stats.accepted += accepted;
+  if (static_cast<std::int64_t>(s.stats.drafted_at.size()) < kd) {
+    s.stats.drafted_at.resize(static_cast<std::size_t>(kd), 0);
+    s.stats.accepted_at.resize(static_cast<std::size_t>(kd), 0);
+  }
+  for (std::int64_t i = 0; i < kd; ++i) ++s.stats.drafted_at[static_cast<std::size_t>(i)];
+  for (std::int64_t i = 0; i < accepted; ++i) ++s.stats.accepted_at[static_cast<std::size_t>(i)];
+  for (std::int32_t token : emitted) {
+    s.sequence.push_back(token);
+    if (!emit(token, target, options, s.out, t0, s.stats)) {
+      s.running = false;
+      break;
+    }
+  }
+  if (spec.adaptive && kd > 0) {
+    s.k_now = accepted == kd ? std::min(s.k_now + 2, spec.num_draft) : std::max<std::int64_t>(s.k_now - 1, 1);
+  }
+}
+
+}  // namespace
+
+std::vector<std::int32_t> speculative_generate(const Model& target, DraftSource& draft,
+                                               std::span<const std::int32_t> prompt,
+                                               const GenerationOptions& options, GenerationStats* stats) {
+  validate(options);
+  check_prompt(prompt);
+  const SpeculativeOptions& spec = options.speculation;
+  const auto t0 = Clock::now();
+  const std::int64_t V = target.vocab_size();
+  SpecSequence s = start_spec(prompt, options, spec);
+  Cache cache = target.make_cache();
+  cache.activate_past_recording(spec.num_draft);  // a round rolls back at most K tokens
+  std::vector<float> logits;
+  draft.begin(prompt);
+  // The target sees every token but the last one; that "pending" token
+  // leads each verify forward.
+  if (prompt.size() > 1 && s.running) {
+    s.stats.prefix_hit_tokens = prefill(target, prompt.first(prompt.size() - 1), cache, logits, options.prefix_cache,
+                                        s.stats, options.max_prefill_rows, options.on_prefill);
+  }
+  while (s.running) {
+    plan_round(s, options);
+    if (s.k > 0) s.drafts = draft.propose(s.sequence, s.k, options.sampling.greedy() ? nullptr : &s.q);
+    const std::vector<std::int32_t> verify = verify_tokens(s);
+    target.forward(verify, cache, logits, true, &s.stats.cache_seconds);
+    ++s.stats.forwards;
+    std::int64_t accepted = 0;
+    const std::vector<std::int32_t> emitted = accept_round(s, logits, V, options.sampling, accepted);
+    // Remove the rejected drafts from every layer (crop(0) when none were).
+    const auto tc = Clock::now();
+    cache.crop(-(static_cast<std::int64_t>(s.drafts.size()) - accepted));
+    s.stats.cache_seconds += seconds_since(tc);
+    if (s.k > 0) draft.accept(static_cast<std::int64_t>(s.drafts.size()), accepted);
+    finish_round(s, target, options, spec, accepted, emitted, t0);
+    s.stats.peak_cache_bytes = std::max(s.stats.peak_cache_bytes, cache.memory().bytes_reserved + draft.cache_bytes());
+  }
+  s.stats.cache_seconds += draft.cache_seconds();
+  s.stats.new_tokens = static_cast<std::int64_t>(s.out.size());
+  s.stats.seconds = seconds_since(t0);
+  if (stats) *stats = s.stats;
+  return s.out;
+}
+
+std::vector<std::vector<std::int32_t>> speculative_generate_batch(
+    const Model& target, BatchDraftSource& drafts, std::span<const std::vector<std::int32_t>> prompts,
+    const GenerationOptions& options, BatchGenerationStats* stats) {
+  validate(options);
+  if (prompts.empty()) throw InvalidArgument("speculative_generate_batch needs at least one prompt");
+  for (const auto& prompt : prompts) check_prompt(prompt);
+  const SpeculativeOptions& spec = options.speculation;
+  const auto t0 = Clock::now();
+  GenerationOptions quiet = options;
+  quiet.on_token = nullptr;
+  const std::int64_t V = target.vocab_size();
+  const std::size_t n = prompts.size();
+  std::vector<SpecSequence> seqs;
+  for (std::size_t i = 0; i < n; ++i) seqs.push_back(start_spec(prompts[i], quiet, spec, i));
+  SequenceCache cache = target.make_sequence_cache();
+  std::vector<SeqId> ids(n);
+  drafts.begin(prompts);
+  BatchGenerationStats local;
+  std::vector<float> logits;
+  std::vector<SequenceTokens> batch;
+  std::vector<std::vector<std::int32_t>> verify(n);
+  // A sequence that joins first feeds its prompt but the pending last token
+  // (its "prefill"), in the same forwards as the others' verification, at
+  // most max_prefill_rows prompt tokens of all joining sequences a forward.
+  std::vector<bool> prefilled(n, false);
+  std::vector<std::size_t> prompt_fed(n, 0);  // of a sequence not yet prefilled
+  Admission admission(n, options);
+  local.max_batch = static_cast<std::int64_t>(admission.limit());
+  std::vector<std::size_t> active;
+  while (true) {
+    for (std::size_t i : admission.admit(active.size())) {
+      ids[i] = cache.add_sequence();
+      cache.activate_past_recording(ids[i], spec.num_draft);  // a round rolls back at most K tokens
+      prefilled[i] = prompts[i].size() < 2;
+      if (options.prefix_cache && !prefilled[i]) {
+        ids[i] = prefill_sequence(target, cache, ids[i], std::span(prompts[i]).first(prompts[i].size() - 1),
+                                  *options.prefix_cache, spec.num_draft, options.max_prefill_rows, seqs[i].stats);
+        prefilled[i] = true;
+      }
+      active.push_back(i);
+    }
+    if (active.empty()) break;
+    local.peak_batch = std::max(local.peak_batch, static_cast<std::int64_t>(active.size()));
+    // Every prefilled sequence's drafts (one request each), then one forward
+    // verifies them all.
+    std::vector<BatchDraftSource::Request> requests;
+    for (std::size_t i : active) {
+      if (!prefilled[i]) continue;
+      SpecSequence& s = seqs[i];
+      plan_round(s, quiet);
+      if (s.k > 0) requests.push_back({i, s.sequence, s.k, &s.drafts, options.sampling.greedy() ? nullptr : &s.q});
+    }
+    if (!requests.empty()) drafts.propose(requests);
+    batch.clear();
+    std::int64_t prompt_rows = options.max_prefill_rows;
+    for (std::size_t i : active) {
+      if (prefilled[i]) {
+        verify[i] = verify_tokens(seqs[i]);
+      } else {
+        const std::size_t rest = prompts[i].size() - 1 - prompt_fed[i];
+        const auto take = static_cast<std::size_t>(std::min<std::int64_t>(static_cast<std::int64_t>(rest), prompt_rows));
+        prompt_rows -= static_cast<std::int64_t>(take);
+        const auto from = prompts[i].begin() + static_cast<std::ptrdiff_t>(prompt_fed[i]);
+        verify[i].assign(from, from + static_cast<std::ptrdiff_t>(take));
+      }
+      // A prompt's logits are not read: its pending token verifies next round.
+      batch.push_back({ids[i], verify[i], prefilled[i] ? LogitRows::kAll : LogitRows::kNone});
+      if (!verify[i].empty()) ++seqs[i].stats.forwards;
+    }
+    target.forward_batch(batch, cache, logits);
+    ++local.forwards;
+    std::size_t row = 0;
+    std::vector<std::size_t> still;
+    for (std::size_t i : active) {
+      SpecSequence& s = seqs[i];
+      if (!prefilled[i]) {  // no rows of logits
+        prompt_fed[i] += verify[i].size();
+        prefilled[i] = prompt_fed[i] == prompts[i].size() - 1;
+        still.push_back(i);
+        continue;
+      }
+      const std::span<const float> rows(logits.data() + row * static_cast<std::size_t>(V), verify[i].size() * static_cast<std::size_t>(V));
+      row += verify[i].size();
+      std::int64_t accepted = 0;
+      const std::vector<std::int32_t> emitted = accept_round(s, rows, V, options.sampling, accepted);
+      const auto tc = Clock::now();
+      cache.crop(ids[i], -(static_cast<std::int64_t>(s.drafts.size()) - accepted));  // this sequence only
+      s.stats.cache_seconds += seconds_since(tc);
+      if (s.k > 0) drafts.accept(i, static_cast<std::int64_t>(s.drafts.size()), accepted);
+      finish_round(s, target, quiet, spec, accepted, emitted, t0);
+      if (s.running) {
+        still.push_back(i);
+      } else {
+        s.stats.seconds = seconds_since(t0);
+        cache.seq_rm(ids[i]);
+        drafts.finish(i);
+      }
+    }
+    active = std::move(still);
+  }
+  for (std::size_t i = 0; i < n; ++i) {
+    SpecSequence& s = seqs[i];
+    s.stats.new_tokens = static_cast<std::int64_t>(s.out.size());
+    local.new_tokens += s.stats.new_tokens;
+    local.sequences.push_back(s.stats);
+  }
+  local.seconds = seconds_since(t0);
+  local.draft_cache_seconds = drafts.cache_seconds();
+  std::vector<std::vector<std::int32_t>> out;
+  for (auto& s : seqs) out.push_back(std::move(s.out));
+  if (stats) *stats = std::move(local);
+  return out;
+}
+
+// ---- tree speculation ------------------------------------------------------------
+
+std::vector<std::int32_t> speculative_generate(const Model& target, DraftSource& draft,
+                                               std::span<const std::int32_t> prompt,
+                                               const GenerationOptions& options, const SpeculativeOptions& spec,
+                                               GenerationStats* stats) {
+  GenerationOptions with = options;
+  with.speculation = spec;
+  return speculative_generate(target, draft, prompt, with, stats);
+}
+
+std::vector<std::vector<std::int32_t>> speculative_generate_batch(
+    const Model& target, BatchDraftSource& drafts, std::span<const std::vector<std::int32_t>> prompts,
+    const GenerationOptions& options, const SpeculativeOptions& spec, BatchGenerationStats* stats) {
+  GenerationOptions with = options;
+  with.speculation = spec;
+  return speculative_generate_batch(target, drafts, prompts, with, stats);
+}
+
+}  // namespace rwd::runtime

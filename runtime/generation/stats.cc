@@ -1,0 +1,112 @@
+// runtime/generation/stats.cc: the statistics' JSON lines.
+#include "runtime/generate.h"
+
+#include <algorithm>
+
+#include <nlohmann/json.hpp>
+
+#include "internal.h"
+
+namespace rwd::runtime {
+
+using namespace generation;
+
+namespace {
+
+// The one serializer of a GenerationStats: a single call's --stats line and
+// each entry of a batch's per_sequence list have these keys.
+nlohmann::json stats_object(const GenerationStats& s) {
+  nlohmann::json j;
+  j["new_tokens"] = s.new_tokens;
+  j["prompt_tokens"] = s.prompt_tokens;
+  j["seconds"] = s.seconds;
+  j["time_to_first_token_s"] = s.time_to_first_token;
+  j["tokens_per_second"] = s.tokens_per_second();
+  j["decode_tokens_per_second"] = s.decode_tokens_per_second();
+  j["drafted"] = s.drafted;
+  j["accepted"] = s.accepted;
+  j["acceptance_rate"] = s.acceptance_rate();
+  j["drafted_at"] = s.drafted_at;
+  j["accepted_at"] = s.accepted_at;
+  nlohmann::json by_position = nlohmann::json::array();
+  for (std::size_t i = 0; i < s.drafted_at.size(); ++i) by_position.push_back(s.acceptance_at(i));
+  j["acceptance_at"] = by_position;
+  j["rollbacks"] = s.rollbacks;
+  j["rounds"] = s.rounds;
+  j["forwards"] = s.forwards;
+  j["cache_seconds"] = s.cache_seconds;
+  j["peak_cache_bytes"] = s.peak_cache_bytes;
+  j["prefix_hit_tokens"] = s.prefix_hit_tokens;
+  j["seed"] = s.seed ? nlohmann::json(*s.seed) : nlohmann::json(nullptr);
+  j["threads"] = s.threads;
+  return j;
+}
+
+}  // namespace
+
+std::string GenerationStats::to_json() const { return stats_object(*this).dump(); }
+
+double BatchGenerationStats::decode_tokens_per_second() const {
+  double last_first = 0.0;
+  std::int64_t after_first = 0;
+  for (const GenerationStats& s : sequences) {
+    if (s.new_tokens < 1) continue;
+    last_first = std::max(last_first, s.time_to_first_token);
+    after_first += s.new_tokens - 1;
+  }
+  const double t = decode_seconds ? *decode_seconds : seconds - last_first;
+  return after_first > 0 && t > 0 ? static_cast<double>(after_first) / t : 0.0;
+}
+
+GenerationStats BatchGenerationStats::total() const {
+  GenerationStats t;
+  if (!sequences.empty()) {
+    t.seed = sequences.front().seed;
+    t.threads = sequences.front().threads;
+  }
+  for (const GenerationStats& s : sequences) {
+    t.prompt_tokens += s.prompt_tokens;
+    if (s.new_tokens > 0) t.time_to_first_token = std::max(t.time_to_first_token, s.time_to_first_token);
+    t.rounds += s.rounds;
+    t.drafted += s.drafted;
+    t.accepted += s.accepted;
+    t.drafted_at.resize(std::max(t.drafted_at.size(), s.drafted_at.size()), 0);
+    t.accepted_at.resize(t.drafted_at.size(), 0);
+    for (std::size_t i = 0; i < s.drafted_at.size(); ++i) {
+      t.drafted_at[i] += s.drafted_at[i];
+      t.accepted_at[i] += s.accepted_at[i];
+    }
+    t.rollbacks += s.rollbacks;
+    t.cache_seconds += s.cache_seconds;
+    t.peak_cache_bytes = std::max(t.peak_cache_bytes, s.peak_cache_bytes);
+    t.prefix_hit_tokens += s.prefix_hit_tokens;
+  }
+  t.cache_seconds += draft_cache_seconds;
+  t.new_tokens = new_tokens;
+  t.forwards = forwards;
+  t.seconds = seconds;
+  return t;
+}
+
+std::string BatchGenerationStats::to_json() const {
+  nlohmann::json j = stats_object(total());
+  j["decode_tokens_per_second"] = decode_tokens_per_second();
+  nlohmann::json ttft = nlohmann::json::array(), per_sequence = nlohmann::json::array();
+  for (const GenerationStats& s : sequences) {
+    ttft.push_back(s.time_to_first_token);
+    per_sequence.push_back(stats_object(s));
+  }
+  j["time_to_first_token_s"] = ttft;
+  j["sequences"] = sequences.size();
+  j["max_batch"] = max_batch;
+  j["peak_batch"] = peak_batch;
+  j["per_sequence"] = per_sequence;
+  return j.dump();
+}
+
+std::string indexed_text_json(std::size_t index, const std::string& text) {
+  const nlohmann::json line{{"index", index}, {"text", text}};
+  return line.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace);
+}
+
+}  // namespace rwd::runtime

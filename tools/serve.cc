@@ -1,0 +1,106 @@
+// rewind serve: the OpenAI-compatible HTTP server (server/server.h,
+// docs/server.md) until SIGTERM or SIGINT, which drain the requests under
+// way and exit 0.
+#include <csignal>
+#include <cstdio>
+#include <cstdlib>
+#include <limits>
+#include <memory>
+#include <optional>
+#include <string>
+
+#include <pthread.h>
+
+#include "common.h"
+#include "rewind/error.h"
+
+#ifdef REWIND_HAVE_SERVER
+#include "server/server.h"
+#endif
+
+namespace rwd::cli {
+namespace {
+
+struct ServeFlags {
+  std::string model_dir;
+  std::string model_name;
+  std::string host = "127.0.0.1";
+  int port = 8080;
+  std::int64_t max_batch = 8;
+  int http_threads = 16;
+  std::int64_t max_body = 1 << 20;
+  std::int64_t queue_limit = 256;
+  std::optional<std::int64_t> ctx_size;
+};
+
+#ifdef REWIND_HAVE_SERVER
+int run_serve(const ServeFlags& f, const std::optional<int>& threads) {
+  server::ServerOptions o;
+  o.model_dir = f.model_dir;
+  o.model_name = f.model_name;
+  o.host = f.host;
+  o.port = f.port;
+  o.max_batch = f.max_batch;
+  o.http_threads = f.http_threads;
+  o.max_body_bytes = static_cast<std::size_t>(f.max_body);
+  o.queue_limit = f.queue_limit;
+  o.context = f.ctx_size.value_or(0);
+  // The decode loop runs on a thread of its own, which does not inherit
+  // main's omp_set_num_threads: the CLI's thread rule is passed explicitly.
+  const char* env = std::getenv("OMP_NUM_THREADS");
+  o.threads = threads ? *threads : (env != nullptr && *env != '\0') ? 0 : 1;
+  server::Server server(o);
+  // Blocked before any thread starts, so that every thread inherits the mask
+  // and the signals wait for sigwait below.
+  sigset_t stop_signals;
+  sigemptyset(&stop_signals);
+  sigaddset(&stop_signals, SIGTERM);
+  sigaddset(&stop_signals, SIGINT);
+  pthread_sigmask(SIG_BLOCK, &stop_signals, nullptr);
+  const int port = server.start();
+  std::fprintf(stderr, "rewind serve: model %s on http://%s:%d (max batch %lld)\n", server.model_name().c_str(),
+               f.host.c_str(), port, static_cast<long long>(f.max_batch));
+  std::fflush(stderr);
+  int sig = 0;
+  sigwait(&stop_signals, &sig);
+  std::fprintf(stderr, "rewind serve: %s, draining the requests under way\n", sig == SIGTERM ? "SIGTERM" : "SIGINT");
+  std::fflush(stderr);
+  server.stop();
+  return 0;
+}
+#else
+int run_serve(const ServeFlags&, const std::optional<int>&) {
+  throw InvalidArgument(
+      "this rewind was built without the HTTP server (it needs cpp-httplib: apt-get install libcpp-httplib-dev, "
+      "then configure again with -DREWIND_BUILD_SERVER=ON)");
+}
+#endif
+
+}  // namespace
+
+Command add_serve_command(CLI::App& app, SharedFlags& shared) {
+  auto flags = std::make_shared<ServeFlags>();
+  ServeFlags& f = *flags;
+  auto* cmd = app.add_subcommand("serve", "an OpenAI-compatible HTTP server (/v1/completions, streaming)");
+  add_model_option(cmd, f.model_dir);
+  cmd->add_option("--model-name", f.model_name,
+                  "the model id /v1/models reports and requests name (default: the model directory's name)");
+  cmd->add_option("--host", f.host, "address to listen on (0.0.0.0: every interface)");
+  cmd->add_option("--port", f.port, "port to listen on (0: a free one, printed at start)")->check(integer_in(0, 65535));
+  cmd->add_option("--max-batch", f.max_batch, "sequences decoding at once; later requests wait and join")
+      ->check(integer_in(1, 4096));
+  add_threads_option(cmd, shared.threads);
+  cmd->add_option("--http-threads", f.http_threads, "threads serving connections (a streaming client holds one)")
+      ->check(integer_in(1, 4096));
+  cmd->add_option("--max-body-size", f.max_body, "largest request body in bytes (larger: 413)")
+      ->check(integer_in(1, std::int64_t{1} << 32));
+  cmd->add_option("--queue-limit", f.queue_limit, "requests waiting for the batch past which new ones get 429")
+      ->check(integer_in(1, std::int64_t{1} << 30));
+  cmd->add_option("-c,--ctx-size", f.ctx_size,
+                  "positions a request may use (prompt + max_tokens); default the model's "
+                  "max_position_embeddings, 4096 when its config names none")
+      ->check(integer_in(1, std::int64_t{1} << 40));
+  return {cmd, [flags, &shared] { return run_serve(*flags, shared.threads); }};
+}
+
+}  // namespace rwd::cli
