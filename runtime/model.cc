@@ -256,6 +256,7 @@ Model::LayerWeights Model::Packer::layer(std::int64_t i) {
 Model::Model(ModelWeights weights) : weights_(std::move(weights)) {
   const ModelConfig& c = weights_.config();
   rope_cache_ = std::make_unique<kernels::RopeCache>(c.rope_theta, c.rope_dim());
+  if (c.llama3_rope.factor > 0.0) scaled_inv_freq_ = rope_inv_freq(c);
   for (const auto& name : weights_.names()) parameter_count_ += weights_.get(name).numel();
   fingerprint_ = fingerprint_of(weights_);  // before packing releases the originals
   Packer packer(*this);
@@ -415,6 +416,26 @@ class Model::ScratchLease {
 };
 
 // ---- the math of each block that does not touch the cache ---------------------------
+
+kernels::RopeTable Model::rope_table(const std::int64_t* positions, std::int64_t rows) const {
+  if (scaled_inv_freq_.empty()) return kernels::RopeTable(positions, rows, *rope_cache_);
+  // kernels::RopeTable derives its frequencies from theta alone, so a table
+  // of the right shape is built and its rows (vectors the non-const table
+  // owns) are rewritten with the angles of the scaled frequencies.
+  const auto half = static_cast<std::int64_t>(scaled_inv_freq_.size());
+  kernels::RopeTable table(positions, rows, config().rope_theta, 2 * half);
+  for (std::int64_t r = 0; r < rows; ++r) {
+    auto* cos_row = const_cast<float*>(table.cos(r));
+    auto* sin_row = const_cast<float*>(table.sin(r));
+    const auto pos = static_cast<double>(positions[r]);
+    for (std::int64_t j = 0; j < half; ++j) {
+      const double angle = pos * scaled_inv_freq_[static_cast<std::size_t>(j)];
+      cos_row[j] = static_cast<float>(std::cos(angle));
+      sin_row[j] = static_cast<float>(std::sin(angle));
+    }
+  }
+  return table;
+}
 
 void Model::attention_in(const LayerWeights& w, const float* h, std::int64_t n, const kernels::RopeTable& rope,
                          AttentionRows& r) const {
@@ -604,7 +625,7 @@ void Model::run_layers(std::span<const std::int32_t> tokens, CacheRows& cache, S
   for (std::int64_t t = 0; t < n; ++t) embed_row(tokens[static_cast<std::size_t>(t)], x.data() + t * d);
   // One table of RoPE angles for the rows' positions, shared by every
   // attention layer.
-  const k::RopeTable rope(cache.positions().data(), has_attention_ ? n : 0, *rope_cache_);
+  const k::RopeTable rope = rope_table(cache.positions().data(), has_attention_ ? n : 0);
   for (std::size_t i = 0; i < layers_.size(); ++i) {
     const LayerWeights& w = layers_[i];
     k::rms_norm(x.data(), w.input_norm, n, d, c.rms_norm_eps, h.data());

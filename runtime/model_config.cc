@@ -6,7 +6,9 @@
 #include <cstring>
 #include <fstream>
 #include <limits>
+#include <numbers>
 #include <sstream>
+#include <utility>
 
 #include <nlohmann/json.hpp>
 
@@ -38,8 +40,13 @@ const char* json_type(const json& v) {
 // and the key.
 class KeyReader {
  public:
-  KeyReader(const json& doc, const std::string& source, std::string key_prefix = "")
-      : doc_(doc), source_(source), key_prefix_(std::move(key_prefix)) {}
+  KeyReader(const json& doc, const std::string& source, std::string key_prefix = "", std::string family = "")
+      : doc_(doc), source_(source), key_prefix_(std::move(key_prefix)), family_(std::move(family)) {}
+
+  // Names the family in messages about missing keys (" (model_type
+  // 'llama')"): which family's keys are required says why the key is.
+  void set_family(std::string family) { family_ = std::move(family); }
+  const std::string& family() const { return family_; }
 
   // 'key' as messages quote it ('text_config.key' inside a nested config).
   std::string q(const char* key) const { return "'" + key_prefix_ + key + "'"; }
@@ -59,7 +66,7 @@ class KeyReader {
   const json& require(const char* key, const std::string& why = "") const {
     const json* v = find(key);
     if (v == nullptr) {
-      fail("missing required key " + q(key) + (why.empty() ? "" : " " + why));
+      fail("missing required key " + q(key) + (why.empty() ? "" : " " + why) + family_);
     }
     return *v;
   }
@@ -140,6 +147,7 @@ class KeyReader {
   const json& doc_;
   const std::string& source_;
   std::string key_prefix_;
+  std::string family_;
 };
 
 DType parse_torch_dtype(const KeyReader& r, const char* key, const json& v) {
@@ -194,8 +202,37 @@ const char* model_family_name(ModelFamily family) {
     case ModelFamily::Lfm2: return "lfm2";
     case ModelFamily::Qwen3_5: return "qwen3_5";
     case ModelFamily::Qwen3Next: return "qwen3_next";
+    case ModelFamily::Qwen3: return "qwen3";
+    case ModelFamily::Llama: return "llama";
   }
   return "rewind_hybrid";
+}
+
+std::vector<double> rope_inv_freq(const ModelConfig& c) {
+  const std::int64_t dim = c.rope_dim();
+  std::vector<double> inv_freq(static_cast<std::size_t>(dim / 2));
+  for (std::size_t j = 0; j < inv_freq.size(); ++j) {
+    inv_freq[j] = std::pow(c.rope_theta, -2.0 * static_cast<double>(j) / static_cast<double>(dim));
+  }
+  const ModelConfig::Llama3Rope& s = c.llama3_rope;
+  if (!(s.factor > 0.0)) return inv_freq;
+  // Wavelengths (positions per turn) against the pretraining context: short
+  // ones keep their frequency, long ones are slowed by `factor`, and the
+  // band between blends the two linearly in context / wavelength.
+  const double context = static_cast<double>(s.original_max_positions);
+  const double slow_above = context / s.low_freq_factor;
+  const double keep_below = context / s.high_freq_factor;
+  for (double& f : inv_freq) {
+    const double wavelength = 2.0 * std::numbers::pi / f;
+    if (wavelength < keep_below) continue;
+    if (wavelength > slow_above) {
+      f /= s.factor;
+      continue;
+    }
+    const double smooth = (context / wavelength - s.low_freq_factor) / (s.high_freq_factor - s.low_freq_factor);
+    f = (1.0 - smooth) * f / s.factor + smooth * f;
+  }
+  return inv_freq;
 }
 
 namespace {
@@ -344,11 +381,45 @@ void read_conv_kernel(const KeyReader& r, ModelConfig& c, std::int64_t default_k
   }
 }
 
+// Which rope_type values of rope_parameters / rope_scaling a family accepts.
+enum class RopeTypes {
+  Unchecked,     // rewind's layout: the keys are not read
+  DefaultOnly,   // only the default (unscaled) RoPE
+  DefaultOrLlama3,
+};
+
+// Llama 3's rope_type "llama3" parameters out of the object under `key`.
+void read_llama3_rope(const KeyReader& r, ModelConfig& c, const char* key, const json& p) {
+  const std::string where = std::string(key) + ".";
+  auto number = [&](const char* name) {
+    const std::string full = where + name;
+    if (!p.contains(name) || p[name].is_null()) {
+      r.fail("missing required key " + r.q(full.c_str()) + " (rope_type \"llama3\")" + r.family());
+    }
+    return r.positive_number(full.c_str(), p[name]);
+  };
+  ModelConfig::Llama3Rope s;
+  s.factor = number("factor");
+  s.low_freq_factor = number("low_freq_factor");
+  s.high_freq_factor = number("high_freq_factor");
+  const std::string omp = where + "original_max_position_embeddings";
+  if (!p.contains("original_max_position_embeddings") || p["original_max_position_embeddings"].is_null()) {
+    r.fail("missing required key " + r.q(omp.c_str()) + " (rope_type \"llama3\")" + r.family());
+  }
+  s.original_max_positions = r.integer(omp.c_str(), p["original_max_position_embeddings"], 1, kMaxPositions);
+  if (!(s.high_freq_factor > s.low_freq_factor)) {
+    r.fail(r.q((where + "high_freq_factor").c_str()) + " (" + std::to_string(s.high_freq_factor) +
+           ") must be greater than " + r.q((where + "low_freq_factor").c_str()) + " (" +
+           std::to_string(s.low_freq_factor) + ")");
+  }
+  c.llama3_rope = s;
+}
+
 // RoPE: theta at the top level or (transformers >= 4.56) in
-// rope_parameters, c.rope_theta when neither names one. With
-// `only_default_rope`, a rope_parameters or rope_scaling of another
-// rope_type is refused: only the default (unscaled) RoPE is implemented.
-void read_rope(const KeyReader& r, ModelConfig& c, bool only_default_rope) {
+// rope_parameters, c.rope_theta when neither names one. Unless `types` is
+// Unchecked, a rope_parameters or rope_scaling of a rope_type outside
+// `types` is refused naming it; "llama3" fills c.llama3_rope.
+void read_rope(const KeyReader& r, ModelConfig& c, RopeTypes types) {
   const json* rope_params = r.find("rope_parameters");
   if (rope_params != nullptr && !rope_params->is_object()) {
     r.fail(r.q("rope_parameters") + " must be an object, got " + json_type(*rope_params));
@@ -358,15 +429,20 @@ void read_rope(const KeyReader& r, ModelConfig& c, bool only_default_rope) {
   } else if (rope_params != nullptr && rope_params->contains("rope_theta")) {
     c.rope_theta = r.positive_number("rope_parameters.rope_theta", (*rope_params)["rope_theta"]);
   }
-  if (!only_default_rope) return;
+  if (types == RopeTypes::Unchecked) return;
   for (const char* key : {"rope_parameters", "rope_scaling"}) {
     const json* p = r.find(key);
-    if (p == nullptr || !p->is_object()) continue;
+    if (p == nullptr) continue;
+    if (!p->is_object()) r.fail(r.q(key) + " must be an object, got " + json_type(*p));
     const char* type_key = p->contains("rope_type") ? "rope_type" : "type";
-    if (p->contains(type_key) && !(*p)[type_key].is_null() && (*p)[type_key] != "default") {
-      r.fail(r.q(key) + " has " + type_key + " " + (*p)[type_key].dump() +
-             ", which the runtime does not support (only the default RoPE is implemented)");
+    if (!p->contains(type_key) || (*p)[type_key].is_null() || (*p)[type_key] == "default") continue;
+    if (types == RopeTypes::DefaultOrLlama3 && (*p)[type_key] == "llama3") {
+      read_llama3_rope(r, c, key, *p);
+      continue;
     }
+    r.fail(r.q(key) + " has " + type_key + " " + (*p)[type_key].dump() + ", which the runtime does not support" +
+           (types == RopeTypes::DefaultOrLlama3 ? " (supported: \"default\", \"llama3\")"
+                                                : " (only the default RoPE is implemented)"));
   }
 }
 
@@ -434,7 +510,7 @@ void read_rewind_hybrid(const ConfigKeys& k, ModelConfig& c) {
   read_sliding_window(r, c);
   read_linear_attention_sizes(r, c);
   read_conv_kernel(r, c, 0);
-  read_rope(r, c, false);
+  read_rope(r, c, RopeTypes::Unchecked);
   read_norm_eps(r, c, "rms_norm_eps");
   c.tie_word_embeddings = r.boolean("tie_word_embeddings", false);
   // rewind's byte vocabulary: BOS 256, EOS 257 unless the config names others.
@@ -496,7 +572,7 @@ void read_lfm2(const ConfigKeys& k, ModelConfig& c) {
   read_layer_types_or_implied(r, c, {LayerKind::FullAttention, LayerKind::Conv}, lfm2_default_layer_types);
   read_conv_kernel(r, c, 3);  // Lfm2Config's default
   c.rope_theta = 1000000.0;   // Lfm2Config.default_theta
-  read_rope(r, c, true);
+  read_rope(r, c, RopeTypes::DefaultOnly);
   c.rms_norm_eps = 1e-5;
   read_norm_eps(r, c, "norm_eps");
   c.tie_word_embeddings = r.boolean("tie_word_embeddings", true);
@@ -535,7 +611,7 @@ void read_qwen_text_model(const ConfigKeys& k, ModelConfig& c) {
   read_sizes(r, c, plain_mlp_width, 256);  // Qwen3NextConfig / Qwen3_5TextConfig's head_dim
   read_layer_types_or_implied(r, c, {LayerKind::FullAttention, LayerKind::LinearAttention}, qwen_default_layer_types);
   read_linear_attention_sizes(r, c);
-  read_rope(r, c, true);
+  read_rope(r, c, RopeTypes::DefaultOnly);
   read_partial_rotary(r, c);
   read_norm_eps(r, c, "rms_norm_eps");
   c.tie_word_embeddings = r.boolean("tie_word_embeddings", false);
@@ -597,6 +673,87 @@ void read_qwen3_next(const ConfigKeys& k, ModelConfig& c) {
   c.fused_gdn_projections = true;  // in_proj_qkvz / in_proj_ba
 }
 
+// ---- qwen3 and llama (dense, every layer attention) ---------------------------
+
+// Options of the dense families the runtime does not implement are refused,
+// never ignored: biases and activations other than SiLU.
+void refuse_dense_options(const KeyReader& r, const ModelConfig& c, bool has_mlp_bias) {
+  const std::string family = model_family_name(c.family);
+  if (r.boolean("attention_bias", false)) {
+    r.fail(r.q("attention_bias") + " is true: attention biases are not supported in " + family + " models");
+  }
+  if (has_mlp_bias && r.boolean("mlp_bias", false)) {
+    r.fail(r.q("mlp_bias") + " is true: MLP biases are not supported in " + family + " models");
+  }
+  if (const json* act = r.find("hidden_act"); act != nullptr && *act != "silu") {
+    r.fail(r.q("hidden_act") + " is " + act->dump() + ": only \"silu\" is supported in " + family + " models");
+  }
+}
+
+// Qwen3Config's layer_types when the config has none: with
+// use_sliding_window, layers from max_window_layers (28) on attend within
+// sliding_window; every other layer (all of them by default) is full.
+json qwen3_default_layer_types(const KeyReader& r, std::int64_t layers) {
+  const bool sliding = r.boolean("use_sliding_window", false) && r.find("sliding_window") != nullptr;
+  const json* mw = r.find("max_window_layers");
+  const std::int64_t first_sliding = mw ? r.integer("max_window_layers", *mw, 0, kMaxPositions) : 28;
+  json types = json::array();
+  for (std::int64_t i = 0; i < layers; ++i) {
+    types.push_back(sliding && i >= first_sliding ? "sliding_attention" : "full_attention");
+  }
+  return types;
+}
+
+// Qwen3 dense (Qwen3ForCausalLM): GQA attention with per-head q/k RMSNorm
+// before RoPE, plain RMSNorms, SwiGLU, optional sliding-window layers.
+void read_qwen3(const ConfigKeys& k, ModelConfig& c) {
+  const KeyReader& r = k.text;
+  read_sizes(r, c, plain_mlp_width, 128);  // Qwen3Config's head_dim
+  read_layer_types_or_implied(r, c, {LayerKind::FullAttention, LayerKind::SlidingAttention},
+                              qwen3_default_layer_types);
+  // Qwen3Config drops sliding_window unless use_sliding_window is set; a
+  // sliding layer then has no window transformers would apply.
+  const bool use_sliding = r.boolean("use_sliding_window", false);
+  if (c.has_layer_type(LayerKind::SlidingAttention)) {
+    if (!use_sliding) {
+      r.fail("layer " + std::to_string(first_layer_of(c, LayerKind::SlidingAttention)) +
+             " is sliding_attention but " + r.q("use_sliding_window") +
+             " is not true (Qwen3Config then sets no window)");
+    }
+    read_sliding_window(r, c);
+  }
+  read_rope(r, c, RopeTypes::DefaultOnly);
+  read_norm_eps(r, c, "rms_norm_eps");
+  c.tie_word_embeddings = r.boolean("tie_word_embeddings", false);
+  refuse_dense_options(r, c, false);
+  read_listed_special_tokens(k, c);
+  read_torch_dtype(k, c);
+  c.qk_norm = true;
+}
+
+// Llama 2 / 3.x (LlamaForCausalLM): GQA attention, plain RMSNorms, SwiGLU,
+// default or Llama 3 scaled RoPE; LlamaConfig's BOS 1 and EOS 2 when the
+// config names none, and prompts start with BOS.
+void read_llama(const ConfigKeys& k, ModelConfig& c) {
+  const KeyReader& r = k.text;
+  read_sizes(r, c, plain_mlp_width, 0);  // LlamaConfig: head_dim or hidden_size / num_attention_heads
+  read_layer_types_or_implied(r, c, {LayerKind::FullAttention}, [](const KeyReader&, std::int64_t layers) {
+    json types = json::array();
+    for (std::int64_t i = 0; i < layers; ++i) types.push_back("full_attention");
+    return types;
+  });
+  read_rope(r, c, RopeTypes::DefaultOrLlama3);
+  read_norm_eps(r, c, "rms_norm_eps");
+  c.tie_word_embeddings = r.boolean("tie_word_embeddings", false);
+  refuse_dense_options(r, c, true);
+  read_listed_special_tokens(k, c);
+  if (c.bos_token_id < 0) c.bos_token_id = r.token_id("bos_token_id", 1, c.vocab_size);
+  if (c.eos_token_ids.empty()) c.eos_token_ids = {r.token_id("eos_token_id", 2, c.vocab_size)};
+  c.eos_token_id = c.eos_token_ids.front();
+  c.add_bos = true;
+  read_torch_dtype(k, c);
+}
+
 // ---- the family table --------------------------------------------------------
 
 // The one place a family's name is compared: the adapters set the fields of
@@ -616,18 +773,20 @@ constexpr FamilyAdapter kFamilies[] = {
     {"qwen3_5", ModelFamily::Qwen3_5, true, read_qwen3_5},
     {"qwen3_5_text", ModelFamily::Qwen3_5, false, read_qwen3_5},
     {"qwen3_next", ModelFamily::Qwen3Next, false, read_qwen3_next},
+    {"qwen3", ModelFamily::Qwen3, false, read_qwen3},
+    {"llama", ModelFamily::Llama, false, read_llama},
 };
 
 // What the runtime reads, as messages about other architectures list it.
 constexpr const char* kSupportedArchitectures =
     "rewind_hybrid (rewind's own layout, with 'layer_types'), lfm2 (Lfm2ForCausalLM, dense), qwen3_5 and "
     "qwen3_5_text (Qwen3_5ForConditionalGeneration / Qwen3_5ForCausalLM, dense), qwen3_next (Qwen3NextForCausalLM "
-    "without experts)";
+    "without experts), qwen3 (Qwen3ForCausalLM, dense), llama (LlamaForCausalLM, default or llama3 RoPE)";
 
 // Variants of the supported families that the runtime refuses by name
 // rather than misload (their tensors would not match, or worse, would).
-constexpr const char* kRefusedModelTypes[] = {"qwen3_5_moe", "qwen3_5_moe_text", "qwen3_next_moe",
-                                              "lfm2_moe", "lfm2_vl", "qwen3_vl_moe"};
+constexpr const char* kRefusedModelTypes[] = {"qwen3_5_moe", "qwen3_5_moe_text", "qwen3_next_moe", "lfm2_moe",
+                                              "lfm2_vl",     "qwen3_vl_moe",     "qwen3_moe",      "qwen3_vl"};
 
 const FamilyAdapter* find_family(const std::string& model_type) {
   for (const FamilyAdapter& f : kFamilies) {
@@ -664,7 +823,7 @@ const FamilyAdapter& choose_family(const KeyReader& top, const std::string& mode
     if (model_type == refused) {
       top.fail("model_type '" + model_type +
                "' is not supported (mixture-of-experts and vision-language variants are not implemented; "
-               "supported: rewind_hybrid, lfm2, qwen3_5, qwen3_5_text, qwen3_next without experts)");
+               "supported: " + kSupportedArchitectures + ")");
     }
   }
   if (const FamilyAdapter* known = find_family(model_type)) return *known;
@@ -693,6 +852,7 @@ ModelConfig parse_model_config(const std::string& json_text, const std::string& 
   }
   const FamilyAdapter& family = choose_family(top, c.model_type);
   c.family = family.family;
+  if (c.family != ModelFamily::RewindHybrid) top.set_family(" (model_type '" + c.model_type + "')");
   const json* text_doc = &doc;
   std::string key_prefix;
   if (family.nested_text_config) {
@@ -703,7 +863,7 @@ ModelConfig parse_model_config(const std::string& json_text, const std::string& 
     c.weight_prefix = "model.language_model.";
     key_prefix = "text_config.";
   }
-  const KeyReader text(*text_doc, source_name, key_prefix);
+  const KeyReader text(*text_doc, source_name, key_prefix, top.family());
   family.read(ConfigKeys{top, text}, c);
   return c;
 }
@@ -724,7 +884,9 @@ void apply_generation_config(ModelConfig& config, const std::string& json_text, 
 std::vector<std::string> ignored_weight_prefixes(const ModelConfig& config) {
   switch (config.family) {
     case ModelFamily::RewindHybrid:
-    case ModelFamily::Lfm2: return {};
+    case ModelFamily::Lfm2:
+    case ModelFamily::Qwen3:
+    case ModelFamily::Llama: return {};
     case ModelFamily::Qwen3_5: return {"model.visual.", "mtp."};
     case ModelFamily::Qwen3Next: return {"mtp."};
   }
@@ -831,6 +993,31 @@ std::string write_qwen(const ModelConfig& c) {
   return finish_family_layout(std::move(t), rope, c);
 }
 
+// Qwen3 and Llama, as transformers >= 4.56 writes them (rope_parameters).
+std::string write_dense(const ModelConfig& c) {
+  ordered_json t = family_layout_head(c);
+  ordered_json rope = default_rope(c);
+  const ModelConfig::Llama3Rope& s = c.llama3_rope;
+  if (s.factor > 0.0) {
+    rope["rope_type"] = "llama3";
+    rope["factor"] = s.factor;
+    rope["low_freq_factor"] = s.low_freq_factor;
+    rope["high_freq_factor"] = s.high_freq_factor;
+    rope["original_max_position_embeddings"] = s.original_max_positions;
+  }
+  t["rms_norm_eps"] = c.rms_norm_eps;
+  t["hidden_act"] = "silu";
+  t["attention_bias"] = false;
+  if (c.family == ModelFamily::Llama) {
+    t["mlp_bias"] = false;
+  } else {
+    const bool sliding = c.has_layer_type(LayerKind::SlidingAttention);
+    t["use_sliding_window"] = sliding;
+    t["sliding_window"] = sliding ? json(c.sliding_window) : json(nullptr);
+  }
+  return finish_family_layout(std::move(t), rope, c);
+}
+
 std::string write_rewind_hybrid(const ModelConfig& c) {
   ordered_json j = family_layout_head(c);
   // Kind-specific sizes are written when set; 0 means "unused" and reads
@@ -862,6 +1049,8 @@ std::string to_json(const ModelConfig& c) {
     case ModelFamily::Lfm2: return write_lfm2(c);
     case ModelFamily::Qwen3_5:
     case ModelFamily::Qwen3Next: return write_qwen(c);
+    case ModelFamily::Qwen3:
+    case ModelFamily::Llama: return write_dense(c);
   }
   return write_rewind_hybrid(c);
 }

@@ -297,23 +297,29 @@ TEST(ModelConfig, InvalidConfigsThrowFormatError) {
 // ships them, trimmed): refused by name, with the supported list, before
 // any "missing required key".
 TEST(ModelConfig, UnsupportedArchitecturesAreNamedWithTheSupportedList) {
-  const std::string llama = R"({"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 2048,
-      "intermediate_size": 8192, "num_attention_heads": 32, "num_hidden_layers": 16, "num_key_value_heads": 8,
-      "vocab_size": 128256, "max_position_embeddings": 131072, "rope_theta": 500000.0, "hidden_act": "silu"})";
-  // transformers >= 4.55 writes layer_types into Qwen3 configs: the layout
-  // key alone must not make it rewind's own.
-  const std::string qwen3 = R"({"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "hidden_size": 1024,
-      "intermediate_size": 3072, "num_attention_heads": 16, "num_hidden_layers": 2, "num_key_value_heads": 8,
-      "head_dim": 128, "vocab_size": 151936, "max_position_embeddings": 40960,
+  const std::string mistral = R"({"architectures": ["MistralForCausalLM"], "model_type": "mistral",
+      "hidden_size": 4096, "intermediate_size": 14336, "num_attention_heads": 32, "num_hidden_layers": 32,
+      "num_key_value_heads": 8, "vocab_size": 32768, "max_position_embeddings": 32768, "rope_theta": 1000000.0,
+      "hidden_act": "silu", "sliding_window": null})";
+  // transformers >= 4.55 writes layer_types into Qwen2 / Qwen3 configs: the
+  // layout key alone must not make it rewind's own.
+  const std::string qwen2 = R"({"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "hidden_size": 896,
+      "intermediate_size": 4864, "num_attention_heads": 14, "num_hidden_layers": 2, "num_key_value_heads": 2,
+      "vocab_size": 151936, "max_position_embeddings": 32768,
       "layer_types": ["full_attention", "full_attention"], "tie_word_embeddings": true})";
+  const std::string qwen3_moe = R"({"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe",
+      "hidden_size": 2048, "intermediate_size": 6144, "num_attention_heads": 32, "num_hidden_layers": 2,
+      "num_key_value_heads": 4, "vocab_size": 151936, "num_experts": 128})";
   const std::string no_architectures = R"({"model_type": "mistral", "hidden_size": 64, "num_hidden_layers": 2,
       "num_attention_heads": 4, "num_key_value_heads": 2, "intermediate_size": 128, "vocab_size": 300})";
   struct Case {
     std::string text, named;
   };
   for (const Case& k : std::vector<Case>{
-           {llama, "config.json: architecture 'LlamaForCausalLM' (model_type 'llama') is not supported; supported: "},
-           {qwen3, "config.json: architecture 'Qwen3ForCausalLM' (model_type 'qwen3') is not supported; supported: "},
+           {mistral,
+            "config.json: architecture 'MistralForCausalLM' (model_type 'mistral') is not supported; supported: "},
+           {qwen2, "config.json: architecture 'Qwen2ForCausalLM' (model_type 'qwen2') is not supported; supported: "},
+           {qwen3_moe, "config.json: model_type 'qwen3_moe' is not supported (mixture-of-experts"},
            {no_architectures, "config.json: model_type 'mistral' is not supported; supported: "},
        }) {
     try {
@@ -322,7 +328,8 @@ TEST(ModelConfig, UnsupportedArchitecturesAreNamedWithTheSupportedList) {
     } catch (const FormatError& e) {
       const std::string msg = e.what();
       EXPECT_EQ(msg.rfind(k.named, 0), 0u) << msg;
-      for (const char* family : {"rewind_hybrid", "lfm2", "qwen3_5", "qwen3_5_text", "qwen3_next"}) {
+      for (const char* family : {"rewind_hybrid", "lfm2", "qwen3_5", "qwen3_5_text", "qwen3_next", "qwen3 (",
+                                 "llama (LlamaForCausalLM"}) {
         EXPECT_NE(msg.find(family, k.named.size()), std::string::npos) << family << " missing in: " << msg;
       }
       EXPECT_EQ(msg.find("missing required key"), std::string::npos) << msg;

@@ -1,8 +1,11 @@
 // Checkpoints of the transformers families the runtime reads (LFM2,
-// Qwen3.5, Qwen3-Next without experts) against the logits of transformers'
-// own modeling classes (tests/fixtures/families_logits.json, written with
-// the random-weight checkpoints in tests/fixtures/families/ by
-// scripts/fixtures/make_family_fixtures.py).
+// Qwen3.5, Qwen3-Next without experts, Qwen3 dense with and without sliding
+// layers, Llama with Llama 3 RoPE scaling, tied and untied, sharded) against
+// the logits of transformers' own modeling classes
+// (tests/fixtures/families_logits.json, written with the random-weight
+// checkpoints in tests/fixtures/families/ by
+// scripts/fixtures/make_family_fixtures.py), and for the dense families
+// against the reference's own greedy continuation.
 //
 // Each prompt is fed in uneven chunks (1, 5, 17, rest) through the cache, so
 // the comparison covers the attention KV, conv and recurrent states carried
@@ -11,7 +14,8 @@
 //
 // Controls: each architectural difference of these families is left out in
 // turn (the (1 + w) norm fold, the attention output gate, q/k norm, partial
-// RoPE, Qwen3-Next's grouped projection layout) by rebuilding the weights
+// RoPE, Qwen3-Next's grouped projection layout, Llama 3's RoPE scaling,
+// Qwen3's sliding window) by rebuilding the weights
 // the way a loader that ignored it would, and the logits must then miss the
 // tolerance by far: the comparison is sensitive to every one of them.
 #include <gtest/gtest.h>
@@ -101,6 +105,13 @@ double worst_relative_difference(const Model& m, const nlohmann::json& entry, do
 
 class FamilyLogits : public ::testing::TestWithParam<const char*> {};
 
+// A test name for fixture `p` (gtest allows no '-').
+std::string fixture_test_name(const ::testing::TestParamInfo<const char*>& p) {
+  std::string n = p.param;
+  std::replace(n.begin(), n.end(), '-', '_');
+  return n;
+}
+
 TEST_P(FamilyLogits, MatchTransformers) {
   ASSERT_FALSE(fixtures().is_null()) << "missing tests/fixtures/families_logits.json";
   const Model m = Model::load(family_dir(GetParam()));
@@ -111,7 +122,30 @@ TEST_P(FamilyLogits, MatchTransformers) {
   EXPECT_LE(worst, kRelativeTolerance);
 }
 
-INSTANTIATE_TEST_SUITE_P(Families, FamilyLogits, ::testing::Values("lfm2", "qwen3_5", "qwen3_next"));
+INSTANTIATE_TEST_SUITE_P(Families, FamilyLogits,
+                         ::testing::Values("lfm2", "qwen3_5", "qwen3_next", "qwen3", "qwen3-draft", "qwen3_sliding",
+                                           "llama", "llama-draft"),
+                         fixture_test_name);
+
+// The dense families' greedy continuation equals the reference's (computed
+// there by a full forward per token; the fixture records the smallest
+// top-2 gap on the way, far above the logits' differences).
+class FamilyGreedy : public ::testing::TestWithParam<const char*> {};
+
+TEST_P(FamilyGreedy, MatchesTheReferenceGreedy) {
+  const nlohmann::json& entry = fixture(GetParam());
+  ASSERT_TRUE(entry.contains("greedy"));
+  const Model m = Model::load(family_dir(GetParam()));
+  GenerationOptions o;
+  o.stop_at_eos = false;
+  const auto expected = entry["greedy"]["tokens"].get<std::vector<std::int32_t>>();
+  o.max_new_tokens = static_cast<std::int64_t>(expected.size());
+  EXPECT_EQ(generate(m, entry["greedy"]["prompt"].get<std::vector<std::int32_t>>(), o), expected);
+}
+
+INSTANTIATE_TEST_SUITE_P(Families, FamilyGreedy,
+                         ::testing::Values("qwen3", "qwen3-draft", "qwen3_sliding", "llama", "llama-draft"),
+                         fixture_test_name);
 
 // ---- controls ------------------------------------------------------------------
 
@@ -174,7 +208,7 @@ TEST(FamilyControls, EveryDifferenceIsNeeded) {
     std::printf("%s controls: no (1+w) fold %.3g, no output gate %.3g, full RoPE %.3g\n", name, no_fold, no_gate,
                 full_rope);
   }
-  for (const char* name : {"lfm2", "qwen3_5", "qwen3_next"}) {
+  for (const char* name : {"lfm2", "qwen3_5", "qwen3_next", "qwen3"}) {
     SCOPED_TRACE(name);
     const double no_qk_norm = difference_without(name, [](ModelConfig& c, auto& t) {
       c.qk_norm = false;
@@ -207,6 +241,16 @@ TEST(FamilyControls, EveryDifferenceIsNeeded) {
   });
   EXPECT_GT(flat, kMissed) << "fused projection layout";
   std::printf("qwen3_next control: fused projections read flat %.3g\n", flat);
+  // Llama 3's scaled frequencies read as plain RoPE; Qwen3's sliding layers
+  // read as full attention (the prompts are longer than the window).
+  const double unscaled = difference_without("llama", [](ModelConfig& c, auto&) { c.llama3_rope = {}; });
+  EXPECT_GT(unscaled, kMissed) << "llama3 RoPE scaling";
+  const double no_window = difference_without("qwen3_sliding", [](ModelConfig& c, auto&) {
+    for (LayerKind& k : c.layer_types) k = LayerKind::FullAttention;
+    c.sliding_window = 0;
+  });
+  EXPECT_GT(no_window, kMissed) << "sliding window";
+  std::printf("llama control: unscaled RoPE %.3g; qwen3_sliding control: no window %.3g\n", unscaled, no_window);
 }
 
 // ---- what the loader reads from each layout ------------------------------------------
@@ -516,14 +560,189 @@ TEST(ModelFamilies, TiedEmbeddingsAsFromPretrainedTiesThem) {
   fs::remove_all(head_only);
 }
 
+// ---- the dense families: Qwen3 and Llama ------------------------------------------------
+
+TEST(DenseFamilies, ConfigsAsTransformersResolvesThem) {
+  const ModelConfig q = Model::load(family_dir("qwen3")).config();
+  EXPECT_EQ(q.family, ModelFamily::Qwen3);
+  EXPECT_EQ(q.head_dim, 16);  // the config's, not hidden_size / heads (8)
+  EXPECT_EQ(q.num_key_value_heads, 2);
+  EXPECT_EQ(q.layer_types, std::vector<LayerKind>(4, LayerKind::FullAttention));
+  EXPECT_EQ(q.sliding_window, 0);  // use_sliding_window false
+  EXPECT_TRUE(q.qk_norm);
+  EXPECT_FALSE(q.norm_plus_one || q.attn_output_gate || q.fused_gdn_projections || q.tie_word_embeddings);
+  EXPECT_EQ(q.rope_dim(), 16);
+  EXPECT_EQ(q.rope_theta, 1e6);
+  EXPECT_EQ(q.llama3_rope.factor, 0.0);
+  EXPECT_FALSE(q.add_bos);
+  EXPECT_EQ(q.bos_token_id, 157);
+  EXPECT_EQ(q.eos_token_ids, std::vector<std::int64_t>{159});
+  EXPECT_TRUE(Model::load(family_dir("qwen3-draft")).config().tie_word_embeddings);
+
+  const ModelConfig s = Model::load(family_dir("qwen3_sliding")).config();
+  EXPECT_EQ(s.layer_types, (std::vector<LayerKind>{LayerKind::FullAttention, LayerKind::SlidingAttention,
+                                                   LayerKind::SlidingAttention}));  // from max_window_layers 1
+  EXPECT_EQ(s.sliding_window, 8);
+  EXPECT_EQ(s.torch_dtype, DType::F32);
+
+  const ModelConfig l = Model::load(family_dir("llama")).config();
+  EXPECT_EQ(l.family, ModelFamily::Llama);
+  EXPECT_EQ(l.head_dim, 8);  // hidden_size / heads: no head_dim key
+  EXPECT_EQ(l.num_attention_heads / l.num_key_value_heads, 3);
+  EXPECT_FALSE(l.qk_norm || l.norm_plus_one || l.attn_output_gate || l.tie_word_embeddings);
+  EXPECT_EQ(l.rms_norm_eps, 1e-5);
+  EXPECT_EQ(l.llama3_rope, (ModelConfig::Llama3Rope{8.0, 1.0, 4.0, 256}));
+  EXPECT_TRUE(l.add_bos);
+  EXPECT_EQ(l.bos_token_id, 157);
+  EXPECT_EQ(l.eos_token_ids, (std::vector<std::int64_t>{158, 155}));
+  const ModelConfig ld = Model::load(family_dir("llama-draft")).config();
+  EXPECT_TRUE(ld.tie_word_embeddings);
+  EXPECT_EQ(ld.torch_dtype, DType::F16);
+  EXPECT_EQ(ld.llama3_rope.factor, 0.0);  // rope_scaling null
+  EXPECT_EQ(encode_prompt("A", l), (std::vector<std::int32_t>{157, 65}));
+  EXPECT_EQ(encode_prompt("A", q), (std::vector<std::int32_t>{65}));
+}
+
+TEST(DenseFamilies, Llama3FrequenciesByBand) {
+  // head_dim 8, theta 500000: inverse frequencies 1, 500000^-1/4, ^-1/2,
+  // ^-3/4, wavelengths 2 pi / f = 6.28, 167, 4443, 118000 positions. With
+  // an original context of 256 and factors 1 / 4, wavelengths below 64 keep
+  // their frequency, those above 256 are divided by 8, and 167 is blended:
+  // smooth = (256 / 167.0 - 1) / 3, f' = (1 - smooth) f / 8 + smooth f.
+  const ModelConfig l = Model::load(family_dir("llama")).config();
+  const std::vector<double> f = rope_inv_freq(l);
+  ASSERT_EQ(f.size(), 4u);
+  const double f1 = std::pow(500000.0, -0.25);
+  const double smooth = (256.0 / (2 * M_PI / f1) - 1.0) / 3.0;
+  EXPECT_DOUBLE_EQ(f[0], 1.0);
+  EXPECT_DOUBLE_EQ(f[1], (1 - smooth) * f1 / 8 + smooth * f1);
+  EXPECT_DOUBLE_EQ(f[2], std::pow(500000.0, -0.5) / 8);
+  EXPECT_DOUBLE_EQ(f[3], std::pow(500000.0, -0.75) / 8);
+  // Without scaling: theta^(-2j / d).
+  ModelConfig plain = l;
+  plain.llama3_rope = {};
+  EXPECT_DOUBLE_EQ(rope_inv_freq(plain)[1], f1);
+}
+
+TEST(DenseFamilies, ToJsonRoundTripsInTheFamilyLayout) {
+  for (const char* name : {"qwen3", "qwen3-draft", "qwen3_sliding", "llama", "llama-draft"}) {
+    SCOPED_TRACE(name);
+    const ModelConfig c = load_model_config(family_dir(name) + "/config.json");
+    EXPECT_EQ(parse_model_config(to_json(c), "x"), c);
+  }
+  // A random model of a family is a checkpoint of that family.
+  const fs::path dir = fs::temp_directory_path() / ("rewind_dense_random_" + std::to_string(::getpid()));
+  write_random_model(load_model_config(family_dir("llama") + "/config.json"), dir.string(), 7, DType::BF16);
+  const Model m = Model::load(dir.string());
+  EXPECT_EQ(m.config().family, ModelFamily::Llama);
+  EXPECT_EQ(m.config().llama3_rope.factor, 8.0);
+  fs::remove_all(dir);
+}
+
+TEST(DenseFamilies, AsDownloadedConfigs) {
+  // Trimmed from the Hub's Llama-3.2-1B and Qwen3-0.6B configs (transformers
+  // 4.5x: rope_scaling and rope_theta at the top level; 5.x writes
+  // rope_parameters and layer_types).
+  const ModelConfig l = parse_model_config(
+      R"({"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 2048,
+          "intermediate_size": 8192, "num_attention_heads": 32, "num_hidden_layers": 16, "num_key_value_heads": 8,
+          "head_dim": 64, "vocab_size": 128256, "max_position_embeddings": 131072, "rope_theta": 500000.0,
+          "rope_scaling": {"factor": 32.0, "high_freq_factor": 4.0, "low_freq_factor": 1.0,
+                           "original_max_position_embeddings": 8192, "rope_type": "llama3"},
+          "hidden_act": "silu", "attention_bias": false, "mlp_bias": false, "rms_norm_eps": 1e-05,
+          "tie_word_embeddings": true, "bos_token_id": 128000, "eos_token_id": 128001, "torch_dtype": "bfloat16"})",
+      "llama.json");
+  EXPECT_EQ(l.head_dim, 64);
+  EXPECT_EQ(l.llama3_rope, (ModelConfig::Llama3Rope{32.0, 1.0, 4.0, 8192}));
+  EXPECT_TRUE(l.tie_word_embeddings);
+  EXPECT_EQ(l.bos_token_id, 128000);
+  const ModelConfig q = parse_model_config(
+      R"({"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "hidden_size": 1024,
+          "intermediate_size": 3072, "num_attention_heads": 16, "num_hidden_layers": 2, "num_key_value_heads": 8,
+          "head_dim": 128, "vocab_size": 151936, "max_position_embeddings": 40960,
+          "layer_types": ["full_attention", "full_attention"], "max_window_layers": 28, "sliding_window": null,
+          "use_sliding_window": false, "rope_parameters": {"rope_theta": 1000000, "rope_type": "default"},
+          "tie_word_embeddings": true})",
+      "qwen3.json");
+  EXPECT_EQ(q.head_dim, 128);
+  EXPECT_EQ(q.rope_theta, 1e6);
+  EXPECT_TRUE(q.qk_norm && q.tie_word_embeddings);
+  // Qwen3Config's head_dim default (128) when the key is absent.
+  EXPECT_EQ(parse_model_config(R"({"model_type": "qwen3", "hidden_size": 64, "intermediate_size": 8,
+                                    "num_attention_heads": 4, "num_hidden_layers": 1, "num_key_value_heads": 2,
+                                    "vocab_size": 10})",
+                               "q")
+                .head_dim,
+            128);
+}
+
+TEST(DenseFamilies, RefusesWhatItDoesNotImplement) {
+  expect_load_error(edited_copy("llama", "config.json", [](auto& j) { j["rope_scaling"]["rope_type"] = "yarn"; }),
+                    "'rope_scaling' has rope_type \"yarn\", which the runtime does not support (supported: "
+                    "\"default\", \"llama3\")");
+  expect_load_error(edited_copy("llama", "config.json",
+                                [](auto& j) { j["rope_scaling"] = {{"type", "linear"}, {"factor", 2.0}}; }),
+                    "'rope_scaling' has type \"linear\"");
+  expect_load_error(edited_copy("qwen3", "config.json",
+                                [](auto& j) { j["rope_scaling"] = {{"rope_type", "llama3"}, {"factor", 2.0}}; }),
+                    "'rope_scaling' has rope_type \"llama3\", which the runtime does not support (only the default");
+  expect_load_error(edited_copy("llama", "config.json", [](auto& j) { j["rope_scaling"].erase("low_freq_factor"); }),
+                    "missing required key 'rope_scaling.low_freq_factor' (rope_type \"llama3\") (model_type 'llama')");
+  expect_load_error(edited_copy("llama", "config.json", [](auto& j) { j["rope_scaling"]["high_freq_factor"] = 1.0; }),
+                    "'rope_scaling.high_freq_factor' (1.000000) must be greater than 'rope_scaling.low_freq_factor'");
+  expect_load_error(edited_copy("llama", "config.json", [](auto& j) { j["mlp_bias"] = true; }),
+                    "'mlp_bias' is true: MLP biases are not supported in llama models");
+  expect_load_error(edited_copy("qwen3", "config.json", [](auto& j) { j["attention_bias"] = true; }),
+                    "'attention_bias' is true: attention biases are not supported in qwen3 models");
+  expect_load_error(edited_copy("llama", "config.json", [](auto& j) { j["hidden_act"] = "gelu"; }),
+                    "'hidden_act' is \"gelu\": only \"silu\" is supported in llama models");
+  expect_load_error(edited_copy("qwen3", "config.json",
+                                [](auto& j) {
+                                  j["layer_types"] = {"full_attention", "sliding_attention", "full_attention",
+                                                      "full_attention"};
+                                }),
+                    "layer 1 is sliding_attention but 'use_sliding_window' is not true");
+  expect_load_error(edited_copy("qwen3_sliding", "config.json",
+                                [](auto& j) {
+                                  j["sliding_window"] = nullptr;
+                                  j["layer_types"] = {"full_attention", "sliding_attention", "sliding_attention"};
+                                }),
+                    "missing required key 'sliding_window' (layer 1 is sliding_attention) (model_type 'qwen3')");
+  expect_load_error(edited_copy("llama", "config.json", [](auto& j) { j["layer_types"] = {"full_attention", "conv", "full_attention"}; }),
+                    "layer_types[1] is 'conv', which the runtime does not support in llama models (supported: "
+                    "full_attention)");
+  expect_load_error(edited_copy("qwen3", "config.json", [](auto& j) { j.erase("num_key_value_heads"); }),
+                    "missing required key 'num_key_value_heads' (model_type 'qwen3')");
+  expect_load_error(edited_copy("llama", "config.json", [](auto& j) { j.erase("intermediate_size"); }),
+                    "missing required key 'intermediate_size' (model_type 'llama')");
+  expect_load_error(edited_copy("llama", "config.json", [](auto& j) { j["num_key_value_heads"] = 4; }),
+                    "'num_attention_heads' (6) is not a multiple of 'num_key_value_heads' (4)");
+}
+
+TEST(DenseFamilies, ShardedCheckpointErrors) {
+  // The Llama fixture is in three shards; a shard the index names must exist.
+  const fs::path dir = edited_copy("llama", "config.json", [](auto&) {});
+  fs::remove(dir / "model-00002-of-00003.safetensors");
+  try {
+    (void)Model::load(dir.string());
+    ADD_FAILURE() << "loaded without a shard";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("model-00002-of-00003.safetensors"), std::string::npos) << e.what();
+  }
+  fs::remove_all(dir);
+  // A tensor the index does not place is missing, named with the index.
+  expect_load_error(edited_copy("llama", "model.safetensors.index.json",
+                                [](auto& j) { j["weight_map"].erase("model.layers.1.self_attn.k_proj.weight"); }),
+                    "model.safetensors.index.json: missing tensor 'model.layers.1.self_attn.k_proj.weight', which");
+}
+
 // ---- speculative decoding on the families ----------------------------------------------
 
-class FamilySpeculative : public ::testing::TestWithParam<const char*> {};
-
-TEST_P(FamilySpeculative, IdenticalToGreedyWithADraftAndWithPromptLookup) {
-  const std::string name = GetParam();
+// Speculative decoding of fixture `name` with the same-family `draft_name`,
+// with prompt lookup and with itself as draft: each equal to its greedy.
+void expect_speculative_is_greedy(const std::string& name, const std::string& draft_name) {
   const Model target = Model::load(family_dir(name));
-  const Model draft = Model::load(family_dir(name + "-draft"));
+  const Model draft = Model::load(family_dir(draft_name));
   EXPECT_EQ(draft.config().eos_token_ids, target.config().eos_token_ids);
   EXPECT_EQ(draft.config().bos_token_id, target.config().bos_token_id);
   GenerationOptions o;
@@ -543,7 +762,16 @@ TEST_P(FamilySpeculative, IdenticalToGreedyWithADraftAndWithPromptLookup) {
   }
 }
 
-INSTANTIATE_TEST_SUITE_P(Families, FamilySpeculative, ::testing::Values("lfm2", "qwen3_5", "qwen3_next"));
+class FamilySpeculative : public ::testing::TestWithParam<const char*> {};
+
+TEST_P(FamilySpeculative, IdenticalToGreedyWithADraftAndWithPromptLookup) {
+  expect_speculative_is_greedy(GetParam(), std::string(GetParam()) + "-draft");
+}
+
+INSTANTIATE_TEST_SUITE_P(Families, FamilySpeculative, ::testing::Values("lfm2", "qwen3_5", "qwen3_next", "qwen3", "llama"));
+
+// Sliding layers roll back across their window while drafts are rejected.
+TEST(FamilySpeculativeSliding, Qwen3SlidingIdenticalToGreedy) { expect_speculative_is_greedy("qwen3_sliding", "qwen3-draft"); }
 
 #ifdef REWIND_CLI_PATH
 // The CLI on the family checkpoints: generate, verify (IDENTICAL) with a
@@ -551,7 +779,7 @@ INSTANTIATE_TEST_SUITE_P(Families, FamilySpeculative, ::testing::Values("lfm2", 
 // draft of another vocabulary refused by name.
 TEST(ModelFamiliesCli, VerifyInspectAndGenerate) {
   using cli_test::run_cli;
-  for (const std::string name : {"lfm2", "qwen3_5", "qwen3_next"}) {
+  for (const std::string name : {"lfm2", "qwen3_5", "qwen3_next", "qwen3", "llama"}) {
     SCOPED_TRACE(name);
     const std::string model = "--model " + cli_test::quote(family_dir(name));
     for (const std::string& source : {"--draft " + cli_test::quote(family_dir(name + "-draft")), std::string("--lookup 3")}) {

@@ -5,8 +5,9 @@
 // linear_attention (Gated DeltaNet as in Qwen3-Next) and conv (LFM2-style
 // gated short convolution). It runs rewind's own layout and the
 // transformers families of runtime/model_config.h (LFM2, Qwen3.5, dense
-// Qwen3-Next): their variants ((1 + w) norms, q/k norm, the attention
-// output gate, partial RoPE, fused projections) are config flags, applied
+// Qwen3-Next, Qwen3, Llama): their variants ((1 + w) norms, q/k norm, the
+// attention output gate, partial RoPE, Llama 3 RoPE scaling, fused
+// projections) are config flags, applied
 // row by row, so batch invariance holds for all of them. All inference state lives in a
 // rwd::Cache built by make_cache() (one sequence, forward()) or a
 // rwd::SequenceCache built by make_sequence_cache() (many sequences,
@@ -285,6 +286,13 @@ class Model {
   // The RoPE angles of the positions seen so far (kernels::RopeCache: at
   // most 64K positions' rows, thread-safe), shared by every forward.
   std::unique_ptr<kernels::RopeCache> rope_cache_;
+  // Llama 3 scaled RoPE frequencies (rope_inv_freq of the config); empty when
+  // the frequencies are theta^(-2j / d), which rope_cache_ serves.
+  std::vector<double> scaled_inv_freq_;
+  // The RoPE angles of `rows` positions, from rope_cache_ or, when the model
+  // has them, scaled_inv_freq_ (the same f32 rounding of the same double
+  // angle either way).
+  kernels::RopeTable rope_table(const std::int64_t* positions, std::int64_t rows) const;
   std::vector<LayerWeights> layers_;
   // The embedding [vocab, d] (F32, BF16 or F16) in weights_, or null when tied:
   // then rows are read from lm_head_.

@@ -33,9 +33,12 @@ enum class ModelFamily {
   Lfm2,          // "lfm2": LiquidAI LFM2, dense
   Qwen3_5,       // "qwen3_5" (nested text_config) or "qwen3_5_text": Qwen3.5, dense
   Qwen3Next,     // "qwen3_next" without mixture-of-experts layers
+  Qwen3,         // "qwen3": Qwen3 dense (Qwen3ForCausalLM)
+  Llama,         // "llama": Llama 2 / 3.x (LlamaForCausalLM)
 };
 
-// "rewind_hybrid", "lfm2", "qwen3_5", "qwen3_next" (for messages and inspect).
+// "rewind_hybrid", "lfm2", "qwen3_5", "qwen3_next", "qwen3", "llama" (for
+// messages and inspect).
 const char* model_family_name(ModelFamily family);
 
 struct ModelConfig {
@@ -102,6 +105,18 @@ struct ModelConfig {
   // Qwen3-Next: Gated DeltaNet projections fused as in_proj_qkvz / in_proj_ba,
   // grouped per key head (the loader unfuses them by rows).
   bool fused_gdn_projections = false;
+  // Llama 3.x RoPE frequency scaling (rope_scaling with rope_type "llama3"):
+  // rope_inv_freq() applies it. factor 0 means plain RoPE; otherwise factor
+  // >= 1, 0 < low_freq_factor < high_freq_factor and original_max_positions
+  // >= 1.
+  struct Llama3Rope {
+    double factor = 0.0;
+    double low_freq_factor = 0.0;
+    double high_freq_factor = 0.0;
+    std::int64_t original_max_positions = 0;
+    bool operator==(const Llama3Rope&) const = default;
+  };
+  Llama3Rope llama3_rope;
 
   bool operator==(const ModelConfig&) const = default;
 
@@ -115,6 +130,14 @@ struct ModelConfig {
   std::int64_t linear_conv_dim() const;
 };
 
+// The inverse frequency of each rotated pair j < rope_dim() / 2:
+// rope_theta^(-2j / rope_dim()), rescaled per pair as transformers' "llama3"
+// rope_type does when config.llama3_rope.factor > 0 (pairs whose wavelength
+// exceeds original_max_positions / low_freq_factor divided by factor, those
+// below original_max_positions / high_freq_factor kept, the ones between
+// interpolated smoothly). REQUIRES: a validated config.
+std::vector<double> rope_inv_freq(const ModelConfig& config);
+
 // Layer kinds the runtime implements, in the order messages list them:
 // full_attention, sliding_attention, linear_attention (Gated DeltaNet), conv.
 const std::vector<LayerKind>& supported_layer_kinds();
@@ -122,10 +145,11 @@ const std::vector<LayerKind>& supported_layer_kinds();
 // Parses and validates config.json text. The family comes from model_type
 // (docs/model-format.md lists the keys each reads); a config of another
 // architecture (a model_type or a transformers class in "architectures"
-// that is none of the families, e.g. LlamaForCausalLM) is refused first,
+// that is none of the families, e.g. MistralForCausalLM) is refused first,
 // naming it and the supported ones; mixture-of-experts
 // variants, vision-only configs and unsupported options (biases, RoPE
-// scaling, other activations) are refused with a message naming them. `source_name` (usually the path)
+// scaling other than Llama 3's, other activations) are refused with a
+// message naming them. `source_name` (usually the path)
 // starts every message. Throws FormatError naming the source and the key for
 // invalid JSON, a missing required key, a wrong JSON type, a size <= 0 (or
 // above 2^24), a layer_types list whose length is not num_hidden_layers, an
