@@ -19,42 +19,143 @@ double negative_log2_prob(const float* logits, std::int64_t n, std::int64_t targ
   return -log_prob / std::log(2.0);
 }
 
-EvalResult evaluate_text(const Model& model, std::string_view text, const EvalOptions& options) {
-  if (text.empty()) throw InvalidArgument("evaluate_text: the text is empty");
-  if (options.chunk < 1) throw InvalidArgument("evaluate_text: chunk must be >= 1, got " + std::to_string(options.chunk));
+namespace {
+
+// One window of the text's tokens: fed [feed, end), targets [target, end).
+struct Window {
+  std::int64_t feed = 0, target = 0, end = 0;
+};
+
+// What encode(text, true) puts before the text: the post-processor's
+// template prefix, or BOS when tokenizer_config.json asks for it without a
+// template (prefix_ids() holds only the former).
+std::vector<std::int32_t> text_prefix(const Tokenizer& tokenizer) {
+  std::vector<std::int32_t> prefix = tokenizer.prefix_ids();
+  if (prefix.empty() && tokenizer.add_bos_token() && tokenizer.bos_id()) prefix.push_back(*tokenizer.bos_id());
+  return prefix;
+}
+
+std::string count(std::int64_t n, const char* unit) { return std::to_string(n) + " " + unit + (n == 1 ? "" : "s"); }
+
+}  // namespace
+
+EvalResult evaluate_text(const Model& model, const Tokenizer& tokenizer, std::string_view text,
+                         const EvalOptions& options) {
+  const std::string where = "evaluate_text";
+  if (text.empty()) throw InvalidArgument(where + ": the text is empty");
+  if (options.chunk < 1) throw InvalidArgument(where + ": chunk must be >= 1, got " + std::to_string(options.chunk));
   if (options.context < 0) {
-    throw InvalidArgument("evaluate_text: context must be >= 0 (0 = whole text), got " +
+    throw InvalidArgument(where + ": context must be >= 0 (0 = the whole text), got " +
                           std::to_string(options.context));
   }
+  if (options.context == 0 && options.stride != 0) {
+    throw InvalidArgument(where + ": stride " + std::to_string(options.stride) +
+                          " needs a context (context 0 scores the whole text as one window)");
+  }
+  if (options.stride < 0 || options.stride > options.context) {
+    throw InvalidArgument(where + ": stride " + std::to_string(options.stride) + " must be in [1, context " +
+                          std::to_string(options.context) + "], or 0 for disjoint windows");
+  }
   const auto t0 = std::chrono::steady_clock::now();
-  const auto total = static_cast<std::int64_t>(text.size());
-  const std::int64_t segment = options.context > 0 ? options.context : total;
+  const bool byte_level = tokenizer.kind() == TokenizerKind::ByteLevel;
+  const char* unit = byte_level ? "byte" : "token";
+  const std::vector<std::int32_t> tokens = tokenizer.encode(text, false);
+  const std::vector<std::int32_t> prefix = text_prefix(tokenizer);
   const std::int64_t V = model.vocab_size();
+  for (const auto* ids : {&prefix, &tokens}) {
+    for (const std::int32_t id : *ids) {
+      if (id < 0 || id >= V) {
+        throw InvalidArgument(where + ": the tokenizer gives token " + std::to_string(id) +
+                              ", outside the model's vocabulary [0, " + std::to_string(V) + ")");
+      }
+    }
+  }
+  const auto N = static_cast<std::int64_t>(tokens.size());
+  const auto P = static_cast<std::int64_t>(prefix.size());
+  if (N == 0) throw InvalidArgument(where + ": the text encodes to no tokens");
+  const std::int64_t W = options.context > 0 ? std::min(options.context, N) : N;
+  const std::int64_t S = options.stride > 0 ? std::min(options.stride, W) : W;
+  if (const std::int64_t limit = model.config().max_position_embeddings; limit > 0 && P + W > limit) {
+    throw InvalidArgument(where + ": context " + std::to_string(options.context) + " makes windows of " +
+                          std::to_string(P + W) + " positions (" + std::to_string(P) + " before the text + " +
+                          count(W, unit) + "), past the model's max_position_embeddings (" + std::to_string(limit) +
+                          "); give a context of at most " + std::to_string(limit - P));
+  }
+
+  // Plan every window and what it scores before the first forward, so that
+  // a text with nothing to score is refused without work.
+  std::vector<Window> windows;
+  std::vector<std::int32_t> scored_ids;
+  for (std::int64_t end = 0, k = 0; end < N; ++k) {
+    Window w;
+    w.feed = k * S;
+    w.target = end;
+    w.end = std::min(w.feed + W, N);
+    // With no prefix, the window's first token has nothing before it.
+    const std::int64_t first_scored = (P == 0 && w.target == w.feed) ? w.target + 1 : w.target;
+    if (first_scored < w.end) {
+      scored_ids.insert(scored_ids.end(), tokens.begin() + first_scored, tokens.begin() + w.end);
+      w.target = first_scored;
+      windows.push_back(w);
+    }
+    end = w.end;
+  }
+  if (scored_ids.empty()) {
+    throw InvalidArgument(where + ": nothing to score: the text is " + count(N, unit) +
+                          (W < N ? ", windows of " + count(W, unit) : std::string()) +
+                          ", and the tokenizer puts no token (BOS) before a text, so a window's first token "
+                          "is not predicted; give a text" +
+                          (W < N ? " and a context" : std::string()) + " of at least 2 tokens");
+  }
   EvalResult result;
+  result.text_tokens = N;
+  result.bytes = static_cast<std::int64_t>(tokenizer.decode(scored_ids, false).size());
+  if (result.bytes == 0) {
+    throw InvalidArgument(where + ": the " + count(static_cast<std::int64_t>(scored_ids.size()), "scored token") +
+                          (scored_ids.size() == 1 ? " decodes" : " decode") +
+                          " to no bytes; bits per byte is undefined");
+  }
+  const auto total = static_cast<std::int64_t>(scored_ids.size());
+
   Cache cache = model.make_cache();
   std::vector<float> logits;
-  for (std::int64_t start = 0; start < total; start += segment) {
-    const std::int64_t len = std::min(segment, total - start);
-    // BOS + the segment's bytes; the last byte is only a target, never fed.
-    const std::vector<std::int32_t> tokens =
-        encode_prompt(std::string(text.substr(static_cast<std::size_t>(start), static_cast<std::size_t>(len))),
-                      model.config());
+  std::vector<std::int32_t> sequence;
+  for (const Window& w : windows) {
+    sequence.assign(prefix.begin(), prefix.end());
+    sequence.insert(sequence.end(), tokens.begin() + w.feed, tokens.begin() + w.end);
+    // Row i of the logits predicts sequence[i + 1]: the last token is only a
+    // target, never fed; rows before the first target's are context only.
+    const std::int64_t fed = static_cast<std::int64_t>(sequence.size()) - 1;
+    const std::int64_t first_row = P + (w.target - w.feed) - 1;
     cache.reset();
-    for (std::int64_t s = 0; s < len; s += options.chunk) {
-      const std::int64_t e = std::min(len, s + options.chunk);
-      model.forward(std::span<const std::int32_t>(tokens.data() + s, static_cast<std::size_t>(e - s)), cache, logits,
-                    true);
+    for (std::int64_t s = 0; s < fed; s += options.chunk) {
+      const std::int64_t e = std::min(fed, s + options.chunk);
+      const bool scores = e > first_row;
+      model.forward(std::span<const std::int32_t>(sequence.data() + s, static_cast<std::size_t>(e - s)), cache, logits,
+                    scores);
       ++result.forwards;
-      for (std::int64_t j = s; j < e; ++j) {
-        result.bits += negative_log2_prob(logits.data() + (j - s) * V, V, tokens[static_cast<std::size_t>(j + 1)]);
+      if (scores) {
+        for (std::int64_t row = std::max(s, first_row); row < e; ++row) {
+          result.bits += negative_log2_prob(logits.data() + (row - s) * V, V,
+                                            sequence[static_cast<std::size_t>(row + 1)]);
+        }
+        result.tokens += e - std::max(s, first_row);
       }
-      result.bytes += e - s;
-      if (options.on_progress) options.on_progress(result.bytes, total);
+      if (options.on_progress) options.on_progress(result.tokens, total);
     }
     ++result.segments;
   }
   result.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   return result;
+}
+
+EvalResult evaluate_text(const Model& model, std::string_view text, const EvalOptions& options) {
+  const ModelConfig& c = model.config();
+  const std::int64_t bos = c.add_bos ? c.bos_token_id : -1;
+  const std::int64_t eos = c.eos_token_ids.empty() ? -1 : c.eos_token_ids.front();
+  const Tokenizer tokenizer = Tokenizer::byte_level(c.vocab_size, static_cast<std::int32_t>(bos),
+                                                    static_cast<std::int32_t>(eos));
+  return evaluate_text(model, tokenizer, text, options);
 }
 
 }  // namespace rwd::runtime
