@@ -54,7 +54,7 @@ class CMakeBuild(build_ext):
             "cmake", "-S", ROOT, "-B", tree,
             "-DCMAKE_BUILD_TYPE=Release",
             "-DREWIND_BUILD_PYTHON=ON", "-DREWIND_BUILD_RUNTIME=ON",
-            "-DREWIND_BUILD_TESTS=OFF", "-DREWIND_BUILD_BENCH=OFF", "-DREWIND_BUILD_REDIS=OFF",
+            "-DREWIND_BUILD_TESTS=OFF", "-DREWIND_BUILD_BENCH=OFF", "-DREWIND_BUILD_REDIS=OFF", "-DREWIND_BUILD_SERVER=OFF",
             "-DREWIND_SANITIZE=OFF", "-DREWIND_TSAN=OFF", "-DREWIND_FUZZ=OFF", "-DREWIND_WERROR=OFF",
             "-DPYTHON_EXECUTABLE=" + sys.executable,
         ] + pybind11_cmake_args() + shlex.split(os.environ.get("CMAKE_ARGS", ""))

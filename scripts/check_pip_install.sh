@@ -26,7 +26,7 @@ fi
 mkdir "$WORK/src"
 # Files deleted in the work tree but still in the index are left out.
 git -C "$ROOT" ls-files -z --cached --others --exclude-standard |
-  (cd "$ROOT" && while IFS= read -r -d '' f; do [ -f "$f" ] && printf '%s\0' "$f"; done) |
+  (cd "$ROOT" && while IFS= read -r -d '' f; do if [ -f "$f" ]; then printf '%s\0' "$f"; fi; done) |
   tar -C "$ROOT" --null -T - -cf - | tar -C "$WORK/src" -xf -
 
 "$PYTHON" -m venv --system-site-packages "$WORK/venv"

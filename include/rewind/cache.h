@@ -56,6 +56,19 @@ class Cache {
   // Throws InvalidArgument for an empty list, StateError when a layer is not
   // empty (L > 0).
   explicit Cache(std::vector<Layer> layers);
+  // Takes ownership of layers in any state (Cache(layers) needs them empty),
+  // keeping each layer's index for messages: a caller that owns its layers
+  // elsewhere (the Python module) lends them to a cache for one
+  // transactional whole-cache operation and takes them back with
+  // release_layers(). Layers out of step are taken; the whole-cache
+  // operations refuse them then, as on any cache.
+  // Throws InvalidArgument for an empty list.
+  static Cache adopt(std::vector<Layer> layers);
+  // Hands every layer back, in order, and leaves this cache moved-from
+  // (every later call but destruction throws StateError). Throws StateError
+  // while a forward or a tree is open (nothing changes then) or on a
+  // moved-from cache.
+  std::vector<Layer> release_layers();
   ~Cache();
   Cache(Cache&&) noexcept;
   Cache& operator=(Cache&&) noexcept;
@@ -204,6 +217,7 @@ class Cache {
   friend class EncoderDecoderCache;
   friend class Forward;
   friend class TreeForward;
+  Cache() = default;  // adopt's starting point
   // The state; throws StateError on a moved-from cache.
   Impl& state() const;
   std::unique_ptr<Impl> impl_;

@@ -14,9 +14,15 @@ transformers.
 Each Python layer owns one rewind ``_Layer`` per part (attention keys and
 values, indexer keys, each conv state, each recurrent state), created lazily
 from the first tensor that part receives, as transformers' lazy
-initialization does. Results are views of rewind's storage (no copy): they
-stay valid until the next call that changes the same layer; a stale view can
-be read (it may show replaced values) but never dangles.
+initialization does. Every whole-layer and whole-cache operation (crop,
+recording, batch operations, reset) is one call of rewind's C++ ``Cache``
+over those parts (``_rw._Cache``): it checks every part of every layer before
+it changes any, and its errors are the C++ ones. What stays here is what the
+C++ layers cannot know: parts not created yet, transformers' own messages
+for them, recurrent states given only after a whole multi-token forward, and
+how ``conv_states`` shows its inputs. Results are views of rewind's storage
+(no copy): they stay valid until the next call that changes the same layer;
+a stale view can be read (it may show replaced values) but never dangles.
 """
 
 from __future__ import annotations
@@ -237,6 +243,20 @@ class _RewindLayerBase:
             if i in self._conv_shown:
                 self._conv_shown[i] += 1
 
+    def _txn(self) -> Any:
+        """The C++ cache over this layer's parts (rwd::Cache): one transactional call per operation."""
+        return _rw._Cache(self._parts(), self._budget)
+
+    def _rehome(self, budget: Any) -> None:
+        """Counts this layer's buffers in ``budget`` (its cache's): those held so far move there, and later ones are
+        allocated in it, so a whole-cache operation (run in that budget) keeps every count exact."""
+        if budget is self._budget:
+            return
+        self._budget.set_parent(budget)
+        self._budget = budget
+        for p in self._parts():
+            p._set_budget(budget)
+
     def _label(self) -> str:
         return f"layer {self._index} ({self._kind_name})" if self._index >= 0 else f"{self._kind_name} layer"
 
@@ -270,21 +290,12 @@ class _RewindLayerBase:
         lengths = [p.get_seq_length() for p in self._parts()]
         return max(lengths) if lengths else 0
 
-    def _lengths(self) -> list[int]:
-        return [p.get_seq_length() for p in self._parts()]
-
-    def _check_in_step(self, what: str) -> None:
-        lengths = self._lengths()
-        if len(set(lengths)) > 1:
-            raise _rw.StateError(
-                f"{what}: the parts of this layer are at different lengths {lengths} (an update of one part "
-                f"without the others); finish the forward or reset() {self._where()}"
-            )
-
     # ---- rollback ----
-    def check_crop(self, max_length: int) -> None:
-        """Raises exactly what ``crop(max_length)`` would raise; changes nothing."""
-        n = int(max_length)
+    def _check_crop_here(self, n: int) -> None:
+        """What only this module can refuse in crop(n), before the C++ cache checks the parts: a lazy part that
+        does not exist yet (transformers' messages for a layer without state), a sliding layer past its window
+        without recording (transformers >= 5.15 names the missing recording first), and a crop into a multi-token
+        forward whose recurrent states were given only as the final one."""
         parts = self._parts()
         if not parts:
             if self._linear and self._recording is None:
@@ -292,14 +303,9 @@ class _RewindLayerBase:
             if self._linear and n > 0:
                 raise _rw.RollbackError(f"{_LINEAR_POSITIVE} {self._where(n)}")
             return
-        self._check_in_step(f"crop({n})")
         if (self._attention == "sliding" and not self._linear and self._recording is None
                 and self.get_seq_length() >= int(self._sliding_window)):
-            # transformers (>= 5.15) names the missing recording first, for any n; the
-            # C++ layer names the positive crop first when n > 0.
             raise _rw.RollbackError(f"{_SLIDING_NOT_RECORDING} {self._where(n)}")
-        for p in parts:
-            p.check_crop(n)
         L = self.get_seq_length()
         if n < 0:
             target = L + n
@@ -312,6 +318,12 @@ class _RewindLayerBase:
                         f"largest exact rollback is {L - exact_from} {self._where(n)}"
                     )
 
+    def check_crop(self, max_length: int) -> None:
+        """Raises exactly what ``crop(max_length)`` would raise; changes nothing."""
+        n = int(max_length)
+        self._check_crop_here(n)
+        self._txn().check_crop(n)
+
     def crop(self, max_length: int | None = None, *, tokens_to_remove: int | None = None) -> None:
         """Removes ``-max_length`` tokens (negative), shrinks to the minimal working state (0), or keeps the first
         ``max_length`` tokens (positive, deprecated; attention only). Exact or raises, changing nothing.
@@ -319,42 +331,49 @@ class _RewindLayerBase:
         if (max_length is None) == (tokens_to_remove is None):
             raise _rw.InvalidArgument("crop takes one argument: max_length (or tokens_to_remove)")
         n = int(max_length if max_length is not None else tokens_to_remove)
-        self.check_crop(n)
-        self._apply_crop(n)
+        self._check_crop_here(n)
+        before = self.get_seq_length()
+        self._txn().crop(n)
+        self._after_crop(n, before)
 
-    def _apply_crop(self, n: int) -> None:
-        """crop(n) after check_crop(n) passed (the C++ crop checks again, cheaply, and cannot fail then)."""
-        if self._rec_exact_from and n < 0 and self.get_seq_length() + n <= 0:
+    def _after_crop(self, n: int, before: int) -> None:
+        """This module's bookkeeping once the C++ cache cropped the parts (from length ``before``)."""
+        if self._rec_exact_from and n < 0 and before + n <= 0:
             self._rec_exact_from = {i: 0 for i in self._rec_exact_from}
-        for p in self._parts():
-            p.crop(n)
         # transformers keeps the K columns before the removed ones (fewer when fewer precede them).
         for i, shown in list(self._conv_shown.items()):
             k = self.conv_kernel_size[i]
             self._conv_shown[i] = max(0, shown + n) - max(0, shown + n - k) if n < 0 else min(shown, k)
 
+    def _exact_bound(self) -> int | None:
+        """The deepest exact rollback the final-state-only recurrent updates allow (None: no such bound)."""
+        L = self.get_seq_length()
+        bounds = [L - e for e in self._rec_exact_from.values() if e > 0]
+        return min(bounds) if bounds else None
+
     def max_rollback(self) -> int:
         """Largest k for which ``crop(-k)`` is exact now (the layer's length means any depth)."""
-        parts = self._parts()
-        if not parts:
-            return 0
-        self._check_in_step("max_rollback")
-        value = min(p.max_rollback() for p in parts)
-        L = self.get_seq_length()
-        for exact_from in self._rec_exact_from.values():
-            if exact_from > 0:
-                value = min(value, L - exact_from)
-        return value
+        value = self._txn().max_rollback()
+        bound = self._exact_bound()
+        return value if bound is None else min(value, bound)
 
     def activate_past_recording(self, max_tokens: int | None = None) -> None:
         """Keeps enough history to remove up to ``max_tokens`` tokens exactly (default DEFAULT_MAX_ROLLBACK).
         All or nothing over the layer's parts."""
         r = DEFAULT_MAX_ROLLBACK if max_tokens is None else int(max_tokens)
-        _change_recording([self], r)
+        self._txn().activate_past_recording(r)
+        self._set_recording(r)
 
     def deactivate_past_recording(self) -> None:
         """Stops recording and drops the history (all or nothing over the layer's parts)."""
-        _change_recording([self], None)
+        self._txn().deactivate_past_recording()
+        self._set_recording(None)
+
+    def _set_recording(self, r: int | None) -> None:
+        """Bookkeeping once the C++ cache changed the parts' recording (R, None: off)."""
+        self._recording = r
+        if r is None:
+            self._conv_shown = {}
 
     @property
     def record_past(self) -> bool:
@@ -370,45 +389,24 @@ class _RewindLayerBase:
         return self._recording or 0
 
     # ---- batch and reset ----
-    def _check_indices(self, indices: list[int], what: str) -> None:
-        for p in self._parts():
-            b = p.batch_size()
-            if not indices:
-                raise _rw.InvalidArgument(f"{what}: the index list is empty {self._where()}")
-            for i in indices:
-                if i < 0 or i >= b:
-                    raise _rw.IndexError(f"{what}: index {i} is outside [0, {b}) {self._where()}")
-
     def batch_select_indices(self, indices: Any) -> None:
         """Keeps batch rows ``indices`` of every stored tensor."""
-        idx = _index_list(indices)
-        self._check_indices(idx, "batch_select_indices")
-        for p in self._parts():
-            p.batch_select_indices(idx)
+        self._txn().batch_select_indices(_index_list(indices))
 
     def batch_repeat_interleave(self, repeats: int) -> None:
         """Repeats every batch row ``repeats`` times (beam expansion)."""
-        if int(repeats) < 1:
-            raise _rw.InvalidArgument(f"batch_repeat_interleave: repeats must be >= 1, got {repeats} {self._where()}")
-        for p in self._parts():
-            p.batch_repeat_interleave(int(repeats))
+        self._txn().batch_repeat_interleave(int(repeats))
 
     def reorder_cache(self, beam_idx: Any) -> None:
         """Row i becomes old row ``beam_idx[i]`` in every stored tensor."""
-        idx = _index_list(beam_idx)
-        self._check_indices(idx, "reorder_cache")
-        for p in self._parts():
-            if len(idx) != p.batch_size():
-                raise _rw.InvalidArgument(
-                    f"reorder_cache: beam_idx has {len(idx)} entries for batch size {p.batch_size()} {self._where()}"
-                )
-        for p in self._parts():
-            p.reorder_cache(idx)
+        self._txn().reorder_cache(_index_list(beam_idx))
 
     def reset(self) -> None:
         """Back to an empty layer (L = 0, zero states, no history); shapes and recording stay."""
-        for p in self._parts():
-            p.reset()
+        self._txn().reset()
+        self._after_reset()
+
+    def _after_reset(self) -> None:
         self._rec_exact_from = {i: 0 for i in self._rec_exact_from}
         self._conv_shown = {}
 
@@ -423,8 +421,7 @@ class _RewindLayerBase:
 
     def shrink_to_fit(self) -> None:
         """Releases the slack of grown buffers now; changes no content."""
-        for p in self._parts():
-            p.shrink_to_fit()
+        self._txn().shrink_to_fit()
 
     def offload(self) -> None:
         """rewind keeps its state in CPU memory already: nothing to move."""
@@ -449,40 +446,6 @@ class _RewindLayerBase:
         """Batch size of the stored tensors; -1 before the first update."""
         parts = self._parts()
         return parts[0].batch_size() if parts else -1
-
-
-def _change_recording(layers: list, r: int | None) -> None:
-    """Recording R (None: off) on every part of ``layers``, all or nothing.
-
-    Only a recurrent part allocates for a recording change (its snapshot slots, which the budget or the system
-    may refuse); the others cannot fail. So the recurrent parts change first, each after a backup (``_clone``, in
-    its own budget: one state when not recording, R + 1 when recording); a refusal swaps the changed ones back
-    and re-raises, before any other part changed. Then the other parts change, and the layers' bookkeeping."""
-    parts = [p for layer in layers for p in layer._parts()]
-    fallible = [p for p in parts if p.kind == "linear_attention"]
-    changed = []
-    try:
-        for p in fallible:
-            backup = p._clone()
-            if r is None:
-                p.deactivate_past_recording()
-            else:
-                p.activate_past_recording(r)
-            changed.append((p, backup))
-    except BaseException:
-        for p, backup in reversed(changed):
-            p._swap(backup)
-        raise
-    for p in parts:
-        if p.kind != "linear_attention":
-            if r is None:
-                p.deactivate_past_recording()
-            else:
-                p.activate_past_recording(r)
-    for layer in layers:
-        layer._recording = r
-        if r is None:
-            layer._conv_shown = {}
 
 
 def _index_list(indices: Any) -> list[int]:
@@ -1043,8 +1006,9 @@ def _build_layer(layer_type: str, kwargs: dict) -> _RewindLayerBase:
 
 
 class Cache:
-    """A list of layers, one per model layer (transformers' ``Cache``); whole-cache operations check every layer
-    before any changes (crop and recording changes are all or nothing; docs/python.md, Known gaps)."""
+    """A list of layers, one per model layer (transformers' ``Cache``). Every whole-cache operation is one call of
+    rewind's C++ ``Cache`` over every layer's parts: it checks them all before it changes any, so an error leaves
+    every layer as it was."""
 
     def __init__(self, layers: list | None = None, layer_class_to_replicate: type | None = None,
                  offloading: bool = False, offload_only_non_sliding: bool = True) -> None:
@@ -1062,8 +1026,7 @@ class Cache:
         # Every layer's buffers count in the cache's budget (set_memory_budget).
         self._budget = _rw._Budget()
         for i, layer in enumerate(self.layers):
-            layer._set_index(i)
-            layer._budget.set_parent(self._budget)
+            self._adopt(layer, i)
         self.layer_class_to_replicate = layer_class_to_replicate
         self.offloading = offloading
         self._recording: int | None = None
@@ -1096,12 +1059,19 @@ class Cache:
                 window = torch.tensor(window)
             yield getattr(layer, "keys", None), getattr(layer, "values", None), window
 
+    def _adopt(self, layer: _RewindLayerBase, index: int) -> None:
+        layer._set_index(index)
+        layer._rehome(self._budget)
+
+    def _txn(self) -> Any:
+        """The C++ cache over every layer's parts (rwd::Cache): one transactional call per whole-cache operation."""
+        return _rw._Cache([p for layer in self.layers for p in layer._parts()], self._budget)
+
     def _layer(self, layer_idx: int, grow: bool = False) -> _RewindLayerBase:
         if grow and self.layer_class_to_replicate is not None:
             while len(self.layers) <= layer_idx:
                 layer = self.layer_class_to_replicate()
-                layer._set_index(len(self.layers))
-                layer._budget.set_parent(self._budget)
+                self._adopt(layer, len(self.layers))
                 if self._recording is not None:
                     layer.activate_past_recording(self._recording)
                 self.layers.append(layer)
@@ -1234,98 +1204,68 @@ class Cache:
         return states[state_idx]
 
     # ---- whole-cache operations (transactional) ----
-    def _stateful(self) -> list:
-        return [x for x in self.layers if not isinstance(x, StatelessLayer) and x._parts()]
-
-    def _check_layers_in_step(self, what: str) -> None:
-        layers = self._stateful()
-        lengths = {x._index: x.get_seq_length() for x in layers}
-        if len(set(lengths.values())) > 1:
-            detail = ", ".join(f"layer {i}: L={n}" for i, n in lengths.items())
-            raise _rw.StateError(
-                f"{what}: the layers are at different lengths ({detail}); a forward stopped halfway. "
-                "Finish it or reset() the cache"
-            )
-        for x in layers:
-            x._check_in_step(what)
-
     def check_crop(self, max_length: int) -> None:
         """Raises exactly what ``crop(max_length)`` would raise; changes nothing (rewind)."""
-        self._check_layers_in_step(f"crop({int(max_length)})")
+        n = int(max_length)
         for layer in self.layers:
-            layer.check_crop(max_length)
+            layer._check_crop_here(n)
+        self._txn().check_crop(n)
 
     def crop(self, max_length: int) -> None:
         """Transactional crop of every layer: negative removes that many tokens, 0 shrinks every layer to its
         minimal working state, positive (deprecated) keeps the first ``max_length`` tokens where every layer can."""
         n = int(max_length)
-        self.check_crop(n)
         for layer in self.layers:
-            layer._apply_crop(n)
+            layer._check_crop_here(n)
+        before = [layer.get_seq_length() for layer in self.layers]
+        self._txn().crop(n)
+        for layer, length in zip(self.layers, before):
+            layer._after_crop(n, length)
 
     def max_rollback(self) -> int:
         """Largest k for which ``crop(-k)`` is exact now, over every stateful layer (rewind)."""
-        self._check_layers_in_step("max_rollback")
-        values = [x.max_rollback() for x in self._stateful()]
-        return min(values) if values else 0
+        value = self._txn().max_rollback()
+        bounds = [b for b in (layer._exact_bound() for layer in self.layers) if b is not None]
+        return min([value] + bounds)
 
     def activate_past_recording(self, max_tokens: int | None = None) -> None:
         """Every layer keeps enough history to remove up to ``max_tokens`` tokens exactly
         (default DEFAULT_MAX_ROLLBACK); call before the first forward. All or nothing: a refusal (CapacityError:
         the budget or the system refused recurrent snapshot slots) leaves every layer as it was."""
         r = DEFAULT_MAX_ROLLBACK if max_tokens is None else int(max_tokens)
-        _change_recording(self.layers, r)
+        self._txn().activate_past_recording(r)
+        for layer in self.layers:
+            layer._set_recording(r)
         self._recording = r
 
     def deactivate_past_recording(self) -> None:
         """Stops recording in every layer and drops the history (all or nothing, as activate_past_recording)."""
-        _change_recording(self.layers, None)
+        self._txn().deactivate_past_recording()
+        for layer in self.layers:
+            layer._set_recording(None)
         self._recording = None
 
     def is_recording(self) -> bool:
         """True when every layer records."""
         return bool(self.layers) and all(x.is_recording() for x in self.layers)
 
-    def _check_batch(self, indices: list[int] | None, what: str, exact: bool = False) -> None:
-        for layer in self.layers:
-            if indices is not None:
-                layer._check_indices(indices, what)
-                if exact:
-                    for p in layer._parts():
-                        if len(indices) != p.batch_size():
-                            raise _rw.InvalidArgument(
-                                f"{what}: beam_idx has {len(indices)} entries for batch size {p.batch_size()} "
-                                f"{layer._where()}"
-                            )
-
     def reorder_cache(self, beam_idx: Any) -> None:
         """Row i of every layer becomes old row ``beam_idx[i]``."""
-        idx = _index_list(beam_idx)
-        self._check_layers_in_step("reorder_cache")
-        self._check_batch(idx, "reorder_cache", exact=True)
-        for layer in self.layers:
-            layer.reorder_cache(idx)
+        self._txn().reorder_cache(_index_list(beam_idx))
 
     def batch_select_indices(self, indices: Any) -> None:
         """Keeps batch rows ``indices`` of every layer."""
-        idx = _index_list(indices)
-        self._check_layers_in_step("batch_select_indices")
-        self._check_batch(idx, "batch_select_indices")
-        for layer in self.layers:
-            layer.batch_select_indices(idx)
+        self._txn().batch_select_indices(_index_list(indices))
 
     def batch_repeat_interleave(self, repeats: int) -> None:
         """Repeats every batch row ``repeats`` times in every layer."""
-        if int(repeats) < 1:
-            raise _rw.InvalidArgument(f"batch_repeat_interleave: repeats must be >= 1, got {repeats}")
-        self._check_layers_in_step("batch_repeat_interleave")
-        for layer in self.layers:
-            layer.batch_repeat_interleave(repeats)
+        self._txn().batch_repeat_interleave(int(repeats))
 
     def reset(self) -> None:
         """Every layer back to empty (L = 0); configuration and recording stay."""
+        self._txn().reset()
         for layer in self.layers:
-            layer.reset()
+            layer._after_reset()
 
     def memory(self) -> dict:
         """Bytes reserved and used, per layer and in total (rewind's memory report)."""
@@ -1352,8 +1292,7 @@ class Cache:
 
     def shrink_to_fit(self) -> None:
         """Releases the slack of every grown buffer now; changes no content."""
-        for layer in self.layers:
-            layer.shrink_to_fit()
+        self._txn().shrink_to_fit()
 
     # ---- properties ----
     @property
@@ -1474,6 +1413,10 @@ class EncoderDecoderCache(Cache):
                 f"One of the two arguments is not a Cache: {type(caches[0]) = }, {type(caches[1]) = }"
             )
         self.self_attention_cache, self.cross_attention_cache = caches
+        # One budget for both parts: the batch operations allocate for both in one C++ call.
+        for layer in self.cross_attention_cache.layers:
+            layer._rehome(self.self_attention_cache._budget)
+        self.cross_attention_cache._budget = self.self_attention_cache._budget
         self.is_updated = {
             i: bool(self.cross_attention_cache.get_seq_length(i) > 0) for i in range(len(self.cross_attention_cache))
         }
@@ -1526,42 +1469,32 @@ class EncoderDecoderCache(Cache):
         """Records past states in the self-attention part (the cross part is never cropped)."""
         self.self_attention_cache.activate_past_recording(max_tokens)
 
-    def _both(self, name: str, idx: list[int] | None, exact: bool = False) -> None:
-        for c in (self.self_attention_cache, self.cross_attention_cache):
-            c._check_layers_in_step(name)
-            c._check_batch(idx, name, exact)
-
     def reorder_cache(self, beam_idx: Any) -> None:
-        """Reorders the batch rows of both parts (both checked first)."""
-        idx = _index_list(beam_idx)
-        self._both("reorder_cache", idx, exact=True)
-        self.self_attention_cache.reorder_cache(idx)
-        self.cross_attention_cache.reorder_cache(idx)
+        """Reorders the batch rows of both parts (rwd::EncoderDecoderCache: both or neither)."""
+        _rw._encoder_decoder_reorder_cache(self.self_attention_cache._txn(), self.cross_attention_cache._txn(),
+                                           _index_list(beam_idx))
 
     def batch_select_indices(self, indices: Any) -> None:
-        """Keeps batch rows of both parts (both checked first)."""
-        idx = _index_list(indices)
-        self._both("batch_select_indices", idx)
-        self.self_attention_cache.batch_select_indices(idx)
-        self.cross_attention_cache.batch_select_indices(idx)
+        """Keeps batch rows of both parts (both or neither)."""
+        _rw._encoder_decoder_batch_select_indices(self.self_attention_cache._txn(),
+                                                  self.cross_attention_cache._txn(), _index_list(indices))
 
     def batch_repeat_interleave(self, repeats: int) -> None:
-        """Repeats batch rows in both parts."""
-        if int(repeats) < 1:
-            raise _rw.InvalidArgument(f"batch_repeat_interleave: repeats must be >= 1, got {repeats}")
-        self._both("batch_repeat_interleave", None)
-        self.self_attention_cache.batch_repeat_interleave(repeats)
-        self.cross_attention_cache.batch_repeat_interleave(repeats)
+        """Repeats batch rows in both parts (both or neither)."""
+        _rw._encoder_decoder_batch_repeat_interleave(self.self_attention_cache._txn(),
+                                                     self.cross_attention_cache._txn(), int(repeats))
 
     def reset(self) -> None:
-        """Empties both parts; is_updated becomes False everywhere."""
-        self.self_attention_cache.reset()
-        self.cross_attention_cache.reset()
+        """Empties both parts (both or neither); is_updated becomes False everywhere."""
+        _rw._encoder_decoder_reset(self.self_attention_cache._txn(), self.cross_attention_cache._txn())
+        for c in (self.self_attention_cache, self.cross_attention_cache):
+            for layer in c.layers:
+                layer._after_reset()
         for i in self.is_updated:
             self.is_updated[i] = False
 
     def set_memory_budget(self, bytes: int) -> None:
-        """Caps the self-attention part (the cross-attention part is written once)."""
+        """Caps both parts together (they share one budget)."""
         self.self_attention_cache.set_memory_budget(bytes)
 
     def memory(self) -> dict:

@@ -79,6 +79,24 @@ Cache::Cache(std::vector<Layer> layers) : impl_(std::make_unique<Impl>()) {
   for (std::size_t i = 0; i < state().layers.size(); ++i) state().layers[i].set_index(static_cast<int>(i));
 }
 
+Cache Cache::adopt(std::vector<Layer> layers) {
+  if (layers.empty()) {
+    throw InvalidArgument("Cache::adopt(layers): the list is empty; a cache needs one layer per model layer");
+  }
+  Cache c;
+  c.impl_ = std::make_unique<Impl>();
+  c.state().layers = std::move(layers);
+  return c;
+}
+
+std::vector<Layer> Cache::release_layers() {
+  Impl& c = state();
+  if (c.busy()) c.check_whole("release_layers");
+  std::vector<Layer> out = std::move(c.layers);
+  impl_.reset();
+  return out;
+}
+
 Cache::~Cache() = default;
 Cache::Cache(Cache&&) noexcept = default;
 Cache& Cache::operator=(Cache&& other) noexcept = default;

@@ -86,7 +86,9 @@ struct Cache::Impl {
     for (std::size_t i = 0; i < layers.size(); ++i) {
       const Layer::Impl& impl = *layers[i].impl_;
       if (impl.stateless()) continue;
-      lengths += (lengths.empty() ? "" : ", ") + std::string("layer ") + std::to_string(i) + ": " +
+      // An adopted layer keeps its own index (several may share one).
+      const int index = impl.index >= 0 ? impl.index : static_cast<int>(i);
+      lengths += (lengths.empty() ? "" : ", ") + std::string("layer ") + std::to_string(index) + ": " +
                  std::to_string(impl.length()) + (impl.in_step() ? "" : " (its parts differ)");
     }
     throw StateError(operation + " needs every stateful layer at the same length, but they are out of step (" +

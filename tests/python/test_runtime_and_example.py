@@ -65,6 +65,11 @@ def test_generate_greedy_equals_speculative(target, draft):
     assert len(sstats["drafted_at"]) == 4 and sum(sstats["drafted_at"]) == sstats["drafted"]
     assert sum(sstats["accepted_at"]) == sstats["accepted"]
     assert stats["drafted_at"] == [] and stats["accepted_at"] == []
+    # the CLI's --stats keys (GenerationStats::to_json), values consistent with each other
+    assert 0 < stats["time_to_first_token_s"] <= stats["seconds"]
+    assert stats["tokens_per_second"] == pytest.approx(40 / stats["seconds"])
+    assert sstats["acceptance_rate"] == pytest.approx(sstats["accepted"] / sstats["drafted"])
+    assert len(sstats["acceptance_at"]) == 4 and stats["threads"] >= 1
     look, _ = target.generate(prompt, max_new_tokens=40, stop_at_eos=False, lookup=3, adaptive=True)
     assert look == plain
     text = target.decode(plain)
@@ -166,7 +171,7 @@ def test_generate_batch_equals_solo_generation(target, draft):
     prompts = ["And the LORD said", "In the beginning", "Blessed are"]
     solo = [target.generate(p, max_new_tokens=24, stop_at_eos=False)[0] for p in prompts]
     out, stats = target.generate_batch(prompts, max_new_tokens=24, stop_at_eos=False, max_batch=2)
-    assert out == solo and stats["new_tokens"] == 72 and len(stats["sequences"]) == 3
+    assert out == solo and stats["new_tokens"] == 72 and stats["sequences"] == 3 and len(stats["per_sequence"]) == 3
     spec, _ = target.generate_batch(prompts, max_new_tokens=24, stop_at_eos=False, draft=draft, num_draft=3)
     assert spec == solo
     look, _ = target.generate_batch(prompts, max_new_tokens=24, stop_at_eos=False, lookup=2)
