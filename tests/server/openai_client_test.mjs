@@ -1,0 +1,132 @@
+// `rewind serve` driven by the official OpenAI client (the `openai` npm
+// package pinned by package-lock.json): starts the server on a free port of
+// 127.0.0.1, checks completions with and without streaming against
+// `rewind generate` on the same prompt, the error statuses the client maps
+// to its error classes, concurrent streams, and that SIGTERM drains and
+// exits 0.
+//
+//   node tests/server/openai_client_test.mjs REWIND_BINARY MODEL_DIR
+//
+// Exits 77 (ctest's SKIP_RETURN_CODE) when tests/server/node_modules has no
+// openai package (`cd tests/server && npm ci --no-audit --no-fund` installs it).
+import assert from 'node:assert/strict';
+import { execFileSync, spawn } from 'node:child_process';
+import { existsSync } from 'node:fs';
+import { dirname, join } from 'node:path';
+import { fileURLToPath } from 'node:url';
+
+const here = dirname(fileURLToPath(import.meta.url));
+if (!existsSync(join(here, 'node_modules', 'openai'))) {
+  console.log('skipped: tests/server/node_modules/openai is not installed (cd tests/server && npm ci)');
+  process.exit(77);
+}
+const { default: OpenAI } = await import('openai');
+
+const [rewind, modelDir] = process.argv.slice(2);
+if (!rewind || !modelDir) {
+  console.error('usage: node openai_client_test.mjs REWIND_BINARY MODEL_DIR');
+  process.exit(2);
+}
+
+// What `rewind generate` prints for the prompt alone (greedy), without its final newline.
+function solo(prompt, n) {
+  const out = execFileSync(rewind, ['generate', '-m', modelDir, '-p', prompt, '-n', String(n)]).toString();
+  return out.endsWith('\n') ? out.slice(0, -1) : out;
+}
+
+const server = spawn(rewind, ['serve', '-m', modelDir, '--port', '0', '--max-batch', '3'], {
+  stdio: ['ignore', 'ignore', 'pipe'],
+});
+let serverLog = '';
+const exited = new Promise((resolve) => server.on('exit', (code, signal) => resolve({ code, signal })));
+const port = await new Promise((resolve, reject) => {
+  server.stderr.on('data', (d) => {
+    serverLog += d;
+    const m = serverLog.match(/http:\/\/[^\s:]+:(\d+)/);
+    if (m) resolve(Number(m[1]));
+  });
+  exited.then(({ code }) => reject(new Error(`rewind serve exited (${code}) before listening:\n${serverLog}`)));
+});
+
+const client = new OpenAI({ baseURL: `http://127.0.0.1:${port}/v1`, apiKey: 'unused', maxRetries: 0 });
+const model = 'kjv-hybrid';
+let checks = 0;
+
+async function streamText(params) {
+  const stream = await client.completions.create({ ...params, stream: true, stream_options: { include_usage: true } });
+  let text = '';
+  let finish = null;
+  let usage = null;
+  for await (const chunk of stream) {
+    for (const choice of chunk.choices) {
+      text += choice.text;
+      if (choice.finish_reason) finish = choice.finish_reason;
+    }
+    if (chunk.usage && chunk.choices.length === 0) usage = chunk.usage;
+  }
+  return { text, finish, usage };
+}
+
+try {
+  const models = await client.models.list();
+  assert.deepEqual(
+    models.data.map((m) => m.id),
+    [model],
+  );
+  ++checks;
+
+  const prompts = ['In the beginning', 'And God said, Let there be light', 'The LORD is my shepherd;', 'Blessed are'];
+  const expected = prompts.map((p) => solo(p, 32));
+
+  const r = await client.completions.create({ model, prompt: prompts[0], max_tokens: 32, temperature: 0 });
+  assert.equal(r.object, 'text_completion');
+  assert.equal(r.choices[0].text, expected[0]);
+  assert.equal(r.usage.completion_tokens, 32);
+  assert.equal(r.usage.total_tokens, r.usage.prompt_tokens + 32);
+  ++checks;
+
+  const s = await streamText({ model, prompt: prompts[1], max_tokens: 32, temperature: 0 });
+  assert.equal(s.text, expected[1]);
+  assert.equal(s.finish, 'length');
+  assert.equal(s.usage.completion_tokens, 32);
+  ++checks;
+
+  // More concurrent streams than --max-batch: some wait and join the batch.
+  const all = await Promise.all(
+    [...prompts, ...prompts].map((prompt) => streamText({ model, prompt, max_tokens: 32, temperature: 0 })),
+  );
+  all.forEach((res, i) => assert.equal(res.text, expected[i % prompts.length], `concurrent stream ${i}`));
+  ++checks;
+
+  const stop = expected[0].slice(10, 13);
+  const cut = await client.completions.create({ model, prompt: prompts[0], max_tokens: 32, temperature: 0, stop: [stop] });
+  assert.equal(cut.choices[0].text, expected[0].slice(0, expected[0].indexOf(stop)));
+  assert.equal(cut.choices[0].finish_reason, 'stop');
+  ++checks;
+
+  await assert.rejects(client.completions.create({ model: 'no-such-model', prompt: 'x' }), (e) => {
+    assert.ok(e instanceof OpenAI.NotFoundError, String(e));
+    assert.equal(e.code, 'model_not_found');
+    return true;
+  });
+  await assert.rejects(client.completions.create({ model, prompt: 'x', max_tokens: 'many' }), (e) => {
+    assert.ok(e instanceof OpenAI.BadRequestError, String(e));
+    assert.equal(e.param, 'max_tokens');
+    return true;
+  });
+  await assert.rejects(
+    client.chat.completions.create({ model, messages: [{ role: 'user', content: 'hi' }] }),
+    (e) => {
+      assert.ok(e instanceof OpenAI.BadRequestError, String(e));
+      assert.equal(e.code, 'chat_template_unsupported');
+      return true;
+    },
+  );
+  ++checks;
+} finally {
+  server.kill('SIGTERM');
+}
+const { code, signal } = await exited;
+assert.equal(signal, null, `rewind serve died of ${signal}:\n${serverLog}`);
+assert.equal(code, 0, `rewind serve exited ${code} after SIGTERM:\n${serverLog}`);
+console.log(`ok: ${checks + 1} checks against rewind serve on port ${port}`);

@@ -1,0 +1,545 @@
+// rewind serve: the server started in-process on 127.0.0.1 (a free port)
+// over the shipped model, driven through HTTP by httplib's client. Every
+// greedy or seeded response is compared with runtime::generate() on the
+// same prompt alone.
+#include <gtest/gtest.h>
+
+#include <httplib.h>
+#include <omp.h>
+
+#include <atomic>
+#include <chrono>
+#include <memory>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "rewind/error.h"
+#include "runtime/generate.h"
+#include "runtime/model.h"
+#include "runtime/tokenizer.h"
+#include "server/server.h"
+
+namespace {
+
+using json = nlohmann::json;
+using rwd::runtime::GenerationOptions;
+using rwd::runtime::Model;
+using rwd::runtime::Tokenizer;
+using rwd::server::Server;
+using rwd::server::ServerOptions;
+
+std::string model_dir() { return std::string(REWIND_SOURCE_DIR) + "/models/kjv-hybrid"; }
+
+// What generate() gives for one prompt alone.
+struct Solo {
+  std::vector<std::int32_t> prompt;
+  std::vector<std::int32_t> tokens;
+  std::string text;
+};
+
+class ServerTest : public ::testing::Test {
+ protected:
+  static void SetUpTestSuite() {
+    // One OpenMP thread for the test's own decoding and the server's: two
+    // teams spinning at their barriers on a loaded machine take turns for
+    // each core (correctness does not depend on it: batch invariance).
+    omp_set_num_threads(1);
+    model_ = new Model(Model::load(model_dir()));
+    tokenizer_ = new Tokenizer(rwd::runtime::tokenizer_for_model(model_dir(), model_->config()));
+    ServerOptions o;
+    o.model_dir = model_dir();
+    o.port = 0;
+    o.max_batch = 4;  // fewer than the concurrent test's clients: some wait and join
+    o.max_body_bytes = 256 * 1024;
+    o.max_prefill_rows = 16;  // long prompts go in several rounds, beside decoding sequences
+    o.threads = 1;
+    server_ = new Server(o);
+    port_ = server_->start();
+  }
+  static void TearDownTestSuite() {
+    delete server_;
+    delete tokenizer_;
+    delete model_;
+  }
+
+  static Solo solo(const std::string& text, std::int64_t max_tokens, float temperature = 0.0f,
+                   std::uint64_t seed = 0) {
+    Solo s;
+    s.prompt = tokenizer_->encode(text, true);
+    GenerationOptions options;
+    options.max_new_tokens = max_tokens;
+    options.sampling.temperature = temperature;
+    options.sampling.seed = seed;
+    s.tokens = rwd::runtime::generate(*model_, s.prompt, options);
+    s.text = tokenizer_->decode(s.tokens, true);
+    return s;
+  }
+
+  static httplib::Result post(const std::string& path, const std::string& body) {
+    httplib::Client client("127.0.0.1", port_);
+    client.set_read_timeout(120, 0);
+    return client.Post(path.c_str(), body, "application/json");
+  }
+  static json post_json(const std::string& path, const json& body, int expected_status) {
+    const auto res = post(path, body.dump());
+    EXPECT_TRUE(res) << "no response from " << path;
+    if (!res) return {};
+    EXPECT_EQ(res->status, expected_status) << res->body;
+    return json::parse(res->body);
+  }
+
+  // The data lines of an SSE body, without "data: ".
+  static std::vector<std::string> events(const std::string& body) {
+    std::vector<std::string> out;
+    std::size_t at = 0;
+    while (at < body.size()) {
+      const std::size_t end = body.find("\n\n", at);
+      EXPECT_NE(end, std::string::npos) << "an event without its blank line: " << body.substr(at);
+      if (end == std::string::npos) break;
+      const std::string event = body.substr(at, end - at);
+      EXPECT_EQ(event.rfind("data: ", 0), 0u) << event;
+      out.push_back(event.substr(6));
+      at = end + 2;
+    }
+    return out;
+  }
+
+  // Checks an OpenAI-style error body.
+  static void expect_error(const httplib::Result& res, int status, const std::string& param, const std::string& code) {
+    ASSERT_TRUE(res);
+    EXPECT_EQ(res->status, status) << res->body;
+    const json j = json::parse(res->body);
+    ASSERT_TRUE(j.contains("error")) << res->body;
+    const json& e = j["error"];
+    EXPECT_TRUE(e["message"].is_string());
+    EXPECT_FALSE(e["message"].get<std::string>().empty());
+    EXPECT_TRUE(e["type"].is_string());
+    EXPECT_TRUE(e.contains("param"));
+    EXPECT_TRUE(e.contains("code"));
+    if (param.empty()) {
+      EXPECT_TRUE(e["param"].is_null()) << res->body;
+    } else {
+      EXPECT_EQ(e["param"], param) << res->body;
+    }
+    if (!code.empty()) {
+      EXPECT_EQ(e["code"], code) << res->body;
+    }
+  }
+
+  static Model* model_;
+  static Tokenizer* tokenizer_;
+  static Server* server_;
+  static int port_;
+};
+
+Model* ServerTest::model_ = nullptr;
+Tokenizer* ServerTest::tokenizer_ = nullptr;
+Server* ServerTest::server_ = nullptr;
+int ServerTest::port_ = 0;
+
+const char* const kPrompts[] = {
+    "In the beginning",
+    "And God said, Let there be light",
+    "The LORD is my shepherd; I shall not want.",
+    "And it came to pass, when men began to multiply on the face of the earth, and daughters were born unto them,",
+    "Blessed are",
+    "For God so loved the world",
+    "A",
+    "Now the serpent was more subtil than any beast of the field which the LORD God had made.",
+};
+
+TEST_F(ServerTest, HealthAndModels) {
+  httplib::Client client("127.0.0.1", port_);
+  const auto health = client.Get("/health");
+  ASSERT_TRUE(health);
+  EXPECT_EQ(health->status, 200);
+  EXPECT_EQ(json::parse(health->body)["status"], "ok");
+  const auto models = client.Get("/v1/models");
+  ASSERT_TRUE(models);
+  ASSERT_EQ(models->status, 200);
+  const json j = json::parse(models->body);
+  EXPECT_EQ(j["object"], "list");
+  ASSERT_EQ(j["data"].size(), 1u);
+  EXPECT_EQ(j["data"][0]["id"], "kjv-hybrid");
+  EXPECT_EQ(j["data"][0]["object"], "model");
+  EXPECT_EQ(server_->model_name(), "kjv-hybrid");
+}
+
+TEST_F(ServerTest, GreedyCompletionEqualsGenerateAlone) {
+  for (const char* prompt : {kPrompts[0], kPrompts[3]}) {
+    const Solo s = solo(prompt, 40);
+    const json j = post_json("/v1/completions",
+                             {{"model", "kjv-hybrid"}, {"prompt", prompt}, {"max_tokens", 40}, {"temperature", 0}}, 200);
+    EXPECT_EQ(j["object"], "text_completion");
+    EXPECT_EQ(j["model"], "kjv-hybrid");
+    ASSERT_EQ(j["choices"].size(), 1u);
+    EXPECT_EQ(j["choices"][0]["text"], s.text) << prompt;
+    const bool eos = !s.tokens.empty() && model_->config().is_eos(s.tokens.back());
+    EXPECT_EQ(j["choices"][0]["finish_reason"], eos ? "stop" : "length");
+    EXPECT_EQ(j["usage"]["prompt_tokens"], s.prompt.size());
+    EXPECT_EQ(j["usage"]["completion_tokens"], s.tokens.size());
+    EXPECT_EQ(j["usage"]["total_tokens"], s.prompt.size() + s.tokens.size());
+  }
+}
+
+TEST_F(ServerTest, TokenListPromptEqualsItsText) {
+  const Solo s = solo(kPrompts[1], 24);
+  const json j = post_json("/v1/completions", {{"prompt", s.prompt}, {"max_tokens", 24}, {"temperature", 0}}, 200);
+  EXPECT_EQ(j["choices"][0]["text"], s.text);
+  EXPECT_EQ(j["usage"]["prompt_tokens"], s.prompt.size());
+}
+
+TEST_F(ServerTest, SeededSamplingIsReproducibleAndEqualsGenerate) {
+  const Solo s = solo(kPrompts[2], 32, 0.8f, 1234);
+  const json body = {{"prompt", kPrompts[2]}, {"max_tokens", 32}, {"temperature", 0.8}, {"seed", 1234}};
+  const json a = post_json("/v1/completions", body, 200);
+  const json b = post_json("/v1/completions", body, 200);
+  EXPECT_EQ(a["choices"][0]["text"], s.text);
+  EXPECT_EQ(b["choices"][0]["text"], s.text);
+  const Solo greedy = solo(kPrompts[2], 32);
+  EXPECT_NE(s.text, greedy.text) << "temperature 0.8 should sample another continuation for this prompt";
+}
+
+TEST_F(ServerTest, StreamingChunksConcatenateToTheSoloText) {
+  const Solo s = solo(kPrompts[0], 40);
+  const auto res = post("/v1/completions", json{{"prompt", kPrompts[0]},
+                                                {"max_tokens", 40},
+                                                {"temperature", 0},
+                                                {"stream", true},
+                                                {"stream_options", {{"include_usage", true}}}}
+                                               .dump());
+  ASSERT_TRUE(res);
+  ASSERT_EQ(res->status, 200) << res->body;
+  EXPECT_EQ(res->get_header_value("Content-Type"), "text/event-stream");
+  const std::vector<std::string> ev = events(res->body);
+  ASSERT_GE(ev.size(), 3u);  // text chunks, the finish chunk, the usage chunk, [DONE]
+  EXPECT_EQ(ev.back(), "[DONE]");
+  std::string text;
+  for (std::size_t i = 0; i + 2 < ev.size(); ++i) {
+    const json c = json::parse(ev[i]);
+    EXPECT_EQ(c["object"], "text_completion");
+    text += c["choices"][0]["text"].get<std::string>();
+    if (i + 3 < ev.size()) {
+      EXPECT_TRUE(c["choices"][0]["finish_reason"].is_null());
+    }
+  }
+  EXPECT_EQ(text, s.text);
+  const json last = json::parse(ev[ev.size() - 3]);
+  EXPECT_EQ(last["choices"][0]["finish_reason"], "length");
+  const json usage = json::parse(ev[ev.size() - 2]);
+  EXPECT_TRUE(usage["choices"].empty());
+  EXPECT_EQ(usage["usage"]["completion_tokens"], s.tokens.size());
+  EXPECT_EQ(usage["usage"]["prompt_tokens"], s.prompt.size());
+}
+
+TEST_F(ServerTest, StopStringsCutAcrossTokensAndAreNeverEmitted) {
+  const Solo s = solo(kPrompts[0], 60);
+  ASSERT_GE(s.text.size(), 30u);
+  // Byte-level model: a 3-character stop spans 3 tokens.
+  const std::string stop = s.text.substr(20, 3);
+  const std::string expected = s.text.substr(0, s.text.find(stop));
+  const json j = post_json("/v1/completions",
+                           {{"prompt", kPrompts[0]}, {"max_tokens", 60}, {"temperature", 0}, {"stop", {"zzzz", stop}}},
+                           200);
+  EXPECT_EQ(j["choices"][0]["text"], expected);
+  EXPECT_EQ(j["choices"][0]["finish_reason"], "stop");
+  EXPECT_LT(j["usage"]["completion_tokens"].get<std::size_t>(), s.tokens.size());
+
+  const auto res = post("/v1/completions", json{{"prompt", kPrompts[0]},
+                                                {"max_tokens", 60},
+                                                {"temperature", 0},
+                                                {"stop", stop},
+                                                {"stream", true}}
+                                               .dump());
+  ASSERT_TRUE(res);
+  const std::vector<std::string> ev = events(res->body);
+  ASSERT_GE(ev.size(), 2u);
+  EXPECT_EQ(ev.back(), "[DONE]");
+  std::string text;
+  for (std::size_t i = 0; i + 1 < ev.size(); ++i) text += json::parse(ev[i])["choices"][0]["text"].get<std::string>();
+  EXPECT_EQ(text, expected);
+  EXPECT_EQ(json::parse(ev[ev.size() - 2])["choices"][0]["finish_reason"], "stop");
+}
+
+TEST_F(ServerTest, ConcurrentRequestsEachEqualTheirSoloDecoding) {
+  constexpr int kClients = 8;
+  std::vector<Solo> expected;
+  for (int i = 0; i < kClients; ++i) expected.push_back(solo(kPrompts[i], 30 + 3 * i));
+  std::vector<std::string> got(kClients);
+  std::vector<std::thread> threads;
+  for (int i = 0; i < kClients; ++i) {
+    threads.emplace_back([&, i] {
+      const bool stream = i % 2 == 1;
+      const auto res = post("/v1/completions", json{{"prompt", kPrompts[i]},
+                                                    {"max_tokens", 30 + 3 * i},
+                                                    {"temperature", 0},
+                                                    {"stream", stream}}
+                                                   .dump());
+      if (!res || res->status != 200) return;
+      if (!stream) {
+        got[i] = json::parse(res->body)["choices"][0]["text"];
+        return;
+      }
+      for (const std::string& e : events(res->body)) {
+        if (e != "[DONE]") got[i] += json::parse(e)["choices"][0]["text"].get<std::string>();
+      }
+    });
+  }
+  for (std::thread& t : threads) t.join();
+  for (int i = 0; i < kClients; ++i) EXPECT_EQ(got[i], expected[i].text) << "client " << i;
+}
+
+TEST_F(ServerTest, ClientThatLeavesMidStreamHasItsSequenceRemoved) {
+  const rwd::server::ServerCounters before = server_->counters();
+  httplib::Client client("127.0.0.1", port_);
+  httplib::Request req;
+  req.method = "POST";
+  req.path = "/v1/completions";
+  req.set_header("Content-Type", "application/json");
+  req.body = json{{"prompt", kPrompts[0]}, {"max_tokens", 3000}, {"temperature", 0}, {"stream", true}}.dump();
+  int chunks = 0;
+  req.content_receiver = [&](const char*, std::size_t, std::uint64_t, std::uint64_t) { return ++chunks < 2; };
+  client.send(req);  // the receiver's false closes the connection
+  EXPECT_EQ(chunks, 2);
+  // The server notices at its next write; wait for the decode loop to drop it.
+  rwd::server::ServerCounters now;
+  for (int i = 0; i < 6000; ++i) {
+    now = server_->counters();
+    if (now.cancelled > before.cancelled && now.live_sequences == 0) break;
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  EXPECT_GT(now.cancelled, before.cancelled);
+  EXPECT_EQ(now.live_sequences, 0);
+  EXPECT_EQ(now.running, 0);
+  EXPECT_LT(now.generated_tokens - before.generated_tokens, 3000) << "the sequence ran to its end";
+}
+
+TEST_F(ServerTest, MalformedRequestsGetOpenAIErrors) {
+  expect_error(post("/v1/completions", "{\"prompt\": \"x\", "), 400, "", "invalid_json");
+  expect_error(post("/v1/completions", "[1, 2]"), 400, "", "invalid_json");
+  const auto bad = [&](const json& body, const std::string& param) {
+    SCOPED_TRACE(body.dump());
+    expect_error(post("/v1/completions", body.dump()), 400, param, "");
+  };
+  bad({{"prompt", "x"}, {"max_tokens", "ten"}}, "max_tokens");
+  bad({{"prompt", "x"}, {"max_tokens", 1.5}}, "max_tokens");
+  bad({{"prompt", "x"}, {"max_tokens", -1}}, "max_tokens");
+  bad({{"prompt", "x"}, {"temperature", "hot"}}, "temperature");
+  bad({{"prompt", "x"}, {"temperature", 3}}, "temperature");
+  bad({{"prompt", "x"}, {"top_p", 0}}, "top_p");
+  bad({{"prompt", "x"}, {"top_k", true}}, "top_k");
+  bad({{"prompt", "x"}, {"seed", "7"}}, "seed");
+  bad({{"prompt", "x"}, {"stream", "yes"}}, "stream");
+  bad({{"prompt", "x"}, {"stop", 5}}, "stop");
+  bad({{"prompt", "x"}, {"stop", {"a", 1}}}, "stop");
+  bad({{"prompt", "x"}, {"stop", ""}}, "stop");
+  bad({{"prompt", "x"}, {"n", 2}}, "n");
+  bad({{"prompt", 5}}, "prompt");
+  bad({{"prompt", json::array()}}, "prompt");
+  bad({{"prompt", {1, 2, 100000}}}, "prompt");
+  bad({{"prompt", {1, -2}}}, "prompt");
+  bad({{"max_tokens", 4}}, "prompt");
+  bad({{"prompt", "x"}, {"model", 7}}, "model");
+  expect_error(post("/v1/completions", json{{"prompt", "x"}, {"model", "gpt-4"}}.dump()), 404, "model",
+               "model_not_found");
+  // Past the context (4096 for a config without max_position_embeddings).
+  expect_error(post("/v1/completions", json{{"prompt", std::vector<int>(5000, 65)}, {"max_tokens", 1}}.dump()), 400,
+               "prompt", "context_length_exceeded");
+  expect_error(post("/v1/completions", json{{"prompt", "In"}, {"max_tokens", 4096}}.dump()), 400, "max_tokens",
+               "context_length_exceeded");
+  // Past max_body_bytes (256 KiB here).
+  expect_error(post("/v1/completions", json{{"prompt", std::string(300 * 1024, 'a')}}.dump()), 413, "",
+               "request_too_large");
+  expect_error(post("/v1/nothing", "{}"), 404, "", "unknown_endpoint");
+  expect_error(post("/v1/chat/completions", json{{"messages", {{{"role", "user"}, {"content", "hi"}}}}}.dump()), 400,
+               "messages", "chat_template_unsupported");
+  expect_error(post("/v1/chat/completions", "{"), 400, "", "invalid_json");
+  // Nothing refused left anything behind.
+  const rwd::server::ServerCounters c = server_->counters();
+  EXPECT_EQ(c.live_sequences, 0);
+  EXPECT_EQ(c.waiting, 0);
+}
+
+TEST_F(ServerTest, UnknownFieldsAreIgnoredAndNullMeansUnset) {
+  const Solo s = solo(kPrompts[4], 12);
+  const json j = post_json("/v1/completions",
+                           {{"prompt", kPrompts[4]},
+                            {"max_tokens", 12},
+                            {"temperature", 0},
+                            {"frequency_penalty", 0},
+                            {"user", "someone"},
+                            {"top_p", nullptr},
+                            {"stop", nullptr},
+                            {"something_new", {{"nested", true}}}},
+                           200);
+  EXPECT_EQ(j["choices"][0]["text"], s.text);
+}
+
+TEST_F(ServerTest, ZeroMaxTokensReturnsNothing) {
+  const json j = post_json("/v1/completions", {{"prompt", kPrompts[0]}, {"max_tokens", 0}}, 200);
+  EXPECT_EQ(j["choices"][0]["text"], "");
+  EXPECT_EQ(j["choices"][0]["finish_reason"], "length");
+  EXPECT_EQ(j["usage"]["completion_tokens"], 0);
+}
+
+TEST_F(ServerTest, MetricsArePrometheusText) {
+  post_json("/v1/completions", {{"prompt", kPrompts[6]}, {"max_tokens", 5}, {"temperature", 0}}, 200);
+  httplib::Client client("127.0.0.1", port_);
+  const auto res = client.Get("/metrics");
+  ASSERT_TRUE(res);
+  EXPECT_EQ(res->status, 200);
+  for (const char* metric : {"rewind_http_requests_total ", "rewind_generated_tokens_total ", "rewind_queue_waiting ",
+                             "rewind_batch_running ", "# TYPE rewind_completions_total counter"}) {
+    EXPECT_NE(res->body.find(metric), std::string::npos) << metric << " in\n" << res->body;
+  }
+  EXPECT_GE(server_->counters().generated_tokens, 5);
+}
+
+// stop() drains: a stream under way runs to its end, then the server is gone.
+TEST(ServerLifecycle, StopDrainsTheStreamUnderWay) {
+  omp_set_num_threads(1);
+  ServerOptions o;
+  o.model_dir = model_dir();
+  o.port = 0;
+  o.threads = 1;
+  Server server(o);
+  const int port = server.start();
+  EXPECT_GT(port, 0);
+  EXPECT_THROW(server.start(), rwd::StateError);
+
+  const Model model = Model::load(model_dir());
+  const Tokenizer tokenizer = rwd::runtime::tokenizer_for_model(model_dir(), model.config());
+  GenerationOptions g;
+  g.max_new_tokens = 200;
+  const std::string expected = tokenizer.decode(rwd::runtime::generate(model, tokenizer.encode(kPrompts[0], true), g), true);
+
+  std::atomic<bool> first_chunk{false};
+  std::string body;
+  std::thread client_thread([&] {
+    httplib::Client client("127.0.0.1", port);
+    client.set_read_timeout(120, 0);
+    httplib::Request req;
+    req.method = "POST";
+    req.path = "/v1/completions";
+    req.set_header("Content-Type", "application/json");
+    req.body = json{{"prompt", kPrompts[0]}, {"max_tokens", 200}, {"temperature", 0}, {"stream", true}}.dump();
+    req.content_receiver = [&](const char* data, std::size_t n, std::uint64_t, std::uint64_t) {
+      body.append(data, n);
+      first_chunk = true;
+      return true;
+    };
+    client.send(req);
+    first_chunk = true;  // also when no chunk came: the wait below ends
+  });
+  while (!first_chunk) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  server.stop();
+  client_thread.join();
+  std::string text;
+  bool done = false;
+  std::size_t at = 0;
+  while (at < body.size()) {
+    const std::size_t end = body.find("\n\n", at);
+    ASSERT_NE(end, std::string::npos);
+    const std::string data = body.substr(at + 6, end - at - 6);
+    if (data == "[DONE]") {
+      done = true;
+    } else {
+      text += json::parse(data)["choices"][0]["text"].get<std::string>();
+    }
+    at = end + 2;
+  }
+  EXPECT_TRUE(done);
+  EXPECT_EQ(text, expected);
+  httplib::Client late("127.0.0.1", port);
+  EXPECT_FALSE(late.Get("/health")) << "the server still answers after stop()";
+  EXPECT_EQ(server.counters().live_sequences, 0);
+}
+
+// A full queue refuses with 429 and changes nothing: with one sequence
+// decoding (a stream held open) and one request waiting, a third is refused;
+// the waiting one then runs as it would alone.
+TEST(ServerLifecycle, FullQueueGets429) {
+  omp_set_num_threads(1);
+  ServerOptions o;
+  o.model_dir = model_dir();
+  o.port = 0;
+  o.threads = 1;
+  o.max_batch = 1;
+  o.queue_limit = 1;
+  o.context = 1 << 14;
+  Server server(o);
+  const int port = server.start();
+  const Model model = Model::load(model_dir());
+  const Tokenizer tokenizer = rwd::runtime::tokenizer_for_model(model_dir(), model.config());
+  GenerationOptions g;
+  g.max_new_tokens = 8;
+  const std::string expected = tokenizer.decode(rwd::runtime::generate(model, tokenizer.encode(kPrompts[2], true), g), true);
+  const auto post_to = [port](const json& body) {
+    httplib::Client client("127.0.0.1", port);
+    client.set_read_timeout(120, 0);
+    return client.Post("/v1/completions", body.dump(), "application/json");
+  };
+
+  std::atomic<bool> streaming{false}, release{false};
+  std::thread holder([&] {  // the sequence that keeps the batch full until released
+    httplib::Client client("127.0.0.1", port);
+    httplib::Request req;
+    req.method = "POST";
+    req.path = "/v1/completions";
+    req.set_header("Content-Type", "application/json");
+    req.body = json{{"prompt", kPrompts[0]}, {"max_tokens", 16000}, {"temperature", 0}, {"stream", true}}.dump();
+    req.content_receiver = [&](const char*, std::size_t, std::uint64_t, std::uint64_t) {
+      streaming = true;
+      return !release;
+    };
+    client.send(req);
+    streaming = true;
+  });
+  while (!streaming) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  std::string waiting_text;
+  std::thread waiter([&] {
+    const auto res = post_to({{"prompt", kPrompts[2]}, {"max_tokens", 8}, {"temperature", 0}});
+    if (res && res->status == 200) waiting_text = json::parse(res->body)["choices"][0]["text"];
+  });
+  for (int i = 0; i < 60000 && server.counters().waiting < 1; ++i) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  ASSERT_EQ(server.counters().waiting, 1);
+  const auto refused = post_to({{"prompt", "x"}, {"max_tokens", 1}});
+  ASSERT_TRUE(refused);
+  EXPECT_EQ(refused->status, 429) << refused->body;
+  EXPECT_EQ(json::parse(refused->body)["error"]["code"], "queue_full");
+  release = true;
+  holder.join();
+  waiter.join();
+  EXPECT_EQ(waiting_text, expected);
+}
+
+TEST(ServerLifecycle, BadOptionsAreRefused) {
+  ServerOptions o;
+  o.model_dir = model_dir();
+  o.max_batch = 0;
+  EXPECT_THROW(Server{o}, rwd::InvalidArgument);
+  o.max_batch = 1;
+  o.http_threads = 0;
+  EXPECT_THROW(Server{o}, rwd::InvalidArgument);
+  o.http_threads = 1;
+  o.queue_limit = 0;
+  EXPECT_THROW(Server{o}, rwd::InvalidArgument);
+  o.queue_limit = 1;
+  o.model_dir = model_dir() + "/does-not-exist";
+  EXPECT_THROW(Server{o}, rwd::Error);
+}
+
+TEST(ServerLifecycle, BusyPortIsRefused) {
+  ServerOptions o;
+  o.model_dir = model_dir();
+  o.port = 0;
+  Server first(o);
+  o.port = first.start();
+  Server second(o);
+  EXPECT_THROW(second.start(), rwd::InvalidArgument);
+}
+
+}  // namespace
