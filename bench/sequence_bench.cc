@@ -76,9 +76,6 @@
 #include "rewind/cache.h"
 #include "rewind/sequences.h"
 #include "bench_common.h"
-#include "runtime/decode_bench.h"  // median(): the one definition
-
-using rwd::runtime::median;
 
 namespace {
 

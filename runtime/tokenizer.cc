@@ -638,12 +638,44 @@ std::optional<std::int32_t> config_token(const json& config, const char* key, co
   return it->second;
 }
 
-void read_tokenizer_json(const json& root, const std::string& where, Tokenizer::Impl& t) {
-  if (!root.is_object()) throw FormatError(where + ": not a JSON object");
-  t.kind = TokenizerKind::Bpe;
-  t.where = where;
-  // The model: byte-level BPE.
-  const json& model = member(root, "model", where, "the file");
+// model.merges: each pair's rank and the token it makes.
+void read_merges(const json& model, const std::string& where, Tokenizer::Impl& t) {
+  const json& merges = member(model, "merges", where, "model");
+  if (!merges.is_array()) throw FormatError(where + ": model.merges must be a list");
+  t.merges.reserve(merges.size());
+  for (std::size_t r = 0; r < merges.size(); ++r) {
+    const json& m = merges[r];
+    std::string a, b;
+    if (m.is_string()) {
+      const std::string s = m.get<std::string>();
+      const std::size_t space = s.find(' ');
+      if (space == std::string::npos || s.find(' ', space + 1) != std::string::npos) {
+        throw FormatError(where + ": model.merges[" + std::to_string(r) + "] is " + show_string(s) +
+                          ", not two tokens separated by one space");
+      }
+      a = s.substr(0, space);
+      b = s.substr(space + 1);
+    } else if (m.is_array() && m.size() == 2 && m[0].is_string() && m[1].is_string()) {
+      a = m[0].get<std::string>();
+      b = m[1].get<std::string>();
+    } else {
+      throw FormatError(where + ": model.merges[" + std::to_string(r) + "] is " + m.dump() +
+                        ", neither \"a b\" nor [\"a\", \"b\"]");
+    }
+    const auto ia = t.ids.find(a), ib = t.ids.find(b), im = t.ids.find(a + b);
+    if (ia == t.ids.end() || ib == t.ids.end() || im == t.ids.end()) {
+      const std::string& missing = ia == t.ids.end() ? a : ib == t.ids.end() ? b : a + b;
+      throw FormatError(where + ": model.merges[" + std::to_string(r) + "] (" + show_string(a) + " " + show_string(b) +
+                        ") needs the token " + show_string(missing) + ", which model.vocab lacks");
+    }
+    // A repeated pair keeps its first (lowest) rank.
+    t.merges.emplace(pair_key(ia->second, ib->second), Merge{static_cast<std::int32_t>(r), im->second});
+  }
+}
+
+// model: a byte-level BPE model's vocabulary (every byte's token
+// included) and merge ranks.
+void read_bpe_model(const json& model, const std::string& where, Tokenizer::Impl& t) {
   const std::string model_type = model.value("type", std::string("BPE"));
   if (model_type != "BPE") unsupported(where, "model", "of type " + show_string(model_type) + " (only BPE)");
   if (flag(model, "byte_fallback", false, where, "model")) unsupported(where, "model.byte_fallback", "true");
@@ -678,39 +710,12 @@ void read_tokenizer_json(const json& root, const std::string& where, Tokenizer::
     }
     t.byte_id[b] = it->second;
   }
-  const json& merges = member(model, "merges", where, "model");
-  if (!merges.is_array()) throw FormatError(where + ": model.merges must be a list");
-  t.merges.reserve(merges.size());
-  for (std::size_t r = 0; r < merges.size(); ++r) {
-    const json& m = merges[r];
-    std::string a, b;
-    if (m.is_string()) {
-      const std::string s = m.get<std::string>();
-      const std::size_t space = s.find(' ');
-      if (space == std::string::npos || s.find(' ', space + 1) != std::string::npos) {
-        throw FormatError(where + ": model.merges[" + std::to_string(r) + "] is " + show_string(s) +
-                          ", not two tokens separated by one space");
-      }
-      a = s.substr(0, space);
-      b = s.substr(space + 1);
-    } else if (m.is_array() && m.size() == 2 && m[0].is_string() && m[1].is_string()) {
-      a = m[0].get<std::string>();
-      b = m[1].get<std::string>();
-    } else {
-      throw FormatError(where + ": model.merges[" + std::to_string(r) + "] is " + m.dump() +
-                        ", neither \"a b\" nor [\"a\", \"b\"]");
-    }
-    const auto ia = t.ids.find(a), ib = t.ids.find(b), im = t.ids.find(a + b);
-    if (ia == t.ids.end() || ib == t.ids.end() || im == t.ids.end()) {
-      const std::string& missing = ia == t.ids.end() ? a : ib == t.ids.end() ? b : a + b;
-      throw FormatError(where + ": model.merges[" + std::to_string(r) + "] (" + show_string(a) + " " + show_string(b) +
-                        ") needs the token " + show_string(missing) + ", which model.vocab lacks");
-    }
-    // A repeated pair keeps its first (lowest) rank.
-    t.merges.emplace(pair_key(ia->second, ib->second), Merge{static_cast<std::int32_t>(r), im->second});
-  }
+  read_merges(model, where, t);
+}
 
-  // Added tokens.
+// added_tokens: ids, contents and matching flags, and the tables that find
+// them in text (longest first).
+void read_added_tokens(const json& root, const std::string& where, Tokenizer::Impl& t) {
   if (root.contains("added_tokens") && !root.at("added_tokens").is_null()) {
     const json& list = root.at("added_tokens");
     if (!list.is_array()) throw FormatError(where + ": added_tokens must be a list");
@@ -764,7 +769,10 @@ void read_tokenizer_json(const json& root, const std::string& where, Tokenizer::
     }
   }
   t.word_char = compile_regex("[\\p{L}\\p{N}_]", where + " (single_word)");
+}
 
+// normalizer, pre_tokenizer, decoder and post_processor.
+void read_pipeline(const json& root, const std::string& where, Tokenizer::Impl& t) {
   // Normalizer: none or NFC.
   if (root.contains("normalizer") && !root.at("normalizer").is_null()) {
     const std::string type = type_of(root.at("normalizer"));
@@ -790,10 +798,13 @@ void read_tokenizer_json(const json& root, const std::string& where, Tokenizer::
     unsupported(where, "decoder", "of type " + show_string(type_of(decoder)) + " (only ByteLevel)");
   }
   if (root.contains("post_processor")) read_post_processor(root.at("post_processor"), where, "post_processor", t);
+}
 
-  // Each token's bytes: a vocabulary token through the byte-level table
-  // (a character outside it stands for its own UTF-8, as in Hugging Face's
-  // ByteLevel decoder), an added token as its content.
+// Each token's bytes: a vocabulary token through the byte-level table
+// (a character outside it stands for its own UTF-8, as in Hugging Face's
+// ByteLevel decoder), an added token as its content.
+void compute_token_bytes(const std::string& where, Tokenizer::Impl& t) {
+  const ByteAlphabet& abc = alphabet();
   t.bytes.assign(t.tokens.size(), std::string());
   for (std::size_t i = 0; i < t.tokens.size(); ++i) {
     if (!t.present[i]) continue;
@@ -812,6 +823,16 @@ void read_tokenizer_json(const json& root, const std::string& where, Tokenizer::
     }
   }
   for (const AddedToken& a : t.added) t.bytes[static_cast<std::size_t>(a.id)] = a.content;
+}
+
+void read_tokenizer_json(const json& root, const std::string& where, Tokenizer::Impl& t) {
+  if (!root.is_object()) throw FormatError(where + ": not a JSON object");
+  t.kind = TokenizerKind::Bpe;
+  t.where = where;
+  read_bpe_model(member(root, "model", where, "the file"), where, t);
+  read_added_tokens(root, where, t);
+  read_pipeline(root, where, t);
+  compute_token_bytes(where, t);
 }
 
 }  // namespace
