@@ -352,6 +352,10 @@ struct Server::Impl {
         while (static_cast<std::int64_t>(active.size()) < options.max_batch && !waiting.empty()) {
           std::shared_ptr<Job> job = std::move(waiting.front());
           waiting.pop_front();
+          // The gauge follows the queue at once, not at the round's end: a
+          // reader (/metrics, a test waiting for a queued request) must not
+          // count an admitted request as waiting.
+          counters.waiting = static_cast<std::int64_t>(waiting.size());
           if (job->cancel) {
             finish(*job, "cancelled");
             continue;

@@ -849,7 +849,12 @@ TEST_F(Cli, VersionPrintsTheProjectVersion) {
 
 // A misspelt subcommand or flag: the nearest one, the list, exit 2.
 TEST_F(Cli, MisspeltSubcommandsAndFlagsGetADidYouMean) {
+#ifdef REWIND_HAVE_SERVER
+  const std::string all =
+      "(subcommands: generate, verify, eval, inspect, bench, forward-cost, snapshot, init-random, serve)";
+#else
   const std::string all = "(subcommands: generate, verify, eval, inspect, bench, forward-cost, snapshot, init-random)";
+#endif
   struct Case {
     std::string args, err;
   };

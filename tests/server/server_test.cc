@@ -483,9 +483,13 @@ TEST(ServerLifecycle, FullQueueGets429) {
     return client.Post("/v1/completions", body.dump(), "application/json");
   };
 
-  std::atomic<bool> streaming{false}, release{false};
+  std::atomic<bool> streaming{false}, release{false}, holder_done{false};
   std::thread holder([&] {  // the sequence that keeps the batch full until released
     httplib::Client client("127.0.0.1", port);
+    // httplib's default 5 s read timeout would drop this client on a loaded
+    // machine before its first token, leaving its job queued: the wait for
+    // `waiting == 1` below would then see the holder, not the waiter.
+    client.set_read_timeout(120, 0);
     httplib::Request req;
     req.method = "POST";
     req.path = "/v1/completions";
@@ -496,9 +500,13 @@ TEST(ServerLifecycle, FullQueueGets429) {
       return !release;
     };
     client.send(req);
-    streaming = true;
+    holder_done = true;
   });
-  while (!streaming) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  while (!streaming && !holder_done) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  if (!streaming) {
+    holder.join();
+    FAIL() << "the holding stream ended before its first token";
+  }
   std::string waiting_text;
   std::thread waiter([&] {
     const auto res = post_to({{"prompt", kPrompts[2]}, {"max_tokens", 8}, {"temperature", 0}});
