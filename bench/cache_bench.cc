@@ -37,8 +37,8 @@
 #include <utility>
 #include <vector>
 
-#include "rewind/cache.h"
 #include "bench_common.h"
+#include "rewind/cache.h"
 
 namespace {
 
@@ -51,9 +51,9 @@ using rwd::TensorView;
 using namespace rwd::bench;
 
 constexpr std::size_t kStateBytes = static_cast<std::size_t>(kStateHeads * kStateDim * kStateDim) * 4;  // 2 MiB
-constexpr std::int64_t kWindow = 4096;       // sliding W
-constexpr std::int64_t kChunk = 8192;        // chunked C
-constexpr std::int64_t kRecord = 16;         // R of the update cases
+constexpr std::int64_t kWindow = 4096;                                                                  // sliding W
+constexpr std::int64_t kChunk = 8192;                                                                   // chunked C
+constexpr std::int64_t kRecord = 16;  // R of the update cases
 
 // crop: each timed batch removes kCropBatch x kCropK tokens, so layers record
 // that many.
@@ -217,7 +217,10 @@ Layer make_layer(Kind k, DType dt, std::int64_t max_tokens) {
       add_recurrent(r);
       return Layer(LayerKind::LinearAttention, r);
     }
-    case Kind::Hybrid: add_conv(o); add_recurrent(o); return Layer(LayerKind::Hybrid, o);
+    case Kind::Hybrid:
+      add_conv(o);
+      add_recurrent(o);
+      return Layer(LayerKind::Hybrid, o);
   }
   return Layer(LayerKind::FullAttention, o);
 }
@@ -230,8 +233,7 @@ struct LayerAtLength {
   Feed feed;
   Tensor state_src;
   LayerAtLength(Kind k, DType dt, std::int64_t L, std::int64_t q, std::int64_t R, std::int64_t headroom)
-      : layer(make_layer(k, dt, L + headroom)),
-        feed(dt, q, layer.has_attention(), has_conv(layer)),
+      : layer(make_layer(k, dt, L + headroom)), feed(dt, q, layer.has_attention(), has_conv(layer)),
         state_src(DType::F32, {1, kStateHeads, kStateDim, kStateDim}) {
     fill(state_src, 0x3c);
     if (R >= 0) layer.activate_past_recording(R);
@@ -288,11 +290,15 @@ void BM_Memcpy(benchmark::State& st, DType dt, std::int64_t q) {
 struct ConcatState {
   std::size_t row;  // one token of one head
   std::int64_t L, q;
-  Buffers data;     // history K, V [H, L, D]; new K, V [H, q, D]; out K, V [H, L+q, D]
+  Buffers data;  // history K, V [H, L, D]; new K, V [H, q, D]; out K, V [H, L+q, D]
   ConcatState(DType dt, std::int64_t length, std::int64_t tokens, bool preallocate_out)
-      : row(static_cast<std::size_t>(kHeadDim) * rwd::dtype_size(dt)), L(length), q(tokens),
-        data{bytes(L), bytes(L), bytes(q), bytes(q), preallocate_out ? bytes(L + q) : 0,
-             preallocate_out ? bytes(L + q) : 0} {}
+      : row(static_cast<std::size_t>(kHeadDim) * rwd::dtype_size(dt)), L(length),
+        q(tokens), data{bytes(L),
+                        bytes(L),
+                        bytes(q),
+                        bytes(q),
+                        preallocate_out ? bytes(L + q) : 0,
+                        preallocate_out ? bytes(L + q) : 0} {}
   std::size_t bytes(std::int64_t n) const { return static_cast<std::size_t>(kHeads * n) * row; }
   void concat(std::byte* out, const std::byte* history, const std::byte* fresh) const {
     const std::size_t hist = static_cast<std::size_t>(L) * row;
@@ -306,8 +312,7 @@ struct ConcatState {
   }
 };
 
-void BM_Concat(benchmark::State& st, const std::string& key, DType dt, std::int64_t L, std::int64_t q,
-               bool allocate) {
+void BM_Concat(benchmark::State& st, const std::string& key, DType dt, std::int64_t L, std::int64_t q, bool allocate) {
   auto& c = prepared<ConcatState>(key, dt, L, q, !allocate);
   const std::size_t out_bytes = c.bytes(L + q);
   for (auto _ : st) {
@@ -428,7 +433,8 @@ void BM_Growth(benchmark::State& st, DType dt) {
   }
   st.counters["L"] = static_cast<double>(at);
   st.counters["new_room_tokens"] = static_cast<double>(room);
-  st.counters["amortised_ns_per_token"] = median(growth_cpu) * 1e9 / static_cast<double>(std::max<std::int64_t>(room, 1));
+  st.counters["amortised_ns_per_token"] = median(growth_cpu) * 1e9 /
+                                          static_cast<double>(std::max<std::int64_t>(room, 1));
 }
 
 // ---- 2. crop at length L -----------------------------------------------------------
@@ -528,8 +534,7 @@ struct SpecState {
   Tensor state_src;
   std::mt19937 rng{12345};
   SpecState()
-      : cache(spec_layer_types(), options()),
-        feed(DType::F16, kDraft + 1, true, true),
+      : cache(spec_layer_types(), options()), feed(DType::F16, kDraft + 1, true, true),
         state_src(DType::F32, {1, kStateHeads, kStateDim, kStateDim}) {
     fill(state_src, 0x3c);
     cache.activate_past_recording(kDraft);
@@ -716,8 +721,8 @@ void register_all() {
   }
 
   // 2 and 3. crop(-4) and crop(0) per kind at L = 1k, 8k, 64k; state copy.
-  for (Kind k : {Kind::FullDynamic, Kind::FullStatic, Kind::Sliding, Kind::Chunked, Kind::Conv, Kind::Recurrent,
-                 Kind::Hybrid}) {
+  for (Kind k :
+       {Kind::FullDynamic, Kind::FullStatic, Kind::Sliding, Kind::Chunked, Kind::Conv, Kind::Recurrent, Kind::Hybrid}) {
     // Appending a batch to a conv part is slow (see docs/performance.md): fewer iterations there.
     const bool slow_append = k == Kind::Conv || k == Kind::Hybrid;
     reg(std::string("crop/") + kind_name(k), [k](benchmark::State& st) { BM_Crop(st, k); })
@@ -733,10 +738,11 @@ void register_all() {
   reg("spec_round/32_layers/with_state_writes", [](benchmark::State& st) { BM_SpecRound(st, true); })
       ->Iterations(20)
       ->Unit(benchmark::kMicrosecond);
-  reg("memory/hybrid_5_layers/20k_tokens", [](benchmark::State& st) {
-    release_prepared();
-    BM_Memory(st);
-  })
+  reg("memory/hybrid_5_layers/20k_tokens",
+      [](benchmark::State& st) {
+        release_prepared();
+        BM_Memory(st);
+      })
       ->Iterations(1)
       ->Repetitions(1)
       ->Unit(benchmark::kMillisecond);

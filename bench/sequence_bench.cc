@@ -73,9 +73,9 @@
 #include <utility>
 #include <vector>
 
+#include "bench_common.h"
 #include "rewind/cache.h"
 #include "rewind/sequences.h"
-#include "bench_common.h"
 
 namespace {
 
@@ -90,8 +90,8 @@ using rwd::TensorView;
 using namespace rwd::bench;
 
 // rewind_bench's shapes.
-constexpr std::int64_t kRecord = 8;           // R of the hybrid model
-constexpr std::int64_t kDecodeSteps = 8;      // one-token forwards that end a prefill
+constexpr std::int64_t kRecord = 8;       // R of the hybrid model
+constexpr std::int64_t kDecodeSteps = 8;  // one-token forwards that end a prefill
 
 // Bytes of keys + values of one token in one attention layer (f16).
 constexpr std::int64_t kTokenLayerBytes = 2 * kHeads * kHeadDim * 2;
@@ -112,7 +112,9 @@ constexpr std::int64_t kCropOwn = 32;  // tokens each sequence gets of its own b
 
 const std::vector<std::int64_t> kLengths{1024, 8192, 65536};
 
-double elapsed(Clock::time_point t0, Clock::time_point t1) { return std::max(0.0, seconds(t1 - t0) - g_clock_overhead_s); }
+double elapsed(Clock::time_point t0, Clock::time_point t1) {
+  return std::max(0.0, seconds(t1 - t0) - g_clock_overhead_s);
+}
 
 // ---- models and inputs -------------------------------------------------------------
 
@@ -169,7 +171,8 @@ struct Feed {
   TensorView keys(std::int64_t n) const { return heads_view(k, n); }
   TensorView values(std::int64_t n) const { return heads_view(v, n); }
   TensorView conv(std::int64_t n) const {
-    return TensorView::strided(x.view().data, DType::F16, {1, kConvChannels, n}, {cap * kConvChannels, 1, kConvChannels});
+    return TensorView::strided(x.view().data, DType::F16, {1, kConvChannels, n},
+                               {cap * kConvChannels, 1, kConvChannels});
   }
 
  private:
@@ -247,7 +250,8 @@ void cache_forward(rwd::Cache& cache, std::int64_t q, const Feed& feed) {
 void cache_prefill(rwd::Cache& cache, std::int64_t L, bool conv) {
   const Feed chunk(std::min(kPrefillChunk, L), conv);
   const std::int64_t prompt = L - kDecodeSteps;
-  while (cache.get_seq_length() < prompt) cache_forward(cache, std::min(chunk.cap, prompt - cache.get_seq_length()), chunk);
+  while (cache.get_seq_length() < prompt)
+    cache_forward(cache, std::min(chunk.cap, prompt - cache.get_seq_length()), chunk);
   const Feed one(1, conv);
   while (cache.get_seq_length() < L) cache_forward(cache, 1, one);
 }

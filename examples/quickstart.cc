@@ -30,7 +30,7 @@ int main() {
   const TensorView values = TensorView::contiguous(v.data(), DType::F32, {1, 2, q, 4});
   const TensorView conv_in = TensorView::contiguous(x.data(), DType::F32, {1, 6, q});
   auto linear_layer = [&](Cache& c) {
-    TensorView window = c.update_conv_state(conv_in, 0);  // [1, 6, K-1+q]: the conv's input
+    TensorView window = c.update_conv_state(conv_in, 0);    // [1, 6, K-1+q]: the conv's input
     RecurrentUpdate step = c.begin_recurrent_update(q, 0);  // reads S(L) from step.previous()
     for (std::int64_t t = 1; t <= q; ++t) {
       step.next(t).set(static_cast<float>(t), 0, 0, 0, 0);  // the kernel writes S(L+t) in place

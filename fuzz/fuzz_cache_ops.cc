@@ -55,8 +55,8 @@
 #include <utility>
 #include <vector>
 
-#include "fuzz_support.h"
 #include "conformance/harness.h"
+#include "fuzz_support.h"
 
 namespace rwt {
 namespace {
@@ -68,39 +68,91 @@ constexpr i64 kI64Min = std::numeric_limits<i64>::min();
 constexpr i64 kTokenLimit = i64{1} << 40;  // tokens per sequence (rewind/layer.h)
 
 // Token counts no update may accept.
-constexpr std::array<i64, 9> kHugeTokens{i64{1} << 59, (i64{1} << 59) + 1, i64{1} << 62, kI64Max, kI64Max - 1,
-                                         kTokenLimit + 1, 0, -1, kI64Min};
+constexpr std::array<i64, 9> kHugeTokens{
+    i64{1} << 59, (i64{1} << 59) + 1, i64{1} << 62, kI64Max, kI64Max - 1, kTokenLimit + 1, 0, -1, kI64Min};
 // Option extents whose buffers need more than 2^48 bytes on their own.
-constexpr std::array<i64, 8> kHugeExtents{i64{1} << 48, (i64{1} << 48) + 1, i64{1} << 53, i64{1} << 59,
-                                          (i64{1} << 59) + 1, i64{1} << 62, kI64Max - 1, kI64Max};
+constexpr std::array<i64, 8> kHugeExtents{i64{1} << 48,       (i64{1} << 48) + 1, i64{1} << 53, i64{1} << 59,
+                                          (i64{1} << 59) + 1, i64{1} << 62,       kI64Max - 1,  kI64Max};
 // Window / chunk sizes: huge, but nothing is allocated in proportion to them.
 constexpr std::array<i64, 6> kHugeSpans{i64{1} << 40, i64{1} << 59, i64{1} << 62, kI64Max - 2, kI64Max - 1, kI64Max};
-constexpr std::array<i64, 7> kHugeCrops{kI64Min, kI64Min + 1, kI64Max, -(i64{1} << 62), i64{1} << 62,
-                                        -(kTokenLimit + 1), kTokenLimit + 1};
+constexpr std::array<i64, 7> kHugeCrops{kI64Min,      kI64Min + 1,        kI64Max,        -(i64{1} << 62),
+                                        i64{1} << 62, -(kTokenLimit + 1), kTokenLimit + 1};
 
 // Counts of what the inputs exercised, printed at exit when
 // REWIND_FUZZ_STATS is set (e.g. with -runs=0 over a corpus).
 enum Stat {
-  kForwardPlain, kForwardOpen, kForwardBudget, kForwardOpenBudget, kBeginRefused, kBudgetRefusal,
-  kBudgetRefusalHalfLayer, kRecoverReset, kRecoverFinish, kRecoverOutOfStep, kAbandon, kAbandonInFlight,
-  kEarlyCommit, kOpenProbe, kOvershoot, kCommit, kChunked, kInputFresh, kInputPermuted, kInputBroadcast,
-  kInputReversed, kInputAliasSameLayer, kInputAliasOtherLayer, kInputAliasReturned, kRecFromCache,
-  kDroppedUpdate, kHeldChecked, kQuery, kCheckCropRefused, kHuge, kHugeLayerBuilt, kHugeLayerRefused,
-  kTwin, kWholeBudget, kWholeBudgetRefused, kStatCount
+  kForwardPlain,
+  kForwardOpen,
+  kForwardBudget,
+  kForwardOpenBudget,
+  kBeginRefused,
+  kBudgetRefusal,
+  kBudgetRefusalHalfLayer,
+  kRecoverReset,
+  kRecoverFinish,
+  kRecoverOutOfStep,
+  kAbandon,
+  kAbandonInFlight,
+  kEarlyCommit,
+  kOpenProbe,
+  kOvershoot,
+  kCommit,
+  kChunked,
+  kInputFresh,
+  kInputPermuted,
+  kInputBroadcast,
+  kInputReversed,
+  kInputAliasSameLayer,
+  kInputAliasOtherLayer,
+  kInputAliasReturned,
+  kRecFromCache,
+  kDroppedUpdate,
+  kHeldChecked,
+  kQuery,
+  kCheckCropRefused,
+  kHuge,
+  kHugeLayerBuilt,
+  kHugeLayerRefused,
+  kTwin,
+  kWholeBudget,
+  kWholeBudgetRefused,
+  kStatCount
 };
-constexpr const char* kStatNames[kStatCount] = {
-    "plain forwards", "forwards in begin_forward", "budgeted plain forwards", "budgeted begin_forward forwards",
-    "begin_forward refused by the budget", "parts refused by the budget", "  of which with the layer half updated",
-    "  recovered by reset()", "  recovered by finishing the forward", "  left out of step",
-    "forwards abandoned", "  with a recurrent update in flight", "early commits refused",
-    "whole-cache calls refused in a forward", "updates past the forward refused", "forwards committed",
-    "parts updated in chunks", "inputs: fresh contiguous", "inputs: fresh permuted", "inputs: broadcast (stride 0)",
-    "inputs: reversed (negative stride)", "inputs: aliasing the same layer", "inputs: aliasing another layer",
-    "inputs: aliasing a returned view", "recurrent slots written from cache views", "recurrent updates dropped",
-    "held views re-read", "per-layer query rounds", "layer(i).check_crop refusals matched", "hostile-size calls",
-    "huge-option layers built (unused field or huge window)", "huge-option layers refused",
-    "huge-window layers compared with full attention", "whole-cache calls under a budget",
-    "  refused by the budget"};
+constexpr const char* kStatNames[kStatCount] = {"plain forwards",
+                                                "forwards in begin_forward",
+                                                "budgeted plain forwards",
+                                                "budgeted begin_forward forwards",
+                                                "begin_forward refused by the budget",
+                                                "parts refused by the budget",
+                                                "  of which with the layer half updated",
+                                                "  recovered by reset()",
+                                                "  recovered by finishing the forward",
+                                                "  left out of step",
+                                                "forwards abandoned",
+                                                "  with a recurrent update in flight",
+                                                "early commits refused",
+                                                "whole-cache calls refused in a forward",
+                                                "updates past the forward refused",
+                                                "forwards committed",
+                                                "parts updated in chunks",
+                                                "inputs: fresh contiguous",
+                                                "inputs: fresh permuted",
+                                                "inputs: broadcast (stride 0)",
+                                                "inputs: reversed (negative stride)",
+                                                "inputs: aliasing the same layer",
+                                                "inputs: aliasing another layer",
+                                                "inputs: aliasing a returned view",
+                                                "recurrent slots written from cache views",
+                                                "recurrent updates dropped",
+                                                "held views re-read",
+                                                "per-layer query rounds",
+                                                "layer(i).check_crop refusals matched",
+                                                "hostile-size calls",
+                                                "huge-option layers built (unused field or huge window)",
+                                                "huge-option layers refused",
+                                                "huge-window layers compared with full attention",
+                                                "whole-cache calls under a budget",
+                                                "  refused by the budget"};
 FuzzStats<kStatCount>& stats() {
   static FuzzStats<kStatCount> s(kStatNames);
   return s;
@@ -109,9 +161,9 @@ void count(Stat k, unsigned long long by = 1) { stats().count(static_cast<std::s
 
 std::vector<std::pair<LayerKind, LayerOptions>> every_kind(DType dt, bool with_static) {
   std::vector<std::pair<LayerKind, LayerOptions>> spec;
-  for (LayerKind k : {LayerKind::FullAttention, LayerKind::SlidingAttention, LayerKind::ChunkedAttention,
-                      LayerKind::LinearAttention, LayerKind::Conv, LayerKind::Hybrid, LayerKind::HybridSliding,
-                      LayerKind::SparseAttention, LayerKind::Moe}) {
+  for (LayerKind k :
+       {LayerKind::FullAttention, LayerKind::SlidingAttention, LayerKind::ChunkedAttention, LayerKind::LinearAttention,
+        LayerKind::Conv, LayerKind::Hybrid, LayerKind::HybridSliding, LayerKind::SparseAttention, LayerKind::Moe}) {
     LayerOptions o = small_options(k, dt, false, 2);
     if (with_static && (k == LayerKind::SlidingAttention || k == LayerKind::ChunkedAttention)) o.static_capacity = 24;
     spec.push_back({k, o});
@@ -120,7 +172,6 @@ std::vector<std::pair<LayerKind, LayerOptions>> every_kind(DType dt, bool with_s
 }
 
 std::string num(i64 v) { return std::to_string(v); }
-
 
 // The mask sizes of an update of q tokens at length L (docs/semantics.md section 5).
 MaskSizes mask_at(const RefLayer& r, i64 L, i64 q) {
@@ -139,8 +190,6 @@ MaskSizes mask_at(const RefLayer& r, i64 L, i64 q) {
 // crop(n) with n below -(L+1) removes everything, as crop(-(L+1)) does; the
 // reference negates n, which INT64_MIN does not survive.
 i64 ref_crop_n(i64 n, i64 L) { return n < -(L + 1) ? -(L + 1) : n; }
-
-
 
 // ---- cheap fingerprints of the observable state (observe() of harness.h
 // builds a string per field; these append everything to one buffer) ------------
@@ -322,13 +371,15 @@ class Fuzzer {
         case 5: op_crop(); break;
         case 6: {
           const i64 R = in_.range(0, 9);
-          whole("activate_past_recording(" + num(R) + ")", [&] { cache().activate_past_recording(R); },
-                step_expect(), [&] { ref().activate(R); });
+          whole(
+              "activate_past_recording(" + num(R) + ")", [&] { cache().activate_past_recording(R); }, step_expect(),
+              [&] { ref().activate(R); });
           break;
         }
         case 7:
-          whole("deactivate_past_recording()", [&] { cache().deactivate_past_recording(); }, step_expect(),
-                [&] { ref().deactivate(); });
+          whole(
+              "deactivate_past_recording()", [&] { cache().deactivate_past_recording(); }, step_expect(),
+              [&] { ref().deactivate(); });
           break;
         case 8: op_batch(); break;
         case 9: {
@@ -336,12 +387,19 @@ class Fuzzer {
           if (B > 3) break;  // keep batches small
           const i64 r = in_.range(1, 2);
           const std::vector<i64> idx = ref().repeat_indices(r);
-          whole("batch_repeat_interleave(" + num(r) + ")", [&] { cache().batch_repeat_interleave(r); },
-                step_expect(), [&] { ref().batch_apply(idx); });
+          whole(
+              "batch_repeat_interleave(" + num(r) + ")", [&] { cache().batch_repeat_interleave(r); }, step_expect(),
+              [&] { ref().batch_apply(idx); });
           break;
         }
-        case 10: whole("reset()", [&] { cache().reset(); }, {}, [&] { ref().reset(); }); break;
-        case 11: whole("shrink_to_fit()", [&] { cache().shrink_to_fit(); }, {}, [] {}); break;
+        case 10:
+          whole(
+              "reset()", [&] { cache().reset(); }, {}, [&] { ref().reset(); });
+          break;
+        case 11:
+          whole(
+              "shrink_to_fit()", [&] { cache().shrink_to_fit(); }, {}, [] {});
+          break;
         case 12:
         case 13: op_query(); break;
         case 14: op_huge(); break;
@@ -449,8 +507,8 @@ class Fuzzer {
         const RefLayer& rl = ref().layers[static_cast<std::size_t>(j)];
         const i64 p = l.get_seq_length() - 1;
         if (p >= 1 && p >= rl.rec_first && rl.L == l.get_seq_length())
-          add_source(out, l.recurrent_snapshot(s, p), tag + "recurrent_snapshot(" + num(s) + ", " + num(p) + ")",
-                     rank, j);
+          add_source(out, l.recurrent_snapshot(s, p), tag + "recurrent_snapshot(" + num(s) + ", " + num(p) + ")", rank,
+                     j);
       }
     }
     for (const Held& h : held_)
@@ -634,7 +692,8 @@ class Fuzzer {
     const std::uint8_t k = next();
     const i64 n = k < 24 ? in_.pick(kHugeCrops) : -(L + 2) + static_cast<i64>(k) % (L + 6);
     const i64 nr = ref_crop_n(n, L);
-    whole("crop(" + num(n) + ")", [&] { cache().crop(n); }, ref().crop_expect(nr), [&] { ref().crop(nr); });
+    whole(
+        "crop(" + num(n) + ")", [&] { cache().crop(n); }, ref().crop_expect(nr), [&] { ref().crop(nr); });
   }
 
   void op_batch() {
@@ -648,24 +707,30 @@ class Fuzzer {
       if (bad == 0) idx.push_back(0);
       if (bad == 1) idx.back() = B;
       if (Expect x = ref().reorder_expect(idx); !x.ok()) xs.push_back(x);
-      whole("reorder_cache(" + shape_str(idx) + ")", [&] { cache().reorder_cache(idx); }, xs,
-            [&] { ref().batch_apply(idx); });
+      whole(
+          "reorder_cache(" + shape_str(idx) + ")", [&] { cache().reorder_cache(idx); }, xs,
+          [&] { ref().batch_apply(idx); });
       return;
     }
     idx.resize(static_cast<std::size_t>(in_.range(1, 3)));
     for (i64& i : idx) i = in_.range(-1, B);
     if (Expect x = ref().select_expect(idx); !x.ok()) xs.push_back(x);
-    whole("batch_select_indices(" + shape_str(idx) + ")", [&] { cache().batch_select_indices(idx); }, xs,
-          [&] { ref().batch_apply(idx); });
+    whole(
+        "batch_select_indices(" + shape_str(idx) + ")", [&] { cache().batch_select_indices(idx); }, xs,
+        [&] { ref().batch_apply(idx); });
   }
 
   // The whole-cache operations both probes below expect to be refused:
   // operation `which` in [0, kWholeOps) and its name.
   static constexpr int kWholeOps = 8;
   static const char* whole_op_name(int which) {
-    static const char* names[kWholeOps] = {"crop(-1)", "check_crop(0)", "max_rollback()",
-                                           "activate_past_recording(2)", "deactivate_past_recording()",
-                                           "batch_select_indices({0})", "batch_repeat_interleave(1)",
+    static const char* names[kWholeOps] = {"crop(-1)",
+                                           "check_crop(0)",
+                                           "max_rollback()",
+                                           "activate_past_recording(2)",
+                                           "deactivate_past_recording()",
+                                           "batch_select_indices({0})",
+                                           "batch_repeat_interleave(1)",
                                            "reorder_cache(identity)"};
     return names[which];
   }
@@ -778,7 +843,8 @@ class Fuzzer {
       if (!run.budget || run.forward)
         fail("layer " + num(i) + " " + what + ": unexpected CapacityError" +
              (run.forward ? " inside an open forward (begin_forward reserved the room)" : "") + ": " + e.what());
-      if (!names_layer(e.what(), i)) fail(what + ": the budget refusal does not name layer " + num(i) + ": " + e.what());
+      if (!names_layer(e.what(), i))
+        fail(what + ": the budget refusal does not name layer " + num(i) + ": " + e.what());
       if (before != fingerprint(cache().layer(i)))
         fail("layer " + num(i) + " " + what + " refused by the budget, but changed the layer");
       same_memory(memory, "layer " + num(i) + " " + what + " refused by the budget");
@@ -799,7 +865,9 @@ class Fuzzer {
     std::optional<Forward>& f = *run.handle;
     const int how = next() % 3;
     count(kAbandon);
-    note(std::string(how == 0 ? "abandon()" : how == 1 ? "destroy the Forward handle" : "move the handle, destroy it") +
+    note(std::string(how == 0   ? "abandon()"
+                     : how == 1 ? "destroy the Forward handle"
+                                : "move the handle, destroy it") +
          " " + where);
     if (how == 0) {
       f->abandon();
@@ -838,8 +906,10 @@ class Fuzzer {
         fail("after a budget refusal at layer " + num(i) + ", layer " + num(j) + ": " + e);
     }
     const bool out_of_step = partial || !ref().in_step();
-    if (out_of_step) probe_out_of_step();
-    else check(verify(cache(), ref()));
+    if (out_of_step)
+      probe_out_of_step();
+    else
+      check(verify(cache(), ref()));
     const int r = next() % 3;
     if (r == 1) {
       count(kRecoverFinish);
@@ -865,8 +935,8 @@ class Fuzzer {
         note("reset()");
         cache().reset();
         if (cache().memory().bytes_reserved <= cap)
-          fail("reset() was refused under a budget of " + std::to_string(cap) + " bytes, but the reset cache reserves " +
-               std::to_string(cache().memory().bytes_reserved));
+          fail("reset() was refused under a budget of " + std::to_string(cap) +
+               " bytes, but the reset cache reserves " + std::to_string(cache().memory().bytes_reserved));
       } catch (const rwd::Error& e) {
         fail(std::string("reset() after a half-done forward: ") + err_name(classify(e)) + ": " + e.what());
       }
@@ -885,7 +955,8 @@ class Fuzzer {
   void probe_overshoot(int i, const RefLayer& rl, const Part& p, i64 left, i64 q) {
     const i64 extra = left + in_.range(1, 2);
     count(kOvershoot);
-    const std::string what = "layer " + num(i) + " part update of " + num(extra) + " tokens with " + num(left) + " left";
+    const std::string what = "layer " + num(i) + " part update of " + num(extra) + " tokens with " + num(left) +
+                             " left";
     refused(what,
             [&] {
               switch (p.kind) {
@@ -958,7 +1029,8 @@ class Fuzzer {
         TensorView out;
         if (!attempt(i, "update_side", run, [&] { out = cache().update_side(r.view, i, p.s); })) return Chunk::Refused;
         const std::vector<Bytes> rows = token_rows(rb, shape, 1, es);
-        for (i64 t = 0; t < qc; ++t) st.sides[s][static_cast<std::size_t>(done + t)] = rows[static_cast<std::size_t>(t)];
+        for (i64 t = 0; t < qc; ++t)
+          st.sides[s][static_cast<std::size_t>(done + t)] = rows[static_cast<std::size_t>(t)];
         rets.push_back({"update_side " + num(p.s), PartKind::Side, s, false, mask_at(rl, Lc, qc).kv_offset, Lc + qc,
                         shape_of(out), out.dtype, gather(out)});
         hold(out, i, "layer " + num(i) + " update_side " + num(p.s), true);
@@ -1111,8 +1183,10 @@ class Fuzzer {
       while (done < q) {
         const i64 left = q - done;
         i64 qc = left;
-        if (copy_rec) qc = 1;
-        else if ((p.kind != PartKind::Rec || !run.forward) && left > 1 && in_.one_in(4)) qc = in_.range(1, left);
+        if (copy_rec)
+          qc = 1;
+        else if ((p.kind != PartKind::Rec || !run.forward) && left > 1 && in_.one_in(4))
+          qc = in_.range(1, left);
         if (qc < q && !copy_rec) count(kChunked);
         if (run.forward && in_.one_in(16)) probe_overshoot(i, rl, p, left, q);
         const Chunk c = run_chunk(run, i, rl, p, L0 + done, done, qc, copy_rec, st, rets);
@@ -1169,7 +1243,8 @@ class Fuzzer {
       const std::size_t reserved = cache().memory().bytes_reserved;
       if (reserved > 1 && in_.one_in(3)) {  // below what is reserved: refused, the old cap kept
         const std::size_t old = cache().memory_budget();
-        const std::size_t below = std::max<std::size_t>(1, reserved - 1 - next() % std::min<std::size_t>(reserved - 1, 64));
+        const std::size_t below = std::max<std::size_t>(
+            1, reserved - 1 - next() % std::min<std::size_t>(reserved - 1, 64));
         note("set_memory_budget(" + std::to_string(below) + ") below the reservation");
         check(expect_kinds([&] { cache().set_memory_budget(below); }, {Err::Capacity}));
         if (cache().memory_budget() != old) fail("a refused set_memory_budget changed the budget");
@@ -1322,8 +1397,7 @@ class Fuzzer {
                        rl.expect_rec(s, rl.L)));
     if (!rl.conv_ch.empty())
       check(expect_kinds([&] { (void)cache().get_conv_state(i, static_cast<int>(rl.conv_ch.size())); }, {Err::Index}));
-    if (!rl.rec_shapes.empty())
-      check(expect_kinds([&] { (void)l.recurrent_snapshot(0, rl.L + 1); }, {Err::Index}));
+    if (!rl.rec_shapes.empty()) check(expect_kinds([&] { (void)l.recurrent_snapshot(0, rl.L + 1); }, {Err::Index}));
     // Keep a view for later: it must read the same bytes until layer i is mutated.
     std::vector<Source> mine;
     if (rl.has_attention()) {
@@ -1458,8 +1532,11 @@ class Fuzzer {
       }
       case 9: {  // views: more than 2^62 elements, negative extents, slices out of range
         float one = 1.0f;
-        check(expect_kinds([&] { (void)TensorView::contiguous(&one, DType::F32, {i64{1} << 40, i64{1} << 40, 1 << 20}); },
-                           {Err::Invalid}));
+        check(expect_kinds(
+            [&] {
+              (void)TensorView::contiguous(&one, DType::F32, {i64{1} << 40, i64{1} << 40, 1 << 20});
+            },
+            {Err::Invalid}));
         check(expect_kinds([&] { (void)TensorView::strided(&one, DType::F32, {2, -3}, {0, 0}); }, {Err::Invalid}));
         check(expect_kinds([&] { (void)TensorView::strided(&one, DType::F32, {2, 3}, {0}); }, {Err::Invalid}));
         const TensorView big = TensorView::strided(&one, DType::F32, {i64{1} << 40, i64{1} << 40, 1 << 20}, {0, 0, 0});
@@ -1488,10 +1565,16 @@ class Fuzzer {
   // ---- fresh layers and caches with huge options ---------------------------------
 
   void op_huge_layer() {
-    static constexpr std::array<LayerKind, 10> kinds{
-        LayerKind::FullAttention, LayerKind::SlidingAttention, LayerKind::ChunkedAttention, LayerKind::LinearAttention,
-        LayerKind::Conv,          LayerKind::Hybrid,           LayerKind::HybridSliding,    LayerKind::SparseAttention,
-        LayerKind::Moe,           LayerKind::Mlp};
+    static constexpr std::array<LayerKind, 10> kinds{LayerKind::FullAttention,
+                                                     LayerKind::SlidingAttention,
+                                                     LayerKind::ChunkedAttention,
+                                                     LayerKind::LinearAttention,
+                                                     LayerKind::Conv,
+                                                     LayerKind::Hybrid,
+                                                     LayerKind::HybridSliding,
+                                                     LayerKind::SparseAttention,
+                                                     LayerKind::Moe,
+                                                     LayerKind::Mlp};
     const LayerKind kind = kinds[next() % kinds.size()];
     LayerOptions o = small_options(kind, dt_, false, in_.range(1, 2));
     const bool attention = kind == LayerKind::FullAttention || kind == LayerKind::SlidingAttention ||
@@ -1502,39 +1585,67 @@ class Fuzzer {
     const bool rec = conv && kind != LayerKind::Conv;
     const bool stateful = attention || conv;
     const int field = next() % 12;
-    const int path = next() % 3;  // Layer, Cache of one type, Cache of several types
+    const int path = next() % 3;             // Layer, Cache of one type, Cache of several types
     if (path == 2 && o.num_kv_heads == 0) {  // the cache adds a full-attention layer
       o.num_kv_heads = 2;
       o.key_dim = 3;
     }
     const i64 v = in_.pick(kHugeExtents);
     const bool any_attention = attention || path == 2;  // path 2 adds a full-attention layer
-    bool used = false;   // the kind has a buffer that grows with the field
-    bool maybe = false;  // the kind may or may not use it
+    bool used = false;                                  // the kind has a buffer that grows with the field
+    bool maybe = false;                                 // the kind may or may not use it
     std::string what;
     switch (field) {
-      case 0: o.num_kv_heads = v; used = any_attention; what = "num_kv_heads"; break;
-      case 1: o.key_dim = v; used = any_attention; what = "key_dim"; break;
-      case 2: o.value_dim = v; used = any_attention; what = "value_dim"; break;
+      case 0:
+        o.num_kv_heads = v;
+        used = any_attention;
+        what = "num_kv_heads";
+        break;
+      case 1:
+        o.key_dim = v;
+        used = any_attention;
+        what = "key_dim";
+        break;
+      case 2:
+        o.value_dim = v;
+        used = any_attention;
+        what = "value_dim";
+        break;
       case 3:
         o.side_dims = in_.one_in(2) ? std::vector<i64>{v} : std::vector<i64>{4, v};
         used = kind == LayerKind::SparseAttention;
         maybe = attention && path == 0;  // a Layer of another attention kind may carry side tensors
         what = "side_dims";
         break;
-      case 4: o.conv_channels = {3, v}; used = conv; what = "conv_channels"; break;
-      case 5: o.conv_kernel_size = v; used = conv; what = "conv_kernel_size"; break;
+      case 4:
+        o.conv_channels = {3, v};
+        used = conv;
+        what = "conv_channels";
+        break;
+      case 5:
+        o.conv_kernel_size = v;
+        used = conv;
+        what = "conv_kernel_size";
+        break;
       case 6: {
         const int shape = next() % 3;
-        o.recurrent_shapes = shape == 0 ? std::vector<std::vector<i64>>{{v}}
+        o.recurrent_shapes = shape == 0   ? std::vector<std::vector<i64>>{{v}}
                              : shape == 1 ? std::vector<std::vector<i64>>{{2, 3}, {2, v}}
                                           : std::vector<std::vector<i64>>{{v, v, v}};
         used = rec;
         what = "recurrent_shapes";
         break;
       }
-      case 7: o.static_capacity = v; used = any_attention; what = "static_capacity"; break;
-      case 8: o.batch_size = v; used = stateful || path == 2; what = "batch_size"; break;
+      case 7:
+        o.static_capacity = v;
+        used = any_attention;
+        what = "static_capacity";
+        break;
+      case 8:
+        o.batch_size = v;
+        used = stateful || path == 2;
+        what = "batch_size";
+        break;
       case 9: {  // two factors, each modest, whose product passes 2^48 bytes
         const std::array<i64, 5> fs{i64{1} << 24, (i64{1} << 24) + 3, i64{1} << 31, i64{1} << 32, i64{1} << 40};
         o.num_kv_heads = in_.pick(fs);
@@ -1547,7 +1658,10 @@ class Fuzzer {
         o.sliding_window = in_.pick(kHugeSpans);
         what = "sliding_window";
         break;
-      default: o.chunk_size = in_.pick(kHugeSpans); what = "chunk_size"; break;
+      default:
+        o.chunk_size = in_.pick(kHugeSpans);
+        what = "chunk_size";
+        break;
     }
     note("fresh " + std::string(rwd::layer_kind_name(kind)) + (path == 0 ? " Layer" : " Cache") + " with huge " + what);
     std::optional<Layer> layer;
@@ -1575,8 +1689,8 @@ class Fuzzer {
     if (used && !maybe && field != 10 && field != 11)
       fail("a " + std::string(rwd::layer_kind_name(kind)) + " layer with " + what +
            " in the 2^48..2^63 range was built: its buffers need more than 2^48 bytes");
-    if (layer && ((field == 10 && kind == LayerKind::SlidingAttention) ||
-                  (field == 11 && kind == LayerKind::ChunkedAttention)))
+    if (layer &&
+        ((field == 10 && kind == LayerKind::SlidingAttention) || (field == 11 && kind == LayerKind::ChunkedAttention)))
       huge_span_twin(*layer, o);
   }
 

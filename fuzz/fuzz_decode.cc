@@ -57,8 +57,14 @@ using i64 = std::int64_t;
 
 constexpr i64 kVocab = 258;
 constexpr std::size_t kMaxLive = 6;
-constexpr std::array<i64, 8> kCropHuge{std::numeric_limits<i64>::min(), std::numeric_limits<i64>::max(),
-                                       -(i64{1} << 62), i64{1} << 62, -(i64{1} << 40), i64{1} << 40, -1000, 1000};
+constexpr std::array<i64, 8> kCropHuge{std::numeric_limits<i64>::min(),
+                                       std::numeric_limits<i64>::max(),
+                                       -(i64{1} << 62),
+                                       i64{1} << 62,
+                                       -(i64{1} << 40),
+                                       i64{1} << 40,
+                                       -1000,
+                                       1000};
 constexpr std::array<i64, 6> kRecording{0, 1, 2, 3, 5, 8};
 
 struct Spec {
@@ -77,8 +83,7 @@ Spec make_spec(int which) {
   namespace tc = rwd::runtime::testing_configs;
   switch (which) {
     case 0:
-      return {"every_kind_f32_bs1", Model(ModelWeights::random(validated(tc::hybrid(tc::kEveryKind, 16, 3)), 11)),
-              1};
+      return {"every_kind_f32_bs1", Model(ModelWeights::random(validated(tc::hybrid(tc::kEveryKind, 16, 3)), 11)), 1};
     case 1: {
       ModelConfig c = tc::hybrid({"conv", "full_attention", "linear_attention", "sliding_attention"}, 16, 2);
       c.norm_plus_one = true;
@@ -108,12 +113,22 @@ const Spec& spec(int which) {
 }
 
 enum Stat {
-  kForward, kRows, kRefusedHostile, kCapacity, kCrop, kCropRefused, kFork, kSnapshot, kRestoreInto, kBudget,
-  kRecord, kStatCount
+  kForward,
+  kRows,
+  kRefusedHostile,
+  kCapacity,
+  kCrop,
+  kCropRefused,
+  kFork,
+  kSnapshot,
+  kRestoreInto,
+  kBudget,
+  kRecord,
+  kStatCount
 };
 constexpr const char* kStatNames[kStatCount] = {
-    "batched forwards", "  rows compared", "hostile forwards refused", "CapacityErrors under a budget",
-    "crops done", "crops refused", "forks", "snapshots restored as new", "snapshots restored into", "budgets set",
+    "batched forwards", "  rows compared", "hostile forwards refused",  "CapacityErrors under a budget", "crops done",
+    "crops refused",    "forks",           "snapshots restored as new", "snapshots restored into",       "budgets set",
     "recording changes"};
 rwt::FuzzStats<kStatCount>& stats() {
   static rwt::FuzzStats<kStatCount> s(kStatNames);
@@ -146,12 +161,22 @@ class Fuzzer {
         continue;
       }
       switch (next() % 16) {
-        case 0: case 1: case 2: case 3: case 4: forward(); break;
-        case 5: case 6: hostile_forward(); break;
-        case 7: if (live_.size() < kMaxLive) add(); break;
-        case 8: if (live_.size() < kMaxLive) fork(); break;
+        case 0:
+        case 1:
+        case 2:
+        case 3:
+        case 4: forward(); break;
+        case 5:
+        case 6: hostile_forward(); break;
+        case 7:
+          if (live_.size() < kMaxLive) add();
+          break;
+        case 8:
+          if (live_.size() < kMaxLive) fork();
+          break;
         case 9: remove(); break;
-        case 10: case 11: crop(); break;
+        case 10:
+        case 11: crop(); break;
         case 12: recording(); break;
         case 13: snapshot_op(); break;
         case 14: budget(); break;
@@ -422,10 +447,14 @@ class Fuzzer {
     const i64 L = static_cast<i64>(s.history.size());
     const std::uint8_t c = next();
     i64 n;
-    if (c % 8 == 0) n = kCropHuge[next() % kCropHuge.size()];
-    else if (c % 8 == 1) n = next() % (L + 2);  // legacy keep-the-first-n
-    else if (c % 8 == 2) n = 0;
-    else n = -static_cast<i64>(1 + next() % 6);
+    if (c % 8 == 0)
+      n = kCropHuge[next() % kCropHuge.size()];
+    else if (c % 8 == 1)
+      n = next() % (L + 2);  // legacy keep-the-first-n
+    else if (c % 8 == 2)
+      n = 0;
+    else
+      n = -static_cast<i64>(1 + next() % 6);
     const i64 rollback = cache_.max_rollback(s.id);
     const std::vector<i64> before = lengths();
     note("crop " + std::to_string(i) + " by " + std::to_string(n) + " (L " + std::to_string(L) + ", max_rollback " +
@@ -463,8 +492,10 @@ class Fuzzer {
              : "activate recording " + std::to_string(i) + " R " + std::to_string(R));
     const std::vector<i64> before = lengths();
     try {
-      if (off) cache_.deactivate_past_recording(live_[i].id);
-      else cache_.activate_past_recording(live_[i].id, R);
+      if (off)
+        cache_.deactivate_past_recording(live_[i].id);
+      else
+        cache_.activate_past_recording(live_[i].id, R);
     } catch (const rwd::CapacityError&) {
       expect_lengths(before, "recording change refused");
       if (cache_.memory_budget() == 0) die("recording refused without a budget");

@@ -35,8 +35,8 @@
 #include <utility>
 #include <vector>
 
-#include "fuzz_support.h"
 #include "conformance/sequence_model.h"
+#include "fuzz_support.h"
 
 namespace rwt::seqtest {
 namespace {
@@ -45,8 +45,8 @@ constexpr i64 kI64Max = std::numeric_limits<i64>::max();
 constexpr i64 kI64Min = std::numeric_limits<i64>::min();
 
 constexpr std::array<i64, 16> kTokens{0, 1, 1, 2, 2, 3, 3, 4, 5, 6, 7, 8, 9, 12, 17, 33};
-constexpr std::array<i64, 7> kHugeCrops{kI64Min, kI64Min + 1, kI64Max, -(i64{1} << 62), i64{1} << 62,
-                                        -(kTokenLimit + 1), kTokenLimit + 1};
+constexpr std::array<i64, 7> kHugeCrops{kI64Min,      kI64Min + 1,        kI64Max,        -(i64{1} << 62),
+                                        i64{1} << 62, -(kTokenLimit + 1), kTokenLimit + 1};
 constexpr std::array<i64, 5> kBadQueries{0, -1, kTokenLimit + 1, kI64Max, kI64Min};
 constexpr std::array<i64, 4> kBadRecording{-1, kTokenLimit + 1, kI64Max, kI64Min};
 
@@ -72,9 +72,15 @@ SeqSpec make_spec(std::uint8_t h) {
       break;
     case 2:
       s.name = "every_kind_bf16_bs2";
-      s.kinds = {LayerKind::FullAttention, LayerKind::SlidingAttention, LayerKind::ChunkedAttention,
-                 LayerKind::LinearAttention, LayerKind::Conv,          LayerKind::Hybrid,
-                 LayerKind::HybridSliding,   LayerKind::SparseAttention, LayerKind::Moe,
+      s.kinds = {LayerKind::FullAttention,
+                 LayerKind::SlidingAttention,
+                 LayerKind::ChunkedAttention,
+                 LayerKind::LinearAttention,
+                 LayerKind::Conv,
+                 LayerKind::Hybrid,
+                 LayerKind::HybridSliding,
+                 LayerKind::SparseAttention,
+                 LayerKind::Moe,
                  LayerKind::Mlp};
       s.dtype = DType::BF16;
       s.block_size = 2;
@@ -98,20 +104,43 @@ std::string num(i64 v) { return std::to_string(v); }
 // Counts of what the inputs exercised, printed at exit when
 // REWIND_FUZZ_STATS is set (e.g. with -runs=0 over a corpus).
 enum Stat {
-  kForward, kHostileForward, kAbandoned, kAliasBlocks, kAliasConv, kRecFromCache, kProbe, kHugeBatch, kHugeQuery,
-  kBudgetSet, kBudgetRefusal, kStale, kFork, kCrop, kSnapshot, kStatCount
+  kForward,
+  kHostileForward,
+  kAbandoned,
+  kAliasBlocks,
+  kAliasConv,
+  kRecFromCache,
+  kProbe,
+  kHugeBatch,
+  kHugeQuery,
+  kBudgetSet,
+  kBudgetRefusal,
+  kStale,
+  kFork,
+  kCrop,
+  kSnapshot,
+  kStatCount
 };
-constexpr const char* kStatNames[kStatCount] = {
-    "batched forwards", "  with every hostile hook", "  abandoned", "inputs aliasing blocks",
-    "inputs aliasing conv rows", "recurrent slots written from cache states", "refused calls inside a batch",
-    "huge begin_batch", "mask sizes at / past 2^40", "budgets set", "CapacityErrors under a budget",
-    "stale / forged id rounds", "forks", "crops", "snapshot operations"};
+constexpr const char* kStatNames[kStatCount] = {"batched forwards",
+                                                "  with every hostile hook",
+                                                "  abandoned",
+                                                "inputs aliasing blocks",
+                                                "inputs aliasing conv rows",
+                                                "recurrent slots written from cache states",
+                                                "refused calls inside a batch",
+                                                "huge begin_batch",
+                                                "mask sizes at / past 2^40",
+                                                "budgets set",
+                                                "CapacityErrors under a budget",
+                                                "stale / forged id rounds",
+                                                "forks",
+                                                "crops",
+                                                "snapshot operations"};
 FuzzStats<kStatCount>& stats() {
   static FuzzStats<kStatCount> s(kStatNames);
   return s;
 }
 void count(Stat k, unsigned long long by = 1) { stats().count(static_cast<std::size_t>(k), by); }
-
 
 class Fuzzer {
  public:
@@ -145,12 +174,16 @@ class Fuzzer {
         case 10: hostile_sizes(); break;
         case 11: budget(); break;
         case 12:
-          if (next() & 1) check(m_.set_budget(0));
-          else check(m_.shrink());
+          if (next() & 1)
+            check(m_.set_budget(0));
+          else
+            check(m_.shrink());
           break;
         case 13:
-          if (next() % 4 == 0) check(m_.keep(pick()));
-          else stale();
+          if (next() % 4 == 0)
+            check(m_.keep(pick()));
+          else
+            stale();
           break;
         case 14: invalid_batch(); break;
         case 16: snapshot_op(); break;
@@ -286,29 +319,35 @@ class Fuzzer {
         count(kHugeBatch);
         const std::array<i64, 5> qs{kTokenLimit + 1 - L, kTokenLimit - L, i64{1} << 59, kI64Max, kTokenLimit + 1};
         const i64 q = qs[next() % qs.size()];
-        check(m_.refused("begin_batch {" + num(q) + " tokens} " + at, [&] {
-          const BatchEntry en[1] = {{id, q}};
-          SequenceBatch b = cache().begin_batch(en);
-        }, {Err::Capacity}));
+        check(m_.refused("begin_batch {" + num(q) + " tokens} " + at,
+                         [&] {
+                           const BatchEntry en[1] = {{id, q}};
+                           SequenceBatch b = cache().begin_batch(en);
+                         },
+                         {Err::Capacity}));
         break;
       }
       case 1: {  // totals that overflow int64
         if (m_.live.size() < 2) break;
         const SeqId other = m_.live[(i + 1) % m_.live.size()].id;
         const i64 a = i64{1} << 62, b = next() & 1 ? i64{1} << 62 : kI64Max;
-        check(m_.refused("begin_batch {2^62, " + num(b) + "} " + at, [&] {
-          const BatchEntry en[2] = {{id, a}, {other, b}};
-          SequenceBatch batch = cache().begin_batch(en);
-        }, {Err::Capacity, Err::Invalid}));
+        check(m_.refused("begin_batch {2^62, " + num(b) + "} " + at,
+                         [&] {
+                           const BatchEntry en[2] = {{id, a}, {other, b}};
+                           SequenceBatch batch = cache().begin_batch(en);
+                         },
+                         {Err::Capacity, Err::Invalid}));
         break;
       }
       case 2: {  // a small entry with a huge one
         if (m_.live.size() < 2) break;
         const SeqId other = m_.live[(i + 1) % m_.live.size()].id;
-        check(m_.refused("begin_batch {1, 2^59} " + at, [&] {
-          const BatchEntry en[2] = {{id, 1}, {other, i64{1} << 59}};
-          SequenceBatch batch = cache().begin_batch(en);
-        }, {Err::Capacity}));
+        check(m_.refused("begin_batch {1, 2^59} " + at,
+                         [&] {
+                           const BatchEntry en[2] = {{id, 1}, {other, i64{1} << 59}};
+                           SequenceBatch batch = cache().begin_batch(en);
+                         },
+                         {Err::Capacity}));
         break;
       }
       case 3: {  // mask sizes: out of range, and at the limit (no overflow)
@@ -317,8 +356,9 @@ class Fuzzer {
           const RefLayer& rl = m_.live[i].ref.layers[static_cast<std::size_t>(layer)];
           if (!rl.has_attention()) continue;
           const i64 q = kBadQueries[next() % kBadQueries.size()];
-          check(m_.refused("get_mask_sizes(" + num(q) + ", layer " + num(layer) + ") " + at,
-                           [&] { (void)cache().get_mask_sizes(id, q, layer); }, {Err::Invalid}, false));
+          check(m_.refused(
+              "get_mask_sizes(" + num(q) + ", layer " + num(layer) + ") " + at,
+              [&] { (void)cache().get_mask_sizes(id, q, layer); }, {Err::Invalid}, false));
           MaskSizes got;
           try {
             got = cache().get_mask_sizes(id, kTokenLimit, layer);
@@ -364,9 +404,8 @@ class Fuzzer {
       fo.abandon_how = next() % 3;
       fo.remove_after_abandon = (flags & 64) != 0;
     }
-    if (hostile || (flags & 8) != 0) fo.input = [this](int layer, int part, const std::vector<i64>& shape) {
-      return alias_input(layer, part, shape);
-    };
+    if (hostile || (flags & 8) != 0)
+      fo.input = [this](int layer, int part, const std::vector<i64>& shape) { return alias_input(layer, part, shape); };
     if (hostile || (flags & 16) != 0) fo.before_layer = [this](int layer, SequenceBatch& b) { return probe(layer, b); };
     if (hostile || (flags & 32) != 0)
       fo.write_rec = [this](int layer, int s, std::size_t, i64, const TensorView& slot) {
@@ -492,27 +531,30 @@ class Fuzzer {
       case 0: {  // T + 1 tokens
         const TensorView k = raw_view(z, dt, {1, H, T + 1, Dk}, {0, 0, 0, 0});
         const TensorView v = raw_view(z, dt, {1, H, T + 1, Dv}, {0, 0, 0, 0});
-        return m_.refused("update of T + 1 tokens" + at, [&] { (void)cache().update(k, v, layer); },
-                          attention_or_state(Err::Invalid), false);
+        return m_.refused(
+            "update of T + 1 tokens" + at, [&] { (void)cache().update(k, v, layer); }, attention_or_state(Err::Invalid),
+            false);
       }
       case 1: {  // 2^59 tokens, broadcast
         const TensorView k = raw_view(z, dt, {1, H, i64{1} << 59, Dk}, {0, 0, 0, 0});
         const TensorView v = raw_view(z, dt, {1, H, i64{1} << 59, Dv}, {0, 0, 0, 0});
-        return m_.refused("update of 2^59 broadcast tokens" + at, [&] { (void)cache().update(k, v, layer); },
-                          attention_or_state(Err::Invalid), false);
+        return m_.refused(
+            "update of 2^59 broadcast tokens" + at, [&] { (void)cache().update(k, v, layer); },
+            attention_or_state(Err::Invalid), false);
       }
       case 2: {  // another dtype
         const DType other = dt == DType::F32 ? DType::BF16 : DType::F32;
         const TensorView k = raw_view(z, other, {1, H, T, Dk}, {0, 0, 0, 0});
         const TensorView v = raw_view(z, other, {1, H, T, Dv}, {0, 0, 0, 0});
-        return m_.refused("update with another dtype" + at, [&] { (void)cache().update(k, v, layer); },
-                          attention_or_state(Err::Invalid), false);
+        return m_.refused(
+            "update with another dtype" + at, [&] { (void)cache().update(k, v, layer); },
+            attention_or_state(Err::Invalid), false);
       }
       case 3: {  // conv input with a wrong channel count
         const TensorView x = raw_view(z, dt, {1, 7, T}, {0, 0, 0});
-        return m_.refused("update_conv_state with 7 channels" + at,
-                          [&] { (void)cache().update_conv_state(x, layer, 0); },
-                          rl.conv_ch.empty() ? std::vector<Err>{Err::State} : std::vector<Err>{Err::Invalid}, false);
+        return m_.refused(
+            "update_conv_state with 7 channels" + at, [&] { (void)cache().update_conv_state(x, layer, 0); },
+            rl.conv_ch.empty() ? std::vector<Err>{Err::State} : std::vector<Err>{Err::Invalid}, false);
       }
       case 4: {  // whole-state calls
         std::string e;
@@ -538,24 +580,29 @@ class Fuzzer {
         return e;
       }
       case 5:  // commit before this layer got its tokens
-        if (std::string e = m_.refused("commit" + at, [&] { b.commit(); }, {Err::State}, false); !e.empty()) return e;
+        if (std::string e = m_.refused(
+                "commit" + at, [&] { b.commit(); }, {Err::State}, false);
+            !e.empty())
+          return e;
         return b.is_open() ? "" : m_.fail("a refused commit closed the batch");
       case 6: {
         const TensorView k = raw_view(z, dt, {1, H, T, Dk}, {0, 0, 0, 0});
         const TensorView v = raw_view(z, dt, {1, H, T, Dv}, {0, 0, 0, 0});
         const int bad = next() & 1 ? m_.num_layers() : -1;
-        return m_.refused("update of layer " + num(bad) + at, [&] { (void)cache().update(k, v, bad); }, {Err::Index},
-                          false);
+        return m_.refused(
+            "update of layer " + num(bad) + at, [&] { (void)cache().update(k, v, bad); }, {Err::Index}, false);
       }
       case 7: {
         const TensorView r = raw_view(z, dt, {1, T, 4}, {0, 0, 0});
-        return m_.refused("update_side of side 9" + at, [&] { (void)cache().update_side(r, layer, 9); },
-                          {Err::Index, Err::State}, false);
+        return m_.refused(
+            "update_side of side 9" + at, [&] { (void)cache().update_side(r, layer, 9); }, {Err::Index, Err::State},
+            false);
       }
       default:
-        return m_.refused("begin_recurrent_update of state 9" + at,
-                          [&] { BatchRecurrentUpdate u = cache().begin_recurrent_update(layer, 9); },
-                          {Err::Index, Err::State}, false);
+        return m_.refused(
+            "begin_recurrent_update of state 9" + at,
+            [&] { BatchRecurrentUpdate u = cache().begin_recurrent_update(layer, 9); }, {Err::Index, Err::State},
+            false);
     }
   }
 };

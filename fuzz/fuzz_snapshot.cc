@@ -28,12 +28,19 @@ namespace {
 // How often each outcome occurred, printed when REWIND_FUZZ_STATS is set
 // (e.g. with -runs=0 over a corpus): the resealed inputs are what reach the
 // checks behind the checksums.
-enum Stat { kAccepted, kRefusedChecksum, kRefusedTruncated, kRefusedOther, kResealedAccepted, kResealedRefused,
-            kStatCount };
+enum Stat {
+  kAccepted,
+  kRefusedChecksum,
+  kRefusedTruncated,
+  kRefusedOther,
+  kResealedAccepted,
+  kResealedRefused,
+  kStatCount
+};
 constexpr const char* kStatNames[kStatCount] = {
-    "inputs accepted as they are", "  refused: checksum mismatch", "  refused: truncated",
-    "  refused: another check (magic, version, fields, trailing bytes)", "resealed inputs accepted",
-    "resealed inputs refused (by a field check)"};
+    "inputs accepted as they are", "  refused: checksum mismatch",
+    "  refused: truncated",        "  refused: another check (magic, version, fields, trailing bytes)",
+    "resealed inputs accepted",    "resealed inputs refused (by a field check)"};
 rwt::FuzzStats<kStatCount>& stats() {
   static rwt::FuzzStats<kStatCount> s(kStatNames);
   return s;
@@ -72,8 +79,8 @@ void reseal_all(Bytes& b) {
   for (std::uint64_t l = 0; l < layers; ++l) {
     if (b.size() - pos < 28 || !reseal(b, pos, pos + 24)) return;
     const std::uint64_t kind = get(b, pos, 4);
-    const std::uint64_t parts =
-        (has_attention(kind) ? 2 : 0) + get(b, pos + 4, 4) + get(b, pos + 8, 4) + get(b, pos + 12, 4);
+    const std::uint64_t parts = (has_attention(kind) ? 2 : 0) + get(b, pos + 4, 4) + get(b, pos + 8, 4) +
+                                get(b, pos + 12, 4);
     pos += 28;
     for (std::uint64_t p = 0; p < parts; ++p) {
       if (b.size() - pos < 44 || !reseal(b, pos, pos + 40)) return;

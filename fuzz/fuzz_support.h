@@ -18,7 +18,9 @@ class ByteReader {
   bool empty() const { return pos_ >= size_; }
   std::uint8_t next() { return pos_ < size_ ? data_[pos_++] : 0; }
   // REQUIRES lo <= hi.
-  std::int64_t range(std::int64_t lo, std::int64_t hi) { return lo + static_cast<std::int64_t>(next()) % (hi - lo + 1); }
+  std::int64_t range(std::int64_t lo, std::int64_t hi) {
+    return lo + static_cast<std::int64_t>(next()) % (hi - lo + 1);
+  }
   // Exhausted input reads zeros, which never pick the rare branch.
   bool one_in(int n) { return next() % n == n - 1; }
   template <std::size_t N>

@@ -108,12 +108,17 @@ void tree_round(ByteReader& in, Built& b, DType dt, std::uint64_t& salt, std::ve
   check_stale(stale);  // a new tree open does not revive old slots
   // Hostile calls inside the tree: refused, nothing changes.
   if (in.one_in(3)) {
-    refused("crop inside a tree", [&] { b.cache.crop(-1); }, b.cache);
-    refused("begin_forward inside a tree", [&] { (void)b.cache.begin_forward(1); }, b.cache);
-    refused("begin_tree inside a tree", [&] { (void)b.cache.begin_tree(parents); }, b.cache);
-    refused("commit of an incomplete tree", [&] { tree->commit(0); }, b.cache);
+    refused(
+        "crop inside a tree", [&] { b.cache.crop(-1); }, b.cache);
+    refused(
+        "begin_forward inside a tree", [&] { (void)b.cache.begin_forward(1); }, b.cache);
+    refused(
+        "begin_tree inside a tree", [&] { (void)b.cache.begin_tree(parents); }, b.cache);
+    refused(
+        "commit of an incomplete tree", [&] { tree->commit(0); }, b.cache);
     HostTensor k(dt, {1, 2, n + 1, 3}), v(dt, {1, 2, n + 1, 2});
-    refused("TreeForward::update of N + 1 rows", [&] { (void)tree->update(k.view(), v.view(), 0); }, b.cache);
+    refused(
+        "TreeForward::update of N + 1 rows", [&] { (void)tree->update(k.view(), v.view(), 0); }, b.cache);
   }
   std::vector<StepData> data;
   for (const RefLayer& rl : b.ref.layers) data.push_back(rl.make_step(n, ++salt));
@@ -135,11 +140,15 @@ void tree_round(ByteReader& in, Built& b, DType dt, std::uint64_t& salt, std::ve
   std::vector<rwd::TreeRecurrentSlots> kept;
   check(tree_updates(b.cache, b.ref, *tree, data, &kept));
   if (in.one_in(4)) {  // a part given twice
-    refused("TreeForward::update_conv twice", [&] {
-      const HostTensor x = b.ref.layers[4].conv_input(data[4], 0);
-      (void)tree->update_conv(x.view(), 4, 0);
-    }, b.cache);
-    refused("commit of a node outside the tree", [&] { tree->commit(n); }, b.cache);
+    refused(
+        "TreeForward::update_conv twice",
+        [&] {
+          const HostTensor x = b.ref.layers[4].conv_input(data[4], 0);
+          (void)tree->update_conv(x.view(), 4, 0);
+        },
+        b.cache);
+    refused(
+        "commit of a node outside the tree", [&] { tree->commit(n); }, b.cache);
   }
   if (how == 1) {
     tree->abandon();
@@ -154,7 +163,8 @@ void tree_round(ByteReader& in, Built& b, DType dt, std::uint64_t& salt, std::ve
   const Before at_commit(b.cache);  // inside the tree (max_rollback refuses there)
   try {
     tree->commit(leaf);
-  } catch (const rwd::CapacityError&) {  // a static layer without room, or the budget: nothing changed, the tree stays open
+  } catch (
+      const rwd::CapacityError&) {  // a static layer without room, or the budget: nothing changed, the tree stays open
     if (std::string d = at_commit.changed(b.cache); !d.empty()) die("refused commit changed " + d);
     if (!tree->is_open()) die("a refused commit closed the tree");
     if (budget) stats.count(kBudgetRefusedCommit);
@@ -164,7 +174,8 @@ void tree_round(ByteReader& in, Built& b, DType dt, std::uint64_t& salt, std::ve
     return;
   }
   stale.insert(stale.end(), kept.begin(), kept.end());
-  refused("commit of a committed tree", [&] { tree->commit(leaf); }, b.cache);
+  refused(
+      "commit of a committed tree", [&] { tree->commit(leaf); }, b.cache);
   for (std::size_t li = 0; li < b.ref.layers.size(); ++li)
     if (!b.ref.layers[li].stateless()) b.ref.layers[li].apply_update(path_step(data[li], path));
   check(verify(b.cache, b.ref));
@@ -226,7 +237,8 @@ void run(ByteReader& in) {
       if (gather(kv.nodes.keys) != want_k || gather(kv.nodes.values) != want_v)
         die("TreeForward::update of the cache's own rows stored other values");
       tree.abandon();
-      if (std::string d = diff(before, observe(b.cache)); !d.empty()) die("a tree of the cache's own rows changed " + d);
+      if (std::string d = diff(before, observe(b.cache)); !d.empty())
+        die("a tree of the cache's own rows changed " + d);
       check(verify(b.cache, b.ref));
       continue;
     }
@@ -235,8 +247,11 @@ void run(ByteReader& in) {
       const i64 n = in.range(1, 6);
       for (i64 i = 1; i < n; ++i) parents.push_back(in.range(-1, i));
       bool ok = parents[0] == -1;
-      for (i64 i = 1; i < n; ++i) ok = ok && parents[static_cast<std::size_t>(i)] >= 0 && parents[static_cast<std::size_t>(i)] < i;
-      if (!ok) refused("begin_tree of a malformed tree", [&] { (void)b.cache.begin_tree(parents); }, b.cache);
+      for (i64 i = 1; i < n; ++i)
+        ok = ok && parents[static_cast<std::size_t>(i)] >= 0 && parents[static_cast<std::size_t>(i)] < i;
+      if (!ok)
+        refused(
+            "begin_tree of a malformed tree", [&] { (void)b.cache.begin_tree(parents); }, b.cache);
       continue;
     }
     tree_round(in, b, dt, salt, stale);

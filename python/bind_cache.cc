@@ -72,7 +72,8 @@ Parts checked_parts(Parts parts) {
 // allocations count in (None: none).
 class PyCache {
  public:
-  PyCache(Parts parts, std::shared_ptr<Budget> budget) : parts_(checked_parts(std::move(parts))), budget_(std::move(budget)) {}
+  PyCache(Parts parts, std::shared_ptr<Budget> budget)
+      : parts_(checked_parts(std::move(parts))), budget_(std::move(budget)) {}
 
   bool empty() const { return parts_.empty(); }
   const Parts& parts() const { return parts_; }
@@ -123,65 +124,106 @@ void run_both(PyCache& self, PyCache& cross, const std::string& what, Both&& bot
 }
 
 void bind_cache_class(py::module_& m) {
-  py::class_<PyCache, std::shared_ptr<PyCache>>(m, "_Cache",
+  py::class_<PyCache, std::shared_ptr<PyCache>>(
+      m, "_Cache",
       "rwd::Cache over the given parts (_Layer objects, in order): each whole-cache call lends them to one C++ "
       "cache, which checks every part before it changes any, and takes them back. Results and errors are the C++ "
       "cache's; a cache without parts changes nothing.")
       .def(py::init<Parts, std::shared_ptr<Budget>>(), py::arg("parts"), py::arg("budget") = nullptr)
-      .def("crop", [](PyCache& c, std::int64_t n) { c.run("crop(" + std::to_string(n) + ")", [&](rwd::Cache& x) { x.crop(n); }); },
-           py::arg("n"), "Cache::crop: every part or none.")
-      .def("check_crop", [](PyCache& c, std::int64_t n) { c.run("check_crop", [&](rwd::Cache& x) { x.check_crop(n); }); },
-           py::arg("n"), "Raises what crop(n) would raise; changes nothing.")
-      .def("max_rollback", [](PyCache& c) {
-        std::int64_t out = 0;
-        c.run("max_rollback", [&](rwd::Cache& x) { out = x.max_rollback(); });
-        return out;
-      }, "Cache::max_rollback (0 without parts).")
-      .def("activate_past_recording", [](PyCache& c, std::int64_t r) {
-        c.run("activate_past_recording(" + std::to_string(r) + ")", [&](rwd::Cache& x) { x.activate_past_recording(r); });
-      }, py::arg("max_tokens"), "Cache::activate_past_recording: every part or none.")
-      .def("deactivate_past_recording", [](PyCache& c) {
-        c.run("deactivate_past_recording", [](rwd::Cache& x) { x.deactivate_past_recording(); });
-      }, "Cache::deactivate_past_recording: every part or none.")
-      .def("batch_select_indices", [](PyCache& c, py::object idx) {
-        const auto v = index_list(idx);
-        c.run("batch_select_indices", [&](rwd::Cache& x) { x.batch_select_indices(v); });
-      }, py::arg("indices"), "Cache::batch_select_indices: every part or none.")
-      .def("batch_repeat_interleave", [](PyCache& c, std::int64_t r) {
-        c.run("batch_repeat_interleave", [&](rwd::Cache& x) { x.batch_repeat_interleave(r); });
-      }, py::arg("repeats"), "Cache::batch_repeat_interleave: every part or none.")
-      .def("reorder_cache", [](PyCache& c, py::object idx) {
-        const auto v = index_list(idx);
-        c.run("reorder_cache", [&](rwd::Cache& x) { x.reorder_cache(v); });
-      }, py::arg("beam_idx"), "Cache::reorder_cache: every part or none.")
-      .def("reset", [](PyCache& c) { c.run("reset", [](rwd::Cache& x) { x.reset(); }); },
-           "Cache::reset: every part back to new, or none.")
-      .def("shrink_to_fit", [](PyCache& c) { c.run("shrink_to_fit", [](rwd::Cache& x) { x.shrink_to_fit(); }); },
-           "Cache::shrink_to_fit (best effort; changes no content).");
+      .def(
+          "crop",
+          [](PyCache& c, std::int64_t n) {
+            c.run("crop(" + std::to_string(n) + ")", [&](rwd::Cache& x) { x.crop(n); });
+          },
+          py::arg("n"), "Cache::crop: every part or none.")
+      .def(
+          "check_crop",
+          [](PyCache& c, std::int64_t n) { c.run("check_crop", [&](rwd::Cache& x) { x.check_crop(n); }); },
+          py::arg("n"), "Raises what crop(n) would raise; changes nothing.")
+      .def(
+          "max_rollback",
+          [](PyCache& c) {
+            std::int64_t out = 0;
+            c.run("max_rollback", [&](rwd::Cache& x) { out = x.max_rollback(); });
+            return out;
+          },
+          "Cache::max_rollback (0 without parts).")
+      .def(
+          "activate_past_recording",
+          [](PyCache& c, std::int64_t r) {
+            c.run("activate_past_recording(" + std::to_string(r) + ")",
+                  [&](rwd::Cache& x) { x.activate_past_recording(r); });
+          },
+          py::arg("max_tokens"), "Cache::activate_past_recording: every part or none.")
+      .def(
+          "deactivate_past_recording",
+          [](PyCache& c) { c.run("deactivate_past_recording", [](rwd::Cache& x) { x.deactivate_past_recording(); }); },
+          "Cache::deactivate_past_recording: every part or none.")
+      .def(
+          "batch_select_indices",
+          [](PyCache& c, py::object idx) {
+            const auto v = index_list(idx);
+            c.run("batch_select_indices", [&](rwd::Cache& x) { x.batch_select_indices(v); });
+          },
+          py::arg("indices"), "Cache::batch_select_indices: every part or none.")
+      .def(
+          "batch_repeat_interleave",
+          [](PyCache& c, std::int64_t r) {
+            c.run("batch_repeat_interleave", [&](rwd::Cache& x) { x.batch_repeat_interleave(r); });
+          },
+          py::arg("repeats"), "Cache::batch_repeat_interleave: every part or none.")
+      .def(
+          "reorder_cache",
+          [](PyCache& c, py::object idx) {
+            const auto v = index_list(idx);
+            c.run("reorder_cache", [&](rwd::Cache& x) { x.reorder_cache(v); });
+          },
+          py::arg("beam_idx"), "Cache::reorder_cache: every part or none.")
+      .def(
+          "reset", [](PyCache& c) { c.run("reset", [](rwd::Cache& x) { x.reset(); }); },
+          "Cache::reset: every part back to new, or none.")
+      .def(
+          "shrink_to_fit", [](PyCache& c) { c.run("shrink_to_fit", [](rwd::Cache& x) { x.shrink_to_fit(); }); },
+          "Cache::shrink_to_fit (best effort; changes no content).");
 }
 
 void bind_encoder_decoder(py::module_& m) {
-  m.def("_encoder_decoder_batch_select_indices", [](PyCache& self, PyCache& cross, py::object idx) {
-    const auto v = index_list(idx);
-    run_both(self, cross, "batch_select_indices", [&](rwd::EncoderDecoderCache& x) { x.batch_select_indices(v); },
-             [&](rwd::Cache& x) { x.batch_select_indices(v); });
-  }, py::arg("self_attention"), py::arg("cross_attention"), py::arg("indices"),
-        "EncoderDecoderCache::batch_select_indices over both parts' _Cache: both or neither.");
-  m.def("_encoder_decoder_batch_repeat_interleave", [](PyCache& self, PyCache& cross, std::int64_t r) {
-    run_both(self, cross, "batch_repeat_interleave",
-             [&](rwd::EncoderDecoderCache& x) { x.batch_repeat_interleave(r); },
-             [&](rwd::Cache& x) { x.batch_repeat_interleave(r); });
-  }, py::arg("self_attention"), py::arg("cross_attention"), py::arg("repeats"),
-        "EncoderDecoderCache::batch_repeat_interleave: both or neither.");
-  m.def("_encoder_decoder_reorder_cache", [](PyCache& self, PyCache& cross, py::object idx) {
-    const auto v = index_list(idx);
-    run_both(self, cross, "reorder_cache", [&](rwd::EncoderDecoderCache& x) { x.reorder_cache(v); },
-             [&](rwd::Cache& x) { x.reorder_cache(v); });
-  }, py::arg("self_attention"), py::arg("cross_attention"), py::arg("beam_idx"),
-        "EncoderDecoderCache::reorder_cache: both or neither.");
-  m.def("_encoder_decoder_reset", [](PyCache& self, PyCache& cross) {
-    run_both(self, cross, "reset", [](rwd::EncoderDecoderCache& x) { x.reset(); }, [](rwd::Cache& x) { x.reset(); });
-  }, py::arg("self_attention"), py::arg("cross_attention"), "EncoderDecoderCache::reset: both or neither.");
+  m.def(
+      "_encoder_decoder_batch_select_indices",
+      [](PyCache& self, PyCache& cross, py::object idx) {
+        const auto v = index_list(idx);
+        run_both(
+            self, cross, "batch_select_indices", [&](rwd::EncoderDecoderCache& x) { x.batch_select_indices(v); },
+            [&](rwd::Cache& x) { x.batch_select_indices(v); });
+      },
+      py::arg("self_attention"), py::arg("cross_attention"), py::arg("indices"),
+      "EncoderDecoderCache::batch_select_indices over both parts' _Cache: both or neither.");
+  m.def(
+      "_encoder_decoder_batch_repeat_interleave",
+      [](PyCache& self, PyCache& cross, std::int64_t r) {
+        run_both(
+            self, cross, "batch_repeat_interleave", [&](rwd::EncoderDecoderCache& x) { x.batch_repeat_interleave(r); },
+            [&](rwd::Cache& x) { x.batch_repeat_interleave(r); });
+      },
+      py::arg("self_attention"), py::arg("cross_attention"), py::arg("repeats"),
+      "EncoderDecoderCache::batch_repeat_interleave: both or neither.");
+  m.def(
+      "_encoder_decoder_reorder_cache",
+      [](PyCache& self, PyCache& cross, py::object idx) {
+        const auto v = index_list(idx);
+        run_both(
+            self, cross, "reorder_cache", [&](rwd::EncoderDecoderCache& x) { x.reorder_cache(v); },
+            [&](rwd::Cache& x) { x.reorder_cache(v); });
+      },
+      py::arg("self_attention"), py::arg("cross_attention"), py::arg("beam_idx"),
+      "EncoderDecoderCache::reorder_cache: both or neither.");
+  m.def(
+      "_encoder_decoder_reset",
+      [](PyCache& self, PyCache& cross) {
+        run_both(
+            self, cross, "reset", [](rwd::EncoderDecoderCache& x) { x.reset(); }, [](rwd::Cache& x) { x.reset(); });
+      },
+      py::arg("self_attention"), py::arg("cross_attention"), "EncoderDecoderCache::reset: both or neither.");
 }
 
 }  // namespace

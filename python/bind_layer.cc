@@ -1,10 +1,10 @@
 // The `_Layer` binding: one rwd::Layer per object (the transformers-shaped
 // classes in python/rewind/ combine them), its zero-copy recurrent update,
 // copies (deepcopy, pickle) and the memory budgets its buffers count in.
-#include <pybind11/pybind11.h>
-#include <pybind11/stl.h>
 #include <pybind11/functional.h>
 #include <pybind11/numpy.h>
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
 
 #include <algorithm>
 #include <bit>
@@ -21,13 +21,11 @@
 namespace rwd::python {
 namespace {
 
-
 // A zero-copy recurrent update (rwd::RecurrentUpdate) that keeps its layer alive.
 class PyRecurrentUpdate {
  public:
   PyRecurrentUpdate(py::object owner, PyLayer& layer, std::int64_t q, int state)
-      : owner_(std::move(owner)),
-        layer_(&layer),
+      : owner_(std::move(owner)), layer_(&layer),
         update_(layer.guarded([&] { return layer.layer().begin_recurrent_update(q, state); })) {}
   std::int64_t num_tokens() const { return update_.num_tokens(); }
   py::object previous() const { return layer_->out(update_.previous()); }
@@ -140,7 +138,8 @@ py::tuple layer_state(const PyLayer& l) {
   }
   py::tuple options = py::make_tuple(std::string(rwd::dtype_name(o.dtype)), o.num_kv_heads, o.key_dim, o.value_dim,
                                      o.sliding_window, o.chunk_size, o.static_capacity, o.conv_kernel_size,
-                                     o.conv_channels, o.recurrent_shapes, std::string(rwd::dtype_name(o.recurrent_dtype)));
+                                     o.conv_channels, o.recurrent_shapes,
+                                     std::string(rwd::dtype_name(o.recurrent_dtype)));
   py::object attention = py::none();
   if (layer.has_attention()) {
     const rwd::PositionRange r = layer.stored_range();
@@ -148,7 +147,8 @@ py::tuple layer_state(const PyLayer& l) {
     attention = py::make_tuple(r.first, tensor_state(kv.keys), tensor_state(kv.values));
   }
   py::list convs, recurrents;
-  for (std::size_t s = 0; s < o.conv_channels.size(); ++s) convs.append(tensor_state(layer.get_conv_state(static_cast<int>(s))));
+  for (std::size_t s = 0; s < o.conv_channels.size(); ++s)
+    convs.append(tensor_state(layer.get_conv_state(static_cast<int>(s))));
   for (std::size_t s = 0; s < o.recurrent_shapes.size(); ++s) {
     recurrents.append(tensor_state(layer.get_recurrent_state(static_cast<int>(s))));
   }
@@ -237,21 +237,25 @@ std::shared_ptr<Budget> deepcopied_budget(const std::shared_ptr<Budget>& b, py::
 }  // namespace
 
 void bind_budget(py::module_& m) {
-  m.def("pin_stats", [] {
-    auto s = rwd::python::pin_stats();
-    py::dict d;
-    d["pinned_blocks"] = s.pinned_blocks;
-    d["zombie_blocks"] = s.zombie_blocks;
-    d["zombie_bytes"] = s.zombie_bytes;
-    return d;
-  }, "Buffers that returned tensors keep alive: pinned, and of those freed by the cache (zombies, with bytes).");
+  m.def(
+      "pin_stats",
+      [] {
+        auto s = rwd::python::pin_stats();
+        py::dict d;
+        d["pinned_blocks"] = s.pinned_blocks;
+        d["zombie_blocks"] = s.zombie_blocks;
+        d["zombie_bytes"] = s.zombie_bytes;
+        return d;
+      },
+      "Buffers that returned tensors keep alive: pinned, and of those freed by the cache (zombies, with bytes).");
 
-  m.def("input_data_ptr", [](py::object t) {
-    return reinterpret_cast<std::uintptr_t>(input_view(t, "tensor").data);
-  }, py::arg("tensor"), "Address of the first element of a tensor or array as rewind reads it (tests).");
+  m.def(
+      "input_data_ptr", [](py::object t) { return reinterpret_cast<std::uintptr_t>(input_view(t, "tensor").data); },
+      py::arg("tensor"), "Address of the first element of a tensor or array as rewind reads it (tests).");
 
   // ---- _Layer ----
-  py::class_<Budget, std::shared_ptr<Budget>>(m, "_Budget",
+  py::class_<Budget, std::shared_ptr<Budget>>(
+      m, "_Budget",
       "Bytes of rewind buffers allocated for a layer or a cache, with an optional cap. A layer's budget may have "
       "its cache's as parent: allocations count in both, and one that would pass either cap is refused with a "
       "CapacityError that changes nothing.")
@@ -262,12 +266,15 @@ void bind_budget(py::module_& m) {
            "Sets the cap; raises CapacityError, keeping the old one, when more are reserved already.")
       .def("set_parent", &Budget::set_parent, py::arg("parent"),
            "Counts this budget's bytes (now and later) in `parent` too (None: in no other).")
-      .def("__deepcopy__", [](const Budget& b, py::dict memo) {
-        auto out = std::make_shared<Budget>();
-        out->set_limit(b.limit());
-        out->set_parent(deepcopied_budget(b.parent(), memo));
-        return out;
-      }, py::arg("memo"), "A budget with the same cap and a copy of the parent; nothing reserved yet.")
+      .def(
+          "__deepcopy__",
+          [](const Budget& b, py::dict memo) {
+            auto out = std::make_shared<Budget>();
+            out->set_limit(b.limit());
+            out->set_parent(deepcopied_budget(b.parent(), memo));
+            return out;
+          },
+          py::arg("memo"), "A budget with the same cap and a copy of the parent; nothing reserved yet.")
       .def(py::pickle(
           [](const Budget& b) { return py::make_tuple(b.limit(), b.parent() ? py::cast(b.parent()) : py::none()); },
           [](const py::tuple& t) {
@@ -285,7 +292,6 @@ void bind_budget(py::module_& m) {
       .def("previous", &PyRecurrentUpdate::previous, "S(L), a view of the cache's slot.")
       .def("next", &PyRecurrentUpdate::next, py::arg("t"), "The slot for S(L+t), 1 <= t <= q, to write in place.")
       .def("commit", &PyRecurrentUpdate::commit, "Advances the state by q tokens.");
-
 }
 
 namespace {
@@ -301,35 +307,39 @@ void bind_layer(py::module_& m) {
   LayerClass c(m, "_Layer",
                "One rwd::Layer. Results are views of its storage (torch tensors or numpy arrays, as the first "
                "input), valid until the next mutation of this layer; a stale view stays readable.");
-  c
-      .def(py::init([](const std::string& kind, const std::string& dtype, std::int64_t batch_size,
-                       std::int64_t num_kv_heads, std::int64_t key_dim, std::int64_t value_dim,
-                       std::int64_t sliding_window, std::int64_t chunk_size, std::int64_t static_capacity,
-                       std::vector<std::int64_t> side_dims, std::int64_t conv_kernel_size,
-                       std::vector<std::int64_t> conv_channels, std::vector<std::vector<std::int64_t>> recurrent_shapes,
-                       const std::string& recurrent_dtype, int index, bool as_torch, std::shared_ptr<Budget> budget) {
-             return std::make_shared<PyLayer>(
-                 kind,
-                 make_options(dtype, batch_size, num_kv_heads, key_dim, value_dim, sliding_window, chunk_size,
-                              static_capacity, std::move(side_dims), conv_kernel_size, std::move(conv_channels),
-                              std::move(recurrent_shapes), recurrent_dtype),
-                 index, as_torch, std::move(budget));
-           }),
-           py::arg("kind"), py::arg("dtype") = "f32", py::arg("batch_size") = 1, py::arg("num_kv_heads") = 0,
-           py::arg("key_dim") = 0, py::arg("value_dim") = 0, py::arg("sliding_window") = 0, py::arg("chunk_size") = 0,
-           py::arg("static_capacity") = 0, py::arg("side_dims") = std::vector<std::int64_t>{},
-           py::arg("conv_kernel_size") = 0, py::arg("conv_channels") = std::vector<std::int64_t>{},
-           py::arg("recurrent_shapes") = std::vector<std::vector<std::int64_t>>{}, py::arg("recurrent_dtype") = "f32",
-           py::arg("index") = -1, py::arg("as_torch") = true, py::arg("budget") = nullptr)
-      .def_property_readonly("kind", [](const PyLayer& l) { return std::string(rwd::layer_kind_name(l.layer().kind())); })
+  c.def(py::init([](const std::string& kind, const std::string& dtype, std::int64_t batch_size,
+                    std::int64_t num_kv_heads, std::int64_t key_dim, std::int64_t value_dim,
+                    std::int64_t sliding_window, std::int64_t chunk_size, std::int64_t static_capacity,
+                    std::vector<std::int64_t> side_dims, std::int64_t conv_kernel_size,
+                    std::vector<std::int64_t> conv_channels, std::vector<std::vector<std::int64_t>> recurrent_shapes,
+                    const std::string& recurrent_dtype, int index, bool as_torch, std::shared_ptr<Budget> budget) {
+          return std::make_shared<PyLayer>(
+              kind,
+              make_options(dtype, batch_size, num_kv_heads, key_dim, value_dim, sliding_window, chunk_size,
+                           static_capacity, std::move(side_dims), conv_kernel_size, std::move(conv_channels),
+                           std::move(recurrent_shapes), recurrent_dtype),
+              index, as_torch, std::move(budget));
+        }),
+        py::arg("kind"), py::arg("dtype") = "f32", py::arg("batch_size") = 1, py::arg("num_kv_heads") = 0,
+        py::arg("key_dim") = 0, py::arg("value_dim") = 0, py::arg("sliding_window") = 0, py::arg("chunk_size") = 0,
+        py::arg("static_capacity") = 0, py::arg("side_dims") = std::vector<std::int64_t>{},
+        py::arg("conv_kernel_size") = 0, py::arg("conv_channels") = std::vector<std::int64_t>{},
+        py::arg("recurrent_shapes") = std::vector<std::vector<std::int64_t>>{}, py::arg("recurrent_dtype") = "f32",
+        py::arg("index") = -1, py::arg("as_torch") = true, py::arg("budget") = nullptr)
+      .def_property_readonly("kind",
+                             [](const PyLayer& l) { return std::string(rwd::layer_kind_name(l.layer().kind())); })
       .def_property_readonly("as_torch", &PyLayer::as_torch)
-      .def("set_index", [](PyLayer& l, int i) { l.layer().set_index(i); }, py::arg("index"))
+      .def(
+          "set_index", [](PyLayer& l, int i) { l.layer().set_index(i); }, py::arg("index"))
       .def("get_seq_length", [](const PyLayer& l) { return l.layer().get_seq_length(); })
       .def("batch_size", [](const PyLayer& l) { return l.layer().batch_size(); })
-      .def("get_mask_sizes", [](const PyLayer& l, std::int64_t q) {
-        auto s = l.layer().get_mask_sizes(q);
-        return py::make_tuple(s.kv_length, s.kv_offset);
-      }, py::arg("query_length"));
+      .def(
+          "get_mask_sizes",
+          [](const PyLayer& l, std::int64_t q) {
+            auto s = l.layer().get_mask_sizes(q);
+            return py::make_tuple(s.kv_length, s.kv_offset);
+          },
+          py::arg("query_length"));
   def_layer_updates(c);
   def_layer_whole(c);
 }
@@ -338,103 +348,155 @@ namespace {
 
 // The per-part updates and what they hold.
 void def_layer_updates(LayerClass& c) {
-  c.def("update", [](PyLayer& l, py::object k, py::object v) {
-        rwd::TensorView kv = input_view(k, "key_states"), vv = input_view(v, "value_states");
-        rwd::KeyValueView r = l.guarded([&] { return l.layer().update(kv, vv); });
-        return py::make_tuple(l.out(r.keys), l.out(r.values));
-      }, py::arg("key_states"), py::arg("value_states"))
-      .def("update_side", [](PyLayer& l, py::object rows, int side) {
-        rwd::TensorView in = input_view(rows, "side rows");
-        return l.out(l.guarded([&] { return l.layer().update_side(in, side); }));
-      }, py::arg("rows"), py::arg("side") = 0)
-      .def("keys_values", [](const PyLayer& l) {
-        rwd::KeyValueView r = l.layer().keys_values();
-        return py::make_tuple(l.out(r.keys), l.out(r.values));
-      })
-      .def("side", [](const PyLayer& l, int s) { return l.out(l.layer().side(s)); }, py::arg("side") = 0)
-      .def("stored_range", [](const PyLayer& l) {
-        auto r = l.layer().stored_range();
-        return py::make_tuple(r.first, r.end);
-      })
-      .def("update_conv_state", [](PyLayer& l, py::object x, int state) {
-        rwd::TensorView in = input_view(x, "conv_states");
-        return l.out(l.guarded([&] { return l.layer().update_conv_state(in, state); }));
-      }, py::arg("x"), py::arg("state") = 0)
-      .def("get_conv_state", [](const PyLayer& l, int s) { return l.out(l.layer().get_conv_state(s)); }, py::arg("state") = 0)
-      .def("conv_inputs", [](const PyLayer& l, int s) { return l.out(l.layer().conv_inputs(s)); }, py::arg("state") = 0)
-      .def("conv_range", [](const PyLayer& l, int s) {
-        auto r = l.layer().conv_range(s);
-        return py::make_tuple(r.first, r.end);
-      }, py::arg("state") = 0)
-      .def("begin_recurrent_update", [](py::object self, std::int64_t q, int state) {
-        PyLayer& l = self.cast<PyLayer&>();
-        return std::make_unique<PyRecurrentUpdate>(self, l, q, state);
-      }, py::arg("q"), py::arg("state") = 0)
-      .def("update_recurrent_state", [](PyLayer& l, py::object s, int state) {
-        rwd::TensorView in = input_view(s, "recurrent_states");
-        l.guarded([&] { l.layer().update_recurrent_state(in, state); });
-      }, py::arg("new_state"), py::arg("state") = 0)
-      .def("write_final_recurrent_state", [](PyLayer& l, py::object final_state, std::int64_t q, int state) {
-        rwd::TensorView src = input_view(final_state, "recurrent_states");
-        rwd::RecurrentUpdate u = l.guarded([&] { return l.layer().begin_recurrent_update(q, state); });
-        rwd::TensorView last = u.next(q);
-        rwd::copy_tensor(src, last);
-        // The states between are unknown: every slot gets the final one so
-        // that nothing uninitialised is ever read; the Python layer refuses
-        // crops that would land on them.
-        for (std::int64_t t = 1; t < q; ++t) {
-          rwd::TensorView slot = u.next(t);
-          if (slot.data != last.data) rwd::copy_tensor(src, slot);
-        }
-        l.guarded([&] { u.commit(); });
-      }, py::arg("final_state"), py::arg("q"), py::arg("state") = 0)
-      .def("get_recurrent_state", [](const PyLayer& l, int s) { return l.out(l.layer().get_recurrent_state(s)); }, py::arg("state") = 0)
-      .def("recurrent_snapshot", [](const PyLayer& l, int s, std::int64_t pos) {
-        return l.out(l.layer().recurrent_snapshot(s, pos));
-      }, py::arg("state"), py::arg("pos"))
+  c.def(
+       "update",
+       [](PyLayer& l, py::object k, py::object v) {
+         rwd::TensorView kv = input_view(k, "key_states"), vv = input_view(v, "value_states");
+         rwd::KeyValueView r = l.guarded([&] { return l.layer().update(kv, vv); });
+         return py::make_tuple(l.out(r.keys), l.out(r.values));
+       },
+       py::arg("key_states"), py::arg("value_states"))
+      .def(
+          "update_side",
+          [](PyLayer& l, py::object rows, int side) {
+            rwd::TensorView in = input_view(rows, "side rows");
+            return l.out(l.guarded([&] { return l.layer().update_side(in, side); }));
+          },
+          py::arg("rows"), py::arg("side") = 0)
+      .def("keys_values",
+           [](const PyLayer& l) {
+             rwd::KeyValueView r = l.layer().keys_values();
+             return py::make_tuple(l.out(r.keys), l.out(r.values));
+           })
+      .def(
+          "side", [](const PyLayer& l, int s) { return l.out(l.layer().side(s)); }, py::arg("side") = 0)
+      .def("stored_range",
+           [](const PyLayer& l) {
+             auto r = l.layer().stored_range();
+             return py::make_tuple(r.first, r.end);
+           })
+      .def(
+          "update_conv_state",
+          [](PyLayer& l, py::object x, int state) {
+            rwd::TensorView in = input_view(x, "conv_states");
+            return l.out(l.guarded([&] { return l.layer().update_conv_state(in, state); }));
+          },
+          py::arg("x"), py::arg("state") = 0)
+      .def(
+          "get_conv_state", [](const PyLayer& l, int s) { return l.out(l.layer().get_conv_state(s)); },
+          py::arg("state") = 0)
+      .def(
+          "conv_inputs", [](const PyLayer& l, int s) { return l.out(l.layer().conv_inputs(s)); }, py::arg("state") = 0)
+      .def(
+          "conv_range",
+          [](const PyLayer& l, int s) {
+            auto r = l.layer().conv_range(s);
+            return py::make_tuple(r.first, r.end);
+          },
+          py::arg("state") = 0)
+      .def(
+          "begin_recurrent_update",
+          [](py::object self, std::int64_t q, int state) {
+            PyLayer& l = self.cast<PyLayer&>();
+            return std::make_unique<PyRecurrentUpdate>(self, l, q, state);
+          },
+          py::arg("q"), py::arg("state") = 0)
+      .def(
+          "update_recurrent_state",
+          [](PyLayer& l, py::object s, int state) {
+            rwd::TensorView in = input_view(s, "recurrent_states");
+            l.guarded([&] { l.layer().update_recurrent_state(in, state); });
+          },
+          py::arg("new_state"), py::arg("state") = 0)
+      .def(
+          "write_final_recurrent_state",
+          [](PyLayer& l, py::object final_state, std::int64_t q, int state) {
+            rwd::TensorView src = input_view(final_state, "recurrent_states");
+            rwd::RecurrentUpdate u = l.guarded([&] { return l.layer().begin_recurrent_update(q, state); });
+            rwd::TensorView last = u.next(q);
+            rwd::copy_tensor(src, last);
+            // The states between are unknown: every slot gets the final one so
+            // that nothing uninitialised is ever read; the Python layer refuses
+            // crops that would land on them.
+            for (std::int64_t t = 1; t < q; ++t) {
+              rwd::TensorView slot = u.next(t);
+              if (slot.data != last.data) rwd::copy_tensor(src, slot);
+            }
+            l.guarded([&] { u.commit(); });
+          },
+          py::arg("final_state"), py::arg("q"), py::arg("state") = 0)
+      .def(
+          "get_recurrent_state", [](const PyLayer& l, int s) { return l.out(l.layer().get_recurrent_state(s)); },
+          py::arg("state") = 0)
+      .def(
+          "recurrent_snapshot",
+          [](const PyLayer& l, int s, std::int64_t pos) { return l.out(l.layer().recurrent_snapshot(s, pos)); },
+          py::arg("state"), py::arg("pos"))
       .def("has_previous_state", [](const PyLayer& l) { return l.layer().has_previous_state(); });
 }
 
 // This part's own rollback, recording, batch operations and copies (a
 // cache's go through _Cache, bind_cache.cc).
 void def_layer_whole(LayerClass& c) {
-  c.def("crop", [](PyLayer& l, std::int64_t n) { l.guarded([&] { l.layer().crop(n); }); }, py::arg("n"))
-      .def("check_crop", [](const PyLayer& l, std::int64_t n) { l.layer().check_crop(n); }, py::arg("n"))
+  c.def(
+       "crop", [](PyLayer& l, std::int64_t n) { l.guarded([&] { l.layer().crop(n); }); }, py::arg("n"))
+      .def(
+          "check_crop", [](const PyLayer& l, std::int64_t n) { l.layer().check_crop(n); }, py::arg("n"))
       .def("max_rollback", [](const PyLayer& l) { return l.layer().max_rollback(); })
-      .def("activate_past_recording", [](PyLayer& l, std::int64_t r) { l.guarded([&] { l.layer().activate_past_recording(r); }); }, py::arg("max_tokens"))
+      .def(
+          "activate_past_recording",
+          [](PyLayer& l, std::int64_t r) { l.guarded([&] { l.layer().activate_past_recording(r); }); },
+          py::arg("max_tokens"))
       .def("deactivate_past_recording", [](PyLayer& l) { l.guarded([&] { l.layer().deactivate_past_recording(); }); })
       .def("is_recording", [](const PyLayer& l) { return l.layer().is_recording(); })
       .def("recording_capacity", [](const PyLayer& l) { return l.layer().recording_capacity(); })
-      .def("batch_select_indices", [](PyLayer& l, py::object idx) {
-        auto v = index_list(idx);
-        l.guarded([&] { l.layer().batch_select_indices(v); });
-      }, py::arg("indices"))
-      .def("batch_repeat_interleave", [](PyLayer& l, std::int64_t r) { l.guarded([&] { l.layer().batch_repeat_interleave(r); }); }, py::arg("repeats"))
-      .def("reorder_cache", [](PyLayer& l, py::object idx) {
-        auto v = index_list(idx);
-        l.guarded([&] { l.layer().reorder_cache(v); });
-      }, py::arg("beam_idx"))
+      .def(
+          "batch_select_indices",
+          [](PyLayer& l, py::object idx) {
+            auto v = index_list(idx);
+            l.guarded([&] { l.layer().batch_select_indices(v); });
+          },
+          py::arg("indices"))
+      .def(
+          "batch_repeat_interleave",
+          [](PyLayer& l, std::int64_t r) { l.guarded([&] { l.layer().batch_repeat_interleave(r); }); },
+          py::arg("repeats"))
+      .def(
+          "reorder_cache",
+          [](PyLayer& l, py::object idx) {
+            auto v = index_list(idx);
+            l.guarded([&] { l.layer().reorder_cache(v); });
+          },
+          py::arg("beam_idx"))
       .def("reset", [](PyLayer& l) { l.guarded([&] { l.layer().reset(); }); })
       .def("shrink_to_fit", [](PyLayer& l) { l.guarded([&] { l.layer().shrink_to_fit(); }); })
-      .def("memory", [](const PyLayer& l) {
-        auto mem = l.layer().memory();
-        py::dict d;
-        d["kind"] = mem.kind;
-        d["bytes_reserved"] = mem.bytes_reserved;
-        d["bytes_used"] = mem.bytes_used;
-        return d;
-      })
-      .def("retention_bytes", [](const PyLayer& l, std::int64_t r) {
-        auto b = l.layer().retention_bytes(r);
-        return py::make_tuple(b.bounded, b.per_token);
-      }, py::arg("R"))
-      .def("__deepcopy__", [](const PyLayer& l, py::dict memo) {
-        std::shared_ptr<Budget> budget = deepcopied_budget(l.budget(), memo);
-        rwd::Layer copy = with_budget(budget, l.layer().index(), [&] { return l.layer().clone(); });
-        return std::make_shared<PyLayer>(std::move(copy), l.as_torch(), std::move(budget));
-      }, py::arg("memo"), "An independent copy (rwd::Layer::clone): every part, rollback history and recording.")
-      .def("_set_budget", [](PyLayer& l, std::shared_ptr<Budget> b) { l.set_budget(std::move(b)); }, py::arg("budget"),
-           "Counts this layer's later allocations in `budget` (its cache's); those made so far stay where they were.")
+      .def("memory",
+           [](const PyLayer& l) {
+             auto mem = l.layer().memory();
+             py::dict d;
+             d["kind"] = mem.kind;
+             d["bytes_reserved"] = mem.bytes_reserved;
+             d["bytes_used"] = mem.bytes_used;
+             return d;
+           })
+      .def(
+          "retention_bytes",
+          [](const PyLayer& l, std::int64_t r) {
+            auto b = l.layer().retention_bytes(r);
+            return py::make_tuple(b.bounded, b.per_token);
+          },
+          py::arg("R"))
+      .def(
+          "__deepcopy__",
+          [](const PyLayer& l, py::dict memo) {
+            std::shared_ptr<Budget> budget = deepcopied_budget(l.budget(), memo);
+            rwd::Layer copy = with_budget(budget, l.layer().index(), [&] { return l.layer().clone(); });
+            return std::make_shared<PyLayer>(std::move(copy), l.as_torch(), std::move(budget));
+          },
+          py::arg("memo"), "An independent copy (rwd::Layer::clone): every part, rollback history and recording.")
+      .def(
+          "_set_budget", [](PyLayer& l, std::shared_ptr<Budget> b) { l.set_budget(std::move(b)); }, py::arg("budget"),
+          "Counts this layer's later allocations in `budget` (its cache's); those made so far stay where they were.")
       .def(py::pickle([](const PyLayer& l) { return layer_state(l); },
                       [](const py::tuple& st) { return layer_from_state(st); }),
            "Pickles what the layer needs to continue from its length (no rollback history: recording restarts "

@@ -1,9 +1,9 @@
 // The runtime binding: Model (loading, forward, generation) and its own
 // rwd::Cache, ModelCache.
-#include <pybind11/pybind11.h>
-#include <pybind11/stl.h>
 #include <pybind11/functional.h>
 #include <pybind11/numpy.h>
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
 
 #include <algorithm>
 #include <bit>
@@ -93,9 +93,9 @@ constexpr const char* kPromptAccepted =
     "a str (text) or a list of ints (token ids) / a 1-D integer numpy array or torch tensor";
 
 // A model call's token ids: what token_list takes.
-std::vector<std::int32_t> tokens_of(const py::handle& obj, const std::string& what = "tokens",
-                                    const std::string& accepted =
-                                        "a list of ints (token ids) or a 1-D integer numpy array / torch tensor") {
+std::vector<std::int32_t> tokens_of(
+    const py::handle& obj, const std::string& what = "tokens",
+    const std::string& accepted = "a list of ints (token ids) or a 1-D integer numpy array / torch tensor") {
   std::vector<std::int64_t> wide = token_list(obj, what, accepted);
   std::vector<std::int32_t> out;
   out.reserve(wide.size());
@@ -128,8 +128,9 @@ py::array_t<float> logits_array(std::vector<float>&& logits, std::int64_t n, std
   auto* owned = new std::vector<float>(std::move(logits));
   py::capsule base(owned, [](void* p) { delete static_cast<std::vector<float>*>(p); });
   if (all_logits) {
-    return py::array_t<float>({n, vocab}, {vocab * static_cast<std::int64_t>(sizeof(float)), static_cast<std::int64_t>(sizeof(float))},
-                              owned->data(), base);
+    return py::array_t<float>(
+        {n, vocab}, {vocab * static_cast<std::int64_t>(sizeof(float)), static_cast<std::int64_t>(sizeof(float))},
+        owned->data(), base);
   }
   return py::array_t<float>({vocab}, {static_cast<std::int64_t>(sizeof(float))}, owned->data(), base);
 }
@@ -137,8 +138,8 @@ py::array_t<float> logits_array(std::vector<float>&& logits, std::int64_t n, std
 // Model.generate: plain or speculative decoding of one prompt; (new tokens, stats).
 py::tuple generate_one(const PyModel& self, py::object prompt, std::int64_t max_new_tokens, float temperature,
                        std::int64_t top_k, float top_p, std::uint64_t seed, bool stop_at_eos,
-                       std::shared_ptr<PyModel> draft, std::int64_t num_draft, std::int64_t lookup,
-                       bool adaptive, std::int64_t max_prefill_rows) {
+                       std::shared_ptr<PyModel> draft, std::int64_t num_draft, std::int64_t lookup, bool adaptive,
+                       std::int64_t max_prefill_rows) {
   auto p = tokens_of(prompt, "generate: the prompt", kPromptAccepted);
   if (p.empty()) invalid("generate: the prompt is empty");
   rwd::runtime::GenerationOptions o;
@@ -176,10 +177,10 @@ py::tuple generate_one(const PyModel& self, py::object prompt, std::int64_t max_
 }
 
 // Model.generate_batch: many prompts in one SequenceCache; (new tokens per prompt, stats).
-py::tuple generate_many(const PyModel& self, py::object prompts, std::int64_t max_new_tokens,
-                        float temperature, std::int64_t top_k, float top_p, std::uint64_t seed,
-                        bool stop_at_eos, std::shared_ptr<PyModel> draft, std::int64_t num_draft,
-                        std::int64_t lookup, bool adaptive, std::int64_t max_batch, std::int64_t max_prefill_rows) {
+py::tuple generate_many(const PyModel& self, py::object prompts, std::int64_t max_new_tokens, float temperature,
+                        std::int64_t top_k, float top_p, std::uint64_t seed, bool stop_at_eos,
+                        std::shared_ptr<PyModel> draft, std::int64_t num_draft, std::int64_t lookup, bool adaptive,
+                        std::int64_t max_batch, std::int64_t max_prefill_rows) {
   std::vector<std::vector<std::int32_t>> ps;
   if (py::isinstance<py::str>(prompts) || py::isinstance<py::bytes>(prompts)) {
     throw py::type_error("generate_batch: prompts must be a list of prompts (each " + std::string(kPromptAccepted) +
@@ -215,8 +216,8 @@ py::tuple generate_many(const PyModel& self, py::object prompts, std::int64_t ma
     py::gil_scoped_release nogil;
     std::unique_ptr<rwd::runtime::BatchDraftSource> sources;
     if (draft) {
-      sources =
-          std::make_unique<rwd::runtime::BatchedModelDraft>(draft->model, o.sampling, num_draft, max_prefill_rows);
+      sources = std::make_unique<rwd::runtime::BatchedModelDraft>(draft->model, o.sampling, num_draft,
+                                                                  max_prefill_rows);
     } else {
       std::vector<std::unique_ptr<rwd::runtime::DraftSource>> each;
       for (std::size_t i = 0; i < ps.size(); ++i) each.push_back(std::make_unique<rwd::runtime::LookupDraft>(lookup));
@@ -228,95 +229,120 @@ py::tuple generate_many(const PyModel& self, py::object prompts, std::int64_t ma
 }
 
 void bind_model_cache(py::module_& m) {
-  py::class_<PyModelCache, std::shared_ptr<PyModelCache>>(m, "ModelCache",
-      "A model's own rewind cache (rwd::Cache with the model's layer shapes), for Model.forward.")
-      .def("get_seq_length", [](PyModelCache& c) { return c.use().get_seq_length(); }, "Tokens in the cache.")
-      .def("crop", [](PyModelCache& c, std::int64_t n) { c.use().crop(n); }, py::arg("n"),
-           "Transactional crop of every layer (negative: remove that many tokens).")
-      .def("check_crop", [](PyModelCache& c, std::int64_t n) { c.use().check_crop(n); }, py::arg("n"),
-           "Raises what crop(n) would raise; changes nothing.")
-      .def("max_rollback", [](PyModelCache& c) { return c.use().max_rollback(); },
-           "Largest k for which crop(-k) is exact now.")
-      .def("activate_past_recording", [](PyModelCache& c, std::int64_t r) { c.use().activate_past_recording(r); }, py::arg("max_tokens"),
-           "Keeps enough history in every layer to remove up to max_tokens tokens exactly.")
-      .def("reset", [](PyModelCache& c) { c.use().reset(); }, "Back to empty; recording stays.")
-      .def("memory", [](PyModelCache& c) {
-        auto mem = c.use().memory();
-        py::dict d;
-        d["bytes_reserved"] = mem.bytes_reserved;
-        d["bytes_used"] = mem.bytes_used;
-        return d;
-      }, "Bytes reserved and used by the cache.")
-      .def("set_memory_budget", [](PyModelCache& c, std::size_t b) { c.use().set_memory_budget(b); }, py::arg("bytes"),
-           "Caps the bytes the cache may reserve (0: no cap); an operation that would pass it raises CapacityError "
-           "and changes nothing.");
+  py::class_<PyModelCache, std::shared_ptr<PyModelCache>>(
+      m, "ModelCache", "A model's own rewind cache (rwd::Cache with the model's layer shapes), for Model.forward.")
+      .def(
+          "get_seq_length", [](PyModelCache& c) { return c.use().get_seq_length(); }, "Tokens in the cache.")
+      .def(
+          "crop", [](PyModelCache& c, std::int64_t n) { c.use().crop(n); }, py::arg("n"),
+          "Transactional crop of every layer (negative: remove that many tokens).")
+      .def(
+          "check_crop", [](PyModelCache& c, std::int64_t n) { c.use().check_crop(n); }, py::arg("n"),
+          "Raises what crop(n) would raise; changes nothing.")
+      .def(
+          "max_rollback", [](PyModelCache& c) { return c.use().max_rollback(); },
+          "Largest k for which crop(-k) is exact now.")
+      .def(
+          "activate_past_recording", [](PyModelCache& c, std::int64_t r) { c.use().activate_past_recording(r); },
+          py::arg("max_tokens"), "Keeps enough history in every layer to remove up to max_tokens tokens exactly.")
+      .def(
+          "reset", [](PyModelCache& c) { c.use().reset(); }, "Back to empty; recording stays.")
+      .def(
+          "memory",
+          [](PyModelCache& c) {
+            auto mem = c.use().memory();
+            py::dict d;
+            d["bytes_reserved"] = mem.bytes_reserved;
+            d["bytes_used"] = mem.bytes_used;
+            return d;
+          },
+          "Bytes reserved and used by the cache.")
+      .def(
+          "set_memory_budget", [](PyModelCache& c, std::size_t b) { c.use().set_memory_budget(b); }, py::arg("bytes"),
+          "Caps the bytes the cache may reserve (0: no cap); an operation that would pass it raises CapacityError "
+          "and changes nothing.");
 }
 
 void bind_model(py::module_& m) {
   py::class_<PyModel, std::shared_ptr<PyModel>>(m, "Model", "The reference runtime's hybrid decoder (runtime/model.h).")
-      .def_static("load", [](const std::string& dir) {
-        std::shared_ptr<PyModel> loaded;
-        {
-          py::gil_scoped_release nogil;
-          rwd::runtime::Model model = rwd::runtime::Model::load(dir);
-          rwd::runtime::Tokenizer tokenizer = rwd::runtime::tokenizer_for_model(dir, model.config());
-          loaded = std::make_shared<PyModel>(PyModel{std::move(model), std::move(tokenizer)});
-        }
-        return loaded;
-      }, py::arg("directory"),
-      "Loads DIR/config.json, DIR/model.safetensors (or its shards) and DIR/tokenizer.json when present.")
+      .def_static(
+          "load",
+          [](const std::string& dir) {
+            std::shared_ptr<PyModel> loaded;
+            {
+              py::gil_scoped_release nogil;
+              rwd::runtime::Model model = rwd::runtime::Model::load(dir);
+              rwd::runtime::Tokenizer tokenizer = rwd::runtime::tokenizer_for_model(dir, model.config());
+              loaded = std::make_shared<PyModel>(PyModel{std::move(model), std::move(tokenizer)});
+            }
+            return loaded;
+          },
+          py::arg("directory"),
+          "Loads DIR/config.json, DIR/model.safetensors (or its shards) and DIR/tokenizer.json when present.")
       .def_property_readonly("vocab_size", [](const PyModel& self) { return self.model.vocab_size(); })
       .def_property_readonly("parameter_count", [](const PyModel& self) { return self.model.parameter_count(); })
-      .def_property_readonly("layer_types", [](const PyModel& self) {
-        std::vector<std::string> names;
-        for (rwd::LayerKind k : self.model.config().layer_types) names.emplace_back(rwd::layer_kind_name(k));
-        return names;
-      })
-      .def("make_cache", [](std::shared_ptr<PyModel> self) {
-        return std::make_shared<PyModelCache>(PyModelCache{self, self->model.make_cache()});
-      }, "An empty cache for one sequence.")
+      .def_property_readonly("layer_types",
+                             [](const PyModel& self) {
+                               std::vector<std::string> names;
+                               for (rwd::LayerKind k : self.model.config().layer_types)
+                                 names.emplace_back(rwd::layer_kind_name(k));
+                               return names;
+                             })
+      .def(
+          "make_cache",
+          [](std::shared_ptr<PyModel> self) {
+            return std::make_shared<PyModelCache>(PyModelCache{self, self->model.make_cache()});
+          },
+          "An empty cache for one sequence.")
       .def_property_readonly("tokenizer", [](const PyModel& self) { return self.tokenizer.describe(); })
-      .def("encode", [](const PyModel& self, const std::string& text) {
-        return self.tokenizer.encode(text, true);
-      }, py::arg("text"),
-      "The text's tokens with the model's tokenizer, BOS / template tokens first (byte-level: BOS + bytes).")
-      .def("decode", [](const PyModel& self, py::object tokens) {
-        auto t = tokens_of(tokens, "decode: tokens");
-        return py::bytes(self.tokenizer.decode(t, true));
-      }, py::arg("tokens"), "The bytes of the tokens with the model's tokenizer (special tokens skipped).")
-      .def("forward", [](const PyModel& self, py::object tokens, PyModelCache& cache, bool all_logits) {
-        if (cache.model.get() != &self) invalid("forward: the cache was made by another model");
-        auto t = tokens_of(tokens, "forward: tokens");
-        std::vector<float> logits;
-        rwd::Cache& c = cache.use();
-        cache.busy = true;
-        try {
-          py::gil_scoped_release nogil;
-          self.model.forward(t, c, logits, all_logits);
-        } catch (...) {
-          cache.busy = false;
-          throw;
-        }
-        cache.busy = false;
-        return logits_array(std::move(logits), static_cast<std::int64_t>(t.size()), self.model.vocab_size(), all_logits);
-      }, py::arg("tokens"), py::arg("cache"), py::arg("all_logits") = true,
-         "Runs tokens at positions [L, L+n), appends them to `cache`, returns float32 logits [n, vocab] "
-         "(or [vocab] for the last token when all_logits is False).")
-      .def("generate", &generate_one, py::arg("prompt"), py::arg("max_new_tokens") = 128, py::arg("temperature") = 0.0f, py::arg("top_k") = 0,
-         py::arg("top_p") = 1.0f, py::arg("seed") = 0, py::arg("stop_at_eos") = true, py::arg("draft") = nullptr,
-         py::arg("num_draft") = 4, py::arg("lookup") = 0, py::arg("adaptive") = false,
-         py::arg("max_prefill_rows") = rwd::runtime::kDefaultMaxPrefillRows,
-         "Greedy (temperature 0) or sampled generation; speculative with `draft` (a Model) or prompt lookup "
-         "(`lookup` = max n-gram). A prompt goes in forwards of at most `max_prefill_rows` tokens (the same "
-         "output; bounded memory). Returns (new_tokens, stats).")
-      .def("generate_batch", &generate_many, py::arg("prompts"), py::arg("max_new_tokens") = 128, py::arg("temperature") = 0.0f, py::arg("top_k") = 0,
-         py::arg("top_p") = 1.0f, py::arg("seed") = 0, py::arg("stop_at_eos") = true, py::arg("draft") = nullptr,
-         py::arg("num_draft") = 4, py::arg("lookup") = 0, py::arg("adaptive") = false, py::arg("max_batch") = 0,
-         py::arg("max_prefill_rows") = rwd::runtime::kDefaultMaxPrefillRows,
-         "Batched generation of many prompts in one SequenceCache (the CLI's --prompts / --max-batch); sequence i "
-         "samples with seed + i; joining prompts share at most `max_prefill_rows` prompt tokens a forward. "
-         "Returns (list of new tokens per prompt, stats).");
-
+      .def(
+          "encode", [](const PyModel& self, const std::string& text) { return self.tokenizer.encode(text, true); },
+          py::arg("text"),
+          "The text's tokens with the model's tokenizer, BOS / template tokens first (byte-level: BOS + bytes).")
+      .def(
+          "decode",
+          [](const PyModel& self, py::object tokens) {
+            auto t = tokens_of(tokens, "decode: tokens");
+            return py::bytes(self.tokenizer.decode(t, true));
+          },
+          py::arg("tokens"), "The bytes of the tokens with the model's tokenizer (special tokens skipped).")
+      .def(
+          "forward",
+          [](const PyModel& self, py::object tokens, PyModelCache& cache, bool all_logits) {
+            if (cache.model.get() != &self) invalid("forward: the cache was made by another model");
+            auto t = tokens_of(tokens, "forward: tokens");
+            std::vector<float> logits;
+            rwd::Cache& c = cache.use();
+            cache.busy = true;
+            try {
+              py::gil_scoped_release nogil;
+              self.model.forward(t, c, logits, all_logits);
+            } catch (...) {
+              cache.busy = false;
+              throw;
+            }
+            cache.busy = false;
+            return logits_array(std::move(logits), static_cast<std::int64_t>(t.size()), self.model.vocab_size(),
+                                all_logits);
+          },
+          py::arg("tokens"), py::arg("cache"), py::arg("all_logits") = true,
+          "Runs tokens at positions [L, L+n), appends them to `cache`, returns float32 logits [n, vocab] "
+          "(or [vocab] for the last token when all_logits is False).")
+      .def("generate", &generate_one, py::arg("prompt"), py::arg("max_new_tokens") = 128, py::arg("temperature") = 0.0f,
+           py::arg("top_k") = 0, py::arg("top_p") = 1.0f, py::arg("seed") = 0, py::arg("stop_at_eos") = true,
+           py::arg("draft") = nullptr, py::arg("num_draft") = 4, py::arg("lookup") = 0, py::arg("adaptive") = false,
+           py::arg("max_prefill_rows") = rwd::runtime::kDefaultMaxPrefillRows,
+           "Greedy (temperature 0) or sampled generation; speculative with `draft` (a Model) or prompt lookup "
+           "(`lookup` = max n-gram). A prompt goes in forwards of at most `max_prefill_rows` tokens (the same "
+           "output; bounded memory). Returns (new_tokens, stats).")
+      .def("generate_batch", &generate_many, py::arg("prompts"), py::arg("max_new_tokens") = 128,
+           py::arg("temperature") = 0.0f, py::arg("top_k") = 0, py::arg("top_p") = 1.0f, py::arg("seed") = 0,
+           py::arg("stop_at_eos") = true, py::arg("draft") = nullptr, py::arg("num_draft") = 4, py::arg("lookup") = 0,
+           py::arg("adaptive") = false, py::arg("max_batch") = 0,
+           py::arg("max_prefill_rows") = rwd::runtime::kDefaultMaxPrefillRows,
+           "Batched generation of many prompts in one SequenceCache (the CLI's --prompts / --max-batch); sequence i "
+           "samples with seed + i; joining prompts share at most `max_prefill_rows` prompt tokens a forward. "
+           "Returns (list of new tokens per prompt, stats).");
 }
 
 }  // namespace
@@ -324,11 +350,15 @@ void bind_model(py::module_& m) {
 void bind_runtime(py::module_& m) {
   bind_model_cache(m);
   bind_model(m);
-  m.def("set_num_threads", [](int n) {
-    if (n < 1 || n > 1024) invalid("set_num_threads: n must be in [1, 1024], got " + std::to_string(n));
-    omp_set_num_threads(n);
-  }, py::arg("n"), "OpenMP threads of the runtime's forwards (the CLI's --threads). The process shares OpenMP "
-                   "with torch, so this also sets torch's intra-op OpenMP threads.");
+  m.def(
+      "set_num_threads",
+      [](int n) {
+        if (n < 1 || n > 1024) invalid("set_num_threads: n must be in [1, 1024], got " + std::to_string(n));
+        omp_set_num_threads(n);
+      },
+      py::arg("n"),
+      "OpenMP threads of the runtime's forwards (the CLI's --threads). The process shares OpenMP "
+      "with torch, so this also sets torch's intra-op OpenMP threads.");
   m.def("get_num_threads", [] { return omp_get_max_threads(); });
 }
 

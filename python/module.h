@@ -37,7 +37,6 @@ py::object output_view(const rwd::TensorView& v, bool as_torch);
 // A list, tuple, torch tensor or numpy array of integers as a vector.
 std::vector<std::int64_t> index_list(const py::handle& obj);
 
-
 // Runs fn() with the aligned allocations it makes counted against `budget`;
 // a refusal by a budget becomes a CapacityError that names the budget and
 // `who` ("layer 3", "reorder_cache"): the library reported it as a failed
@@ -114,7 +113,8 @@ class PyLayer {
 
  private:
   void check_here() const {
-    if (lent_) throw rwd::StateError("this layer is in the middle of a whole-cache operation of its cache; use it after");
+    if (lent_)
+      throw rwd::StateError("this layer is in the middle of a whole-cache operation of its cache; use it after");
   }
   std::shared_ptr<Budget> budget_;
   rwd::Layer layer_;

@@ -55,8 +55,8 @@ namespace {
 struct Block {
   std::size_t size = 0;
   std::int64_t pins = 0;
-  bool freed = false;               // the library released it while pinned
-  std::shared_ptr<Budget> budget;   // counted against, until the library frees it
+  bool freed = false;              // the library released it while pinned
+  std::shared_ptr<Budget> budget;  // counted against, until the library frees it
 };
 
 // Blocks by start address. Intentionally leaked: frees may arrive during

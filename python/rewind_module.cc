@@ -5,8 +5,8 @@
 // (bind_runtime.cc); tensors cross the boundary without copies
 // (tensors.cc). This file holds the exception hierarchy and the warning
 // handler.
-#include <pybind11/pybind11.h>
 #include <pybind11/functional.h>
+#include <pybind11/pybind11.h>
 
 #include <memory>
 #include <string>
@@ -39,22 +39,22 @@ void bind_errors(py::module_& m) {
                                  "A layer, state or side-tensor index is out of range.");
   py::object CapacityError = make_exc("CapacityError", py::make_tuple(Error, builtins.attr("RuntimeError")),
                                       "A static layer, the memory budget or the system cannot hold what was asked.");
-  py::object RollbackError =
-      make_exc("RollbackError", py::make_tuple(Error, builtins.attr("RuntimeError"), builtins.attr("ValueError")),
-               "A crop the layer cannot perform exactly (too deep, not recording, positive crop it cannot do). "
-               "Also a RuntimeError (transformers >= 5.15) and a ValueError (older transformers).");
-  py::object StateError =
-      make_exc("StateError", py::make_tuple(Error, builtins.attr("RuntimeError"), builtins.attr("ValueError")),
-               "The operation is not valid in the current state or for this layer kind. Also a RuntimeError "
-               "and a ValueError (transformers raises ValueError for methods a layer kind lacks).");
+  py::object RollbackError = make_exc(
+      "RollbackError", py::make_tuple(Error, builtins.attr("RuntimeError"), builtins.attr("ValueError")),
+      "A crop the layer cannot perform exactly (too deep, not recording, positive crop it cannot do). "
+      "Also a RuntimeError (transformers >= 5.15) and a ValueError (older transformers).");
+  py::object StateError = make_exc(
+      "StateError", py::make_tuple(Error, builtins.attr("RuntimeError"), builtins.attr("ValueError")),
+      "The operation is not valid in the current state or for this layer kind. Also a RuntimeError "
+      "and a ValueError (transformers raises ValueError for methods a layer kind lacks).");
   py::object FormatError = make_exc("FormatError", py::make_tuple(Error, builtins.attr("ValueError")),
                                     "A model file or configuration is malformed.");
   py::object StoreError = make_exc("StoreError", py::make_tuple(Error, builtins.attr("RuntimeError")),
                                    "A snapshot store cannot be reached or read.");
   // Leaked references: the translator runs for the life of the process.
-  static PyObject* exc[8] = {Error.release().ptr(), InvalidArgument.release().ptr(), IndexErr.release().ptr(),
-                             CapacityError.release().ptr(), RollbackError.release().ptr(), StateError.release().ptr(),
-                             FormatError.release().ptr(), StoreError.release().ptr()};
+  static PyObject* exc[8] = {Error.release().ptr(),         InvalidArgument.release().ptr(), IndexErr.release().ptr(),
+                             CapacityError.release().ptr(), RollbackError.release().ptr(),   StateError.release().ptr(),
+                             FormatError.release().ptr(),   StoreError.release().ptr()};
   py::register_exception_translator([](std::exception_ptr p) {
     try {
       if (p) std::rethrow_exception(p);
@@ -114,8 +114,10 @@ void bind_warnings(py::module_& m) {
     }
     // `previous`, and the Python callable it may hold, go here, with the GIL.
   };
-  m.def("set_warning_handler", [](py::object handler) { install_warning_handler(std::move(handler)); },
-        py::arg("handler"), "Routes rewind's one-time warnings (deprecated positive crop) to `handler(message)`; None restores stderr.");
+  m.def(
+      "set_warning_handler", [](py::object handler) { install_warning_handler(std::move(handler)); },
+      py::arg("handler"),
+      "Routes rewind's one-time warnings (deprecated positive crop) to `handler(message)`; None restores stderr.");
   py::module_::import("atexit").attr("register")(py::cpp_function([] { install_warning_handler(py::none()); }));
   m.def("reset_one_time_warnings", &rwd::reset_one_time_warnings, "Lets one-time warnings fire again (tests).");
 }

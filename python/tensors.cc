@@ -3,10 +3,10 @@
 // results returned as torch tensors through DLPack or as numpy arrays whose
 // base holds a pin (pinning.cc), so a returned view can go stale but never
 // dangles.
-#include <pybind11/pybind11.h>
-#include <pybind11/stl.h>
 #include <pybind11/functional.h>
 #include <pybind11/numpy.h>
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
 
 #include <algorithm>
 #include <bit>
@@ -129,10 +129,15 @@ rwd::TensorView input_view(const py::handle& obj, const char* what) {
               std::string(py::str(obj.attr("device"))) + " (move it with .cpu())");
     }
     py::object dt = obj.attr("dtype");
-    if (dt.is(fw.torch_float32)) v.dtype = rwd::DType::F32;
-    else if (dt.is(fw.torch_float16)) v.dtype = rwd::DType::F16;
-    else if (dt.is(fw.torch_bfloat16)) v.dtype = rwd::DType::BF16;
-    else invalid(std::string(what) + ": dtype " + std::string(py::str(dt)) + " is not supported (float32, float16, bfloat16)");
+    if (dt.is(fw.torch_float32))
+      v.dtype = rwd::DType::F32;
+    else if (dt.is(fw.torch_float16))
+      v.dtype = rwd::DType::F16;
+    else if (dt.is(fw.torch_bfloat16))
+      v.dtype = rwd::DType::BF16;
+    else
+      invalid(std::string(what) + ": dtype " + std::string(py::str(dt)) +
+              " is not supported (float32, float16, bfloat16)");
     // A lazily negated view stores the values un-negated; reading its memory
     // would give the wrong sign.
     if (py::hasattr(obj, "is_neg") && obj.attr("is_neg")().cast<bool>()) {
@@ -162,11 +167,14 @@ rwd::TensorView input_view(const py::handle& obj, const char* what) {
   std::string format = info.format;
   const bool little = std::endian::native == std::endian::little;
   if (format.size() == 2 && (format[0] == '@' || format[0] == '=' || (little && format[0] == '<'))) format.erase(0, 1);
-  if (format == py::format_descriptor<float>::format()) v.dtype = rwd::DType::F32;
-  else if (format == "e") v.dtype = rwd::DType::F16;
+  if (format == py::format_descriptor<float>::format())
+    v.dtype = rwd::DType::F32;
+  else if (format == "e")
+    v.dtype = rwd::DType::F16;
   else if (format.size() == 2 && (format[0] == '>' || format[0] == '!' || format[0] == '<') &&
            (format[1] == 'f' || format[1] == 'e')) {
-    invalid(std::string(what) + ": buffer format '" + info.format + "' has the other byte order than this machine's; "
+    invalid(std::string(what) + ": buffer format '" + info.format +
+            "' has the other byte order than this machine's; "
             "pass a native-order copy (a.astype(a.dtype.newbyteorder('=')))");
   } else {
     invalid(std::string(what) + ": buffer format '" + info.format + "' is not supported (float32, float16)");
@@ -175,7 +183,8 @@ rwd::TensorView input_view(const py::handle& obj, const char* what) {
   // is, misaligned: only a copy moves the data.
   check_aligned(info.ptr, static_cast<std::size_t>(info.itemsize), what,
                 "a.copy() (np.ascontiguousarray keeps a contiguous array where it is)");
-  if (info.ndim > rwd::kMaxRank) invalid(std::string(what) + ": rank " + std::to_string(info.ndim) + " is above rewind's 4");
+  if (info.ndim > rwd::kMaxRank)
+    invalid(std::string(what) + ": rank " + std::to_string(info.ndim) + " is above rewind's 4");
   v.rank = static_cast<int>(info.ndim);
   for (std::size_t i = 0; i < static_cast<std::size_t>(rwd::kMaxRank); ++i) {
     const bool used = i < static_cast<std::size_t>(info.ndim);
@@ -196,7 +205,9 @@ py::object output_view(const rwd::TensorView& v, bool as_torch) {
   for (int i = 0; i < v.rank; ++i) numel *= v.shape[static_cast<std::size_t>(i)];
   std::vector<std::int64_t> shape(v.shape.begin(), v.shape.begin() + v.rank);
   if (as_torch) {
-    py::object dt = v.dtype == rwd::DType::F32 ? fw.torch_float32 : v.dtype == rwd::DType::F16 ? fw.torch_float16 : fw.torch_bfloat16;
+    py::object dt = v.dtype == rwd::DType::F32   ? fw.torch_float32
+                    : v.dtype == rwd::DType::F16 ? fw.torch_float16
+                                                 : fw.torch_bfloat16;
     if (numel == 0) return fw.torch_empty(py::cast(shape), py::arg("dtype") = dt);
     auto view = std::make_unique<ExportedView>();
     view->pinned_block = rwd::python::pin(v.data);
@@ -208,7 +219,8 @@ py::object output_view(const rwd::TensorView& v, bool as_torch) {
     t.data = v.data;
     t.device = {kDLCPU, 0};
     t.ndim = v.rank;
-    t.dtype = {v.dtype == rwd::DType::BF16 ? kDLBfloat : kDLFloat, static_cast<std::uint8_t>(rwd::dtype_size(v.dtype) * 8), 1};
+    t.dtype = {v.dtype == rwd::DType::BF16 ? kDLBfloat : kDLFloat,
+               static_cast<std::uint8_t>(rwd::dtype_size(v.dtype) * 8), 1};
     t.shape = view->shape;
     t.strides = view->strides;
     t.byte_offset = 0;
@@ -237,7 +249,8 @@ py::object output_view(const rwd::TensorView& v, bool as_torch) {
   py::dtype dt = v.dtype == rwd::DType::F32 ? py::dtype("float32") : py::dtype("float16");
   std::vector<std::int64_t> byte_strides;
   for (int i = 0; i < v.rank; ++i) {
-    byte_strides.push_back(v.strides[static_cast<std::size_t>(i)] * static_cast<std::int64_t>(rwd::dtype_size(v.dtype)));
+    byte_strides.push_back(v.strides[static_cast<std::size_t>(i)] *
+                           static_cast<std::int64_t>(rwd::dtype_size(v.dtype)));
   }
   if (numel == 0) return py::array(dt, shape);
   void* block = rwd::python::pin(v.data);

@@ -145,8 +145,8 @@ class SequenceRows final : public CacheRows {
   void store_keys(int layer, float* keys, float* values, std::int64_t heads, std::int64_t dim) override {
     CacheTimer timer(seconds_);
     const MaskSizes mask = cache_.get_mask_sizes(rows(), layer);
-    const KeyValueView kv =
-        cache_.update(heads_view(keys, rows(), heads, dim), heads_view(values, rows(), heads, dim), layer);
+    const KeyValueView kv = cache_.update(heads_view(keys, rows(), heads, dim), heads_view(values, rows(), heads, dim),
+                                          layer);
     const k::StridedKV k_strides{static_cast<const float*>(kv.keys.data), kv.keys.stride(1), kv.keys.stride(2)};
     const k::StridedKV v_strides{static_cast<const float*>(kv.values.data), kv.values.stride(1), kv.values.stride(2)};
     run_ = {k_strides.data, v_strides.data, mask.kv_length};
@@ -215,12 +215,12 @@ class BatchRows final : public CacheRows {
   AttendedKeys attended(std::size_t g) override {
     const PagedKeyValues& kv = kv_[entries_[g]];
     runs_.clear();
-    layout_->for_each_block_rows(kv.spans, kv.kv_offset, kv.kv_length,
-                                 [&](const std::byte* block, std::int64_t row, std::int64_t count, std::int64_t) {
-                                   runs_.push_back({static_cast<const float*>(layout_->rows(block, 0, row, count).data),
-                                                    static_cast<const float*>(layout_->rows(block, 1, row, count).data),
-                                                    count});
-                                 });
+    layout_->for_each_block_rows(
+        kv.spans, kv.kv_offset, kv.kv_length,
+        [&](const std::byte* block, std::int64_t row, std::int64_t count, std::int64_t) {
+          runs_.push_back({static_cast<const float*>(layout_->rows(block, 0, row, count).data),
+                           static_cast<const float*>(layout_->rows(block, 1, row, count).data), count});
+        });
     return {runs_, strides_, strides_, kv.kv_offset, kv.kv_length};
   }
 

@@ -164,12 +164,10 @@ DecodeBenchRow measure_batch(BenchRun& run, const std::string& method, std::int6
 
 }  // namespace
 
-std::vector<DecodeBenchRow> run_decode_bench(const Model& target, const Model* draft,
-                                             const DecodeBenchOptions& options,
+std::vector<DecodeBenchRow> run_decode_bench(const Model& target, const Model* draft, const DecodeBenchOptions& options,
                                              const std::function<void(const std::string&)>& progress) {
   if (options.ks.empty()) throw InvalidArgument("bench needs at least one K");
-  for (std::int64_t k : options.ks)
-    check_num_draft(k, "bench: K");
+  for (std::int64_t k : options.ks) check_num_draft(k, "bench: K");
   if (options.repeats < 1) throw InvalidArgument("bench: repeats must be >= 1");
   if (options.max_new_tokens < 1) throw InvalidArgument("bench: max_new_tokens must be >= 1");
   for (std::int64_t b : options.batch_sizes) {
@@ -216,7 +214,8 @@ namespace {
 // measurement in the message).
 void check_context_and_samples(const char* what, std::int64_t context, int samples) {
   if (context < 1 || context > (std::int64_t{1} << 20)) {
-    throw InvalidArgument(std::string(what) + ": the context must be in [1, 2^20] tokens, got " + std::to_string(context));
+    throw InvalidArgument(std::string(what) + ": the context must be in [1, 2^20] tokens, got " +
+                          std::to_string(context));
   }
   if (samples < 1 || samples > (1 << 20)) {
     throw InvalidArgument(std::string(what) + ": samples must be in [1, 2^20], got " + std::to_string(samples));
@@ -236,7 +235,8 @@ std::int32_t context_token(const Model& model, std::int64_t i) {
 
 std::vector<ForwardCostRow> measure_forward_costs(const Model& model, std::int64_t max_q, std::int64_t context,
                                                   int samples) {
-  if (max_q < 1 || max_q > 64) throw InvalidArgument("forward costs: q must be in [1, 64], got " + std::to_string(max_q));
+  if (max_q < 1 || max_q > 64)
+    throw InvalidArgument("forward costs: q must be in [1, 64], got " + std::to_string(max_q));
   check_context_and_samples("forward costs", context, samples);
   const auto token_at = [&](std::int64_t i) { return context_token(model, i); };
   std::vector<std::int32_t> prompt(static_cast<std::size_t>(context));
@@ -272,7 +272,8 @@ std::vector<BatchRoundCostRow> measure_batch_round_costs(const Model& model,
                                                          const std::vector<std::int64_t>& batch_sizes,
                                                          std::int64_t context, int samples) {
   for (std::int64_t b : batch_sizes) {
-    if (b < 1 || b > 4096) throw InvalidArgument("batch round costs: a batch size must be in [1, 4096], got " + std::to_string(b));
+    if (b < 1 || b > 4096)
+      throw InvalidArgument("batch round costs: a batch size must be in [1, 4096], got " + std::to_string(b));
   }
   check_context_and_samples("batch round costs", context, samples);
   std::vector<std::int64_t> sizes{1};

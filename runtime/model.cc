@@ -10,10 +10,10 @@
 #include <malloc.h>
 #endif
 
+#include "cache_rows.h"
 #include "rewind/error.h"
 #include "rewind/prefix_cache.h"
 #include "runtime/kernels.h"
-#include "cache_rows.h"
 
 namespace rwd::runtime {
 
@@ -281,8 +281,8 @@ std::size_t Model::weight_bytes() const {
   std::size_t total = weights_.bytes() + lm_head_.bytes();
   for (const auto& v : folded_) total += v.size() * sizeof(float);
   for (const LayerWeights& w : layers_) {
-    for (const k::PackedMatrix* m : {&w.gate, &w.up, &w.down, &w.wq, &w.wk, &w.wv, &w.wo, &w.wgate, &w.in_qkv,
-                                     &w.in_z, &w.in_b, &w.in_a, &w.out, &w.in_bcx}) {
+    for (const k::PackedMatrix* m : {&w.gate, &w.up, &w.down, &w.wq, &w.wk, &w.wv, &w.wo, &w.wgate, &w.in_qkv, &w.in_z,
+                                     &w.in_b, &w.in_a, &w.out, &w.in_bcx}) {
       total += m->bytes();
     }
   }
@@ -374,10 +374,30 @@ void Model::Scratch::resize_stream(std::size_t rows, std::size_t hidden, std::si
 }
 
 void Model::Scratch::trim(std::size_t keep) {
-  for (ScratchRows* r : {&x, &h, &mix, &gate, &up, &attention.q, &attention.key, &attention.val, &attention.att,
-                         &attention.gate, &deltanet.qkv, &deltanet.z, &deltanet.b, &deltanet.a, &deltanet.mixed,
-                         &deltanet.q, &deltanet.key, &deltanet.v, &deltanet.g, &deltanet.beta, &deltanet.o, &conv.bcx,
-                         &conv.bx, &conv.conv}) {
+  for (ScratchRows* r : {&x,
+                         &h,
+                         &mix,
+                         &gate,
+                         &up,
+                         &attention.q,
+                         &attention.key,
+                         &attention.val,
+                         &attention.att,
+                         &attention.gate,
+                         &deltanet.qkv,
+                         &deltanet.z,
+                         &deltanet.b,
+                         &deltanet.a,
+                         &deltanet.mixed,
+                         &deltanet.q,
+                         &deltanet.key,
+                         &deltanet.v,
+                         &deltanet.g,
+                         &deltanet.beta,
+                         &deltanet.o,
+                         &conv.bcx,
+                         &conv.bx,
+                         &conv.conv}) {
     r->trim(keep);
   }
 }
@@ -642,8 +662,8 @@ void Model::run_layers(std::span<const std::int32_t> tokens, CacheRows& cache, S
 
 // ---- the three forwards ------------------------------------------------------------------
 
-void Model::forward(std::span<const std::int32_t> tokens, Cache& cache, std::vector<float>& logits,
-                    bool all_logits, double* cache_seconds) const {
+void Model::forward(std::span<const std::int32_t> tokens, Cache& cache, std::vector<float>& logits, bool all_logits,
+                    double* cache_seconds) const {
   const ModelConfig& c = config();
   const auto n = static_cast<std::int64_t>(tokens.size());
   if (n < 1) throw InvalidArgument("Model::forward needs at least one token");
@@ -705,8 +725,9 @@ void Model::forward_batch(std::span<const SequenceTokens> batch, SequenceCache& 
   bool every_row = true;
   for (std::size_t e = 0; e < batch.size(); ++e) {
     const auto n = static_cast<std::int64_t>(batch[e].tokens.size());
-    const std::int64_t wanted =
-        batch[e].logits == LogitRows::kAll ? n : batch[e].logits == LogitRows::kLast ? std::min<std::int64_t>(n, 1) : 0;
+    const std::int64_t wanted = batch[e].logits == LogitRows::kAll    ? n
+                                : batch[e].logits == LogitRows::kLast ? std::min<std::int64_t>(n, 1)
+                                                                      : 0;
     every_row = every_row && wanted == n;
     if (!every_row && wanted > 0) {
       std::memmove(h.data() + R * d, h.data() + (offset[e] + n - wanted) * d, sz(wanted * d) * sizeof(float));

@@ -51,9 +51,7 @@ class KeyReader {
   // 'key' as messages quote it ('text_config.key' inside a nested config).
   std::string q(const char* key) const { return "'" + key_prefix_ + key + "'"; }
 
-  [[noreturn]] void fail(const std::string& problem) const {
-    throw FormatError(source_ + ": " + problem);
-  }
+  [[noreturn]] void fail(const std::string& problem) const { throw FormatError(source_ + ": " + problem); }
 
   // The value of `key`, or nullptr when absent or null (transformers writes
   // null for "not set").
@@ -81,8 +79,7 @@ class KeyReader {
     }
     const auto i = v.get<std::int64_t>();
     if (i < lo || i > hi) {
-      fail(q(key) + " must be in [" + std::to_string(lo) + ", " + std::to_string(hi) + "], got " +
-           std::to_string(i));
+      fail(q(key) + " must be in [" + std::to_string(lo) + ", " + std::to_string(hi) + "], got " + std::to_string(i));
     }
     return i;
   }
@@ -186,8 +183,7 @@ bool ModelConfig::is_eos(std::int64_t token) const {
 bool ModelConfig::has_layer_type(LayerKind kind) const { return first_layer_of(*this, kind) >= 0; }
 
 std::int64_t ModelConfig::linear_conv_dim() const {
-  return 2 * linear_num_key_heads * linear_key_head_dim +
-         linear_num_value_heads * linear_value_head_dim;
+  return 2 * linear_num_key_heads * linear_key_head_dim + linear_num_value_heads * linear_value_head_dim;
 }
 
 const std::vector<LayerKind>& supported_layer_kinds() {
@@ -301,11 +297,12 @@ void read_sizes(const KeyReader& r, ModelConfig& c, MlpWidthReader mlp_width, st
 void read_layer_types(const KeyReader& r, ModelConfig& c, const json& types, const std::vector<LayerKind>& supported) {
   if (!types.is_array()) r.fail(r.q("layer_types") + " must be a list, got " + json_type(types));
   if (static_cast<std::int64_t>(types.size()) != c.num_hidden_layers) {
-    r.fail(r.q("layer_types") + " has " + std::to_string(types.size()) + " entries, but " +
-           r.q("num_hidden_layers") + " is " + std::to_string(c.num_hidden_layers));
+    r.fail(r.q("layer_types") + " has " + std::to_string(types.size()) + " entries, but " + r.q("num_hidden_layers") +
+           " is " + std::to_string(c.num_hidden_layers));
   }
   std::string supported_names;
-  for (LayerKind k : supported) supported_names += (supported_names.empty() ? "" : ", ") + std::string(layer_kind_name(k));
+  for (LayerKind k : supported)
+    supported_names += (supported_names.empty() ? "" : ", ") + std::string(layer_kind_name(k));
   for (std::size_t i = 0; i < types.size(); ++i) {
     const std::string where = r.key_prefix() + "layer_types[" + std::to_string(i) + "]";
     if (!types[i].is_string()) r.fail(where + " must be a string, got " + json_type(types[i]));
@@ -364,9 +361,8 @@ void read_linear_attention_sizes(const KeyReader& r, ModelConfig& c) {
                             : r.optional_size(keys[i]);
   }
   if (c.linear_num_key_heads > 0 && c.linear_num_value_heads % c.linear_num_key_heads != 0) {
-    r.fail(r.q("linear_num_value_heads") + " (" + std::to_string(c.linear_num_value_heads) +
-           ") is not a multiple of " + r.q("linear_num_key_heads") + " (" + std::to_string(c.linear_num_key_heads) +
-           ")");
+    r.fail(r.q("linear_num_value_heads") + " (" + std::to_string(c.linear_num_value_heads) + ") is not a multiple of " +
+           r.q("linear_num_key_heads") + " (" + std::to_string(c.linear_num_key_heads) + ")");
   }
 }
 
@@ -383,8 +379,8 @@ void read_conv_kernel(const KeyReader& r, ModelConfig& c, std::int64_t default_k
 
 // Which rope_type values of rope_parameters / rope_scaling a family accepts.
 enum class RopeTypes {
-  Unchecked,     // rewind's layout: the keys are not read
-  DefaultOnly,   // only the default (unscaled) RoPE
+  Unchecked,    // rewind's layout: the keys are not read
+  DefaultOnly,  // only the default (unscaled) RoPE
   DefaultOrLlama3,
 };
 
@@ -535,8 +531,9 @@ std::int64_t lfm2_mlp_width(const KeyReader& r) {
   const json* m = r.find("block_ffn_dim_multiplier");
   if (m != nullptr) {
     const double multiplier = r.positive_number("block_ffn_dim_multiplier", *m);
-    const std::int64_t multiple =
-        r.find("block_multiple_of") ? r.integer("block_multiple_of", *r.find("block_multiple_of"), 1, kMaxSize) : 256;
+    const std::int64_t multiple = r.find("block_multiple_of")
+                                      ? r.integer("block_multiple_of", *r.find("block_multiple_of"), 1, kMaxSize)
+                                      : 256;
     const double scaled = multiplier * static_cast<double>(width);
     // Checked before the conversion: a huge multiplier must not overflow it.
     if (!(scaled < static_cast<double>(kMaxSize))) {
@@ -559,7 +556,8 @@ json lfm2_default_layer_types(const KeyReader& r, std::int64_t layers) {
   std::vector<bool> attention(static_cast<std::size_t>(layers), r.find("full_attn_idxs") == nullptr);
   if (const json* idx = r.find("full_attn_idxs")) {
     if (!idx->is_array()) r.fail(r.q("full_attn_idxs") + " must be a list, got " + json_type(*idx));
-    for (const json& i : *idx) attention[static_cast<std::size_t>(r.integer("full_attn_idxs", i, 0, layers - 1))] = true;
+    for (const json& i : *idx)
+      attention[static_cast<std::size_t>(r.integer("full_attn_idxs", i, 0, layers - 1))] = true;
   }
   json types = json::array();
   for (bool a : attention) types.push_back(a ? "full_attention" : "conv");
@@ -619,7 +617,8 @@ void read_qwen_text_model(const ConfigKeys& k, ModelConfig& c) {
   // of the whole model; text_config's own key is not what transformers reads.
   if (k.nested()) c.tie_word_embeddings = k.top.boolean("tie_word_embeddings", false);
   // Options the runtime does not implement are refused, never ignored.
-  if (r.boolean("attention_bias", false)) r.fail(r.q("attention_bias") + " is true: attention biases are not supported");
+  if (r.boolean("attention_bias", false))
+    r.fail(r.q("attention_bias") + " is true: attention biases are not supported");
   if (const json* act = r.find("hidden_act"); act != nullptr && *act != "silu") {
     r.fail(r.q("hidden_act") + " is " + act->dump() + ": only \"silu\" is supported");
   }
@@ -658,8 +657,8 @@ void refuse_qwen3_next_experts(const KeyReader& r, const ModelConfig& c) {
   }
   for (std::int64_t i = 0; i < c.num_hidden_layers; ++i) {
     if (!dense[static_cast<std::size_t>(i)] && experts > 0 && (i + 1) % step == 0) {
-      r.fail("layer " + std::to_string(i) + " is a mixture-of-experts layer ('num_experts' " +
-             std::to_string(experts) + (ne ? "" : " by default") +
+      r.fail("layer " + std::to_string(i) + " is a mixture-of-experts layer ('num_experts' " + std::to_string(experts) +
+             (ne ? "" : " by default") +
              "), which the runtime does not support: only dense Qwen3-Next (num_experts 0, or every layer in "
              "mlp_only_layers) loads");
     }
@@ -709,16 +708,14 @@ json qwen3_default_layer_types(const KeyReader& r, std::int64_t layers) {
 void read_qwen3(const ConfigKeys& k, ModelConfig& c) {
   const KeyReader& r = k.text;
   read_sizes(r, c, plain_mlp_width, 128);  // Qwen3Config's head_dim
-  read_layer_types_or_implied(r, c, {LayerKind::FullAttention, LayerKind::SlidingAttention},
-                              qwen3_default_layer_types);
+  read_layer_types_or_implied(r, c, {LayerKind::FullAttention, LayerKind::SlidingAttention}, qwen3_default_layer_types);
   // Qwen3Config drops sliding_window unless use_sliding_window is set; a
   // sliding layer then has no window transformers would apply.
   const bool use_sliding = r.boolean("use_sliding_window", false);
   if (c.has_layer_type(LayerKind::SlidingAttention)) {
     if (!use_sliding) {
-      r.fail("layer " + std::to_string(first_layer_of(c, LayerKind::SlidingAttention)) +
-             " is sliding_attention but " + r.q("use_sliding_window") +
-             " is not true (Qwen3Config then sets no window)");
+      r.fail("layer " + std::to_string(first_layer_of(c, LayerKind::SlidingAttention)) + " is sliding_attention but " +
+             r.q("use_sliding_window") + " is not true (Qwen3Config then sets no window)");
     }
     read_sliding_window(r, c);
   }
@@ -823,7 +820,8 @@ const FamilyAdapter& choose_family(const KeyReader& top, const std::string& mode
     if (model_type == refused) {
       top.fail("model_type '" + model_type +
                "' is not supported (mixture-of-experts and vision-language variants are not implemented; "
-               "supported: " + kSupportedArchitectures + ")");
+               "supported: " +
+               kSupportedArchitectures + ")");
     }
   }
   if (const FamilyAdapter* known = find_family(model_type)) return *known;
@@ -1102,7 +1100,9 @@ std::vector<WeightSpec> expected_weights(const ModelConfig& c) {
 
   for (std::size_t li = 0; li < c.layer_types.size(); ++li) {
     const auto i = static_cast<std::int64_t>(li);
-    auto add = [&](WeightRole role, std::vector<std::int64_t> shape) { w.push_back({weight_name(c, i, role), std::move(shape)}); };
+    auto add = [&](WeightRole role, std::vector<std::int64_t> shape) {
+      w.push_back({weight_name(c, i, role), std::move(shape)});
+    };
     add(WeightRole::InputNorm, {d});
     switch (c.layer_types[li]) {
       case LayerKind::FullAttention:

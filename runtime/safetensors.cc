@@ -41,9 +41,18 @@ struct DuplicateKey {
 };
 
 bool parse_dtype_name(std::string_view s, DType* out) {
-  if (s == "F32") { *out = DType::F32; return true; }
-  if (s == "F16") { *out = DType::F16; return true; }
-  if (s == "BF16") { *out = DType::BF16; return true; }
+  if (s == "F32") {
+    *out = DType::F32;
+    return true;
+  }
+  if (s == "F16") {
+    *out = DType::F16;
+    return true;
+  }
+  if (s == "BF16") {
+    *out = DType::BF16;
+    return true;
+  }
   return false;
 }
 
@@ -79,8 +88,7 @@ std::string shape_string_u64(const std::vector<std::uint64_t>& dims) {
 
 // numel(dims) * elem_size, or false when that does not fit in 64 bits. A
 // zero extent makes the size zero whatever the other extents are.
-bool checked_byte_size(const std::vector<std::uint64_t>& dims, std::uint64_t elem_size,
-                       std::uint64_t* out) {
+bool checked_byte_size(const std::vector<std::uint64_t>& dims, std::uint64_t elem_size, std::uint64_t* out) {
   if (std::find(dims.begin(), dims.end(), std::uint64_t{0}) != dims.end()) {
     *out = 0;
     return true;
@@ -101,9 +109,7 @@ json parse_header(const std::string& path, std::string_view text) {
   std::vector<std::set<std::string>> open_objects;
   auto callback = [&open_objects](int /*depth*/, json::parse_event_t event, json& parsed) {
     switch (event) {
-      case json::parse_event_t::object_start:
-        open_objects.emplace_back();
-        break;
+      case json::parse_event_t::object_start: open_objects.emplace_back(); break;
       case json::parse_event_t::object_end:
         if (!open_objects.empty()) open_objects.pop_back();
         break;
@@ -115,8 +121,7 @@ json parse_header(const std::string& path, std::string_view text) {
           }
         }
         break;
-      default:
-        break;
+      default: break;
     }
     return true;
   };
@@ -130,8 +135,7 @@ json parse_header(const std::string& path, std::string_view text) {
   }
 }
 
-void read_metadata(const std::string& path, const json& value,
-                   std::map<std::string, std::string>* out) {
+void read_metadata(const std::string& path, const json& value, std::map<std::string, std::string>* out) {
   if (!value.is_object()) fail(path, "__metadata__ must be an object of string values");
   for (auto it = value.begin(); it != value.end(); ++it) {
     if (!it.value().is_string()) {
@@ -147,8 +151,7 @@ struct RawEntry {
   std::uint64_t end = 0;
 };
 
-RawEntry read_entry(const std::string& path, const std::string& name, const json& value,
-                    std::uint64_t data_size) {
+RawEntry read_entry(const std::string& path, const std::string& name, const json& value, std::uint64_t data_size) {
   const std::string where = "tensor " + in_quotes(name) + ": ";
   if (!is_valid_utf8(name)) fail(path, "tensor name is not valid UTF-8");
   if (!value.is_object()) fail(path, where + "entry is not a JSON object");
@@ -200,9 +203,8 @@ RawEntry read_entry(const std::string& path, const std::string& name, const json
   const std::string range = "[" + std::to_string(raw.begin) + ", " + std::to_string(raw.end) + "]";
   if (raw.begin > raw.end) fail(path, where + "data_offsets " + range + " has begin > end");
   if (raw.end - raw.begin != nbytes) {
-    fail(path, where + "data_offsets " + range + " span " + std::to_string(raw.end - raw.begin) +
-                   " bytes, but shape " + shape_string_u64(dims) + " " +
-                   std::string(safetensors_dtype_name(raw.entry.dtype)) + " needs " +
+    fail(path, where + "data_offsets " + range + " span " + std::to_string(raw.end - raw.begin) + " bytes, but shape " +
+                   shape_string_u64(dims) + " " + std::string(safetensors_dtype_name(raw.entry.dtype)) + " needs " +
                    std::to_string(nbytes));
   }
   if (raw.end > data_size) {
@@ -270,11 +272,17 @@ bool is_valid_utf8(std::string_view text, std::size_t* bad_offset) {
       ++i;
       continue;
     } else if ((c & 0xE0) == 0xC0) {
-      len = 2; cp = c & 0x1Fu; min_cp = 0x80;
+      len = 2;
+      cp = c & 0x1Fu;
+      min_cp = 0x80;
     } else if ((c & 0xF0) == 0xE0) {
-      len = 3; cp = c & 0x0Fu; min_cp = 0x800;
+      len = 3;
+      cp = c & 0x0Fu;
+      min_cp = 0x800;
     } else if ((c & 0xF8) == 0xF0) {
-      len = 4; cp = c & 0x07u; min_cp = 0x10000;
+      len = 4;
+      cp = c & 0x07u;
+      min_cp = 0x10000;
     } else {
       if (bad_offset) *bad_offset = i;
       return false;
@@ -317,8 +325,7 @@ SafetensorsFile SafetensorsFile::open(const std::string& path) {
   const auto file_size = static_cast<std::uint64_t>(st.st_size);
   if (file_size < 8) {
     ::close(fd);
-    fail(path, "file is " + std::to_string(file_size) +
-                   " bytes, shorter than the 8-byte header length field");
+    fail(path, "file is " + std::to_string(file_size) + " bytes, shorter than the 8-byte header length field");
   }
   void* map = ::mmap(nullptr, static_cast<std::size_t>(file_size), PROT_READ, MAP_PRIVATE, fd, 0);
   int map_errno = errno;
@@ -334,15 +341,14 @@ SafetensorsFile SafetensorsFile::open(const std::string& path) {
     header_len = (header_len << 8) | std::to_integer<std::uint64_t>(base[i]);
   }
   if (header_len > kMaxHeaderBytes) {
-    fail(path, "header length " + std::to_string(header_len) + " exceeds the " +
-                   std::to_string(kMaxHeaderBytes) + "-byte limit");
+    fail(path, "header length " + std::to_string(header_len) + " exceeds the " + std::to_string(kMaxHeaderBytes) +
+                   "-byte limit");
   }
   if (header_len > file_size - 8) {
-    fail(path, "header length " + std::to_string(header_len) +
-                   " runs past the end of the file (" + std::to_string(file_size) + " bytes)");
+    fail(path, "header length " + std::to_string(header_len) + " runs past the end of the file (" +
+                   std::to_string(file_size) + " bytes)");
   }
-  std::string_view header(reinterpret_cast<const char*>(base + 8),
-                          static_cast<std::size_t>(header_len));
+  std::string_view header(reinterpret_cast<const char*>(base + 8), static_cast<std::size_t>(header_len));
   std::size_t bad = 0;
   if (!is_valid_utf8(header, &bad)) {
     fail(path, "header is not valid UTF-8 (byte " + std::to_string(8 + bad) + " of the file)");
@@ -371,9 +377,9 @@ SafetensorsFile SafetensorsFile::open(const std::string& path) {
   for (const RawEntry& r : raw) {
     if (r.begin == r.end) continue;
     if (last != nullptr && r.begin < last->end) {
-      fail(path, "tensors " + in_quotes(last->entry.name) + " [" + std::to_string(last->begin) +
-                     ", " + std::to_string(last->end) + "] and " + in_quotes(r.entry.name) + " [" +
-                     std::to_string(r.begin) + ", " + std::to_string(r.end) + "] overlap");
+      fail(path, "tensors " + in_quotes(last->entry.name) + " [" + std::to_string(last->begin) + ", " +
+                     std::to_string(last->end) + "] and " + in_quotes(r.entry.name) + " [" + std::to_string(r.begin) +
+                     ", " + std::to_string(r.end) + "] overlap");
     }
     if (last == nullptr || r.end > last->end) last = &r;
   }
@@ -388,12 +394,9 @@ SafetensorsFile SafetensorsFile::open(const std::string& path) {
 }
 
 SafetensorsFile::SafetensorsFile(SafetensorsFile&& other) noexcept
-    : path_(std::move(other.path_)),
-      map_(std::exchange(other.map_, nullptr)),
-      map_size_(std::exchange(other.map_size_, 0)),
-      entries_(std::move(other.entries_)),
-      index_(std::move(other.index_)),
-      metadata_(std::move(other.metadata_)) {}
+    : path_(std::move(other.path_)), map_(std::exchange(other.map_, nullptr)),
+      map_size_(std::exchange(other.map_size_, 0)), entries_(std::move(other.entries_)),
+      index_(std::move(other.index_)), metadata_(std::move(other.metadata_)) {}
 
 SafetensorsFile& SafetensorsFile::operator=(SafetensorsFile&& other) noexcept {
   if (this != &other) {
@@ -470,9 +473,8 @@ void write_safetensors(const std::string& path, const std::vector<TensorToWrite>
     }
     std::uint64_t nbytes = 0;
     if (!checked_byte_size(dims, dtype_size(t.dtype), &nbytes) || nbytes != t.bytes.size()) {
-      invalid("tensor " + in_quotes(t.name) + " has " + std::to_string(t.bytes.size()) +
-              " bytes, shape " + shape_string(t.shape) + " " +
-              std::string(safetensors_dtype_name(t.dtype)) + " needs " +
+      invalid("tensor " + in_quotes(t.name) + " has " + std::to_string(t.bytes.size()) + " bytes, shape " +
+              shape_string(t.shape) + " " + std::string(safetensors_dtype_name(t.dtype)) + " needs " +
               (nbytes ? std::to_string(nbytes) : std::string("an overflowing count")));
     }
   }
@@ -494,9 +496,7 @@ void write_safetensors(const std::string& path, const std::vector<TensorToWrite>
   for (std::size_t i : order) {
     const TensorToWrite& t = tensors[i];
     const std::uint64_t end = offset + t.bytes.size();
-    header[t.name] = {{"dtype", safetensors_dtype_name(t.dtype)},
-                      {"shape", t.shape},
-                      {"data_offsets", {offset, end}}};
+    header[t.name] = {{"dtype", safetensors_dtype_name(t.dtype)}, {"shape", t.shape}, {"data_offsets", {offset, end}}};
     offset = end;
   }
   std::string text = header.dump();

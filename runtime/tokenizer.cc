@@ -187,8 +187,10 @@ std::string rewrite_white_space(const std::string& pattern, const std::string& w
       if (e == 's') {
         out += in_class ? std::string(kWhiteSpaceItems) : "[" + std::string(kWhiteSpaceItems) + "]";
       } else if (e == 'S') {
-        if (in_class) throw FormatError(where + ": the pre-tokenizer regex uses \\S inside a character class, which "
-                                                "rewind does not support");
+        if (in_class)
+          throw FormatError(where +
+                            ": the pre-tokenizer regex uses \\S inside a character class, which "
+                            "rewind does not support");
         out += "[^" + std::string(kWhiteSpaceItems) + "]";
       } else {
         out += c;
@@ -277,7 +279,8 @@ struct MatchData {
 };
 
 // GPT-2's pattern: ByteLevel's use_regex: true.
-constexpr const char* kGpt2Pattern = "'s|'t|'re|'ve|'m|'ll|'d| ?\\p{L}+| ?\\p{N}+| ?[^\\s\\p{L}\\p{N}]+|\\s+(?!\\S)|\\s+";
+constexpr const char* kGpt2Pattern =
+    "'s|'t|'re|'ve|'m|'ll|'d| ?\\p{L}+| ?\\p{N}+| ?[^\\s\\p{L}\\p{N}]+|\\s+(?!\\S)|\\s+";
 
 // ---- NFC (ICU) -------------------------------------------------------------------------
 
@@ -287,7 +290,8 @@ std::string nfc(std::string_view text) {
   }
   UErrorCode status = U_ZERO_ERROR;
   const icu::Normalizer2* normalizer = icu::Normalizer2::getNFCInstance(status);
-  if (U_FAILURE(status)) throw Error(std::string("tokenizer: ICU's NFC normalizer is unavailable: ") + u_errorName(status));
+  if (U_FAILURE(status))
+    throw Error(std::string("tokenizer: ICU's NFC normalizer is unavailable: ") + u_errorName(status));
   const icu::StringPiece piece(text.data(), static_cast<std::int32_t>(text.size()));
   if (normalizer->isNormalizedUTF8(piece, status) && U_SUCCESS(status)) return std::string(text);
   status = U_ZERO_ERROR;
@@ -317,17 +321,17 @@ struct Merge {
 
 struct Tokenizer::Impl {
   TokenizerKind kind = TokenizerKind::ByteLevel;
-  std::string where;  // the file, for messages
-  std::vector<std::string> tokens;        // id -> token string ("" for a hole)
-  std::vector<char> present;              // id -> has a token
-  std::vector<std::string> bytes;         // id -> decoded bytes
-  std::vector<char> special;              // id -> special
+  std::string where;                                  // the file, for messages
+  std::vector<std::string> tokens;                    // id -> token string ("" for a hole)
+  std::vector<char> present;                          // id -> has a token
+  std::vector<std::string> bytes;                     // id -> decoded bytes
+  std::vector<char> special;                          // id -> special
   std::unordered_map<std::string, std::int32_t> ids;  // token string -> id
   std::unordered_map<std::uint64_t, Merge> merges;
   std::array<std::int32_t, 256> byte_id{};  // the token of each single byte
   bool ignore_merges = false;
   bool nfc = false;
-  std::vector<Regex> splits;  // applied in order, each to the pieces of the previous
+  std::vector<Regex> splits;      // applied in order, each to the pieces of the previous
   std::vector<AddedToken> added;  // id order
   // Added tokens by first byte, longest first; raw (normalized: false) and
   // normalized ones apart.
@@ -413,7 +417,8 @@ struct Tokenizer::Impl {
       consider(prev[l]);
       consider(c.left);
     }
-    for (std::int64_t i = 0; i >= 0; i = next[static_cast<std::size_t>(i)]) out.push_back(sym[static_cast<std::size_t>(i)]);
+    for (std::int64_t i = 0; i >= 0; i = next[static_cast<std::size_t>(i)])
+      out.push_back(sym[static_cast<std::size_t>(i)]);
   }
 
   bool word_char_at(std::string_view text, std::size_t pos, MatchData& md) const {
@@ -547,8 +552,8 @@ std::string type_of(const json& j) {
 
 // A pre-tokenizer: Split (Regex, Isolated, not inverted) or ByteLevel
 // (add_prefix_space false; use_regex adds GPT-2's pattern).
-void read_pre_tokenizer(const json& j, const std::string& where, const std::string& path,
-                        Tokenizer::Impl& t, bool& byte_level_seen) {
+void read_pre_tokenizer(const json& j, const std::string& where, const std::string& path, Tokenizer::Impl& t,
+                        bool& byte_level_seen) {
   const std::string type = type_of(j);
   if (byte_level_seen) unsupported(where, path, "a pre-tokenizer after ByteLevel (" + type + ")");
   if (type == "Split") {
@@ -593,18 +598,19 @@ void read_post_processor(const json& j, const std::string& where, const std::str
     const std::string at = path + ".single[" + std::to_string(i) + "]";
     const json& piece = single[i];
     if (piece.contains("Sequence")) {
-      if (piece.at("Sequence").value("id", std::string()) != "A" || seen_a) unsupported(where, at, "not one sequence A");
+      if (piece.at("Sequence").value("id", std::string()) != "A" || seen_a)
+        unsupported(where, at, "not one sequence A");
       seen_a = true;
     } else if (piece.contains("SpecialToken")) {
       const std::string name = piece.at("SpecialToken").value("id", std::string());
-      if (!specials.contains(name)) throw FormatError(where + ": " + at + " names " + show_string(name) +
-                                                      ", which " + path + ".special_tokens does not define");
+      if (!specials.contains(name))
+        throw FormatError(where + ": " + at + " names " + show_string(name) + ", which " + path +
+                          ".special_tokens does not define");
       const json& ids = member(specials.at(name), "ids", where, path + ".special_tokens." + name);
       if (!ids.is_array()) throw FormatError(where + ": " + path + ".special_tokens." + name + ".ids must be a list");
       for (const json& id : ids) {
         if (!id.is_number_integer() || id.get<std::int64_t>() < 0 ||
-            id.get<std::int64_t>() >= static_cast<std::int64_t>(t.tokens.size()) ||
-            !t.present[id.get<std::size_t>()]) {
+            id.get<std::int64_t>() >= static_cast<std::int64_t>(t.tokens.size()) || !t.present[id.get<std::size_t>()]) {
           throw FormatError(where + ": " + path + ".special_tokens." + name + " has id " + id.dump() +
                             ", which is not in the vocabulary");
         }
@@ -691,7 +697,8 @@ void read_bpe_model(const json& model, const std::string& where, Tokenizer::Impl
   for (const auto& [token, id] : vocab.items()) {
     if (!id.is_number_integer() || id.get<std::int64_t>() < 0 ||
         id.get<std::int64_t>() > std::numeric_limits<std::int32_t>::max() - 1) {
-      throw FormatError(where + ": model.vocab[" + show_string(token) + "] is " + id.dump() + ", not an id in [0, 2^31 - 1)");
+      throw FormatError(where + ": model.vocab[" + show_string(token) + "] is " + id.dump() +
+                        ", not an id in [0, 2^31 - 1)");
     }
     const auto i = id.get<std::int32_t>();
     if (static_cast<std::size_t>(i) < t.tokens.size() && t.present[static_cast<std::size_t>(i)]) {
@@ -745,8 +752,8 @@ void read_added_tokens(const json& root, const std::string& where, Tokenizer::Im
       }
       const auto existing = t.ids.find(token.content);
       if (existing != t.ids.end() && existing->second != token.id) {
-        throw FormatError(where + ": " + path + " " + show_string(token.content) + " has id " + std::to_string(token.id) +
-                          " but model.vocab has it as " + std::to_string(existing->second));
+        throw FormatError(where + ": " + path + " " + show_string(token.content) + " has id " +
+                          std::to_string(token.id) + " but model.vocab has it as " + std::to_string(existing->second));
       }
       t.set_token(token.id, token.content);
       t.ids[token.content] = token.id;
@@ -817,8 +824,10 @@ void compute_token_bytes(const std::string& where, Tokenizer::Impl& t) {
         throw FormatError(where + ": token " + std::to_string(i) + " is not valid UTF-8");
       }
       const auto it = abc.to_byte.find(cp);
-      if (it != abc.to_byte.end()) out.push_back(static_cast<char>(it->second));
-      else out.append(s, p, len);
+      if (it != abc.to_byte.end())
+        out.push_back(static_cast<char>(it->second));
+      else
+        out.append(s, p, len);
       p += len;
     }
   }
@@ -987,7 +996,8 @@ std::optional<std::string> Tokenizer::id_to_token(std::int32_t id) const {
 }
 
 bool Tokenizer::is_special(std::int32_t id) const {
-  return id >= 0 && static_cast<std::size_t>(id) < impl_->special.size() && impl_->special[static_cast<std::size_t>(id)];
+  return id >= 0 && static_cast<std::size_t>(id) < impl_->special.size() &&
+         impl_->special[static_cast<std::size_t>(id)];
 }
 
 std::optional<std::int32_t> Tokenizer::bos_id() const { return impl_->bos; }
@@ -1015,7 +1025,9 @@ bool Tokenizer::compatible_with(const Tokenizer& other, std::string* why) const 
   if (a.eos != b.eos) return fail("EOS differs: " + show_id(a.eos) + " here, " + show_id(b.eos) + " there");
   for (std::size_t i = 0; i < a.tokens.size(); ++i) {
     if (a.present[i] != b.present[i] || a.tokens[i] != b.tokens[i]) {
-      auto show = [](const Impl& t, std::size_t k) { return t.present[k] ? show_string(t.tokens[k]) : std::string("absent"); };
+      auto show = [](const Impl& t, std::size_t k) {
+        return t.present[k] ? show_string(t.tokens[k]) : std::string("absent");
+      };
       return fail("token " + std::to_string(i) + " is " + show(a, i) + " here and " + show(b, i) + " there");
     }
     if (a.special[i] != b.special[i]) {
@@ -1041,11 +1053,16 @@ std::string Tokenizer::describe() const {
             " added tokens, normalizer " + (t.nfc ? "NFC" : "none") + ", " + std::to_string(t.splits.size()) +
             " pre-tokenizer regex(es)";
     std::string added;
-    for (std::int32_t id : t.prefix) added += (added.empty() ? "" : " ") + show_string(t.tokens[static_cast<std::size_t>(id)]);
-    for (std::int32_t id : t.suffix) added += (added.empty() ? "" : " ") + show_string(t.tokens[static_cast<std::size_t>(id)]);
-    if (!added.empty()) line += ", template adds " + added;
-    else if (t.add_bos && t.bos) line += ", BOS added (add_bos_token)";
-    else line += ", no BOS added";
+    for (std::int32_t id : t.prefix)
+      added += (added.empty() ? "" : " ") + show_string(t.tokens[static_cast<std::size_t>(id)]);
+    for (std::int32_t id : t.suffix)
+      added += (added.empty() ? "" : " ") + show_string(t.tokens[static_cast<std::size_t>(id)]);
+    if (!added.empty())
+      line += ", template adds " + added;
+    else if (t.add_bos && t.bos)
+      line += ", BOS added (add_bos_token)";
+    else
+      line += ", no BOS added";
   }
   return line;
 }
@@ -1068,8 +1085,10 @@ std::string StreamDecoder::push(std::int32_t id) {
     std::size_t len = 1;
     const Utf8Step step = utf8_step(std::string_view(pending_).substr(p), &len);
     if (step == Utf8Step::Incomplete) break;
-    if (step == Utf8Step::Complete) out.append(pending_, p, len);
-    else out += kReplacement;
+    if (step == Utf8Step::Complete)
+      out.append(pending_, p, len);
+    else
+      out += kReplacement;
     p += len;
   }
   pending_.erase(0, p);
@@ -1085,7 +1104,8 @@ std::string StreamDecoder::finish() {
 Tokenizer tokenizer_for_model(const std::string& dir, const ModelConfig& c) {
   const std::int64_t bos = c.add_bos ? c.bos_token_id : -1;
   const std::int64_t eos = c.eos_token_ids.empty() ? -1 : c.eos_token_ids.front();
-  Tokenizer t = Tokenizer::for_model_dir(dir, c.vocab_size, static_cast<std::int32_t>(bos), static_cast<std::int32_t>(eos));
+  Tokenizer t = Tokenizer::for_model_dir(dir, c.vocab_size, static_cast<std::int32_t>(bos),
+                                         static_cast<std::int32_t>(eos));
   if (t.kind() == TokenizerKind::Bpe && t.vocab_size() > c.vocab_size) {
     throw InvalidArgument(dir + "/tokenizer.json has " + std::to_string(t.vocab_size()) +
                           " tokens, more than the model's vocab_size " + std::to_string(c.vocab_size) +

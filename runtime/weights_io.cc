@@ -11,8 +11,8 @@
 #include <filesystem>
 #include <fstream>
 #include <map>
-#include <sstream>
 #include <set>
+#include <sstream>
 #include <system_error>
 #include <utility>
 
@@ -245,13 +245,11 @@ ModelWeights ModelWeights::load(const std::string& dir) {
     expected.insert(source);
     const TensorEntry* e = locate(source);
     if (e == nullptr) {
-      throw FormatError(weights_path + ": missing tensor '" + spec.name + "', which " +
-                        config_path + " requires");
+      throw FormatError(weights_path + ": missing tensor '" + spec.name + "', which " + config_path + " requires");
     }
     if (e->shape != spec.shape) {
-      throw FormatError(weights_path + ": tensor '" + spec.name + "' has shape " +
-                        shape_string(e->shape) + ", " + config_path + " implies " +
-                        shape_string(spec.shape));
+      throw FormatError(weights_path + ": tensor '" + spec.name + "' has shape " + shape_string(e->shape) + ", " +
+                        config_path + " implies " + shape_string(spec.shape));
     }
     entries.push_back(e);
   }
@@ -274,8 +272,7 @@ ModelWeights ModelWeights::load(const std::string& dir) {
   return w;
 }
 
-ModelWeights ModelWeights::from_tensors(const ModelConfig& config,
-                                       std::map<std::string, Tensor, std::less<>> tensors) {
+ModelWeights ModelWeights::from_tensors(const ModelConfig& config, std::map<std::string, Tensor, std::less<>> tensors) {
   const std::vector<WeightSpec> specs = expected_weights(config);
   for (const WeightSpec& spec : specs) {
     auto it = tensors.find(spec.name);
@@ -341,8 +338,7 @@ std::size_t ModelWeights::bytes() const {
 
 ModelWeights load_weights(const std::string& dir) { return ModelWeights::load(dir); }
 
-void write_random_model(const ModelConfig& config, const std::string& out_dir,
-                        std::uint64_t seed, DType dtype) {
+void write_random_model(const ModelConfig& config, const std::string& out_dir, std::uint64_t seed, DType dtype) {
   std::error_code ec;
   fs::create_directories(out_dir, ec);
   if (ec) throw Error(out_dir + ": cannot create directory: " + ec.message());
@@ -361,9 +357,7 @@ void write_random_model(const ModelConfig& config, const std::string& out_dir,
   }
   // "format": "pt" is what transformers expects of a PyTorch checkpoint.
   const std::map<std::string, std::string> metadata = {
-      {"format", "pt"},
-      {"generator", "rewind write_random_model"},
-      {"seed", std::to_string(seed)}};
+      {"format", "pt"}, {"generator", "rewind write_random_model"}, {"seed", std::to_string(seed)}};
   write_safetensors((fs::path(out_dir) / "model.safetensors").string(), tensors, metadata);
   write_text_file_atomically((fs::path(out_dir) / "config.json").string(), to_json(stored));
 }

@@ -82,9 +82,10 @@ const json* field(const json& body, const char* key) {
 }
 
 [[noreturn]] void wrong_type(const char* key, const char* expected, const json& value) {
-  throw ApiError(400, std::string("'") + key + "' must be " + expected + ", got " + value.type_name() + " " +
-                          dump(value).substr(0, 64),
-                 key, "invalid_type");
+  throw ApiError(
+      400,
+      std::string("'") + key + "' must be " + expected + ", got " + value.type_name() + " " + dump(value).substr(0, 64),
+      key, "invalid_type");
 }
 
 std::optional<std::int64_t> integer_field(const json& body, const char* key, std::int64_t lo, std::int64_t hi) {
@@ -92,13 +93,16 @@ std::optional<std::int64_t> integer_field(const json& body, const char* key, std
   if (!v) return std::nullopt;
   if (!v->is_number_integer()) wrong_type(key, "an integer", *v);
   if (v->is_number_unsigned() && v->get<std::uint64_t>() > static_cast<std::uint64_t>(hi)) {
-    throw ApiError(400, std::string("'") + key + "' is " + v->dump() + ", past the largest allowed, " +
-                            std::to_string(hi), key, "invalid_value");
+    throw ApiError(400,
+                   std::string("'") + key + "' is " + v->dump() + ", past the largest allowed, " + std::to_string(hi),
+                   key, "invalid_value");
   }
   const auto x = v->get<std::int64_t>();
   if (x < lo || x > hi) {
-    throw ApiError(400, std::string("'") + key + "' is " + std::to_string(x) + "; allowed: " + std::to_string(lo) +
-                            " to " + std::to_string(hi), key, "invalid_value");
+    throw ApiError(400,
+                   std::string("'") + key + "' is " + std::to_string(x) + "; allowed: " + std::to_string(lo) + " to " +
+                       std::to_string(hi),
+                   key, "invalid_value");
   }
   return x;
 }
@@ -110,8 +114,10 @@ std::optional<double> number_field(const json& body, const char* key, double lo,
   if (!v->is_number()) wrong_type(key, "a number", *v);
   const auto x = v->get<double>();
   if (!(lo_open ? x > lo : x >= lo) || !(x <= hi)) {
-    throw ApiError(400, std::string("'") + key + "' is " + v->dump() + "; allowed: " + (lo_open ? "above " : "") +
-                            json(lo).dump() + " to " + json(hi).dump(), key, "invalid_value");
+    throw ApiError(400,
+                   std::string("'") + key + "' is " + v->dump() + "; allowed: " + (lo_open ? "above " : "") +
+                       json(lo).dump() + " to " + json(hi).dump(),
+                   key, "invalid_value");
   }
   return x;
 }
@@ -163,8 +169,9 @@ std::vector<std::int32_t> parse_prompt(const json& body, const Tokenizer& tokeni
   const json* text = v;
   if (v->is_array() && !v->empty() && (*v)[0].is_string()) {
     if (v->size() != 1) {
-      throw ApiError(400, "'prompt' lists " + std::to_string(v->size()) +
-                              " strings; one prompt per request is supported (send several requests)",
+      throw ApiError(400,
+                     "'prompt' lists " + std::to_string(v->size()) +
+                         " strings; one prompt per request is supported (send several requests)",
                      "prompt", "unsupported_value");
     }
     text = &(*v)[0];
@@ -183,20 +190,23 @@ std::vector<std::int32_t> parse_prompt(const json& body, const Tokenizer& tokeni
     return ids;
   }
   if (!v->is_array()) wrong_type("prompt", "a string or a list of token ids", *v);
-  if (v->empty()) throw ApiError(400, "'prompt' is an empty list; give at least one token id", "prompt", "invalid_value");
+  if (v->empty())
+    throw ApiError(400, "'prompt' is an empty list; give at least one token id", "prompt", "invalid_value");
   std::vector<std::int32_t> ids;
   for (std::size_t i = 0; i < v->size(); ++i) {
     const json& t = (*v)[i];
     if (!t.is_number_integer()) {
-      throw ApiError(400, "'prompt' item " + std::to_string(i) + " must be a token id (an integer), got " +
-                              t.type_name() + "; nested lists (several prompts) are not supported",
+      throw ApiError(400,
+                     "'prompt' item " + std::to_string(i) + " must be a token id (an integer), got " + t.type_name() +
+                         "; nested lists (several prompts) are not supported",
                      "prompt", "invalid_type");
     }
     const bool in_range = t.is_number_unsigned() ? t.get<std::uint64_t>() < static_cast<std::uint64_t>(vocab)
                                                  : t.get<std::int64_t>() >= 0 && t.get<std::int64_t>() < vocab;
     if (!in_range) {
-      throw ApiError(400, "'prompt' item " + std::to_string(i) + " is token " + t.dump() +
-                              ", outside the vocabulary [0, " + std::to_string(vocab) + ")",
+      throw ApiError(400,
+                     "'prompt' item " + std::to_string(i) + " is token " + t.dump() + ", outside the vocabulary [0, " +
+                         std::to_string(vocab) + ")",
                      "prompt", "invalid_value");
     }
     ids.push_back(static_cast<std::int32_t>(t.get<std::int64_t>()));
@@ -219,7 +229,8 @@ CompletionRequest parse_completion(const json& body, const Tokenizer& tokenizer,
   if (auto t = number_field(body, "temperature", 0.0, 2.0, false)) r.sampling.temperature = static_cast<float>(*t);
   if (auto p = number_field(body, "top_p", 0.0, 1.0, true)) r.sampling.top_p = static_cast<float>(*p);
   // top_k is vLLM's and llama.cpp's extension; -1 (vLLM) and 0 mean no filter.
-  if (auto k = integer_field(body, "top_k", -1, std::int64_t{1} << 31)) r.sampling.top_k = std::max<std::int64_t>(*k, 0);
+  if (auto k = integer_field(body, "top_k", -1, std::int64_t{1} << 31))
+    r.sampling.top_k = std::max<std::int64_t>(*k, 0);
   if (const json* s = field(body, "seed")) {
     if (!s->is_number_integer()) wrong_type("seed", "an integer", *s);
     r.sampling.seed = s->is_number_unsigned() ? s->get<std::uint64_t>()
@@ -239,8 +250,9 @@ CompletionRequest parse_completion(const json& body, const Tokenizer& tokenizer,
       wrong_type("stop", "a string or a list of strings", *s);
     }
     for (const std::string& stop : r.stop) {
-      if (stop.empty()) throw ApiError(400, "'stop' holds an empty string; every stop string needs a character", "stop",
-                                       "invalid_value");
+      if (stop.empty())
+        throw ApiError(400, "'stop' holds an empty string; every stop string needs a character", "stop",
+                       "invalid_value");
     }
   }
   if (auto s = bool_field(body, "stream")) r.stream = *s;
@@ -251,10 +263,10 @@ CompletionRequest parse_completion(const json& body, const Tokenizer& tokenizer,
   r.prompt = parse_prompt(body, tokenizer, vocab);
   const auto P = static_cast<std::int64_t>(r.prompt.size());
   if (P + r.max_tokens > context) {
-    throw ApiError(400, "this model's maximum context length is " + std::to_string(context) +
-                            " tokens; the prompt has " + std::to_string(P) + " tokens and max_tokens asks for " +
-                            std::to_string(r.max_tokens) + " more (" + std::to_string(P + r.max_tokens) +
-                            "); shorten the prompt or lower max_tokens",
+    throw ApiError(400,
+                   "this model's maximum context length is " + std::to_string(context) + " tokens; the prompt has " +
+                       std::to_string(P) + " tokens and max_tokens asks for " + std::to_string(r.max_tokens) +
+                       " more (" + std::to_string(P + r.max_tokens) + "); shorten the prompt or lower max_tokens",
                    P > context ? "prompt" : "max_tokens", "context_length_exceeded");
   }
   return r;
@@ -311,8 +323,7 @@ struct Server::Impl {
   ServerCounters counters;  // under mu
   std::atomic<std::uint64_t> next_id{1};
 
-  Impl(ServerOptions o, Model m, Tokenizer t)
-      : options(std::move(o)), model(std::move(m)), tokenizer(std::move(t)) {}
+  Impl(ServerOptions o, Model m, Tokenizer t) : options(std::move(o)), model(std::move(m)), tokenizer(std::move(t)) {}
 
   // ---- decode loop ----
 
@@ -466,8 +477,10 @@ struct Server::Impl {
                        "server_error");
       }
       if (static_cast<std::int64_t>(waiting.size()) >= options.queue_limit) {
-        throw ApiError(429, "the server's queue is full (" + std::to_string(options.queue_limit) +
-                                " requests waiting); retry later", {}, "queue_full", "rate_limit_exceeded");
+        throw ApiError(
+            429,
+            "the server's queue is full (" + std::to_string(options.queue_limit) + " requests waiting); retry later",
+            {}, "queue_full", "rate_limit_exceeded");
       }
       waiting.push_back(std::move(job));
       counters.waiting = static_cast<std::int64_t>(waiting.size());
@@ -543,11 +556,10 @@ struct Server::Impl {
                 {"object", "text_completion"},
                 {"created", created},
                 {"model", model_name},
-                {"choices",
-                 json::array({{{"text", text},
-                               {"index", 0},
-                               {"logprobs", nullptr},
-                               {"finish_reason", last ? json(finish_reason) : json(nullptr)}}})}};
+                {"choices", json::array({{{"text", text},
+                                          {"index", 0},
+                                          {"logprobs", nullptr},
+                                          {"finish_reason", last ? json(finish_reason) : json(nullptr)}}})}};
       if (last) j["usage"] = usage();
       return j;
     }
@@ -689,8 +701,8 @@ struct Server::Impl {
       send_json(res, stopping ? 503 : 200, {{"status", stopping ? "stopping" : "ok"}});
     });
     http.Get("/v1/models", [this](const httplib::Request&, httplib::Response& res) {
-      const json model_entry = {{"id", name}, {"object", "model"}, {"created", 0}, {"owned_by", "rewind"},
-                                {"max_model_len", context}};
+      const json model_entry = {
+          {"id", name}, {"object", "model"}, {"created", 0}, {"owned_by", "rewind"}, {"max_model_len", context}};
       send_json(res, 200, {{"object", "list"}, {"data", json::array({model_entry})}});
     });
     http.Get("/metrics", [this](const httplib::Request&, httplib::Response& res) {
@@ -714,9 +726,7 @@ struct Server::Impl {
           message = "the request body is larger than this server accepts (--max-body-size)";
           code = "request_too_large";
           break;
-        default:
-          message = "the request was refused (HTTP " + std::to_string(res.status) + ")";
-          break;
+        default: message = "the request was refused (HTTP " + std::to_string(res.status) + ")"; break;
       }
       send_json(res, res.status, ApiError(res.status, message, {}, code).body());
     });
@@ -748,7 +758,8 @@ Server::Server(ServerOptions options) {
   check(options.threads >= 0, "threads must be >= 0 (0: the OpenMP default), got " + std::to_string(options.threads));
   check(options.queue_limit >= 1, "queue_limit must be >= 1, got " + std::to_string(options.queue_limit));
   check(options.context >= 0, "context must be >= 0 (0: the model's), got " + std::to_string(options.context));
-  check(options.max_prefill_rows >= 1, "max_prefill_rows must be >= 1, got " + std::to_string(options.max_prefill_rows));
+  check(options.max_prefill_rows >= 1,
+        "max_prefill_rows must be >= 1, got " + std::to_string(options.max_prefill_rows));
   check(options.port >= 0 && options.port <= 65535, "port must be in [0, 65535], got " + std::to_string(options.port));
   check(options.max_body_bytes >= 1, "max_body_bytes must be >= 1");
   Model model = Model::load(options.model_dir);

@@ -9,7 +9,8 @@ namespace rwd::server {
 StopMatcher::StopMatcher(std::vector<std::string> stops) : stops_(std::move(stops)) {
   for (std::size_t i = 0; i < stops_.size(); ++i) {
     if (stops_[i].empty()) {
-      throw InvalidArgument("stop string " + std::to_string(i) + " is empty; every stop string needs at least one character");
+      throw InvalidArgument("stop string " + std::to_string(i) +
+                            " is empty; every stop string needs at least one character");
     }
   }
 }

@@ -51,8 +51,7 @@ AlignedBytes aligned_allocate(std::size_t bytes) {
   const std::size_t rounded = (bytes + 63) / 64 * 64;
   AlignedBytes p(static_cast<std::byte*>(std::aligned_alloc(64, rounded)));
   if (!p) {
-    throw CapacityError("the system could not allocate " + std::to_string(rounded) +
-                        " bytes; nothing was changed");
+    throw CapacityError("the system could not allocate " + std::to_string(rounded) + " bytes; nothing was changed");
   }
   return p;
 }

@@ -58,8 +58,8 @@ std::uint16_t f32_to_f16(float f) {
     return static_cast<std::uint16_t>(sign | 0x7c00u | (abs > 0x7f800000u ? 0x200u : 0u));
   }
   if (abs >= 0x477ff000u) return static_cast<std::uint16_t>(sign | 0x7c00u);  // rounds to Inf
-  if (abs < 0x38800000u) {  // result is subnormal or zero
-    if (abs < 0x33000000u) return sign;  // below half the smallest subnormal
+  if (abs < 0x38800000u) {                                                    // result is subnormal or zero
+    if (abs < 0x33000000u) return sign;                                       // below half the smallest subnormal
     const std::uint32_t exponent = abs >> 23;
     const std::uint32_t mantissa = (abs & 0x7fffffu) | 0x800000u;
     const std::uint32_t shift = 126 - exponent;  // 14..24

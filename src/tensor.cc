@@ -88,8 +88,8 @@ TensorView TensorView::slice(int dim, std::int64_t start, std::int64_t length) c
   }
   TensorView out = *this;
   out.shape[static_cast<std::size_t>(dim)] = length;
-  if (length > 0 && start > 0) out.data = ptr(dim == 0 ? start : 0, dim == 1 ? start : 0, dim == 2 ? start : 0,
-                                              dim == 3 ? start : 0);
+  if (length > 0 && start > 0)
+    out.data = ptr(dim == 0 ? start : 0, dim == 1 ? start : 0, dim == 2 ? start : 0, dim == 3 ? start : 0);
   return out;
 }
 
@@ -194,7 +194,8 @@ void copy_tensor(const TensorView& src, const TensorView& dst) {
   if (run == 1 && count > 0) {
     int best = 0;
     for (int i = 1; i < count; ++i)
-      if (std::abs(dims[static_cast<std::size_t>(i)].dst_stride) < std::abs(dims[static_cast<std::size_t>(best)].dst_stride))
+      if (std::abs(dims[static_cast<std::size_t>(i)].dst_stride) <
+          std::abs(dims[static_cast<std::size_t>(best)].dst_stride))
         best = i;
     inner = take(best);
   }

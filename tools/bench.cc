@@ -91,7 +91,8 @@ Command add_bench_command(CLI::App& app, SharedFlags& shared) {
                   "also rows draft_tree / lookup_tree: tree speculation with W children per node, depth each K")
       ->check(integer_in(2, 64))
       ->default_str("off");
-  ben->add_option("--tree-nodes", f.choice.tree_nodes, "with --tree: at most N nodes per round")->check(integer_in(2, 1024));
+  ben->add_option("--tree-nodes", f.choice.tree_nodes, "with --tree: at most N nodes per round")
+      ->check(integer_in(2, 1024));
   ben->add_option("--k", f.ks, "draft lengths to try, comma-separated")
       ->delimiter(',')
       ->check(integer_in(1, 64))
@@ -99,9 +100,9 @@ Command add_bench_command(CLI::App& app, SharedFlags& shared) {
   ben->add_option("--json", f.json, "also write the rows as JSON to this file")->default_str("none");
   add_threads_option(ben, shared.threads);
   return {ben, [ben, flags] {
-    const BenchFlags& o = *flags;
-    return run_bench(*ben, o.model_dir, o.choice, o.max_new, o.repeats, o.ks, o.batches, o.json);
-  }};
+            const BenchFlags& o = *flags;
+            return run_bench(*ben, o.model_dir, o.choice, o.max_new, o.repeats, o.ks, o.batches, o.json);
+          }};
 }
 
 }  // namespace rwd::cli

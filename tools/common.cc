@@ -275,11 +275,11 @@ std::string with_prefix_stats(std::string json, const PrefixCache* pc) {
                 "\"rejected_corrupt\":%lld,\"rejected_foreign\":%lld,\"entries_written\":%lld,"
                 "\"writes_refused\":%lld,\"store_errors\":%lld,\"slow_calls\":%lld,\"calls_skipped\":%lld,"
                 "\"lookups_over_budget\":%lld,\"store_seconds\":%.6f,\"bytes_read\":%llu,\"bytes_written\":%llu}}",
-                ll(s.lookups), ll(s.hits), ll(s.lookups - s.hits),
-                ll(s.hit_tokens), ll(s.entries_read), ll(s.entries_rejected), ll(s.entries_unusable),
-                ll(s.entries_corrupt), ll(s.entries_foreign), ll(s.entries_written), ll(s.writes_refused),
-                ll(s.store_errors), ll(s.slow_calls), ll(s.calls_skipped), ll(s.lookups_over_budget), s.store_seconds,
-                static_cast<unsigned long long>(s.bytes_read), static_cast<unsigned long long>(s.bytes_written));
+                ll(s.lookups), ll(s.hits), ll(s.lookups - s.hits), ll(s.hit_tokens), ll(s.entries_read),
+                ll(s.entries_rejected), ll(s.entries_unusable), ll(s.entries_corrupt), ll(s.entries_foreign),
+                ll(s.entries_written), ll(s.writes_refused), ll(s.store_errors), ll(s.slow_calls), ll(s.calls_skipped),
+                ll(s.lookups_over_budget), s.store_seconds, static_cast<unsigned long long>(s.bytes_read),
+                static_cast<unsigned long long>(s.bytes_written));
   json.pop_back();
   return json + buf;
 }
@@ -438,20 +438,24 @@ std::int64_t resolve_ctx_size(const std::optional<std::int64_t>& ctx_size, const
 void check_context(std::int64_t prompt_tokens, std::int64_t max_new, std::int64_t ctx, bool ctx_from_flag,
                    const std::string& what) {
   if (ctx <= 0 || prompt_tokens + max_new <= ctx) return;
-  const std::string context = std::to_string(ctx) + (ctx_from_flag ? " (-c / --ctx-size)"
-                                                                    : " (the model's max_position_embeddings, -c / --ctx-size)");
+  const std::string context = std::to_string(ctx) + (ctx_from_flag
+                                                         ? " (-c / --ctx-size)"
+                                                         : " (the model's max_position_embeddings, -c / --ctx-size)");
   if (max_new == 0) {  // snapshot save
     throw InvalidArgument(what + " (" + std::to_string(prompt_tokens) + " tokens) is past the context of " + context +
                           "; shorten the prompt");
   }
   throw InvalidArgument(what + " (" + std::to_string(prompt_tokens) + " tokens) plus --max-new-tokens " +
                         std::to_string(max_new) + " needs " + std::to_string(prompt_tokens + max_new) +
-                        " positions, past the context of " + context + "; shorten the prompt or lower -n / --max-new-tokens");
+                        " positions, past the context of " + context +
+                        "; shorten the prompt or lower -n / --max-new-tokens");
 }
 
 // ---- tokenizers, drafts, batches ---------------------------------------------------
 
-Tokenizer load_tokenizer(const std::string& dir, const Model& model) { return tokenizer_for_model(dir, model.config()); }
+Tokenizer load_tokenizer(const std::string& dir, const Model& model) {
+  return tokenizer_for_model(dir, model.config());
+}
 
 std::vector<std::int32_t> encode_for_generation(const Tokenizer& tokenizer, const std::string& text,
                                                 const std::string& what) {
@@ -507,9 +511,9 @@ std::optional<Model> load_draft(const DraftChoice& choice, const Model& target, 
   const Tokenizer draft_tokenizer = load_tokenizer(choice.draft_dir, draft);
   std::string why;
   if (!target_tokenizer.compatible_with(draft_tokenizer, &why)) {
-    throw InvalidArgument("draft model " + choice.draft_dir +
-                          " is incompatible with the target: the tokenizers' vocabularies differ (target first): " +
-                          why);
+    throw InvalidArgument(
+        "draft model " + choice.draft_dir +
+        " is incompatible with the target: the tokenizers' vocabularies differ (target first): " + why);
   }
   return draft;
 }

@@ -102,9 +102,9 @@ std::ifstream open_input_file(const std::string& flag, const std::string& path);
 
 struct PromptChoice {
   std::string text;
-  std::string file;     // "-": standard input
-  std::string prompts;  // --prompts FILE: one prompt per line ("-": standard input)
-  std::int64_t max_batch = 0;  // --max-batch N: sequences decoding at once (0: all)
+  std::string file;                                        // "-": standard input
+  std::string prompts;                                     // --prompts FILE: one prompt per line ("-": standard input)
+  std::int64_t max_batch = 0;                              // --max-batch N: sequences decoding at once (0: all)
   std::int64_t max_prefill_rows = kDefaultMaxPrefillRows;  // --max-prefill-rows N
 
   // Refuses --max-batch without --prompts (it shapes batched decoding only).

@@ -34,12 +34,12 @@ int run_eval(const EvalFlags& f) {
     options.on_progress = [&](std::int64_t done, std::int64_t total) { bar.update(done, total); };
     r = evaluate_text(model, tokenizer, text, options);
   }
-  std::printf("%s on %s: %.4f bits per byte, perplexity %.4f per token (%lld bytes, %lld tokens scored of %lld, "
-              "%lld windows, chunk %lld; %.1f s, %.0f tokens/s)\n",
-              f.model_dir.c_str(), f.text_path.c_str(), r.bits_per_byte(), r.perplexity(),
-              static_cast<long long>(r.bytes), static_cast<long long>(r.tokens), static_cast<long long>(r.text_tokens),
-              static_cast<long long>(r.segments), static_cast<long long>(f.chunk), r.seconds,
-              r.seconds > 0 ? static_cast<double>(r.tokens) / r.seconds : 0.0);
+  std::printf(
+      "%s on %s: %.4f bits per byte, perplexity %.4f per token (%lld bytes, %lld tokens scored of %lld, "
+      "%lld windows, chunk %lld; %.1f s, %.0f tokens/s)\n",
+      f.model_dir.c_str(), f.text_path.c_str(), r.bits_per_byte(), r.perplexity(), static_cast<long long>(r.bytes),
+      static_cast<long long>(r.tokens), static_cast<long long>(r.text_tokens), static_cast<long long>(r.segments),
+      static_cast<long long>(f.chunk), r.seconds, r.seconds > 0 ? static_cast<double>(r.tokens) / r.seconds : 0.0);
   return 0;
 }
 
@@ -50,7 +50,9 @@ Command add_eval_command(CLI::App& app, SharedFlags& shared) {
   EvalFlags& f = *flags;
   auto* evl = app.add_subcommand("eval", "bits per byte and perplexity of a text file under a model (teacher forcing)");
   add_model_option(evl, f.model_dir);
-  evl->add_option("--text", f.text_path, "text file, scored token by token (the model's tokenizer)")->required()->check(CLI::ExistingFile);
+  evl->add_option("--text", f.text_path, "text file, scored token by token (the model's tokenizer)")
+      ->required()
+      ->check(CLI::ExistingFile);
   evl->add_option("--chunk", f.chunk, "tokens per forward (the result does not depend on it)")
       ->check(integer_in(1, std::int64_t{1} << 30));
   evl->add_option("--context", f.context,

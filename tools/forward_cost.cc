@@ -30,7 +30,8 @@ int run_forward_cost(const std::string& model_dir, std::int64_t max_q, std::int6
                  static_cast<long long>(context));
     std::printf("\n%5s %14s %14s %12s\n", "B", "microseconds", "per token", "gain");
     for (const auto& r : measure_batch_round_costs(model, batch_sizes, context, samples)) {
-      std::printf("%5lld %14.1f %14.1f %11.2fx\n", static_cast<long long>(r.batch), r.microseconds, r.per_token, r.gain);
+      std::printf("%5lld %14.1f %14.1f %11.2fx\n", static_cast<long long>(r.batch), r.microseconds, r.per_token,
+                  r.gain);
     }
   }
   return 0;
@@ -41,8 +42,9 @@ int run_forward_cost(const std::string& model_dir, std::int64_t max_q, std::int6
 Command add_forward_cost_command(CLI::App& app, SharedFlags& shared) {
   auto flags = std::make_shared<ForwardCostFlags>();
   ForwardCostFlags& f = *flags;
-  auto* cst = app.add_subcommand("forward-cost", "what a forward of q tokens costs, in one-token forwards (the "
-                                                 "verification term of speculative decoding)");
+  auto* cst = app.add_subcommand("forward-cost",
+                                 "what a forward of q tokens costs, in one-token forwards (the "
+                                 "verification term of speculative decoding)");
   add_model_option(cst, f.model_dir);
   cst->add_option("--max-q", f.max_q, "q from 1 to this")->check(integer_in(1, 64));
   cst->add_option("--context", f.context, "tokens in the cache before each forward")
@@ -56,9 +58,9 @@ Command add_forward_cost_command(CLI::App& app, SharedFlags& shared) {
       ->check(integer_in(1, 4096));
   add_threads_option(cst, shared.threads);
   return {cst, [flags] {
-    const ForwardCostFlags& o = *flags;
-    return run_forward_cost(o.model_dir, o.max_q, o.context, o.samples, o.batches);
-  }};
+            const ForwardCostFlags& o = *flags;
+            return run_forward_cost(o.model_dir, o.max_q, o.context, o.samples, o.batches);
+          }};
 }
 
 }  // namespace rwd::cli

@@ -39,7 +39,8 @@ constexpr std::int64_t kLinesPerBatch = 4;
 // token), as one call's does for its own.
 int run_generate_batch(const CLI::App& cmd, const std::string& model_dir, const PromptChoice& prompt_choice,
                        std::int64_t max_new, const DraftChoice& choice, const SamplingParams& sampling,
-                       const PrefixChoice& prefix_choice, bool stats_wanted, const std::optional<std::int64_t>& ctx_size) {
+                       const PrefixChoice& prefix_choice, bool stats_wanted,
+                       const std::optional<std::int64_t>& ctx_size) {
   const Model model = Model::load(model_dir);
   const std::int64_t ctx = resolve_ctx_size(ctx_size, model);
   const Tokenizer tokenizer = load_tokenizer(model_dir, model);
@@ -115,7 +116,9 @@ int run_generate(const CLI::App& cmd, const std::string& model_dir, const Prompt
   const SamplingParams sampling = sampling_choice.resolve(cmd);
   prompt_choice.check_batch(cmd);
   if (prompt_choice.many(cmd)) {
-    if (choice.tree()) throw InvalidArgument("--tree decodes one prompt (--prompt / --prompt-file); batched tree speculation is not built yet");
+    if (choice.tree())
+      throw InvalidArgument(
+          "--tree decodes one prompt (--prompt / --prompt-file); batched tree speculation is not built yet");
     return run_generate_batch(cmd, model_dir, prompt_choice, max_new, choice, sampling, prefix_choice, stats_wanted,
                               ctx_size);
   }
@@ -165,14 +168,14 @@ Command add_generate_command(CLI::App& app, SharedFlags& shared) {
   add_prompt_options(gen, f.prompt);
   add_prompts_option(gen, f.prompt,
                      "decode every line of FILE ('-' = standard input) as a prompt, in batches of at most "
-                  "--max-batch sequences; prints one JSON line per prompt, {\"index\": i, \"text\": ...}, in "
-                  "input order (bytes that are not UTF-8 become U+FFFD), 4 x --max-batch lines at a time, each "
-                  "group read, decoded and printed before the next is read (a line that cannot be encoded "
-                  "stops with exit 2 after the groups before it); speculative with --draft / --lookup (each "
-                  "sequence its own drafts and rollbacks); with --stats a last line: sequences, new_tokens, "
-                  "forwards, max_batch, peak_batch (the most sequences in one forward), seconds, "
-                  "tokens_per_second (all sequences' tokens over the wall time), time_to_first_token_s and "
-                  "per_sequence figures (acceptance included)");
+                     "--max-batch sequences; prints one JSON line per prompt, {\"index\": i, \"text\": ...}, in "
+                     "input order (bytes that are not UTF-8 become U+FFFD), 4 x --max-batch lines at a time, each "
+                     "group read, decoded and printed before the next is read (a line that cannot be encoded "
+                     "stops with exit 2 after the groups before it); speculative with --draft / --lookup (each "
+                     "sequence its own drafts and rollbacks); with --stats a last line: sequences, new_tokens, "
+                     "forwards, max_batch, peak_batch (the most sequences in one forward), seconds, "
+                     "tokens_per_second (all sequences' tokens over the wall time), time_to_first_token_s and "
+                     "per_sequence figures (acceptance included)");
   add_max_new_option(gen, f.max_new);
   gen->add_option("--prefix-cache", f.prefix.spec,
                   "reuse prompt prefixes across runs and processes: a directory, ro:DIR (a directory read but "
@@ -202,9 +205,10 @@ Command add_generate_command(CLI::App& app, SharedFlags& shared) {
                 "speculative decoding without --tree), rollbacks, rounds, forwards, cache_seconds, peak_cache_bytes, "
                 "prefix_hit_tokens (prompt tokens restored from --prefix-cache), seed (null when greedy), threads");
   return {gen, [gen, flags] {
-    const GenerateFlags& o = *flags;
-    return run_generate(*gen, o.model_dir, o.prompt, o.max_new, o.choice, o.sampling, o.prefix, o.stats, o.ctx_size);
-  }};
+            const GenerateFlags& o = *flags;
+            return run_generate(*gen, o.model_dir, o.prompt, o.max_new, o.choice, o.sampling, o.prefix, o.stats,
+                                o.ctx_size);
+          }};
 }
 
 }  // namespace rwd::cli

@@ -83,9 +83,9 @@ Command add_init_random_command(CLI::App& app, SharedFlags&) {
   ini->add_flag("--force", f.force,
                 "overwrite the model in --out; its model card (README.md) is replaced and training.json removed");
   return {ini, [flags] {
-    const InitRandomFlags& o = *flags;
-    return run_init_random(o.config_path, o.out_dir, o.seed, o.dtype, o.force);
-  }};
+            const InitRandomFlags& o = *flags;
+            return run_init_random(o.config_path, o.out_dir, o.seed, o.dtype, o.force);
+          }};
 }
 
 }  // namespace rwd::cli

@@ -47,7 +47,8 @@ int run_inspect(const std::string& model_dir, std::int64_t rollback) {
     std::map<std::string, int> mix;
     for (const LayerKind kind : c.layer_types) ++mix[std::string(layer_kind_name(kind))];
     std::string mix_text;
-    for (const auto& [kind, count] : mix) mix_text += (mix_text.empty() ? "" : ", ") + std::to_string(count) + " " + kind;
+    for (const auto& [kind, count] : mix)
+      mix_text += (mix_text.empty() ? "" : ", ") + std::to_string(count) + " " + kind;
     std::string variants;
     auto add = [&variants](bool on, const std::string& what) {
       if (on) variants += (variants.empty() ? "" : ", ") + what;
@@ -72,9 +73,10 @@ int run_inspect(const std::string& model_dir, std::int64_t rollback) {
         if (kind == LayerKind::SlidingAttention) detail += ", window " + std::to_string(c.sliding_window);
         break;
       case LayerKind::LinearAttention:
-        detail = "Gated DeltaNet, conv " + std::to_string(c.linear_conv_dim()) + " x K=" +
-                 std::to_string(c.linear_conv_kernel_dim) + ", state [" + std::to_string(c.linear_num_value_heads) +
-                 ", " + std::to_string(c.linear_key_head_dim) + ", " + std::to_string(c.linear_value_head_dim) + "]";
+        detail = "Gated DeltaNet, conv " + std::to_string(c.linear_conv_dim()) +
+                 " x K=" + std::to_string(c.linear_conv_kernel_dim) + ", state [" +
+                 std::to_string(c.linear_num_value_heads) + ", " + std::to_string(c.linear_key_head_dim) + ", " +
+                 std::to_string(c.linear_value_head_dim) + "]";
         break;
       case LayerKind::Conv:
         detail = "short conv, " + std::to_string(c.hidden_size) + " channels x K=" + std::to_string(c.conv_L_cache);

@@ -67,10 +67,9 @@ int main(int argc, char** argv) {
   // In the order `rewind --help` lists them.
   SharedFlags shared;
   std::vector<Command> commands = {
-      add_generate_command(app, shared),     add_verify_command(app, shared),
-      add_eval_command(app, shared),         add_inspect_command(app, shared),
-      add_bench_command(app, shared),        add_forward_cost_command(app, shared),
-      add_snapshot_command(app, shared),     add_init_random_command(app, shared),
+      add_generate_command(app, shared), add_verify_command(app, shared),      add_eval_command(app, shared),
+      add_inspect_command(app, shared),  add_bench_command(app, shared),       add_forward_cost_command(app, shared),
+      add_snapshot_command(app, shared), add_init_random_command(app, shared),
   };
 #ifdef REWIND_HAVE_SERVER
   commands.push_back(add_serve_command(app, shared));

@@ -40,14 +40,16 @@ std::vector<std::byte> read_file_bytes(const std::string& path) {
                        : fs::is_fifo(status)         ? "a pipe"
                        : fs::is_socket(status)       ? "a socket"
                                                      : "not a regular file";
-    throw InvalidArgument("--file " + path + " is " + kind + "; a snapshot is read from a regular file (written by "
+    throw InvalidArgument("--file " + path + " is " + kind +
+                          "; a snapshot is read from a regular file (written by "
                           "`rewind snapshot save`): copy the bytes to a file first");
   }
   std::ifstream in = open_input_file("--file", path);
   const std::uintmax_t size = fs::file_size(path, ec);
   if (ec) throw InvalidArgument("--file " + path + ": cannot read its size (" + ec.message() + ")");
   if (size == 0) {
-    throw FormatError("--file " + path + " is empty; a snapshot file starts with the 8 bytes \"RWNDSNAP\" and a "
+    throw FormatError("--file " + path +
+                      " is empty; a snapshot file starts with the 8 bytes \"RWNDSNAP\" and a "
                       "52-byte header (docs/snapshot-format.md)");
   }
   std::vector<std::byte> out(static_cast<std::size_t>(size));
@@ -83,8 +85,8 @@ int run_snapshot_save(const CLI::App& cmd, const std::string& model_dir, const P
                       const std::string& out_path, const std::optional<std::int64_t>& ctx_size) {
   const std::string prompt = prompt_choice.read(cmd);
   const Model model = Model::load(model_dir);
-  const std::vector<std::int32_t> tokens =
-      encode_for_generation(load_tokenizer(model_dir, model), prompt, "the prompt");
+  const std::vector<std::int32_t> tokens = encode_for_generation(load_tokenizer(model_dir, model), prompt,
+                                                                 "the prompt");
   check_context(static_cast<std::int64_t>(tokens.size()), 0, resolve_ctx_size(ctx_size, model), ctx_size.has_value(),
                 "the prompt");
   Cache cache = model.make_cache();
@@ -149,7 +151,8 @@ int run_snapshot_inspect(const std::string& path) {
 }
 
 int run_snapshot_load(const CLI::App& cmd, const std::string& model_dir, const std::string& path, std::int64_t max_new,
-                      const SamplingChoice& sampling_choice, bool stats_wanted, const std::optional<std::int64_t>& ctx_size) {
+                      const SamplingChoice& sampling_choice, bool stats_wanted,
+                      const std::optional<std::int64_t>& ctx_size) {
   const SamplingParams sampling = sampling_choice.resolve(cmd);
   const std::vector<std::byte> bytes = read_file_bytes(path);
   std::string fingerprint;
@@ -188,18 +191,19 @@ Command add_snapshot_command(CLI::App& app, SharedFlags& shared) {
   SnapshotFlags& f = *flags;
   auto* snp = app.add_subcommand("snapshot", "save, inspect or load a sequence's whole state as a file");
   snp->require_subcommand(1);
-  auto* snp_save = snp->add_subcommand("save", "prefill a prompt and write the state (with the logits of its last "
-                                                "token) to a snapshot file");
+  auto* snp_save = snp->add_subcommand("save",
+                                       "prefill a prompt and write the state (with the logits of its last "
+                                       "token) to a snapshot file");
   add_model_option(snp_save, f.model_dir);
   add_prompt_options(snp_save, f.prompt);
-  snp_save->add_option("--out", f.out, "snapshot file to write (written whole, then renamed into place)")
-      ->required();
+  snp_save->add_option("--out", f.out, "snapshot file to write (written whole, then renamed into place)")->required();
   add_threads_option(snp_save, shared.threads);
   add_ctx_option(snp_save, f.ctx_size);
   auto* snp_inspect = snp->add_subcommand("inspect", "validate a snapshot file (every checksum) and describe it");
   snp_inspect->add_option("--file", f.file, "snapshot file")->required();
-  auto* snp_load = snp->add_subcommand("load", "restore a snapshot file and continue generating from it (same "
-                                                "tokens as generating from its prompt)");
+  auto* snp_load = snp->add_subcommand("load",
+                                       "restore a snapshot file and continue generating from it (same "
+                                       "tokens as generating from its prompt)");
   snp_load->add_option("-m,--model", f.model_dir, "model directory (must be the snapshot's model)")
       ->required()
       ->check(CLI::ExistingDirectory);
@@ -210,11 +214,11 @@ Command add_snapshot_command(CLI::App& app, SharedFlags& shared) {
   add_threads_option(snp_load, shared.threads);
   add_ctx_option(snp_load, f.ctx_size);
   return {snp, [snp_save, snp_inspect, snp_load, flags] {
-    const SnapshotFlags& o = *flags;
-    if (*snp_save) return run_snapshot_save(*snp_save, o.model_dir, o.prompt, o.out, o.ctx_size);
-    if (*snp_inspect) return run_snapshot_inspect(o.file);
-    return run_snapshot_load(*snp_load, o.model_dir, o.file, o.max_new, o.sampling, o.stats, o.ctx_size);
-  }};
+            const SnapshotFlags& o = *flags;
+            if (*snp_save) return run_snapshot_save(*snp_save, o.model_dir, o.prompt, o.out, o.ctx_size);
+            if (*snp_inspect) return run_snapshot_inspect(o.file);
+            return run_snapshot_load(*snp_load, o.model_dir, o.file, o.max_new, o.sampling, o.stats, o.ctx_size);
+          }};
 }
 
 }  // namespace rwd::cli

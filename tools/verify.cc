@@ -34,7 +34,8 @@ int run_verify_batch(const CLI::App& cmd, const std::string& model_dir, const Pr
   }
   GenerationOptions options;
   options.max_new_tokens = max_new;
-  options.max_batch = resolve_max_batch(cmd, prompt_choice, model, draft ? &*draft : nullptr, max_new, choice.num_draft);
+  options.max_batch = resolve_max_batch(cmd, prompt_choice, model, draft ? &*draft : nullptr, max_new,
+                                        choice.num_draft);
   options.max_prefill_rows = prompt_choice.max_prefill_rows;
   std::vector<std::vector<std::int32_t>> greedy;
   double greedy_seconds = 0.0;
@@ -55,7 +56,8 @@ int run_verify_batch(const CLI::App& cmd, const std::string& model_dir, const Pr
     const std::size_t common = std::min(greedy[i].size(), spec[i].size());
     for (std::size_t j = 0; j < common; ++j) {
       if (greedy[i][j] != spec[i][j]) {
-        std::printf("DIVERGED: prompt %zu at new token %zu: greedy %d, speculative %d\n", i, j, greedy[i][j], spec[i][j]);
+        std::printf("DIVERGED: prompt %zu at new token %zu: greedy %d, speculative %d\n", i, j, greedy[i][j],
+                    spec[i][j]);
         return 1;
       }
     }
@@ -67,12 +69,13 @@ int run_verify_batch(const CLI::App& cmd, const std::string& model_dir, const Pr
     tokens += static_cast<std::int64_t>(greedy[i].size());
   }
   const GenerationStats total = stats.total();  // drafts and acceptances over every sequence
-  std::printf("IDENTICAL: %zu prompts, %lld new tokens; greedy one at a time %.1f tok/s, speculative batch "
-              "%.1f tok/s, acceptance %.3f (%lld/%lld)%s\n",
-              prompts.size(), static_cast<long long>(tokens),
-              greedy_seconds > 0 ? static_cast<double>(tokens) / greedy_seconds : 0.0, stats.tokens_per_second(),
-              total.acceptance_rate(), static_cast<long long>(total.accepted), static_cast<long long>(total.drafted),
-              acceptance_by_position(total).c_str());
+  std::printf(
+      "IDENTICAL: %zu prompts, %lld new tokens; greedy one at a time %.1f tok/s, speculative batch "
+      "%.1f tok/s, acceptance %.3f (%lld/%lld)%s\n",
+      prompts.size(), static_cast<long long>(tokens),
+      greedy_seconds > 0 ? static_cast<double>(tokens) / greedy_seconds : 0.0, stats.tokens_per_second(),
+      total.acceptance_rate(), static_cast<long long>(total.accepted), static_cast<long long>(total.drafted),
+      acceptance_by_position(total).c_str());
   return 0;
 }
 
@@ -81,12 +84,15 @@ int run_verify_batch(const CLI::App& cmd, const std::string& model_dir, const Pr
 // speculative run against the greedy output token by token and reports the
 // median tokens/s of each.
 int run_verify(const CLI::App& cmd, const std::string& model_dir, const PromptChoice& prompt_choice,
-               std::int64_t max_new, const DraftChoice& choice, int repeats, const std::optional<std::int64_t>& ctx_size) {
+               std::int64_t max_new, const DraftChoice& choice, int repeats,
+               const std::optional<std::int64_t>& ctx_size) {
   if (!choice.any()) throw InvalidArgument("verify needs a draft source: --draft DIR or --lookup N");
   choice.check(cmd);
   prompt_choice.check_batch(cmd);
   if (prompt_choice.many(cmd)) {
-    if (choice.tree()) throw InvalidArgument("verify --tree checks one prompt (--prompt / --prompt-file); batched tree speculation is not built yet");
+    if (choice.tree())
+      throw InvalidArgument(
+          "verify --tree checks one prompt (--prompt / --prompt-file); batched tree speculation is not built yet");
     if (cmd.count("--repeats") > 0) throw InvalidArgument("verify --prompts runs once; --repeats applies to --prompt");
     return run_verify_batch(cmd, model_dir, prompt_choice, max_new, choice, ctx_size);
   }
@@ -112,8 +118,10 @@ int run_verify(const CLI::App& cmd, const std::string& model_dir, const PromptCh
       std::vector<std::int32_t> out = generate(model, tokens, options, &greedy_stats);
       // Greedy decoding is deterministic; a difference between its runs
       // would be a bug of its own.
-      if (run == 1) greedy = std::move(out);
-      else if (out != greedy) throw StateError("verify: greedy decoding gave different tokens in run " + std::to_string(run));
+      if (run == 1)
+        greedy = std::move(out);
+      else if (out != greedy)
+        throw StateError("verify: greedy decoding gave different tokens in run " + std::to_string(run));
     }
     greedy_rates.push_back(greedy_stats.tokens_per_second());
     std::vector<std::int32_t> spec;
@@ -143,13 +151,14 @@ int run_verify(const CLI::App& cmd, const std::string& model_dir, const PromptCh
     }
   }
   const double g = median(greedy_rates), sp = median(spec_rates);
-  std::printf("IDENTICAL: %zu new tokens; greedy %.1f tok/s, speculative %.1f tok/s (%.2fx), acceptance %.3f "
-              "(%lld/%lld), %lld rounds, %lld rollbacks%s%s\n",
-              greedy.size(), g, sp, g > 0 ? sp / g : 0.0, spec_stats.acceptance_rate(),
-              static_cast<long long>(spec_stats.accepted), static_cast<long long>(spec_stats.drafted),
-              static_cast<long long>(spec_stats.rounds), static_cast<long long>(spec_stats.rollbacks),
-              repeats > 1 ? ("; tok/s are medians of " + std::to_string(repeats) + " runs each").c_str() : "",
-              acceptance_by_position(spec_stats).c_str());
+  std::printf(
+      "IDENTICAL: %zu new tokens; greedy %.1f tok/s, speculative %.1f tok/s (%.2fx), acceptance %.3f "
+      "(%lld/%lld), %lld rounds, %lld rollbacks%s%s\n",
+      greedy.size(), g, sp, g > 0 ? sp / g : 0.0, spec_stats.acceptance_rate(),
+      static_cast<long long>(spec_stats.accepted), static_cast<long long>(spec_stats.drafted),
+      static_cast<long long>(spec_stats.rounds), static_cast<long long>(spec_stats.rollbacks),
+      repeats > 1 ? ("; tok/s are medians of " + std::to_string(repeats) + " runs each").c_str() : "",
+      acceptance_by_position(spec_stats).c_str());
   return 0;
 }
 
@@ -175,9 +184,9 @@ Command add_verify_command(CLI::App& app, SharedFlags& shared) {
   add_threads_option(ver, shared.threads);
   add_ctx_option(ver, f.ctx_size);
   return {ver, [ver, flags] {
-    const VerifyFlags& o = *flags;
-    return run_verify(*ver, o.model_dir, o.prompt, o.max_new, o.choice, o.repeats, o.ctx_size);
-  }};
+            const VerifyFlags& o = *flags;
+            return run_verify(*ver, o.model_dir, o.prompt, o.max_new, o.choice, o.repeats, o.ctx_size);
+          }};
 }
 
 }  // namespace rwd::cli

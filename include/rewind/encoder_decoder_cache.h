@@ -27,8 +27,7 @@ class EncoderDecoderCache {
   // later calls return the stored ones unchanged (the inputs are ignored),
   // as transformers' `is_updated` does. Throws IndexError for a bad
   // layer_idx, and what Layer::update throws on the first call.
-  KeyValueView update_cross_attention(const TensorView& keys, const TensorView& values,
-                                      int layer_idx);
+  KeyValueView update_cross_attention(const TensorView& keys, const TensorView& values, int layer_idx);
   // True once layer_idx holds its encoder keys. Throws IndexError.
   bool is_cross_attention_updated(int layer_idx) const;
 

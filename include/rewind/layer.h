@@ -71,16 +71,16 @@ std::string_view layer_kind_name(LayerKind kind);
 // Shapes and policies of a layer. Fields a kind does not use are ignored;
 // fields it needs are validated by the Layer constructor.
 struct LayerOptions {
-  DType dtype = DType::F32;       // keys, values, side tensors, conv inputs
-  std::int64_t batch_size = 1;    // B of every stored tensor, 1..2^24
+  DType dtype = DType::F32;     // keys, values, side tensors, conv inputs
+  std::int64_t batch_size = 1;  // B of every stored tensor, 1..2^24
 
   // Attention parts (full / sliding / chunked / hybrid / sparse):
   // keys are [B, num_kv_heads, L, key_dim], values [B, num_kv_heads, L, value_dim].
   std::int64_t num_kv_heads = 0;
   std::int64_t key_dim = 0;
-  std::int64_t value_dim = 0;           // 0: same as key_dim
-  std::int64_t sliding_window = 0;      // W, sliding kinds (W > 2^40 never evicts)
-  std::int64_t chunk_size = 0;          // C, chunked kind (C > 2^40 never evicts)
+  std::int64_t value_dim = 0;       // 0: same as key_dim
+  std::int64_t sliding_window = 0;  // W, sliding kinds (W > 2^40 never evicts)
+  std::int64_t chunk_size = 0;      // C, chunked kind (C > 2^40 never evicts)
   // 0: dynamic storage that grows. > 0: static storage of exactly this many
   // token slots per attention / side tensor, allocated once. A static full
   // layer holds at most that many tokens; a static sliding or chunked layer
@@ -92,8 +92,8 @@ struct LayerOptions {
   std::vector<std::int64_t> side_dims;
 
   // Linear-attention parts (linear / conv / hybrid kinds):
-  std::int64_t conv_kernel_size = 0;            // K
-  std::vector<std::int64_t> conv_channels;      // one conv state per entry, [B, channels, K]
+  std::int64_t conv_kernel_size = 0;        // K
+  std::vector<std::int64_t> conv_channels;  // one conv state per entry, [B, channels, K]
   // One recurrent state per entry, its per-sequence shape (rank 1..3), e.g.
   // {num_v_heads, head_k_dim, head_v_dim}; stored as [B, shape...].
   std::vector<std::vector<std::int64_t>> recurrent_shapes;

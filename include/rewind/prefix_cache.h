@@ -87,12 +87,12 @@ struct PrefixCacheStats {
   std::int64_t entries_corrupt = 0;   // values that do not parse: checksums, truncation, garbage
   std::int64_t entries_foreign = 0;   // another model's, other tokens, a wrong parent link, or not joining a chain
   std::int64_t entries_written = 0;
-  std::int64_t writes_refused = 0;    // the store refused for room or as read-only (put returned false)
-  std::int64_t store_errors = 0;      // StoreError from the store (reads and writes), each starting a back-off
-  std::int64_t slow_calls = 0;        // store calls over the slow_call_s bound, each starting a back-off
-  std::int64_t calls_skipped = 0;     // reads and writes not tried during a back-off
+  std::int64_t writes_refused = 0;       // the store refused for room or as read-only (put returned false)
+  std::int64_t store_errors = 0;         // StoreError from the store (reads and writes), each starting a back-off
+  std::int64_t slow_calls = 0;           // store calls over the slow_call_s bound, each starting a back-off
+  std::int64_t calls_skipped = 0;        // reads and writes not tried during a back-off
   std::int64_t lookups_over_budget = 0;  // lookups cut short by lookup_budget_s
-  double store_seconds = 0;           // time spent in store calls (by options.clock)
+  double store_seconds = 0;              // time spent in store calls (by options.clock)
   std::size_t bytes_read = 0;
   std::size_t bytes_written = 0;
 };
@@ -168,8 +168,8 @@ class PrefixCache {
   bool warned_slow_ = false;
   std::chrono::steady_clock::time_point backoff_until_{};
   std::chrono::steady_clock::duration backoff_{};  // the next back-off's length
-  double lookup_spent_s_ = 0;                       // store time of the lookup in progress
-  bool over_budget_ = false;                        // the lookup in progress ran out of lookup_budget_s
+  double lookup_spent_s_ = 0;                      // store time of the lookup in progress
+  bool over_budget_ = false;                       // the lookup in progress ran out of lookup_budget_s
 };
 
 }  // namespace rwd

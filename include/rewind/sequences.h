@@ -323,8 +323,8 @@ class SequenceCache {
   // Conv and recurrent reads: Layer's contract for this sequence's state;
   // they throw IndexError for a bad state index, StateError on a layer
   // without conv / recurrent states.
-  TensorView get_conv_state(SeqId id, int layer_idx, int state = 0) const;     // [1, C, K]
-  TensorView conv_inputs(SeqId id, int layer_idx, int state = 0) const;        // [1, C, n]
+  TensorView get_conv_state(SeqId id, int layer_idx, int state = 0) const;  // [1, C, K]
+  TensorView conv_inputs(SeqId id, int layer_idx, int state = 0) const;     // [1, C, n]
   PositionRange conv_range(SeqId id, int layer_idx, int state = 0) const;
   TensorView get_recurrent_state(SeqId id, int layer_idx, int state = 0) const;  // [1, shape...]
   TensorView recurrent_snapshot(SeqId id, int layer_idx, int state, std::int64_t pos) const;
@@ -386,8 +386,8 @@ class SequenceCache {
   // Library-internal access to a sequence's per-layer linear state.
   [[gnu::visibility("hidden")]] static Layer::Impl& layer_impl(const Layer& layer);
   [[gnu::visibility("hidden")]] static std::unique_ptr<Layer> make_layer(std::unique_ptr<Layer::Impl> impl);
-  [[gnu::visibility("hidden")]] static detail::SnapshotHold& hold_of(const SequenceSnapshot& snapshot, const Impl& cache,
-                                                                     const char* operation);
+  [[gnu::visibility("hidden")]] static detail::SnapshotHold& hold_of(const SequenceSnapshot& snapshot,
+                                                                     const Impl& cache, const char* operation);
   std::unique_ptr<Impl> impl_;
 };
 

@@ -53,7 +53,7 @@ struct LayerSnapshot {
   std::vector<Tensor> sides;  // per side tensor: [1, L - first, D]
   // Conv states (linear attention, conv, hybrids): the inputs of positions
   // [L - K, L) per state, zeros for positions before 0 (get_conv_state).
-  std::vector<Tensor> conv_states;       // per state: [1, C, K]
+  std::vector<Tensor> conv_states;  // per state: [1, C, K]
   // Recurrent states: S(L) per state.
   std::vector<Tensor> recurrent_states;  // per state: [1, shape...], rank 2..4
 };
@@ -62,11 +62,11 @@ struct Snapshot {
   std::int64_t length = 0;            // L: the tokens the sequence has seen, 0..2^40
   std::vector<LayerSnapshot> layers;  // one per model layer, in model order
   // Optional, for prefix-cache entries and user bookkeeping:
-  std::vector<std::int32_t> tokens;   // the ids of positions [L - tokens.size(), L); size <= L
-  Tensor logits;                      // [V] f32, 1 <= V <= 2^40: the model's output after
-                                      // position L - 1; an empty Tensor (rank 0, no data): none
-  std::string parent;                 // key of the entry this one continues ("" for none):
-                                      // at most 256 characters from [A-Za-z0-9._:-]
+  std::vector<std::int32_t> tokens;  // the ids of positions [L - tokens.size(), L); size <= L
+  Tensor logits;                     // [V] f32, 1 <= V <= 2^40: the model's output after
+                                     // position L - 1; an empty Tensor (rank 0, no data): none
+  std::string parent;                // key of the entry this one continues ("" for none):
+                                     // at most 256 characters from [A-Za-z0-9._:-]
 };
 
 // The serialized form of `snapshot`, tagged with `model_fingerprint` (at

@@ -57,18 +57,15 @@ struct TensorView {
 
   // Address of an element. REQUIRES: rank indices, each within its extent
   // (not checked: this is the hot path).
-  void* ptr(std::int64_t i0 = 0, std::int64_t i1 = 0, std::int64_t i2 = 0,
-            std::int64_t i3 = 0) const {
+  void* ptr(std::int64_t i0 = 0, std::int64_t i1 = 0, std::int64_t i2 = 0, std::int64_t i3 = 0) const {
     std::int64_t off = i0 * strides[0] + i1 * strides[1] + i2 * strides[2] + i3 * strides[3];
     return static_cast<std::byte*>(data) + off * static_cast<std::int64_t>(dtype_size(dtype));
   }
   // Element read / write converted through f32 (for tests and slow paths).
-  float get(std::int64_t i0 = 0, std::int64_t i1 = 0, std::int64_t i2 = 0,
-            std::int64_t i3 = 0) const {
+  float get(std::int64_t i0 = 0, std::int64_t i1 = 0, std::int64_t i2 = 0, std::int64_t i3 = 0) const {
     return load_as_f32(ptr(i0, i1, i2, i3), dtype);
   }
-  void set(float v, std::int64_t i0 = 0, std::int64_t i1 = 0, std::int64_t i2 = 0,
-           std::int64_t i3 = 0) const {
+  void set(float v, std::int64_t i0 = 0, std::int64_t i1 = 0, std::int64_t i2 = 0, std::int64_t i3 = 0) const {
     store_from_f32(ptr(i0, i1, i2, i3), dtype, v);
   }
 
@@ -104,7 +101,9 @@ class Tensor {
   const TensorView& view() const { return view_; }
   operator const TensorView&() const { return view_; }  // NOLINT: views are the currency
   template <typename T>
-  T* data() const { return static_cast<T*>(view_.data); }
+  T* data() const {
+    return static_cast<T*>(view_.data);
+  }
   std::int64_t numel() const { return view_.numel(); }
   std::size_t bytes() const { return static_cast<std::size_t>(numel()) * dtype_size(view_.dtype); }
 

@@ -69,9 +69,9 @@ class TreeRecurrentSlots {
   // Throws StateError unless the tree these slots were taken in is open.
   void check_open(const char* operation) const;
   const std::uint64_t* open_tree_ = nullptr;  // the cache's serial of its open tree (0: none)
-  std::uint64_t tree_ = 0;             // the serial of the tree these slots belong to
-  TensorView root_;                    // S(L)
-  std::vector<TensorView> slots_;      // per node
+  std::uint64_t tree_ = 0;                    // the serial of the tree these slots belong to
+  TensorView root_;                           // S(L)
+  std::vector<TensorView> slots_;             // per node
   std::span<const std::int64_t> parents_;
 };
 

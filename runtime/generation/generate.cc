@@ -27,7 +27,6 @@ GenerationStats start_stats(std::span<const std::int32_t> prompt, const Sampling
   return s;
 }
 
-
 // Emits `token`; returns false when generation must stop after it. The first
 // token stops the time-to-first-token clock (before on_token, which may be slow).
 bool emit(std::int32_t token, const Model& model, const GenerationOptions& options, std::vector<std::int32_t>& out,
@@ -43,8 +42,7 @@ bool emit(std::int32_t token, const Model& model, const GenerationOptions& optio
 
 void check_prefill_rows(std::int64_t max_rows) {
   if (max_rows < 1) {
-    throw InvalidArgument("max_prefill_rows must be >= 1 (prompt tokens per forward), got " +
-                          std::to_string(max_rows));
+    throw InvalidArgument("max_prefill_rows must be >= 1 (prompt tokens per forward), got " + std::to_string(max_rows));
   }
 }
 
@@ -85,7 +83,6 @@ std::vector<std::int32_t> decode(const Model& model, Cache& cache, std::vector<f
   if (stats) *stats = local;
   return out;
 }
-
 
 void prefill_range(const Model& model, std::span<const std::int32_t> tokens, std::int64_t a, std::int64_t b,
                    std::int64_t max_rows, Cache& cache, std::vector<float>& logits, GenerationStats& stats,
@@ -144,7 +141,8 @@ std::int64_t prefill(const Model& model, std::span<const std::int32_t> tokens, C
   for (int i = 0; i < cache.num_layers(); ++i) {  // every layer: one out of step would be reset below
     if (cache.get_seq_length(i) != 0) {
       throw InvalidArgument("prefill needs an empty cache, layer " + std::to_string(i) + " holds " +
-                            std::to_string(cache.get_seq_length(i)) + " tokens (reset() it, or use forward to extend it)");
+                            std::to_string(cache.get_seq_length(i)) +
+                            " tokens (reset() it, or use forward to extend it)");
     }
   }
   // All or nothing, as one forward was: a piece that fails (a budget, an
@@ -174,8 +172,8 @@ std::vector<std::int32_t> generate(const Model& model, std::span<const std::int3
   Cache cache = model.make_cache();
   std::vector<float> logits;
   if (options.max_new_tokens > 0)
-    local.prefix_hit_tokens =
-        prefill(model, prompt, cache, logits, options.prefix_cache, local, options.max_prefill_rows, options.on_prefill);
+    local.prefix_hit_tokens = prefill(model, prompt, cache, logits, options.prefix_cache, local,
+                                      options.max_prefill_rows, options.on_prefill);
   return decode(model, cache, logits, options, local, t0, stats);
 }
 
@@ -184,8 +182,8 @@ std::vector<std::int32_t> continue_generation(const Model& model, Cache& cache, 
   validate(options);
   if (cache.get_seq_length() < 1) throw InvalidArgument("continue_generation needs a cache holding at least one token");
   if (static_cast<std::int64_t>(logits.size()) != model.vocab_size()) {
-    throw InvalidArgument("continue_generation needs the logits of the last token: " + std::to_string(model.vocab_size()) +
-                          " floats, got " + std::to_string(logits.size()));
+    throw InvalidArgument("continue_generation needs the logits of the last token: " +
+                          std::to_string(model.vocab_size()) + " floats, got " + std::to_string(logits.size()));
   }
   GenerationStats local = start_stats({}, options.sampling);
   local.prompt_tokens = cache.get_seq_length();

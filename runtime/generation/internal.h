@@ -15,9 +15,7 @@ namespace rwd::runtime::generation {
 
 using Clock = std::chrono::steady_clock;
 
-inline double seconds_since(Clock::time_point t0) {
-  return std::chrono::duration<double>(Clock::now() - t0).count();
-}
+inline double seconds_since(Clock::time_point t0) { return std::chrono::duration<double>(Clock::now() - t0).count(); }
 
 // A uniform double in [0, 1) from 53 bits of `rng`.
 inline double uniform01(std::mt19937_64& rng) { return static_cast<double>(rng() >> 11) * 0x1.0p-53; }
@@ -56,7 +54,6 @@ void forward_in_pieces(const Model& model, std::span<const std::int32_t> tokens,
   } while (!rest.empty());
 }
 
-
 // prefill() for a new, empty sequence of a SequenceCache (batched decoding):
 // `tokens` (a prompt but its pending last token) restored from the prefix
 // cache as far as stored, the rest fed in forwards of this sequence alone
@@ -71,7 +68,9 @@ class Admission {
  public:
   // REQUIRES: options.max_batch >= 0 (validate()).
   Admission(std::size_t n, const GenerationOptions& options) : n_(n) {
-    limit_ = options.max_batch == 0 ? n : static_cast<std::size_t>(std::min<std::int64_t>(options.max_batch, static_cast<std::int64_t>(n)));
+    limit_ = options.max_batch == 0
+                 ? n
+                 : static_cast<std::size_t>(std::min<std::int64_t>(options.max_batch, static_cast<std::int64_t>(n)));
     if (options.max_new_tokens <= 0) next_ = n_;  // nothing to decode
   }
   // Sequences that may decode at once (max_batch, or all of them for 0).

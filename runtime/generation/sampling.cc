@@ -83,5 +83,4 @@ std::int32_t pick(std::span<const float> logits, const SamplingParams& params, s
 
 }  // namespace generation
 
-
 }  // namespace rwd::runtime

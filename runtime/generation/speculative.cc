@@ -62,7 +62,8 @@ void plan_round(SpecSequence& s, const GenerationOptions& options) {
 // The verify tokens once the drafts are in: the pending token, then the
 // drafts (a source that proposed more than k is cut to k).
 std::vector<std::int32_t> verify_tokens(SpecSequence& s) {
-  if (static_cast<std::int64_t>(s.drafts.size()) > s.k) s.drafts.resize(static_cast<std::size_t>(std::max<std::int64_t>(s.k, 0)));
+  if (static_cast<std::int64_t>(s.drafts.size()) > s.k)
+    s.drafts.resize(static_cast<std::size_t>(std::max<std::int64_t>(s.k, 0)));
   std::vector<std::int32_t> verify;
   verify.reserve(s.drafts.size() + 1);
   verify.push_back(s.sequence.back());
@@ -77,7 +78,9 @@ std::vector<std::int32_t> verify_tokens(SpecSequence& s) {
 // renormalised (a deterministic draft has q = one-hot).
 std::vector<std::int32_t> accept_round(SpecSequence& s, std::span<const float> logits, std::int64_t V,
                                        const SamplingParams& sampling, std::int64_t& accepted) {
-  auto row = [&](std::int64_t j) { return logits.subspan(static_cast<std::size_t>(j * V), static_cast<std::size_t>(V)); };
+  auto row = [&](std::int64_t j) {
+    return logits.subspan(static_cast<std::size_t>(j * V), static_cast<std::size_t>(V));
+  };
   const auto kd = static_cast<std::int64_t>(s.drafts.size());
   std::vector<std::int32_t> emitted;
   accepted = 0;
@@ -149,8 +152,8 @@ void finish_round(SpecSequence& s, const Model& target, const GenerationOptions&
 }  // namespace
 
 std::vector<std::int32_t> speculative_generate(const Model& target, DraftSource& draft,
-                                               std::span<const std::int32_t> prompt,
-                                               const GenerationOptions& options, GenerationStats* stats) {
+                                               std::span<const std::int32_t> prompt, const GenerationOptions& options,
+                                               GenerationStats* stats) {
   validate(options);
   check_prompt(prompt);
   const SpeculativeOptions& spec = options.speculation;
@@ -190,9 +193,10 @@ std::vector<std::int32_t> speculative_generate(const Model& target, DraftSource&
   return s.out;
 }
 
-std::vector<std::vector<std::int32_t>> speculative_generate_batch(
-    const Model& target, BatchDraftSource& drafts, std::span<const std::vector<std::int32_t>> prompts,
-    const GenerationOptions& options, BatchGenerationStats* stats) {
+std::vector<std::vector<std::int32_t>> speculative_generate_batch(const Model& target, BatchDraftSource& drafts,
+                                                                  std::span<const std::vector<std::int32_t>> prompts,
+                                                                  const GenerationOptions& options,
+                                                                  BatchGenerationStats* stats) {
   validate(options);
   if (prompts.empty()) throw InvalidArgument("speculative_generate_batch needs at least one prompt");
   for (const auto& prompt : prompts) check_prompt(prompt);
@@ -250,7 +254,8 @@ std::vector<std::vector<std::int32_t>> speculative_generate_batch(
         verify[i] = verify_tokens(seqs[i]);
       } else {
         const std::size_t rest = prompts[i].size() - 1 - prompt_fed[i];
-        const auto take = static_cast<std::size_t>(std::min<std::int64_t>(static_cast<std::int64_t>(rest), prompt_rows));
+        const auto take = static_cast<std::size_t>(
+            std::min<std::int64_t>(static_cast<std::int64_t>(rest), prompt_rows));
         prompt_rows -= static_cast<std::int64_t>(take);
         const auto from = prompts[i].begin() + static_cast<std::ptrdiff_t>(prompt_fed[i]);
         verify[i].assign(from, from + static_cast<std::ptrdiff_t>(take));
@@ -271,7 +276,8 @@ std::vector<std::vector<std::int32_t>> speculative_generate_batch(
         still.push_back(i);
         continue;
       }
-      const std::span<const float> rows(logits.data() + row * static_cast<std::size_t>(V), verify[i].size() * static_cast<std::size_t>(V));
+      const std::span<const float> rows(logits.data() + row * static_cast<std::size_t>(V),
+                                        verify[i].size() * static_cast<std::size_t>(V));
       row += verify[i].size();
       std::int64_t accepted = 0;
       const std::vector<std::int32_t> emitted = accept_round(s, rows, V, options.sampling, accepted);
@@ -307,17 +313,18 @@ std::vector<std::vector<std::int32_t>> speculative_generate_batch(
 // ---- tree speculation ------------------------------------------------------------
 
 std::vector<std::int32_t> speculative_generate(const Model& target, DraftSource& draft,
-                                               std::span<const std::int32_t> prompt,
-                                               const GenerationOptions& options, const SpeculativeOptions& spec,
-                                               GenerationStats* stats) {
+                                               std::span<const std::int32_t> prompt, const GenerationOptions& options,
+                                               const SpeculativeOptions& spec, GenerationStats* stats) {
   GenerationOptions with = options;
   with.speculation = spec;
   return speculative_generate(target, draft, prompt, with, stats);
 }
 
-std::vector<std::vector<std::int32_t>> speculative_generate_batch(
-    const Model& target, BatchDraftSource& drafts, std::span<const std::vector<std::int32_t>> prompts,
-    const GenerationOptions& options, const SpeculativeOptions& spec, BatchGenerationStats* stats) {
+std::vector<std::vector<std::int32_t>> speculative_generate_batch(const Model& target, BatchDraftSource& drafts,
+                                                                  std::span<const std::vector<std::int32_t>> prompts,
+                                                                  const GenerationOptions& options,
+                                                                  const SpeculativeOptions& spec,
+                                                                  BatchGenerationStats* stats) {
   GenerationOptions with = options;
   with.speculation = spec;
   return speculative_generate_batch(target, drafts, prompts, with, stats);

@@ -42,8 +42,8 @@ double PerSequenceDrafts::cache_seconds() const {
 BatchedModelDraft::BatchedModelDraft(const Model& draft, SamplingParams sampling, std::int64_t max_draft,
                                      std::int64_t max_prefill_rows)
     : model_(draft), sampling_(sampling), max_draft_(std::max<std::int64_t>(max_draft, 1)),
-      max_prefill_rows_((check_prefill_rows(max_prefill_rows), max_prefill_rows)),
-      cache_(draft.make_sequence_cache()) {}
+      max_prefill_rows_((check_prefill_rows(max_prefill_rows), max_prefill_rows)), cache_(draft.make_sequence_cache()) {
+}
 
 void BatchedModelDraft::begin(std::span<const std::vector<std::int32_t>> prompts) {
   for (const SeqId id : ids_)
@@ -227,7 +227,8 @@ RandomDraft::RandomDraft(std::int64_t vocab, std::uint64_t seed) : vocab_(vocab)
 std::vector<std::int32_t> RandomDraft::propose(std::span<const std::int32_t>, std::int64_t k,
                                                std::vector<std::vector<float>>*) {
   std::vector<std::int32_t> out;
-  for (std::int64_t i = 0; i < k; ++i) out.push_back(static_cast<std::int32_t>(rng_() % static_cast<std::uint64_t>(vocab_)));
+  for (std::int64_t i = 0; i < k; ++i)
+    out.push_back(static_cast<std::int32_t>(rng_() % static_cast<std::uint64_t>(vocab_)));
   return out;
 }
 

@@ -252,7 +252,6 @@ std::vector<std::int32_t> tree_speculative_generate(const Model& target, TreeDra
   return out;
 }
 
-
 std::vector<std::int32_t> tree_speculative_generate(const Model& target, TreeDraftSource& draft,
                                                     std::span<const std::int32_t> prompt,
                                                     const GenerationOptions& options, const TreeOptions& tree,

@@ -113,7 +113,8 @@ void Cache::set_memory_budget(std::size_t bytes) {
   const std::size_t reserved = state().budget ? state().budget->reserved : memory().bytes_reserved;
   if (bytes != 0 && reserved > bytes) {
     throw CapacityError("set_memory_budget(" + std::to_string(bytes) + "): the cache already reserves " +
-                        std::to_string(reserved) + " bytes; free some first (crop(0), shrink_to_fit, reset) or "
+                        std::to_string(reserved) +
+                        " bytes; free some first (crop(0), shrink_to_fit, reset) or "
                         "set a larger budget");
   }
   if (!state().budget) {
@@ -282,8 +283,8 @@ Snapshot Cache::snapshot(std::int64_t from_position) const {
   Snapshot out;
   out.length = get_seq_length();
   if (from_position < 0 || from_position > out.length) {
-    throw InvalidArgument("snapshot(" + std::to_string(from_position) + "): the first position must be in [0, L = " +
-                          std::to_string(out.length) + "]");
+    throw InvalidArgument("snapshot(" + std::to_string(from_position) +
+                          "): the first position must be in [0, L = " + std::to_string(out.length) + "]");
   }
   out.layers.resize(c.layers.size());
   for (std::size_t i = 0; i < c.layers.size(); ++i) {

@@ -21,7 +21,7 @@ namespace rwd {
 struct Cache::Impl {
   std::unique_ptr<detail::MemoryBudget> budget;  // null until a budget is set
   std::vector<Layer> layers;
-  Forward* open = nullptr;  // the handle of the open forward
+  Forward* open = nullptr;                  // the handle of the open forward
   std::unique_ptr<detail::TreeState> tree;  // the open tree (begin_tree)
   TreeForward* tree_handle = nullptr;
   // The open tree's serial (0: none) and the last one issued: a tree's
@@ -42,8 +42,8 @@ struct Cache::Impl {
 
   void check_index(int layer_idx) const {
     if (layer_idx < 0 || layer_idx >= static_cast<int>(layers.size())) {
-      throw IndexError("layer index " + std::to_string(layer_idx) + " is outside [0, " +
-                       std::to_string(layers.size()) + ")");
+      throw IndexError("layer index " + std::to_string(layer_idx) + " is outside [0, " + std::to_string(layers.size()) +
+                       ")");
     }
   }
 
@@ -148,7 +148,8 @@ struct Cache::Impl {
   // Prepares every layer's recording change (may throw), then commits all.
   void set_recording(bool on, std::int64_t max_tokens) {
     check_whole([&] {
-      return on ? "activate_past_recording(" + std::to_string(max_tokens) + ")" : std::string("deactivate_past_recording");
+      return on ? "activate_past_recording(" + std::to_string(max_tokens) + ")"
+                : std::string("deactivate_past_recording");
     });
     std::vector<Layer::Impl::RecordingPlan> plans;
     plans.reserve(layers.size());

@@ -27,8 +27,7 @@ using detail::kind_is_linear;
 std::string num(std::int64_t v) { return std::to_string(v); }
 
 // Multiplies sizes, throwing CapacityError instead of overflowing.
-std::size_t checked_bytes(std::initializer_list<std::int64_t> factors, std::size_t element,
-                          const std::string& where) {
+std::size_t checked_bytes(std::initializer_list<std::int64_t> factors, std::size_t element, const std::string& where) {
   std::size_t total = element;
   for (std::int64_t f : factors) total = detail::checked_mul(static_cast<std::int64_t>(total), f, where);
   return total;
@@ -76,7 +75,6 @@ std::string_view layer_kind_name(LayerKind kind) {
     if (k.kind == kind) return k.name;
   return "unknown";
 }
-
 
 // ---- construction ----------------------------------------------------------
 
@@ -191,8 +189,8 @@ void Layer::Impl::check_in_step(const char* operation) const {
   const std::int64_t L = length();
   auto mismatch = [&](const std::string& part, std::int64_t n) {
     throw StateError(where() + ": " + operation + " needs every part of the layer at the same length, but " +
-                     (attention ? "keys hold " : "its first part holds ") + num(L) + " tokens and " + part +
-                     " holds " + num(n) + " (an update of this layer is half done)");
+                     (attention ? "keys hold " : "its first part holds ") + num(L) + " tokens and " + part + " holds " +
+                     num(n) + " (an update of this layer is half done)");
   };
   if (attention && values.length() != L) mismatch("values", values.length());
   for (std::size_t i = 0; i < sides.size(); ++i)
@@ -205,9 +203,7 @@ void Layer::Impl::check_in_step(const char* operation) const {
 }
 
 namespace {
-bool is_sliding(const Layer::Impl& l) {
-  return l.attention && l.keys.rule.kind == RetentionRule::Kind::Sliding;
-}
+bool is_sliding(const Layer::Impl& l) { return l.attention && l.keys.rule.kind == RetentionRule::Kind::Sliding; }
 }  // namespace
 
 std::int64_t Layer::Impl::max_rollback() const {
@@ -217,7 +213,8 @@ std::int64_t Layer::Impl::max_rollback() const {
   std::int64_t depth = L;
   if (attention) {
     depth = std::min(depth, keys.rule.max_rollback(keys.buffer.first(), keys.buffer.end(), recording));
-    for (const auto& s : sides) depth = std::min(depth, s.rule.max_rollback(s.buffer.first(), s.buffer.end(), recording));
+    for (const auto& s : sides)
+      depth = std::min(depth, s.rule.max_rollback(s.buffer.first(), s.buffer.end(), recording));
   }
   for (const auto& c : convs) depth = std::min(depth, c.rule.max_rollback(c.buffer));
   for (const auto& r : recurrents) depth = std::min(depth, r.max_rollback());
@@ -237,7 +234,9 @@ void Layer::Impl::check_crop(std::int64_t n) const {
   };
   if (n > 0 && linear()) throw RollbackError(kLinearPositive + context());
   if (n <= 0 && linear() && !recording) throw RollbackError(kNotTracking + context());
-  if (attention) check_attention_crop(keys.rule, keys.buffer.first(), L, recording, n, [this] { return where(); }, context);
+  if (attention)
+    check_attention_crop(
+        keys.rule, keys.buffer.first(), L, recording, n, [this] { return where(); }, context);
   if (n >= 0) return;
   if (n == std::numeric_limits<std::int64_t>::min() || -n >= L) return;  // full rollback
   const std::int64_t depth = max_rollback();
@@ -296,8 +295,8 @@ Layer::Impl::RecordingPlan Layer::Impl::prepare_recording(bool on, std::int64_t 
     const std::int64_t needed = keys.rule.size + history_tokens;  // retained (W-1+R or C-1+R) plus one update
     if (needed > keys.buffer.slots()) {
       throw CapacityError(where() + ": activate_past_recording(" + num(R) + ") needs " + num(needed) +
-                          " token slots (window or chunk " + num(keys.rule.size) + " - 1 + R + 1), but static_capacity is " +
-                          num(keys.buffer.slots()));
+                          " token slots (window or chunk " + num(keys.rule.size) +
+                          " - 1 + R + 1), but static_capacity is " + num(keys.buffer.slots()));
     }
   }
   const std::int64_t snapshots = history_tokens + 1;
@@ -330,14 +329,17 @@ Layer::Impl::ForwardPlan Layer::Impl::plan_forward(std::int64_t q, const char* o
   auto room = [&](const TokenTrack& t, const char* part) {
     if (!t.buffer.can_append(q)) {
       // begin_forward keeps the message users know; other callers say how many tokens.
-      const std::string call = std::string_view(operation) == "begin_forward" ? "begin_forward(" + num(q) + ")"
-                                                                               : operation + (" of " + num(q) + " tokens");
-      throw CapacityError(where() + ": " + call + " needs " + num(t.buffer.rows_needed(q)) +
-                          " token slots for its " + part + " (" + num(t.buffer.stored()) + " retained + " + num(q) +
+      const std::string call = std::string_view(operation) == "begin_forward"
+                                   ? "begin_forward(" + num(q) + ")"
+                                   : operation + (" of " + num(q) + " tokens");
+      throw CapacityError(where() + ": " + call + " needs " + num(t.buffer.rows_needed(q)) + " token slots for its " +
+                          part + " (" + num(t.buffer.stored()) + " retained + " + num(q) +
                           " new), but static_capacity is " + num(t.buffer.slots()));
     }
   };
-  for_tracks([&](const TokenTrack& t) { room(t, t.shape.layout == detail::TrackShape::Layout::Channels ? "conv inputs" : "keys"); });
+  for_tracks([&](const TokenTrack& t) {
+    room(t, t.shape.layout == detail::TrackShape::Layout::Channels ? "conv inputs" : "keys");
+  });
   bool allocates = false;
   for_tracks([&](const TokenTrack& t) { allocates = allocates || t.buffer.plan_allocates(q); });
   for (const auto& r : recurrents) allocates = allocates || !r.has_room(q);
@@ -359,8 +361,8 @@ Layer::Impl::ForwardPlan Layer::Impl::plan_forward(std::int64_t q, const char* o
     saved.tracks.reserve(tracks);
     saved.recurrents.resize(recurrents.size());
     for (std::size_t j = 0; j < recurrents.size(); ++j) {
-      const std::size_t capacity =
-          j < plan.recurrents.size() && plan.recurrents[j] ? plan.recurrents[j]->table.size() : recurrents[j].table.size();
+      const std::size_t capacity = j < plan.recurrents.size() && plan.recurrents[j] ? plan.recurrents[j]->table.size()
+                                                                                    : recurrents[j].table.size();
       saved.recurrents[j].table.reserve(capacity);
     }
   });
@@ -414,9 +416,11 @@ void Layer::Impl::check_forward_complete() const {
   if (attention) {
     check(keys.length(), "keys");
     check(values.length(), "values");
-    for (std::size_t i = 0; i < sides.size(); ++i) check(sides[i].length(), "side tensor " + num(static_cast<std::int64_t>(i)));
+    for (std::size_t i = 0; i < sides.size(); ++i)
+      check(sides[i].length(), "side tensor " + num(static_cast<std::int64_t>(i)));
   }
-  for (std::size_t i = 0; i < convs.size(); ++i) check(convs[i].length(), "conv state " + num(static_cast<std::int64_t>(i)));
+  for (std::size_t i = 0; i < convs.size(); ++i)
+    check(convs[i].length(), "conv state " + num(static_cast<std::int64_t>(i)));
   for (std::size_t i = 0; i < recurrents.size(); ++i)
     check(recurrents[i].length, "recurrent state " + num(static_cast<std::int64_t>(i)));
   if (!missing.empty()) {
@@ -535,14 +539,15 @@ std::vector<std::int64_t> repeat_rows(std::int64_t batch, std::int64_t repeats) 
 
 void Layer::Impl::check_attention(const char* operation) const {
   if (!attention) {
-    throw StateError(where() + ": " + operation + " needs an attention layer; " +
-                     std::string(layer_kind_name(kind)) + " layers hold no keys");
+    throw StateError(where() + ": " + operation + " needs an attention layer; " + std::string(layer_kind_name(kind)) +
+                     " layers hold no keys");
   }
 }
 
 const TokenTrack& Layer::Impl::conv(int state, const char* operation) const {
   if (convs.empty()) {
-    throw StateError(std::string(kConvOnNonLinear) + " [" + where() + ": " + operation + " on a layer without conv states]");
+    throw StateError(std::string(kConvOnNonLinear) + " [" + where() + ": " + operation +
+                     " on a layer without conv states]");
   }
   if (state < 0 || static_cast<std::size_t>(state) >= convs.size()) {
     throw IndexError(where() + ": " + operation + " conv state " + num(state) + " is outside [0, " +
@@ -587,8 +592,7 @@ TokenTrack& Layer::Impl::side(int s, const char* operation) {
 namespace {
 
 // Checks `input` against a track's expected shape; returns q.
-std::int64_t check_tokens(const Layer::Impl& l, const TokenTrack& track, const TensorView& input,
-                          const char* what) {
+std::int64_t check_tokens(const Layer::Impl& l, const TokenTrack& track, const TensorView& input, const char* what) {
   const TrackShape& s = track.shape;
   auto fail = [&](const std::string& why) {
     throw InvalidArgument(l.where() + ": " + what + " " + input.describe() + " " + why + "; expected " +
@@ -620,9 +624,9 @@ std::int64_t check_tokens(const Layer::Impl& l, const TokenTrack& track, const T
 
 void check_room(const Layer::Impl& l, const TokenTrack& track, std::int64_t q, const char* what) {
   if (track.buffer.can_append(q)) return;
-  throw CapacityError(l.where() + ": " + what + " of " + num(q) + " tokens needs " +
-                      num(track.buffer.rows_needed(q)) + " token slots (" + num(track.buffer.stored()) +
-                      " retained + " + num(q) + " new), but static_capacity is " + num(track.buffer.slots()));
+  throw CapacityError(l.where() + ": " + what + " of " + num(q) + " tokens needs " + num(track.buffer.rows_needed(q)) +
+                      " token slots (" + num(track.buffer.stored()) + " retained + " + num(q) +
+                      " new), but static_capacity is " + num(track.buffer.slots()));
 }
 
 // An input that aliases a buffer this call writes or moves (a view the
@@ -767,9 +771,8 @@ RecurrentUpdate Layer::begin_recurrent_update(std::int64_t q, int state) {
   }
   if (l.forward && (r.length != l.forward_start || q != l.forward_end - l.forward_start)) {
     throw StateError(l.where() + ": begin_recurrent_update(" + num(q) + ") of recurrent state " + num(state) +
-                     " at length " + num(r.length) + " inside a forward from length " + num(l.forward_start) +
-                     " to " + num(l.forward_end) +
-                     ": a recurrent state takes the forward's tokens in one update");
+                     " at length " + num(r.length) + " inside a forward from length " + num(l.forward_start) + " to " +
+                     num(l.forward_end) + ": a recurrent state takes the forward's tokens in one update");
   }
   if (!r.has_room(q)) {
     detail::RecurrentState grown = l.budgeted("begin_recurrent_update", [&] { return r.with_room(q); });
@@ -948,7 +951,8 @@ TensorView RecurrentUpdate::previous() const {
 TensorView RecurrentUpdate::next(std::int64_t t) const {
   const auto& r = live_state(layer_, layer_ ? layer_->impl_.get() : nullptr, state_, generation_, version_, "next");
   if (t < 1 || t > q_) {
-    throw IndexError(layer_->impl_->where() + ": RecurrentUpdate::next(" + num(t) + ") is outside [1, " + num(q_) + "]");
+    throw IndexError(layer_->impl_->where() + ": RecurrentUpdate::next(" + num(t) + ") is outside [1, " + num(q_) +
+                     "]");
   }
   const auto Q = static_cast<std::int64_t>(r.fresh.size());
   return r.view_of(r.physical(r.fresh[static_cast<std::size_t>((t - 1) % Q)]));
@@ -972,7 +976,8 @@ ByteSpan byte_span(const TensorView& v) {
     if (extent <= 1) continue;
     std::int64_t reach = 0;
     overflow = overflow || __builtin_mul_overflow(v.stride(d), extent - 1, &reach);
-    overflow = overflow || (reach >= 0 ? __builtin_add_overflow(hi, reach, &hi) : __builtin_add_overflow(lo, reach, &lo));
+    overflow = overflow ||
+               (reach >= 0 ? __builtin_add_overflow(hi, reach, &hi) : __builtin_add_overflow(lo, reach, &lo));
   }
   const auto es = static_cast<std::int64_t>(dtype_size(v.dtype));
   overflow = overflow || __builtin_add_overflow(hi, 1, &hi) || __builtin_mul_overflow(lo, es, &lo) ||

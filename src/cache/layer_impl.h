@@ -67,8 +67,8 @@ struct Layer::Impl {
   int index = -1;
   std::int64_t batch = 1;
   bool recording = false;
-  std::int64_t history = 0;       // R while recording
-  std::uint64_t generation = 0;   // bumped by crop, recording, batch ops, reset, abandon (stale handles)
+  std::int64_t history = 0;                // R while recording
+  std::uint64_t generation = 0;            // bumped by crop, recording, batch ops, reset, abandon (stale handles)
   detail::MemoryBudget* budget = nullptr;  // the owning cache's, or none
 
   bool attention = false;
@@ -129,7 +129,7 @@ struct Layer::Impl {
 
   // ---- forward transactions (Cache::begin_forward) ----
   struct ForwardPlan {
-    std::vector<detail::PositionBuffer::Plan> tracks;        // for_tracks order
+    std::vector<detail::PositionBuffer::Plan> tracks;               // for_tracks order
     std::vector<std::optional<detail::RecurrentState>> recurrents;  // with room, where needed
   };
   struct SavedState {
@@ -154,8 +154,8 @@ struct Layer::Impl {
   }
   // Restores every part to its state at open_forward.
   void abandon_forward() noexcept;
-  bool forward = false;          // a forward is open
-  mutable SavedState saved;      // what abandon restores (capacity kept between forwards)
+  bool forward = false;             // a forward is open
+  mutable SavedState saved;         // what abandon restores (capacity kept between forwards)
   std::int64_t forward_start = -1;  // L at begin_forward while a forward is open
   std::int64_t forward_end = -1;    // L + q while a forward is open
   // Throws StateError: `operation` is not allowed while a forward is open.

@@ -11,10 +11,10 @@
 namespace rwd {
 namespace {
 
-using detail::RetentionRule;
-using detail::TokenTrack;
 using detail::copy_of;
 using detail::present;
+using detail::RetentionRule;
+using detail::TokenTrack;
 
 std::string num(std::int64_t v) { return std::to_string(v); }
 
@@ -72,7 +72,8 @@ void check_layer_snapshot(const LayerSnapshot& s, std::int64_t L, LayerKind kind
                             " side tensors, this layer has " + num(static_cast<std::int64_t>(o.side_dims.size())));
     }
     for (std::size_t i = 0; i < s.sides.size(); ++i)
-      require_shape(s.sides[i], {1, n, o.side_dims[i]}, o.dtype, where, "side tensor " + num(static_cast<std::int64_t>(i)));
+      require_shape(s.sides[i], {1, n, o.side_dims[i]}, o.dtype, where,
+                    "side tensor " + num(static_cast<std::int64_t>(i)));
   } else if (present(s.keys) || present(s.values) || !s.sides.empty()) {
     throw InvalidArgument(where + ": the snapshot holds attention rows, but this layer has no attention");
   }

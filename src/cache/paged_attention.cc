@@ -40,7 +40,8 @@ std::byte* BlockPool::acquire() {
 
 void BlockPool::check_room(std::int64_t n) const {
   if (n <= free_count()) return;
-  const std::size_t bytes = checked_mul(n - free_count(), static_cast<std::int64_t>(block_bytes_), "the blocks of an update");
+  const std::size_t bytes = checked_mul(n - free_count(), static_cast<std::int64_t>(block_bytes_),
+                                        "the blocks of an update");
   if (budget_) {
     budget_->acquire(bytes);  // the budget's refusal and message, counting nothing
     budget_->release(bytes);
@@ -105,7 +106,8 @@ void PagedLayer::settle_range(BlockRun& run, std::int64_t old_lo, std::int64_t o
   const std::int64_t bs = block_size();
   const std::int64_t fp = run.first_position;
   std::int64_t j = (old_lo - fp) / bs;
-  const std::int64_t last = std::min<std::int64_t>((old_hi - 1 - fp) / bs, static_cast<std::int64_t>(run.blocks.size()) - 1);
+  const std::int64_t last = std::min<std::int64_t>((old_hi - 1 - fp) / bs,
+                                                   static_cast<std::int64_t>(run.blocks.size()) - 1);
   while (j <= last) {
     // The holder that touches block j and reaches furthest: every block up
     // to its last one stays, so the scan jumps there (a fork sharing a long
@@ -285,9 +287,9 @@ void PagedLayer::reserve(PagedPart& part, std::int64_t q) {
       std::byte* dst = run->blocks.front();
       const std::int64_t row = copy_from - first_position;
       for (int k = 0; k < layout_.num_parts(); ++k) {
-        const std::size_t row_bytes =
-            static_cast<std::size_t>(layout_.row_elements(k)) * dtype_size(layout_.dtype);
-        const std::size_t offset = layout_.part_offsets[static_cast<std::size_t>(k)] + static_cast<std::size_t>(row) * row_bytes;
+        const std::size_t row_bytes = static_cast<std::size_t>(layout_.row_elements(k)) * dtype_size(layout_.dtype);
+        const std::size_t offset = layout_.part_offsets[static_cast<std::size_t>(k)] +
+                                   static_cast<std::size_t>(row) * row_bytes;
         std::memcpy(dst + offset, src + offset, static_cast<std::size_t>(E - copy_from) * row_bytes);
       }
     }
@@ -367,8 +369,8 @@ void PagedLayer::commit(PagedPart& part, std::int64_t R) noexcept {
   shrink(part, rule_.keep_first(part.end, R), part.end);
 }
 
-void PagedLayer::write(const PagedPart& part, int part_index, const TensorView& input, int token_dim,
-                       std::int64_t row0, std::int64_t pos, std::int64_t n) const {
+void PagedLayer::write(const PagedPart& part, int part_index, const TensorView& input, int token_dim, std::int64_t row0,
+                       std::int64_t pos, std::int64_t n) const {
   const BlockRun& run = *part.runs.back().run;
   const BlockSpan span{pos, n, run.blocks.data() + (pos - run.first_position) / block_size()};
   layout_.for_each_block_rows(std::span<const BlockSpan>(&span, 1), pos, n,

@@ -73,7 +73,7 @@ struct PagedPart;
 
 struct BlockRun {
   struct Holder {
-    PagedPart* part;      // the sequence part holding positions [lo, hi)
+    PagedPart* part;  // the sequence part holding positions [lo, hi)
     std::int64_t lo, hi;
   };
   std::int64_t first_position = 0;  // of blocks[0]; a multiple of the block size
@@ -105,8 +105,8 @@ struct PagedPart {
   // What an open forward reserved, and what abandoning it restores.
   struct Pending {
     std::int64_t q = 0;
-    BlockRun* fresh = nullptr;     // a new run (copy-on-write start), not yet linked
-    std::int64_t appended = 0;     // blocks added to the own last run
+    BlockRun* fresh = nullptr;  // a new run (copy-on-write start), not yet linked
+    std::int64_t appended = 0;  // blocks added to the own last run
     std::int64_t saved_first = 0, saved_end = 0;
     std::vector<RunRef> saved_runs;
     std::vector<std::pair<std::int64_t, std::int64_t>> saved_ranges;  // per saved run
@@ -162,8 +162,7 @@ class PagedLayer {
              std::int64_t pos, std::int64_t n) const;
   // True when `span` overlaps a block that positions [pos, pos + n) of part
   // live in.
-  bool overlaps(const PagedPart& part, std::int64_t pos, std::int64_t n, std::uintptr_t lo,
-                std::uintptr_t hi) const;
+  bool overlaps(const PagedPart& part, std::int64_t pos, std::int64_t n, std::uintptr_t lo, std::uintptr_t hi) const;
   // Appends to `out` the spans covering positions [from, part.end).
   void spans(const PagedPart& part, std::int64_t from, std::vector<BlockSpan>& out) const;
 

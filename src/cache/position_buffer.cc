@@ -20,8 +20,8 @@ constexpr bool kRelocateToNewAllocation = false;
 void MemoryBudget::acquire(std::size_t bytes) {
   if (limit != 0 && (reserved > limit || bytes > limit - reserved)) {
     throw BudgetExceeded("memory budget exceeded: " + std::to_string(bytes) + " more bytes were needed, " +
-                        std::to_string(reserved) + " of the budget's " + std::to_string(limit) +
-                        " bytes are reserved");
+                         std::to_string(reserved) + " of the budget's " + std::to_string(limit) +
+                         " bytes are reserved");
   }
   reserved += bytes;
 }
@@ -117,8 +117,8 @@ PositionBuffer::Plan PositionBuffer::plan_append(std::int64_t q) const {
   checked_mul(needed, static_cast<std::int64_t>(row_bytes_), "an append of " + std::to_string(q) + " tokens");
   const std::int64_t slots = planned_slots(needed, q);
   if (slots == 0) return plan;
-  const std::size_t bytes =
-      checked_mul(slots, static_cast<std::int64_t>(row_bytes_), "an append of " + std::to_string(q) + " tokens");
+  const std::size_t bytes = checked_mul(slots, static_cast<std::int64_t>(row_bytes_),
+                                        "an append of " + std::to_string(q) + " tokens");
   const bool same_size = static_ || slots == slots_;
   // A same-size relocation (debug mode) does not count twice against the budget.
   plan.grown = AlignedBuffer(bytes, same_size ? nullptr : buffer_.budget());

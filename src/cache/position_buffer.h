@@ -98,9 +98,7 @@ class PositionBuffer {
 
   // Address of position `pos`'s row. REQUIRES: pos in [first, end] and the
   // row inside the allocation (not checked).
-  std::byte* row(std::int64_t pos) const {
-    return buffer_.data() + static_cast<std::size_t>(pos - base_) * row_bytes_;
-  }
+  std::byte* row(std::int64_t pos) const { return buffer_.data() + static_cast<std::size_t>(pos - base_) * row_bytes_; }
 
   // Rows an append of q tokens needs in place (retained + q).
   std::int64_t rows_needed(std::int64_t q) const { return end_ - first_ + q; }
@@ -145,9 +143,7 @@ class PositionBuffer {
   // Empties the buffer and places its end at `pos` (a restored snapshot
   // starts past the origin). The allocation is kept; clear() still returns
   // to the origin.
-  void place_at(std::int64_t pos) noexcept {
-    base_ = first_ = end_ = pos;
-  }
+  void place_at(std::int64_t pos) noexcept { base_ = first_ = end_ = pos; }
   // Empties the buffer back to `origin`. Rows for positions
   // [origin, origin + zero_rows) are zero-filled and retained. Keeps the
   // allocation unless it holds more than four times what is retained.

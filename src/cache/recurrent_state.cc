@@ -43,7 +43,8 @@ void RecurrentState::choose_fresh(std::int64_t q) {
     large.assign(static_cast<std::size_t>(capacity), 0);
     held_slot = large.data();
   }
-  for (std::int64_t pos = oldest(); pos <= length; ++pos) held_slot[table[static_cast<std::size_t>(pos % capacity)]] = 1;
+  for (std::int64_t pos = oldest(); pos <= length; ++pos)
+    held_slot[table[static_cast<std::size_t>(pos % capacity)]] = 1;
   fresh.clear();
   const std::int64_t want = fresh_count(q);
   for (std::int64_t s = 0; s < capacity && static_cast<std::int64_t>(fresh.size()) < want; ++s)
@@ -67,9 +68,8 @@ RecurrentState RecurrentState::copied(std::int64_t rows, std::int64_t history_sl
 }
 
 RecurrentState RecurrentState::with_room(std::int64_t q) const {
-  RecurrentState out = copied(batch, history, history + fresh_count(q), held, [&](std::byte* dst, const std::byte* src) {
-    std::memcpy(dst, src, state_bytes());
-  });
+  RecurrentState out = copied(batch, history, history + fresh_count(q), held,
+                              [&](std::byte* dst, const std::byte* src) { std::memcpy(dst, src, state_bytes()); });
   out.version = version + 1;  // handles that named the old slots are stale
   return out;
 }

@@ -44,9 +44,7 @@ struct RecurrentState {
   std::size_t entry_bytes() const;  // one sequence's state
   std::size_t state_bytes() const { return static_cast<std::size_t>(batch) * entry_bytes(); }
   std::byte* physical(std::int64_t s) const { return ring.data() + static_cast<std::size_t>(s) * state_bytes(); }
-  std::byte* slot(std::int64_t pos) const {
-    return physical(table[static_cast<std::size_t>(pos % capacity)]);
-  }
+  std::byte* slot(std::int64_t pos) const { return physical(table[static_cast<std::size_t>(pos % capacity)]); }
   TensorView view_of(std::byte* data) const;  // [B, shape...]
   TensorView view(std::int64_t pos) const { return view_of(slot(pos)); }
   std::int64_t oldest() const { return length - held + 1; }

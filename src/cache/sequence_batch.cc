@@ -239,11 +239,12 @@ BatchRecurrentUpdate SequenceCache::begin_recurrent_update(int layer_idx, int st
   out.cache_ = &c;
   out.batch_ = c.batch_serial;
   out.layer_ = layer_idx;
-  budgeted([&] { return c.where(layer_idx) + ": begin_recurrent_update"; }, [&] {
-    out.updates_.reserve(c.active.size());
-    out.index_.reserve(c.active.size());
-    out.previous_.reserve(c.active.size());
-  });
+  budgeted([&] { return c.where(layer_idx) + ": begin_recurrent_update"; },
+           [&] {
+             out.updates_.reserve(c.active.size());
+             out.index_.reserve(c.active.size());
+             out.previous_.reserve(c.active.size());
+           });
   for (const auto& a : c.active) {
     Layer& layer = *a.seq->linear[i];
     if (a.q > 0) {
@@ -261,10 +262,8 @@ BatchRecurrentUpdate SequenceCache::begin_recurrent_update(int layer_idx, int st
 // ---- SequenceBatch -----------------------------------------------------------------
 
 SequenceBatch::SequenceBatch(SequenceBatch&& other) noexcept
-    : cache_(std::exchange(other.cache_, nullptr)),
-      entries_(std::move(other.entries_)),
-      offsets_(std::move(other.offsets_)),
-      total_(other.total_) {
+    : cache_(std::exchange(other.cache_, nullptr)), entries_(std::move(other.entries_)),
+      offsets_(std::move(other.offsets_)), total_(other.total_) {
   if (cache_) cache_->open = this;
 }
 

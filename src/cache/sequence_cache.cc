@@ -38,10 +38,10 @@ void BlockLayout::gather(std::span<const BlockSpan> spans, int part, std::int64_
   const bool shape_ok = dst.dtype == dtype && dst.rank == (heads ? 4 : 3) && dst.size(0) == 1 &&
                         (heads ? dst.size(1) == num_kv_heads && dst.size(3) == width : dst.size(2) == width);
   if (!shape_ok) {
-    throw InvalidArgument("BlockLayout::gather: destination " + dst.describe() + " does not match part " + num(part) +
-                          (heads ? " [1, H=" + num(num_kv_heads) + ", n, D=" + num(width) + "]"
-                                 : " [1, n, D=" + num(width) + "]") +
-                          " " + std::string(dtype_name(dtype)));
+    throw InvalidArgument(
+        "BlockLayout::gather: destination " + dst.describe() + " does not match part " + num(part) +
+        (heads ? " [1, H=" + num(num_kv_heads) + ", n, D=" + num(width) + "]" : " [1, n, D=" + num(width) + "]") + " " +
+        std::string(dtype_name(dtype)));
   }
   const std::int64_t n = dst.size(token_dim);
   const std::int64_t p = for_each_block_rows(
@@ -53,7 +53,6 @@ void BlockLayout::gather(std::span<const BlockSpan> spans, int part, std::int64_
                           ", " + num(first + n) + ")");
   }
 }
-
 
 Layer::Impl& SequenceCache::layer_impl(const Layer& layer) { return *layer.impl_; }
 std::unique_ptr<Layer> SequenceCache::make_layer(std::unique_ptr<Layer::Impl> impl) {
@@ -107,7 +106,8 @@ void SequenceCache::init(const Cache& probe, std::int64_t block_size) {
       for (int k = 0; k < layout.num_parts(); ++k) {
         layout.part_offsets.push_back(offset);
         const std::size_t bytes = detail::checked_mul(
-            detail::checked_mul(layout.block_size, layout.row_elements(k), "a block"), dtype_size(layout.dtype), "a block");
+            detail::checked_mul(layout.block_size, layout.row_elements(k), "a block"), dtype_size(layout.dtype),
+            "a block");
         offset = round64(offset + bytes);
       }
       layout.block_bytes = offset;
@@ -185,10 +185,11 @@ SeqId SequenceCache::fork(SeqId parent) {
   Impl& c = state();
   c.refuse_in_batch([&] { return "fork(" + to_string(parent) + ")"; });
   const Sequence& p = c.lookup(parent);
-  return budgeted([&] { return "fork(" + to_string(parent) + ")"; }, [&] {
-    c.reserve_slot();
-    return c.place(c.copy_of(p));
-  });
+  return budgeted([&] { return "fork(" + to_string(parent) + ")"; },
+                  [&] {
+                    c.reserve_slot();
+                    return c.place(c.copy_of(p));
+                  });
 }
 
 bool SequenceCache::seq_rm(SeqId id) {

@@ -54,7 +54,7 @@ decltype(auto) budgeted(const Name& operation, Fn&& fn) {
 
 struct LayerState {
   LayerKind kind = LayerKind::Mlp;
-  LayerOptions options;  // what the layer was built with (batch 1)
+  LayerOptions options;               // what the layer was built with (batch 1)
   std::unique_ptr<PagedLayer> paged;  // attention layers
   bool linear = false;
   LayerKind linear_kind = LayerKind::LinearAttention;  // how the per-sequence linear Layer is built
@@ -158,11 +158,13 @@ struct SequenceCache::Impl {
   // ---- lookups and checks ----
   void check_layer(int layer_idx) const {
     if (layer_idx < 0 || layer_idx >= static_cast<int>(layers.size())) {
-      throw IndexError("layer index " + num(layer_idx) + " is outside [0, " + num(static_cast<std::int64_t>(layers.size())) + ")");
+      throw IndexError("layer index " + num(layer_idx) + " is outside [0, " +
+                       num(static_cast<std::int64_t>(layers.size())) + ")");
     }
   }
   std::string where(int layer_idx) const {
-    return "layer " + num(layer_idx) + " (" + std::string(layer_kind_name(layers[static_cast<std::size_t>(layer_idx)].kind)) + ")";
+    return "layer " + num(layer_idx) + " (" +
+           std::string(layer_kind_name(layers[static_cast<std::size_t>(layer_idx)].kind)) + ")";
   }
   Sequence* find(SeqId id) const {
     if (id.generation == 0 || id.slot >= slots.size()) return nullptr;
@@ -204,8 +206,8 @@ struct SequenceCache::Impl {
       std::unique_ptr<Layer::Impl> impl;
       if (parent) {
         const std::int64_t row0 = 0;
-        impl = layer_impl(*parent->linear[i]).gathered(std::span<const std::int64_t>(&row0, 1),
-                                                       "copying its conv and recurrent states");
+        impl = layer_impl(*parent->linear[i])
+                   .gathered(std::span<const std::int64_t>(&row0, 1), "copying its conv and recurrent states");
       } else {
         impl = std::make_unique<Layer::Impl>(l.linear_kind, l.options, static_cast<int>(i), &budget);
         impl->kind = l.kind;  // messages name the model's layer kind
@@ -334,7 +336,8 @@ struct SequenceCache::Impl {
     s.length = next;
   }
   void set_recording(Sequence& s, bool on, std::int64_t R) {
-    const std::string operation = on ? "activate_past_recording(" + num(R) + ")" : std::string("deactivate_past_recording");
+    const std::string operation = on ? "activate_past_recording(" + num(R) + ")"
+                                     : std::string("deactivate_past_recording");
     refuse_in_batch(operation);
     std::vector<Layer::Impl::RecordingPlan> recording_plans(layers.size());
     for (std::size_t i = 0; i < layers.size(); ++i)
@@ -416,7 +419,8 @@ struct SequenceCache::Impl {
     for (std::size_t i = 0; i < layers.size(); ++i) {
       const LayerState& l = layers[i];
       detail::check_layer_snapshot(snap.layers[i], snap.length, l.kind, l.options,
-                                   l.paged ? l.paged->rule() : RetentionRule{}, operation + ": " + where(static_cast<int>(i)));
+                                   l.paged ? l.paged->rule() : RetentionRule{},
+                                   operation + ": " + where(static_cast<int>(i)));
     }
   }
   Snapshot export_of(const Sequence& s, std::int64_t from_position = 0) const {
@@ -510,7 +514,8 @@ struct SequenceCache::Impl {
       const std::int64_t from = p.rule().visible_first(part.end - a.q);
       const std::size_t start = l.spans.size();
       p.spans(part, from, l.spans);
-      l.views.push_back({from, part.end - from, std::span<const BlockSpan>(l.spans.data() + start, l.spans.size() - start)});
+      l.views.push_back(
+          {from, part.end - from, std::span<const BlockSpan>(l.spans.data() + start, l.spans.size() - start)});
     }
     l.views_built = true;
     return l.views;

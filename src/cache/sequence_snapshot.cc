@@ -13,7 +13,8 @@ detail::SnapshotHold::~SnapshotHold() {
 bool SequenceSnapshot::valid() const { return hold_ && hold_->cache; }
 std::int64_t SequenceSnapshot::length() const { return valid() ? hold_->length : 0; }
 
-detail::SnapshotHold& SequenceCache::hold_of(const SequenceSnapshot& snapshot, const Impl& cache, const char* operation) {
+detail::SnapshotHold& SequenceCache::hold_of(const SequenceSnapshot& snapshot, const Impl& cache,
+                                             const char* operation) {
   if (!snapshot.hold_) throw InvalidArgument(std::string(operation) + ": the snapshot is empty (default-constructed)");
   if (snapshot.hold_->cache != &cache) {
     throw InvalidArgument(std::string(operation) +

@@ -50,10 +50,8 @@ TensorView TrackShape::view(std::byte* data, std::int64_t n) const {
   switch (layout) {
     case Layout::Heads:
       return TensorView::strided(data, dtype, {batch, heads, n, width}, {heads * width, width, row, 1});
-    case Layout::Rows:
-      return TensorView::strided(data, dtype, {batch, n, width}, {width, row, 1});
-    case Layout::Channels:
-      return TensorView::strided(data, dtype, {batch, width, n}, {width, 1, row});
+    case Layout::Rows: return TensorView::strided(data, dtype, {batch, n, width}, {width, row, 1});
+    case Layout::Channels: return TensorView::strided(data, dtype, {batch, width, n}, {width, 1, row});
   }
   return {};
 }

@@ -125,9 +125,7 @@ TreeForward Cache::begin_tree(std::span<const std::int64_t> parents) {
 
 bool Cache::tree_open() const { return state().tree != nullptr; }
 
-bool TreeForward::is_open_on(const Cache& cache) const {
-  return cache_ != nullptr && cache.impl_.get() == cache_;
-}
+bool TreeForward::is_open_on(const Cache& cache) const { return cache_ != nullptr && cache.impl_.get() == cache_; }
 
 // ---- the per-layer tree updates ------------------------------------------------------
 
@@ -174,7 +172,8 @@ TreeKeyValues TreeForward::update(const TensorView& keys, const TensorView& valu
     Tensor k = detail::copy_of(keys), v = detail::copy_of(values);
     std::vector<std::int64_t> first(static_cast<std::size_t>(n));
     for (std::int64_t i = 0; i < n; ++i)
-      first[static_cast<std::size_t>(i)] = l.keys.rule.visible_first(t.tree.start + t.tree.depths[static_cast<std::size_t>(i)]);
+      first[static_cast<std::size_t>(i)] = l.keys.rule.visible_first(t.tree.start +
+                                                                     t.tree.depths[static_cast<std::size_t>(i)]);
     t.scratch.keys = std::move(k);
     t.scratch.values = std::move(v);
     t.scratch.first_visible = std::move(first);
@@ -183,7 +182,8 @@ TreeKeyValues TreeForward::update(const TensorView& keys, const TensorView& valu
   const std::int64_t L = t.tree.start;
   const std::int64_t committed_first = l.keys.rule.visible_first(L);
   TreeKeyValues out;
-  out.committed = {l.keys.view(committed_first, L - committed_first), l.values.view(committed_first, L - committed_first)};
+  out.committed = {l.keys.view(committed_first, L - committed_first),
+                   l.values.view(committed_first, L - committed_first)};
   out.committed_first = committed_first;
   out.nodes = {t.scratch.keys.view(), t.scratch.values.view()};
   out.first_visible = t.scratch.first_visible;
@@ -408,7 +408,8 @@ void TreeForward::commit(std::int64_t leaf) {
         // Without recording every next(t) is one slot: the last copy wins,
         // as the state after the path's last token must.
         for (std::int64_t step = 1; step <= k; ++step)
-          copy_tensor(lt.recurrent_slots[s].view().slice(0, nodes[static_cast<std::size_t>(step - 1)], 1), u.next(step));
+          copy_tensor(lt.recurrent_slots[s].view().slice(0, nodes[static_cast<std::size_t>(step - 1)], 1),
+                      u.next(step));
         u.commit();
       }
     }

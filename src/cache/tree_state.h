@@ -11,21 +11,21 @@
 namespace rwd::detail {
 
 struct TreeState {
-  std::int64_t start = 0;                  // L
-  std::vector<std::int64_t> parents;       // -1 for the root
+  std::int64_t start = 0;             // L
+  std::vector<std::int64_t> parents;  // -1 for the root
   std::vector<std::int64_t> depths;
 
   struct LayerTree {
     bool kv_done = false;
-    Tensor keys, values;                       // [1, H, N, D]
-    std::vector<std::int64_t> first_visible;   // per node
+    Tensor keys, values;                      // [1, H, N, D]
+    std::vector<std::int64_t> first_visible;  // per node
     std::vector<bool> sides_done;
-    std::vector<Tensor> sides;                 // [1, N, D]
+    std::vector<Tensor> sides;  // [1, N, D]
     std::vector<bool> convs_done;
-    std::vector<Tensor> conv_inputs;           // [N, C]: each node's inputs, time-major
-    std::vector<Tensor> conv_windows;          // [N, K, C] storage of the [N, C, K] windows
+    std::vector<Tensor> conv_inputs;   // [N, C]: each node's inputs, time-major
+    std::vector<Tensor> conv_windows;  // [N, K, C] storage of the [N, C, K] windows
     std::vector<bool> recurrents_done;
-    std::vector<Tensor> recurrent_slots;       // [N, shape...]
+    std::vector<Tensor> recurrent_slots;  // [N, shape...]
   };
   std::vector<LayerTree> layers;
 

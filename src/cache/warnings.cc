@@ -34,8 +34,9 @@ namespace detail {
 
 void warn_positive_crop_once() {
   if (positive_crop_warned.exchange(true)) return;
-  warn("rewind: crop(n) with n > 0 (keep the first n tokens) is deprecated, as in transformers, where its "
-       "removal is planned for 5.18; pass a negative n, the number of tokens to remove");
+  warn(
+      "rewind: crop(n) with n > 0 (keep the first n tokens) is deprecated, as in transformers, where its "
+      "removal is planned for 5.18; pass a negative n, the number of tokens to remove");
 }
 
 void warn(const std::string& message) {

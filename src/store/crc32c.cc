@@ -97,7 +97,7 @@ struct StripeShift {
 };
 
 __attribute__((target("sse4.2"))) std::uint32_t hardware_interleaved(const std::byte* p, std::size_t n,
-                                                                      std::uint32_t r) {
+                                                                     std::uint32_t r) {
   static const StripeShift shift;
   for (; n >= 3 * kStripe; n -= 3 * kStripe, p += 3 * kStripe) {
     std::uint64_t a = r, b = 0, c = 0;

@@ -248,8 +248,9 @@ class DirectoryStore final : public BlobStore {
     if (!S_ISREG(st.st_mode)) not_regular(st);
     const auto size = static_cast<std::uint64_t>(st.st_size);
     if (size > limit) {
-      refuse(key, file + " holds " + std::to_string(size) + " bytes, over the limit of " + std::to_string(limit) +
-                      (limit == detail::kMaxStoreValueBytes ? " bytes (2^32) of any value" : " bytes the caller accepts"));
+      refuse(key,
+             file + " holds " + std::to_string(size) + " bytes, over the limit of " + std::to_string(limit) +
+                 (limit == detail::kMaxStoreValueBytes ? " bytes (2^32) of any value" : " bytes the caller accepts"));
     }
     std::vector<std::byte> value;
     try {

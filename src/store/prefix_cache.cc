@@ -53,9 +53,7 @@ std::string hex16(std::uint64_t v) {
   return out;
 }
 
-std::span<const std::byte> bytes_of(std::span<const std::int32_t> tokens) {
-  return std::as_bytes(tokens);
-}
+std::span<const std::byte> bytes_of(std::span<const std::int32_t> tokens) { return std::as_bytes(tokens); }
 
 // Joins the rows of one attention part over a chain of entries: the longest
 // run of entries, ending with the last, whose ranges follow each other.
@@ -126,7 +124,8 @@ PrefixCache::PrefixCache(std::shared_ptr<BlobStore> store, PrefixCacheOptions op
     throw InvalidArgument("PrefixCache: slow_bytes_per_s " + std::to_string(options_.slow_bytes_per_s) +
                           " must be > 0");
   }
-  if (options_.max_entry_bytes == 0 || options_.max_entry_bytes > kMaxEntryBytes) options_.max_entry_bytes = kMaxEntryBytes;
+  if (options_.max_entry_bytes == 0 || options_.max_entry_bytes > kMaxEntryBytes)
+    options_.max_entry_bytes = kMaxEntryBytes;
   fingerprint_hash_ = content_hash(std::as_bytes(std::span(options_.model_fingerprint)));
   backoff_ = kStoreBackoff;
 }
@@ -296,7 +295,8 @@ PrefixHit PrefixCache::lookup(std::span<const std::int32_t> tokens, bool need_lo
     if (!last || (need_logits && !present(last->logits))) continue;
     std::vector<std::shared_ptr<Snapshot>> chain{last};
     while (chain.back()->length - static_cast<std::int64_t>(chain.back()->tokens.size()) > 0) {
-      std::shared_ptr<Snapshot> parent = get(chain.back()->length - static_cast<std::int64_t>(chain.back()->tokens.size()));
+      std::shared_ptr<Snapshot> parent = get(chain.back()->length -
+                                             static_cast<std::int64_t>(chain.back()->tokens.size()));
       if (!parent) break;
       chain.push_back(std::move(parent));
     }
@@ -330,7 +330,8 @@ bool PrefixCache::join(const std::vector<std::shared_ptr<Snapshot>>& chain, Snap
     o.kind = src.kind;
     for (std::size_t i = 0; i < chain.size(); ++i) {
       const LayerSnapshot& e = chain[i]->layers[l];
-      if (e.kind != src.kind || e.sides.size() != src.sides.size() || present(e.keys) != present(src.keys)) return false;
+      if (e.kind != src.kind || e.sides.size() != src.sides.size() || present(e.keys) != present(src.keys))
+        return false;
       firsts[i] = e.first;
     }
     if (present(src.keys)) {

@@ -20,10 +20,10 @@
 #include <string_view>
 #include <utility>
 
+#include "cache/layer_kinds.h"
 #include "rewind/checksum.h"
 #include "rewind/error.h"
 #include "rewind/snapshot.h"
-#include "cache/layer_kinds.h"
 
 namespace rwd {
 namespace {
@@ -65,10 +65,16 @@ std::uint32_t crc_of(const std::byte* p, std::size_t n) { return crc32c(std::spa
 
 // Explicit tables rather than the enums' values: reordering an enum must not
 // change the format.
-constexpr std::array<LayerKind, 10> kKindCodes{
-    LayerKind::FullAttention, LayerKind::SlidingAttention, LayerKind::ChunkedAttention,
-    LayerKind::LinearAttention, LayerKind::Conv, LayerKind::Hybrid, LayerKind::HybridSliding,
-    LayerKind::SparseAttention, LayerKind::Moe, LayerKind::Mlp};
+constexpr std::array<LayerKind, 10> kKindCodes{LayerKind::FullAttention,
+                                               LayerKind::SlidingAttention,
+                                               LayerKind::ChunkedAttention,
+                                               LayerKind::LinearAttention,
+                                               LayerKind::Conv,
+                                               LayerKind::Hybrid,
+                                               LayerKind::HybridSliding,
+                                               LayerKind::SparseAttention,
+                                               LayerKind::Moe,
+                                               LayerKind::Mlp};
 constexpr std::array<DType, 3> kDTypeCodes{DType::F32, DType::F16, DType::BF16};
 
 template <typename T, std::size_t N>
@@ -155,11 +161,11 @@ std::string shape_problem(Role role, const Shape& s, std::int64_t n, std::int64_
   }
   if (!problem.empty()) return problem;
   const std::string shape = shape_string(s);
-  const char* pattern = role == Role::Keys        ? "[1, H, n, key_dim]"
-                        : role == Role::Values    ? "[1, H, n, value_dim]"
-                        : role == Role::Side      ? "[1, n, D]"
-                        : role == Role::Conv      ? "[1, channels, K]"
-                                                  : "[1, shape...]";
+  const char* pattern = role == Role::Keys     ? "[1, H, n, key_dim]"
+                        : role == Role::Values ? "[1, H, n, value_dim]"
+                        : role == Role::Side   ? "[1, n, D]"
+                        : role == Role::Conv   ? "[1, channels, K]"
+                                               : "[1, shape...]";
   if (e(0) != 1) return "shape " + shape + " must be " + pattern + ": the batch extent must be 1";
   const int token_dim = role == Role::Keys || role == Role::Values ? 2 : role == Role::Side ? 1 : -1;
   for (int d = 1; d < s.rank; ++d) {
@@ -296,8 +302,8 @@ class Reader {
   template <typename What>
   void need(std::uint64_t n, What&& what) const {
     if (n > remaining()) {
-      malformed("truncated at byte " + unum(in_.size()) + " while reading " + what() + " (bytes [" + unum(pos_) +
-                ", " + unum(pos_ + n) + ") needed)");
+      malformed("truncated at byte " + unum(in_.size()) + " while reading " + what() + " (bytes [" + unum(pos_) + ", " +
+                unum(pos_ + n) + ") needed)");
     }
   }
   std::uint32_t u32() {
@@ -498,13 +504,13 @@ std::int64_t check_snapshot_fields(const Snapshot& snapshot, std::string_view mo
     invalid(unum(snapshot.tokens.size()) + " tokens, more than the length " + num(L));
   }
   if (snapshot.parent.size() > kMaxParent) {
-    invalid("parent key of " + unum(snapshot.parent.size()) + " characters, at most " + unum(kMaxParent) +
-            " allowed");
+    invalid("parent key of " + unum(snapshot.parent.size()) + " characters, at most " + unum(kMaxParent) + " allowed");
   }
   for (std::size_t i = 0; i < snapshot.parent.size(); ++i) {
     if (!is_parent_char(snapshot.parent[i])) {
-      invalid("parent key \"" + snapshot.parent + "\" has character " + num(static_cast<unsigned char>(snapshot.parent[i])) +
-              " at index " + unum(i) + "; allowed are [A-Za-z0-9._:-]");
+      invalid("parent key \"" + snapshot.parent + "\" has character " +
+              num(static_cast<unsigned char>(snapshot.parent[i])) + " at index " + unum(i) +
+              "; allowed are [A-Za-z0-9._:-]");
     }
   }
   if (is_empty_tensor(snapshot.logits)) return 0;
@@ -575,9 +581,10 @@ void write_layers(Writer& w, const Snapshot& snapshot, const std::vector<SizedPa
     w.u32(static_cast<std::uint32_t>(layer.recurrent_states.size()));
     w.i64(layer.first);
     w.crc_since(head);
-    const std::size_t count = (detail::kind_has_attention(layer.kind) ? 2 : 0) + layer.sides.size() + layer.conv_states.size() +
-                              layer.recurrent_states.size();
-    for (std::size_t k = 0; k < count; ++k, ++next_part) write_part(w, *parts[next_part].tensor, parts[next_part].bytes);
+    const std::size_t count = (detail::kind_has_attention(layer.kind) ? 2 : 0) + layer.sides.size() +
+                              layer.conv_states.size() + layer.recurrent_states.size();
+    for (std::size_t k = 0; k < count; ++k, ++next_part)
+      write_part(w, *parts[next_part].tensor, parts[next_part].bytes);
   }
 }
 
@@ -591,8 +598,7 @@ std::vector<std::byte> serialize_snapshot(const Snapshot& snapshot, std::string_
   std::vector<SizedPart> parts;
   std::uint64_t total = kHeaderBytes + model_fingerprint.size() + kCrcBytes;
   total += check_layers(snapshot, parts);
-  total += 4 * snapshot.tokens.size() + 4 * static_cast<std::uint64_t>(num_logits) + snapshot.parent.size() +
-           kCrcBytes;
+  total += 4 * snapshot.tokens.size() + 4 * static_cast<std::uint64_t>(num_logits) + snapshot.parent.size() + kCrcBytes;
   if (total > std::numeric_limits<std::size_t>::max()) {
     throw CapacityError("serialize_snapshot: the snapshot needs " + unum(total) + " bytes");
   }

@@ -64,8 +64,8 @@ std::optional<std::vector<std::byte>> BlobStore::get_bounded(const std::string& 
   std::optional<std::vector<std::byte>> value = get(key);
   if (value && value->size() > max_bytes) {
     throw StoreValueError(describe() + ": get of key '" + detail::printable(key) + "': its value of " +
-                          std::to_string(value->size()) + " bytes is over the limit of " +
-                          std::to_string(max_bytes) + " bytes the caller accepts");
+                          std::to_string(value->size()) + " bytes is over the limit of " + std::to_string(max_bytes) +
+                          " bytes the caller accepts");
   }
   return value;
 }

@@ -29,11 +29,23 @@ std::unique_ptr<SeqModel> setup(const std::vector<LayerKind>& kinds, std::string
   spec.kinds = kinds;
   spec.block_size = 4;
   auto m = std::make_unique<SeqModel>(spec);
-  for (auto step : std::vector<std::function<std::string()>>{
-           [&] { return m->add(); }, [&] { return m->add(); }, [&] { return m->forward({{0, 5}, {1, 3}}); },
-           [&] { return m->take_snapshot(0); }, [&] { return m->forward({{0, 2}}); },
-           [&] { return m->activate(1, 3); }, [&] { return m->forward({{1, 2}}); }, [&] { return m->add(); },
-           [&] { return m->forward({{2, 9}}); }, [&] { return m->remove(2); }, [&] { return m->add(); }}) {
+  for (auto step : std::vector<std::function<std::string()>>{[&] { return m->add(); }, [&] { return m->add(); },
+                                                             [&] {
+                                                               return m->forward({{0, 5}, {1, 3}});
+                                                             },
+                                                             [&] { return m->take_snapshot(0); },
+                                                             [&] {
+                                                               return m->forward({{0, 2}});
+                                                             },
+                                                             [&] { return m->activate(1, 3); },
+                                                             [&] {
+                                                               return m->forward({{1, 2}});
+                                                             },
+                                                             [&] { return m->add(); },
+                                                             [&] {
+                                                               return m->forward({{2, 9}});
+                                                             },
+                                                             [&] { return m->remove(2); }, [&] { return m->add(); }}) {
     if (error = step(); !error.empty()) return m;
   }
   return m;
@@ -46,11 +58,26 @@ struct SeqOp {
 
 std::vector<SeqOp> seq_ops() {
   return {
-      {"begin_batch {0: 1}", [](SeqModel& m) { return m.forward({{0, 1}}); }},
-      {"begin_batch {0: 5, 1: 17}", [](SeqModel& m) { return m.forward({{0, 5}, {1, 17}}); }},
-      {"begin_batch {2: 40}", [](SeqModel& m) { return m.forward({{2, 40}}); }},
-      {"begin_batch {0: 16, 1: 1, 2: 33}", [](SeqModel& m) { return m.forward({{0, 16}, {1, 1}, {2, 33}}); }},
-      {"begin_batch {1: 0, 0: 9}", [](SeqModel& m) { return m.forward({{1, 0}, {0, 9}}); }},
+      {"begin_batch {0: 1}",
+       [](SeqModel& m) {
+         return m.forward({{0, 1}});
+       }},
+      {"begin_batch {0: 5, 1: 17}",
+       [](SeqModel& m) {
+         return m.forward({{0, 5}, {1, 17}});
+       }},
+      {"begin_batch {2: 40}",
+       [](SeqModel& m) {
+         return m.forward({{2, 40}});
+       }},
+      {"begin_batch {0: 16, 1: 1, 2: 33}",
+       [](SeqModel& m) {
+         return m.forward({{0, 16}, {1, 1}, {2, 33}});
+       }},
+      {"begin_batch {1: 0, 0: 9}",
+       [](SeqModel& m) {
+         return m.forward({{1, 0}, {0, 9}});
+       }},
       {"fork(0)", [](SeqModel& m) { return m.fork(0); }},
       {"fork(1)", [](SeqModel& m) { return m.fork(1); }},
       {"snapshot(1)", [](SeqModel& m) { return m.take_snapshot(1); }},

@@ -283,7 +283,8 @@ TEST(BudgetSweep, PerLayerUpdatesWithoutBeginForwardRefuseChangingNothing) {
             } catch (const rwd::CapacityError& e) {
               ++refusals;
               refused = true;
-              ASSERT_EQ(memory_str(b.cache.memory()), mem_before) << mix_name(kinds) << " layer " << li << ": " << e.what();
+              ASSERT_EQ(memory_str(b.cache.memory()), mem_before)
+                  << mix_name(kinds) << " layer " << li << ": " << e.what();
               ASSERT_EQ(diff(before, observe(b.cache)), "") << mix_name(kinds) << " layer " << li;
               break;
             }

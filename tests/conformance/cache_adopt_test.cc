@@ -42,11 +42,14 @@ std::vector<float> keys_of(const Layer& l, std::int64_t b) {
 TEST(CacheAdopt, TakesLayersInAnyStateAndGivesThemBack) {
   std::vector<Layer> layers;
   layers.emplace_back(LayerKind::FullAttention, attention_options(2), 7);
-  layers.emplace_back(LayerKind::SlidingAttention, [] {
-    LayerOptions o = attention_options(2);
-    o.sliding_window = 3;
-    return o;
-  }(), 7);
+  layers.emplace_back(
+      LayerKind::SlidingAttention,
+      [] {
+        LayerOptions o = attention_options(2);
+        o.sliding_window = 3;
+        return o;
+      }(),
+      7);
   for (Layer& l : layers) {
     l.activate_past_recording(2);
     feed(l, 5);

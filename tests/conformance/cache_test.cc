@@ -12,9 +12,16 @@
 namespace rwt {
 namespace {
 
-const char* const kAllTypeNames[] = {
-    "full_attention", "sliding_attention", "chunked_attention", "linear_attention", "conv",
-    "hybrid", "hybrid_sliding", "deepseek_sparse_attention", "moe", "mlp"};
+const char* const kAllTypeNames[] = {"full_attention",
+                                     "sliding_attention",
+                                     "chunked_attention",
+                                     "linear_attention",
+                                     "conv",
+                                     "hybrid",
+                                     "hybrid_sliding",
+                                     "deepseek_sparse_attention",
+                                     "moe",
+                                     "mlp"};
 
 // Every kind, each with the options it needs (side tensors only on sparse).
 std::vector<std::pair<LayerKind, LayerOptions>> every_kind(i64 batch, DType dt = DType::F32) {
@@ -29,8 +36,7 @@ std::vector<std::pair<LayerKind, LayerOptions>> every_kind(i64 batch, DType dt =
 // ---- construction ------------------------------------------------------------
 
 TEST(Construction, LayerTypeNamesRoundTrip) {
-  for (const char* name : kAllTypeNames)
-    EXPECT_EQ(rwd::layer_kind_name(rwd::parse_layer_kind(name)), name);
+  for (const char* name : kAllTypeNames) EXPECT_EQ(rwd::layer_kind_name(rwd::parse_layer_kind(name)), name);
   EXPECT_EQ(rwd::parse_layer_kind("sliding_attention"), LayerKind::SlidingAttention);
   EXPECT_EQ(rwd::parse_layer_kind("deepseek_sparse_attention"), LayerKind::SparseAttention);
   EXPECT_EQ(rwd::parse_layer_kind("hybrid_sliding"), LayerKind::HybridSliding);
@@ -49,9 +55,15 @@ TEST(Construction, CacheFromLayerTypes) {
   // uses side tensors.
   LayerOptions o = small_options(LayerKind::HybridSliding);
   o.chunk_size = 4;
-  const std::vector<std::string> types = {"full_attention", "sliding_attention",
-                                          "chunked_attention", "linear_attention",
-                                          "conv", "hybrid", "hybrid_sliding", "moe", "mlp"};
+  const std::vector<std::string> types = {"full_attention",
+                                          "sliding_attention",
+                                          "chunked_attention",
+                                          "linear_attention",
+                                          "conv",
+                                          "hybrid",
+                                          "hybrid_sliding",
+                                          "moe",
+                                          "mlp"};
   Cache cache(types, o);
   ASSERT_EQ(cache.num_layers(), 9);
   RefCache ref;
@@ -323,8 +335,7 @@ TEST_P(BatchOps, BadArgumentsChangeNothing) {
   b.ref.activate(2);
   ASSERT_EQ(cache_step(b.cache, b.ref, 5, 1), "");
   const Observed before = observe(b.cache);
-  const std::vector<i64> empty, out_of_range = {0, 3}, negative = {-1}, short_beams = {0, 1},
-                                 bad_beams = {0, 1, 7};
+  const std::vector<i64> empty, out_of_range = {0, 3}, negative = {-1}, short_beams = {0, 1}, bad_beams = {0, 1, 7};
   EXPECT_THROW(b.cache.batch_select_indices(empty), rwd::InvalidArgument);
   EXPECT_THROW(b.cache.batch_select_indices(out_of_range), rwd::IndexError);
   EXPECT_THROW(b.cache.batch_select_indices(negative), rwd::IndexError);
@@ -336,9 +347,7 @@ TEST_P(BatchOps, BadArgumentsChangeNothing) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Dtypes, BatchOps, testing::Values(DType::F32, DType::BF16),
-                         [](const testing::TestParamInfo<DType>& i) {
-                           return std::string(rwd::dtype_name(i.param));
-                         });
+                         [](const testing::TestParamInfo<DType>& i) { return std::string(rwd::dtype_name(i.param)); });
 
 // ---- reset ----------------------------------------------------------------------------
 
@@ -378,9 +387,7 @@ TEST(Reset, IndistinguishableFromNew) {
         const StepData st = ru.make_step(q, salt);
         StepOutputs a, c;
         ASSERT_EQ(do_update(Target::of(used.cache, i), ru, st, {}, &a), "");
-        ASSERT_EQ(do_update(Target::of(fresh.cache, i), fresh.ref.layers[static_cast<std::size_t>(i)],
-                            st, {}, &c),
-                  "");
+        ASSERT_EQ(do_update(Target::of(fresh.cache, i), fresh.ref.layers[static_cast<std::size_t>(i)], st, {}, &c), "");
         ASSERT_TRUE(a == c) << "layer " << i << ": outputs differ from a new cache's";
       }
       ASSERT_EQ(diff(observe(fresh.cache), observe(used.cache)), "");
@@ -431,7 +438,8 @@ TEST(EncoderDecoder, CrossWrittenOnceNeverCroppedBatchedWithSelf) {
     const rwd::KeyValueView kv = ed.update_cross_attention(k.view(), v.view(), 0);
     cref.layers[0].apply_update(enc);
     EXPECT_EQ(check_view("cross keys", kv.keys, DType::F32, {2, 2, 6, 3}, cref.layers[0].expect_kv(true, 0, 6)), "");
-    EXPECT_EQ(check_view("cross values", kv.values, DType::F32, {2, 2, 6, 2}, cref.layers[0].expect_kv(false, 0, 6)), "");
+    EXPECT_EQ(check_view("cross values", kv.values, DType::F32, {2, 2, 6, 2}, cref.layers[0].expect_kv(false, 0, 6)),
+              "");
   }
   EXPECT_TRUE(ed.is_cross_attention_updated(0));
   EXPECT_FALSE(ed.is_cross_attention_updated(1));
@@ -441,7 +449,8 @@ TEST(EncoderDecoder, CrossWrittenOnceNeverCroppedBatchedWithSelf) {
     const HostTensor k = cref.layers[0].kv_input(other, true, false);
     const HostTensor v = cref.layers[0].kv_input(other, false, false);
     const rwd::KeyValueView kv = ed.update_cross_attention(k.view(), v.view(), 0);
-    EXPECT_EQ(check_view("cross keys again", kv.keys, DType::F32, {2, 2, 6, 3}, cref.layers[0].expect_kv(true, 0, 6)), "");
+    EXPECT_EQ(check_view("cross keys again", kv.keys, DType::F32, {2, 2, 6, 3}, cref.layers[0].expect_kv(true, 0, 6)),
+              "");
     EXPECT_EQ(ed.cross_attention_cache().get_seq_length(0), 6);
   }
   ASSERT_EQ(verify(ed.cross_attention_cache().layer(0), cref.layers[0]), "");

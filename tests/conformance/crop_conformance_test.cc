@@ -61,8 +61,8 @@ class CropConformance : public testing::TestWithParam<Param> {
   // Full attention (with or without side tensors) and placeholders accept every crop.
   bool ref_never_refuses() const {
     const LayerKind k = kc().kind;
-    return k == LayerKind::FullAttention || k == LayerKind::SparseAttention ||
-           k == LayerKind::Moe || k == LayerKind::Mlp;
+    return k == LayerKind::FullAttention || k == LayerKind::SparseAttention || k == LayerKind::Moe ||
+           k == LayerKind::Mlp;
   }
 };
 
@@ -84,8 +84,7 @@ bool reach(Layer& layer, RefLayer& ref, i64 L, int pattern, std::uint64_t& salt,
     }
     return L > 1;
   }
-  while (err.empty() && ref.L < L + 2)
-    err = do_update(Target::of(layer), ref, std::min<i64>(3, L + 2 - ref.L), ++salt);
+  while (err.empty() && ref.L < L + 2) err = do_update(Target::of(layer), ref, std::min<i64>(3, L + 2 - ref.L), ++salt);
   if (!err.empty()) return true;
   const Expect x = ref.crop_expect(-2);
   if (!x.ok()) return false;
@@ -103,10 +102,9 @@ TEST_P(CropConformance, CropMatchesReferenceOrRefusesUnchanged) {
     // Three histories in f32; the 2-byte types (stored the same way) get one.
     const int patterns = dt() == DType::F32 ? 3 : 1;
     for (int pattern = 0; pattern < patterns; ++pattern) {
-      for (i64 n : {i64{5}, i64{4}, i64{3}, i64{2}, i64{1}, i64{0}, i64{-1}, i64{-2}, i64{-3},
-                    i64{-5}, -L, -(L + 1)}) {
-        SCOPED_TRACE("L=" + std::to_string(L) + " pattern=" + std::to_string(pattern) +
-                     " crop(" + std::to_string(n) + ")");
+      for (i64 n : {i64{5}, i64{4}, i64{3}, i64{2}, i64{1}, i64{0}, i64{-1}, i64{-2}, i64{-3}, i64{-5}, -L, -(L + 1)}) {
+        SCOPED_TRACE("L=" + std::to_string(L) + " pattern=" + std::to_string(pattern) + " crop(" + std::to_string(n) +
+                     ")");
         Layer layer(kc().kind, o);
         layer.set_index(2);
         RefLayer ref(kc().kind, o, 2);
@@ -201,15 +199,13 @@ TEST_P(FullRollback, IsANewLayer) {
 
 INSTANTIATE_TEST_SUITE_P(AllKinds, CropConformance,
                          testing::Combine(testing::Range(0, static_cast<int>(std::size(kKinds))),
-                                          testing::ValuesIn(kRecordings),
-                                          testing::ValuesIn(kDtypes)),
+                                          testing::ValuesIn(kRecordings), testing::ValuesIn(kDtypes)),
                          param_name);
 
 // Stateful kinds only (the last two entries are the placeholders).
 INSTANTIATE_TEST_SUITE_P(StatefulKinds, FullRollback,
                          testing::Combine(testing::Range(0, static_cast<int>(std::size(kKinds)) - 2),
-                                          testing::ValuesIn(kRecordings),
-                                          testing::Values(DType::F32, DType::BF16)),
+                                          testing::ValuesIn(kRecordings), testing::Values(DType::F32, DType::BF16)),
                          param_name);
 
 }  // namespace

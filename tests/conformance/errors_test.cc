@@ -62,8 +62,7 @@ TEST(Messages, NotTrackingSlidingWindowReached) {
 
 TEST(Messages, LinearLayersOnlyNegativeCrop) {
   WarningCapture quiet;
-  for (LayerKind kind : {LayerKind::LinearAttention, LayerKind::Conv, LayerKind::Hybrid,
-                         LayerKind::HybridSliding}) {
+  for (LayerKind kind : {LayerKind::LinearAttention, LayerKind::Conv, LayerKind::Hybrid, LayerKind::HybridSliding}) {
     SCOPED_TRACE(std::string(rwd::layer_kind_name(kind)));
     Layer layer(kind, small_options(kind), 6);
     RefLayer ref(kind, small_options(kind), 6);
@@ -99,8 +98,8 @@ TEST(Messages, OnceSlidingWindowReached) {
 }
 
 TEST(Messages, UpdateConvStateOnAttentionLayer) {
-  Built b = build_cache({{LayerKind::FullAttention, small_options(LayerKind::FullAttention)},
-                         {LayerKind::Moe, LayerOptions{}}});
+  Built b = build_cache(
+      {{LayerKind::FullAttention, small_options(LayerKind::FullAttention)}, {LayerKind::Moe, LayerOptions{}}});
   HostTensor x(DType::F32, {2, 3, 1});
   const std::string m = message_of<rwd::StateError>([&] { (void)b.cache.update_conv_state(x.view(), 0); });
   EXPECT_TRUE(starts_with(m, kConvOnNonLinear)) << m;
@@ -162,13 +161,23 @@ TEST_F(BadInput, UpdateKeysValues) {
     const HostTensor good_k = kv({2, 2, 1, 3}), good_v = kv({2, 2, 1, 2});
     using IA = rwd::InvalidArgument;
     check<IA>("rank 3 keys", layer, {}, [&] { (void)cache().update(kv({2, 2, 3}).view(), good_v.view(), layer); });
-    check<IA>("3 heads", layer, {3}, [&] { (void)cache().update(kv({2, 3, 1, 3}).view(), kv({2, 3, 1, 2}).view(), layer); });
+    check<IA>("3 heads", layer, {3}, [&] {
+      (void)cache().update(kv({2, 3, 1, 3}).view(), kv({2, 3, 1, 2}).view(), layer);
+    });
     check<IA>("key_dim 4", layer, {4}, [&] { (void)cache().update(kv({2, 2, 1, 4}).view(), good_v.view(), layer); });
     check<IA>("value_dim 3", layer, {}, [&] { (void)cache().update(good_k.view(), kv({2, 2, 1, 3}).view(), layer); });
-    check<IA>("values q != keys q", layer, {}, [&] { (void)cache().update(good_k.view(), kv({2, 2, 2, 2}).view(), layer); });
-    check<IA>("f16 keys", layer, {}, [&] { (void)cache().update(kv({2, 2, 1, 3}, DType::F16).view(), kv({2, 2, 1, 2}, DType::F16).view(), layer); });
-    check<IA>("batch 3", layer, {3}, [&] { (void)cache().update(kv({3, 2, 1, 3}).view(), kv({3, 2, 1, 2}).view(), layer); });
-    check<IA>("q = 0", layer, {}, [&] { (void)cache().update(kv({2, 2, 0, 3}).view(), kv({2, 2, 0, 2}).view(), layer); });
+    check<IA>("values q != keys q", layer, {}, [&] {
+      (void)cache().update(good_k.view(), kv({2, 2, 2, 2}).view(), layer);
+    });
+    check<IA>("f16 keys", layer, {}, [&] {
+      (void)cache().update(kv({2, 2, 1, 3}, DType::F16).view(), kv({2, 2, 1, 2}, DType::F16).view(), layer);
+    });
+    check<IA>("batch 3", layer, {3}, [&] {
+      (void)cache().update(kv({3, 2, 1, 3}).view(), kv({3, 2, 1, 2}).view(), layer);
+    });
+    check<IA>("q = 0", layer, {}, [&] {
+      (void)cache().update(kv({2, 2, 0, 3}).view(), kv({2, 2, 0, 2}).view(), layer);
+    });
     check<IA>("get_mask_sizes(0)", layer, {}, [&] { (void)cache().get_mask_sizes(0, layer); });
   }
 }
@@ -186,11 +195,15 @@ TEST_F(BadInput, SideTensors) {
 
 TEST_F(BadInput, ConvAndRecurrentStates) {
   using IA = rwd::InvalidArgument;
-  check<IA>("conv channels 2 instead of 3", 2, {}, [&] { (void)cache().update_conv_state(kv({2, 2, 1}).view(), 2, 0); });
+  check<IA>("conv channels 2 instead of 3", 2, {}, [&] {
+    (void)cache().update_conv_state(kv({2, 2, 1}).view(), 2, 0);
+  });
   check<IA>("conv batch 1", 2, {}, [&] { (void)cache().update_conv_state(kv({1, 3, 1}).view(), 2, 0); });
   check<IA>("conv rank 2", 2, {}, [&] { (void)cache().update_conv_state(kv({2, 3}).view(), 2, 0); });
   check<IA>("conv dtype", 2, {}, [&] { (void)cache().update_conv_state(kv({2, 3, 1}, DType::F16).view(), 2, 0); });
-  check<rwd::IndexError>("conv state 2 of 2", 2, {2}, [&] { (void)cache().update_conv_state(kv({2, 3, 1}).view(), 2, 2); });
+  check<rwd::IndexError>("conv state 2 of 2", 2, {2}, [&] {
+    (void)cache().update_conv_state(kv({2, 3, 1}).view(), 2, 2);
+  });
   check<rwd::IndexError>("get_conv_state(5)", -1, {}, [&] { (void)cache().get_conv_state(2, 5); });
   check<rwd::IndexError>("recurrent state 2 of 2", 2, {2}, [&] { (void)cache().begin_recurrent_update(1, 2, 2); });
   check<IA>("recurrent q = 0", 2, {}, [&] { (void)cache().begin_recurrent_update(0, 2, 0); });

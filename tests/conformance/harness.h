@@ -17,16 +17,20 @@ using rwd::Cache;
 using rwd::Layer;
 
 // Every layer kind the library has, in LayerKind's order.
-inline const std::vector<LayerKind> kEveryLayerKind = {
-    LayerKind::FullAttention, LayerKind::SlidingAttention, LayerKind::ChunkedAttention,
-    LayerKind::LinearAttention, LayerKind::Conv,          LayerKind::Hybrid,
-    LayerKind::HybridSliding,   LayerKind::SparseAttention, LayerKind::Moe,
-    LayerKind::Mlp};
+inline const std::vector<LayerKind> kEveryLayerKind = {LayerKind::FullAttention,
+                                                       LayerKind::SlidingAttention,
+                                                       LayerKind::ChunkedAttention,
+                                                       LayerKind::LinearAttention,
+                                                       LayerKind::Conv,
+                                                       LayerKind::Hybrid,
+                                                       LayerKind::HybridSliding,
+                                                       LayerKind::SparseAttention,
+                                                       LayerKind::Moe,
+                                                       LayerKind::Mlp};
 
 // ---- standard small shapes (W = 4, C = 4, K = 3, 2 heads, dims 3 / 2) --------
 
-inline LayerOptions small_options(LayerKind kind, DType dt = DType::F32, bool is_static = false,
-                                  i64 batch = 2) {
+inline LayerOptions small_options(LayerKind kind, DType dt = DType::F32, bool is_static = false, i64 batch = 2) {
   LayerOptions o;
   o.dtype = dt;
   o.recurrent_dtype = dt;
@@ -68,9 +72,7 @@ struct Target {
   static Target of(Cache& c, int i) { return Target{nullptr, &c, i}; }
 
   const Layer& get() const { return cache ? cache->layer(idx) : *layer; }
-  MaskSizes mask(i64 q) const {
-    return cache ? cache->get_mask_sizes(q, idx) : layer->get_mask_sizes(q);
-  }
+  MaskSizes mask(i64 q) const { return cache ? cache->get_mask_sizes(q, idx) : layer->get_mask_sizes(q); }
   rwd::KeyValueView update(const TensorView& k, const TensorView& v) const {
     return cache ? cache->update(k, v, idx) : layer->update(k, v);
   }
@@ -93,17 +95,14 @@ struct Target {
 
 // ---- comparisons ---------------------------------------------------------------
 
-inline std::string check_view(const std::string& what, const TensorView& v, DType dt,
-                              const std::vector<i64>& shape, const Bytes& want) {
+inline std::string check_view(const std::string& what, const TensorView& v, DType dt, const std::vector<i64>& shape,
+                              const Bytes& want) {
   if (v.dtype != dt)
-    return what + ": dtype " + std::string(rwd::dtype_name(v.dtype)) + ", expected " +
-           std::string(rwd::dtype_name(dt));
-  if (shape_of(v) != shape)
-    return what + ": shape " + shape_str(shape_of(v)) + ", expected " + shape_str(shape);
+    return what + ": dtype " + std::string(rwd::dtype_name(v.dtype)) + ", expected " + std::string(rwd::dtype_name(dt));
+  if (shape_of(v) != shape) return what + ": shape " + shape_str(shape_of(v)) + ", expected " + shape_str(shape);
   const Bytes got = gather(v);
   if (got.size() != want.size())
-    return what + ": " + std::to_string(got.size()) + " bytes, expected " +
-           std::to_string(want.size());
+    return what + ": " + std::to_string(got.size()) + " bytes, expected " + std::to_string(want.size());
   for (std::size_t i = 0; i < got.size(); ++i)
     if (got[i] != want[i]) {
       const std::size_t e = i / rwd::dtype_size(dt);
@@ -131,8 +130,8 @@ struct UpdateStyle {
 // keys / values, side rows, conv states, recurrent states) and checks each
 // result against the reference, which is then advanced. Returns "" or the
 // first mismatch.
-inline std::string do_update(const Target& t, RefLayer& ref, const StepData& st,
-                             UpdateStyle style = {}, StepOutputs* out = nullptr) {
+inline std::string do_update(const Target& t, RefLayer& ref, const StepData& st, UpdateStyle style = {},
+                             StepOutputs* out = nullptr) {
   const i64 L0 = ref.L;
   const i64 q = st.q;
   // The reference keeps the full history, so the expectations can be read
@@ -150,17 +149,14 @@ inline std::string do_update(const Target& t, RefLayer& ref, const StepData& st,
       const MaskSizes want = mask_before;
       if (ms.kv_length != want.kv_length || ms.kv_offset != want.kv_offset)
         return "get_mask_sizes(" + std::to_string(q) + ") at L=" + std::to_string(L0) + " = (" +
-               std::to_string(ms.kv_length) + ", " + std::to_string(ms.kv_offset) +
-               "), expected (" + std::to_string(want.kv_length) + ", " +
-               std::to_string(want.kv_offset) + ")";
+               std::to_string(ms.kv_length) + ", " + std::to_string(ms.kv_offset) + "), expected (" +
+               std::to_string(want.kv_length) + ", " + std::to_string(want.kv_offset) + ")";
       const HostTensor k = ref.kv_input(st, true, style.strided);
       const HostTensor v = ref.kv_input(st, false, style.strided);
       const rwd::KeyValueView kv = t.update(k.view(), v.view());
       const i64 from = want.kv_offset, to = L0 + q;
-      err = check_view("update keys (positions " + std::to_string(from) + ".." +
-                           std::to_string(to - 1) + ")",
-                       kv.keys, ref.dtype(), {ref.B, ref.H, to - from, ref.Dk},
-                       next.expect_kv(true, from, to));
+      err = check_view("update keys (positions " + std::to_string(from) + ".." + std::to_string(to - 1) + ")", kv.keys,
+                       ref.dtype(), {ref.B, ref.H, to - from, ref.Dk}, next.expect_kv(true, from, to));
       if (!err.empty()) return err;
       err = check_view("update values", kv.values, ref.dtype(), {ref.B, ref.H, to - from, ref.Dv},
                        next.expect_kv(false, from, to));
@@ -170,8 +166,8 @@ inline std::string do_update(const Target& t, RefLayer& ref, const StepData& st,
       for (std::size_t s = 0; s < ref.side_dims.size(); ++s) {
         const HostTensor r = ref.side_input(st, s);
         const TensorView got = t.update_side(static_cast<int>(s), r.view());
-        err = check_view("update_side " + std::to_string(s), got, ref.dtype(),
-                         {ref.B, to - from, ref.side_dims[s]}, next.expect_side(s, from, to));
+        err = check_view("update_side " + std::to_string(s), got, ref.dtype(), {ref.B, to - from, ref.side_dims[s]},
+                         next.expect_side(s, from, to));
         if (!err.empty()) return err;
         note("side", gather(got));
       }
@@ -180,8 +176,7 @@ inline std::string do_update(const Target& t, RefLayer& ref, const StepData& st,
       const HostTensor x = ref.conv_input(st, s);
       const TensorView got = t.update_conv(static_cast<int>(s), x.view());
       err = check_view("update_conv_state " + std::to_string(s), got, ref.dtype(),
-                       {ref.B, ref.conv_ch[s], ref.K - 1 + q},
-                       next.expect_conv(s, L0 - ref.K + 1, L0 + q));
+                       {ref.B, ref.conv_ch[s], ref.K - 1 + q}, next.expect_conv(s, L0 - ref.K + 1, L0 + q));
       if (!err.empty()) return err;
       note("conv", gather(got));
     }
@@ -196,30 +191,30 @@ inline std::string do_update(const Target& t, RefLayer& ref, const StepData& st,
       }
       rwd::RecurrentUpdate u = t.begin(static_cast<int>(s), q);
       if (u.num_tokens() != q) return "RecurrentUpdate::num_tokens() != q";
-      err = check_view("recurrent previous() " + std::to_string(s), u.previous(), ref.rdtype(),
-                       shape, ref.expect_rec(s, L0));
+      err = check_view("recurrent previous() " + std::to_string(s), u.previous(), ref.rdtype(), shape,
+                       ref.expect_rec(s, L0));
       if (!err.empty()) return err;
       note("previous", gather(u.previous()));
       for (i64 j = 1; j <= q; ++j) {
         const TensorView slot = u.next(j);
         if (shape_of(slot) != shape || slot.dtype != ref.rdtype())
-          return "recurrent next(" + std::to_string(j) + ") has shape " +
-                 shape_str(shape_of(slot)) + ", expected " + shape_str(shape);
+          return "recurrent next(" + std::to_string(j) + ") has shape " + shape_str(shape_of(slot)) + ", expected " +
+                 shape_str(shape);
         scatter(next.expect_rec(s, L0 + j), slot);
       }
       u.commit();
     }
   } catch (const rwd::Error& e) {
-    return std::string("unexpected ") + err_name(classify(e)) + " during update of " +
-           std::to_string(q) + " at L=" + std::to_string(L0) + ": " + e.what();
+    return std::string("unexpected ") + err_name(classify(e)) + " during update of " + std::to_string(q) +
+           " at L=" + std::to_string(L0) + ": " + e.what();
   } catch (const std::exception& e) {
     return std::string("unexpected non-rewind exception during update: ") + e.what();
   }
   return "";
 }
 
-inline std::string do_update(const Target& t, RefLayer& ref, i64 q, std::uint64_t salt,
-                             UpdateStyle style = {}, StepOutputs* out = nullptr) {
+inline std::string do_update(const Target& t, RefLayer& ref, i64 q, std::uint64_t salt, UpdateStyle style = {},
+                             StepOutputs* out = nullptr) {
   return do_update(t, ref, ref.make_step(q, salt), style, out);
 }
 
@@ -230,42 +225,39 @@ inline std::string verify(const Layer& layer, const RefLayer& ref) {
     if (layer.get_seq_length() != ref.L)
       return "get_seq_length() = " + num(layer.get_seq_length()) + ", expected " + num(ref.L);
     if (ref.stateless()) return "";
-    if (layer.batch_size() != ref.B)
-      return "batch_size() = " + num(layer.batch_size()) + ", expected " + num(ref.B);
+    if (layer.batch_size() != ref.B) return "batch_size() = " + num(layer.batch_size()) + ", expected " + num(ref.B);
     if (layer.is_recording() != ref.recording)
       return std::string("is_recording() = ") + (layer.is_recording() ? "true" : "false");
     if (layer.recording_capacity() != (ref.recording ? ref.R : 0))
       return "recording_capacity() = " + num(layer.recording_capacity()) + ", expected " +
              num(ref.recording ? ref.R : 0);
     if (layer.max_rollback() != ref.max_rollback())
-      return "max_rollback() = " + num(layer.max_rollback()) + ", expected " +
-             num(ref.max_rollback()) + " (L=" + num(ref.L) + ")";
+      return "max_rollback() = " + num(layer.max_rollback()) + ", expected " + num(ref.max_rollback()) +
+             " (L=" + num(ref.L) + ")";
     if (ref.has_attention()) {
       const rwd::PositionRange r = layer.stored_range();
       if (r.first != ref.first || r.end != ref.L)
-        return "stored_range() = [" + num(r.first) + ", " + num(r.end) + "), expected [" +
-               num(ref.first) + ", " + num(ref.L) + ")";
+        return "stored_range() = [" + num(r.first) + ", " + num(r.end) + "), expected [" + num(ref.first) + ", " +
+               num(ref.L) + ")";
       const rwd::KeyValueView kv = layer.keys_values();
       const i64 n = ref.L - ref.first;
-      std::string e = check_view("keys_values().keys", kv.keys, ref.dtype(),
-                                 {ref.B, ref.H, n, ref.Dk}, ref.expect_kv(true, ref.first, ref.L));
+      std::string e = check_view("keys_values().keys", kv.keys, ref.dtype(), {ref.B, ref.H, n, ref.Dk},
+                                 ref.expect_kv(true, ref.first, ref.L));
       if (!e.empty()) return e;
       e = check_view("keys_values().values", kv.values, ref.dtype(), {ref.B, ref.H, n, ref.Dv},
                      ref.expect_kv(false, ref.first, ref.L));
       if (!e.empty()) return e;
       for (std::size_t s = 0; s < ref.side_dims.size(); ++s) {
-        e = check_view("side(" + num(static_cast<i64>(s)) + ")", layer.side(static_cast<int>(s)),
-                       ref.dtype(), {ref.B, n, ref.side_dims[s]},
-                       ref.expect_side(s, ref.first, ref.L));
+        e = check_view("side(" + num(static_cast<i64>(s)) + ")", layer.side(static_cast<int>(s)), ref.dtype(),
+                       {ref.B, n, ref.side_dims[s]}, ref.expect_side(s, ref.first, ref.L));
         if (!e.empty()) return e;
       }
       for (i64 q : {1, 3}) {
         const MaskSizes ms = layer.get_mask_sizes(q);
         const MaskSizes want = ref.mask_sizes(q);
         if (ms.kv_length != want.kv_length || ms.kv_offset != want.kv_offset)
-          return "get_mask_sizes(" + num(q) + ") = (" + num(ms.kv_length) + ", " +
-                 num(ms.kv_offset) + "), expected (" + num(want.kv_length) + ", " +
-                 num(want.kv_offset) + ")";
+          return "get_mask_sizes(" + num(q) + ") = (" + num(ms.kv_length) + ", " + num(ms.kv_offset) + "), expected (" +
+                 num(want.kv_length) + ", " + num(want.kv_offset) + ")";
       }
     }
     for (std::size_t s = 0; s < ref.conv_ch.size(); ++s) {
@@ -273,14 +265,11 @@ inline std::string verify(const Layer& layer, const RefLayer& ref) {
       const rwd::PositionRange r = layer.conv_range(si);
       // Positions below 0 are zero padding; how much of it a layer keeps is
       // not specified, which real inputs it keeps is (10.1).
-      if (r.end != ref.L || std::max<i64>(0, r.first) != std::max<i64>(0, ref.conv_first) ||
-          r.first > ref.L - ref.K)
-        return "conv_range(" + num(s) + ") = [" + num(r.first) + ", " + num(r.end) +
-               "), expected [" + num(ref.conv_first) + ", " + num(ref.L) +
-               ") (padding below 0 may differ)";
+      if (r.end != ref.L || std::max<i64>(0, r.first) != std::max<i64>(0, ref.conv_first) || r.first > ref.L - ref.K)
+        return "conv_range(" + num(s) + ") = [" + num(r.first) + ", " + num(r.end) + "), expected [" +
+               num(ref.conv_first) + ", " + num(ref.L) + ") (padding below 0 may differ)";
       std::string e = check_view("conv_inputs(" + num(s) + ")", layer.conv_inputs(si), ref.dtype(),
-                                 {ref.B, ref.conv_ch[s], r.size()},
-                                 ref.expect_conv(s, r.first, ref.L));
+                                 {ref.B, ref.conv_ch[s], r.size()}, ref.expect_conv(s, r.first, ref.L));
       if (!e.empty()) return e;
       e = check_view("get_conv_state(" + num(s) + ")", layer.get_conv_state(si), ref.dtype(),
                      {ref.B, ref.conv_ch[s], ref.K}, ref.expect_conv(s, ref.L - ref.K, ref.L));
@@ -289,13 +278,12 @@ inline std::string verify(const Layer& layer, const RefLayer& ref) {
     for (std::size_t s = 0; s < ref.rec_shapes.size(); ++s) {
       const int si = static_cast<int>(s);
       const auto shape = ref.rec_state_shape(s);
-      std::string e = check_view("get_recurrent_state(" + num(s) + ")",
-                                 layer.get_recurrent_state(si), ref.rdtype(), shape,
-                                 ref.expect_rec(s, ref.L));
+      std::string e = check_view("get_recurrent_state(" + num(s) + ")", layer.get_recurrent_state(si), ref.rdtype(),
+                                 shape, ref.expect_rec(s, ref.L));
       if (!e.empty()) return e;
       for (i64 p = std::max<i64>(1, ref.rec_first); p <= ref.L; ++p) {
-        e = check_view("recurrent_snapshot(" + num(s) + ", " + num(p) + ")",
-                       layer.recurrent_snapshot(si, p), ref.rdtype(), shape, ref.expect_rec(s, p));
+        e = check_view("recurrent_snapshot(" + num(s) + ", " + num(p) + ")", layer.recurrent_snapshot(si, p),
+                       ref.rdtype(), shape, ref.expect_rec(s, p));
         if (!e.empty()) return e;
       }
       // The snapshot just below the held range must be gone (beyond L is
@@ -305,8 +293,8 @@ inline std::string verify(const Layer& layer, const RefLayer& ref) {
       for (i64 p : not_held) {
         try {
           (void)layer.recurrent_snapshot(si, p);
-          return "recurrent_snapshot(" + num(s) + ", " + num(p) + ") did not throw (held S(" +
-                 num(ref.rec_first) + ")..S(" + num(ref.L) + "))";
+          return "recurrent_snapshot(" + num(s) + ", " + num(p) + ") did not throw (held S(" + num(ref.rec_first) +
+                 ")..S(" + num(ref.L) + "))";
         } catch (const rwd::IndexError&) {
         }
       }
@@ -350,20 +338,15 @@ using Observed = std::vector<std::pair<std::string, std::string>>;
 
 inline std::string bytes_str(const TensorView& v) {
   const Bytes b = gather(v);
-  return shape_str(shape_of(v)) + std::string(rwd::dtype_name(v.dtype)) +
-         std::string(b.begin(), b.end());
+  return shape_str(shape_of(v)) + std::string(rwd::dtype_name(v.dtype)) + std::string(b.begin(), b.end());
 }
 
 inline int num_sides(const Layer& l) {
   return l.kind() == LayerKind::SparseAttention ? static_cast<int>(l.options().side_dims.size()) : 0;
 }
-inline int num_conv(const Layer& l) {
-  return l.is_linear() ? static_cast<int>(l.options().conv_channels.size()) : 0;
-}
+inline int num_conv(const Layer& l) { return l.is_linear() ? static_cast<int>(l.options().conv_channels.size()) : 0; }
 inline int num_rec(const Layer& l) {
-  return l.is_linear() && l.kind() != LayerKind::Conv
-             ? static_cast<int>(l.options().recurrent_shapes.size())
-             : 0;
+  return l.is_linear() && l.kind() != LayerKind::Conv ? static_cast<int>(l.options().recurrent_shapes.size()) : 0;
 }
 
 inline Observed observe(const Layer& l, const std::string& pre = "") {
@@ -485,8 +468,8 @@ std::string expect_any_outcome(F&& f, const std::vector<Expect>& xs) {
     return std::string("non-rewind exception: ") + e.what();
   }
   if (!xs.empty())
-    return std::string("expected ") + err_name(xs.front().kind) + " (layer " +
-           std::to_string(xs.front().layer) + "), nothing was thrown";
+    return std::string("expected ") + err_name(xs.front().kind) + " (layer " + std::to_string(xs.front().layer) +
+           "), nothing was thrown";
   return "";
 }
 
@@ -518,8 +501,7 @@ inline Built build_cache(const std::vector<std::pair<LayerKind, LayerOptions>>& 
 }
 
 // One forward through every layer of a cache (each layer all its parts).
-inline std::string cache_step(Cache& cache, RefCache& ref, i64 q, std::uint64_t salt,
-                              UpdateStyle style = {}) {
+inline std::string cache_step(Cache& cache, RefCache& ref, i64 q, std::uint64_t salt, UpdateStyle style = {}) {
   for (int i = 0; i < cache.num_layers(); ++i) {
     RefLayer& rl = ref.layers[static_cast<std::size_t>(i)];
     if (rl.stateless()) continue;
@@ -544,8 +526,7 @@ inline Replayed replay(const RefLayer& src) {
     r.ref.activate(src.R);
   }
   if (src.B != src.options().batch_size) r.error = "replay needs the configured batch size";
-  if (src.L > 0 && r.error.empty())
-    r.error = do_update(Target::of(r.layer), r.ref, src.history_step());
+  if (src.L > 0 && r.error.empty()) r.error = do_update(Target::of(r.layer), r.ref, src.history_step());
   return r;
 }
 

@@ -20,7 +20,8 @@ void fill(const rwd::Tensor& t, float salt) {
 // One forward of q tokens through every part of a hybrid layer (B = 2).
 void step(Layer& l, std::int64_t q, float salt) {
   const LayerOptions& o = l.options();
-  rwd::Tensor k(rwd::DType::F32, {2, o.num_kv_heads, q, o.key_dim}), v(rwd::DType::F32, {2, o.num_kv_heads, q, o.value_dim});
+  rwd::Tensor k(rwd::DType::F32, {2, o.num_kv_heads, q, o.key_dim}),
+      v(rwd::DType::F32, {2, o.num_kv_heads, q, o.value_dim});
   fill(k, salt);
   fill(v, salt + 100);
   l.update(k, v);

@@ -58,17 +58,15 @@ std::size_t used_bound(const RefLayer& r) {
   const std::size_t attn_row = static_cast<std::size_t>(r.B * r.H * (r.Dk + r.Dv)) * es;
   if (r.attn() == Attn::Sliding) bound += static_cast<std::size_t>(r.W - 1 + kR + kMaxQ) * attn_row;
   if (r.attn() == Attn::Chunked) bound += static_cast<std::size_t>(r.C - 1 + kR + kMaxQ) * attn_row;
-  for (i64 ch : r.conv_ch)
-    bound += static_cast<std::size_t>((r.K + kR + kMaxQ) * r.B * ch) * es;
-  for (i64 n : r.rec_numel)
-    bound += static_cast<std::size_t>((kR + 1 + kMaxQ) * r.B * n) * r.resize();
+  for (i64 ch : r.conv_ch) bound += static_cast<std::size_t>((r.K + kR + kMaxQ) * r.B * ch) * es;
+  for (i64 n : r.rec_numel) bound += static_cast<std::size_t>((kR + 1 + kMaxQ) * r.B * n) * r.resize();
   return bound;
 }
 
 TEST(Memory, BoundedByRWhileFullAttentionGrows) {
-  const std::vector<LayerKind> kinds = {LayerKind::FullAttention, LayerKind::SlidingAttention,
+  const std::vector<LayerKind> kinds = {LayerKind::FullAttention,    LayerKind::SlidingAttention,
                                         LayerKind::ChunkedAttention, LayerKind::Conv,
-                                        LayerKind::LinearAttention, LayerKind::HybridSliding};
+                                        LayerKind::LinearAttention,  LayerKind::HybridSliding};
   std::vector<std::pair<LayerKind, LayerOptions>> spec;
   for (LayerKind k : kinds) spec.push_back({k, wide_options(k)});
   Built b = build_cache(spec);
@@ -85,11 +83,11 @@ TEST(Memory, BoundedByRWhileFullAttentionGrows) {
       b.cache.crop(-2);
       b.ref.crop(-2);
     }
-    if (reserved_at_1000 == 0 && b.ref.seq_length() >= 1000) reserved_at_1000 = b.cache.memory().layers[1].bytes_reserved;
+    if (reserved_at_1000 == 0 && b.ref.seq_length() >= 1000)
+      reserved_at_1000 = b.cache.memory().layers[1].bytes_reserved;
     for (std::size_t i = 1; i < kinds.size(); ++i) {
       const std::size_t used = b.cache.layer(static_cast<int>(i)).memory().bytes_used;
-      ASSERT_LE(used, used_bound(b.ref.layers[i]))
-          << rwd::layer_kind_name(kinds[i]) << " at L=" << b.ref.seq_length();
+      ASSERT_LE(used, used_bound(b.ref.layers[i])) << rwd::layer_kind_name(kinds[i]) << " at L=" << b.ref.seq_length();
     }
   }
   ASSERT_EQ(verify(b.cache, b.ref), "");
@@ -111,8 +109,7 @@ TEST(Memory, BoundedByRWhileFullAttentionGrows) {
   EXPECT_GE(m.layers[0].bytes_used, static_cast<std::size_t>(L) * full_row);
   // The bounded layers' allocations do not grow with L either.
   for (std::size_t i = 1; i < kinds.size(); ++i)
-    EXPECT_LE(m.layers[i].bytes_reserved, 4 * used_bound(b.ref.layers[i]) + 65536)
-        << rwd::layer_kind_name(kinds[i]);
+    EXPECT_LE(m.layers[i].bytes_reserved, 4 * used_bound(b.ref.layers[i]) + 65536) << rwd::layer_kind_name(kinds[i]);
   EXPECT_LE(m.layers[1].bytes_reserved, 2 * reserved_at_1000) << "sliding allocation keeps growing";
   // Bounded layers hold far less than the full-attention layer.
   EXPECT_LT(m.layers[1].bytes_used * 20, m.layers[0].bytes_used);
@@ -135,8 +132,7 @@ TEST(Memory, StaticLayersAllocateOnce) {
   EXPECT_GE(full_reserved, 64 * row);
   EXPECT_GE(sliding_reserved, 24 * row);
   std::uint64_t salt = 0;
-  for (i64 q = 1; rfull.L + q <= 64; q = q % kMaxQ + 1)
-    ASSERT_EQ(do_update(Target::of(full), rfull, q, ++salt), "");
+  for (i64 q = 1; rfull.L + q <= 64; q = q % kMaxQ + 1) ASSERT_EQ(do_update(Target::of(full), rfull, q, ++salt), "");
   for (int i = 0; i < 300; ++i) ASSERT_EQ(do_update(Target::of(sliding), rsliding, i % kMaxQ + 1, ++salt), "");
   EXPECT_EQ(full.memory().bytes_reserved, full_reserved);
   EXPECT_EQ(sliding.memory().bytes_reserved, sliding_reserved);

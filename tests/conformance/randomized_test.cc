@@ -23,13 +23,13 @@ struct Config {
   std::uint64_t seed;
 };
 
-std::vector<std::pair<LayerKind, LayerOptions>> kinds_spec(const std::vector<LayerKind>& kinds,
-                                                           DType dt, bool is_static) {
+std::vector<std::pair<LayerKind, LayerOptions>> kinds_spec(const std::vector<LayerKind>& kinds, DType dt,
+                                                           bool is_static) {
   std::vector<std::pair<LayerKind, LayerOptions>> spec;
   for (LayerKind k : kinds) {
     LayerOptions o = small_options(k, dt, false, 2);
-    if (is_static && (k == LayerKind::FullAttention || k == LayerKind::SlidingAttention ||
-                      k == LayerKind::ChunkedAttention))
+    if (is_static &&
+        (k == LayerKind::FullAttention || k == LayerKind::SlidingAttention || k == LayerKind::ChunkedAttention))
       o.static_capacity = k == LayerKind::FullAttention ? 40 : 24;
     spec.push_back({k, o});
   }
@@ -49,9 +49,9 @@ class Runner {
   std::string run() {
     if (chance(60)) {
       const i64 R = uniform(0, 8);
-      if (std::string e = op("activate_past_recording(" + std::to_string(R) + ")",
-                             [&] { b_.cache.activate_past_recording(R); }, {},
-                             [&] { b_.ref.activate(R); });
+      if (std::string e = op(
+              "activate_past_recording(" + std::to_string(R) + ")", [&] { b_.cache.activate_past_recording(R); }, {},
+              [&] { b_.ref.activate(R); });
           !e.empty())
         return e;
     }
@@ -69,15 +69,18 @@ class Runner {
         e = crop(0);
       } else if (dice < 79) {
         const i64 R = uniform(0, 8);
-        e = op("activate_past_recording(" + std::to_string(R) + ")",
-               [&] { b_.cache.activate_past_recording(R); }, {}, [&] { b_.ref.activate(R); });
+        e = op(
+            "activate_past_recording(" + std::to_string(R) + ")", [&] { b_.cache.activate_past_recording(R); }, {},
+            [&] { b_.ref.activate(R); });
       } else if (dice < 82) {
-        e = op("deactivate_past_recording()", [&] { b_.cache.deactivate_past_recording(); }, {},
-               [&] { b_.ref.deactivate(); });
+        e = op(
+            "deactivate_past_recording()", [&] { b_.cache.deactivate_past_recording(); }, {},
+            [&] { b_.ref.deactivate(); });
       } else if (dice < 97) {
         e = batch_op();
       } else {
-        e = op("reset()", [&] { b_.cache.reset(); }, {}, [&] { b_.ref.reset(); });
+        e = op(
+            "reset()", [&] { b_.cache.reset(); }, {}, [&] { b_.ref.reset(); });
       }
       if (!e.empty()) return e;
     }
@@ -115,13 +118,13 @@ class Runner {
     // with the (unchanged) reference, or with the state observed here.
     const std::size_t used = b_.cache.memory().bytes_used;
     const i64 L = b_.cache.get_seq_length();
-    if (std::string e = expect_any_outcome([&] { b_.cache.check_crop(n); }, xs); !e.empty())
-      return fail(e);
+    if (std::string e = expect_any_outcome([&] { b_.cache.check_crop(n); }, xs); !e.empty()) return fail(e);
     if (b_.cache.memory().bytes_used != used || b_.cache.get_seq_length() != L)
       return fail("check_crop changed the cache");
-    return op("crop(" + std::to_string(n) + ")  [L=" + std::to_string(b_.ref.seq_length()) +
-                  ", max_rollback=" + std::to_string(b_.ref.max_rollback()) + "]",
-              [&] { b_.cache.crop(n); }, xs, [&] { b_.ref.crop(n); });
+    return op(
+        "crop(" + std::to_string(n) + ")  [L=" + std::to_string(b_.ref.seq_length()) +
+            ", max_rollback=" + std::to_string(b_.ref.max_rollback()) + "]",
+        [&] { b_.cache.crop(n); }, xs, [&] { b_.ref.crop(n); });
   }
 
   std::string update(i64 q) {
@@ -138,8 +141,7 @@ class Runner {
       const StepData st = rl.make_step(q, salt_);
       const HostTensor k = rl.kv_input(st, true, false), v = rl.kv_input(st, false, false);
       const Observed before = observe(b_.cache);
-      if (std::string e = expect_outcome([&] { (void)b_.cache.update(k.view(), v.view(), i); }, x);
-          !e.empty())
+      if (std::string e = expect_outcome([&] { (void)b_.cache.update(k.view(), v.view(), i); }, x); !e.empty())
         return fail("layer " + std::to_string(i) + ": " + e);
       if (std::string e = diff(before, observe(b_.cache)); !e.empty())
         return fail("refused update changed the cache: " + e);
@@ -161,23 +163,27 @@ class Runner {
       if (chance(3)) idx.clear();
       std::vector<Expect> xs;
       if (Expect x = b_.ref.select_expect(idx); !x.ok()) xs.push_back(x);
-      return op("batch_select_indices(" + shape_str(idx) + ")",
-                [&] { b_.cache.batch_select_indices(idx); }, xs, [&] { b_.ref.batch_apply(idx); });
+      return op(
+          "batch_select_indices(" + shape_str(idx) + ")", [&] { b_.cache.batch_select_indices(idx); }, xs,
+          [&] { b_.ref.batch_apply(idx); });
     }
     if (kind == 1) {
       const i64 r = uniform(1, 2);
       const std::vector<i64> idx = b_.ref.repeat_indices(r);
-      return op("batch_repeat_interleave(" + std::to_string(r) + ")",
-                [&] { b_.cache.batch_repeat_interleave(r); }, {}, [&] { b_.ref.batch_apply(idx); });
+      return op(
+          "batch_repeat_interleave(" + std::to_string(r) + ")", [&] { b_.cache.batch_repeat_interleave(r); }, {},
+          [&] { b_.ref.batch_apply(idx); });
     }
     std::vector<i64> beams(static_cast<std::size_t>(B));
     for (i64 i = 0; i < B; ++i) beams[static_cast<std::size_t>(i)] = i;
-    for (i64 i = B - 1; i > 0; --i) std::swap(beams[static_cast<std::size_t>(i)], beams[static_cast<std::size_t>(uniform(0, i))]);
+    for (i64 i = B - 1; i > 0; --i)
+      std::swap(beams[static_cast<std::size_t>(i)], beams[static_cast<std::size_t>(uniform(0, i))]);
     if (chance(8)) beams.push_back(0);
     std::vector<Expect> xs;
     if (Expect x = b_.ref.reorder_expect(beams); !x.ok()) xs.push_back(x);
-    return op("reorder_cache(" + shape_str(beams) + ")", [&] { b_.cache.reorder_cache(beams); }, xs,
-              [&] { b_.ref.batch_apply(beams); });
+    return op(
+        "reorder_cache(" + shape_str(beams) + ")", [&] { b_.cache.reorder_cache(beams); }, xs,
+        [&] { b_.ref.batch_apply(beams); });
   }
 
   const Config& cfg_;
@@ -204,19 +210,18 @@ TEST_P(Randomized, MatchesTheReferenceAfterEveryStep) {
 
 INSTANTIATE_TEST_SUITE_P(
     Caches, Randomized,
-    testing::Values(
-        Config{"every_kind_f32", kinds_spec(kEveryLayerKind, DType::F32, false), 600, 12, 0x5eed0001},
-        Config{"every_kind_static_bf16", kinds_spec(kEveryLayerKind, DType::BF16, true), 500, 12, 0x5eed0002},
-        Config{"attention_only_f16",
-               kinds_spec({LayerKind::FullAttention, LayerKind::SlidingAttention,
-                           LayerKind::ChunkedAttention, LayerKind::SparseAttention, LayerKind::Moe},
-                          DType::F16, false),
-               600, 12, 0x5eed0003},
-        Config{"hybrids_f32",
-               kinds_spec({LayerKind::Mlp, LayerKind::Hybrid, LayerKind::HybridSliding,
-                           LayerKind::Conv},
-                          DType::F32, false),
-               500, 14, 0x5eed0004}),
+    testing::Values(Config{"every_kind_f32", kinds_spec(kEveryLayerKind, DType::F32, false), 600, 12, 0x5eed0001},
+                    Config{"every_kind_static_bf16", kinds_spec(kEveryLayerKind, DType::BF16, true), 500, 12,
+                           0x5eed0002},
+                    Config{"attention_only_f16",
+                           kinds_spec({LayerKind::FullAttention, LayerKind::SlidingAttention,
+                                       LayerKind::ChunkedAttention, LayerKind::SparseAttention, LayerKind::Moe},
+                                      DType::F16, false),
+                           600, 12, 0x5eed0003},
+                    Config{"hybrids_f32",
+                           kinds_spec({LayerKind::Mlp, LayerKind::Hybrid, LayerKind::HybridSliding, LayerKind::Conv},
+                                      DType::F32, false),
+                           500, 14, 0x5eed0004}),
     [](const testing::TestParamInfo<Config>& i) { return std::string(i.param.name); });
 
 }  // namespace

@@ -82,9 +82,7 @@ TEST(RecurrentSlots, WithRecordingSlotsNeverAliasTheirPredecessor) {
       update_convs(layer, ref, st);
       for (std::size_t s = 0; s < 2; ++s) {
         rwd::RecurrentUpdate u = layer.begin_recurrent_update(q, static_cast<int>(s));
-        EXPECT_EQ(check_view("previous", u.previous(), DType::F32, ref.rec_state_shape(s),
-                             ref.expect_rec(s, 4)),
-                  "");
+        EXPECT_EQ(check_view("previous", u.previous(), DType::F32, ref.rec_state_shape(s), ref.expect_rec(s, 4)), "");
         EXPECT_NE(u.next(1).data, u.previous().data);
         for (i64 t = 2; t <= q; ++t) EXPECT_NE(u.next(t).data, u.next(t - 1).data) << "t=" << t;
         if (q <= R) {  // S(L)..S(L+q) are all held afterwards: all distinct
@@ -149,9 +147,7 @@ TEST(RecurrentSlots, CropRestoresTheRecurrentStateNotOnlyConv) {
     for (i64 k : {3, 1}) {
       layer.crop(-k);
       ref.crop(-k);
-      ASSERT_EQ(check_view("state", layer.get_recurrent_state(0), DType::F32, {2, 2, 3},
-                           ref.expect_rec(0, ref.L)),
-                "");
+      ASSERT_EQ(check_view("state", layer.get_recurrent_state(0), DType::F32, {2, 2, 3}, ref.expect_rec(0, ref.L)), "");
       ASSERT_EQ(verify(layer, ref), "");
     }
   }
@@ -170,9 +166,9 @@ TEST(RecurrentSlots, DroppedHandleLeavesTheLengthAndLiveState) {
     scatter(junk, u.next(2));
   }  // dropped without commit
   EXPECT_EQ(layer.get_seq_length(), 5);
-  EXPECT_EQ(check_view("S(L) intact (q <= R)", layer.get_recurrent_state(0), DType::F32, {2, 2, 3},
-                       ref.expect_rec(0, 5)),
-            "");
+  EXPECT_EQ(
+      check_view("S(L) intact (q <= R)", layer.get_recurrent_state(0), DType::F32, {2, 2, 3}, ref.expect_rec(0, 5)),
+      "");
   EXPECT_TRUE(layer.has_previous_state());
   // The next real forward of the same size works normally.
   ASSERT_EQ(do_update(Target::of(layer), ref, 2, 2), "");

@@ -57,8 +57,7 @@ inline const std::string kLinearNegative =
 inline const std::string kOnceSliding =
     "Once the sliding window size has been reached, `DynamicSlidingWindowLayer` can only be "
     "cropped by passing a negative int, to specify how many tokens to remove";
-inline const std::string kConvOnNonLinear =
-    "Cannot call `update_conv_state` on a non-LinearAttention layer!";
+inline const std::string kConvOnNonLinear = "Cannot call `update_conv_state` on a non-LinearAttention layer!";
 inline const std::string kHasPreviousOnAttention =
     "`has_previous_state` can only be called on LinearAttention layers, and the current Cache "
     "seem to only contain Attention layers.";
@@ -187,7 +186,7 @@ inline void write_pattern(unsigned char* dst, DType dt, std::uint64_t key) {
   const std::uint64_t h = mix64(key);
   if (dt == DType::F32) {
     std::uint32_t u = static_cast<std::uint32_t>(h) & ~(1u << 30);  // exponent < 255
-    u |= 1u << 23;                                                    // never zero
+    u |= 1u << 23;                                                  // never zero
     std::memcpy(dst, &u, 4);
   } else {
     std::uint16_t u = static_cast<std::uint16_t>(h & 0xFFFFu);
@@ -198,14 +197,12 @@ inline void write_pattern(unsigned char* dst, DType dt, std::uint64_t key) {
 }
 
 // One token of one part: B rows of `elems` elements.
-inline Bytes make_row(std::uint64_t salt, std::uint64_t part, i64 pos, i64 B, i64 elems,
-                      DType dt) {
+inline Bytes make_row(std::uint64_t salt, std::uint64_t part, i64 pos, i64 B, i64 elems, DType dt) {
   const std::size_t es = rwd::dtype_size(dt);
   Bytes r(static_cast<std::size_t>(B * elems) * es);
   for (i64 b = 0; b < B; ++b)
     for (i64 e = 0; e < elems; ++e)
-      write_pattern(r.data() + static_cast<std::size_t>(b * elems + e) * es, dt,
-                    key_of(salt, part, pos, b, e));
+      write_pattern(r.data() + static_cast<std::size_t>(b * elems + e) * es, dt, key_of(salt, part, pos, b, e));
   return r;
 }
 
@@ -260,7 +257,8 @@ std::string expect_kinds(F&& f, const std::vector<Err>& kinds) {
 
 // Splits row-major bytes of `shape` into one row per index of `token_dim`
 // (the other dimensions in row-major order: the reference's row layout).
-inline std::vector<Bytes> token_rows(const Bytes& logical, const std::vector<i64>& shape, int token_dim, std::size_t es) {
+inline std::vector<Bytes> token_rows(const Bytes& logical, const std::vector<i64>& shape, int token_dim,
+                                     std::size_t es) {
   const auto td = static_cast<std::size_t>(token_dim);
   i64 outer = 1, inner = 1;
   for (std::size_t d = 0; d < td; ++d) outer *= shape[d];
@@ -340,8 +338,7 @@ struct Expect {
 inline std::string match_error(const rwd::Error& e, const Expect& x) {
   const std::string msg = e.what();
   const Err got = classify(e);
-  if (got != x.kind)
-    return std::string("expected ") + err_name(x.kind) + ", got " + err_name(got) + ": " + msg;
+  if (got != x.kind) return std::string("expected ") + err_name(x.kind) + ", got " + err_name(got) + ": " + msg;
   if (x.layer >= 0 && !names_layer(msg, x.layer))
     return "message does not name layer " + std::to_string(x.layer) + ": " + msg;
   if (x.alts.empty()) return "";
@@ -368,10 +365,10 @@ enum : std::uint64_t { kPartKeys = 1, kPartValues = 2, kPartSide = 10, kPartConv
 
 struct StepData {
   i64 q = 0;
-  std::vector<Bytes> keys, values;           // [t] -> B*H*D
-  std::vector<std::vector<Bytes>> sides;     // [s][t] -> B*D_s
-  std::vector<std::vector<Bytes>> conv;      // [s][t] -> B*channels_s
-  std::vector<std::vector<Bytes>> rec;       // [s][t] -> S(L+1+t): B*numel_s
+  std::vector<Bytes> keys, values;        // [t] -> B*H*D
+  std::vector<std::vector<Bytes>> sides;  // [s][t] -> B*D_s
+  std::vector<std::vector<Bytes>> conv;   // [s][t] -> B*channels_s
+  std::vector<std::vector<Bytes>> rec;    // [s][t] -> S(L+1+t): B*numel_s
 };
 
 class RefLayer {
@@ -383,8 +380,14 @@ class RefLayer {
       case LayerKind::ChunkedAttention: attn_ = Attn::Chunked; break;
       case LayerKind::LinearAttention: linear_ = true; break;
       case LayerKind::Conv: linear_ = true; break;
-      case LayerKind::Hybrid: attn_ = Attn::Full; linear_ = true; break;
-      case LayerKind::HybridSliding: attn_ = Attn::Sliding; linear_ = true; break;
+      case LayerKind::Hybrid:
+        attn_ = Attn::Full;
+        linear_ = true;
+        break;
+      case LayerKind::HybridSliding:
+        attn_ = Attn::Sliding;
+        linear_ = true;
+        break;
       case LayerKind::SparseAttention: attn_ = Attn::Full; break;
       case LayerKind::Moe:
       case LayerKind::Mlp: stateless_ = true; break;
@@ -430,13 +433,13 @@ class RefLayer {
   i64 B = 1;
   bool recording = false;
   i64 R = 0;
-  i64 first = 0;       // first retained attention / side position
-  i64 conv_first = 0;  // first retained conv input (<= 0: nothing real evicted)
-  i64 rec_first = 0;   // oldest held recurrent snapshot S(rec_first)
-  std::vector<Bytes> keys, values;            // [p]
-  std::vector<std::vector<Bytes>> sides;      // [s][p]
-  std::vector<std::vector<Bytes>> conv;       // [s][p]
-  std::vector<std::vector<Bytes>> rec;        // [s][j] = S(j), j = 0..L
+  i64 first = 0;                          // first retained attention / side position
+  i64 conv_first = 0;                     // first retained conv input (<= 0: nothing real evicted)
+  i64 rec_first = 0;                      // oldest held recurrent snapshot S(rec_first)
+  std::vector<Bytes> keys, values;        // [p]
+  std::vector<std::vector<Bytes>> sides;  // [s][p]
+  std::vector<std::vector<Bytes>> conv;   // [s][p]
+  std::vector<std::vector<Bytes>> rec;    // [s][j] = S(j), j = 0..L
 
   void clear_tokens() {
     L = 0;
@@ -604,12 +607,10 @@ class RefLayer {
     }
     st.sides.resize(side_dims.size());
     for (std::size_t s = 0; s < side_dims.size(); ++s)
-      for (i64 t = 0; t < q; ++t)
-        st.sides[s].push_back(make_row(salt, kPartSide + s, L + t, B, side_dims[s], dtype()));
+      for (i64 t = 0; t < q; ++t) st.sides[s].push_back(make_row(salt, kPartSide + s, L + t, B, side_dims[s], dtype()));
     st.conv.resize(conv_ch.size());
     for (std::size_t s = 0; s < conv_ch.size(); ++s)
-      for (i64 t = 0; t < q; ++t)
-        st.conv[s].push_back(make_row(salt, kPartConv + s, L + t, B, conv_ch[s], dtype()));
+      for (i64 t = 0; t < q; ++t) st.conv[s].push_back(make_row(salt, kPartConv + s, L + t, B, conv_ch[s], dtype()));
     st.rec.resize(rec_shapes.size());
     for (std::size_t s = 0; s < rec_shapes.size(); ++s)
       for (i64 t = 0; t < q; ++t)
@@ -626,8 +627,7 @@ class RefLayer {
     st.sides = sides;
     st.conv = conv;
     st.rec.resize(rec.size());
-    for (std::size_t s = 0; s < rec.size(); ++s)
-      st.rec[s].assign(rec[s].begin() + 1, rec[s].end());
+    for (std::size_t s = 0; s < rec.size(); ++s) st.rec[s].assign(rec[s].begin() + 1, rec[s].end());
     return st;
   }
 
@@ -790,8 +790,7 @@ class RefLayer {
       for (i64 c = 0; c < ch; ++c)
         for (i64 p = 0; p < st.q; ++p)
           std::memcpy(v.ptr(b, c, p),
-                      st.conv[s][static_cast<std::size_t>(p)].data() + static_cast<std::size_t>(b * ch + c) * es,
-                      es);
+                      st.conv[s][static_cast<std::size_t>(p)].data() + static_cast<std::size_t>(b * ch + c) * es, es);
     return t;
   }
   // S(L+1+t) as one [B, shape...] tensor (update_recurrent_state's input).

@@ -99,8 +99,7 @@ TEST(SizeOverflow, HugeShapesAndTensorsAreRwdErrors) {
   // Tensor: a product past 2^62 elements, or bytes the system cannot give.
   EXPECT_THROW(rwd::Tensor(DType::F32, {i64{1} << 40, i64{1} << 40}), rwd::InvalidArgument);
   EXPECT_THROW(rwd::Tensor(DType::F32, {i64{1} << 47}), rwd::CapacityError);
-  EXPECT_THROW((void)TensorView::contiguous(nullptr, DType::F32, {i64{1} << 40, i64{1} << 40}),
-               rwd::InvalidArgument);
+  EXPECT_THROW((void)TensorView::contiguous(nullptr, DType::F32, {i64{1} << 40, i64{1} << 40}), rwd::InvalidArgument);
 }
 
 TEST(SizeOverflow, HugeRepeatsAndRecurrentLengthsAreCapacityErrors) {
@@ -147,8 +146,8 @@ TEST(SizeOverflow, FuzzerFindingsRefuseCleanly) {
   Cache fixed({"sliding_attention"}, s);
   (void)fixed.update(TensorView::contiguous(k.data(), DType::F32, {1, 1, 1, 2}),
                      TensorView::contiguous(k.data(), DType::F32, {1, 1, 1, 2}), 0);
-  const TensorView endless =
-      TensorView::strided(k.data(), DType::F32, {1, 1, std::numeric_limits<i64>::max(), 2}, {2, 2, 0, 1});
+  const TensorView endless = TensorView::strided(k.data(), DType::F32, {1, 1, std::numeric_limits<i64>::max(), 2},
+                                                 {2, 2, 0, 1});
   EXPECT_THROW((void)fixed.update(endless, endless, 0), rwd::CapacityError);
   EXPECT_EQ(fixed.get_seq_length(), 1);
 }
@@ -260,7 +259,7 @@ TEST(MidForwardFailure, OutOfStepLayersRefuseWholeCacheOperations) {
   ThreeFull t;
   t.forward(10);
   t.cache.set_memory_budget(one_growth_budget());
-  t.forward(20);                                     // 30 tokens fit without growing
+  t.forward(20);                                    // 30 tokens fit without growing
   EXPECT_THROW(t.forward(20), rwd::CapacityError);  // layer 0 grows to 50, layer 1 refuses
   ASSERT_EQ(t.cache.get_seq_length(0), 50);
   ASSERT_EQ(t.cache.get_seq_length(1), 30);
@@ -330,9 +329,9 @@ class AbandonedForward : public testing::TestWithParam<std::pair<i64, i64>> {};
 TEST_P(AbandonedForward, RestoresEveryLayerExactly) {
   const auto [R, q] = GetParam();
   std::vector<std::pair<LayerKind, LayerOptions>> spec;
-  for (LayerKind k : {LayerKind::FullAttention, LayerKind::SlidingAttention, LayerKind::ChunkedAttention,
-                      LayerKind::LinearAttention, LayerKind::Conv, LayerKind::Hybrid, LayerKind::HybridSliding,
-                      LayerKind::SparseAttention, LayerKind::Mlp})
+  for (LayerKind k :
+       {LayerKind::FullAttention, LayerKind::SlidingAttention, LayerKind::ChunkedAttention, LayerKind::LinearAttention,
+        LayerKind::Conv, LayerKind::Hybrid, LayerKind::HybridSliding, LayerKind::SparseAttention, LayerKind::Mlp})
     spec.push_back({k, small_options(k, DType::BF16, k == LayerKind::SlidingAttention)});
   Built b = build_cache(spec);
   b.cache.activate_past_recording(R);
@@ -625,7 +624,6 @@ TEST(DebugViewsDeathTest, RecurrentStateViewAfterCropIsReported) {
             "");
 }
 #endif
-
 
 }  // namespace
 }  // namespace rwt

@@ -82,7 +82,6 @@ inline std::string id_str(SeqId id) {
   return "{" + std::to_string(id.slot) + "," + std::to_string(id.generation) + "}";
 }
 
-
 // Every element of `v` (row-major) equals `want`, without copying.
 inline bool view_equals(const TensorView& v, const Bytes& want) {
   const std::size_t es = rwd::dtype_size(v.dtype);
@@ -99,7 +98,6 @@ inline bool view_equals(const TensorView& v, const Bytes& want) {
         }
   return true;
 }
-
 
 // ---- expectations for one entry of a batch: history below L0 from the
 // reference, positions L0.. from the step being applied ----------------------
@@ -128,7 +126,8 @@ inline Bytes kv_expect(const RefLayer& rl, const StepData& st, bool keys, i64 fr
 inline Bytes side_expect(const RefLayer& rl, const StepData& st, std::size_t s, i64 from, i64 to) {
   Bytes out;
   for (i64 p = from; p < to; ++p) {
-    const Bytes& r = p < rl.L ? rl.sides[s][static_cast<std::size_t>(p)] : st.sides[s][static_cast<std::size_t>(p - rl.L)];
+    const Bytes& r = p < rl.L ? rl.sides[s][static_cast<std::size_t>(p)]
+                              : st.sides[s][static_cast<std::size_t>(p - rl.L)];
     out.insert(out.end(), r.begin(), r.end());
   }
   return out;
@@ -144,7 +143,8 @@ inline Bytes conv_expect(const RefLayer& rl, const StepData& st, std::size_t s, 
         out.insert(out.end(), es, 0);
         continue;
       }
-      const Bytes& r = p < rl.L ? rl.conv[s][static_cast<std::size_t>(p)] : st.conv[s][static_cast<std::size_t>(p - rl.L)];
+      const Bytes& r = p < rl.L ? rl.conv[s][static_cast<std::size_t>(p)]
+                                : st.conv[s][static_cast<std::size_t>(p - rl.L)];
       const std::size_t off = static_cast<std::size_t>(c) * es;
       out.insert(out.end(), r.begin() + static_cast<std::ptrdiff_t>(off),
                  r.begin() + static_cast<std::ptrdiff_t>(off + es));
@@ -263,8 +263,8 @@ class SeqModel {
                      rl.expect_kv(false, rl.first, rl.L));
       if (!e.empty()) return e;
       for (std::size_t s = 0; s < rl.side_dims.size(); ++s) {
-        e = check_view("side(" + n(static_cast<i64>(s)) + ")", cache.side(id, i, static_cast<int>(s)).view(), rl.dtype(),
-                       {1, kept, rl.side_dims[s]}, rl.expect_side(s, rl.first, rl.L));
+        e = check_view("side(" + n(static_cast<i64>(s)) + ")", cache.side(id, i, static_cast<int>(s)).view(),
+                       rl.dtype(), {1, kept, rl.side_dims[s]}, rl.expect_side(s, rl.first, rl.L));
         if (!e.empty()) return e;
       }
       // block_spans: exactly the retained positions, each row where the
@@ -292,7 +292,8 @@ class SeqModel {
         pos += sp.num_tokens;
       }
       if (pos != rl.L)
-        return "block_spans cover [" + n(rl.first) + ", " + n(pos) + "), expected [" + n(rl.first) + ", " + n(rl.L) + ")";
+        return "block_spans cover [" + n(rl.first) + ", " + n(pos) + "), expected [" + n(rl.first) + ", " + n(rl.L) +
+               ")";
       for (i64 q : {i64{1}, i64{3}, i64{9}}) {
         const MaskSizes got = cache.get_mask_sizes(id, q, i), want = rl.mask_sizes(q);
         if (got.kv_length != want.kv_length || got.kv_offset != want.kv_offset)
@@ -330,8 +331,8 @@ class SeqModel {
         const i64 p = rl.rec_first - 1;
         const std::string x = expect_kinds([&] { (void)cache.recurrent_snapshot(id, i, si, p); }, {Err::Index});
         if (!x.empty())
-          return "recurrent_snapshot(" + n(si) + ", " + n(p) + ") below the held S(" + n(rl.rec_first) + ").." +
-                 "S(" + n(rl.L) + "): " + x;
+          return "recurrent_snapshot(" + n(si) + ", " + n(p) + ") below the held S(" + n(rl.rec_first) + ").." + "S(" +
+                 n(rl.L) + "): " + x;
       }
     }
     return "";
@@ -351,8 +352,7 @@ class SeqModel {
       i64 pmin = L - 1;
       for (const RefLayer& rl : ref.layers)
         if (rl.has_attention() && rl.first < rl.L) pmin = std::min(pmin, rl.first);
-      if (cache.seq_pos_min(id) != pmin)
-        return "seq_pos_min = " + n(cache.seq_pos_min(id)) + ", expected " + n(pmin);
+      if (cache.seq_pos_min(id) != pmin) return "seq_pos_min = " + n(cache.seq_pos_min(id)) + ", expected " + n(pmin);
       if (cache.max_rollback(id) != ref.max_rollback())
         return "max_rollback = " + n(cache.max_rollback(id)) + ", expected " + n(ref.max_rollback());
       bool recording = false;
@@ -402,7 +402,8 @@ class SeqModel {
         const rwd::PositionRange r = cache.stored_range(s.id, i);
         insert_blocks(layer, cache.block_spans(s.id, i), r.first, r.end, bs);
       }
-      for (const Held& h : held) layer.insert(h.blocks[static_cast<std::size_t>(i)].begin(), h.blocks[static_cast<std::size_t>(i)].end());
+      for (const Held& h : held)
+        layer.insert(h.blocks[static_cast<std::size_t>(i)].begin(), h.blocks[static_cast<std::size_t>(i)].end());
       block_bytes += layer.size() * cache.block_layout(i).block_bytes;
       all.insert(layer.begin(), layer.end());
     }
@@ -512,35 +513,41 @@ class SeqModel {
 
   std::string add() {
     SeqId id;
-    return op("add_sequence()", [&] { id = cache.add_sequence(); }, {}, [&] {
-      if (std::string e = fresh_id(id); !e.empty()) return e;
-      live.push_back(SeqState{id, fresh_ref(), ++tags_, 0});
-      note("  -> " + id_str(id));
-      return std::string();
-    });
+    return op(
+        "add_sequence()", [&] { id = cache.add_sequence(); }, {},
+        [&] {
+          if (std::string e = fresh_id(id); !e.empty()) return e;
+          live.push_back(SeqState{id, fresh_ref(), ++tags_, 0});
+          note("  -> " + id_str(id));
+          return std::string();
+        });
   }
 
   std::string fork(std::size_t i) {
     const SeqId parent = live[i].id;
     SeqId id;
-    return op("fork(" + id_str(parent) + ") [L=" + std::to_string(live[i].ref.seq_length()) + "]",
-              [&] { id = cache.fork(parent); }, {}, [&] {
-                if (std::string e = fresh_id(id); !e.empty()) return e;
-                live.push_back(SeqState{id, live[i].ref, ++tags_, 0});
-                note("  -> " + id_str(id));
-                return std::string();
-              });
+    return op(
+        "fork(" + id_str(parent) + ") [L=" + std::to_string(live[i].ref.seq_length()) + "]",
+        [&] { id = cache.fork(parent); }, {},
+        [&] {
+          if (std::string e = fresh_id(id); !e.empty()) return e;
+          live.push_back(SeqState{id, live[i].ref, ++tags_, 0});
+          note("  -> " + id_str(id));
+          return std::string();
+        });
   }
 
   std::string remove(std::size_t i) {
     const SeqId id = live[i].id;
     bool result = false;
-    std::string e = op("seq_rm(" + id_str(id) + ")", [&] { result = cache.seq_rm(id); }, {}, [&] {
-      if (!result) return std::string("seq_rm of a live sequence returned false");
-      removed.push_back(id);
-      live.erase(live.begin() + static_cast<std::ptrdiff_t>(i));
-      return std::string();
-    });
+    std::string e = op(
+        "seq_rm(" + id_str(id) + ")", [&] { result = cache.seq_rm(id); }, {},
+        [&] {
+          if (!result) return std::string("seq_rm of a live sequence returned false");
+          removed.push_back(id);
+          live.erase(live.begin() + static_cast<std::ptrdiff_t>(i));
+          return std::string();
+        });
     if (!e.empty()) return e;
     return remove_again(removed.size() - 1);
   }
@@ -550,22 +557,24 @@ class SeqModel {
     const SeqId id = removed[k];
     bool result = true;
     const Snapshot before = snapshot();
-    std::string e = op("seq_rm(" + id_str(id) + ") again", [&] { result = cache.seq_rm(id); }, {}, [&] {
-      return result ? std::string("seq_rm of a removed id returned true") : same_as(before);
-    });
+    std::string e = op(
+        "seq_rm(" + id_str(id) + ") again", [&] { result = cache.seq_rm(id); }, {},
+        [&] { return result ? std::string("seq_rm of a removed id returned true") : same_as(before); });
     return e;
   }
 
   std::string keep(std::size_t i) {
     const SeqId id = live[i].id;
-    return op("seq_keep(" + id_str(id) + ")", [&] { cache.seq_keep(id); }, {}, [&] {
-      for (std::size_t j = 0; j < live.size(); ++j)
-        if (j != i) removed.push_back(live[j].id);
-      SeqState kept = std::move(live[i]);
-      live.clear();
-      live.push_back(std::move(kept));
-      return std::string();
-    });
+    return op(
+        "seq_keep(" + id_str(id) + ")", [&] { cache.seq_keep(id); }, {},
+        [&] {
+          for (std::size_t j = 0; j < live.size(); ++j)
+            if (j != i) removed.push_back(live[j].id);
+          SeqState kept = std::move(live[i]);
+          live.clear();
+          live.push_back(std::move(kept));
+          return std::string();
+        });
   }
 
   // ---- snapshots: the oracle of a snapshot is a copy of its sequence's
@@ -585,47 +594,53 @@ class SeqModel {
   std::string take_snapshot(std::size_t i) {
     const SeqId id = live[i].id;
     rwd::SequenceSnapshot h;
-    return op("snapshot(" + id_str(id) + ") [L=" + std::to_string(live[i].ref.seq_length()) + "] -> snapshot " +
-                  std::to_string(held.size()),
-              [&] { h = cache.snapshot(id); }, {}, [&] {
-                Held k{h, without_history(live[i].ref), {}};
-                if (!h.valid() || h.length() != k.ref.seq_length())
-                  return "the handle is " + std::string(h.valid() ? "valid" : "invalid") + " with length " +
-                         std::to_string(h.length()) + ", expected a valid one of length " +
-                         std::to_string(k.ref.seq_length());
-                k.blocks.resize(static_cast<std::size_t>(num_layers()));
-                for (int l = 0; l < num_layers(); ++l) {
-                  const RefLayer& rl = k.ref.layers[static_cast<std::size_t>(l)];
-                  if (rl.has_attention())
-                    insert_blocks(k.blocks[static_cast<std::size_t>(l)], cache.block_spans(id, l), rl.first, rl.L,
-                                  cache.block_size());
-                }
-                held.push_back(std::move(k));
-                return std::string();
-              });
+    return op(
+        "snapshot(" + id_str(id) + ") [L=" + std::to_string(live[i].ref.seq_length()) + "] -> snapshot " +
+            std::to_string(held.size()),
+        [&] { h = cache.snapshot(id); }, {},
+        [&] {
+          Held k{h, without_history(live[i].ref), {}};
+          if (!h.valid() || h.length() != k.ref.seq_length())
+            return "the handle is " + std::string(h.valid() ? "valid" : "invalid") + " with length " +
+                   std::to_string(h.length()) + ", expected a valid one of length " +
+                   std::to_string(k.ref.seq_length());
+          k.blocks.resize(static_cast<std::size_t>(num_layers()));
+          for (int l = 0; l < num_layers(); ++l) {
+            const RefLayer& rl = k.ref.layers[static_cast<std::size_t>(l)];
+            if (rl.has_attention())
+              insert_blocks(k.blocks[static_cast<std::size_t>(l)], cache.block_spans(id, l), rl.first, rl.L,
+                            cache.block_size());
+          }
+          held.push_back(std::move(k));
+          return std::string();
+        });
   }
 
   std::string restore_new(std::size_t k) {
     SeqId id;
-    return op("restore(snapshot " + std::to_string(k) + ")", [&] { id = cache.restore(held[k].handle); }, {}, [&] {
-      if (std::string e = fresh_id(id); !e.empty()) return e;
-      live.push_back(SeqState{id, held[k].ref, ++tags_, 0});
-      note("  -> " + id_str(id));
-      return std::string();
-    });
+    return op(
+        "restore(snapshot " + std::to_string(k) + ")", [&] { id = cache.restore(held[k].handle); }, {},
+        [&] {
+          if (std::string e = fresh_id(id); !e.empty()) return e;
+          live.push_back(SeqState{id, held[k].ref, ++tags_, 0});
+          note("  -> " + id_str(id));
+          return std::string();
+        });
   }
 
   std::string restore_into(std::size_t i, std::size_t k) {
     const SeqId id = live[i].id;
-    return op("restore(" + id_str(id) + ", snapshot " + std::to_string(k) + ")",
-              [&] { cache.restore(id, held[k].handle); }, {}, [&] {
-                RefCache r = held[k].ref;
-                if (const i64 R = recording_bound(live[i].ref); R >= 0) r.activate(R);
-                live[i].ref = std::move(r);
-                live[i].tag = ++tags_;
-                live[i].steps = 0;
-                return std::string();
-              });
+    return op(
+        "restore(" + id_str(id) + ", snapshot " + std::to_string(k) + ")", [&] { cache.restore(id, held[k].handle); },
+        {},
+        [&] {
+          RefCache r = held[k].ref;
+          if (const i64 R = recording_bound(live[i].ref); R >= 0) r.activate(R);
+          live[i].ref = std::move(r);
+          live[i].tag = ++tags_;
+          live[i].steps = 0;
+          return std::string();
+        });
   }
 
   // export_snapshot (of a live sequence, or of held snapshot k when k <
@@ -634,18 +649,20 @@ class SeqModel {
     const bool of_held = k < held.size();
     const SeqId from = live[i].id;
     SeqId id;
-    return op(std::string("import_snapshot(export_snapshot(") +
-                  (of_held ? "snapshot " + std::to_string(k) : id_str(from)) + "))",
-              [&] {
-                const rwd::Snapshot plain = of_held ? cache.export_snapshot(held[k].handle) : cache.export_snapshot(from);
-                id = cache.import_snapshot(plain);
-              },
-              {}, [&] {
-                if (std::string e = fresh_id(id); !e.empty()) return e;
-                live.push_back(SeqState{id, of_held ? held[k].ref : without_history(live[i].ref), ++tags_, 0});
-                note("  -> " + id_str(id));
-                return std::string();
-              });
+    return op(
+        std::string("import_snapshot(export_snapshot(") + (of_held ? "snapshot " + std::to_string(k) : id_str(from)) +
+            "))",
+        [&] {
+          const rwd::Snapshot plain = of_held ? cache.export_snapshot(held[k].handle) : cache.export_snapshot(from);
+          id = cache.import_snapshot(plain);
+        },
+        {},
+        [&] {
+          if (std::string e = fresh_id(id); !e.empty()) return e;
+          live.push_back(SeqState{id, of_held ? held[k].ref : without_history(live[i].ref), ++tags_, 0});
+          note("  -> " + id_str(id));
+          return std::string();
+        });
   }
 
   std::string drop_snapshot(std::size_t k) {
@@ -663,40 +680,49 @@ class SeqModel {
     const i64 rn = n < -(L + 1) ? -(L + 1) : n;  // the reference negates n (INT64_MIN would not survive)
     const std::vector<Expect> xs = ref.crop_expect(rn);
     const std::string tail = ") [L=" + std::to_string(L) + ", max_rollback=" + std::to_string(ref.max_rollback()) + "]";
-    std::string e = op("check_crop(" + id_str(id) + ", " + std::to_string(n) + tail, [&] { cache.check_crop(id, n); },
-                       xs, [] { return std::string(); });
+    std::string e = op(
+        "check_crop(" + id_str(id) + ", " + std::to_string(n) + tail, [&] { cache.check_crop(id, n); }, xs,
+        [] { return std::string(); });
     if (!e.empty()) return e;
-    return op("crop(" + id_str(id) + ", " + std::to_string(n) + tail, [&] { cache.crop(id, n); }, xs, [&] {
-      live[i].ref.crop(rn);
-      return std::string();
-    });
+    return op(
+        "crop(" + id_str(id) + ", " + std::to_string(n) + tail, [&] { cache.crop(id, n); }, xs,
+        [&] {
+          live[i].ref.crop(rn);
+          return std::string();
+        });
   }
 
   std::string activate(std::size_t i, i64 R) {
     const SeqId id = live[i].id;
     std::vector<Expect> xs;
     if (R < 0 || R > kTokenLimit) xs.push_back(Expect{Err::Invalid, -1, {}});
-    return op("activate_past_recording(" + id_str(id) + ", " + std::to_string(R) + ")",
-              [&] { cache.activate_past_recording(id, R); }, xs, [&] {
-                live[i].ref.activate(R);
-                return std::string();
-              });
+    return op(
+        "activate_past_recording(" + id_str(id) + ", " + std::to_string(R) + ")",
+        [&] { cache.activate_past_recording(id, R); }, xs,
+        [&] {
+          live[i].ref.activate(R);
+          return std::string();
+        });
   }
 
   std::string deactivate(std::size_t i) {
     const SeqId id = live[i].id;
-    return op("deactivate_past_recording(" + id_str(id) + ")", [&] { cache.deactivate_past_recording(id); }, {}, [&] {
-      live[i].ref.deactivate();
-      return std::string();
-    });
+    return op(
+        "deactivate_past_recording(" + id_str(id) + ")", [&] { cache.deactivate_past_recording(id); }, {},
+        [&] {
+          live[i].ref.deactivate();
+          return std::string();
+        });
   }
 
   std::string shrink() {
-    return op("shrink_to_fit()", [&] { cache.shrink_to_fit(); }, {}, [&] {
-      const SequenceMemory m = cache.memory();
-      return m.blocks_free == 0 ? std::string()
-                                : "blocks_free = " + std::to_string(m.blocks_free) + " after shrink_to_fit";
-    });
+    return op(
+        "shrink_to_fit()", [&] { cache.shrink_to_fit(); }, {},
+        [&] {
+          const SequenceMemory m = cache.memory();
+          return m.blocks_free == 0 ? std::string()
+                                    : "blocks_free = " + std::to_string(m.blocks_free) + " after shrink_to_fit";
+        });
   }
 
   // Sets (bytes > 0) or lifts (0) the memory budget; below what is reserved
@@ -704,9 +730,9 @@ class SeqModel {
   std::string set_budget(std::size_t bytes) {
     const std::size_t reserved = cache.memory().bytes_reserved;
     if (bytes != 0 && bytes < reserved)
-      return refused("set_memory_budget(" + std::to_string(bytes) + ") below the " + std::to_string(reserved) +
-                         " bytes reserved",
-                     [&] { cache.set_memory_budget(bytes); }, {Err::Capacity});
+      return refused(
+          "set_memory_budget(" + std::to_string(bytes) + ") below the " + std::to_string(reserved) + " bytes reserved",
+          [&] { cache.set_memory_budget(bytes); }, {Err::Capacity});
     note("set_memory_budget(" + std::to_string(bytes) + "), " + std::to_string(reserved) + " reserved");
     try {
       cache.set_memory_budget(bytes);
@@ -778,9 +804,9 @@ class SeqModel {
     if (cache.contains(id)) return fail("contains(" + id_str(id) + ") is true");
     bool result = true;
     const Snapshot before = snapshot();
-    return op("seq_rm" + tag, [&] { result = cache.seq_rm(id); }, {}, [&] {
-      return result ? std::string("seq_rm returned true") : same_as(before);
-    });
+    return op(
+        "seq_rm" + tag, [&] { result = cache.seq_rm(id); }, {},
+        [&] { return result ? std::string("seq_rm returned true") : same_as(before); });
   }
 
   // ---- batched forwards
@@ -830,7 +856,8 @@ class SeqModel {
     for (const BlockSpan& sp : pk.spans) {
       if (sp.num_tokens == 0) continue;
       if (sp.position != pos || sp.num_tokens < 0 || sp.blocks == nullptr)
-        return what + ": spans are not consecutive from kv_offset (span at " + n(sp.position) + ", expected " + n(pos) + ")";
+        return what + ": spans are not consecutive from kv_offset (span at " + n(sp.position) + ", expected " + n(pos) +
+               ")";
       pos += sp.num_tokens;
     }
     if (pos != pk.kv_offset + pk.kv_length)
@@ -857,12 +884,12 @@ class SeqModel {
     }
     name += "}";
     if (fo.abandon_layer >= 0)
-      name += " abandoned at layer " + n(fo.abandon_layer) + " stage " + n(fo.abandon_stage) + " how " + n(fo.abandon_how);
+      name += " abandoned at layer " + n(fo.abandon_layer) + " stage " + n(fo.abandon_stage) + " how " +
+              n(fo.abandon_how);
     if (fo.strided) name += " strided";
     if (invalid || T == 0)
-      return refused("begin_batch " + name + " (an empty list, a sequence twice, a negative count or no token)", [&] {
-        SequenceBatch b = cache.begin_batch(entries);
-      }, {Err::Invalid});
+      return refused("begin_batch " + name + " (an empty list, a sequence twice, a negative count or no token)",
+                     [&] { SequenceBatch b = cache.begin_batch(entries); }, {Err::Invalid});
     note(name);
     const std::size_t E = plan.size();
     std::vector<RefCache> saved;
@@ -890,8 +917,8 @@ class SeqModel {
     for (std::size_t e = 0, at = 0; e < E; ++e) {
       offsets[e] = static_cast<i64>(at);
       at += static_cast<std::size_t>(std::max<i64>(0, plan[e].second));
-      if (batch->offset(e) != offsets[e]) return fail("offset(" + n(static_cast<i64>(e)) + ") = " + n(batch->offset(e)) +
-                                                      ", expected " + n(offsets[e]));
+      if (batch->offset(e) != offsets[e])
+        return fail("offset(" + n(static_cast<i64>(e)) + ") = " + n(batch->offset(e)) + ", expected " + n(offsets[e]));
       if (!(batch->entries()[e].seq == entries[e].seq) || batch->entries()[e].num_tokens != entries[e].num_tokens)
         return fail("entries() differs from the list given to begin_batch");
     }
@@ -931,8 +958,8 @@ class SeqModel {
       for (std::size_t e = 0; e < E; ++e) live[plan[e].first].ref = std::move(saved[e]);
       const SequenceMemory m = cache.memory();
       if (m.blocks_in_use != before.mem.blocks_in_use || m.bytes_used != before.mem.bytes_used)
-        return fail("abandon did not restore the memory figures: blocks_in_use " + n(before.mem.blocks_in_use) + " -> " +
-                    n(m.blocks_in_use) + ", bytes_used " + std::to_string(before.mem.bytes_used) + " -> " +
+        return fail("abandon did not restore the memory figures: blocks_in_use " + n(before.mem.blocks_in_use) +
+                    " -> " + n(m.blocks_in_use) + ", bytes_used " + std::to_string(before.mem.bytes_used) + " -> " +
                     std::to_string(m.bytes_used));
       if (fo.remove_after_abandon && in_flight != nullptr && in_flight->has_value()) {
         if (std::string x = remove(plan[0].first); !x.empty()) return x;
@@ -965,7 +992,7 @@ class SeqModel {
       }
       // A replacement input: its bytes become the entries' rows.
       auto take_input = [&](int part, const std::vector<i64>& shape, int token_dim,
-                            const std::function<void(std::size_t, std::size_t, Bytes&&)>& set_row,
+                            const std::function<void(std::size_t, std::size_t, Bytes &&)>& set_row,
                             TensorView& in) -> bool {
         if (!fo.input) return false;
         const std::optional<TensorView> v = fo.input(i, part, shape);
@@ -982,12 +1009,14 @@ class SeqModel {
           const std::vector<i64> ks{1, pl.H, T, pl.Dk}, vs{1, pl.H, T, pl.Dv};
           const HostTensor kt = pack(st, offsets, 0, 0, ks, fo.strided), vt = pack(st, offsets, 1, 0, vs, fo.strided);
           TensorView kin = kt.view(), vin = vt.view();
-          (void)take_input(0, ks, 2, [&](std::size_t e, std::size_t k, Bytes&& r) { st[e].keys[k] = std::move(r); }, kin);
-          (void)take_input(1, vs, 2, [&](std::size_t e, std::size_t k, Bytes&& r) { st[e].values[k] = std::move(r); },
-                           vin);
+          (void)take_input(
+              0, ks, 2, [&](std::size_t e, std::size_t k, Bytes&& r) { st[e].keys[k] = std::move(r); }, kin);
+          (void)take_input(
+              1, vs, 2, [&](std::size_t e, std::size_t k, Bytes&& r) { st[e].values[k] = std::move(r); }, vin);
           const std::span<const PagedKeyValues> out = cache.update(kin, vin, i);
-          if (out.size() != E) return fail("layer " + n(i) + ": update returned " + n(static_cast<i64>(out.size())) +
-                                           " entries for a batch of " + n(static_cast<i64>(E)));
+          if (out.size() != E)
+            return fail("layer " + n(i) + ": update returned " + n(static_cast<i64>(out.size())) +
+                        " entries for a batch of " + n(static_cast<i64>(E)));
           for (std::size_t e = 0; e < E; ++e) {
             const i64 q = plan[e].second, from = masks[e].kv_offset, to = rls[e]->L + q;
             const std::string at = "layer " + n(i) + " update, entry " + n(static_cast<i64>(e));
@@ -1002,17 +1031,17 @@ class SeqModel {
             const std::vector<i64> ss{1, T, pl.side_dims[s]};
             const HostTensor t = pack(st, offsets, 2, s, ss, false);
             TensorView in = t.view();
-            (void)take_input(2 + static_cast<int>(s), ss, 1,
-                             [&](std::size_t e, std::size_t k, Bytes&& r) { st[e].sides[s][k] = std::move(r); }, in);
+            (void)take_input(
+                2 + static_cast<int>(s), ss, 1,
+                [&](std::size_t e, std::size_t k, Bytes&& r) { st[e].sides[s][k] = std::move(r); }, in);
             const std::span<const PagedKeyValues> so = cache.update_side(in, i, static_cast<int>(s));
             if (so.size() != E) return fail("layer " + n(i) + ": update_side returned the wrong number of entries");
             for (std::size_t e = 0; e < E; ++e) {
               const i64 q = plan[e].second, from = masks[e].kv_offset, to = rls[e]->L + q;
-              const std::string x =
-                  check_paged("layer " + n(i) + " update_side " + n(static_cast<i64>(s)) + ", entry " +
-                                  n(static_cast<i64>(e)),
-                              i, so[e], q, masks[e], 2 + static_cast<int>(s), {1, to - from, pl.side_dims[s]},
-                              q > 0 ? side_expect(*rls[e], st[e], s, from, to) : Bytes{});
+              const std::string x = check_paged(
+                  "layer " + n(i) + " update_side " + n(static_cast<i64>(s)) + ", entry " + n(static_cast<i64>(e)), i,
+                  so[e], q, masks[e], 2 + static_cast<int>(s), {1, to - from, pl.side_dims[s]},
+                  q > 0 ? side_expect(*rls[e], st[e], s, from, to) : Bytes{});
               if (!x.empty()) return fail(x);
             }
           }
@@ -1022,8 +1051,9 @@ class SeqModel {
           const std::vector<i64> cs{1, pl.conv_ch[s], T};
           const HostTensor t = pack(st, offsets, 3, s, cs, false);
           TensorView in = t.view();
-          (void)take_input(100 + static_cast<int>(s), cs, 2,
-                           [&](std::size_t e, std::size_t k, Bytes&& r) { st[e].conv[s][k] = std::move(r); }, in);
+          (void)take_input(
+              100 + static_cast<int>(s), cs, 2,
+              [&](std::size_t e, std::size_t k, Bytes&& r) { st[e].conv[s][k] = std::move(r); }, in);
           const std::span<const TensorView> w = cache.update_conv_state(in, i, static_cast<int>(s));
           if (w.size() != E) return fail("layer " + n(i) + ": update_conv_state returned the wrong number of entries");
           for (std::size_t e = 0; e < E; ++e) {
@@ -1080,7 +1110,8 @@ class SeqModel {
                                            u->previous(e), pl.rdtype(), shape, rls[e]->expect_rec(s, rls[e]->L));
                 !x.empty())
               return fail(x);
-          if (fo.abandon_layer == i && fo.abandon_stage >= 2) return abandon_now("with a recurrent update in flight", &u);
+          if (fo.abandon_layer == i && fo.abandon_stage >= 2)
+            return abandon_now("with a recurrent update in flight", &u);
           u->commit();
         }
         if (fo.abandon_layer == i && fo.abandon_stage >= 1) return abandon_now("after the layer", nullptr);
@@ -1160,7 +1191,6 @@ class SeqModel {
   std::vector<std::string> log_;
   std::uint64_t tags_ = 0;
   bool budget_ = false;
-
 
  public:
   struct Held {

@@ -124,10 +124,14 @@ class RandomDriver {
     const i64 mr = m_.live[i].ref.max_rollback();
     const i64 kind = uniform(0, 99);
     i64 n;
-    if (kind < 50) n = uniform(-(L + 2), -1);
-    else if (kind < 65) n = 0;
-    else if (kind < 80) n = uniform(1, L + 2);
-    else n = chance(50) ? -mr : -(mr + 1);
+    if (kind < 50)
+      n = uniform(-(L + 2), -1);
+    else if (kind < 65)
+      n = 0;
+    else if (kind < 80)
+      n = uniform(1, L + 2);
+    else
+      n = chance(50) ? -mr : -(mr + 1);
     return m_.crop(i, n);
   }
 
@@ -161,10 +165,10 @@ class RandomDriver {
     std::vector<std::pair<std::size_t, i64>> plan;
     const std::size_t i = pick(m_.live.size());
     switch (uniform(0, 3)) {
-      case 0: break;                                  // empty list
-      case 1: plan = {{i, 1}, {i, 2}}; break;         // a sequence twice
-      case 2: plan = {{i, -1}}; break;                // a negative count
-      default:                                        // no token at all
+      case 0: break;                           // empty list
+      case 1: plan = {{i, 1}, {i, 2}}; break;  // a sequence twice
+      case 2: plan = {{i, -1}}; break;         // a negative count
+      default:                                 // no token at all
         for (std::size_t j : subset(m_.live.size())) plan.push_back({j, 0});
     }
     return m_.forward(plan);
@@ -206,17 +210,13 @@ const SeqSpec kAttentionF32 = spec("attention_f32_bs16",
                                     LayerKind::SparseAttention, LayerKind::HybridSliding},
                                    DType::F32, 16, 6, 3, 4);
 
-INSTANTIATE_TEST_SUITE_P(Caches, SequencesRandomized,
-                         testing::Values(RandomConfig{kMixedF32, 500, 0x5e90001}, RandomConfig{kMixedF32, 500, 0x5e90002},
-                                         RandomConfig{kHybridsF16, 500, 0x5e90003},
-                                         RandomConfig{kHybridsF16, 500, 0x5e90004},
-                                         RandomConfig{kEveryBF16, 500, 0x5e90005},
-                                         RandomConfig{kEveryBF16, 500, 0x5e90006},
-                                         RandomConfig{kAttentionF32, 500, 0x5e90007},
-                                         RandomConfig{kAttentionF32, 500, 0x5e90008}),
-                         [](const testing::TestParamInfo<RandomConfig>& i) {
-                           return i.param.spec.name + "_" + std::to_string(i.index);
-                         });
+INSTANTIATE_TEST_SUITE_P(
+    Caches, SequencesRandomized,
+    testing::Values(RandomConfig{kMixedF32, 500, 0x5e90001}, RandomConfig{kMixedF32, 500, 0x5e90002},
+                    RandomConfig{kHybridsF16, 500, 0x5e90003}, RandomConfig{kHybridsF16, 500, 0x5e90004},
+                    RandomConfig{kEveryBF16, 500, 0x5e90005}, RandomConfig{kEveryBF16, 500, 0x5e90006},
+                    RandomConfig{kAttentionF32, 500, 0x5e90007}, RandomConfig{kAttentionF32, 500, 0x5e90008}),
+    [](const testing::TestParamInfo<RandomConfig>& i) { return i.param.spec.name + "_" + std::to_string(i.index); });
 
 // ---- 2. targeted ---------------------------------------------------------------------
 
@@ -262,10 +262,10 @@ std::vector<float> cat(std::vector<float> a, const std::vector<float>& b) {
   return a;
 }
 
-#define EXPECT_SEQ(c, id, want)                              \
-  do {                                                       \
-    EXPECT_EQ(floats((c).keys(id, 0)), (want));              \
-    EXPECT_EQ(floats((c).values(id, 0)), negated(want));     \
+#define EXPECT_SEQ(c, id, want)                                     \
+  do {                                                              \
+    EXPECT_EQ(floats((c).keys(id, 0)), (want));                     \
+    EXPECT_EQ(floats((c).values(id, 0)), negated(want));            \
     EXPECT_EQ((c).seq_length(id), static_cast<i64>((want).size())); \
   } while (0)
 
@@ -304,8 +304,10 @@ TEST(SequenceHandles, StaleAndForgedIdsAreRefusedAndNeverAliasANewSequence) {
   for (int k = 0; k < 8 && reused.generation == 0; ++k) {
     const SeqId b = c.add_sequence();
     EXPECT_FALSE(b == a);
-    if (b.slot == a.slot) reused = b;
-    else others.push_back(b);
+    if (b.slot == a.slot)
+      reused = b;
+    else
+      others.push_back(b);
   }
   ASSERT_NE(reused.generation, 0u) << "slot " << a.slot << " was not reused within 8 add_sequence calls";
   EXPECT_NE(reused.generation, a.generation);
@@ -579,7 +581,8 @@ TEST(SequenceErrors, LayersOfDifferentShapes) {
   attention.num_kv_heads = 1;
   attention.key_dim = 4;
   attention.sliding_window = 2;
-  SequenceCache c({{rwd::LayerKind::Conv, conv}, {rwd::LayerKind::LinearAttention, linear},
+  SequenceCache c({{rwd::LayerKind::Conv, conv},
+                   {rwd::LayerKind::LinearAttention, linear},
                    {rwd::LayerKind::SlidingAttention, attention}},
                   {2});
   EXPECT_EQ(c.layer_options(0).conv_kernel_size, 3);
@@ -598,8 +601,8 @@ TEST(SequenceErrors, LayersOfDifferentShapes) {
   }
   const auto windows0 = c.update_conv_state(TensorView::contiguous(x0.data(), DType::F32, {1, 2, 3}), 0);
   ASSERT_EQ(windows0.size(), 2u);
-  EXPECT_EQ(windows0[0].size(2), 3 - 1 + 2);  // K - 1 + q
-  EXPECT_EQ(windows0[0].get(0, 1, 2), 1.0f);  // a's first input, channel 1
+  EXPECT_EQ(windows0[0].size(2), 3 - 1 + 2);   // K - 1 + q
+  EXPECT_EQ(windows0[0].get(0, 1, 2), 1.0f);   // a's first input, channel 1
   EXPECT_EQ(windows0[1].get(0, 0, 2), 20.0f);  // b's input is the batch's token 2
   EXPECT_EQ(windows0[1].get(0, 0, 0), 0.0f);   // zero padding before position 0
   EXPECT_THROW((void)c.update_conv_state(TensorView::contiguous(x0.data(), DType::F32, {1, 2, 3}), 1),
@@ -793,8 +796,10 @@ TEST(SequenceErrors, CallsOutsideAndInsideABatch) {
       const i64 numel = slot.numel();
       for (i64 e = 0; e < numel; ++e) {
         // [1, 2, 3] or [1, 4]: element e of the row-major order.
-        if (slot.rank == 3) slot.set(static_cast<float>(100 * st + 10 * j + e), 0, e / 3, e % 3);
-        else slot.set(static_cast<float>(100 * st + 10 * j + e), 0, e);
+        if (slot.rank == 3)
+          slot.set(static_cast<float>(100 * st + 10 * j + e), 0, e / 3, e % 3);
+        else
+          slot.set(static_cast<float>(100 * st + 10 * j + e), 0, e);
       }
     }
     u.commit();
@@ -919,7 +924,6 @@ TEST(SequenceMemoryBounds, SlidingLayersReturnBlocksToThePool) {
       ASSERT_LE(mem.bytes_reserved, reserved_early) << "the pool grew at L = " << m.live[0].ref.seq_length();
   }
 }
-
 
 // ---- 3. issue 28: stale handles, exact refusals, lengths, messages -------------------
 
@@ -1054,7 +1058,8 @@ TEST(SequenceStaleHandles, TreeRecurrentSlotsAfterTheTreeEndedAreRefused) {
 TEST(SequenceBudget, ARefusalAtEveryLayerLeavesMemoryExactlyAsItWas) {
   for (int layers = 1; layers <= 3; ++layers) {
     for (int fits = 0; fits < layers; ++fits) {  // the budget holds the blocks of `fits` layers
-      SequenceCache c = linear_cache(std::vector<LayerKind>(static_cast<std::size_t>(layers), LayerKind::FullAttention));
+      SequenceCache c = linear_cache(
+          std::vector<LayerKind>(static_cast<std::size_t>(layers), LayerKind::FullAttention));
       const SeqId a = c.add_sequence();
       const std::size_t block = c.block_layout(0).block_bytes;
       const SequenceMemory before = c.memory();
@@ -1064,7 +1069,8 @@ TEST(SequenceBudget, ARefusalAtEveryLayerLeavesMemoryExactlyAsItWas) {
       expect_same_memory(c.memory(), before);
       // import_snapshot of 2 tokens needs one block per layer too.
       c.set_memory_budget(0);
-      SequenceCache src = linear_cache(std::vector<LayerKind>(static_cast<std::size_t>(layers), LayerKind::FullAttention));
+      SequenceCache src = linear_cache(
+          std::vector<LayerKind>(static_cast<std::size_t>(layers), LayerKind::FullAttention));
       const SeqId s = src.add_sequence();
       const BatchEntry es[1] = {{s, 2}};
       SequenceBatch sb = src.begin_batch(es);

@@ -110,7 +110,7 @@ std::string restore_and_continue(const Case& c, i64 steps, std::uint64_t seed) {
 }
 
 TEST(CacheSnapshot, EveryKindRestoresAndContinuesExactly) {
-  const Case cases[] = {{DType::F32, false, -1}, {DType::F32, false, 3}, {DType::BF16, false, 2},
+  const Case cases[] = {{DType::F32, false, -1}, {DType::F32, false, 3},  {DType::BF16, false, 2},
                         {DType::F16, true, 4},   {DType::BF16, true, -1}, {DType::F32, true, 0}};
   std::uint64_t seed = 0x5a9;
   for (const Case& c : cases) {
@@ -175,7 +175,11 @@ TEST(CacheSnapshot, RestoreRefusesWhatDoesNotFitAndChangesNothing) {
   {
     Snapshot s = copy(good);
     s.layers[0].keys = rwd::Tensor(DType::F32, {1, 2, 12, 5});
-    EXPECT_EQ(refused(s, "layer 0 (full_attention): the snapshot's keys is [1, 2, 12, 5] f32, this layer needs [1, 2, 12, 3] f32"), "");
+    EXPECT_EQ(
+        refused(
+            s,
+            "layer 0 (full_attention): the snapshot's keys is [1, 2, 12, 5] f32, this layer needs [1, 2, 12, 3] f32"),
+        "");
   }
   {
     Snapshot s = copy(good);  // a full layer needs positions from 0
@@ -213,10 +217,12 @@ TEST(CacheSnapshot, RestoreRefusesWhatDoesNotFitAndChangesNothing) {
   }
   // A static full layer too small for the snapshot: CapacityError, nothing changes.
   {
-    std::vector<std::pair<LayerKind, LayerOptions>> spec{{LayerKind::FullAttention, small_options(LayerKind::FullAttention, DType::F32, false, 1)}};
+    std::vector<std::pair<LayerKind, LayerOptions>> spec{
+        {LayerKind::FullAttention, small_options(LayerKind::FullAttention, DType::F32, false, 1)}};
     spec[0].second.static_capacity = 8;
     Built small = build_cache(spec);
-    Built big = build_cache({{LayerKind::FullAttention, small_options(LayerKind::FullAttention, DType::F32, false, 1)}});
+    Built big = build_cache(
+        {{LayerKind::FullAttention, small_options(LayerKind::FullAttention, DType::F32, false, 1)}});
     ASSERT_EQ(cache_step(big.cache, big.ref, 12, 5), "");
     ASSERT_EQ(cache_step(small.cache, small.ref, 2, 6), "");
     const Observed small_before = observe(small.cache);
@@ -234,7 +240,8 @@ TEST(CacheSnapshot, RestoreRefusesWhatDoesNotFitAndChangesNothing) {
   }
   // Batch rows other than 1 are refused by snapshot().
   {
-    Built wide = build_cache({{LayerKind::FullAttention, small_options(LayerKind::FullAttention, DType::F32, false, 2)}});
+    Built wide = build_cache(
+        {{LayerKind::FullAttention, small_options(LayerKind::FullAttention, DType::F32, false, 2)}});
     EXPECT_THROW((void)wide.cache.snapshot(), rwd::InvalidArgument);
   }
   // Restoring works on layers out of step (the way back, like reset).

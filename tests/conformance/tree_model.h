@@ -62,7 +62,8 @@ inline i64 first_visible(const RefLayer& rl, i64 position) {
 // The recurrent slots taken go to `keep` when given (to be tried once the
 // tree ended).
 inline std::string tree_updates(Cache& cache, const RefCache& ref, rwd::TreeForward& tree,
-                         const std::vector<StepData>& data, std::vector<rwd::TreeRecurrentSlots>* keep = nullptr) {
+                                const std::vector<StepData>& data,
+                                std::vector<rwd::TreeRecurrentSlots>* keep = nullptr) {
   const i64 n = tree.num_nodes(), L = tree.start_length();
   for (int li = 0; li < cache.num_layers(); ++li) {
     const RefLayer& rl = ref.layers[static_cast<std::size_t>(li)];
@@ -81,7 +82,8 @@ inline std::string tree_updates(Cache& cache, const RefCache& ref, rwd::TreeForw
                                      {1, rl.H, L - from, rl.Dv}, rl.expect_kv(false, from, L));
           !e.empty())
         return e;
-      if (std::string e = check_view(at + "node keys", kv.nodes.keys, rl.dtype(), {1, rl.H, n, rl.Dk}, k.bytes); !e.empty())
+      if (std::string e = check_view(at + "node keys", kv.nodes.keys, rl.dtype(), {1, rl.H, n, rl.Dk}, k.bytes);
+          !e.empty())
         return e;
       for (i64 i = 0; i < n; ++i)
         if (kv.first_visible[static_cast<std::size_t>(i)] != first_visible(rl, tree.position(i)))
@@ -89,8 +91,8 @@ inline std::string tree_updates(Cache& cache, const RefCache& ref, rwd::TreeForw
       for (std::size_t s = 0; s < rl.side_dims.size(); ++s) {
         const HostTensor r = rl.side_input(st, s);
         const rwd::TreeRows rows = tree.update_side(r.view(), li, static_cast<int>(s));
-        if (std::string e = check_view(at + "committed side", rows.committed, rl.dtype(), {1, L - from, rl.side_dims[s]},
-                                       rl.expect_side(s, from, L));
+        if (std::string e = check_view(at + "committed side", rows.committed, rl.dtype(),
+                                       {1, L - from, rl.side_dims[s]}, rl.expect_side(s, from, L));
             !e.empty())
           return e;
       }
@@ -106,8 +108,8 @@ inline std::string tree_updates(Cache& cache, const RefCache& ref, rwd::TreeForw
         i64 on_path = node;
         const i64 P = tree.position(node);
         for (i64 j = 0; j < K; ++j) {
-          columns[static_cast<std::size_t>(K - 1 - j)] =
-              on_path >= 0 ? st.conv[s][static_cast<std::size_t>(on_path)] : rl.expect_conv(s, P - j, P - j + 1);
+          columns[static_cast<std::size_t>(K - 1 - j)] = on_path >= 0 ? st.conv[s][static_cast<std::size_t>(on_path)]
+                                                                      : rl.expect_conv(s, P - j, P - j + 1);
           if (on_path >= 0) on_path = tree.parent(on_path);
         }
         Bytes want;
@@ -116,8 +118,8 @@ inline std::string tree_updates(Cache& cache, const RefCache& ref, rwd::TreeForw
             const Bytes& b = columns[static_cast<std::size_t>(col)];
             want.insert(want.end(), b.begin() + c * static_cast<i64>(es), b.begin() + (c + 1) * static_cast<i64>(es));
           }
-        if (std::string e = check_view(at + "conv window of node " + std::to_string(node), w.slice(0, node, 1), rl.dtype(),
-                                       {1, C, K}, want);
+        if (std::string e = check_view(at + "conv window of node " + std::to_string(node), w.slice(0, node, 1),
+                                       rl.dtype(), {1, C, K}, want);
             !e.empty())
           return e;
       }
@@ -125,7 +127,8 @@ inline std::string tree_updates(Cache& cache, const RefCache& ref, rwd::TreeForw
     for (std::size_t s = 0; s < rl.rec_shapes.size(); ++s) {
       const rwd::TreeRecurrentSlots slots = tree.recurrent_slots(li, static_cast<int>(s));
       if (keep) keep->push_back(slots);
-      if (std::string e = check_view(at + "S(L)", slots.previous(0), rl.rdtype(), rl.rec_state_shape(s), rl.expect_rec(s, L));
+      if (std::string e = check_view(at + "S(L)", slots.previous(0), rl.rdtype(), rl.rec_state_shape(s),
+                                     rl.expect_rec(s, L));
           !e.empty())
         return e;
       for (i64 node = 0; node < n; ++node) {

@@ -43,7 +43,8 @@ std::string run_trees(const Config& cfg, std::uint64_t seed) {
     rwd::TreeForward tree = b.cache.begin_tree(parents);
     std::vector<StepData> data;
     for (const RefLayer& rl : b.ref.layers) data.push_back(rl.make_step(n, ++salt));
-    if (std::string e = tree_updates(b.cache, b.ref, tree, data); !e.empty()) return "round " + std::to_string(round) + ": " + e;
+    if (std::string e = tree_updates(b.cache, b.ref, tree, data); !e.empty())
+      return "round " + std::to_string(round) + ": " + e;
     if (uniform(0, 3) == 0) {
       tree.abandon();
       if (std::string d = diff(before, observe(b.cache)); !d.empty()) return "abandon changed " + d;
@@ -120,7 +121,8 @@ TEST(Tree, RefusalsChangeNothing) {
       tree.commit(1);
       ADD_FAILURE() << "commit of an incomplete tree";
     } catch (const rwd::StateError& e) {
-      EXPECT_NE(std::string(e.what()).find("layer 1 (sliding_attention) did not receive"), std::string::npos) << e.what();
+      EXPECT_NE(std::string(e.what()).find("layer 1 (sliding_attention) did not receive"), std::string::npos)
+          << e.what();
     }
     EXPECT_TRUE(tree.is_open());
     EXPECT_THROW(tree.commit(3), rwd::IndexError);
@@ -130,7 +132,8 @@ TEST(Tree, RefusalsChangeNothing) {
   EXPECT_EQ(verify(b.cache, b.ref), "");
   // One sequence only.
   {
-    Built wide = build_cache({{LayerKind::FullAttention, small_options(LayerKind::FullAttention, DType::F32, false, 2)}});
+    Built wide = build_cache(
+        {{LayerKind::FullAttention, small_options(LayerKind::FullAttention, DType::F32, false, 2)}});
     const std::vector<std::int64_t> one{-1};
     EXPECT_THROW(wide.cache.begin_tree(one), rwd::InvalidArgument);
   }
@@ -188,7 +191,8 @@ TEST(Tree, UpdatesGoThroughTheOpenHandleOnly) {
 // A static full layer without room for the path: commit throws
 // CapacityError, the tree stays open and the cache unchanged.
 TEST(Tree, CommitThatDoesNotFitLeavesTheTreeOpen) {
-  std::vector<std::pair<LayerKind, LayerOptions>> spec{{LayerKind::FullAttention, small_options(LayerKind::FullAttention, DType::F32, true, 1)}};
+  std::vector<std::pair<LayerKind, LayerOptions>> spec{
+      {LayerKind::FullAttention, small_options(LayerKind::FullAttention, DType::F32, true, 1)}};
   spec[0].second.static_capacity = 6;
   Built b = build_cache(spec);
   ASSERT_EQ(cache_step(b.cache, b.ref, 4, 3), "");

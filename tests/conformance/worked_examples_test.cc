@@ -59,8 +59,7 @@ TEST_P(WorkedExample45, CropMinus3) {
   b.ref.crop(-3);
   EXPECT_EQ(b.cache.get_seq_length(), 42);
   expect_range(b.cache.layer(0).stored_range(), 0, 42, "full attention keeps 0..41");
-  expect_range(b.cache.layer(1).stored_range(), 31 - (R - 3), 42,
-               "sliding keeps 31..41 (R - 3 more for a larger R)");
+  expect_range(b.cache.layer(1).stored_range(), 31 - (R - 3), 42, "sliding keeps 31..41 (R - 3 more for a larger R)");
   const PositionRange conv = b.cache.layer(2).conv_range(0);
   EXPECT_EQ(conv.first, 38 - (R - 3)) << "conv keeps inputs 38..41";
   EXPECT_EQ(conv.end, 42);
@@ -120,9 +119,7 @@ TEST_P(WorkedExample45, CropMinus46) {
 }
 
 INSTANTIATE_TEST_SUITE_P(R, WorkedExample45, testing::Values(3, 5),
-                         [](const testing::TestParamInfo<i64>& i) {
-                           return "R" + std::to_string(i.param);
-                         });
+                         [](const testing::TestParamInfo<i64>& i) { return "R" + std::to_string(i.param); });
 
 // Sliding W = 8: prefill 12, crop(0) keeps 5..11; update 4 returns 5..15 with
 // mask (11, 5); crop(-2) keeps 7..13 (R = 2; R = 4 keeps 2 more) and L = 14.
@@ -156,11 +153,8 @@ TEST_P(WorkedExampleSliding8, NumberForNumber) {
   const rwd::KeyValueView kv = layer.update(k.view(), v.view());
   ref.apply_update(st);
   EXPECT_EQ(kv.keys.size(2), 11) << "returns 5..15";
-  EXPECT_EQ(check_view("keys 5..15", kv.keys, DType::F32, {2, 2, 11, 3}, ref.expect_kv(true, 5, 16)),
-            "");
-  EXPECT_EQ(check_view("values 5..15", kv.values, DType::F32, {2, 2, 11, 3},
-                       ref.expect_kv(false, 5, 16)),
-            "");
+  EXPECT_EQ(check_view("keys 5..15", kv.keys, DType::F32, {2, 2, 11, 3}, ref.expect_kv(true, 5, 16)), "");
+  EXPECT_EQ(check_view("values 5..15", kv.values, DType::F32, {2, 2, 11, 3}, ref.expect_kv(false, 5, 16)), "");
   expect_range(layer.stored_range(), std::max<i64>(5, 16 - (7 + R)), 16, "after update");
 
   layer.crop(-2);
@@ -172,9 +166,7 @@ TEST_P(WorkedExampleSliding8, NumberForNumber) {
 }
 
 INSTANTIATE_TEST_SUITE_P(R, WorkedExampleSliding8, testing::Values(2, 4),
-                         [](const testing::TestParamInfo<i64>& i) {
-                           return "R" + std::to_string(i.param);
-                         });
+                         [](const testing::TestParamInfo<i64>& i) { return "R" + std::to_string(i.param); });
 
 // transformers #48280: a recording sliding layer returned the whole
 // concatenation while the mask announced W-1+q. Several updates between crops.
@@ -225,8 +217,7 @@ TEST(MaskSizes, ChunkedAndFullReturnWhatTheMaskAnnounces) {
   RefLayer ref(LayerKind::ChunkedAttention, o, 0);
   layer.activate_past_recording(3);
   ref.activate(3);
-  const std::vector<std::pair<i64, std::pair<i64, i64>>> hand = {
-      {3, {3, 0}}, {3, {6, 0}}, {2, {4, 4}}, {1, {1, 8}}};
+  const std::vector<std::pair<i64, std::pair<i64, i64>>> hand = {{3, {3, 0}}, {3, {6, 0}}, {2, {4, 4}}, {1, {1, 8}}};
   std::uint64_t salt = 0;
   for (const auto& [q, want] : hand) {
     const rwd::MaskSizes ms = layer.get_mask_sizes(q);

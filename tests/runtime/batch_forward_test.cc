@@ -95,7 +95,8 @@ TEST(ForwardBatch, EverySequenceMatchesItsSoloForwardBitForBit) {
     std::uniform_int_distribution<int> q(0, 4);
     for (int round = 0; round < 12; ++round) {
       std::vector<Tokens> chunks;
-      for (std::size_t i = 0; i < twins.size(); ++i) chunks.push_back(random_tokens(rng, static_cast<std::size_t>(q(rng))));
+      for (std::size_t i = 0; i < twins.size(); ++i)
+        chunks.push_back(random_tokens(rng, static_cast<std::size_t>(q(rng))));
       if (chunks[0].empty() && chunks[1].empty() && chunks[2].empty()) chunks[1] = random_tokens(rng, 1);
       step(model, batched, twins, chunks, "round " + std::to_string(round));
     }
@@ -111,8 +112,9 @@ TEST(ForwardBatch, EachEntryGetsTheLogitRowsItAsksFor) {
   SequenceCache batched = model.make_sequence_cache({/*block_size=*/4});
   std::vector<Twin> twins;
   for (int i = 0; i < 4; ++i) twins.push_back({batched.add_sequence(), model.make_cache()});
-  step(model, batched, twins, {random_tokens(rng, 9), random_tokens(rng, 1), random_tokens(rng, 5), random_tokens(rng, 3)},
-       "prompts", {LogitRows::kLast, LogitRows::kNone, LogitRows::kAll, LogitRows::kLast});
+  step(model, batched, twins,
+       {random_tokens(rng, 9), random_tokens(rng, 1), random_tokens(rng, 5), random_tokens(rng, 3)}, "prompts",
+       {LogitRows::kLast, LogitRows::kNone, LogitRows::kAll, LogitRows::kLast});
   std::uniform_int_distribution<int> q(0, 4), kind(0, 2);
   const LogitRows kinds[] = {LogitRows::kAll, LogitRows::kLast, LogitRows::kNone};
   for (int round = 0; round < 10; ++round) {
@@ -302,14 +304,16 @@ TEST(GenerateBatch, PromptsGoInPiecesOfAtMostMaxPrefillRows) {
     for (int source = 0; source < 2; ++source) {
       std::vector<std::unique_ptr<DraftSource>> each;
       for (std::size_t i = 0; i < prompts.size(); ++i) {
-        if (source == 0) each.push_back(std::make_unique<LookupDraft>(3));
-        else each.push_back(std::make_unique<ModelDraft>(model, options.sampling, 3));
+        if (source == 0)
+          each.push_back(std::make_unique<LookupDraft>(3));
+        else
+          each.push_back(std::make_unique<ModelDraft>(model, options.sampling, 3));
       }
       PerSequenceDrafts drafts(std::move(each));
       const auto spec = speculative_generate_batch(model, drafts, prompts, options, {3, false});
       for (std::size_t i = 0; i < prompts.size(); ++i) {
-        EXPECT_EQ(spec[i], alone[i]) << "speculative, source " << source << ", max_prefill_rows " << rows
-                                     << ", prompt " << i;
+        EXPECT_EQ(spec[i], alone[i]) << "speculative, source " << source << ", max_prefill_rows " << rows << ", prompt "
+                                     << i;
       }
     }
   }
@@ -456,7 +460,8 @@ TEST(Drafts, ModelDraftsTakeLongPromptsInPiecesWithTheSameOutput) {
       ModelDraft spec(draft, {}, 3, rows);
       EXPECT_EQ(speculative_generate(target, spec, prompts[i], options, {3, false}), greedy[i]) << rows << ", " << i;
       ModelTreeDraft tree(draft, rows);
-      EXPECT_EQ(tree_speculative_generate(target, tree, prompts[i], options, {2, 8, 3}), greedy[i]) << rows << ", " << i;
+      EXPECT_EQ(tree_speculative_generate(target, tree, prompts[i], options, {2, 8, 3}), greedy[i])
+          << rows << ", " << i;
     }
     BatchedModelDraft batched(draft, options.sampling, 3, rows);
     const auto out = speculative_generate_batch(target, batched, prompts, options, {3, false});
@@ -596,7 +601,8 @@ TEST(SpeculativeBatch, SamplingEqualsSoloSpeculativeSampling) {
       alone.sampling.seed += i;
       alone.max_batch = 0;
       ModelDraft alone_draft(draft_model, alone.sampling, 3);
-      EXPECT_EQ(out[i], speculative_generate(target, alone_draft, five[i], alone, {3, true})) << "joined sequence " << i;
+      EXPECT_EQ(out[i], speculative_generate(target, alone_draft, five[i], alone, {3, true}))
+          << "joined sequence " << i;
     }
     joined.max_batch = -1;
     EXPECT_THROW(speculative_generate_batch(target, drafts, five, joined, {3, true}), InvalidArgument);

@@ -59,8 +59,7 @@ TEST(CliHostileModels, ExitTwoWithOneLineNamingFileAndProblem) {
          const std::string s = read_file(d / "model.safetensors");
          write_file(d / "model.safetensors", u64le(std::uint64_t{1} << 62) + s.substr(8));
        }},
-      {"empty_file", "model.safetensors", "",
-       [](const fs::path& d) { write_file(d / "model.safetensors", ""); }},
+      {"empty_file", "model.safetensors", "", [](const fs::path& d) { write_file(d / "model.safetensors", ""); }},
       {"overflowing_shape", "model.safetensors", "",
        [](const fs::path& d) {
          const std::string h =
@@ -100,8 +99,7 @@ TEST(CliHostileModels, ExitTwoWithOneLineNamingFileAndProblem) {
        }},
       {"not_json", "config.json", "",
        [](const fs::path& d) { write_file(d / "config.json", "{\"hidden_size\": 16,"); }},
-      {"missing_safetensors", "model.safetensors", "",
-       [](const fs::path& d) { fs::remove(d / "model.safetensors"); }},
+      {"missing_safetensors", "model.safetensors", "", [](const fs::path& d) { fs::remove(d / "model.safetensors"); }},
   };
   for (const Hostile& h : table) {
     const fs::path dir = base / h.name;

@@ -66,8 +66,8 @@ std::string Cli::dir_;
 
 TEST_F(Cli, VerifyReportsIdenticalForDraftModelAndLookup) {
   for (const std::string& source : {"--draft " + quote(dir_ + "/draft"), std::string("--lookup 3")}) {
-    const CliResult r =
-        run_cli("verify" + model("target") + " " + source + " --prompt 'in the beginning in the' --max-new-tokens 40");
+    const CliResult r = run_cli("verify" + model("target") + " " + source +
+                                " --prompt 'in the beginning in the' --max-new-tokens 40");
     EXPECT_EQ(r.status, 0) << r.all();
     EXPECT_NE(r.out.find("IDENTICAL"), std::string::npos) << r.all();
   }
@@ -125,15 +125,14 @@ TEST_F(Cli, VerifyRepeatsChecksEveryRunAndReportsMedians) {
 }
 
 TEST_F(Cli, GenerateWithStatsEndsWithOneJsonLine) {
-  const CliResult r =
-      run_cli("generate" + model("target") + " --draft " + quote(dir_ + "/draft") +
-              " --prompt hello --max-new-tokens 12 --stats");
+  const CliResult r = run_cli("generate" + model("target") + " --draft " + quote(dir_ + "/draft") +
+                              " --prompt hello --max-new-tokens 12 --stats");
   ASSERT_EQ(r.status, 0) << r.all();
   const nlohmann::json j = stats_of(r);
-  for (const char* key : {"new_tokens", "prompt_tokens", "seconds", "time_to_first_token_s", "tokens_per_second",
-                          "decode_tokens_per_second", "drafted", "accepted", "acceptance_rate", "drafted_at",
-                          "accepted_at", "acceptance_at", "rollbacks", "rounds",
-                          "forwards", "cache_seconds", "peak_cache_bytes", "seed", "threads"}) {
+  for (const char* key :
+       {"new_tokens", "prompt_tokens", "seconds", "time_to_first_token_s", "tokens_per_second",
+        "decode_tokens_per_second", "drafted", "accepted", "acceptance_rate", "drafted_at", "accepted_at",
+        "acceptance_at", "rollbacks", "rounds", "forwards", "cache_seconds", "peak_cache_bytes", "seed", "threads"}) {
     EXPECT_TRUE(j.contains(key)) << key << " in " << j.dump();
   }
   EXPECT_GE(j.at("new_tokens"), 1);  // a random model may emit EOS before the budget
@@ -191,13 +190,13 @@ TEST_F(Cli, PromptFileTakesA140KBPromptFromAFileOrStandardInput) {
   write_file(file, long_prompt);
   const std::string expected_prompt_tokens = std::to_string(long_prompt.size() + 1);
 
-  const CliResult from_file =
-      run_cli("generate" + model("draft") + " --prompt-file " + quote(file.string()) + " --max-new-tokens 6 --stats");
+  const CliResult from_file = run_cli("generate" + model("draft") + " --prompt-file " + quote(file.string()) +
+                                      " --max-new-tokens 6 --stats");
   ASSERT_EQ(from_file.status, 0) << from_file.err;
   EXPECT_EQ(stats_of(from_file).at("prompt_tokens").dump(), expected_prompt_tokens);
 
-  const CliResult from_stdin =
-      run_cli("generate" + model("draft") + " --prompt-file - --max-new-tokens 6 --stats", file.string());
+  const CliResult from_stdin = run_cli("generate" + model("draft") + " --prompt-file - --max-new-tokens 6 --stats",
+                                       file.string());
   ASSERT_EQ(from_stdin.status, 0) << from_stdin.err;
   EXPECT_EQ(stats_of(from_stdin).at("prompt_tokens").dump(), expected_prompt_tokens);
   EXPECT_EQ(text_of(from_stdin), text_of(from_file));
@@ -236,8 +235,8 @@ TEST_F(Cli, GeneratePromptsDecodesEveryLineAsOneBatch) {
   for (std::size_t i = 0; i < lines.size(); ++i) {
     EXPECT_EQ(json[i].at("index").get<std::size_t>(), i);
     if (lines[i].empty()) continue;  // --prompt refuses an empty text
-    const CliResult alone =
-        run_cli("generate" + model("target") + " --prompt " + quote(lines[i]) + " --max-new-tokens 12");
+    const CliResult alone = run_cli("generate" + model("target") + " --prompt " + quote(lines[i]) +
+                                    " --max-new-tokens 12");
     ASSERT_EQ(alone.status, 0) << alone.err;
     // JSON holds Unicode: bytes that are not UTF-8 (a random model emits
     // them) become U+FFFD, as the same text dumped with that rule.
@@ -264,7 +263,8 @@ TEST_F(Cli, GeneratePromptsDecodesEveryLineAsOneBatch) {
     EXPECT_NEAR(decode, after_first / (stats.at("seconds").get<double>() - last_first), 1e-6 * decode) << stats.dump();
   }
 
-  const CliResult from_stdin = run_cli("generate" + model("target") + " --prompts - --max-new-tokens 12", file.string());
+  const CliResult from_stdin = run_cli("generate" + model("target") + " --prompts - --max-new-tokens 12",
+                                       file.string());
   ASSERT_EQ(from_stdin.status, 0) << from_stdin.err;
   EXPECT_EQ(from_stdin.out + json.back().dump(), r.out.substr(0, r.out.size() - 1))
       << "stdin and file give the same lines";
@@ -311,7 +311,8 @@ TEST_F(Cli, GeneratePromptsDecodesEveryLineAsOneBatch) {
   }
   const CliResult no_prompts = run_cli("generate" + model("target") + " --prompt x --max-batch 2");
   EXPECT_EQ(no_prompts.status, 2) << no_prompts.all();
-  const CliResult repeats = run_cli("verify" + model("target") + " --lookup 2 --repeats 2 --prompts " + quote(file.string()));
+  const CliResult repeats = run_cli("verify" + model("target") + " --lookup 2 --repeats 2 --prompts " +
+                                    quote(file.string()));
   EXPECT_EQ(repeats.status, 2) << repeats.all();
   write_file(scratch_dir() / "no_lines.txt", "");
   const CliResult empty = run_cli("generate" + model("target") + " --prompts " +
@@ -436,8 +437,8 @@ TEST_F(Cli, StatsSeparateTimeToFirstTokenFromTheDecodeRate) {
   while (prompt.size() < 20000) prompt += "the LORD spake unto Moses, saying, ";
   const fs::path file = scratch_dir() / "prompt_20k.txt";
   write_file(file, prompt);
-  const CliResult r =
-      run_cli("generate" + model("linear") + " --prompt-file " + quote(file.string()) + " --max-new-tokens 32 --stats");
+  const CliResult r = run_cli("generate" + model("linear") + " --prompt-file " + quote(file.string()) +
+                              " --max-new-tokens 32 --stats");
   ASSERT_EQ(r.status, 0) << r.err;
   const nlohmann::json j = stats_of(r);
   const double seconds = j.at("seconds"), ttft = j.at("time_to_first_token_s");
@@ -473,9 +474,9 @@ TEST_F(Cli, FlagsThatWouldHaveNoEffectAreRefused) {
     EXPECT_NE(r.err.find(c.phrase), std::string::npos) << c.flags << "\n" << r.all();
   }
   // With what they need, they are accepted.
-  for (const std::string& ok : {std::string("--lookup 2 --num-draft 8 --adaptive"),
-                                "--draft " + quote(dir_ + "/draft") + " --num-draft 3",
-                                std::string("--temperature 0.8 --top-k 5 --top-p 0.9 --seed 3")}) {
+  for (const std::string& ok :
+       {std::string("--lookup 2 --num-draft 8 --adaptive"), "--draft " + quote(dir_ + "/draft") + " --num-draft 3",
+        std::string("--temperature 0.8 --top-k 5 --top-p 0.9 --seed 3")}) {
     const CliResult r = run_cli("generate" + model("target") + " --prompt x --max-new-tokens 4 " + ok);
     EXPECT_EQ(r.status, 0) << ok << "\n" << r.all();
   }
@@ -485,8 +486,8 @@ TEST_F(Cli, FlagsThatWouldHaveNoEffectAreRefused) {
 
 TEST_F(Cli, SamplingWithoutSeedDrawsOneAndReportsItSoTheRunCanBeRepeated) {
   for (const std::string& source : {std::string(), " --draft " + quote(dir_ + "/draft")}) {
-    const std::string args =
-        "generate" + model("target") + source + " --prompt 'in the' --max-new-tokens 48 --temperature 2 --stats";
+    const std::string args = "generate" + model("target") + source +
+                             " --prompt 'in the' --max-new-tokens 48 --temperature 2 --stats";
     const CliResult first = run_cli(args), second = run_cli(args);
     ASSERT_EQ(first.status, 0) << first.err;
     ASSERT_EQ(second.status, 0) << second.err;
@@ -529,8 +530,7 @@ TEST_F(Cli, BadValuesAreRefusedWithTheReason) {
            {gen + "--max-new-tokens 99999999999999999999", "is outside [0, 1073741824]"},
            {gen + "--threads 0", "--threads: '0' is outside"},
            {"inspect" + model("target") + " --rollback -1", "--rollback: '-1' is outside"},
-           {"inspect" + model("target") + " --rollback 9223372036854775807",
-            "--rollback 9223372036854775807: "},
+           {"inspect" + model("target") + " --rollback 9223372036854775807", "--rollback 9223372036854775807: "},
            {"inspect" + model("target") + " --rollback 1099511627776", "--rollback 1099511627776: "},
            {"eval" + model("target") + " --text /dev/null --chunk 0", "--chunk: '0' is outside"},
            {"init-random --config /dev/null --out /tmp/x --seed -3", "--seed: '-3' is negative"},
@@ -687,7 +687,8 @@ TEST_F(Cli, SnapshotFileThatIsEmptyOrNotARegularFileIsRefused) {
   }
   // A saved snapshot still reads, also through a symbolic link to it.
   const fs::path saved = scratch_dir() / "saved.snap", link = scratch_dir() / "link.snap";
-  const CliResult save = run_cli("snapshot save" + model("target") + " --prompt 'in the' --out " + quote(saved.string()));
+  const CliResult save = run_cli("snapshot save" + model("target") + " --prompt 'in the' --out " +
+                                 quote(saved.string()));
   ASSERT_EQ(save.status, 0) << save.all();
   fs::remove(link);
   fs::create_symlink(saved, link);
@@ -739,12 +740,14 @@ TEST_F(Cli, GeneratePromptsStreamsALongFileInBoundedBatches) {
   std::int64_t tokens = 0;
   for (const nlohmann::json& s : stats.at("per_sequence")) tokens += s.at("new_tokens").get<std::int64_t>();
   EXPECT_EQ(stats.at("new_tokens").get<std::int64_t>(), tokens);
-  for (const std::size_t i : {std::size_t{1}, std::size_t{4}, std::size_t{255}, std::size_t{256}, std::size_t{1999},
-                              std::size_t{2999}}) {
-    const CliResult alone = run_cli("generate" + model("target") + " --prompt " + quote(lines[i]) + " --max-new-tokens 3");
+  for (const std::size_t i :
+       {std::size_t{1}, std::size_t{4}, std::size_t{255}, std::size_t{256}, std::size_t{1999}, std::size_t{2999}}) {
+    const CliResult alone = run_cli("generate" + model("target") + " --prompt " + quote(lines[i]) +
+                                    " --max-new-tokens 3");
     ASSERT_EQ(alone.status, 0) << alone.err;
-    const std::string expected = nlohmann::json::parse(nlohmann::json(alone.out.substr(0, alone.out.size() - 1))
-                                                           .dump(-1, ' ', false, nlohmann::json::error_handler_t::replace));
+    const std::string expected = nlohmann::json::parse(
+        nlohmann::json(alone.out.substr(0, alone.out.size() - 1))
+            .dump(-1, ' ', false, nlohmann::json::error_handler_t::replace));
     EXPECT_EQ(json[i].at("text").get<std::string>(), expected) << "line " << i << ": " << lines[i];
   }
   const std::string without_stats = r.out.substr(0, r.out.size() - stats.dump().size() - 1);
@@ -788,8 +791,9 @@ TEST_F(Cli, ShortFlagsAsLlamaCppUsersTypeThemEqualTheLongFlags) {
     EXPECT_EQ(s_out, l_out) << short_args << "\nvs\n" << long_args;
     EXPECT_EQ(s.err, l.err) << short_args;
   };
-  same("generate -m " + dir + " -p " + prompt + " -n 8 -s 1 -t 1 --temperature 0.8",
-       "generate --model " + dir + " --prompt " + prompt + " --max-new-tokens 8 --seed 1 --threads 1 --temperature 0.8");
+  same(
+      "generate -m " + dir + " -p " + prompt + " -n 8 -s 1 -t 1 --temperature 0.8",
+      "generate --model " + dir + " --prompt " + prompt + " --max-new-tokens 8 --seed 1 --threads 1 --temperature 0.8");
   same("generate -m " + dir + " -p " + prompt + " -n 8 -t 1 -c 64",
        "generate --model " + dir + " --prompt " + prompt + " --max-new-tokens 8 --threads 1 --ctx-size 64");
   // A seed that differs gives other text: -s is not ignored.
@@ -819,7 +823,8 @@ TEST_F(Cli, ShortFlagsAsLlamaCppUsersTypeThemEqualTheLongFlags) {
   for (const auto& [sub, flags] : std::vector<std::pair<std::string, std::vector<std::string>>>{
            {"bench", {"-m,--model", "-n,--max-new-tokens", "-t,--threads"}},
            {"forward-cost", {"-m,--model", "-t,--threads"}},
-           {"generate", {"-m,--model", "-p,--prompt", "-n,--max-new-tokens", "-t,--threads", "-s,--seed", "-c,--ctx-size"}},
+           {"generate",
+            {"-m,--model", "-p,--prompt", "-n,--max-new-tokens", "-t,--threads", "-s,--seed", "-c,--ctx-size"}},
            {"verify", {"-m,--model", "-p,--prompt", "-n,--max-new-tokens", "-t,--threads", "-c,--ctx-size"}},
            {"eval", {"-m,--model", "-t,--threads"}},
            {"init-random", {"-s,--seed"}},
@@ -862,8 +867,9 @@ TEST_F(Cli, MisspeltSubcommandsAndFlagsGetADidYouMean) {
            {"generat --model x", "rewind: error: unknown subcommand 'generat'; did you mean 'generate'? " + all + "\n"},
            {"verfy", "rewind: error: unknown subcommand 'verfy'; did you mean 'verify'? " + all + "\n"},
            {"frobnicate", "rewind: error: unknown subcommand 'frobnicate' " + all + "\n"},
-           {"snapshot sav", "rewind: error: unknown subcommand 'sav' of rewind snapshot; did you mean 'save'? "
-                            "(subcommands: save, inspect, load)\n"},
+           {"snapshot sav",
+            "rewind: error: unknown subcommand 'sav' of rewind snapshot; did you mean 'save'? "
+            "(subcommands: save, inspect, load)\n"},
            {"generate" + model("target") + " -p x --max-new-token 3",
             "rewind: error: unknown flag '--max-new-token' for rewind generate; did you mean '--max-new-tokens'? "
             "(`rewind generate --help` lists its flags)\n"},
@@ -947,17 +953,18 @@ TEST_F(Cli, ContextLengthIsCheckedAgainstTheModels) {
   EXPECT_EQ(run_cli(eval + " --context 15").status, 0);
   const CliResult segments = run_cli(eval + " --context 16");
   EXPECT_EQ(segments.status, 2) << segments.all();
-  EXPECT_EQ(segments.err, "rewind: error: evaluate_text: context 16 makes windows of 17 positions (1 before the text + "
-                          "16 bytes), past the model's max_position_embeddings (16); give a context of at most 15\n");
+  EXPECT_EQ(segments.err,
+            "rewind: error: evaluate_text: context 16 makes windows of 17 positions (1 before the text + "
+            "16 bytes), past the model's max_position_embeddings (16); give a context of at most 15\n");
   const CliResult whole = run_cli(eval + " --context 0");
   EXPECT_EQ(whole.status, 2) << whole.all();
-  EXPECT_NE(whole.err.find("context 0 makes windows of 31 positions (1 before the text + 30 bytes)"),
-            std::string::npos)
+  EXPECT_NE(whole.err.find("context 0 makes windows of 31 positions (1 before the text + 30 bytes)"), std::string::npos)
       << whole.all();
   const CliResult long_save = run_cli("snapshot save" + m + " -p abcdefghijklmnop --out " + snap);
   EXPECT_EQ(long_save.status, 2) << long_save.all();
-  EXPECT_EQ(long_save.err, "rewind: error: the prompt (17 tokens) is past the context of 16 (the model's "
-                           "max_position_embeddings, -c / --ctx-size); shorten the prompt\n");
+  EXPECT_EQ(long_save.err,
+            "rewind: error: the prompt (17 tokens) is past the context of 16 (the model's "
+            "max_position_embeddings, -c / --ctx-size); shorten the prompt\n");
   const CliResult over = run_cli("snapshot load" + m + " --file " + snap + " -n 13");
   EXPECT_EQ(over.status, 2) << over.all();
   EXPECT_NE(over.err.find("the snapshot's sequence (4 tokens) plus --max-new-tokens 13 needs 17 positions"),

@@ -123,8 +123,8 @@ TEST_P(Lossless, EveryDraftSourceReproducesGreedyTokenForToken) {
                      Source{"small model", &small_draft}, Source{"prompt lookup", &lookup}}) {
       for (bool adaptive : {false, true}) {
         GenerationStats stats;
-        const std::vector<std::int32_t> spec =
-            speculative_generate(target, *s.source, prompt, options, {K, adaptive}, &stats);
+        const std::vector<std::int32_t> spec = speculative_generate(target, *s.source, prompt, options, {K, adaptive},
+                                                                    &stats);
         EXPECT_EQ(spec, greedy) << s.name << ", K=" << K << (adaptive ? ", adaptive" : "");
         EXPECT_EQ(stats.new_tokens, 60);
         if (std::string(s.name) == "perfect") {
@@ -142,10 +142,10 @@ TEST_P(Lossless, EveryDraftSourceReproducesGreedyTokenForToken) {
 
 INSTANTIATE_TEST_SUITE_P(
     RandomHybrids, Lossless,
-    ::testing::Values(Case{"every_kind", kEveryKind, 1},
-                      Case{"attention_first", {"full_attention", "linear_attention", "sliding_attention", "conv"}, 2},
-                      Case{"two_linear", {"linear_attention", "conv", "linear_attention", "sliding_attention",
-                                          "full_attention"}, 3}),
+    ::testing::Values(
+        Case{"every_kind", kEveryKind, 1},
+        Case{"attention_first", {"full_attention", "linear_attention", "sliding_attention", "conv"}, 2},
+        Case{"two_linear", {"linear_attention", "conv", "linear_attention", "sliding_attention", "full_attention"}, 3}),
     [](const ::testing::TestParamInfo<Case>& param_info) { return param_info.param.name; });
 
 TEST(Speculative, RejectsBadDraftLength) {
@@ -169,11 +169,13 @@ TEST(Speculative, OptionsCarryTheDraftLengthAndTreeShape) {
   EXPECT_NO_THROW(validate(o));
   LookupDraft a(2), b(2);
   GenerationStats sa, sb;
-  EXPECT_EQ(speculative_generate(m, a, prompt, o, &sa), speculative_generate(m, b, prompt, greedy_options(9), {3, true}, &sb));
+  EXPECT_EQ(speculative_generate(m, a, prompt, o, &sa),
+            speculative_generate(m, b, prompt, greedy_options(9), {3, true}, &sb));
   EXPECT_EQ(sa.drafted, sb.drafted);
   EXPECT_EQ(sa.accepted_at, sb.accepted_at);
   LookupTreeDraft ta(2), tb(2);
-  EXPECT_EQ(tree_speculative_generate(m, ta, prompt, o), tree_speculative_generate(m, tb, prompt, greedy_options(9), {2, 8, 3}));
+  EXPECT_EQ(tree_speculative_generate(m, ta, prompt, o),
+            tree_speculative_generate(m, tb, prompt, greedy_options(9), {2, 8, 3}));
   EXPECT_EQ(tree_speculative_generate(m, ta, prompt, o), generate(m, prompt, o));
   GenerationOptions bad = greedy_options(4);
   bad.speculation.num_draft = 0;

@@ -60,8 +60,7 @@ std::string to_text(const std::map<std::string, std::string>& keys) {
 }
 
 // The hybrid config with `set` keys replaced / added and `drop` keys removed.
-std::string hybrid_text(const std::map<std::string, std::string>& set = {},
-                        const std::set<std::string>& drop = {}) {
+std::string hybrid_text(const std::map<std::string, std::string>& set = {}, const std::set<std::string>& drop = {}) {
   auto keys = hybrid_keys();
   for (const auto& [k, v] : set) keys[k] = v;
   for (const auto& k : drop) keys.erase(k);
@@ -72,16 +71,15 @@ ModelConfig hybrid_config() { return parse_model_config(hybrid_text(), "hybrid/c
 
 // A small config with only attention layers (no kind-specific keys).
 ModelConfig attention_config() {
-  return parse_model_config(
-      to_text({{"hidden_size", "16"},
-               {"num_hidden_layers", "2"},
-               {"num_attention_heads", "2"},
-               {"num_key_value_heads", "1"},
-               {"intermediate_size", "24"},
-               {"vocab_size", "260"},
-               {"layer_types", R"(["full_attention", "full_attention"])"},
-               {"tie_word_embeddings", "true"}}),
-      "attn/config.json");
+  return parse_model_config(to_text({{"hidden_size", "16"},
+                                     {"num_hidden_layers", "2"},
+                                     {"num_attention_heads", "2"},
+                                     {"num_key_value_heads", "1"},
+                                     {"intermediate_size", "24"},
+                                     {"vocab_size", "260"},
+                                     {"layer_types", R"(["full_attention", "full_attention"])"},
+                                     {"tie_word_embeddings", "true"}}),
+                            "attn/config.json");
 }
 
 // ---- ModelConfig -----------------------------------------------------------------
@@ -117,17 +115,16 @@ TEST(ModelConfig, ParsesHybridConfigWithDefaults) {
 }
 
 TEST(ModelConfig, ParsesExplicitValues) {
-  const ModelConfig c = parse_model_config(
-      hybrid_text({{"head_dim", "16"},
-                   {"rope_theta", "1000000"},
-                   {"rms_norm_eps", "1e-5"},
-                   {"tie_word_embeddings", "true"},
-                   {"bos_token_id", "1"},
-                   {"eos_token_id", "[2, 3]"},
-                   {"torch_dtype", R"("bfloat16")"},
-                   {"model_type", R"("my_hybrid")"},
-                   {"architectures", R"(["Whatever"])"}}),
-      "x/config.json");
+  const ModelConfig c = parse_model_config(hybrid_text({{"head_dim", "16"},
+                                                        {"rope_theta", "1000000"},
+                                                        {"rms_norm_eps", "1e-5"},
+                                                        {"tie_word_embeddings", "true"},
+                                                        {"bos_token_id", "1"},
+                                                        {"eos_token_id", "[2, 3]"},
+                                                        {"torch_dtype", R"("bfloat16")"},
+                                                        {"model_type", R"("my_hybrid")"},
+                                                        {"architectures", R"(["Whatever"])"}}),
+                                           "x/config.json");
   EXPECT_EQ(c.head_dim, 16);
   EXPECT_EQ(c.rope_theta, 1e6);
   EXPECT_EQ(c.rms_norm_eps, 1e-5);
@@ -140,18 +137,17 @@ TEST(ModelConfig, ParsesExplicitValues) {
 
 TEST(ModelConfig, NewerTransformersSpellings) {
   const ModelConfig c = parse_model_config(
-      hybrid_text({{"dtype", R"("float16")"}, {"rope_parameters", R"({"rope_theta": 5e5})"}}),
-      "x/config.json");
+      hybrid_text({{"dtype", R"("float16")"}, {"rope_parameters", R"({"rope_theta": 5e5})"}}), "x/config.json");
   EXPECT_EQ(c.torch_dtype, DType::F16);
   EXPECT_EQ(c.rope_theta, 5e5);
 }
 
 TEST(ModelConfig, KindKeysAreOptionalWithoutTheirKind) {
   const ModelConfig c = parse_model_config(
-      hybrid_text({{"layer_types", R"(["full_attention", "full_attention", "conv", "conv"])"},
-                   {"sliding_window", "null"}},
-                  {"linear_conv_kernel_dim", "linear_num_key_heads", "linear_num_value_heads",
-                   "linear_key_head_dim", "linear_value_head_dim"}),
+      hybrid_text(
+          {{"layer_types", R"(["full_attention", "full_attention", "conv", "conv"])"}, {"sliding_window", "null"}},
+          {"linear_conv_kernel_dim", "linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim",
+           "linear_value_head_dim"}),
       "x/config.json");
   EXPECT_EQ(c.sliding_window, 0);
   EXPECT_EQ(c.linear_num_key_heads, 0);
@@ -199,24 +195,18 @@ TEST(ModelConfig, InvalidConfigsThrowFormatError) {
   const std::vector<BadConfig> cases = {
       {"not JSON", "{\"hidden_size\": ", "not valid JSON"},
       {"not an object", "[1, 2, 3]", "config is not a JSON object"},
-      {"missing hidden_size", hybrid_text({}, {"hidden_size"}),
-       "missing required key 'hidden_size'"},
+      {"missing hidden_size", hybrid_text({}, {"hidden_size"}), "missing required key 'hidden_size'"},
       {"missing vocab_size", hybrid_text({}, {"vocab_size"}), "missing required key 'vocab_size'"},
-      {"missing layer_types", hybrid_text({}, {"layer_types"}),
-       "missing required key 'layer_types'"},
+      {"missing layer_types", hybrid_text({}, {"layer_types"}), "missing required key 'layer_types'"},
       {"missing num_key_value_heads", hybrid_text({}, {"num_key_value_heads"}),
        "missing required key 'num_key_value_heads'"},
-      {"null required key", hybrid_text({{"intermediate_size", "null"}}),
-       "missing required key 'intermediate_size'"},
+      {"null required key", hybrid_text({{"intermediate_size", "null"}}), "missing required key 'intermediate_size'"},
       {"negative hidden_size", hybrid_text({{"hidden_size", "-32"}}),
        "'hidden_size' must be in [1, 16777216], got -32"},
-      {"zero layers", hybrid_text({{"num_hidden_layers", "0"}}),
-       "'num_hidden_layers' must be in [1, 16777216], got 0"},
+      {"zero layers", hybrid_text({{"num_hidden_layers", "0"}}), "'num_hidden_layers' must be in [1, 16777216], got 0"},
       {"huge vocab", hybrid_text({{"vocab_size", "1000000000000"}}), "'vocab_size' must be in"},
-      {"beyond int64", hybrid_text({{"vocab_size", "18446744073709551615"}}),
-       "'vocab_size' must be in"},
-      {"string size", hybrid_text({{"hidden_size", R"("32")"}}),
-       "'hidden_size' must be an integer, got a string"},
+      {"beyond int64", hybrid_text({{"vocab_size", "18446744073709551615"}}), "'vocab_size' must be in"},
+      {"string size", hybrid_text({{"hidden_size", R"("32")"}}), "'hidden_size' must be an integer, got a string"},
       {"fractional size", hybrid_text({{"intermediate_size", "48.5"}}),
        "'intermediate_size' must be an integer, got a number"},
       {"boolean size", hybrid_text({{"num_attention_heads", "true"}}),
@@ -224,16 +214,13 @@ TEST(ModelConfig, InvalidConfigsThrowFormatError) {
       {"zero head_dim", hybrid_text({{"head_dim", "0"}}), "'head_dim' must be in [1,"},
       {"layer_types too short", hybrid_text({{"layer_types", R"(["conv", "conv", "conv"])"}}),
        "'layer_types' has 3 entries, but 'num_hidden_layers' is 4"},
-      {"layer_types too long",
-       hybrid_text({{"layer_types", R"(["conv", "conv", "conv", "conv", "conv"])"}}),
+      {"layer_types too long", hybrid_text({{"layer_types", R"(["conv", "conv", "conv", "conv", "conv"])"}}),
        "'layer_types' has 5 entries"},
       {"layer_types not a list", hybrid_text({{"layer_types", R"("conv")"}}),
        "'layer_types' must be a list, got a string"},
-      {"layer type not a string",
-       hybrid_text({{"layer_types", R"(["conv", 1, "conv", "conv"])"}}),
+      {"layer type not a string", hybrid_text({{"layer_types", R"(["conv", 1, "conv", "conv"])"}}),
        "layer_types[1] must be a string, got an integer"},
-      {"unknown layer type",
-       hybrid_text({{"layer_types", R"(["full_attention", "conv", "conv", "moe"])"}}),
+      {"unknown layer type", hybrid_text({{"layer_types", R"(["full_attention", "conv", "conv", "moe"])"}}),
        "layer_types[3] is 'moe', which the runtime does not support (supported: full_attention, "
        "sliding_attention, linear_attention, conv)"},
       {"heads not divisible", hybrid_text({{"num_key_value_heads", "3"}}),
@@ -245,22 +232,19 @@ TEST(ModelConfig, InvalidConfigsThrowFormatError) {
       {"sliding_window zero", hybrid_text({{"sliding_window", "0"}}),
        "'sliding_window' must be in [1, 16777216], got 0"},
       {"negative unused sliding_window",
-       hybrid_text({{"layer_types",
-                     R"(["full_attention", "full_attention", "linear_attention", "conv"])"},
+       hybrid_text({{"layer_types", R"(["full_attention", "full_attention", "linear_attention", "conv"])"},
                     {"sliding_window", "-1"}}),
        "'sliding_window' must be in [0, 16777216], got -1"},
       {"linear layer without linear_num_key_heads", hybrid_text({}, {"linear_num_key_heads"}),
        "missing required key 'linear_num_key_heads' (layer 2 is linear_attention)"},
       {"linear layer without linear_conv_kernel_dim", hybrid_text({}, {"linear_conv_kernel_dim"}),
        "missing required key 'linear_conv_kernel_dim' (layer 2 is linear_attention)"},
-      {"linear heads not divisible",
-       hybrid_text({{"linear_num_key_heads", "4"}, {"linear_num_value_heads", "6"}}),
+      {"linear heads not divisible", hybrid_text({{"linear_num_key_heads", "4"}, {"linear_num_value_heads", "6"}}),
        "'linear_num_value_heads' (6) is not a multiple of 'linear_num_key_heads' (4)"},
       {"conv layer without conv_L_cache", hybrid_text({}, {"conv_L_cache"}),
        "missing required key 'conv_L_cache' (layer 3 is conv)"},
       {"negative conv_L_cache", hybrid_text({{"conv_L_cache", "-3"}}), "'conv_L_cache' must be in"},
-      {"negative rope_theta", hybrid_text({{"rope_theta", "-1"}}),
-       "'rope_theta' must be a positive finite number"},
+      {"negative rope_theta", hybrid_text({{"rope_theta", "-1"}}), "'rope_theta' must be a positive finite number"},
       {"string rms_norm_eps", hybrid_text({{"rms_norm_eps", R"("small")"}}),
        "'rms_norm_eps' must be a number, got a string"},
       {"integer tie_word_embeddings", hybrid_text({{"tie_word_embeddings", "1"}}),
@@ -271,12 +255,10 @@ TEST(ModelConfig, InvalidConfigsThrowFormatError) {
        "'bos_token_id' must be in [0, 299], got 300"},
       {"default bos outside a small vocabulary", hybrid_text({{"vocab_size", "100"}}),
        "'bos_token_id' is absent and its default 256 is outside the vocabulary ('vocab_size' 100)"},
-      {"default eos outside a small vocabulary",
-       hybrid_text({{"vocab_size", "257"}, {"bos_token_id", "0"}}),
+      {"default eos outside a small vocabulary", hybrid_text({{"vocab_size", "257"}, {"bos_token_id", "0"}}),
        "'eos_token_id' is absent and its default 257 is outside the vocabulary"},
       {"empty eos list", hybrid_text({{"eos_token_id", "[]"}}), "'eos_token_id' is an empty list"},
-      {"model_type not a string", hybrid_text({{"model_type", "3"}}),
-       "'model_type' must be a string"},
+      {"model_type not a string", hybrid_text({{"model_type", "3"}}), "'model_type' must be a string"},
   };
   for (const BadConfig& bc : cases) {
     SCOPED_TRACE(bc.label);
@@ -286,8 +268,7 @@ TEST(ModelConfig, InvalidConfigsThrowFormatError) {
     } catch (const FormatError& e) {
       const std::string msg = e.what();
       EXPECT_EQ(msg.rfind("models/tiny/config.json: ", 0), 0u) << msg;
-      EXPECT_NE(msg.find(bc.phrase), std::string::npos)
-          << "expected '" << bc.phrase << "' in: " << msg;
+      EXPECT_NE(msg.find(bc.phrase), std::string::npos) << "expected '" << bc.phrase << "' in: " << msg;
       EXPECT_EQ(msg.find('\n'), std::string::npos) << msg;
     }
   }
@@ -328,8 +309,8 @@ TEST(ModelConfig, UnsupportedArchitecturesAreNamedWithTheSupportedList) {
     } catch (const FormatError& e) {
       const std::string msg = e.what();
       EXPECT_EQ(msg.rfind(k.named, 0), 0u) << msg;
-      for (const char* family : {"rewind_hybrid", "lfm2", "qwen3_5", "qwen3_5_text", "qwen3_next", "qwen3 (",
-                                 "llama (LlamaForCausalLM"}) {
+      for (const char* family :
+           {"rewind_hybrid", "lfm2", "qwen3_5", "qwen3_5_text", "qwen3_next", "qwen3 (", "llama (LlamaForCausalLM"}) {
         EXPECT_NE(msg.find(family, k.named.size()), std::string::npos) << family << " missing in: " << msg;
       }
       EXPECT_EQ(msg.find("missing required key"), std::string::npos) << msg;
@@ -471,8 +452,7 @@ class ModelWeightsTest : public ::testing::Test {
   fs::path root_;
 };
 
-void expect_load_error(const std::string& dir, const std::string& file,
-                       const std::vector<std::string>& phrases) {
+void expect_load_error(const std::string& dir, const std::string& file, const std::vector<std::string>& phrases) {
   try {
     load_weights(dir);
     ADD_FAILURE() << "no error, expected '" << phrases.front() << "'";
@@ -546,8 +526,8 @@ TEST_F(ModelWeightsTest, SameSeedSameBytesDifferentSeedDifferent) {
     EXPECT_FALSE(bitwise_equal(wa.get(n), wc.get(n))) << n << " does not depend on the seed";
   }
   // Tensors differ from each other too (each has its own stream).
-  EXPECT_FALSE(bitwise_equal(wa.get("model.layers.0.mlp.gate_proj.weight"),
-                             wa.get("model.layers.0.mlp.up_proj.weight")));
+  EXPECT_FALSE(
+      bitwise_equal(wa.get("model.layers.0.mlp.gate_proj.weight"), wa.get("model.layers.0.mlp.up_proj.weight")));
 }
 
 // Mean and standard deviation of a tensor's values.
@@ -601,11 +581,11 @@ TEST_F(ModelWeightsTest, KeepsHalfAndBfloatAsStoredWideningToExactValues) {
   write_random_model(c, d, 3, DType::F32);
   const ModelWeights w = load_weights(d);
   // model.norm.weight stored as F16 and one layernorm as BF16, known bits.
-  std::vector<std::uint16_t> half(16, 0x3C00);  // 1.0
-  half[1] = 0xC000;                             // -2.0
-  half[2] = 0x3555;                             // 0.333251953125
-  half[3] = 0x0001;                             // smallest subnormal, 2^-24
-  half[4] = 0xFC00;                             // -inf
+  std::vector<std::uint16_t> half(16, 0x3C00);   // 1.0
+  half[1] = 0xC000;                              // -2.0
+  half[2] = 0x3555;                              // 0.333251953125
+  half[3] = 0x0001;                              // smallest subnormal, 2^-24
+  half[4] = 0xFC00;                              // -inf
   std::vector<std::uint16_t> brain(16, 0x3F80);  // 1.0
   brain[1] = 0xC040;                             // -3.0
   brain[2] = 0x3EAB;                             // 0.333984375
@@ -688,9 +668,9 @@ TEST_F(ModelWeightsTest, ShapeMismatchAfterConfigChange) {
   ModelConfig bigger = c;
   bigger.intermediate_size = 64;
   std::ofstream(d + "/config.json") << to_json(bigger);
-  expect_load_error(d, "model.safetensors",
-                    {"tensor 'model.layers.0.mlp.gate_proj.weight' has shape [48, 32]",
-                     "config.json implies [64, 32]"});
+  expect_load_error(
+      d, "model.safetensors",
+      {"tensor 'model.layers.0.mlp.gate_proj.weight' has shape [48, 32]", "config.json implies [64, 32]"});
 }
 
 TEST_F(ModelWeightsTest, ExtraTensor) {
@@ -699,8 +679,7 @@ TEST_F(ModelWeightsTest, ExtraTensor) {
   rewrite(d, load_weights(d), [](std::vector<Owned>& t) {
     t.push_back({"model.layers.0.self_attn.q_norm.weight", {8}, std::vector<float>(8, 1.0f)});
   });
-  expect_load_error(d, "model.safetensors",
-                    {"unexpected tensor 'model.layers.0.self_attn.q_norm.weight'"});
+  expect_load_error(d, "model.safetensors", {"unexpected tensor 'model.layers.0.self_attn.q_norm.weight'"});
 }
 
 TEST_F(ModelWeightsTest, TiedConfigRejectsLmHead) {

@@ -20,6 +20,7 @@
 // tolerance by far: the comparison is sensitive to every one of them.
 #include <gtest/gtest.h>
 
+#include <unistd.h>
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
@@ -27,18 +28,17 @@
 #include <filesystem>
 #include <fstream>
 #include <functional>
-#include <unistd.h>
 #include <sstream>
 #include <string>
 #include <vector>
 
 #include <nlohmann/json.hpp>
 
+#include "cli_test_util.h"
 #include "rewind/error.h"
 #include "runtime/generate.h"
 #include "runtime/model.h"
 #include "runtime/safetensors.h"
-#include "cli_test_util.h"
 
 namespace rwd::runtime {
 namespace {
@@ -261,9 +261,9 @@ TEST(ModelFamilies, ConfigsAsTransformersResolvesThem) {
   EXPECT_EQ(lfm2.intermediate_size, 96);  // block_ff_dim 128: int(2 * 128 / 3) = 85, up to a multiple of 24
   EXPECT_EQ(lfm2.layer_types, (std::vector<LayerKind>{LayerKind::Conv, LayerKind::FullAttention, LayerKind::Conv,
                                                       LayerKind::Conv, LayerKind::FullAttention}));  // full_attn_idxs
-  EXPECT_TRUE(lfm2.tie_word_embeddings);  // tie_embedding
-  EXPECT_EQ(lfm2.rope_theta, 1e6);        // the family's default
-  EXPECT_EQ(lfm2.rms_norm_eps, 1e-5);     // norm_eps
+  EXPECT_TRUE(lfm2.tie_word_embeddings);                                                             // tie_embedding
+  EXPECT_EQ(lfm2.rope_theta, 1e6);     // the family's default
+  EXPECT_EQ(lfm2.rms_norm_eps, 1e-5);  // norm_eps
   EXPECT_TRUE(lfm2.add_bos);
   EXPECT_EQ(lfm2.bos_token_id, 1);
   EXPECT_EQ(lfm2.eos_token_ids, std::vector<std::int64_t>{7});
@@ -332,16 +332,17 @@ TEST(ModelFamilies, ToJsonRoundTripsInTheFamilyLayout) {
   write_random_model(c, dir.string(), 7, DType::BF16);
   const Model m = Model::load(dir.string());
   EXPECT_EQ(m.config().family, ModelFamily::Qwen3Next);
-  EXPECT_TRUE(SafetensorsFile::open((dir / "model.safetensors").string()).find("model.layers.0.linear_attn.in_proj_qkvz.weight"));
+  EXPECT_TRUE(SafetensorsFile::open((dir / "model.safetensors").string())
+                  .find("model.layers.0.linear_attn.in_proj_qkvz.weight"));
   fs::remove_all(dir);
 }
-
 
 // ---- config keys, hand-worked -------------------------------------------------------
 
 std::string lfm2_text(const std::string& extra) {
   return R"({"model_type": "lfm2", "vocab_size": 100, "hidden_size": 1024, "num_hidden_layers": 4,
-             "num_attention_heads": 16, "num_key_value_heads": 8)" + extra + "}";
+             "num_attention_heads": 16, "num_key_value_heads": 8)" +
+         extra + "}";
 }
 
 TEST(ModelFamilies, Lfm2MlpWidthRule) {
@@ -389,8 +390,8 @@ TEST(ModelFamilies, QwenDefaults) {
           "linear_conv_kernel_dim": 4, "linear_num_key_heads": 2, "linear_num_value_heads": 4,
           "linear_key_head_dim": 8, "linear_value_head_dim": 8})",
       "c");
-  EXPECT_EQ(c.head_dim, 256);   // the config classes' default
-  EXPECT_EQ(c.rope_dim(), 64);  // partial_rotary_factor 0.25
+  EXPECT_EQ(c.head_dim, 256);            // the config classes' default
+  EXPECT_EQ(c.rope_dim(), 64);           // partial_rotary_factor 0.25
   for (std::size_t i = 0; i < 8; ++i) {  // full_attention_interval 4: layers 3 and 7
     EXPECT_EQ(c.layer_types[i], i % 4 == 3 ? LayerKind::FullAttention : LayerKind::LinearAttention) << i;
   }
@@ -433,8 +434,9 @@ fs::path edited_copy(const std::string& name, const std::string& file,
 
 // A copy of fixture `name` (a single model.safetensors) whose tensors
 // `edit` may rename, add or drop before they are written back.
-fs::path rewritten_copy(const std::string& name,
-                        const std::function<void(std::vector<TensorToWrite>&, std::vector<std::vector<std::byte>>&)>& edit) {
+fs::path rewritten_copy(
+    const std::string& name,
+    const std::function<void(std::vector<TensorToWrite>&, std::vector<std::vector<std::byte>>&)>& edit) {
   const fs::path dir = edited_copy(name, "config.json", [](auto&) {});
   std::vector<std::vector<std::byte>> keep;
   std::vector<TensorToWrite> tensors;
@@ -468,34 +470,36 @@ TEST(ModelFamilies, RefusesWhatItDoesNotImplement) {
                     "model_type 'qwen3_5_moe' is not supported");
   expect_load_error(edited_copy("lfm2", "config.json", [](auto& j) { j["model_type"] = "lfm2_moe"; }),
                     "model_type 'lfm2_moe' is not supported");
-  expect_load_error(edited_copy("lfm2", "config.json", [](auto& j) { j["conv_bias"] = true; }),
-                    "'conv_bias' is true");
-  expect_load_error(edited_copy("qwen3_5", "config.json",
-                                [](auto& j) { j["text_config"]["rope_parameters"]["rope_type"] = "yarn"; }),
-                    "'text_config.rope_parameters' has rope_type \"yarn\"");
-  expect_load_error(edited_copy("qwen3_5", "config.json",
-                                [](auto& j) { j["text_config"]["layer_types"][0] = "sliding_attention"; }),
-                    "text_config.layer_types[0] is 'sliding_attention', which the runtime does not support in "
-                    "qwen3_5 models (supported: full_attention, linear_attention)");
+  expect_load_error(edited_copy("lfm2", "config.json", [](auto& j) { j["conv_bias"] = true; }), "'conv_bias' is true");
+  expect_load_error(
+      edited_copy("qwen3_5", "config.json", [](auto& j) { j["text_config"]["rope_parameters"]["rope_type"] = "yarn"; }),
+      "'text_config.rope_parameters' has rope_type \"yarn\"");
+  expect_load_error(
+      edited_copy("qwen3_5", "config.json", [](auto& j) { j["text_config"]["layer_types"][0] = "sliding_attention"; }),
+      "text_config.layer_types[0] is 'sliding_attention', which the runtime does not support in "
+      "qwen3_5 models (supported: full_attention, linear_attention)");
   expect_load_error(edited_copy("qwen3_5", "config.json", [](auto& j) { j["text_config"].erase("hidden_size"); }),
                     "missing required key 'text_config.hidden_size'");
   // The index must place every tensor in a shard that holds it.
-  expect_load_error(edited_copy("qwen3_5", "model.safetensors.index.json",
-                                [](auto& j) {
-                                  j["weight_map"]["model.language_model.norm.weight"] =
-                                      j["weight_map"]["model.language_model.norm.weight"] == "model-00001-of-00002.safetensors"
-                                          ? "model-00002-of-00002.safetensors"
-                                          : "model-00001-of-00002.safetensors";
-                                }),
-                    "missing tensor 'model.language_model.norm.weight', which");
+  expect_load_error(
+      edited_copy(
+          "qwen3_5", "model.safetensors.index.json",
+          [](auto& j) {
+            j["weight_map"]["model.language_model.norm.weight"] = j["weight_map"]["model.language_model.norm.weight"] ==
+                                                                          "model-00001-of-00002.safetensors"
+                                                                      ? "model-00002-of-00002.safetensors"
+                                                                      : "model-00001-of-00002.safetensors";
+          }),
+      "missing tensor 'model.language_model.norm.weight', which");
   expect_load_error(edited_copy("qwen3_5", "model.safetensors.index.json",
                                 [](auto& j) { j["weight_map"]["lm_head.weight"] = "../elsewhere.safetensors"; }),
                     "not a file name in the directory");
   // Only the vision tower and the MTP head are skipped: any other stray
   // tensor means the config and the weights disagree.
-  const fs::path stray = rewritten_copy("lfm2", [](std::vector<TensorToWrite>& t, std::vector<std::vector<std::byte>>&) {
-    t.push_back({"model.layers.0.conv.extra.weight", t.front().dtype, t.front().shape, t.front().bytes});
-  });
+  const fs::path stray = rewritten_copy(
+      "lfm2", [](std::vector<TensorToWrite>& t, std::vector<std::vector<std::byte>>&) {
+        t.push_back({"model.layers.0.conv.extra.weight", t.front().dtype, t.front().shape, t.front().bytes});
+      });
   expect_load_error(stray, "unexpected tensor 'model.layers.0.conv.extra.weight'");
 }
 
@@ -547,11 +551,11 @@ TEST(ModelFamilies, TiedEmbeddingsAsFromPretrainedTiesThem) {
   }
   fs::remove_all(both);
   // Tied, with only lm_head.weight in the file: the embedding is tied to it.
-  const fs::path head_only =
-      rewritten_copy("lfm2", [](std::vector<TensorToWrite>& t, std::vector<std::vector<std::byte>>&) {
-        for (auto& e : t)
-          if (e.name == "model.embed_tokens.weight") e.name = "lm_head.weight";
-      });
+  const fs::path head_only = rewritten_copy("lfm2",
+                                            [](std::vector<TensorToWrite>& t, std::vector<std::vector<std::byte>>&) {
+                                              for (auto& e : t)
+                                                if (e.name == "model.embed_tokens.weight") e.name = "lm_head.weight";
+                                            });
   {
     const Model m = Model::load(head_only.string());
     EXPECT_TRUE(m.config().tie_word_embeddings);
@@ -681,10 +685,14 @@ TEST(DenseFamilies, RefusesWhatItDoesNotImplement) {
                     "'rope_scaling' has rope_type \"yarn\", which the runtime does not support (supported: "
                     "\"default\", \"llama3\")");
   expect_load_error(edited_copy("llama", "config.json",
-                                [](auto& j) { j["rope_scaling"] = {{"type", "linear"}, {"factor", 2.0}}; }),
+                                [](auto& j) {
+                                  j["rope_scaling"] = {{"type", "linear"}, {"factor", 2.0}};
+                                }),
                     "'rope_scaling' has type \"linear\"");
   expect_load_error(edited_copy("qwen3", "config.json",
-                                [](auto& j) { j["rope_scaling"] = {{"rope_type", "llama3"}, {"factor", 2.0}}; }),
+                                [](auto& j) {
+                                  j["rope_scaling"] = {{"rope_type", "llama3"}, {"factor", 2.0}};
+                                }),
                     "'rope_scaling' has rope_type \"llama3\", which the runtime does not support (only the default");
   expect_load_error(edited_copy("llama", "config.json", [](auto& j) { j["rope_scaling"].erase("low_freq_factor"); }),
                     "missing required key 'rope_scaling.low_freq_factor' (rope_type \"llama3\") (model_type 'llama')");
@@ -696,19 +704,22 @@ TEST(DenseFamilies, RefusesWhatItDoesNotImplement) {
                     "'attention_bias' is true: attention biases are not supported in qwen3 models");
   expect_load_error(edited_copy("llama", "config.json", [](auto& j) { j["hidden_act"] = "gelu"; }),
                     "'hidden_act' is \"gelu\": only \"silu\" is supported in llama models");
-  expect_load_error(edited_copy("qwen3", "config.json",
-                                [](auto& j) {
-                                  j["layer_types"] = {"full_attention", "sliding_attention", "full_attention",
-                                                      "full_attention"};
-                                }),
-                    "layer 1 is sliding_attention but 'use_sliding_window' is not true");
+  expect_load_error(
+      edited_copy("qwen3", "config.json",
+                  [](auto& j) {
+                    j["layer_types"] = {"full_attention", "sliding_attention", "full_attention", "full_attention"};
+                  }),
+      "layer 1 is sliding_attention but 'use_sliding_window' is not true");
   expect_load_error(edited_copy("qwen3_sliding", "config.json",
                                 [](auto& j) {
                                   j["sliding_window"] = nullptr;
                                   j["layer_types"] = {"full_attention", "sliding_attention", "sliding_attention"};
                                 }),
                     "missing required key 'sliding_window' (layer 1 is sliding_attention) (model_type 'qwen3')");
-  expect_load_error(edited_copy("llama", "config.json", [](auto& j) { j["layer_types"] = {"full_attention", "conv", "full_attention"}; }),
+  expect_load_error(edited_copy("llama", "config.json",
+                                [](auto& j) {
+                                  j["layer_types"] = {"full_attention", "conv", "full_attention"};
+                                }),
                     "layer_types[1] is 'conv', which the runtime does not support in llama models (supported: "
                     "full_attention)");
   expect_load_error(edited_copy("qwen3", "config.json", [](auto& j) { j.erase("num_key_value_heads"); }),
@@ -768,10 +779,13 @@ TEST_P(FamilySpeculative, IdenticalToGreedyWithADraftAndWithPromptLookup) {
   expect_speculative_is_greedy(GetParam(), std::string(GetParam()) + "-draft");
 }
 
-INSTANTIATE_TEST_SUITE_P(Families, FamilySpeculative, ::testing::Values("lfm2", "qwen3_5", "qwen3_next", "qwen3", "llama"));
+INSTANTIATE_TEST_SUITE_P(Families, FamilySpeculative,
+                         ::testing::Values("lfm2", "qwen3_5", "qwen3_next", "qwen3", "llama"));
 
 // Sliding layers roll back across their window while drafts are rejected.
-TEST(FamilySpeculativeSliding, Qwen3SlidingIdenticalToGreedy) { expect_speculative_is_greedy("qwen3_sliding", "qwen3-draft"); }
+TEST(FamilySpeculativeSliding, Qwen3SlidingIdenticalToGreedy) {
+  expect_speculative_is_greedy("qwen3_sliding", "qwen3-draft");
+}
 
 #ifdef REWIND_CLI_PATH
 // The CLI on the family checkpoints: generate, verify (IDENTICAL) with a
@@ -782,7 +796,8 @@ TEST(ModelFamiliesCli, VerifyInspectAndGenerate) {
   for (const std::string name : {"lfm2", "qwen3_5", "qwen3_next", "qwen3", "llama"}) {
     SCOPED_TRACE(name);
     const std::string model = "--model " + cli_test::quote(family_dir(name));
-    for (const std::string& source : {"--draft " + cli_test::quote(family_dir(name + "-draft")), std::string("--lookup 3")}) {
+    for (const std::string& source :
+         {"--draft " + cli_test::quote(family_dir(name + "-draft")), std::string("--lookup 3")}) {
       const auto r = run_cli("verify " + model + " " + source + " --prompt 'And God said' --max-new-tokens 24");
       EXPECT_EQ(r.status, 0) << r.all();
       EXPECT_NE(r.out.find("IDENTICAL"), std::string::npos) << r.all();

@@ -18,7 +18,8 @@ namespace {
 
 std::vector<std::int32_t> tokens(std::int64_t n, std::int32_t first) {
   std::vector<std::int32_t> t(static_cast<std::size_t>(n));
-  for (std::int64_t i = 0; i < n; ++i) t[static_cast<std::size_t>(i)] = (first + static_cast<std::int32_t>(i) * 7) % 256;
+  for (std::int64_t i = 0; i < n; ++i)
+    t[static_cast<std::size_t>(i)] = (first + static_cast<std::int32_t>(i) * 7) % 256;
   return t;
 }
 

@@ -26,8 +26,7 @@ class SafetensorsTest : public ::testing::Test {
  protected:
   void SetUp() override {
     static std::atomic<int> counter{0};
-    dir_ = fs::temp_directory_path() /
-           ("rewind_st_" + std::to_string(::getpid()) + "_" + std::to_string(counter++));
+    dir_ = fs::temp_directory_path() / ("rewind_st_" + std::to_string(::getpid()) + "_" + std::to_string(counter++));
     fs::create_directories(dir_);
   }
   void TearDown() override {
@@ -85,9 +84,8 @@ void expect_format_error(const std::string& path, const std::string& phrase) {
 TEST_F(SafetensorsTest, RoundTripAllDtypesBitwise) {
   // Special values (signed zero, infinities, NaN payloads, subnormals) must
   // come back bit for bit: the reader never converts.
-  std::vector<float> f32 = {0.0f, -0.0f, 1.5f, -3.25e-8f,
-                            std::numeric_limits<float>::infinity(),
-                            std::numeric_limits<float>::denorm_min()};
+  std::vector<float> f32 = {
+      0.0f, -0.0f, 1.5f, -3.25e-8f, std::numeric_limits<float>::infinity(), std::numeric_limits<float>::denorm_min()};
   std::uint32_t nan_bits = 0x7FC12345u;
   float nan;
   std::memcpy(&nan, &nan_bits, 4);
@@ -200,10 +198,9 @@ TEST_F(SafetensorsTest, EmptyFileOfNoTensorsOpens) {
 TEST_F(SafetensorsTest, AcceptsValidFilesFromOtherWriters) {
   // Unpadded header, keys in any order, a hole between tensors, extra entry
   // keys, and an empty tensor sharing an offset with a non-empty one.
-  const std::string header =
-      R"({"b":{"shape":[2],"dtype":"F16","data_offsets":[8,12],"extra":1},)"
-      R"("a":{"dtype":"F32","shape":[1],"data_offsets":[0,4]},)"
-      R"("z":{"dtype":"BF16","shape":[0],"data_offsets":[8,8]}})";
+  const std::string header = R"({"b":{"shape":[2],"dtype":"F16","data_offsets":[8,12],"extra":1},)"
+                             R"("a":{"dtype":"F32","shape":[1],"data_offsets":[0,4]},)"
+                             R"("z":{"dtype":"BF16","shape":[0],"data_offsets":[8,8]}})";
   const std::string p = path("other.safetensors");
   write_bytes(p, file_with_header(header, 12));
   SafetensorsFile f = SafetensorsFile::open(p);
@@ -235,9 +232,7 @@ TEST_F(SafetensorsTest, WriterRejectsBadInputAndWritesNothing) {
 
 TEST_F(SafetensorsTest, WriterReportsIoFailure) {
   std::vector<float> v = {1};
-  EXPECT_THROW(write_safetensors(path("no/such/dir/x.safetensors"),
-                                 {{"a", DType::F32, {1}, as_bytes_of(v)}}),
-               Error);
+  EXPECT_THROW(write_safetensors(path("no/such/dir/x.safetensors"), {{"a", DType::F32, {1}, as_bytes_of(v)}}), Error);
 }
 
 TEST_F(SafetensorsTest, OpenMissingFileIsAnError) {
@@ -264,121 +259,86 @@ std::string entry(const std::string& dtype, const std::string& shape, const std:
 TEST_F(SafetensorsTest, MalformedFilesThrowFormatError) {
   const std::vector<MalformedCase> cases = {
       {"empty file", [] { return std::string(); }, "shorter than the 8-byte header length"},
-      {"truncated length field", [] { return std::string("\x10\0\0", 3); },
-       "shorter than the 8-byte header length"},
+      {"truncated length field", [] { return std::string("\x10\0\0", 3); }, "shorter than the 8-byte header length"},
       {"header length beyond the file", [] { return le64(1000) + "{}"; },
        "header length 1000 runs past the end of the file"},
-      {"header cut short", [] { return le64(20) + R"({"a":{"dtype")"; },
-       "runs past the end of the file"},
-      {"absurd header length", [] { return le64(std::uint64_t{1} << 40) + "{}"; },
-       "exceeds the 100000000-byte limit"},
-      {"max header length", [] { return le64(~std::uint64_t{0}) + "{}"; },
-       "exceeds the 100000000-byte limit"},
+      {"header cut short", [] { return le64(20) + R"({"a":{"dtype")"; }, "runs past the end of the file"},
+      {"absurd header length", [] { return le64(std::uint64_t{1} << 40) + "{}"; }, "exceeds the 100000000-byte limit"},
+      {"max header length", [] { return le64(~std::uint64_t{0}) + "{}"; }, "exceeds the 100000000-byte limit"},
       {"not JSON", [] { return file_with_header("{not json", 0); }, "header is not valid JSON"},
       {"empty header", [] { return file_with_header("", 0); }, "header is not valid JSON"},
-      {"trailing garbage", [] { return file_with_header("{} x", 0); },
-       "header is not valid JSON"},
-      {"not an object", [] { return file_with_header("[1, 2]", 0); },
-       "header is not a JSON object"},
+      {"trailing garbage", [] { return file_with_header("{} x", 0); }, "header is not valid JSON"},
+      {"not an object", [] { return file_with_header("[1, 2]", 0); }, "header is not a JSON object"},
       {"entry not an object", [] { return file_with_header(R"({"a": 5})", 0); },
        "tensor 'a': entry is not a JSON object"},
-      {"missing dtype",
-       [] { return file_with_header(R"({"a":{"shape":[1],"data_offsets":[0,4]}})", 4); },
+      {"missing dtype", [] { return file_with_header(R"({"a":{"shape":[1],"data_offsets":[0,4]}})", 4); },
        "tensor 'a': missing 'dtype'"},
-      {"missing data_offsets",
-       [] { return file_with_header(R"({"a":{"dtype":"F32","shape":[1]}})", 4); },
+      {"missing data_offsets", [] { return file_with_header(R"({"a":{"dtype":"F32","shape":[1]}})", 4); },
        "tensor 'a': missing 'data_offsets'"},
-      {"unknown dtype I64",
-       [] { return file_with_header(R"({"a":)" + entry("I64", "[1]", "[0,8]") + "}", 8); },
+      {"unknown dtype I64", [] { return file_with_header(R"({"a":)" + entry("I64", "[1]", "[0,8]") + "}", 8); },
        "unsupported dtype 'I64' (supported: F32, F16, BF16)"},
       {"dtype not a string",
        [] { return file_with_header(R"({"a":{"dtype":4,"shape":[1],"data_offsets":[0,4]}})", 4); },
        "dtype is not a string"},
-      {"negative extent",
-       [] { return file_with_header(R"({"a":)" + entry("F32", "[-1]", "[0,4]") + "}", 4); },
+      {"negative extent", [] { return file_with_header(R"({"a":)" + entry("F32", "[-1]", "[0,4]") + "}", 4); },
        "shape is not a list of non-negative integers"},
-      {"fractional extent",
-       [] { return file_with_header(R"({"a":)" + entry("F32", "[1.5]", "[0,4]") + "}", 4); },
+      {"fractional extent", [] { return file_with_header(R"({"a":)" + entry("F32", "[1.5]", "[0,4]") + "}", 4); },
        "shape is not a list of non-negative integers"},
-      {"shape not a list",
-       [] { return file_with_header(R"({"a":)" + entry("F32", "4", "[0,16]") + "}", 16); },
+      {"shape not a list", [] { return file_with_header(R"({"a":)" + entry("F32", "4", "[0,16]") + "}", 16); },
        "shape is not a list of non-negative integers"},
       {"shape overflowing 64 bits",
-       [] {
-         return file_with_header(
-             R"({"a":)" + entry("F32", "[4294967296,4294967296]", "[0,4]") + "}", 4);
-       },
+       [] { return file_with_header(R"({"a":)" + entry("F32", "[4294967296,4294967296]", "[0,4]") + "}", 4); },
        "overflows 64 bits"},
       {"byte size overflowing 64 bits",
-       [] {
-         return file_with_header(R"({"a":)" + entry("F32", "[4611686018427387904]", "[0,4]") + "}",
-                                 4);
-       },
+       [] { return file_with_header(R"({"a":)" + entry("F32", "[4611686018427387904]", "[0,4]") + "}", 4); },
        "overflows 64 bits"},
-      {"offsets not two integers",
-       [] { return file_with_header(R"({"a":)" + entry("F32", "[1]", "[0]") + "}", 4); },
+      {"offsets not two integers", [] { return file_with_header(R"({"a":)" + entry("F32", "[1]", "[0]") + "}", 4); },
        "data_offsets is not two non-negative integers"},
-      {"negative offset",
-       [] { return file_with_header(R"({"a":)" + entry("F32", "[1]", "[-4,0]") + "}", 4); },
+      {"negative offset", [] { return file_with_header(R"({"a":)" + entry("F32", "[1]", "[-4,0]") + "}", 4); },
        "data_offsets is not two non-negative integers"},
-      {"begin > end",
-       [] { return file_with_header(R"({"a":)" + entry("F32", "[0]", "[8,4]") + "}", 8); },
+      {"begin > end", [] { return file_with_header(R"({"a":)" + entry("F32", "[0]", "[8,4]") + "}", 8); },
        "data_offsets [8, 4] has begin > end"},
-      {"size mismatch",
-       [] { return file_with_header(R"({"a":)" + entry("F32", "[2]", "[0,4]") + "}", 8); },
+      {"size mismatch", [] { return file_with_header(R"({"a":)" + entry("F32", "[2]", "[0,4]") + "}", 8); },
        "data_offsets [0, 4] span 4 bytes, but shape [2] F32 needs 8"},
-      {"offsets out of range",
-       [] { return file_with_header(R"({"a":)" + entry("F32", "[4]", "[0,16]") + "}", 8); },
+      {"offsets out of range", [] { return file_with_header(R"({"a":)" + entry("F32", "[4]", "[0,16]") + "}", 8); },
        "extend past the end of the data section (8 bytes)"},
       {"offsets far out of range",
        [] {
-         return file_with_header(
-             R"({"a":)" + entry("F16", "[2]", "[18446744073709551612,18446744073709551616]") +
-                 "}",
-             8);
+         return file_with_header(R"({"a":)" + entry("F16", "[2]", "[18446744073709551612,18446744073709551616]") + "}",
+                                 8);
        },
        "data_offsets is not two non-negative integers"},
       {"overlapping offsets",
        [] {
-         return file_with_header(R"({"a":)" + entry("F32", "[2]", "[0,8]") + R"(,"b":)" +
-                                     entry("F32", "[2]", "[4,12]") + "}",
-                                 12);
+         return file_with_header(
+             R"({"a":)" + entry("F32", "[2]", "[0,8]") + R"(,"b":)" + entry("F32", "[2]", "[4,12]") + "}", 12);
        },
        "tensors 'a' [0, 8] and 'b' [4, 12] overlap"},
       {"tensor inside another",
        [] {
-         return file_with_header(R"({"a":)" + entry("F32", "[4]", "[0,16]") + R"(,"b":)" +
-                                     entry("F16", "[2]", "[4,8]") + "}",
-                                 16);
+         return file_with_header(
+             R"({"a":)" + entry("F32", "[4]", "[0,16]") + R"(,"b":)" + entry("F16", "[2]", "[4,8]") + "}", 16);
        },
        "overlap"},
       {"duplicate names",
        [] {
-         return file_with_header(R"({"a":)" + entry("F32", "[1]", "[0,4]") + R"(,"a":)" +
-                                     entry("F32", "[1]", "[4,8]") + "}",
-                                 8);
+         return file_with_header(
+             R"({"a":)" + entry("F32", "[1]", "[0,4]") + R"(,"a":)" + entry("F32", "[1]", "[4,8]") + "}", 8);
        },
        "duplicate tensor name 'a'"},
       {"duplicate key inside an entry",
-       [] {
-         return file_with_header(
-             R"({"a":{"dtype":"F32","dtype":"F16","shape":[1],"data_offsets":[0,4]}})", 4);
-       },
+       [] { return file_with_header(R"({"a":{"dtype":"F32","dtype":"F16","shape":[1],"data_offsets":[0,4]}})", 4); },
        "duplicate key 'dtype'"},
-      {"non-UTF-8 name",
-       [] { return file_with_header("{\"a\xff\":" + entry("F32", "[1]", "[0,4]") + "}", 4); },
+      {"non-UTF-8 name", [] { return file_with_header("{\"a\xff\":" + entry("F32", "[1]", "[0,4]") + "}", 4); },
        "header is not valid UTF-8"},
-      {"overlong UTF-8 name",
-       [] { return file_with_header("{\"\xc0\xaf\":" + entry("F32", "[1]", "[0,4]") + "}", 4); },
+      {"overlong UTF-8 name", [] { return file_with_header("{\"\xc0\xaf\":" + entry("F32", "[1]", "[0,4]") + "}", 4); },
        "header is not valid UTF-8"},
       {"surrogate escape in a name",
        [] { return file_with_header(R"({"\ud800":)" + entry("F32", "[1]", "[0,4]") + "}", 4); },
        "header is not valid JSON"},
-      {"metadata not an object",
-       [] { return file_with_header(R"({"__metadata__":[1]})", 0); },
+      {"metadata not an object", [] { return file_with_header(R"({"__metadata__":[1]})", 0); },
        "__metadata__ must be an object"},
-      {"metadata value not a string",
-       [] { return file_with_header(R"({"__metadata__":{"k":1}})", 0); },
+      {"metadata value not a string", [] { return file_with_header(R"({"__metadata__":{"k":1}})", 0); },
        "__metadata__ value of 'k' is not a string"},
   };
   for (std::size_t i = 0; i < cases.size(); ++i) {
@@ -407,8 +367,7 @@ TEST_F(SafetensorsTest, MutatedFilesOpenOrThrowFormatError) {
   std::vector<float> a(6, 0.5f);
   std::vector<std::uint16_t> b(5, 0x3C00);
   const std::string p = path("m.safetensors");
-  write_safetensors(p, {{"a.weight", DType::F32, {2, 3}, as_bytes_of(a)},
-                        {"b", DType::BF16, {5}, as_bytes_of(b)}},
+  write_safetensors(p, {{"a.weight", DType::F32, {2, 3}, as_bytes_of(a)}, {"b", DType::BF16, {5}, as_bytes_of(b)}},
                     {{"k", "v"}});
   const std::string good = read_bytes(p);
   std::uint64_t state = 12345;
@@ -423,8 +382,7 @@ TEST_F(SafetensorsTest, MutatedFilesOpenOrThrowFormatError) {
     const int edits = 1 + static_cast<int>(next() % 3);
     for (int e = 0; e < edits; ++e) {
       const std::size_t pos = next() % bad.size();
-      bad[pos] = (next() % 2) ? replacements[next() % sizeof replacements]
-                              : static_cast<char>(next() & 0xFF);
+      bad[pos] = (next() % 2) ? replacements[next() % sizeof replacements] : static_cast<char>(next() & 0xFF);
     }
     write_bytes(p, bad);
     try {

@@ -9,8 +9,7 @@
 
 namespace rwd::runtime::testing_configs {
 
-inline const std::vector<std::string> kEveryKind = {"linear_attention", "sliding_attention", "conv",
-                                                     "full_attention"};
+inline const std::vector<std::string> kEveryKind = {"linear_attention", "sliding_attention", "conv", "full_attention"};
 
 // A hybrid of `types` with hidden size `hidden` (4 heads, 2 kv heads),
 // Gated DeltaNet 2 key / 4 value heads of 8, conv kernels 4 and 3, and a

@@ -51,7 +51,7 @@ inline json tiny() {
   vocab["lo"] = 261;
   json merges = json::array({"h e", "l l", "he ll", "hell o", byte_char(' ') + " w", "l o"});
   auto added = [](int id, const char* content, bool special, bool lstrip = false, bool rstrip = false) {
-    return json{{"id", id},         {"content", content}, {"single_word", false}, {"lstrip", lstrip},
+    return json{{"id", id},         {"content", content},  {"single_word", false}, {"lstrip", lstrip},
                 {"rstrip", rstrip}, {"normalized", false}, {"special", special}};
   };
   json j;
@@ -63,15 +63,23 @@ inline json tiny() {
   j["pre_tokenizer"] = {
       {"type", "Sequence"},
       {"pretokenizers",
-       json::array({json{{"type", "Split"}, {"pattern", {{"Regex", kQwenPattern}}}, {"behavior", "Isolated"},
-                         {"invert", false}},
-                    json{{"type", "ByteLevel"}, {"add_prefix_space", false}, {"trim_offsets", false},
-                         {"use_regex", false}}})}};
-  j["post_processor"] = {{"type", "ByteLevel"}, {"add_prefix_space", false}, {"trim_offsets", false}, {"use_regex", false}};
+       json::array(
+           {json{
+                {"type", "Split"}, {"pattern", {{"Regex", kQwenPattern}}}, {"behavior", "Isolated"}, {"invert", false}},
+            json{{"type", "ByteLevel"}, {"add_prefix_space", false}, {"trim_offsets", false}, {"use_regex", false}}})}};
+  j["post_processor"] = {
+      {"type", "ByteLevel"}, {"add_prefix_space", false}, {"trim_offsets", false}, {"use_regex", false}};
   j["decoder"] = {{"type", "ByteLevel"}, {"add_prefix_space", false}, {"trim_offsets", false}, {"use_regex", false}};
-  j["model"] = {{"type", "BPE"},       {"dropout", nullptr},        {"unk_token", nullptr},
-                {"continuing_subword_prefix", ""}, {"end_of_word_suffix", ""}, {"fuse_unk", false},
-                {"byte_fallback", false}, {"ignore_merges", false}, {"vocab", vocab}, {"merges", merges}};
+  j["model"] = {{"type", "BPE"},
+                {"dropout", nullptr},
+                {"unk_token", nullptr},
+                {"continuing_subword_prefix", ""},
+                {"end_of_word_suffix", ""},
+                {"fuse_unk", false},
+                {"byte_fallback", false},
+                {"ignore_merges", false},
+                {"vocab", vocab},
+                {"merges", merges}};
   return j;
 }
 

@@ -201,9 +201,9 @@ TEST(Tokenizer, StreamingReplacesInvalidBytes) {
   const Tokenizer t = make(tiny());
   const std::string fffd = "\xEF\xBF\xBD";
   StreamDecoder d(t);
-  EXPECT_EQ(d.push(0xFF), fffd);           // never valid
-  EXPECT_EQ(d.push(0xF0), "");             // a start...
-  EXPECT_EQ(d.push('a'), fffd + "a");      // ...broken by 'a'
+  EXPECT_EQ(d.push(0xFF), fffd);       // never valid
+  EXPECT_EQ(d.push(0xF0), "");         // a start...
+  EXPECT_EQ(d.push('a'), fffd + "a");  // ...broken by 'a'
   // ED A0 80 (a surrogate): ED cannot take A0, so three maximal subparts.
   EXPECT_EQ(d.push(0xED), "");
   EXPECT_EQ(d.push(0xA0), fffd + fffd);
@@ -240,14 +240,14 @@ TEST(Tokenizer, SpecialIdsAndBosFromTokenizerConfig) {
 
 TEST(Tokenizer, TemplateProcessingAddsItsTokensOnce) {
   json j = tiny();
-  j["post_processor"] = {
-      {"type", "TemplateProcessing"},
-      {"single", json::array({json{{"SpecialToken", {{"id", "<s>"}, {"type_id", 0}}}},
-                              json{{"Sequence", {{"id", "A"}, {"type_id", 0}}}},
-                              json{{"SpecialToken", {{"id", "<|end|>"}, {"type_id", 0}}}}})},
-      {"pair", json::array()},
-      {"special_tokens", {{"<s>", {{"id", "<s>"}, {"ids", {305}}, {"tokens", {"<s>"}}}},
-                          {"<|end|>", {{"id", "<|end|>"}, {"ids", {300}}, {"tokens", {"<|end|>"}}}}}}};
+  j["post_processor"] = {{"type", "TemplateProcessing"},
+                         {"single", json::array({json{{"SpecialToken", {{"id", "<s>"}, {"type_id", 0}}}},
+                                                 json{{"Sequence", {{"id", "A"}, {"type_id", 0}}}},
+                                                 json{{"SpecialToken", {{"id", "<|end|>"}, {"type_id", 0}}}}})},
+                         {"pair", json::array()},
+                         {"special_tokens",
+                          {{"<s>", {{"id", "<s>"}, {"ids", {305}}, {"tokens", {"<s>"}}}},
+                           {"<|end|>", {{"id", "<|end|>"}, {"ids", {300}}, {"tokens", {"<|end|>"}}}}}}};
   // add_bos_token as well: the template governs, BOS is not doubled.
   const Tokenizer t = make(j, json{{"bos_token", "<s>"}, {"add_bos_token", true}});
   EXPECT_EQ(t.encode("hello", true), (Ids{305, 259, 300}));
@@ -258,8 +258,8 @@ TEST(Tokenizer, TemplateProcessingAddsItsTokensOnce) {
 
 TEST(Tokenizer, MergesAsPairsAndIgnoreMerges) {
   json j = tiny();
-  j["model"]["merges"] = json::array({json::array({"h", "e"}), json::array({"l", "l"}), json::array({"he", "ll"}),
-                                      json::array({"hell", "o"})});
+  j["model"]["merges"] = json::array(
+      {json::array({"h", "e"}), json::array({"l", "l"}), json::array({"he", "ll"}), json::array({"hell", "o"})});
   EXPECT_EQ(make(j).encode("hello hell", false), (Ids{259, ' ', 258}));
   // ignore_merges: a whole piece in the vocabulary is that token even without
   // a merge path to it ("lo" has no merge here).
@@ -277,18 +277,36 @@ TEST(Tokenizer, RefusesUnsupportedComponentsByName) {
   const std::vector<Case> cases = {
       {[](json& j) { j["model"]["type"] = "WordPiece"; }, "model is of type \"WordPiece\""},
       {[](json& j) { j["model"]["byte_fallback"] = true; }, "model.byte_fallback is true"},
-      {[](json& j) { j["normalizer"] = {{"type", "NFKC"}}; }, "normalizer is of type \"NFKC\""},
-      {[](json& j) { j["pre_tokenizer"] = {{"type", "Metaspace"}}; }, "pre_tokenizer is a pre-tokenizer of type \"Metaspace\""},
+      {[](json& j) {
+         j["normalizer"] = {{"type", "NFKC"}};
+       },
+       "normalizer is of type \"NFKC\""},
+      {[](json& j) {
+         j["pre_tokenizer"] = {{"type", "Metaspace"}};
+       },
+       "pre_tokenizer is a pre-tokenizer of type \"Metaspace\""},
       {[](json& j) { j["pre_tokenizer"]["pretokenizers"][0]["behavior"] = "Removed"; },
        "pre_tokenizer.pretokenizers[0].behavior is \"Removed\""},
       {[](json& j) { j["pre_tokenizer"]["pretokenizers"][0]["invert"] = true; }, "pretokenizers[0].invert is true"},
       {[](json& j) { j["pre_tokenizer"]["pretokenizers"][1]["add_prefix_space"] = true; },
        "pretokenizers[1].add_prefix_space is true"},
       {[](json& j) { j["pre_tokenizer"]["pretokenizers"].erase(1); }, "without a ByteLevel step"},
-      {[](json& j) { j["pre_tokenizer"]["pretokenizers"][0]["pattern"] = {{"Regex", "[\\S]"}}; }, "\\S inside"},
-      {[](json& j) { j["pre_tokenizer"]["pretokenizers"][0]["pattern"] = {{"Regex", "(unclosed"}}; }, "does not compile"},
-      {[](json& j) { j["decoder"] = {{"type", "Metaspace"}}; }, "decoder is of type \"Metaspace\""},
-      {[](json& j) { j["post_processor"] = {{"type", "RobertaProcessing"}}; }, "post-processor of type \"RobertaProcessing\""},
+      {[](json& j) {
+         j["pre_tokenizer"]["pretokenizers"][0]["pattern"] = {{"Regex", "[\\S]"}};
+       },
+       "\\S inside"},
+      {[](json& j) {
+         j["pre_tokenizer"]["pretokenizers"][0]["pattern"] = {{"Regex", "(unclosed"}};
+       },
+       "does not compile"},
+      {[](json& j) {
+         j["decoder"] = {{"type", "Metaspace"}};
+       },
+       "decoder is of type \"Metaspace\""},
+      {[](json& j) {
+         j["post_processor"] = {{"type", "RobertaProcessing"}};
+       },
+       "post-processor of type \"RobertaProcessing\""},
       {[](json& j) { j["model"]["vocab"].erase(byte_char(' ')); }, "no token for byte 32"},
       {[](json& j) { j["model"]["merges"].push_back("x yz"); }, "needs the token \"yz\""},
       {[](json& j) { j["model"]["merges"].push_back("a b c"); }, "not two tokens separated by one space"},
@@ -490,11 +508,52 @@ TEST_F(Qwen3, EmojiSplitAcrossTokensStreamsWhole) {
 // same bytes. (No reference ids here: the corpus test has those.)
 TEST_F(Qwen3, RandomTextRoundTrips) {
   const Tokenizer& t = *tokenizer_;
-  const std::vector<std::string> atoms = {
-      "a", "Z", "the", " of", "'s", "'LL", "7", "42", " ", "  ", "\t", "\n", "\r\n", "\u00a0", "\u3000", "\u2028",
-      "\u00e9", "\u00df", "\u4e2d", "\u6587", "\u0645", "\u0930", "\u093f", "\u0416", "\u03a9", "\uac00",
-      "\U0001F600", "\U0001F44D\U0001F3FD", "\u200d", "\ufe0f", "\U0001F1EF\U0001F1F5", "<|im_start|>",
-      "<|endoftext|>", "<|im_", "|>", "<think>", "!", "...", "{", "}", "//", "==", "\\", "\"", std::string(1, '\0'), "\u007f"};
+  const std::vector<std::string> atoms = {"a",
+                                          "Z",
+                                          "the",
+                                          " of",
+                                          "'s",
+                                          "'LL",
+                                          "7",
+                                          "42",
+                                          " ",
+                                          "  ",
+                                          "\t",
+                                          "\n",
+                                          "\r\n",
+                                          "\u00a0",
+                                          "\u3000",
+                                          "\u2028",
+                                          "\u00e9",
+                                          "\u00df",
+                                          "\u4e2d",
+                                          "\u6587",
+                                          "\u0645",
+                                          "\u0930",
+                                          "\u093f",
+                                          "\u0416",
+                                          "\u03a9",
+                                          "\uac00",
+                                          "\U0001F600",
+                                          "\U0001F44D\U0001F3FD",
+                                          "\u200d",
+                                          "\ufe0f",
+                                          "\U0001F1EF\U0001F1F5",
+                                          "<|im_start|>",
+                                          "<|endoftext|>",
+                                          "<|im_",
+                                          "|>",
+                                          "<think>",
+                                          "!",
+                                          "...",
+                                          "{",
+                                          "}",
+                                          "//",
+                                          "==",
+                                          "\\",
+                                          "\"",
+                                          std::string(1, '\0'),
+                                          "\u007f"};
   std::mt19937 rng(12345);
   for (int i = 0; i < 3000; ++i) {
     std::string text;
@@ -580,8 +639,8 @@ std::string TokenizerCli::dir_;
 TEST_F(TokenizerCli, PromptIsEncodedWithTheModelsTokenizer) {
   // snapshot save stores the prompt's ids: <s> (add_bos_token), hello, Ġw o r l d, <|end|>.
   const fs::path snap = scratch_dir() / "tok.snap";
-  const CliResult r =
-      run_cli("snapshot save" + model("bpe") + " --prompt " + quote("hello world<|end|>") + " --out " + quote(snap.string()));
+  const CliResult r = run_cli("snapshot save" + model("bpe") + " --prompt " + quote("hello world<|end|>") + " --out " +
+                              quote(snap.string()));
   ASSERT_EQ(r.status, 0) << r.all();
   EXPECT_NE(r.out.find("wrote " + snap.string() + ": 8 tokens"), std::string::npos) << r.all();
   // Generation streams valid UTF-8 (random weights emit arbitrary byte tokens).
@@ -597,7 +656,8 @@ TEST_F(TokenizerCli, PromptIsEncodedWithTheModelsTokenizer) {
 TEST_F(TokenizerCli, BatchedPromptsDecodeToJsonText) {
   const fs::path prompts = scratch_dir() / "tok_prompts.txt";
   write_file(prompts, "hello\nabc <sep> x\n");
-  const CliResult r = run_cli("generate" + model("bpe") + " --prompts " + quote(prompts.string()) + " --max-new-tokens 5");
+  const CliResult r = run_cli("generate" + model("bpe") + " --prompts " + quote(prompts.string()) +
+                              " --max-new-tokens 5");
   ASSERT_EQ(r.status, 0) << r.all();
   std::istringstream lines(r.out);
   std::string line;
@@ -688,9 +748,10 @@ TEST_F(TokenizerCli, Qwen3TokenizerEndToEnd) {
     EXPECT_TRUE(is_valid_utf8(r.out.substr(0, json_start), &bad)) << name << ": stdout not UTF-8 at " << bad;
   }
   const CliResult i = run_cli("inspect --model " + quote(dir));
-  EXPECT_NE(i.out.find("tokenizer: BPE (tokenizer.json), vocab 151669, BOS none, EOS 151645 \"<|im_end|>\", "
-                       "PAD 151643 \"<|endoftext|>\", 14 special tokens, 151387 merges, 26 added tokens, normalizer NFC"),
-            std::string::npos)
+  EXPECT_NE(
+      i.out.find("tokenizer: BPE (tokenizer.json), vocab 151669, BOS none, EOS 151645 \"<|im_end|>\", "
+                 "PAD 151643 \"<|endoftext|>\", 14 special tokens, 151387 merges, 26 added tokens, normalizer NFC"),
+      std::string::npos)
       << i.out;
   fs::remove_all(dir);
 }
@@ -698,7 +759,8 @@ TEST_F(TokenizerCli, Qwen3TokenizerEndToEnd) {
 TEST_F(TokenizerCli, RefusesInvalidUtf8PromptAndEmptyEncoding) {
   const fs::path bad = scratch_dir() / "bad_prompt.txt";
   write_file(bad, "ab\xFF");
-  const CliResult r = run_cli("generate" + model("bpe") + " --prompt-file " + quote(bad.string()) + " --max-new-tokens 4");
+  const CliResult r = run_cli("generate" + model("bpe") + " --prompt-file " + quote(bad.string()) +
+                              " --max-new-tokens 4");
   EXPECT_EQ(r.status, 2) << r.all();
   EXPECT_NE(r.err.find("the prompt: text is not valid UTF-8 at byte 2 (0xFF)"), std::string::npos) << r.err;
   const fs::path prompts = scratch_dir() / "empty_line.txt";
@@ -707,7 +769,8 @@ TEST_F(TokenizerCli, RefusesInvalidUtf8PromptAndEmptyEncoding) {
   EXPECT_EQ(e.status, 2) << e.all();
   EXPECT_NE(e.err.find("--prompts line 2 encodes to no token"), std::string::npos) << e.err;
   // With add_bos_token the empty line is BOS alone, as for byte-level models.
-  EXPECT_EQ(run_cli("generate" + model("bpe") + " --prompts " + quote(prompts.string()) + " --max-new-tokens 2").status, 0);
+  EXPECT_EQ(run_cli("generate" + model("bpe") + " --prompts " + quote(prompts.string()) + " --max-new-tokens 2").status,
+            0);
 }
 #endif
 

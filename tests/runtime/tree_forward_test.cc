@@ -24,10 +24,12 @@ bool same_bits(const float* a, const float* b, std::size_t n) { return std::memc
 
 TEST(TreeForward, EveryNodeEqualsItsPathAsAChainAndCommitEqualsTheChain) {
   for (int variant = 0; variant < 3; ++variant) {
-    const std::vector<std::string> kinds =
-        variant == 0 ? kEveryKind
-                     : variant == 1 ? std::vector<std::string>{"sliding_attention", "linear_attention", "sliding_attention"}
-                                    : std::vector<std::string>{"conv", "full_attention", "linear_attention", "conv"};
+    const std::vector<std::string> kinds = variant == 0 ? kEveryKind
+                                           : variant == 1
+                                               ? std::vector<std::string>{"sliding_attention", "linear_attention",
+                                                                          "sliding_attention"}
+                                               : std::vector<std::string>{"conv", "full_attention", "linear_attention",
+                                                                          "conv"};
     const Model model(ModelWeights::random(hybrid(kinds, 32, 3 + variant), 70 + static_cast<std::uint64_t>(variant)));
     const std::int64_t V = model.vocab_size();
     std::mt19937_64 rng(9 + static_cast<std::uint64_t>(variant));
@@ -78,7 +80,8 @@ TEST(TreeForward, EveryNodeEqualsItsPathAsAChainAndCommitEqualsTheChain) {
       std::vector<float> a, b;
       model.forward(std::span<const std::int32_t>(&next, 1), cache, a);
       model.forward(std::span<const std::int32_t>(&next, 1), chain, b);
-      EXPECT_TRUE(same_bits(a.data(), b.data(), static_cast<std::size_t>(V))) << "variant " << variant << ", round " << round;
+      EXPECT_TRUE(same_bits(a.data(), b.data(), static_cast<std::size_t>(V)))
+          << "variant " << variant << ", round " << round;
       prompt = seq;
       prompt.resize(prompt.size() - static_cast<std::size_t>(back));
       prompt.push_back(next);
@@ -97,7 +100,8 @@ TEST(TreeForward, FamiliesNodeLogitsEqualTheirPathsAsChains) {
     for (int i = 0; i < 9; ++i) prompt.push_back(static_cast<std::int32_t>(rng() % static_cast<std::uint64_t>(V)));
     const std::vector<std::int64_t> parents{-1, 0, 0, 1, 1, 3, 2};
     std::vector<std::int32_t> tokens;
-    for (std::size_t i = 0; i < parents.size(); ++i) tokens.push_back(static_cast<std::int32_t>(rng() % static_cast<std::uint64_t>(V)));
+    for (std::size_t i = 0; i < parents.size(); ++i)
+      tokens.push_back(static_cast<std::int32_t>(rng() % static_cast<std::uint64_t>(V)));
     Cache cache = model.make_cache();
     std::vector<float> logits;
     model.forward(prompt, cache, logits, false);
@@ -143,8 +147,9 @@ namespace {
 // draft source; a perfect draft (the target itself) is accepted all along.
 TEST(TreeSpeculation, IdenticalToGreedyForEveryShapeAndSource) {
   for (int variant = 0; variant < 2; ++variant) {
-    const std::vector<std::string> kinds =
-        variant == 0 ? kEveryKind : std::vector<std::string>{"conv", "sliding_attention", "linear_attention"};
+    const std::vector<std::string> kinds = variant == 0 ? kEveryKind
+                                                        : std::vector<std::string>{"conv", "sliding_attention",
+                                                                                   "linear_attention"};
     const Model target(ModelWeights::random(hybrid(kinds, 32, 4), 80 + static_cast<std::uint64_t>(variant)));
     const Model other(ModelWeights::random(hybrid({"conv", "sliding_attention"}, 16, 4), 90));
     GenerationOptions o;
@@ -154,7 +159,8 @@ TEST(TreeSpeculation, IdenticalToGreedyForEveryShapeAndSource) {
     std::vector<std::int32_t> prompt{256};
     for (int i = 0; i < 30; ++i) prompt.push_back(static_cast<std::int32_t>("abcabd"[i % 6]));
     const std::vector<std::int32_t> want = generate(target, prompt, o);
-    for (const TreeOptions t : {TreeOptions{2, 4, 1}, TreeOptions{2, 16, 3}, TreeOptions{3, 16, 6}, TreeOptions{4, 64, 4}}) {
+    for (const TreeOptions t :
+         {TreeOptions{2, 4, 1}, TreeOptions{2, 16, 3}, TreeOptions{3, 16, 6}, TreeOptions{4, 64, 4}}) {
       LookupTreeDraft lookup(3);
       ModelTreeDraft model_draft(other), perfect(target);
       GenerationStats sl, sm, sp;
@@ -206,7 +212,8 @@ TEST(TreeCli, VerifyGenerateAndBenchWithTrees) {
   const std::string model = " --model " + quote(dir + "/target");
   const std::string prompt = " --prompt " + quote("abcabdabcabd abc");
   for (const std::string& source : {" --draft " + quote(dir + "/draft"), std::string(" --lookup 3")}) {
-    for (const std::string& shape : {std::string(" --tree 2 --num-draft 3"), std::string(" --tree 4 --tree-nodes 32 --num-draft 5")}) {
+    for (const std::string& shape :
+         {std::string(" --tree 2 --num-draft 3"), std::string(" --tree 4 --tree-nodes 32 --num-draft 5")}) {
       const CliResult v = run_cli("verify" + model + prompt + source + shape + " --max-new-tokens 60");
       EXPECT_EQ(v.status, 0) << v.all();
       EXPECT_EQ(v.out.rfind("IDENTICAL", 0), 0u) << v.out;

@@ -14,9 +14,9 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
-#include <iterator>
 #include <filesystem>
 #include <fstream>
+#include <iterator>
 #include <string>
 #include <vector>
 
@@ -91,7 +91,7 @@ TEST(WeightsMemory, HalfPrecisionKernelsGiveTheF32BitsAloneAndBatched) {
 void expect_packed_half_matrix(const std::vector<std::uint16_t>& w, kernels::PackedMatrix::Element element,
                                float (*widen)(std::uint16_t)) {
   const auto m = element == kernels::PackedMatrix::Element::BF16 ? kernels::PackedMatrix::from_bf16(w.data(), 20, 7)
-                                                                  : kernels::PackedMatrix::from_f16(w.data(), 20, 7);
+                                                                 : kernels::PackedMatrix::from_f16(w.data(), 20, 7);
   EXPECT_EQ(m.element(), element);
   EXPECT_EQ(m.bytes(), 2u * 16 * 7 * 2);
   auto value = [&](std::int64_t o, std::int64_t i) { return widen(w[static_cast<std::size_t>(o * 7 + i)]); };
@@ -234,9 +234,10 @@ TEST(WeightsMemory, LoadingAHalfPrecisionCheckpointPeaksNearItsSize) {
     ASSERT_GT(base, 0);
     ASSERT_GT(total, 0);
     const long peak = total - base;
-    std::printf("%s checkpoint %ld KiB: peak resident memory of loading it %ld KiB (%.2fx; process %ld KiB, of "
-                "which %ld KiB for the CLI with a tiny model)\n",
-                name.c_str(), file_kib, peak, static_cast<double>(peak) / static_cast<double>(file_kib), total, base);
+    std::printf(
+        "%s checkpoint %ld KiB: peak resident memory of loading it %ld KiB (%.2fx; process %ld KiB, of "
+        "which %ld KiB for the CLI with a tiny model)\n",
+        name.c_str(), file_kib, peak, static_cast<double>(peak) / static_cast<double>(file_kib), total, base);
     // Converting to f32 and packing a copy (what the runtime did before)
     // peaks near 4x the file. Now: the file's bytes once, plus, while one
     // matrix is packed, that matrix twice (here the 6 MiB output matrix,

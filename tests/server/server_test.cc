@@ -65,8 +65,7 @@ class ServerTest : public ::testing::Test {
     delete model_;
   }
 
-  static Solo solo(const std::string& text, std::int64_t max_tokens, float temperature = 0.0f,
-                   std::uint64_t seed = 0) {
+  static Solo solo(const std::string& text, std::int64_t max_tokens, float temperature = 0.0f, std::uint64_t seed = 0) {
     Solo s;
     s.prompt = tokenizer_->encode(text, true);
     GenerationOptions options;
@@ -171,8 +170,8 @@ TEST_F(ServerTest, HealthAndModels) {
 TEST_F(ServerTest, GreedyCompletionEqualsGenerateAlone) {
   for (const char* prompt : {kPrompts[0], kPrompts[3]}) {
     const Solo s = solo(prompt, 40);
-    const json j = post_json("/v1/completions",
-                             {{"model", "kjv-hybrid"}, {"prompt", prompt}, {"max_tokens", 40}, {"temperature", 0}}, 200);
+    const json j = post_json(
+        "/v1/completions", {{"model", "kjv-hybrid"}, {"prompt", prompt}, {"max_tokens", 40}, {"temperature", 0}}, 200);
     EXPECT_EQ(j["object"], "text_completion");
     EXPECT_EQ(j["model"], "kjv-hybrid");
     ASSERT_EQ(j["choices"].size(), 1u);
@@ -248,12 +247,9 @@ TEST_F(ServerTest, StopStringsCutAcrossTokensAndAreNeverEmitted) {
   EXPECT_EQ(j["choices"][0]["finish_reason"], "stop");
   EXPECT_LT(j["usage"]["completion_tokens"].get<std::size_t>(), s.tokens.size());
 
-  const auto res = post("/v1/completions", json{{"prompt", kPrompts[0]},
-                                                {"max_tokens", 60},
-                                                {"temperature", 0},
-                                                {"stop", stop},
-                                                {"stream", true}}
-                                               .dump());
+  const auto res = post(
+      "/v1/completions",
+      json{{"prompt", kPrompts[0]}, {"max_tokens", 60}, {"temperature", 0}, {"stop", stop}, {"stream", true}}.dump());
   ASSERT_TRUE(res);
   const std::vector<std::string> ev = events(res->body);
   ASSERT_GE(ev.size(), 2u);
@@ -273,11 +269,9 @@ TEST_F(ServerTest, ConcurrentRequestsEachEqualTheirSoloDecoding) {
   for (int i = 0; i < kClients; ++i) {
     threads.emplace_back([&, i] {
       const bool stream = i % 2 == 1;
-      const auto res = post("/v1/completions", json{{"prompt", kPrompts[i]},
-                                                    {"max_tokens", 30 + 3 * i},
-                                                    {"temperature", 0},
-                                                    {"stream", stream}}
-                                                   .dump());
+      const auto res = post(
+          "/v1/completions",
+          json{{"prompt", kPrompts[i]}, {"max_tokens", 30 + 3 * i}, {"temperature", 0}, {"stream", stream}}.dump());
       if (!res || res->status != 200) return;
       if (!stream) {
         got[i] = json::parse(res->body)["choices"][0]["text"];
@@ -414,7 +408,8 @@ TEST(ServerLifecycle, StopDrainsTheStreamUnderWay) {
   const Tokenizer tokenizer = rwd::runtime::tokenizer_for_model(model_dir(), model.config());
   GenerationOptions g;
   g.max_new_tokens = 200;
-  const std::string expected = tokenizer.decode(rwd::runtime::generate(model, tokenizer.encode(kPrompts[0], true), g), true);
+  const std::string expected = tokenizer.decode(rwd::runtime::generate(model, tokenizer.encode(kPrompts[0], true), g),
+                                                true);
 
   std::atomic<bool> first_chunk{false};
   std::string body;
@@ -476,7 +471,8 @@ TEST(ServerLifecycle, FullQueueGets429) {
   const Tokenizer tokenizer = rwd::runtime::tokenizer_for_model(model_dir(), model.config());
   GenerationOptions g;
   g.max_new_tokens = 8;
-  const std::string expected = tokenizer.decode(rwd::runtime::generate(model, tokenizer.encode(kPrompts[2], true), g), true);
+  const std::string expected = tokenizer.decode(rwd::runtime::generate(model, tokenizer.encode(kPrompts[2], true), g),
+                                                true);
   const auto post_to = [port](const json& body) {
     httplib::Client client("127.0.0.1", port);
     client.set_read_timeout(120, 0);
@@ -512,7 +508,8 @@ TEST(ServerLifecycle, FullQueueGets429) {
     const auto res = post_to({{"prompt", kPrompts[2]}, {"max_tokens", 8}, {"temperature", 0}});
     if (res && res->status == 200) waiting_text = json::parse(res->body)["choices"][0]["text"];
   });
-  for (int i = 0; i < 60000 && server.counters().waiting < 1; ++i) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  for (int i = 0; i < 60000 && server.counters().waiting < 1; ++i)
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
   ASSERT_EQ(server.counters().waiting, 1);
   const auto refused = post_to({{"prompt", "x"}, {"max_tokens", 1}});
   ASSERT_TRUE(refused);

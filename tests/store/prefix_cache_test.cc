@@ -16,10 +16,10 @@
 #include <chrono>
 #include <cmath>
 #include <map>
+#include <memory>
 #include <optional>
 #include <random>
 #include <span>
-#include <memory>
 #include <string>
 #include <vector>
 
@@ -218,7 +218,9 @@ TEST(PrefixCache, DamagedMissingOrForeignEntriesAreMissesNotWrongStates) {
 // A store that always fails, as a stopped server does.
 class DeadStore : public BlobStore {
  public:
-  std::optional<std::vector<std::byte>> get(const std::string&) override { throw rwd::StoreError("connection refused"); }
+  std::optional<std::vector<std::byte>> get(const std::string&) override {
+    throw rwd::StoreError("connection refused");
+  }
   bool put(const std::string&, std::span<const std::byte>) override { throw rwd::StoreError("connection refused"); }
   bool contains(const std::string&) override { throw rwd::StoreError("connection refused"); }
   std::size_t bytes_used() override { return 0; }
@@ -403,8 +405,8 @@ TEST(PrefixCache, EntriesOverTheirPerTokenBoundAreRejectedUnread) {
   // A bound every real entry meets: each entry's size over its own length.
   std::size_t per_token = 1;
   for (const auto& [boundary, bytes] : chain.bytes) {
-    per_token = std::max(per_token, (bytes.size() + static_cast<std::size_t>(boundary) - 1) /
-                                        static_cast<std::size_t>(boundary));
+    per_token = std::max(per_token,
+                         (bytes.size() + static_cast<std::size_t>(boundary) - 1) / static_cast<std::size_t>(boundary));
   }
   PrefixCacheOptions bounded = opts(4);
   bounded.entry_bytes_per_token = per_token;
@@ -557,10 +559,27 @@ TEST(PrefixCache, ALookupStopsAtItsTimeBudget) {
   PrefixCache unbounded(slow, o);
   EXPECT_EQ(unbounded.lookup(t).length, 14);
   EXPECT_EQ(unbounded.stats().lookups_over_budget, 0);
-  EXPECT_THROW(PrefixCache(slow, [&] { auto x = opts(4); x.lookup_budget_s = -1; return x; }()), rwd::InvalidArgument);
-  EXPECT_THROW(PrefixCache(slow, [&] { auto x = opts(4); x.slow_call_s = std::nan(""); return x; }()),
+  EXPECT_THROW(PrefixCache(slow,
+                           [&] {
+                             auto x = opts(4);
+                             x.lookup_budget_s = -1;
+                             return x;
+                           }()),
                rwd::InvalidArgument);
-  EXPECT_THROW(PrefixCache(slow, [&] { auto x = opts(4); x.slow_bytes_per_s = 0; return x; }()), rwd::InvalidArgument);
+  EXPECT_THROW(PrefixCache(slow,
+                           [&] {
+                             auto x = opts(4);
+                             x.slow_call_s = std::nan("");
+                             return x;
+                           }()),
+               rwd::InvalidArgument);
+  EXPECT_THROW(PrefixCache(slow,
+                           [&] {
+                             auto x = opts(4);
+                             x.slow_bytes_per_s = 0;
+                             return x;
+                           }()),
+               rwd::InvalidArgument);
 }
 
 #if defined(REWIND_HAVE_REDIS)

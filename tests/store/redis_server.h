@@ -147,9 +147,9 @@ class RedisServer {
   }
 
   void start() {
-    std::vector<std::string> args = {executable_, "--bind",       "127.0.0.1", "--port",   std::to_string(port_),
-                                     "--save",    "",             "--appendonly", "no",    "--dir",
-                                     dir_,        "--daemonize",  "no",        "--logfile", ""};
+    std::vector<std::string> args = {
+        executable_, "--bind", "127.0.0.1",   "--port", std::to_string(port_), "--save", "", "--appendonly", "no",
+        "--dir",     dir_,     "--daemonize", "no",     "--logfile",           ""};
     args.insert(args.end(), extra_args_.begin(), extra_args_.end());
     std::vector<char*> argv;
     for (std::string& a : args) argv.push_back(a.data());
@@ -184,8 +184,8 @@ class RedisServer {
       if (std::chrono::steady_clock::now() > deadline) {
         stop();
         throw std::runtime_error("RedisServer: " + executable_ + " on port " + std::to_string(port_) +
-                                 " did not answer PING within " + std::to_string(start_timeout_s_) +
-                                 " s; its log:\n" + log());
+                                 " did not answer PING within " + std::to_string(start_timeout_s_) + " s; its log:\n" +
+                                 log());
       }
       std::this_thread::sleep_for(std::chrono::milliseconds(10));
     }

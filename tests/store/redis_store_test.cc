@@ -177,16 +177,13 @@ TEST(RedisStore, OptionsOutsideTheirRangesAreInvalidArgument) {
   EXPECT_THROW(make_redis_store(with([](RedisOptions& o) { o.port = 65536; })), InvalidArgument);
   EXPECT_THROW(make_redis_store(with([](RedisOptions& o) { o.host = ""; })), InvalidArgument);
   EXPECT_THROW(make_redis_store(with([](RedisOptions& o) { o.key_prefix = "a b"; })), InvalidArgument);
-  EXPECT_THROW(make_redis_store(with([](RedisOptions& o) { o.key_prefix = std::string(201, 'p'); })),
-               InvalidArgument);
+  EXPECT_THROW(make_redis_store(with([](RedisOptions& o) { o.key_prefix = std::string(201, 'p'); })), InvalidArgument);
   EXPECT_THROW(make_redis_store(with([](RedisOptions& o) { o.connect_timeout_s = 0; })), InvalidArgument);
   EXPECT_THROW(make_redis_store(with([](RedisOptions& o) { o.command_timeout_s = -1; })), InvalidArgument);
-  EXPECT_THROW(make_redis_store(with([](RedisOptions& o) { o.command_timeout_s = std::nan(""); })),
-               InvalidArgument);
-  EXPECT_THROW(make_redis_store(with([](RedisOptions& o) {
-                 o.command_timeout_s = std::numeric_limits<double>::infinity();
-               })),
-               InvalidArgument);
+  EXPECT_THROW(make_redis_store(with([](RedisOptions& o) { o.command_timeout_s = std::nan(""); })), InvalidArgument);
+  EXPECT_THROW(
+      make_redis_store(with([](RedisOptions& o) { o.command_timeout_s = std::numeric_limits<double>::infinity(); })),
+      InvalidArgument);
 }
 
 TEST(RedisStore, UnreachableServerIsStoreErrorNamingIt) {
@@ -212,10 +209,18 @@ TEST(RedisStore, StoppedServerIsStoreErrorFastAndARestartedOneWorksAgain) {
   auto store = make_redis_store(options_for(server));
   ASSERT_TRUE(store->put("k", filled(100, 1)));
   server.stop();
-  EXPECT_LT(expect_store_error(server, [&] { store->get("k"); }, "get"), 1.0);
-  EXPECT_LT(expect_store_error(server, [&] { store->put("k", filled(100, 2)); }, "put"), 1.0);
-  EXPECT_LT(expect_store_error(server, [&] { store->contains("k"); }, "contains"), 1.0);
-  EXPECT_LT(expect_store_error(server, [&] { store->bytes_used(); }, "bytes_used"), 1.0);
+  EXPECT_LT(expect_store_error(
+                server, [&] { store->get("k"); }, "get"),
+            1.0);
+  EXPECT_LT(expect_store_error(
+                server, [&] { store->put("k", filled(100, 2)); }, "put"),
+            1.0);
+  EXPECT_LT(expect_store_error(
+                server, [&] { store->contains("k"); }, "contains"),
+            1.0);
+  EXPECT_LT(expect_store_error(
+                server, [&] { store->bytes_used(); }, "bytes_used"),
+            1.0);
   server.restart();
   EXPECT_FALSE(store->get("k").has_value());  // --save "": the restarted server is empty
   EXPECT_TRUE(store->put("k", filled(100, 3)));
@@ -245,10 +250,12 @@ TEST(RedisStore, HungServerTimesOut) {
   auto store = make_redis_store(o);
   ASSERT_TRUE(store->put("k", filled(10, 1)));
   server.pause();
-  const double get_s = expect_store_error(server, [&] { store->get("k"); }, "get of a hung server");
+  const double get_s = expect_store_error(
+      server, [&] { store->get("k"); }, "get of a hung server");
   EXPECT_GE(get_s, 0.25);
   EXPECT_LT(get_s, 2.0);
-  const double put_s = expect_store_error(server, [&] { store->put("k", filled(10, 2)); }, "put of a hung server");
+  const double put_s = expect_store_error(
+      server, [&] { store->put("k", filled(10, 2)); }, "put of a hung server");
   EXPECT_LT(put_s, 2.0);
   server.resume();
   // The timed-out SET had been sent: the server may apply it when it wakes
@@ -278,7 +285,8 @@ TEST(RedisStore, LostServerRaisesNoSigpipe) {
     EXPECT_TRUE(store->put("big", big));
     server.stop();
     // EPIPE again, and the new connection is refused.
-    expect_store_error(server, [&] { store->put("big", big); }, "put to a stopped server");
+    expect_store_error(
+        server, [&] { store->put("big", big); }, "put to a stopped server");
     server.restart();
   }
   sigset_t pending;

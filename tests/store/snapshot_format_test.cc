@@ -23,7 +23,6 @@
 #include "rewind/snapshot.h"
 #include "store/crc32c.h"
 
-
 namespace {
 
 using rwd::DType;
@@ -115,10 +114,16 @@ void expect_same(const Snapshot& a, const Snapshot& b) {
   EXPECT_EQ(a.parent, b.parent);
 }
 
-constexpr std::array<LayerKind, 10> kAllKinds{
-    LayerKind::FullAttention, LayerKind::SlidingAttention, LayerKind::ChunkedAttention,
-    LayerKind::LinearAttention, LayerKind::Conv, LayerKind::Hybrid, LayerKind::HybridSliding,
-    LayerKind::SparseAttention, LayerKind::Moe, LayerKind::Mlp};
+constexpr std::array<LayerKind, 10> kAllKinds{LayerKind::FullAttention,
+                                              LayerKind::SlidingAttention,
+                                              LayerKind::ChunkedAttention,
+                                              LayerKind::LinearAttention,
+                                              LayerKind::Conv,
+                                              LayerKind::Hybrid,
+                                              LayerKind::HybridSliding,
+                                              LayerKind::SparseAttention,
+                                              LayerKind::Moe,
+                                              LayerKind::Mlp};
 
 bool attention_kind(LayerKind k) {
   return k == LayerKind::FullAttention || k == LayerKind::SlidingAttention || k == LayerKind::ChunkedAttention ||
@@ -127,7 +132,7 @@ bool attention_kind(LayerKind k) {
 
 struct LayerShape {
   std::int64_t heads = 2, key_dim = 3, value_dim = 4;
-  std::vector<std::int64_t> side_dims;            // attention kinds
+  std::vector<std::int64_t> side_dims;             // attention kinds
   std::vector<std::array<std::int64_t, 2>> convs;  // {channels, K}
   std::vector<std::vector<std::int64_t>> recurrents;
   DType recurrent_dtype = DType::F32;
@@ -150,7 +155,8 @@ LayerSnapshot make_layer(LayerKind kind, DType dtype, std::int64_t L, std::int64
   if (kind == LayerKind::LinearAttention || kind == LayerKind::Conv || kind == LayerKind::Hybrid ||
       kind == LayerKind::HybridSliding) {
     for (std::size_t i = 0; i < shape.convs.size(); ++i)
-      l.conv_states.push_back(make(dtype, {1, shape.convs[i][0], shape.convs[i][1]}, seed + 20 + static_cast<std::uint32_t>(i)));
+      l.conv_states.push_back(
+          make(dtype, {1, shape.convs[i][0], shape.convs[i][1]}, seed + 20 + static_cast<std::uint32_t>(i)));
     if (kind != LayerKind::Conv) {
       for (std::size_t i = 0; i < shape.recurrents.size(); ++i) {
         std::vector<std::int64_t> s{1};
@@ -178,7 +184,8 @@ Snapshot sample_snapshot(DType dtype = DType::F16, std::int64_t L = 6) {
     const std::int64_t first = static_cast<std::int64_t>(i) % (L + 1);
     s.layers.push_back(make_layer(kAllKinds[i], dtype, L, first, full_shape(), static_cast<std::uint32_t>(100 * i)));
   }
-  for (std::int64_t t = 0; t < std::min<std::int64_t>(L, 4); ++t) s.tokens.push_back(static_cast<std::int32_t>(1000 * t - 7));
+  for (std::int64_t t = 0; t < std::min<std::int64_t>(L, 4); ++t)
+    s.tokens.push_back(static_cast<std::int32_t>(1000 * t - 7));
   s.logits = make(DType::F32, {9}, 77);
   s.parent = "prefix:Ab.9_-";
   return s;
@@ -377,8 +384,8 @@ TEST(SnapshotFormat, RoundTripEveryKindDtypeAndShape) {
         const Bytes blob = rwd::serialize_snapshot(s, fingerprint);
         std::string got_fingerprint;
         const Snapshot back = rwd::deserialize_snapshot(blob, &got_fingerprint);
-        SCOPED_TRACE(std::string(rwd::layer_kind_name(kind)) + " " + std::string(rwd::dtype_name(dtype)) + " L=" +
-                     std::to_string(c.L));
+        SCOPED_TRACE(std::string(rwd::layer_kind_name(kind)) + " " + std::string(rwd::dtype_name(dtype)) +
+                     " L=" + std::to_string(c.L));
         expect_same(s, back);
         EXPECT_EQ(got_fingerprint, fingerprint);
         EXPECT_EQ(rwd::serialize_snapshot(back, fingerprint), blob);  // canonical
@@ -432,7 +439,8 @@ TEST(SnapshotFormat, LargeSnapshotRoundTrips) {
   shape.heads = 8;
   shape.key_dim = 128;
   shape.value_dim = 128;
-  for (int i = 0; i < 4; ++i) s.layers.push_back(make_layer(LayerKind::FullAttention, DType::F16, 2048, 0, shape, static_cast<std::uint32_t>(i)));
+  for (int i = 0; i < 4; ++i)
+    s.layers.push_back(make_layer(LayerKind::FullAttention, DType::F16, 2048, 0, shape, static_cast<std::uint32_t>(i)));
   Bytes blob = rwd::serialize_snapshot(s, "big");
   EXPECT_EQ(blob.size(), 52u + 3 + 4 + 4 * (28 + 2 * (44 + 2u * 8 * 2048 * 128 + 4)) + 4);
   expect_same(s, rwd::deserialize_snapshot(blob));
@@ -491,8 +499,10 @@ TEST(SnapshotFormat, HandCheckedBytesOfATinySnapshot) {
     raw({1, 0, 0, 0, 0, 0, 0, 0, 1, 0, 0, 0, 0, 0, 0, 0, 2, 0, 0, 0, 0, 0, 0, 0, 1, 0, 0, 0, 0, 0, 0, 0});
     seal(d);
     const std::size_t data = want.size();
-    if (part == 0) raw({0x00, 0x00, 0x80, 0x3F, 0x00, 0x00, 0x00, 0x40});  // 1.0f, 2.0f
-    else raw({0x00, 0x00, 0x00, 0xC0, 0x00, 0x00, 0x00, 0x3F});            // -2.0f, 0.5f
+    if (part == 0)
+      raw({0x00, 0x00, 0x80, 0x3F, 0x00, 0x00, 0x00, 0x40});  // 1.0f, 2.0f
+    else
+      raw({0x00, 0x00, 0x00, 0xC0, 0x00, 0x00, 0x00, 0x3F});  // -2.0f, 0.5f
     seal(data);
   }
   const std::size_t trailer = want.size();  // 198
@@ -512,8 +522,8 @@ TEST(SnapshotFormat, HandCheckedBytesOfATinySnapshot) {
 // ---- corruption ----------------------------------------------------------------------
 
 TEST(SnapshotFormat, EveryTruncationIsAFormatError) {
-  for (const Bytes& blob : {rwd::serialize_snapshot(small_snapshot(), "fingerprint"),
-                            rwd::serialize_snapshot(Snapshot{}, "")}) {
+  for (const Bytes& blob :
+       {rwd::serialize_snapshot(small_snapshot(), "fingerprint"), rwd::serialize_snapshot(Snapshot{}, "")}) {
     for (std::size_t n = 0; n < blob.size(); ++n) {
       const Bytes prefix(blob.begin(), blob.begin() + static_cast<std::ptrdiff_t>(n));
       const std::string message = format_error(prefix);
@@ -671,7 +681,8 @@ TEST(SnapshotFormat, HostileLayerHeads) {
   expect_format_error(b, "first -1 is outside");
   put_i64(b, at.layer0 + 16, 0);  // n = 2, but the keys hold 1 row
   reseal(b, at.layer0, at.layer0 + 24);
-  expect_format_error(b, "layer 0 (sliding_attention) keys: shape [1, 1, 1, 1] must be [1, H, n, key_dim] with n = length - first = 2");
+  expect_format_error(
+      b, "layer 0 (sliding_attention) keys: shape [1, 1, 1, 1] must be [1, H, n, key_dim] with n = length - first = 2");
 }
 
 TEST(SnapshotFormat, HostilePartDescriptors) {
@@ -689,13 +700,15 @@ TEST(SnapshotFormat, HostilePartDescriptors) {
   const std::string v = "layer 0 (sliding_attention) values: ";
   expect_format_error(with(keys, [](Bytes& b, std::size_t d) { put_u32(b, d, 3); }),
                       k + "unknown dtype code 3 (known: 0 f32, 1 f16, 2 bf16)");
-  expect_format_error(with(keys, [](Bytes& b, std::size_t d) { put_u32(b, d + 4, 5); }), k + "rank 5 is outside [0, 4]");
+  expect_format_error(with(keys, [](Bytes& b, std::size_t d) { put_u32(b, d + 4, 5); }),
+                      k + "rank 5 is outside [0, 4]");
   expect_format_error(with(keys, [](Bytes& b, std::size_t d) { put_u32(b, d + 4, 3); }),
                       k + "unused extent 3 of a rank-3 tensor is 1, must be 0");
-  expect_format_error(with(keys, [](Bytes& b, std::size_t d) {
-                        put_u32(b, d + 4, 3);
-                        put_i64(b, d + 32, 0);
-                      }),
+  expect_format_error(with(keys,
+                           [](Bytes& b, std::size_t d) {
+                             put_u32(b, d + 4, 3);
+                             put_i64(b, d + 32, 0);
+                           }),
                       k + "rank 3, expected 4");
   expect_format_error(with(keys, [](Bytes& b, std::size_t d) { put_i64(b, d + 8, 2); }), "the batch extent must be 1");
   expect_format_error(with(keys, [](Bytes& b, std::size_t d) { put_i64(b, d + 16, -3); }),
@@ -705,15 +718,17 @@ TEST(SnapshotFormat, HostilePartDescriptors) {
                       "with n = length - first = 1");
   // Extents whose product passes 2^62 (2^31 x 2^31 x 2^31): refused before
   // any multiplication can overflow.
-  expect_format_error(with(keys, [](Bytes& b, std::size_t d) {
-                        put_i64(b, d + 16, std::int64_t{1} << 31);
-                        put_i64(b, d + 32, std::int64_t{1} << 31);
-                      }),
+  expect_format_error(with(keys,
+                           [](Bytes& b, std::size_t d) {
+                             put_i64(b, d + 16, std::int64_t{1} << 31);
+                             put_i64(b, d + 32, std::int64_t{1} << 31);
+                           }),
                       "truncated at byte");
-  expect_format_error(with(keys, [](Bytes& b, std::size_t d) {
-                        put_i64(b, d + 16, std::int64_t{1} << 40);
-                        put_i64(b, d + 32, std::int64_t{1} << 40);
-                      }),
+  expect_format_error(with(keys,
+                           [](Bytes& b, std::size_t d) {
+                             put_i64(b, d + 16, std::int64_t{1} << 40);
+                             put_i64(b, d + 32, std::int64_t{1} << 40);
+                           }),
                       k + "shape [1, 1099511627776, 1, 1099511627776] has more than 2^62 elements");
   expect_format_error(with(keys, [](Bytes& b, std::size_t d) { put_i64(b, d + 32, INT64_MAX); }),
                       "has more than 2^62 elements");
@@ -764,7 +779,8 @@ TEST(SnapshotFormat, SerializeRefusesInconsistentSnapshots) {
   expect(s, "layer 1 (sliding_attention): first -1 is outside");
   s = base();
   s.layers[sliding].keys = make(DType::F32, {1, 2, 4, 3}, 1);
-  expect(s, "layer 1 (sliding_attention) keys: shape [1, 2, 4, 3] must be [1, H, n, key_dim] with n = length - first = 5");
+  expect(s,
+         "layer 1 (sliding_attention) keys: shape [1, 2, 4, 3] must be [1, H, n, key_dim] with n = length - first = 5");
   s = base();
   s.layers[sliding].values = make(DType::F32, {1, 3, 5, 4}, 1);
   expect(s, "layer 1 (sliding_attention) values: shape [1, 3, 5, 4] must have the keys' 2 heads");
@@ -862,8 +878,7 @@ TEST(SnapshotFormat, ReadSnapshotHeader) {
   EXPECT_EQ(h.num_layers, 10);
   // A prefix holding the header and the fingerprint is enough ...
   const std::size_t needed = 56 + fingerprint.size();
-  const rwd::SnapshotHeader p =
-      rwd::read_snapshot_header(std::span<const std::byte>(blob.data(), needed));
+  const rwd::SnapshotHeader p = rwd::read_snapshot_header(std::span<const std::byte>(blob.data(), needed));
   EXPECT_EQ(p.model_fingerprint, fingerprint);
   EXPECT_EQ(p.num_layers, 10);
   // ... and every shorter one is a truncation.
@@ -915,8 +930,7 @@ std::vector<std::pair<std::string, Bytes>> seeds() {
     s.length = 3;
     s.layers.push_back(make_layer(kAllKinds[i], dtypes[i % 3], 3, 1, shape, static_cast<std::uint32_t>(i)));
     s.tokens = {1, 2};
-    out.emplace_back("kind_" + std::string(rwd::layer_kind_name(kAllKinds[i])),
-                     rwd::serialize_snapshot(s, "seed"));
+    out.emplace_back("kind_" + std::string(rwd::layer_kind_name(kAllKinds[i])), rwd::serialize_snapshot(s, "seed"));
   }
   Snapshot all = small_snapshot();
   out.emplace_back("every_kind_and_field", rwd::serialize_snapshot(all, "seed model"));
@@ -927,7 +941,11 @@ std::vector<std::pair<std::string, Bytes>> seeds() {
 TEST(SnapshotFormatSeeds, CorpusMatchesTheGenerator) {
   const auto generated = seeds();
   for (const auto& [name, blob] : generated) {
-    EXPECT_EQ(rwd::serialize_snapshot(rwd::deserialize_snapshot(blob), name == "empty" ? "" : name == "every_kind_and_field" ? "seed model" : "seed"), blob) << name;
+    EXPECT_EQ(rwd::serialize_snapshot(rwd::deserialize_snapshot(blob), name == "empty"                  ? ""
+                                                                       : name == "every_kind_and_field" ? "seed model"
+                                                                                                        : "seed"),
+              blob)
+        << name;
   }
   if (const char* dir = std::getenv("REWIND_SNAPSHOT_SEED_DIR")) {
     std::filesystem::create_directories(dir);

@@ -23,7 +23,7 @@ namespace rwd::runtime {
 double median(std::vector<double> v);
 
 struct DecodeBenchOptions {
-  std::vector<std::string> prompts;       // empty: the built-in prompt set
+  std::vector<std::string> prompts;  // empty: the built-in prompt set
   // Turns a prompt's text into tokens (the model's tokenizer); empty:
   // encode_prompt (byte-level: BOS + bytes).
   std::function<std::vector<std::int32_t>(const std::string&)> encode;
@@ -43,20 +43,21 @@ struct DecodeBenchOptions {
 };
 
 struct DecodeBenchRow {
-  std::string method;   // "greedy", "draft", "lookup", "greedy_batch", "draft_batch", "lookup_batch",
-                        // "draft_tree", "lookup_tree"
-  std::int64_t k = 0;   // 0 for greedy
+  std::string method;      // "greedy", "draft", "lookup", "greedy_batch", "draft_batch", "lookup_batch",
+                           // "draft_tree", "lookup_tree"
+  std::int64_t k = 0;      // 0 for greedy
   std::int64_t batch = 1;  // sequences decoded together (1: one prompt at a time)
-  double tokens_per_second = 0.0;  // median over repeats of (all prompts' tokens / their seconds); batch rows: aggregate
-  double acceptance_rate = 0.0;    // accepted / drafted over all runs
-  double cache_share = 0.0;        // median of cache_seconds / seconds; -1 (JSON null) for batch rows: not measured
-  double speedup = 0.0;            // tokens_per_second / greedy's
+  double tokens_per_second =
+      0.0;                       // median over repeats of (all prompts' tokens / their seconds); batch rows: aggregate
+  double acceptance_rate = 0.0;  // accepted / drafted over all runs
+  double cache_share = 0.0;      // median of cache_seconds / seconds; -1 (JSON null) for batch rows: not measured
+  double speedup = 0.0;          // tokens_per_second / greedy's
   // Decoding alone (GenerationStats::decode_tokens_per_second: the tokens
   // after each sequence's first over the time after it, so without the
   // prompts' prefill), median over repeats, and its ratio to greedy's.
   double decode_tokens_per_second = 0.0;
   double decode_speedup = 0.0;
-  bool identical = true;           // tokens equal greedy's for every prompt
+  bool identical = true;  // tokens equal greedy's for every prompt
 };
 
 // The built-in prompts (KJV-style openings).
@@ -67,8 +68,7 @@ const std::vector<std::string>& default_bench_prompts();
 // an empty K list, a K outside [1, 64], repeats < 1, max_new_tokens < 1 or
 // a batch size outside [1, 4096]. Batch rows are checked against the
 // greedy reference of their prompts too.
-std::vector<DecodeBenchRow> run_decode_bench(const Model& target, const Model* draft,
-                                             const DecodeBenchOptions& options,
+std::vector<DecodeBenchRow> run_decode_bench(const Model& target, const Model* draft, const DecodeBenchOptions& options,
                                              const std::function<void(const std::string&)>& progress = {});
 
 // The rows as a JSON array (one object per row).
@@ -77,8 +77,8 @@ std::string decode_bench_json(const std::vector<DecodeBenchRow>& rows);
 // What a forward of q tokens costs: the verification term of speculative
 // decoding (a round of K drafts verifies K + 1 tokens in one forward).
 struct ForwardCostRow {
-  std::int64_t q = 0;             // tokens in the forward
-  double microseconds = 0.0;      // median wall time of one forward of q tokens
+  std::int64_t q = 0;               // tokens in the forward
+  double microseconds = 0.0;        // median wall time of one forward of q tokens
   double one_token_forwards = 0.0;  // microseconds / the q = 1 median
 };
 
@@ -94,10 +94,10 @@ std::vector<ForwardCostRow> measure_forward_costs(const Model& model, std::int64
 // What a decoding round of B sequences costs (the term batched decoding
 // divides by B).
 struct BatchRoundCostRow {
-  std::int64_t batch = 0;          // sequences, one token each
-  double microseconds = 0.0;       // median wall time of one Model::forward_batch round
-  double per_token = 0.0;          // microseconds / batch
-  double gain = 0.0;               // batch x the B = 1 round / this round: tokens per unit of time vs one sequence
+  std::int64_t batch = 0;     // sequences, one token each
+  double microseconds = 0.0;  // median wall time of one Model::forward_batch round
+  double per_token = 0.0;     // microseconds / batch
+  double gain = 0.0;          // batch x the B = 1 round / this round: tokens per unit of time vs one sequence
 };
 
 // Times decoding rounds of B sequences (one token each, one forward_batch)

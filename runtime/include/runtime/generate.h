@@ -123,7 +123,7 @@ void validate(const GenerationOptions& options);
 struct GenerationStats {
   std::int64_t new_tokens = 0;
   std::int64_t prompt_tokens = 0;  // tokens of the prompt (BOS included)
-  double seconds = 0.0;      // wall time of the whole call: prompt prefill + decoding
+  double seconds = 0.0;            // wall time of the whole call: prompt prefill + decoding
   // Wall time from the start of the call until the first new token was
   // final: the prompt's prefill plus the forward (or, speculative, the first
   // round) that produced it. 0 when no token was generated.
@@ -142,12 +142,12 @@ struct GenerationStats {
   // when nothing was drafted; tree speculation leaves them empty).
   std::vector<std::int64_t> drafted_at;
   std::vector<std::int64_t> accepted_at;
-  std::int64_t rollbacks = 0;  // crops that removed at least one token (target; a tree never crops: 0)
-  double cache_seconds = 0.0;  // time inside cache calls: updates, slots, crops (target + draft)
-  std::size_t peak_cache_bytes = 0;  // reserved by the target (+ draft) caches
+  std::int64_t rollbacks = 0;          // crops that removed at least one token (target; a tree never crops: 0)
+  double cache_seconds = 0.0;          // time inside cache calls: updates, slots, crops (target + draft)
+  std::size_t peak_cache_bytes = 0;    // reserved by the target (+ draft) caches
   std::int64_t prefix_hit_tokens = 0;  // prompt tokens restored from the prefix cache
-  std::optional<std::uint64_t> seed;  // the sampling seed; empty for greedy decoding
-  int threads = 1;                    // OpenMP threads the forwards could use
+  std::optional<std::uint64_t> seed;   // the sampling seed; empty for greedy decoding
+  int threads = 1;                     // OpenMP threads the forwards could use
   // End to end: new tokens / seconds, the prompt's prefill included (so a
   // long prompt lowers it however fast decoding is).
   double tokens_per_second() const { return seconds > 0 ? static_cast<double>(new_tokens) / seconds : 0.0; }
@@ -160,7 +160,9 @@ struct GenerationStats {
     const double t = seconds - time_to_first_token;
     return new_tokens > 1 && t > 0 ? static_cast<double>(new_tokens - 1) / t : 0.0;
   }
-  double acceptance_rate() const { return drafted > 0 ? static_cast<double>(accepted) / static_cast<double>(drafted) : 0.0; }
+  double acceptance_rate() const {
+    return drafted > 0 ? static_cast<double>(accepted) / static_cast<double>(drafted) : 0.0;
+  }
   // accepted_at[i] / drafted_at[i]: the fraction of the tokens drafted at
   // position i that were accepted (0 when none was drafted there).
   double acceptance_at(std::size_t i) const {
@@ -193,8 +195,7 @@ struct GenerationStats {
 // memory: a budget that held the empty cache holds a new one) is the cache
 // left holding the earlier pieces.
 std::int64_t prefill(const Model& model, std::span<const std::int32_t> tokens, Cache& cache, std::vector<float>& logits,
-                     PrefixCache* prefix_cache, GenerationStats& stats,
-                     std::int64_t max_rows = kDefaultMaxPrefillRows,
+                     PrefixCache* prefix_cache, GenerationStats& stats, std::int64_t max_rows = kDefaultMaxPrefillRows,
                      const std::function<void(std::int64_t, std::int64_t)>& on_piece = {});
 
 // Plain decoding from a state: `cache` has seen a sequence (a restored
@@ -221,8 +222,8 @@ struct BatchGenerationStats {
   // held (prefilling ones included; 0 when nothing decoded).
   std::int64_t max_batch = 0;
   std::int64_t peak_batch = 0;
-  double seconds = 0.0;                    // wall time of the call
-  double draft_cache_seconds = 0.0;        // time in the draft source's cache calls (speculative)
+  double seconds = 0.0;              // wall time of the call
+  double draft_cache_seconds = 0.0;  // time in the draft source's cache calls (speculative)
   // Aggregate: every sequence's new tokens over the call's wall time
   // (prefill included: 16 prompts' prefill is 16 prompts' work however they
   // are batched).
@@ -348,23 +349,20 @@ class RandomDraft : public DraftSource {
   std::mt19937_64 rng_;
 };
 
-
 // Speculative decoding with options.speculation. Throws InvalidArgument for
 // an empty prompt and what validate() throws. Same result contract as
 // generate() (identical tokens in greedy mode).
 std::vector<std::int32_t> speculative_generate(const Model& target, DraftSource& draft,
-                                               std::span<const std::int32_t> prompt,
-                                               const GenerationOptions& options, GenerationStats* stats = nullptr);
+                                               std::span<const std::int32_t> prompt, const GenerationOptions& options,
+                                               GenerationStats* stats = nullptr);
 
 // Transitional: speculative_generate with options.speculation = spec, for
 // callers that still hold it apart (python/bind_runtime.cc, some tests).
 std::vector<std::int32_t> speculative_generate(const Model& target, DraftSource& draft,
-                                               std::span<const std::int32_t> prompt,
-                                               const GenerationOptions& options, const SpeculativeOptions& spec,
-                                               GenerationStats* stats = nullptr);
+                                               std::span<const std::int32_t> prompt, const GenerationOptions& options,
+                                               const SpeculativeOptions& spec, GenerationStats* stats = nullptr);
 
 // ---- tree speculation (rewind/tree.h) ----
-
 
 // Proposes a draft tree each round: parents[0] = -1 and tokens[0] =
 // sequence.back() (the root, the pending token), then nodes whose parent
@@ -440,8 +438,7 @@ class ModelTreeDraft : public TreeDraftSource {
 // validate() throws.
 std::vector<std::int32_t> tree_speculative_generate(const Model& target, TreeDraftSource& draft,
                                                     std::span<const std::int32_t> prompt,
-                                                    const GenerationOptions& options,
-                                                    GenerationStats* stats = nullptr);
+                                                    const GenerationOptions& options, GenerationStats* stats = nullptr);
 
 // Transitional: tree_speculative_generate with options.tree = tree.
 std::vector<std::int32_t> tree_speculative_generate(const Model& target, TreeDraftSource& draft,
@@ -530,13 +527,16 @@ class BatchedModelDraft : public BatchDraftSource {
 // options.on_token is not called; K is options.speculation. Throws
 // InvalidArgument for an empty list or an empty prompt, and what
 // speculative_generate throws.
-std::vector<std::vector<std::int32_t>> speculative_generate_batch(
-    const Model& target, BatchDraftSource& drafts, std::span<const std::vector<std::int32_t>> prompts,
-    const GenerationOptions& options, BatchGenerationStats* stats = nullptr);
+std::vector<std::vector<std::int32_t>> speculative_generate_batch(const Model& target, BatchDraftSource& drafts,
+                                                                  std::span<const std::vector<std::int32_t>> prompts,
+                                                                  const GenerationOptions& options,
+                                                                  BatchGenerationStats* stats = nullptr);
 
 // Transitional: speculative_generate_batch with options.speculation = spec.
-std::vector<std::vector<std::int32_t>> speculative_generate_batch(
-    const Model& target, BatchDraftSource& drafts, std::span<const std::vector<std::int32_t>> prompts,
-    const GenerationOptions& options, const SpeculativeOptions& spec, BatchGenerationStats* stats = nullptr);
+std::vector<std::vector<std::int32_t>> speculative_generate_batch(const Model& target, BatchDraftSource& drafts,
+                                                                  std::span<const std::vector<std::int32_t>> prompts,
+                                                                  const GenerationOptions& options,
+                                                                  const SpeculativeOptions& spec,
+                                                                  BatchGenerationStats* stats = nullptr);
 
 }  // namespace rwd::runtime

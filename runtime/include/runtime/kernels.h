@@ -32,10 +32,10 @@
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
-#include <span>
 #include <cstring>
 #include <limits>
 #include <memory>
+#include <span>
 #include <utility>
 #include <vector>
 
@@ -153,9 +153,7 @@ class PackedMatrix {
   static PackedMatrix from_f16(const std::uint16_t* w, std::int64_t out, std::int64_t in);
   // A moved-from matrix is the empty 0 x 0 one.
   PackedMatrix(PackedMatrix&& other) noexcept
-      : data_(std::move(other.data_)),
-        out_(std::exchange(other.out_, 0)),
-        in_(std::exchange(other.in_, 0)),
+      : data_(std::move(other.data_)), out_(std::exchange(other.out_, 0)), in_(std::exchange(other.in_, 0)),
         element_(std::exchange(other.element_, Element::F32)) {}
   PackedMatrix& operator=(PackedMatrix&& other) noexcept {
     data_ = std::move(other.data_);
@@ -220,8 +218,7 @@ class PackedMatrix {
 // one-row calls (the point of verifying draft tokens in one forward).
 // Multithreaded over blocks of output panels. REQUIRES: rows >= 0; y does
 // not alias x.
-void matmul(const float* x, std::int64_t rows, const PackedMatrix& w, float* y,
-            const float* bias = nullptr);
+void matmul(const float* x, std::int64_t rows, const PackedMatrix& w, float* y, const float* bias = nullptr);
 
 // The fixed-order dot product of the norms and attention scores (matmul
 // sums in order instead, see above): 8 partial sums over i, combined
@@ -235,14 +232,13 @@ float dot(const float* a, const float* b, std::int64_t n);
 // (1 + weight) (Gemma, Qwen3-Next) fold the 1 into the weight at load time:
 // 1 + w in f32 is the same single rounding either way.
 // x, y: [rows, dim]; weight: [dim]. y may equal x (in place).
-void rms_norm(const float* x, const float* weight, std::int64_t rows, std::int64_t dim, double eps,
-              float* y);
+void rms_norm(const float* x, const float* weight, std::int64_t rows, std::int64_t dim, double eps, float* y);
 
 // Per row: y = (weight * rmsnorm(x)) * silu(z), the gated norm at the output
 // of a Gated DeltaNet block (Qwen3NextRMSNormGated).
 // x, z, y: [rows, dim]; weight: [dim]. y may equal x or z.
-void gated_rms_norm(const float* x, const float* z, const float* weight, std::int64_t rows,
-                    std::int64_t dim, double eps, float* y);
+void gated_rms_norm(const float* x, const float* z, const float* weight, std::int64_t rows, std::int64_t dim,
+                    double eps, float* y);
 
 // Per row, in place: x = x * (1 / sqrt(sum(x^2) + eps)), the l2norm that
 // Qwen3-Next applies to gated-delta queries and keys (eps 1e-6 inside the
@@ -317,13 +313,12 @@ class RopeTable {
 // result depends only on its own values and position.
 // x: [rows, heads, head_dim]. REQUIRES: rows <= table.rows(),
 // 2 * table.half() <= head_dim.
-void rope_inplace(float* x, std::int64_t rows, std::int64_t heads, std::int64_t head_dim,
-                  const RopeTable& table);
+void rope_inplace(float* x, std::int64_t rows, std::int64_t heads, std::int64_t head_dim, const RopeTable& table);
 
 // The same with a table built for this call: positions: [rows];
 // rotary_dim 0 means head_dim. REQUIRES: rotary_dim even and <= head_dim.
-void rope_inplace(float* x, std::int64_t rows, std::int64_t heads, std::int64_t head_dim,
-                  const std::int64_t* positions, double theta, std::int64_t rotary_dim = 0);
+void rope_inplace(float* x, std::int64_t rows, std::int64_t heads, std::int64_t head_dim, const std::int64_t* positions,
+                  double theta, std::int64_t rotary_dim = 0);
 
 // ---- attention --------------------------------------------------------------
 
@@ -360,10 +355,9 @@ struct AttentionMask {
 // q: [q_len, num_heads, head_dim]; out: [q_len, num_heads, head_dim].
 // REQUIRES: num_heads % num_kv_heads == 0; the caller passes every key its
 // queries need (kv_offset <= the mask's lower bound), else they see fewer.
-void attention(const float* q, std::int64_t q_len, std::int64_t pos0, std::int64_t num_heads,
-               std::int64_t num_kv_heads, std::int64_t head_dim, const StridedKV& k,
-               const StridedKV& v, std::int64_t kv_offset, std::int64_t kv_len, AttentionMask mask,
-               float* out);
+void attention(const float* q, std::int64_t q_len, std::int64_t pos0, std::int64_t num_heads, std::int64_t num_kv_heads,
+               std::int64_t head_dim, const StridedKV& k, const StridedKV& v, std::int64_t kv_offset,
+               std::int64_t kv_len, AttentionMask mask, float* out);
 
 // Consecutive positions of keys and values held in several places (a paged
 // cache's blocks): `count` positions whose kv head 0 rows start at k / v
@@ -394,9 +388,9 @@ void attention_paged(const float* q, std::int64_t q_len, std::int64_t pos0, std:
 // out[t, c] = sum_{i < K} weight[c, i] * window(c, t + i) (+ bias[c]), summed
 // in order of i, then silu applied when fuse_silu.
 // weight: [channels, K]; bias: [channels] or nullptr; out: [q, channels].
-void causal_conv1d(const float* window, std::int64_t channels, std::int64_t kernel_size,
-                   std::int64_t q, std::int64_t channel_stride, std::int64_t time_stride,
-                   const float* weight, const float* bias, bool fuse_silu, float* out);
+void causal_conv1d(const float* window, std::int64_t channels, std::int64_t kernel_size, std::int64_t q,
+                   std::int64_t channel_stride, std::int64_t time_stride, const float* weight, const float* bias,
+                   bool fuse_silu, float* out);
 
 // One token of the Gated DeltaNet recurrence (Qwen3-Next) for one value head:
 //   S = S * exp(g); kv[j] = sum_i S[i][j] k[i]; delta[j] = (v[j] - kv[j]) beta;
@@ -408,9 +402,8 @@ void causal_conv1d(const float* window, std::int64_t channels, std::int64_t kern
 // new S to state_out; state_out == state_in (in place) gives the same bits.
 // Sums over i run in order of i. REQUIRES: state_out either equals state_in
 // or does not overlap it.
-void gated_delta_rule_step(const float* q, const float* k, const float* v, float g, float beta,
-                           std::int64_t k_dim, std::int64_t v_dim, const float* state_in,
-                           float* state_out, float* o);
+void gated_delta_rule_step(const float* q, const float* k, const float* v, float g, float beta, std::int64_t k_dim,
+                           std::int64_t v_dim, const float* state_in, float* state_out, float* o);
 
 // The recurrence over `tokens` tokens for all value heads, writing every
 // intermediate state (so a rollback can restore any of them):
@@ -426,10 +419,9 @@ void gated_delta_rule_step(const float* q, const float* k, const float* v, float
 // REQUIRES: num_v_heads % num_k_heads == 0; any two of state_in and the
 // state_out[t] are either the same pointer (in place, as the cache hands out
 // without recording) or do not overlap.
-void gated_delta_rule(const float* q, const float* k, const float* v, const float* g,
-                      const float* beta, std::int64_t tokens, std::int64_t num_v_heads,
-                      std::int64_t num_k_heads, std::int64_t k_dim, std::int64_t v_dim,
-                      const float* state_in, float* const* state_out, float* out);
+void gated_delta_rule(const float* q, const float* k, const float* v, const float* g, const float* beta,
+                      std::int64_t tokens, std::int64_t num_v_heads, std::int64_t num_k_heads, std::int64_t k_dim,
+                      std::int64_t v_dim, const float* state_in, float* const* state_out, float* out);
 
 // ---- element-wise and sampling helpers ----------------------------------------
 

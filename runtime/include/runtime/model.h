@@ -27,8 +27,8 @@
 
 #include <cstdint>
 #include <deque>
-#include <span>
 #include <memory>
+#include <span>
 #include <string>
 #include <vector>
 
@@ -105,8 +105,8 @@ class Model {
   // GenerationOptions::max_prefill_rows (runtime/generate.h).
   // The model also keeps the RoPE angles of the positions it has seen
   // (kernels::RopeCache).
-  void forward(std::span<const std::int32_t> tokens, Cache& cache, std::vector<float>& logits,
-               bool all_logits = true, double* cache_seconds = nullptr) const;
+  void forward(std::span<const std::int32_t> tokens, Cache& cache, std::vector<float>& logits, bool all_logits = true,
+               double* cache_seconds = nullptr) const;
 
   // An empty cache for many sequences with one layer per model layer
   // (each with its own shapes). Throws InvalidArgument for a bad block size.
@@ -137,8 +137,8 @@ class Model {
   // vocabulary, StateError when `tree` is not open on `cache`, and what the
   // tree's updates throw; the layers are unchanged then (the tree stays
   // open for the caller to abandon).
-  void forward_tree(std::span<const std::int32_t> tokens, TreeForward& tree, Cache& cache,
-                    std::vector<float>& logits, double* cache_seconds = nullptr) const;
+  void forward_tree(std::span<const std::int32_t> tokens, TreeForward& tree, Cache& cache, std::vector<float>& logits,
+                    double* cache_seconds = nullptr) const;
 
   // Cache memory of one sequence, from the library's retention rules
   // (Layer::retention_bytes over make_cache()'s layers): what one more
@@ -159,27 +159,27 @@ class Model {
     enum class Kind { Attention, Sliding, GatedDeltaNet, ShortConv } kind = Kind::Attention;
     const float* input_norm = nullptr;  // [d]
     const float* post_norm = nullptr;   // [d]
-    kernels::PackedMatrix gate;        // [ff, d]
-    kernels::PackedMatrix up;          // [ff, d]
-    kernels::PackedMatrix down;        // [d, ff]
+    kernels::PackedMatrix gate;         // [ff, d]
+    kernels::PackedMatrix up;           // [ff, d]
+    kernels::PackedMatrix down;         // [d, ff]
     // attention
-    kernels::PackedMatrix wq;  // [nh*hd, d]
-    kernels::PackedMatrix wk;  // [nkv*hd, d]
-    kernels::PackedMatrix wv;  // [nkv*hd, d]
-    kernels::PackedMatrix wo;  // [d, nh*hd]
-    kernels::PackedMatrix wgate;        // [nh*hd, d] output gate rows of q_proj (attn_output_gate), else empty
-    const float* q_norm = nullptr;      // [hd] per-head query / key RMSNorm (qk_norm), else null
+    kernels::PackedMatrix wq;       // [nh*hd, d]
+    kernels::PackedMatrix wk;       // [nkv*hd, d]
+    kernels::PackedMatrix wv;       // [nkv*hd, d]
+    kernels::PackedMatrix wo;       // [d, nh*hd]
+    kernels::PackedMatrix wgate;    // [nh*hd, d] output gate rows of q_proj (attn_output_gate), else empty
+    const float* q_norm = nullptr;  // [hd] per-head query / key RMSNorm (qk_norm), else null
     const float* k_norm = nullptr;
     // Gated DeltaNet
-    kernels::PackedMatrix in_qkv;  // [conv_dim, d]
-    kernels::PackedMatrix in_z;    // [lnv*lvd, d]
-    kernels::PackedMatrix in_b;    // [lnv, d]
-    kernels::PackedMatrix in_a;    // [lnv, d]
-    const float* conv = nullptr;    // [channels, K] (conv_dim for GDN, d for short conv)
-    const float* dt_bias = nullptr;  // [lnv]
-    const float* a_log = nullptr;    // [lnv]
+    kernels::PackedMatrix in_qkv;     // [conv_dim, d]
+    kernels::PackedMatrix in_z;       // [lnv*lvd, d]
+    kernels::PackedMatrix in_b;       // [lnv, d]
+    kernels::PackedMatrix in_a;       // [lnv, d]
+    const float* conv = nullptr;      // [channels, K] (conv_dim for GDN, d for short conv)
+    const float* dt_bias = nullptr;   // [lnv]
+    const float* a_log = nullptr;     // [lnv]
     const float* out_norm = nullptr;  // [lvd]
-    kernels::PackedMatrix out;       // [d, lnv*lvd] or [d, d]
+    kernels::PackedMatrix out;        // [d, lnv*lvd] or [d, d]
     // short conv
     kernels::PackedMatrix in_bcx;  // [3d, d]
   };
@@ -300,7 +300,7 @@ class Model {
   // Row `token` of the embedding as f32 into dst[0, d).
   void embed_row(std::int32_t token, float* dst) const;
   const float* final_norm_ = nullptr;  // [d]
-  kernels::PackedMatrix lm_head_;  // [vocab, d] (a copy of the embedding when tied)
+  kernels::PackedMatrix lm_head_;      // [vocab, d] (a copy of the embedding when tied)
 };
 
 // Byte-level tokenizer: a text becomes BOS (when config.add_bos) followed by its bytes.

@@ -44,7 +44,7 @@ const char* model_family_name(ModelFamily family);
 struct ModelConfig {
   std::string model_type = "rewind_hybrid";
   ModelFamily family = ModelFamily::RewindHybrid;
-  std::int64_t hidden_size = 0;          // d
+  std::int64_t hidden_size = 0;  // d
   std::int64_t num_hidden_layers = 0;
   std::int64_t num_attention_heads = 0;  // nh
   std::int64_t num_key_value_heads = 0;  // nkv, divides nh
@@ -66,11 +66,11 @@ struct ModelConfig {
   bool tie_word_embeddings = false;
 
   // Gated DeltaNet (linear_attention layers); 0 when the model has none.
-  std::int64_t linear_conv_kernel_dim = 0;   // K of the q/k/v causal conv
-  std::int64_t linear_num_key_heads = 0;     // lnk
-  std::int64_t linear_num_value_heads = 0;   // lnv, multiple of lnk
-  std::int64_t linear_key_head_dim = 0;      // lkd
-  std::int64_t linear_value_head_dim = 0;    // lvd
+  std::int64_t linear_conv_kernel_dim = 0;  // K of the q/k/v causal conv
+  std::int64_t linear_num_key_heads = 0;    // lnk
+  std::int64_t linear_num_value_heads = 0;  // lnv, multiple of lnk
+  std::int64_t linear_key_head_dim = 0;     // lkd
+  std::int64_t linear_value_head_dim = 0;   // lvd
 
   // LFM2 short convolution (conv layers); 0 when the model has none.
   std::int64_t conv_L_cache = 0;  // kernel size
@@ -188,11 +188,34 @@ struct WeightSpec {
 // What a tensor is for; weight_name() gives its name in a family's
 // checkpoint (docs/model-format.md has the table).
 enum class WeightRole {
-  Embed, FinalNorm, LmHead,                  // global
-  InputNorm, PostNorm, MlpGate, MlpUp, MlpDown,  // every layer
-  AttnQ, AttnK, AttnV, AttnO, AttnQNorm, AttnKNorm,  // attention
-  GdnQkv, GdnZ, GdnB, GdnA, GdnQkvz, GdnBa, GdnConv, GdnDtBias, GdnALog, GdnNorm, GdnOut,  // Gated DeltaNet
-  ConvIn, ConvConv, ConvOut,                 // short conv
+  Embed,
+  FinalNorm,
+  LmHead,  // global
+  InputNorm,
+  PostNorm,
+  MlpGate,
+  MlpUp,
+  MlpDown,  // every layer
+  AttnQ,
+  AttnK,
+  AttnV,
+  AttnO,
+  AttnQNorm,
+  AttnKNorm,  // attention
+  GdnQkv,
+  GdnZ,
+  GdnB,
+  GdnA,
+  GdnQkvz,
+  GdnBa,
+  GdnConv,
+  GdnDtBias,
+  GdnALog,
+  GdnNorm,
+  GdnOut,  // Gated DeltaNet
+  ConvIn,
+  ConvConv,
+  ConvOut,  // short conv
 };
 
 // The checkpoint name of `role` in layer `layer` (ignored for the global

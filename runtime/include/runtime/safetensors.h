@@ -86,9 +86,9 @@ class SafetensorsFile {
   void release() noexcept;
 
   std::string path_;
-  void* map_ = nullptr;      // the whole file, PROT_READ
+  void* map_ = nullptr;  // the whole file, PROT_READ
   std::size_t map_size_ = 0;
-  std::vector<TensorEntry> entries_;                   // sorted by offset
+  std::vector<TensorEntry> entries_;                       // sorted by offset
   std::map<std::string, std::size_t, std::less<>> index_;  // name -> entries_ index
   std::map<std::string, std::string> metadata_;
 };

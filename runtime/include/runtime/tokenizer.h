@@ -53,8 +53,7 @@ class Tokenizer {
   // vocab_size < 2^31 and bos, eos are in [0, vocab_size) or -1 (none).
   static Tokenizer byte_level(std::int64_t vocab_size, std::int32_t bos, std::int32_t eos);
   // load(dir) when `dir` holds tokenizer.json, else byte_level(...).
-  static Tokenizer for_model_dir(const std::string& dir, std::int64_t vocab_size, std::int32_t bos,
-                                 std::int32_t eos);
+  static Tokenizer for_model_dir(const std::string& dir, std::int64_t vocab_size, std::int32_t bos, std::int32_t eos);
 
   TokenizerKind kind() const;
   // "byte-level" or "BPE (tokenizer.json)".

@@ -58,8 +58,7 @@ class ModelWeights {
   // The weights write_random_model(config, dir, seed, dtype) would write,
   // built in memory: equal, value for value, to load(dir) of that directory.
   // REQUIRES: a validated config.
-  static ModelWeights random(const ModelConfig& config, std::uint64_t seed,
-                             DType dtype = DType::F32);
+  static ModelWeights random(const ModelConfig& config, std::uint64_t seed, DType dtype = DType::F32);
 
   const ModelConfig& config() const { return config_; }
   // The tensor called `name` (shape as in expected_weights; dtype F32, or
@@ -101,7 +100,6 @@ ModelWeights load_weights(const std::string& dir);
 // A_log = log(U(1, 16)); dt_bias ~ N(0, 0.1). Each tensor's values depend
 // only on the seed and its name. Files appear atomically (temp + rename).
 // REQUIRES: a validated config. Throws rwd::Error on IO failure.
-void write_random_model(const ModelConfig& config, const std::string& out_dir,
-                        std::uint64_t seed, DType dtype);
+void write_random_model(const ModelConfig& config, const std::string& out_dir, std::uint64_t seed, DType dtype);
 
 }  // namespace rwd::runtime

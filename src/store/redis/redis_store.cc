@@ -237,7 +237,8 @@ class RedisStore final : public BlobStore {
 
   // REQUIRES: mutex_ held, ctx_ null. Throws StoreError naming the server.
   void connect(const std::string& op, const std::string& key) {
-    redisContext* c = redisConnectWithTimeout(options_.host.c_str(), options_.port, to_timeval(options_.connect_timeout_s));
+    redisContext* c = redisConnectWithTimeout(options_.host.c_str(), options_.port,
+                                              to_timeval(options_.connect_timeout_s));
     if (c == nullptr) fail(op, key, "cannot connect: hiredis cannot allocate a context");
     if (c->err != 0) {
       const bool timed_out = c->err == REDIS_ERR_IO && (errno == ETIMEDOUT || errno == EAGAIN);
@@ -279,12 +280,12 @@ class RedisStore final : public BlobStore {
       const int saved_errno = errno;
       const int err = ctx_->err;
       const bool timed_out = err == REDIS_ERR_IO && (saved_errno == EAGAIN || saved_errno == EWOULDBLOCK);
-      const std::string reason = timed_out       ? timeout_text("waiting for", options_.command_timeout_s)
+      const std::string reason = timed_out        ? timeout_text("waiting for", options_.command_timeout_s)
                                  : ctx_->err != 0 ? std::string(ctx_->errstr)
                                                   : "no reply";
       drop();
-      const bool closed_by_server =
-          err == REDIS_ERR_EOF || (err == REDIS_ERR_IO && (saved_errno == EPIPE || saved_errno == ECONNRESET));
+      const bool closed_by_server = err == REDIS_ERR_EOF ||
+                                    (err == REDIS_ERR_IO && (saved_errno == EPIPE || saved_errno == ECONNRESET));
       if (fresh || !closed_by_server) fail(op, key, timed_out ? reason : "connection failed: " + reason);
       connect(op, key);
       fresh = true;
