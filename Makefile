@@ -46,7 +46,7 @@ DEMO_DEB_PACKAGES := cmake g++ make nlohmann-json3-dev libcli11-dev $(TOKENIZER_
 DEMO_BUILD ?= build-demo
 INSTALL_PREFIX = $(abspath $(or $(PREFIX),/usr/local))
 
-.PHONY: docs-check all deps install-deps python-deps check-deps demo-deps pip-deps check-pip-install node-deps tokenizer-reference build check build-options test test-plain test-python test-asan test-tsan test-fuzz fuzz bench install python clean demo train-models
+.PHONY: docs-check all deps install-deps python-deps check-deps demo-deps pip-deps format-deps check-pip-install node-deps tokenizer-reference build check build-options test test-plain test-python test-asan test-tsan test-fuzz fuzz bench install python clean demo train-models
 
 all: build
 
@@ -59,7 +59,8 @@ python-deps: APT_PACKAGES = $(PYTHON_BUILD_DEB_PACKAGES)
 check-deps: APT_PACKAGES = $(CHECK_DEB_PACKAGES)
 demo-deps: APT_PACKAGES = $(DEMO_DEB_PACKAGES)
 pip-deps: APT_PACKAGES = $(PYTHON_BUILD_DEB_PACKAGES) $(PIP_DEB_PACKAGES)
-deps install-deps python-deps check-deps demo-deps pip-deps:
+format-deps: APT_PACKAGES = clang-format-14
+deps install-deps python-deps check-deps demo-deps pip-deps format-deps:
 	@missing=""; for p in $(APT_PACKAGES); do \
 	  dpkg-query -W -f='$${Status}' $$p 2>/dev/null | grep -q "install ok installed" || missing="$$missing $$p"; \
 	done; \
@@ -175,7 +176,7 @@ test: build-options docs-check test-plain test-python check-pip-install test-asa
 
 # The docs point at files that exist; folders include only what
 # docs/architecture.md allows; C++ sources are as .clang-format writes them.
-docs-check: deps
+docs-check: format-deps
 	scripts/check_doc_links.sh
 	scripts/check_includes.sh
 	scripts/check_format.sh
