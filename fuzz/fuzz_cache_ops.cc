@@ -1565,17 +1565,7 @@ class Fuzzer {
   // ---- fresh layers and caches with huge options ---------------------------------
 
   void op_huge_layer() {
-    static constexpr std::array<LayerKind, 10> kinds{LayerKind::FullAttention,
-                                                     LayerKind::SlidingAttention,
-                                                     LayerKind::ChunkedAttention,
-                                                     LayerKind::LinearAttention,
-                                                     LayerKind::Conv,
-                                                     LayerKind::Hybrid,
-                                                     LayerKind::HybridSliding,
-                                                     LayerKind::SparseAttention,
-                                                     LayerKind::Moe,
-                                                     LayerKind::Mlp};
-    const LayerKind kind = kinds[next() % kinds.size()];
+    const LayerKind kind = kEveryLayerKind[next() % kEveryLayerKind.size()];
     LayerOptions o = small_options(kind, dt_, false, in_.range(1, 2));
     const bool attention = kind == LayerKind::FullAttention || kind == LayerKind::SlidingAttention ||
                            kind == LayerKind::ChunkedAttention || kind == LayerKind::Hybrid ||
