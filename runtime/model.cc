@@ -255,8 +255,9 @@ Model::LayerWeights Model::Packer::layer(std::int64_t i) {
 
 Model::Model(ModelWeights weights) : weights_(std::move(weights)) {
   const ModelConfig& c = weights_.config();
-  rope_cache_ = std::make_unique<kernels::RopeCache>(c.rope_theta, c.rope_dim());
-  if (c.llama3_rope.factor > 0.0) scaled_inv_freq_ = rope_inv_freq(c);
+  // rope_inv_freq(c) is theta^(-2j / d), scaled where the config says so
+  // (Llama 3), so one cache serves either.
+  rope_cache_ = std::make_unique<kernels::RopeCache>(rope_inv_freq(c));
   for (const auto& name : weights_.names()) parameter_count_ += weights_.get(name).numel();
   fingerprint_ = fingerprint_of(weights_);  // before packing releases the originals
   Packer packer(*this);
@@ -438,23 +439,7 @@ class Model::ScratchLease {
 // ---- the math of each block that does not touch the cache ---------------------------
 
 kernels::RopeTable Model::rope_table(const std::int64_t* positions, std::int64_t rows) const {
-  if (scaled_inv_freq_.empty()) return kernels::RopeTable(positions, rows, *rope_cache_);
-  // kernels::RopeTable derives its frequencies from theta alone, so a table
-  // of the right shape is built and its rows (vectors the non-const table
-  // owns) are rewritten with the angles of the scaled frequencies.
-  const auto half = static_cast<std::int64_t>(scaled_inv_freq_.size());
-  kernels::RopeTable table(positions, rows, config().rope_theta, 2 * half);
-  for (std::int64_t r = 0; r < rows; ++r) {
-    auto* cos_row = const_cast<float*>(table.cos(r));
-    auto* sin_row = const_cast<float*>(table.sin(r));
-    const auto pos = static_cast<double>(positions[r]);
-    for (std::int64_t j = 0; j < half; ++j) {
-      const double angle = pos * scaled_inv_freq_[static_cast<std::size_t>(j)];
-      cos_row[j] = static_cast<float>(std::cos(angle));
-      sin_row[j] = static_cast<float>(std::sin(angle));
-    }
-  }
-  return table;
+  return kernels::RopeTable(positions, rows, *rope_cache_);
 }
 
 void Model::attention_in(const LayerWeights& w, const float* h, std::int64_t n, const kernels::RopeTable& rope,

@@ -112,6 +112,9 @@ RopeCache::RopeCache(double theta, int64_t rotary_dim)
   assert(rotary_dim % 2 == 0 && rotary_dim >= 0);
 }
 
+RopeCache::RopeCache(std::vector<double> inv_freq)
+    : theta_(0.0), inv_freq_(std::move(inv_freq)), blocks_(std::make_unique<Blocks>()) {}
+
 RopeCache::~RopeCache() = default;
 
 void RopeCache::angles(int64_t position, float* cos_out, float* sin_out) const {

@@ -261,13 +261,17 @@ class RopeCache {
   static constexpr std::int64_t kMaxPositions = std::int64_t{1} << 16;
 
   RopeCache(double theta, std::int64_t rotary_dim);
+  // The same for frequencies given per pair (scaled RoPE such as Llama 3's):
+  // the angle of pair j at position p is p * inv_freq[j]. theta() is 0.
+  explicit RopeCache(std::vector<double> inv_freq);
   ~RopeCache();
   RopeCache(const RopeCache&) = delete;
   RopeCache& operator=(const RopeCache&) = delete;
 
+  // The base the frequencies came from; 0 when they were given.
   double theta() const { return theta_; }
   std::int64_t half() const { return static_cast<std::int64_t>(inv_freq_.size()); }
-  // theta^(-2j / rotary_dim) for j < half(), in double.
+  // theta^(-2j / rotary_dim) (or the given frequencies) for j < half(), in double.
   const double* inv_freq() const { return inv_freq_.data(); }
   // Writes the half() cos and sin values of `position` (any int64; rows
   // outside [0, kMaxPositions) are computed, not kept).

@@ -284,14 +284,10 @@ class Model {
   std::string fingerprint_;
   bool has_attention_ = false;  // any full / sliding attention layer (needs RoPE)
   // The RoPE angles of the positions seen so far (kernels::RopeCache: at
-  // most 64K positions' rows, thread-safe), shared by every forward.
+  // most 64K positions' rows, thread-safe), shared by every forward; its
+  // frequencies are the config's (rope_inv_freq: Llama 3 scaling applied).
   std::unique_ptr<kernels::RopeCache> rope_cache_;
-  // Llama 3 scaled RoPE frequencies (rope_inv_freq of the config); empty when
-  // the frequencies are theta^(-2j / d), which rope_cache_ serves.
-  std::vector<double> scaled_inv_freq_;
-  // The RoPE angles of `rows` positions, from rope_cache_ or, when the model
-  // has them, scaled_inv_freq_ (the same f32 rounding of the same double
-  // angle either way).
+  // The RoPE angles of `rows` positions, from rope_cache_.
   kernels::RopeTable rope_table(const std::int64_t* positions, std::int64_t rows) const;
   std::vector<LayerWeights> layers_;
   // The embedding [vocab, d] (F32, BF16 or F16) in weights_, or null when tied:
