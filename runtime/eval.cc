@@ -26,15 +26,6 @@ struct Window {
   std::int64_t feed = 0, target = 0, end = 0;
 };
 
-// What encode(text, true) puts before the text: the post-processor's
-// template prefix, or BOS when tokenizer_config.json asks for it without a
-// template (prefix_ids() holds only the former).
-std::vector<std::int32_t> text_prefix(const Tokenizer& tokenizer) {
-  std::vector<std::int32_t> prefix = tokenizer.prefix_ids();
-  if (prefix.empty() && tokenizer.add_bos_token() && tokenizer.bos_id()) prefix.push_back(*tokenizer.bos_id());
-  return prefix;
-}
-
 std::string count(std::int64_t n, const char* unit) { return std::to_string(n) + " " + unit + (n == 1 ? "" : "s"); }
 
 }  // namespace
@@ -60,7 +51,7 @@ EvalResult evaluate_text(const Model& model, const Tokenizer& tokenizer, std::st
   const bool byte_level = tokenizer.kind() == TokenizerKind::ByteLevel;
   const char* unit = byte_level ? "byte" : "token";
   const std::vector<std::int32_t> tokens = tokenizer.encode(text, false);
-  const std::vector<std::int32_t> prefix = text_prefix(tokenizer);
+  const std::vector<std::int32_t> prefix = tokenizer.prefix_ids();
   const std::int64_t V = model.vocab_size();
   for (const auto* ids : {&prefix, &tokens}) {
     for (const std::int32_t id : *ids) {

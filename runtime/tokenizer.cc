@@ -337,10 +337,13 @@ struct Tokenizer::Impl {
   // normalized ones apart.
   std::array<std::vector<std::size_t>, 256> raw_by_byte, norm_by_byte;
   bool any_raw = false, any_norm = false;
-  Regex word_char;  // [\p{L}\p{N}_] for single_word
-  std::vector<std::int32_t> prefix, suffix;
+  Regex word_char;                           // [\p{L}\p{N}_] for single_word
+  std::vector<std::int32_t> prefix, suffix;  // the post-processor's template
   std::optional<std::int32_t> bos, eos, pad;
   bool add_bos = false;
+  // What encode(text, true) puts before the text: the template's prefix, or
+  // BOS when tokenizer_config.json asks for it without a template.
+  std::vector<std::int32_t> leading;
 
   void set_token(std::int32_t id, const std::string& token) {
     const auto i = static_cast<std::size_t>(id);
@@ -877,6 +880,8 @@ Tokenizer Tokenizer::from_json(const std::string& tokenizer_json, const std::str
     t->add_bos = flag(config, "add_bos_token", false, cwhere, "the file");
     if (t->add_bos && !t->bos) throw FormatError(cwhere + ": add_bos_token is true but bos_token names no token");
   }
+  t->leading = t->prefix;
+  if (t->leading.empty() && t->add_bos && t->bos) t->leading.push_back(*t->bos);
   return Tokenizer(std::move(t));
 }
 
@@ -928,6 +933,7 @@ Tokenizer Tokenizer::byte_level(std::int64_t vocab_size, std::int32_t bos, std::
   if (eos >= 0) t->eos = eos;
   t->add_bos = bos >= 0;
   if (bos >= 0) t->prefix = {bos};
+  t->leading = t->prefix;
   return Tokenizer(std::move(t));
 }
 
@@ -947,7 +953,7 @@ std::string Tokenizer::kind_name() const {
 std::vector<std::int32_t> Tokenizer::encode(std::string_view text, bool add_special) const {
   const Impl& t = *impl_;
   std::vector<std::int32_t> out;
-  if (add_special) out = t.prefix;
+  if (add_special) out = t.leading;
   if (t.kind == TokenizerKind::ByteLevel) {
     out.reserve(out.size() + text.size());
     for (unsigned char c : text) out.push_back(c);
@@ -960,7 +966,6 @@ std::vector<std::int32_t> Tokenizer::encode(std::string_view text, bool add_spec
     throw InvalidArgument("text is not valid UTF-8 at byte " + std::to_string(bad) + " (" + hex + "); " + t.where +
                           " encodes UTF-8 text");
   }
-  if (add_special && t.prefix.empty() && t.add_bos && t.bos) out.push_back(*t.bos);
   std::unordered_map<std::string_view, std::vector<std::int32_t>> cache;
   std::deque<std::string> keep;  // the normalized parts, which `cache` keys view: a deque never moves them
   t.encode_text(text, out, cache, keep);
@@ -1005,7 +1010,7 @@ std::optional<std::int32_t> Tokenizer::eos_id() const { return impl_->eos; }
 std::optional<std::int32_t> Tokenizer::pad_id() const { return impl_->pad; }
 bool Tokenizer::add_bos_token() const { return impl_->add_bos; }
 const std::vector<AddedToken>& Tokenizer::added_tokens() const { return impl_->added; }
-const std::vector<std::int32_t>& Tokenizer::prefix_ids() const { return impl_->prefix; }
+const std::vector<std::int32_t>& Tokenizer::prefix_ids() const { return impl_->leading; }
 const std::vector<std::int32_t>& Tokenizer::suffix_ids() const { return impl_->suffix; }
 
 bool Tokenizer::compatible_with(const Tokenizer& other, std::string* why) const {

@@ -229,11 +229,15 @@ TEST(Tokenizer, SpecialIdsAndBosFromTokenizerConfig) {
   EXPECT_TRUE(t.add_bos_token());
   EXPECT_EQ(t.encode("hello", true), (Ids{305, 259}));
   EXPECT_EQ(t.encode("hello", false), (Ids{259}));
+  // prefix_ids() is what encode(..., true) puts first, BOS included.
+  EXPECT_EQ(t.prefix_ids(), (Ids{305}));
+  EXPECT_TRUE(t.suffix_ids().empty());
   // Without tokenizer_config.json: no special ids, nothing added.
   const Tokenizer bare = make(tiny());
   EXPECT_EQ(bare.bos_id(), std::nullopt);
   EXPECT_FALSE(bare.add_bos_token());
   EXPECT_EQ(bare.encode("hello", true), (Ids{259}));
+  EXPECT_TRUE(bare.prefix_ids().empty());
   // A name that is no token is refused.
   EXPECT_THROW(make(tiny(), json{{"eos_token", "<nope>"}}), FormatError);
 }

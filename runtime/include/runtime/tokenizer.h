@@ -101,7 +101,8 @@ class Tokenizer {
   bool add_bos_token() const;
   // The added tokens, in id order (empty for a byte-level tokenizer).
   const std::vector<AddedToken>& added_tokens() const;
-  // The ids that encode(..., true) puts before and after the text.
+  // The ids that encode(..., true) puts before and after the text (before:
+  // the template's prefix, or BOS when add_bos_token asks for it).
   const std::vector<std::int32_t>& prefix_ids() const;
   const std::vector<std::int32_t>& suffix_ids() const;
 
