@@ -159,6 +159,7 @@ py::tuple generate_one(const PyModel& self, py::object prompt, std::int64_t max_
     rwd::runtime::SpeculativeOptions spec;
     spec.num_draft = num_draft;
     spec.adaptive = adaptive;
+    o.speculation = spec;
     py::gil_scoped_release nogil;
     if (draft) {
       if (draft->model.vocab_size() != self.model.vocab_size()) {
@@ -167,10 +168,10 @@ py::tuple generate_one(const PyModel& self, py::object prompt, std::int64_t max_
       }
       rwd::runtime::SamplingParams ds = o.sampling;
       rwd::runtime::ModelDraft source(draft->model, ds, num_draft, max_prefill_rows);
-      out = rwd::runtime::speculative_generate(self.model, source, p, o, spec, &stats);
+      out = rwd::runtime::speculative_generate(self.model, source, p, o, &stats);
     } else {
       rwd::runtime::LookupDraft source(lookup);
-      out = rwd::runtime::speculative_generate(self.model, source, p, o, spec, &stats);
+      out = rwd::runtime::speculative_generate(self.model, source, p, o, &stats);
     }
   }
   return py::make_tuple(out, stats_dict(stats));
@@ -213,6 +214,7 @@ py::tuple generate_many(const PyModel& self, py::object prompts, std::int64_t ma
     rwd::runtime::SpeculativeOptions spec;
     spec.num_draft = num_draft;
     spec.adaptive = adaptive;
+    o.speculation = spec;
     py::gil_scoped_release nogil;
     std::unique_ptr<rwd::runtime::BatchDraftSource> sources;
     if (draft) {
@@ -223,7 +225,7 @@ py::tuple generate_many(const PyModel& self, py::object prompts, std::int64_t ma
       for (std::size_t i = 0; i < ps.size(); ++i) each.push_back(std::make_unique<rwd::runtime::LookupDraft>(lookup));
       sources = std::make_unique<rwd::runtime::PerSequenceDrafts>(std::move(each));
     }
-    out = rwd::runtime::speculative_generate_batch(self.model, *sources, ps, o, spec, &stats);
+    out = rwd::runtime::speculative_generate_batch(self.model, *sources, ps, o, &stats);
   }
   return py::make_tuple(out, stats_dict(stats));
 }

@@ -38,6 +38,30 @@ bool emit(std::int32_t token, const Model& model, const GenerationOptions& optio
   return static_cast<std::int64_t>(out.size()) < options.max_new_tokens;
 }
 
+bool emit_all(std::span<const std::int32_t> tokens, std::vector<std::int32_t>& sequence, const Model& model,
+              const GenerationOptions& options, std::vector<std::int32_t>& out, Clock::time_point t0,
+              GenerationStats& stats) {
+  for (std::int32_t token : tokens) {
+    sequence.push_back(token);
+    if (!emit(token, model, options, out, t0, stats)) return false;
+  }
+  return true;
+}
+
+void count_round(GenerationStats& stats, std::int64_t drafted, std::int64_t accepted, bool chain) {
+  ++stats.rounds;
+  stats.drafted += drafted;
+  stats.accepted += accepted;
+  if (!chain) return;
+  if (drafted > accepted) ++stats.rollbacks;
+  if (static_cast<std::int64_t>(stats.drafted_at.size()) < drafted) {
+    stats.drafted_at.resize(static_cast<std::size_t>(drafted), 0);
+    stats.accepted_at.resize(static_cast<std::size_t>(drafted), 0);
+  }
+  for (std::int64_t i = 0; i < drafted; ++i) ++stats.drafted_at[static_cast<std::size_t>(i)];
+  for (std::int64_t i = 0; i < accepted; ++i) ++stats.accepted_at[static_cast<std::size_t>(i)];
+}
+
 // The plain decoding loop from a cache that has seen the prompt and the
 
 void check_prefill_rows(std::int64_t max_rows) {

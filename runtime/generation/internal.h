@@ -38,6 +38,18 @@ GenerationStats start_stats(std::span<const std::int32_t> prompt, const Sampling
 bool emit(std::int32_t token, const Model& model, const GenerationOptions& options, std::vector<std::int32_t>& out,
           Clock::time_point t0, GenerationStats& stats);
 
+// Emits `tokens` in order, each also appended to `sequence`, until emit()
+// says to stop; returns false then (the tokens after it are dropped).
+bool emit_all(std::span<const std::int32_t> tokens, std::vector<std::int32_t>& sequence, const Model& model,
+              const GenerationOptions& options, std::vector<std::int32_t>& out, Clock::time_point t0,
+              GenerationStats& stats);
+
+// Counts one speculative round of `drafted` proposals of which `accepted`
+// were kept. A chain round also counts a rollback when it rejected any and
+// the per-position counts (drafted_at / accepted_at); a tree round neither
+// (it commits a path and never crops; its drafts have no chain positions).
+void count_round(GenerationStats& stats, std::int64_t drafted, std::int64_t accepted, bool chain);
+
 // Feeds `tokens` to `cache` in forwards of at most max_rows tokens (the
 // logits after the last token in `logits`: batch invariance makes them those
 // of one forward) and calls after_piece(tokens fed so far) after each. At

@@ -127,23 +127,8 @@ void finish_round(SpecSequence& s, const Model& target, const GenerationOptions&
                   const SpeculativeOptions& spec, std::int64_t accepted, const std::vector<std::int32_t>& emitted,
                   Clock::time_point t0) {
   const auto kd = static_cast<std::int64_t>(s.drafts.size());
-  if (kd - accepted > 0) ++s.stats.rollbacks;
-  ++s.stats.rounds;
-  s.stats.drafted += kd;
-  s.stats.accepted += accepted;
-  if (static_cast<std::int64_t>(s.stats.drafted_at.size()) < kd) {
-    s.stats.drafted_at.resize(static_cast<std::size_t>(kd), 0);
-    s.stats.accepted_at.resize(static_cast<std::size_t>(kd), 0);
-  }
-  for (std::int64_t i = 0; i < kd; ++i) ++s.stats.drafted_at[static_cast<std::size_t>(i)];
-  for (std::int64_t i = 0; i < accepted; ++i) ++s.stats.accepted_at[static_cast<std::size_t>(i)];
-  for (std::int32_t token : emitted) {
-    s.sequence.push_back(token);
-    if (!emit(token, target, options, s.out, t0, s.stats)) {
-      s.running = false;
-      break;
-    }
-  }
+  count_round(s.stats, kd, accepted, true);
+  if (!emit_all(emitted, s.sequence, target, options, s.out, t0, s.stats)) s.running = false;
   if (spec.adaptive && kd > 0) {
     s.k_now = accepted == kd ? std::min(s.k_now + 2, spec.num_draft) : std::max<std::int64_t>(s.k_now - 1, 1);
   }
@@ -308,26 +293,6 @@ std::vector<std::vector<std::int32_t>> speculative_generate_batch(const Model& t
   for (auto& s : seqs) out.push_back(std::move(s.out));
   if (stats) *stats = std::move(local);
   return out;
-}
-
-// ---- tree speculation ------------------------------------------------------------
-
-std::vector<std::int32_t> speculative_generate(const Model& target, DraftSource& draft,
-                                               std::span<const std::int32_t> prompt, const GenerationOptions& options,
-                                               const SpeculativeOptions& spec, GenerationStats* stats) {
-  GenerationOptions with = options;
-  with.speculation = spec;
-  return speculative_generate(target, draft, prompt, with, stats);
-}
-
-std::vector<std::vector<std::int32_t>> speculative_generate_batch(const Model& target, BatchDraftSource& drafts,
-                                                                  std::span<const std::vector<std::int32_t>> prompts,
-                                                                  const GenerationOptions& options,
-                                                                  const SpeculativeOptions& spec,
-                                                                  BatchGenerationStats* stats) {
-  GenerationOptions with = options;
-  with.speculation = spec;
-  return speculative_generate_batch(target, drafts, prompts, with, stats);
 }
 
 }  // namespace rwd::runtime

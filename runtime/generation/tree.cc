@@ -233,16 +233,8 @@ std::vector<std::int32_t> tree_speculative_generate(const Model& target, TreeDra
     }
     const auto accepted = static_cast<std::int64_t>(emitted.size()) - 1;
     draft.accept(accepted);
-    ++local.rounds;
-    local.drafted += n - 1;
-    local.accepted += accepted;
-    for (std::int32_t token : emitted) {
-      sequence.push_back(token);
-      if (!emit(token, target, options, out, t0, local)) {
-        running = false;
-        break;
-      }
-    }
+    count_round(local, n - 1, accepted, false);
+    running = emit_all(emitted, sequence, target, options, out, t0, local);
     local.peak_cache_bytes = std::max(local.peak_cache_bytes, cache.memory().bytes_reserved + draft.cache_bytes());
   }
   local.cache_seconds += draft.cache_seconds();
@@ -250,15 +242,6 @@ std::vector<std::int32_t> tree_speculative_generate(const Model& target, TreeDra
   local.seconds = seconds_since(t0);
   if (stats) *stats = local;
   return out;
-}
-
-std::vector<std::int32_t> tree_speculative_generate(const Model& target, TreeDraftSource& draft,
-                                                    std::span<const std::int32_t> prompt,
-                                                    const GenerationOptions& options, const TreeOptions& tree,
-                                                    GenerationStats* stats) {
-  GenerationOptions with = options;
-  with.tree = tree;
-  return tree_speculative_generate(target, draft, prompt, with, stats);
 }
 
 }  // namespace rwd::runtime

@@ -12,6 +12,7 @@
 #include <string>
 #include <vector>
 
+#include "generation_options.h"
 #include "rewind/error.h"
 #include "runtime/decode_bench.h"
 #include "runtime/generate.h"
@@ -310,7 +311,7 @@ TEST(GenerateBatch, PromptsGoInPiecesOfAtMostMaxPrefillRows) {
           each.push_back(std::make_unique<ModelDraft>(model, options.sampling, 3));
       }
       PerSequenceDrafts drafts(std::move(each));
-      const auto spec = speculative_generate_batch(model, drafts, prompts, options, {3, false});
+      const auto spec = speculative_generate_batch(model, drafts, prompts, with_chain(options, {3, false}));
       for (std::size_t i = 0; i < prompts.size(); ++i) {
         EXPECT_EQ(spec[i], alone[i]) << "speculative, source " << source << ", max_prefill_rows " << rows << ", prompt "
                                      << i;
@@ -330,7 +331,7 @@ TEST(GenerateBatch, PromptsGoInPiecesOfAtMostMaxPrefillRows) {
     EXPECT_EQ(calls, expected);
     calls.clear();
     LookupDraft lookup(3);
-    EXPECT_EQ(speculative_generate(model, lookup, prompts[4], options, {3, false}), alone[4]);
+    EXPECT_EQ(speculative_generate(model, lookup, prompts[4], with_chain(options, {3, false})), alone[4]);
     ASSERT_FALSE(calls.empty());
     EXPECT_EQ(calls.back(), std::make_pair(P - 1, P - 1));  // all but the pending last token
   }
@@ -339,9 +340,9 @@ TEST(GenerateBatch, PromptsGoInPiecesOfAtMostMaxPrefillRows) {
   EXPECT_THROW(generate(model, prompts[2], bad), InvalidArgument);
   EXPECT_THROW(generate_batch(model, prompts, bad), InvalidArgument);
   LookupDraft lookup(3);
-  EXPECT_THROW(speculative_generate(model, lookup, prompts[2], bad, {3, false}), InvalidArgument);
+  EXPECT_THROW(speculative_generate(model, lookup, prompts[2], with_chain(bad, {3, false})), InvalidArgument);
   // Refused also where no prefill would run (BOS alone, nothing to generate).
-  EXPECT_THROW(speculative_generate(model, lookup, prompts[0], bad, {3, false}), InvalidArgument);
+  EXPECT_THROW(speculative_generate(model, lookup, prompts[0], with_chain(bad, {3, false})), InvalidArgument);
   bad.max_new_tokens = 0;
   EXPECT_THROW(generate(model, prompts[2], bad), InvalidArgument);
   Cache cache = model.make_cache();
@@ -458,13 +459,14 @@ TEST(Drafts, ModelDraftsTakeLongPromptsInPiecesWithTheSameOutput) {
       ModelDraft d(draft, {}, 3, rows);
       EXPECT_EQ(d.propose(prompts[i], 3, nullptr), first_drafts[i]) << rows << ", prompt " << i;
       ModelDraft spec(draft, {}, 3, rows);
-      EXPECT_EQ(speculative_generate(target, spec, prompts[i], options, {3, false}), greedy[i]) << rows << ", " << i;
+      EXPECT_EQ(speculative_generate(target, spec, prompts[i], with_chain(options, {3, false})), greedy[i])
+          << rows << ", " << i;
       ModelTreeDraft tree(draft, rows);
-      EXPECT_EQ(tree_speculative_generate(target, tree, prompts[i], options, {2, 8, 3}), greedy[i])
+      EXPECT_EQ(tree_speculative_generate(target, tree, prompts[i], with_tree(options, {2, 8, 3})), greedy[i])
           << rows << ", " << i;
     }
     BatchedModelDraft batched(draft, options.sampling, 3, rows);
-    const auto out = speculative_generate_batch(target, batched, prompts, options, {3, false});
+    const auto out = speculative_generate_batch(target, batched, prompts, with_chain(options, {3, false}));
     for (std::size_t i = 0; i < prompts.size(); ++i) EXPECT_EQ(out[i], greedy[i]) << "batched, " << rows << ", " << i;
   }
   {
@@ -530,7 +532,8 @@ TEST(SpeculativeBatch, EverySequenceEqualsItsSoloDecoding) {
             drafts = std::make_unique<PerSequenceDrafts>(std::move(each));
           }
           BatchGenerationStats stats;
-          const auto batched = speculative_generate_batch(target, *drafts, prompts, options, {K, false}, &stats);
+          const auto batched = speculative_generate_batch(target, *drafts, prompts, with_chain(options, {K, false}),
+                                                          &stats);
           const std::string what = "seed " + std::to_string(seed) + ", batch " + std::to_string(batch_size) +
                                    ", source " + std::to_string(source) + ", K " + std::to_string(K);
           ASSERT_EQ(batched.size(), batch_size) << what;
@@ -576,12 +579,12 @@ TEST(SpeculativeBatch, SamplingEqualsSoloSpeculativeSampling) {
         }
         drafts = std::make_unique<PerSequenceDrafts>(std::move(each));
       }
-      const auto batched = speculative_generate_batch(target, *drafts, prompts, options, {4, adaptive});
+      const auto batched = speculative_generate_batch(target, *drafts, prompts, with_chain(options, {4, adaptive}));
       for (std::size_t i = 0; i < prompts.size(); ++i) {
         GenerationOptions alone = options;
         alone.sampling.seed += i;
         ModelDraft alone_draft(draft_model, alone.sampling, 4);
-        EXPECT_EQ(batched[i], speculative_generate(target, alone_draft, prompts[i], alone, {4, adaptive}))
+        EXPECT_EQ(batched[i], speculative_generate(target, alone_draft, prompts[i], with_chain(alone, {4, adaptive})))
             << "sequence " << i << (adaptive ? ", adaptive K" : "") << (batched_draft ? ", batched draft" : "");
       }
     }
@@ -595,22 +598,22 @@ TEST(SpeculativeBatch, SamplingEqualsSoloSpeculativeSampling) {
     five.push_back(random_tokens(rng, 6));
     five.push_back(random_tokens(rng, 2));
     BatchedModelDraft drafts(draft_model, joined.sampling, 3);
-    const auto out = speculative_generate_batch(target, drafts, five, joined, {3, true});
+    const auto out = speculative_generate_batch(target, drafts, five, with_chain(joined, {3, true}));
     for (std::size_t i = 0; i < five.size(); ++i) {
       GenerationOptions alone = joined;
       alone.sampling.seed += i;
       alone.max_batch = 0;
       ModelDraft alone_draft(draft_model, alone.sampling, 3);
-      EXPECT_EQ(out[i], speculative_generate(target, alone_draft, five[i], alone, {3, true}))
+      EXPECT_EQ(out[i], speculative_generate(target, alone_draft, five[i], with_chain(alone, {3, true})))
           << "joined sequence " << i;
     }
     joined.max_batch = -1;
-    EXPECT_THROW(speculative_generate_batch(target, drafts, five, joined, {3, true}), InvalidArgument);
+    EXPECT_THROW(speculative_generate_batch(target, drafts, five, with_chain(joined, {3, true})), InvalidArgument);
   }
   std::vector<std::unique_ptr<DraftSource>> one;
   one.push_back(std::make_unique<LookupDraft>(2));
   PerSequenceDrafts too_few(std::move(one));
-  EXPECT_THROW(speculative_generate_batch(target, too_few, prompts, options, {4, false}), InvalidArgument);
+  EXPECT_THROW(speculative_generate_batch(target, too_few, prompts, with_chain(options, {4, false})), InvalidArgument);
 }
 
 // The rounds of B sequences are timed at the context asked, B = 1 first,
@@ -699,7 +702,7 @@ TEST(GenerateBatch, StatsReportTheBatchBoundAndTheLargestBatch) {
     std::vector<std::unique_ptr<DraftSource>> each;
     for (std::size_t i = 0; i < prompts.size(); ++i) each.push_back(std::make_unique<LookupDraft>(2));
     PerSequenceDrafts drafts(std::move(each));
-    speculative_generate_batch(model, drafts, prompts, options, {3, false}, &spec);
+    speculative_generate_batch(model, drafts, prompts, with_chain(options, {3, false}), &spec);
     for (const BatchGenerationStats* s : {&plain, &spec}) {
       EXPECT_EQ(s->max_batch, c.bound) << "max_batch " << c.max_batch;
       EXPECT_EQ(s->peak_batch, c.peak) << "max_batch " << c.max_batch;

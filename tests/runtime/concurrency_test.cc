@@ -7,6 +7,7 @@
 #include <thread>
 #include <vector>
 
+#include "generation_options.h"
 #include "runtime/generate.h"
 #include "runtime/kernels.h"
 #include "runtime/model.h"
@@ -35,7 +36,7 @@ TEST(Concurrency, ThreadsDecodingWithTheirOwnCachesOverSharedWeights) {
       const auto tokens = encode_prompt(prompts[i], model.config());
       plain[i] = generate(model, tokens, options);
       ModelDraft draft(model, {}, 3);  // a draft with its own cache, same shared weights
-      spec[i] = speculative_generate(model, draft, tokens, options, {3, false});
+      spec[i] = speculative_generate(model, draft, tokens, with_chain(options, {3, false}));
     });
   }
   for (auto& t : threads) t.join();

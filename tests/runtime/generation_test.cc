@@ -13,6 +13,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "generation_options.h"
 #include "rewind/error.h"
 #include "runtime/generate.h"
 #include "runtime/kernels.h"
@@ -123,8 +124,8 @@ TEST_P(Lossless, EveryDraftSourceReproducesGreedyTokenForToken) {
                      Source{"small model", &small_draft}, Source{"prompt lookup", &lookup}}) {
       for (bool adaptive : {false, true}) {
         GenerationStats stats;
-        const std::vector<std::int32_t> spec = speculative_generate(target, *s.source, prompt, options, {K, adaptive},
-                                                                    &stats);
+        const std::vector<std::int32_t> spec = speculative_generate(target, *s.source, prompt,
+                                                                    with_chain(options, {K, adaptive}), &stats);
         EXPECT_EQ(spec, greedy) << s.name << ", K=" << K << (adaptive ? ", adaptive" : "");
         EXPECT_EQ(stats.new_tokens, 60);
         if (std::string(s.name) == "perfect") {
@@ -152,8 +153,8 @@ TEST(Speculative, RejectsBadDraftLength) {
   const Model m = random_model(hybrid(kEveryKind), 1);
   LookupDraft lookup(2);
   const auto prompt = prompt_tokens(m, "x");
-  EXPECT_THROW(speculative_generate(m, lookup, prompt, greedy_options(4), {0, false}), InvalidArgument);
-  EXPECT_THROW(speculative_generate(m, lookup, prompt, greedy_options(4), {65, false}), InvalidArgument);
+  EXPECT_THROW(speculative_generate(m, lookup, prompt, with_chain(greedy_options(4), {0, false})), InvalidArgument);
+  EXPECT_THROW(speculative_generate(m, lookup, prompt, with_chain(greedy_options(4), {65, false})), InvalidArgument);
 }
 
 // GenerationOptions is the one options type: the draft length and the tree
@@ -170,12 +171,12 @@ TEST(Speculative, OptionsCarryTheDraftLengthAndTreeShape) {
   LookupDraft a(2), b(2);
   GenerationStats sa, sb;
   EXPECT_EQ(speculative_generate(m, a, prompt, o, &sa),
-            speculative_generate(m, b, prompt, greedy_options(9), {3, true}, &sb));
+            speculative_generate(m, b, prompt, with_chain(greedy_options(9), {3, true}), &sb));
   EXPECT_EQ(sa.drafted, sb.drafted);
   EXPECT_EQ(sa.accepted_at, sb.accepted_at);
   LookupTreeDraft ta(2), tb(2);
   EXPECT_EQ(tree_speculative_generate(m, ta, prompt, o),
-            tree_speculative_generate(m, tb, prompt, greedy_options(9), {2, 8, 3}));
+            tree_speculative_generate(m, tb, prompt, with_tree(greedy_options(9), {2, 8, 3})));
   EXPECT_EQ(tree_speculative_generate(m, ta, prompt, o), generate(m, prompt, o));
   GenerationOptions bad = greedy_options(4);
   bad.speculation.num_draft = 0;
@@ -196,7 +197,7 @@ TEST(Speculative, StopsAtEosAndBudgetLikeGreedy) {
     GenerationOptions o = greedy_options(budget);
     o.stop_at_eos = true;
     ModelDraft perfect(m, {}, 4);
-    EXPECT_EQ(speculative_generate(m, perfect, prompt, o, {4, false}), generate(m, prompt, o)) << budget;
+    EXPECT_EQ(speculative_generate(m, perfect, prompt, with_chain(o, {4, false})), generate(m, prompt, o)) << budget;
   }
 }
 
@@ -292,7 +293,7 @@ GenerationStats perfect_draft_stats(const Model& m, const std::vector<std::int32
                                     std::int64_t new_tokens) {
   ModelDraft perfect(m, {}, K);
   GenerationStats stats;
-  speculative_generate(m, perfect, prompt, greedy_options(new_tokens), {K, false}, &stats);
+  speculative_generate(m, perfect, prompt, with_chain(greedy_options(new_tokens), {K, false}), &stats);
   return stats;
 }
 
@@ -325,7 +326,7 @@ TEST(AcceptanceByPosition, ScriptedMistakeStopsEveryRoundThere) {
   ScriptedDraft scripted(greedy, prompt.size(), 2);
   CountingDraft counted(scripted);
   GenerationStats stats;
-  EXPECT_EQ(speculative_generate(m, counted, prompt, options, {4, false}, &stats), greedy);
+  EXPECT_EQ(speculative_generate(m, counted, prompt, with_chain(options, {4, false}), &stats), greedy);
   EXPECT_EQ(stats.rounds, 10);
   EXPECT_EQ(stats.drafted_at, (std::vector<std::int64_t>{10, 10, 9, 9}));
   EXPECT_EQ(stats.accepted_at, (std::vector<std::int64_t>{10, 10, 0, 0}));
@@ -343,7 +344,7 @@ TEST(AcceptanceByPosition, ScriptedMistakeStopsEveryRoundThere) {
   PerSequenceDrafts drafts(std::move(sources));
   BatchGenerationStats batch;
   const std::vector<std::vector<std::int32_t>> prompts = {prompt, other};
-  speculative_generate_batch(m, drafts, prompts, options, {4, false}, &batch);
+  speculative_generate_batch(m, drafts, prompts, with_chain(options, {4, false}), &batch);
   EXPECT_EQ(batch.sequences[0].drafted_at, stats.drafted_at);
   EXPECT_EQ(batch.sequences[0].accepted_at, stats.accepted_at);
   // Position 1 always wrong: rounds accept 1 token and emit 2. 13 rounds of
@@ -400,7 +401,7 @@ TEST(AcceptanceByPosition, CountsMatchAnIndependentCountForEverySource) {
                                     static_cast<DraftSource*>(&lookup), static_cast<DraftSource*>(&random)}) {
           CountingDraft counted(*source);
           GenerationStats stats;
-          speculative_generate(target, counted, prompt, options, {K, adaptive}, &stats);
+          speculative_generate(target, counted, prompt, with_chain(options, {K, adaptive}), &stats);
           const std::string what = "K=" + std::to_string(K) + (adaptive ? " adaptive" : "") +
                                    (sampled ? " sampled" : " greedy");
           EXPECT_EQ(stats.drafted_at, counted.drafted_at) << what;
@@ -428,7 +429,7 @@ TEST(AcceptanceByPosition, InTheStatsJsonAndEmptyForTrees) {
   EXPECT_EQ(j.at("acceptance_at"), nlohmann::json::parse("[1.0, 1.0]"));
   LookupTreeDraft tree(2);
   GenerationStats tree_stats;
-  tree_speculative_generate(m, tree, prompt, greedy_options(9), {2, 8, 2}, &tree_stats);
+  tree_speculative_generate(m, tree, prompt, with_tree(greedy_options(9), {2, 8, 2}), &tree_stats);
   EXPECT_TRUE(tree_stats.drafted_at.empty() && tree_stats.accepted_at.empty());
   EXPECT_EQ(nlohmann::json::parse(tree_stats.to_json()).at("acceptance_at"), nlohmann::json::array());
 }
@@ -546,7 +547,7 @@ TEST(Sampling, SpeculativeSamplingPreservesTheTargetDistribution) {
         o.sampling.seed = 5000 + 3 * static_cast<std::uint64_t>(i);
         BatchedModelDraft d(draft, o.sampling, 2);
         const std::vector<std::vector<std::int32_t>> three(3, prompt);
-        for (const auto& out : speculative_generate_batch(target, d, three, o, {2, false})) {
+        for (const auto& out : speculative_generate_batch(target, d, three, with_chain(o, {2, false}))) {
           ASSERT_EQ(out.size(), 2u);
           ++c1[out[0]];
           ++c2[out[1]];
@@ -562,10 +563,10 @@ TEST(Sampling, SpeculativeSamplingPreservesTheTargetDistribution) {
       std::vector<std::int32_t> out;
       if (source == 5 || source == 6) {
         ModelTreeDraft d(source == 5 ? draft : target);
-        out = tree_speculative_generate(target, d, prompt, o, {3, 8, 2});
+        out = tree_speculative_generate(target, d, prompt, with_tree(o, {3, 8, 2}));
       } else {
         LookupTreeDraft d(2);
-        out = tree_speculative_generate(target, d, prompt, o, {3, 8, 2});
+        out = tree_speculative_generate(target, d, prompt, with_tree(o, {3, 8, 2}));
       }
       ASSERT_EQ(out.size(), 2u);
       ++c1[out[0]];
@@ -582,15 +583,15 @@ TEST(Sampling, SpeculativeSamplingPreservesTheTargetDistribution) {
         out = generate(target, prompt, o);
       } else if (source == 1) {
         ModelDraft d(draft, o.sampling, 2);
-        out = speculative_generate(target, d, prompt, o, {2, false});
+        out = speculative_generate(target, d, prompt, with_chain(o, {2, false}));
       } else if (source == 2) {
         SamplingParams flatter = o.sampling;
         flatter.temperature = 3.0f;
         ModelDraft d(target, flatter, 2);
-        out = speculative_generate(target, d, prompt, o, {2, false});
+        out = speculative_generate(target, d, prompt, with_chain(o, {2, false}));
       } else {
         LookupDraft d(2);
-        out = speculative_generate(target, d, prompt, o, {2, false});
+        out = speculative_generate(target, d, prompt, with_chain(o, {2, false}));
       }
       ASSERT_EQ(out.size(), 2u);
       ++c1[out[0]];

@@ -35,6 +35,7 @@
 #include <nlohmann/json.hpp>
 
 #include "cli_test_util.h"
+#include "generation_options.h"
 #include "rewind/error.h"
 #include "runtime/generate.h"
 #include "runtime/model.h"
@@ -764,12 +765,14 @@ void expect_speculative_is_greedy(const std::string& name, const std::string& dr
   ASSERT_EQ(greedy.size(), 40u);
   for (std::int64_t K : {1, 3, 5}) {
     ModelDraft small(draft, {}, K);
-    EXPECT_EQ(speculative_generate(target, small, tokens, o, {K, false}), greedy) << "draft model, K " << K;
+    EXPECT_EQ(speculative_generate(target, small, tokens, with_chain(o, {K, false})), greedy) << "draft model, K " << K;
     LookupDraft lookup(3);
-    EXPECT_EQ(speculative_generate(target, lookup, tokens, o, {K, false}), greedy) << "prompt lookup, K " << K;
+    EXPECT_EQ(speculative_generate(target, lookup, tokens, with_chain(o, {K, false})), greedy)
+        << "prompt lookup, K " << K;
     ModelDraft perfect(target, {}, K);  // every draft accepted: multi-token verification forwards
     GenerationStats stats;
-    EXPECT_EQ(speculative_generate(target, perfect, tokens, o, {K, false}, &stats), greedy) << "self draft, K " << K;
+    EXPECT_EQ(speculative_generate(target, perfect, tokens, with_chain(o, {K, false}), &stats), greedy)
+        << "self draft, K " << K;
   }
 }
 

@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "cli_test_util.h"
+#include "generation_options.h"
 #include "rewind/prefix_cache.h"
 #include "rewind/store.h"
 #include "runtime/generate.h"
@@ -92,10 +93,10 @@ TEST(PrefixGeneration, SpeculativeDecodingWithAPrefixCacheEqualsGreedy) {
   for (int run = 0; run < 2; ++run) {
     LookupDraft lookup(3);
     GenerationStats s;
-    EXPECT_EQ(speculative_generate(model, lookup, p, cached, {4, false}, &s), want) << "run " << run;
+    EXPECT_EQ(speculative_generate(model, lookup, p, with_chain(cached, {4, false}), &s), want) << "run " << run;
     EXPECT_EQ(s.prefix_hit_tokens, run == 0 ? 0 : 60);  // the target prefills all but the pending token
     ModelDraft self(model, {}, 3);
-    EXPECT_EQ(speculative_generate(model, self, p, cached, {3, false}), want) << "run " << run;
+    EXPECT_EQ(speculative_generate(model, self, p, with_chain(cached, {3, false})), want) << "run " << run;
   }
   // Plain generation of the same prompt finds the speculative run's entry at P - 1.
   GenerationStats s;
@@ -126,7 +127,8 @@ TEST(PrefixGeneration, BatchedDecodingReusesPrefixesPerSequence) {
       return v;
     }());
     BatchGenerationStats ss;
-    EXPECT_EQ(speculative_generate_batch(model, drafts, prompts, cached, {3, false}, &ss), want) << "run " << run;
+    EXPECT_EQ(speculative_generate_batch(model, drafts, prompts, with_chain(cached, {3, false}), &ss), want)
+        << "run " << run;
     EXPECT_EQ(ss.sequences[0].prefix_hit_tokens, 69);  // the batched greedy run stored [0, 69)
   }
   // A solo run of prompt 0 finds the batched run's entry at P - 1.

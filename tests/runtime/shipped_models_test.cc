@@ -25,6 +25,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "generation_options.h"
 #include "runtime/generate.h"
 #include "runtime/kernels.h"
 #include "runtime/model.h"
@@ -134,7 +135,7 @@ TEST(ShippedModels, DistilledDraftAgreesWithTheTarget) {
   ModelDraft source(draft, {}, 4);
   GenerationStats stats;
   const auto prompt = encode_prompt("And it came to pass, when the king heard", target.config());
-  const auto spec = speculative_generate(target, source, prompt, options, {4, false}, &stats);
+  const auto spec = speculative_generate(target, source, prompt, with_chain(options, {4, false}), &stats);
   EXPECT_EQ(spec, generate(target, prompt, options));
   ASSERT_EQ(stats.drafted_at.size(), 4u);
   EXPECT_GT(stats.acceptance_rate(), 0.77);

@@ -8,6 +8,7 @@
 #include <random>
 #include <vector>
 
+#include "generation_options.h"
 #include "rewind/error.h"
 #include "runtime/generate.h"
 #include "runtime/model.h"
@@ -164,9 +165,12 @@ TEST(TreeSpeculation, IdenticalToGreedyForEveryShapeAndSource) {
       LookupTreeDraft lookup(3);
       ModelTreeDraft model_draft(other), perfect(target);
       GenerationStats sl, sm, sp;
-      EXPECT_EQ(tree_speculative_generate(target, lookup, prompt, o, t, &sl), want) << "lookup, W " << t.width;
-      EXPECT_EQ(tree_speculative_generate(target, model_draft, prompt, o, t, &sm), want) << "draft, W " << t.width;
-      EXPECT_EQ(tree_speculative_generate(target, perfect, prompt, o, t, &sp), want) << "perfect, W " << t.width;
+      EXPECT_EQ(tree_speculative_generate(target, lookup, prompt, with_tree(o, t), &sl), want)
+          << "lookup, W " << t.width;
+      EXPECT_EQ(tree_speculative_generate(target, model_draft, prompt, with_tree(o, t), &sm), want)
+          << "draft, W " << t.width;
+      EXPECT_EQ(tree_speculative_generate(target, perfect, prompt, with_tree(o, t), &sp), want)
+          << "perfect, W " << t.width;
       // The perfect draft ranks the target's greedy token first at the root,
       // so every round keeps at least one draft (the beam may drop the
       // greedy chain deeper down, when other paths are likelier).
@@ -183,12 +187,13 @@ TEST(TreeSpeculation, Refusals) {
   LookupTreeDraft lookup(2);
   GenerationOptions o;
   const std::vector<std::int32_t> prompt{256, 1};
-  EXPECT_THROW(tree_speculative_generate(target, lookup, prompt, o, {1, 16, 4}), rwd::InvalidArgument);
-  EXPECT_THROW(tree_speculative_generate(target, lookup, prompt, o, {2, 1, 4}), rwd::InvalidArgument);
-  EXPECT_THROW(tree_speculative_generate(target, lookup, prompt, o, {2, 16, 0}), rwd::InvalidArgument);
+  EXPECT_THROW(tree_speculative_generate(target, lookup, prompt, with_tree(o, {1, 16, 4})), rwd::InvalidArgument);
+  EXPECT_THROW(tree_speculative_generate(target, lookup, prompt, with_tree(o, {2, 1, 4})), rwd::InvalidArgument);
+  EXPECT_THROW(tree_speculative_generate(target, lookup, prompt, with_tree(o, {2, 16, 0})), rwd::InvalidArgument);
   o.sampling.temperature = -0.5f;
-  EXPECT_THROW(tree_speculative_generate(target, lookup, prompt, o, {2, 16, 4}), rwd::InvalidArgument);
-  EXPECT_THROW(tree_speculative_generate(target, lookup, {}, GenerationOptions{}, {2, 16, 4}), rwd::InvalidArgument);
+  EXPECT_THROW(tree_speculative_generate(target, lookup, prompt, with_tree(o, {2, 16, 4})), rwd::InvalidArgument);
+  EXPECT_THROW(tree_speculative_generate(target, lookup, {}, with_tree(GenerationOptions{}, {2, 16, 4})),
+               rwd::InvalidArgument);
 }
 
 }  // namespace

@@ -356,12 +356,6 @@ std::vector<std::int32_t> speculative_generate(const Model& target, DraftSource&
                                                std::span<const std::int32_t> prompt, const GenerationOptions& options,
                                                GenerationStats* stats = nullptr);
 
-// Transitional: speculative_generate with options.speculation = spec, for
-// callers that still hold it apart (python/bind_runtime.cc, some tests).
-std::vector<std::int32_t> speculative_generate(const Model& target, DraftSource& draft,
-                                               std::span<const std::int32_t> prompt, const GenerationOptions& options,
-                                               const SpeculativeOptions& spec, GenerationStats* stats = nullptr);
-
 // ---- tree speculation (rewind/tree.h) ----
 
 // Proposes a draft tree each round: parents[0] = -1 and tokens[0] =
@@ -439,12 +433,6 @@ class ModelTreeDraft : public TreeDraftSource {
 std::vector<std::int32_t> tree_speculative_generate(const Model& target, TreeDraftSource& draft,
                                                     std::span<const std::int32_t> prompt,
                                                     const GenerationOptions& options, GenerationStats* stats = nullptr);
-
-// Transitional: tree_speculative_generate with options.tree = tree.
-std::vector<std::int32_t> tree_speculative_generate(const Model& target, TreeDraftSource& draft,
-                                                    std::span<const std::int32_t> prompt,
-                                                    const GenerationOptions& options, const TreeOptions& tree,
-                                                    GenerationStats* stats = nullptr);
 
 // Drafts for every sequence of a batch at once. begin() is called once with
 // the prompts; each round propose() gets one request per sequence that
@@ -530,13 +518,6 @@ class BatchedModelDraft : public BatchDraftSource {
 std::vector<std::vector<std::int32_t>> speculative_generate_batch(const Model& target, BatchDraftSource& drafts,
                                                                   std::span<const std::vector<std::int32_t>> prompts,
                                                                   const GenerationOptions& options,
-                                                                  BatchGenerationStats* stats = nullptr);
-
-// Transitional: speculative_generate_batch with options.speculation = spec.
-std::vector<std::vector<std::int32_t>> speculative_generate_batch(const Model& target, BatchDraftSource& drafts,
-                                                                  std::span<const std::vector<std::int32_t>> prompts,
-                                                                  const GenerationOptions& options,
-                                                                  const SpeculativeOptions& spec,
                                                                   BatchGenerationStats* stats = nullptr);
 
 }  // namespace rwd::runtime
