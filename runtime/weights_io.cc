@@ -183,6 +183,11 @@ bool has_prefix(std::string_view s, const std::vector<std::string>& prefixes) {
   return false;
 }
 
+// RoPE frequencies some transformers versions saved as a buffer
+// (`model.rotary_emb.inv_freq`, or per layer under `self_attn.`): derived
+// from config.json here, as transformers itself does when it loads them.
+bool saved_rope_buffer(std::string_view name) { return name.ends_with("rotary_emb.inv_freq"); }
+
 }  // namespace
 
 ModelWeights ModelWeights::load(const std::string& dir) {
@@ -255,7 +260,7 @@ ModelWeights ModelWeights::load(const std::string& dir) {
   }
   for (const SafetensorsFile& file : ck.files) {
     for (const TensorEntry& e : file.entries()) {
-      if (!expected.contains(e.name) && !has_prefix(e.name, ignored)) {
+      if (!expected.contains(e.name) && !has_prefix(e.name, ignored) && !saved_rope_buffer(e.name)) {
         throw FormatError(file.path() + ": unexpected tensor '" + e.name + "', which " + config_path +
                           " does not imply");
       }

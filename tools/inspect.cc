@@ -57,6 +57,14 @@ int run_inspect(const std::string& model_dir, std::int64_t rollback) {
     add(c.qk_norm, "q/k norm");
     add(c.attn_output_gate, "attention output gate");
     add(c.rope_dim() != c.head_dim, "partial RoPE " + std::to_string(c.rope_dim()) + "/" + std::to_string(c.head_dim));
+    {
+      const ModelConfig::Llama3Rope& r = c.llama3_rope;
+      char scaling[160];
+      std::snprintf(scaling, sizeof scaling,
+                    "llama3 RoPE scaling (factor %g, low_freq_factor %g, high_freq_factor %g, original context %lld)",
+                    r.factor, r.low_freq_factor, r.high_freq_factor, static_cast<long long>(r.original_max_positions));
+      add(r.factor > 0.0, scaling);
+    }
     add(c.fused_gdn_projections, "fused in_proj_qkvz / in_proj_ba");
     add(c.tie_word_embeddings, "tied embeddings");
     std::printf("family: %s (model_type %s); layers: %s%s%s\n", model_family_name(c.family), c.model_type.c_str(),

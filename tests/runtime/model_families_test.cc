@@ -748,6 +748,31 @@ TEST(DenseFamilies, ShardedCheckpointErrors) {
                     "model.safetensors.index.json: missing tensor 'model.layers.1.self_attn.k_proj.weight', which");
 }
 
+TEST(DenseFamilies, SavedRopeFrequencyBuffersAreIgnored) {
+  // Some transformers versions saved RoPE's inv_freq buffer, at the top level
+  // or per layer; it is derived from config.json, as transformers does.
+  const Model reference = Model::load(family_dir("qwen3"));
+  const std::int64_t half = reference.config().rope_dim() / 2;
+  std::vector<float> inv_freq(static_cast<std::size_t>(half), 0.5f);  // not the real ones: never read
+  const auto bytes = std::as_bytes(std::span<const float>(inv_freq));
+  const fs::path dir = rewritten_copy("qwen3", [&](std::vector<TensorToWrite>& t, auto&) {
+    t.push_back({"model.rotary_emb.inv_freq", DType::F32, {half}, bytes});
+    t.push_back({"model.layers.0.self_attn.rotary_emb.inv_freq", DType::F32, {half}, bytes});
+  });
+  {
+    const Model m = Model::load(dir.string());
+    EXPECT_EQ(m.parameter_count(), reference.parameter_count());
+    EXPECT_LE(worst_relative_difference(m, fixture("qwen3")), kRelativeTolerance);
+  }
+  fs::remove_all(dir);
+  // Another stray name under rotary_emb is still refused.
+  expect_load_error(rewritten_copy("qwen3",
+                                   [&](std::vector<TensorToWrite>& t, auto&) {
+                                     t.push_back({"model.rotary_emb.inv_freq_scaled", DType::F32, {half}, bytes});
+                                   }),
+                    "unexpected tensor 'model.rotary_emb.inv_freq_scaled'");
+}
+
 // ---- speculative decoding on the families ----------------------------------------------
 
 // Speculative decoding of fixture `name` with the same-family `draft_name`,
@@ -816,6 +841,11 @@ TEST(ModelFamiliesCli, VerifyInspectAndGenerate) {
                        "gate, partial RoPE 8/16, fused in_proj_qkvz / in_proj_ba"),
             std::string::npos)
       << q.out;
+  const auto l = run_cli("inspect --model " + cli_test::quote(family_dir("llama")));
+  EXPECT_NE(l.out.find("layers: 3 full_attention; llama3 RoPE scaling (factor 8, low_freq_factor 1, high_freq_factor "
+                       "4, original context 256)"),
+            std::string::npos)
+      << l.out;
   const auto mixed = run_cli("verify --model " + cli_test::quote(family_dir("qwen3_5")) + " --draft " +
                              cli_test::quote(family_dir("qwen3_next-draft")) + " --prompt x --max-new-tokens 4");
   EXPECT_EQ(mixed.status, 2) << mixed.all();
