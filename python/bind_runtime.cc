@@ -200,7 +200,7 @@ py::tuple generate_many(const PyModel& self, py::object prompts, std::int64_t ma
   o.max_batch = max_batch;
   if (draft && lookup > 0) invalid("generate_batch: give a draft model or prompt lookup, not both");
   if (lookup < 0) invalid("generate_batch: lookup must be >= 0");
-  rwd::runtime::BatchGenerationStats stats;
+  rwd::runtime::GenerationStats stats;
   std::vector<std::vector<std::int32_t>> out;
   if (!draft && lookup == 0) {
     py::gil_scoped_release nogil;

@@ -134,7 +134,7 @@ DecodeBenchRow measure_batch(BenchRun& run, const std::string& method, std::int6
   std::vector<double> rates, decode_rates;
   std::int64_t drafted = 0, accepted = 0;
   for (int r = 0; r < options.repeats; ++r) {
-    BatchGenerationStats stats;
+    GenerationStats stats;
     std::vector<std::vector<std::int32_t>> out;
     if (method == "greedy_batch") {
       out = generate_batch(target, batch, gen, &stats);
@@ -149,8 +149,8 @@ DecodeBenchRow measure_batch(BenchRun& run, const std::string& method, std::int6
     }
     for (std::size_t i = 0; i < out.size(); ++i) {
       row.identical = row.identical && out[i] == reference[i % encoded.size()];
-      drafted += stats.sequences[i].drafted;
-      accepted += stats.sequences[i].accepted;
+      drafted += stats.per_sequence[i].drafted;
+      accepted += stats.per_sequence[i].accepted;
     }
     rates.push_back(stats.tokens_per_second());
     decode_rates.push_back(stats.decode_tokens_per_second());

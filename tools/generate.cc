@@ -56,7 +56,7 @@ int run_generate_batch(const CLI::App& cmd, const std::string& model_dir, const 
   options.max_prefill_rows = prompt_choice.max_prefill_rows;
   const std::size_t group = max_batch == 0 ? std::numeric_limits<std::size_t>::max()
                                            : static_cast<std::size_t>(max_batch * kLinesPerBatch);
-  BatchGenerationStats total;
+  GenerationStats total;
   const auto t0 = Clock::now();
   while (true) {
     const std::size_t first = lines.read();
@@ -71,7 +71,7 @@ int run_generate_batch(const CLI::App& cmd, const std::string& model_dir, const 
     options.sampling = sampling;
     options.sampling.seed = sampling.seed + first;  // sequence i of the file samples with seed + i
     const double offset = std::chrono::duration<double>(Clock::now() - t0).count();
-    BatchGenerationStats stats;
+    GenerationStats stats;
     std::vector<std::vector<std::int32_t>> out;
     if (choice.any()) {
       const auto sources = make_sources(prompts.size(), choice, draft, options.sampling, options.max_prefill_rows);
@@ -83,7 +83,6 @@ int run_generate_batch(const CLI::App& cmd, const std::string& model_dir, const 
       std::printf("%s\n", indexed_text_json(first + i, tokenizer.decode(out[i], true)).c_str());
     }
     std::fflush(stdout);
-    total.new_tokens += stats.new_tokens;
     total.forwards += stats.forwards;
     total.peak_batch = std::max(total.peak_batch, stats.peak_batch);
     total.draft_cache_seconds += stats.draft_cache_seconds;
@@ -91,19 +90,20 @@ int run_generate_batch(const CLI::App& cmd, const std::string& model_dir, const 
     {
       // Decoding time of this group: after its last first token (as one call's).
       double last_first = 0.0;
-      for (const GenerationStats& s : stats.sequences) {
+      for (const GenerationStats& s : stats.per_sequence) {
         if (s.new_tokens > 0) last_first = std::max(last_first, s.time_to_first_token);
       }
       total.decode_seconds = total.decode_seconds.value_or(0.0) + std::max(0.0, stats.seconds - last_first);
     }
-    if (stats_wanted) {
-      for (GenerationStats& s : stats.sequences) {
+    if (stats_wanted) {  // every sequence's statistics are kept only to be printed
+      for (GenerationStats& s : stats.per_sequence) {
         if (s.new_tokens > 0) s.time_to_first_token += offset;
         s.seconds += offset;
-        total.sequences.push_back(std::move(s));
+        total.per_sequence.push_back(std::move(s));
       }
     }
   }
+  total.sum_per_sequence();
   total.max_batch = max_batch == 0 ? static_cast<std::int64_t>(lines.read()) : max_batch;
   if (stats_wanted) std::printf("%s\n", with_prefix_stats(total.to_json(), prefix.get()).c_str());
   return 0;

@@ -48,7 +48,7 @@ int run_verify_batch(const CLI::App& cmd, const std::string& model_dir, const Pr
       progress.update(static_cast<std::int64_t>(i + 1), static_cast<std::int64_t>(prompts.size()));
     }
   }
-  BatchGenerationStats stats;
+  GenerationStats stats;
   const auto sources = make_sources(prompts.size(), choice, draft, options.sampling, options.max_prefill_rows);
   const auto spec = speculative_generate_batch(model, *sources, prompts, choice.applied_to(options), &stats);
   std::int64_t tokens = 0;
@@ -68,14 +68,13 @@ int run_verify_batch(const CLI::App& cmd, const std::string& model_dir, const Pr
     }
     tokens += static_cast<std::int64_t>(greedy[i].size());
   }
-  const GenerationStats total = stats.total();  // drafts and acceptances over every sequence
   std::printf(
       "IDENTICAL: %zu prompts, %lld new tokens; greedy one at a time %.1f tok/s, speculative batch "
       "%.1f tok/s, acceptance %.3f (%lld/%lld)%s\n",
       prompts.size(), static_cast<long long>(tokens),
       greedy_seconds > 0 ? static_cast<double>(tokens) / greedy_seconds : 0.0, stats.tokens_per_second(),
-      total.acceptance_rate(), static_cast<long long>(total.accepted), static_cast<long long>(total.drafted),
-      acceptance_by_position(total).c_str());
+      stats.acceptance_rate(), static_cast<long long>(stats.accepted), static_cast<long long>(stats.drafted),
+      acceptance_by_position(stats).c_str());
   return 0;
 }
 

@@ -57,7 +57,7 @@ SeqId prefill_sequence(const Model& model, SequenceCache& cache, SeqId id, std::
 
 std::vector<std::vector<std::int32_t>> generate_batch(const Model& model,
                                                       std::span<const std::vector<std::int32_t>> prompts,
-                                                      const GenerationOptions& options, BatchGenerationStats* stats) {
+                                                      const GenerationOptions& options, GenerationStats* stats) {
   validate(options);
   if (prompts.empty()) throw InvalidArgument("generate_batch needs at least one prompt");
   for (const auto& prompt : prompts) check_prompt(prompt);
@@ -65,13 +65,13 @@ std::vector<std::vector<std::int32_t>> generate_batch(const Model& model,
   GenerationOptions quiet = options;
   quiet.on_token = nullptr;
   const std::size_t n = prompts.size();
-  BatchGenerationStats local;
+  GenerationStats local;
   // Sequence i samples as generate() with seed + i would (parallel samples of
   // one prompt differ).
   std::vector<std::mt19937_64> rngs;
   for (std::size_t i = 0; i < n; ++i) rngs.emplace_back(options.sampling.seed + i);
   std::vector<std::vector<std::int32_t>> out(n);
-  for (const auto& prompt : prompts) local.sequences.push_back(start_stats(prompt, options.sampling));
+  for (const auto& prompt : prompts) local.per_sequence.push_back(start_stats(prompt, options.sampling));
   SequenceCache cache = model.make_sequence_cache();
   std::vector<SeqId> ids;
   std::vector<std::vector<std::int32_t>> pending(prompts.begin(), prompts.end());
@@ -90,7 +90,7 @@ std::vector<std::vector<std::int32_t>> generate_batch(const Model& model,
         // All but the last prompt token through the prefix cache; the last
         // one joins the batch.
         ids[i] = prefill_sequence(model, cache, ids[i], std::span(pending[i]).first(pending[i].size() - 1),
-                                  *options.prefix_cache, -1, options.max_prefill_rows, local.sequences[i]);
+                                  *options.prefix_cache, -1, options.max_prefill_rows, local.per_sequence[i]);
         pending[i].erase(pending[i].begin(), pending[i].end() - 1);
       }
       active.push_back(i);
@@ -118,13 +118,13 @@ std::vector<std::vector<std::int32_t>> generate_batch(const Model& model,
     for (std::size_t k = 0; k < active.size(); ++k) {
       const std::size_t i = active[k];
       if (fed[k] < static_cast<std::int64_t>(pending[i].size())) {  // more of its prompt next time
-        if (fed[k] > 0) ++local.sequences[i].forwards;
+        if (fed[k] > 0) ++local.per_sequence[i].forwards;
         pending[i].erase(pending[i].begin(), pending[i].begin() + fed[k]);
         still.push_back(i);
         continue;
       }
       const std::int32_t token = pick(std::span<const float>(logits.data() + row++ * V, V), options.sampling, rngs[i]);
-      GenerationStats& s = local.sequences[i];
+      GenerationStats& s = local.per_sequence[i];
       ++s.forwards;
       if (emit(token, model, quiet, out[i], t0, s)) {
         pending[i].assign(1, token);
@@ -136,17 +136,11 @@ std::vector<std::vector<std::int32_t>> generate_batch(const Model& model,
     }
     active = std::move(still);
   }
-  for (std::size_t i = 0; i < n; ++i) {
-    local.sequences[i].new_tokens = static_cast<std::int64_t>(out[i].size());
-    local.new_tokens += local.sequences[i].new_tokens;
-  }
+  for (std::size_t i = 0; i < n; ++i) local.per_sequence[i].new_tokens = static_cast<std::int64_t>(out[i].size());
   local.seconds = seconds_since(t0);
+  local.sum_per_sequence();
   if (stats) *stats = std::move(local);
   return out;
 }
-
-// ---- draft sources -------------------------------------------------------------
-
-// ---- batch draft sources ---------------------------------------------------------
 
 }  // namespace rwd::runtime

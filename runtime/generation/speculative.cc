@@ -181,7 +181,7 @@ std::vector<std::int32_t> speculative_generate(const Model& target, DraftSource&
 std::vector<std::vector<std::int32_t>> speculative_generate_batch(const Model& target, BatchDraftSource& drafts,
                                                                   std::span<const std::vector<std::int32_t>> prompts,
                                                                   const GenerationOptions& options,
-                                                                  BatchGenerationStats* stats) {
+                                                                  GenerationStats* stats) {
   validate(options);
   if (prompts.empty()) throw InvalidArgument("speculative_generate_batch needs at least one prompt");
   for (const auto& prompt : prompts) check_prompt(prompt);
@@ -196,7 +196,7 @@ std::vector<std::vector<std::int32_t>> speculative_generate_batch(const Model& t
   SequenceCache cache = target.make_sequence_cache();
   std::vector<SeqId> ids(n);
   drafts.begin(prompts);
-  BatchGenerationStats local;
+  GenerationStats local;
   std::vector<float> logits;
   std::vector<SequenceTokens> batch;
   std::vector<std::vector<std::int32_t>> verify(n);
@@ -284,11 +284,11 @@ std::vector<std::vector<std::int32_t>> speculative_generate_batch(const Model& t
   for (std::size_t i = 0; i < n; ++i) {
     SpecSequence& s = seqs[i];
     s.stats.new_tokens = static_cast<std::int64_t>(s.out.size());
-    local.new_tokens += s.stats.new_tokens;
-    local.sequences.push_back(s.stats);
+    local.per_sequence.push_back(s.stats);
   }
   local.seconds = seconds_since(t0);
   local.draft_cache_seconds = drafts.cache_seconds();
+  local.sum_per_sequence();
   std::vector<std::vector<std::int32_t>> out;
   for (auto& s : seqs) out.push_back(std::move(s.out));
   if (stats) *stats = std::move(local);

@@ -13,8 +13,9 @@ using namespace generation;
 
 namespace {
 
-// The one serializer of a GenerationStats: a single call's --stats line and
-// each entry of a batch's per_sequence list have these keys.
+// The one serializer of a GenerationStats' counts: a single call's --stats
+// line, a batch's line and each entry of its per_sequence list have these
+// keys.
 nlohmann::json stats_object(const GenerationStats& s) {
   nlohmann::json j;
   j["new_tokens"] = s.new_tokens;
@@ -44,12 +45,45 @@ nlohmann::json stats_object(const GenerationStats& s) {
 
 }  // namespace
 
-std::string GenerationStats::to_json() const { return stats_object(*this).dump(); }
+void GenerationStats::sum_per_sequence() {
+  new_tokens = prompt_tokens = rounds = drafted = accepted = rollbacks = prefix_hit_tokens = 0;
+  drafted_at.clear();
+  accepted_at.clear();
+  time_to_first_token = 0.0;
+  cache_seconds = draft_cache_seconds;
+  peak_cache_bytes = 0;
+  if (!per_sequence.empty()) {
+    seed = per_sequence.front().seed;
+    threads = per_sequence.front().threads;
+  }
+  for (const GenerationStats& s : per_sequence) {
+    new_tokens += s.new_tokens;
+    prompt_tokens += s.prompt_tokens;
+    if (s.new_tokens > 0) time_to_first_token = std::max(time_to_first_token, s.time_to_first_token);
+    rounds += s.rounds;
+    drafted += s.drafted;
+    accepted += s.accepted;
+    drafted_at.resize(std::max(drafted_at.size(), s.drafted_at.size()), 0);
+    accepted_at.resize(drafted_at.size(), 0);
+    for (std::size_t i = 0; i < s.drafted_at.size(); ++i) {
+      drafted_at[i] += s.drafted_at[i];
+      accepted_at[i] += s.accepted_at[i];
+    }
+    rollbacks += s.rollbacks;
+    cache_seconds += s.cache_seconds;
+    peak_cache_bytes = std::max(peak_cache_bytes, s.peak_cache_bytes);
+    prefix_hit_tokens += s.prefix_hit_tokens;
+  }
+}
 
-double BatchGenerationStats::decode_tokens_per_second() const {
+double GenerationStats::decode_tokens_per_second() const {
+  if (!batched()) {
+    const double t = seconds - time_to_first_token;
+    return new_tokens > 1 && t > 0 ? static_cast<double>(new_tokens - 1) / t : 0.0;
+  }
   double last_first = 0.0;
   std::int64_t after_first = 0;
-  for (const GenerationStats& s : sequences) {
+  for (const GenerationStats& s : per_sequence) {
     if (s.new_tokens < 1) continue;
     last_first = std::max(last_first, s.time_to_first_token);
     after_first += s.new_tokens - 1;
@@ -58,49 +92,19 @@ double BatchGenerationStats::decode_tokens_per_second() const {
   return after_first > 0 && t > 0 ? static_cast<double>(after_first) / t : 0.0;
 }
 
-GenerationStats BatchGenerationStats::total() const {
-  GenerationStats t;
-  if (!sequences.empty()) {
-    t.seed = sequences.front().seed;
-    t.threads = sequences.front().threads;
-  }
-  for (const GenerationStats& s : sequences) {
-    t.prompt_tokens += s.prompt_tokens;
-    if (s.new_tokens > 0) t.time_to_first_token = std::max(t.time_to_first_token, s.time_to_first_token);
-    t.rounds += s.rounds;
-    t.drafted += s.drafted;
-    t.accepted += s.accepted;
-    t.drafted_at.resize(std::max(t.drafted_at.size(), s.drafted_at.size()), 0);
-    t.accepted_at.resize(t.drafted_at.size(), 0);
-    for (std::size_t i = 0; i < s.drafted_at.size(); ++i) {
-      t.drafted_at[i] += s.drafted_at[i];
-      t.accepted_at[i] += s.accepted_at[i];
-    }
-    t.rollbacks += s.rollbacks;
-    t.cache_seconds += s.cache_seconds;
-    t.peak_cache_bytes = std::max(t.peak_cache_bytes, s.peak_cache_bytes);
-    t.prefix_hit_tokens += s.prefix_hit_tokens;
-  }
-  t.cache_seconds += draft_cache_seconds;
-  t.new_tokens = new_tokens;
-  t.forwards = forwards;
-  t.seconds = seconds;
-  return t;
-}
-
-std::string BatchGenerationStats::to_json() const {
-  nlohmann::json j = stats_object(total());
-  j["decode_tokens_per_second"] = decode_tokens_per_second();
-  nlohmann::json ttft = nlohmann::json::array(), per_sequence = nlohmann::json::array();
-  for (const GenerationStats& s : sequences) {
+std::string GenerationStats::to_json() const {
+  nlohmann::json j = stats_object(*this);
+  if (!batched()) return j.dump();
+  nlohmann::json ttft = nlohmann::json::array(), each = nlohmann::json::array();
+  for (const GenerationStats& s : per_sequence) {
     ttft.push_back(s.time_to_first_token);
-    per_sequence.push_back(stats_object(s));
+    each.push_back(stats_object(s));
   }
   j["time_to_first_token_s"] = ttft;
-  j["sequences"] = sequences.size();
+  j["sequences"] = per_sequence.size();
   j["max_batch"] = max_batch;
   j["peak_batch"] = peak_batch;
-  j["per_sequence"] = per_sequence;
+  j["per_sequence"] = each;
   return j.dump();
 }
 

@@ -217,7 +217,7 @@ TEST(GenerateBatch, EverySequenceEqualsGenerateAlone) {
       options.stop_at_eos = false;
       options.sampling.temperature = temperature;
       options.sampling.seed = 5;
-      BatchGenerationStats stats;
+      GenerationStats stats;
       const auto batched = generate_batch(model, prompts, options, &stats);
       ASSERT_EQ(batched.size(), prompts.size());
       std::int64_t total = 0;
@@ -241,7 +241,7 @@ TEST(GenerateBatch, EverySequenceEqualsGenerateAlone) {
     options.max_batch = max_batch;
     options.sampling.temperature = 0.7f;
     options.sampling.seed = 3;
-    BatchGenerationStats stats;
+    GenerationStats stats;
     const auto joined = generate_batch(model, prompts, options, &stats);
     for (std::size_t i = 0; i < prompts.size(); ++i) {
       GenerationOptions alone = options;
@@ -287,7 +287,7 @@ TEST(GenerateBatch, PromptsGoInPiecesOfAtMostMaxPrefillRows) {
     const auto P = static_cast<std::int64_t>(prompts[4].size());
     EXPECT_EQ(one.forwards, (P + rows - 1) / rows + plain.max_new_tokens - 1) << rows;
 
-    BatchGenerationStats stats;
+    GenerationStats stats;
     const auto batched = generate_batch(model, prompts, options, &stats);
     std::int64_t prompt_tokens = 0;
     for (std::size_t i = 0; i < prompts.size(); ++i) {
@@ -531,7 +531,7 @@ TEST(SpeculativeBatch, EverySequenceEqualsItsSoloDecoding) {
             for (std::size_t i = 0; i < batch_size; ++i) each.push_back(make());
             drafts = std::make_unique<PerSequenceDrafts>(std::move(each));
           }
-          BatchGenerationStats stats;
+          GenerationStats stats;
           const auto batched = speculative_generate_batch(target, *drafts, prompts, with_chain(options, {K, false}),
                                                           &stats);
           const std::string what = "seed " + std::to_string(seed) + ", batch " + std::to_string(batch_size) +
@@ -540,13 +540,13 @@ TEST(SpeculativeBatch, EverySequenceEqualsItsSoloDecoding) {
           std::int64_t drafted = 0;
           for (std::size_t i = 0; i < batch_size; ++i) {
             EXPECT_EQ(batched[i], generate(target, prompts[i], options)) << what << ", sequence " << i;
-            drafted += stats.sequences[i].drafted;
+            drafted += stats.per_sequence[i].drafted;
           }
           if (source != 1) {  // lookup may find nothing
             EXPECT_GT(drafted, 0) << what;
           }
           if (source == 3 || source == 5) {  // a perfect draft is always accepted
-            for (const auto& s : stats.sequences) EXPECT_EQ(s.accepted, s.drafted) << what;
+            for (const auto& s : stats.per_sequence) EXPECT_EQ(s.accepted, s.drafted) << what;
           }
         }
       }
@@ -680,7 +680,7 @@ TEST(DecodeBenchBatch, BatchRowsAreMeasuredAndCheckedAgainstGreedy) {
   EXPECT_THROW(run_decode_bench(target, &draft, options), InvalidArgument);
 }
 
-// BatchGenerationStats::max_batch is the bound admission applied (the
+// GenerationStats::max_batch is the bound admission applied (the
 // prompts' number for 0 or a larger max_batch) and peak_batch the most
 // sequences one forward held, for plain and speculative batches alike; both
 // are in to_json. decode_seconds, when set, replaces the time after the last
@@ -697,13 +697,13 @@ TEST(GenerateBatch, StatsReportTheBatchBoundAndTheLargestBatch) {
     options.max_new_tokens = 4;
     options.stop_at_eos = false;
     options.max_batch = c.max_batch;
-    BatchGenerationStats plain, spec;
+    GenerationStats plain, spec;
     generate_batch(model, prompts, options, &plain);
     std::vector<std::unique_ptr<DraftSource>> each;
     for (std::size_t i = 0; i < prompts.size(); ++i) each.push_back(std::make_unique<LookupDraft>(2));
     PerSequenceDrafts drafts(std::move(each));
     speculative_generate_batch(model, drafts, prompts, with_chain(options, {3, false}), &spec);
-    for (const BatchGenerationStats* s : {&plain, &spec}) {
+    for (const GenerationStats* s : {&plain, &spec}) {
       EXPECT_EQ(s->max_batch, c.bound) << "max_batch " << c.max_batch;
       EXPECT_EQ(s->peak_batch, c.peak) << "max_batch " << c.max_batch;
       const std::string json = s->to_json();
@@ -713,21 +713,45 @@ TEST(GenerateBatch, StatsReportTheBatchBoundAndTheLargestBatch) {
   }
   GenerationOptions none;
   none.max_new_tokens = 0;  // nothing decodes: no forward held a sequence
-  BatchGenerationStats idle;
+  GenerationStats idle;
   generate_batch(model, prompts, none, &idle);
   EXPECT_EQ(idle.peak_batch, 0);
 
-  BatchGenerationStats joined;
+  GenerationStats joined;
   joined.seconds = 10.0;
   GenerationStats a, b;
   a.new_tokens = 5;
   a.time_to_first_token = 1.0;
   b.new_tokens = 3;
   b.time_to_first_token = 6.0;
-  joined.sequences = {a, b};
+  joined.per_sequence = {a, b};
   EXPECT_DOUBLE_EQ(joined.decode_tokens_per_second(), 6.0 / 4.0);  // (4 + 2) tokens after 6 s
   joined.decode_seconds = 3.0;
   EXPECT_DOUBLE_EQ(joined.decode_tokens_per_second(), 6.0 / 3.0);
+  // sum_per_sequence: the counts summed, the draft's cache time included,
+  // the last first token's time, forwards and seconds left as set.
+  a.prompt_tokens = 2;
+  a.cache_seconds = 0.25;
+  a.drafted_at = {3, 1};
+  a.accepted_at = {2, 0};
+  b.prompt_tokens = 7;
+  b.cache_seconds = 0.5;
+  b.drafted_at = {4};
+  b.accepted_at = {4};
+  b.peak_cache_bytes = 100;
+  joined.per_sequence = {a, b};
+  joined.forwards = 9;
+  joined.draft_cache_seconds = 1.0;
+  joined.sum_per_sequence();
+  EXPECT_EQ(joined.new_tokens, 8);
+  EXPECT_EQ(joined.prompt_tokens, 9);
+  EXPECT_DOUBLE_EQ(joined.cache_seconds, 1.75);
+  EXPECT_DOUBLE_EQ(joined.time_to_first_token, 6.0);
+  EXPECT_EQ(joined.drafted_at, (std::vector<std::int64_t>{7, 1}));
+  EXPECT_EQ(joined.accepted_at, (std::vector<std::int64_t>{6, 0}));
+  EXPECT_EQ(joined.peak_cache_bytes, 100u);
+  EXPECT_EQ(joined.forwards, 9);
+  EXPECT_DOUBLE_EQ(joined.seconds, 10.0);
 }
 
 }  // namespace

@@ -342,16 +342,16 @@ TEST(AcceptanceByPosition, ScriptedMistakeStopsEveryRoundThere) {
   const auto other = prompt_tokens(m, "x");
   sources.push_back(std::make_unique<ScriptedDraft>(generate(m, other, options), other.size(), 1));
   PerSequenceDrafts drafts(std::move(sources));
-  BatchGenerationStats batch;
+  GenerationStats batch;
   const std::vector<std::vector<std::int32_t>> prompts = {prompt, other};
   speculative_generate_batch(m, drafts, prompts, with_chain(options, {4, false}), &batch);
-  EXPECT_EQ(batch.sequences[0].drafted_at, stats.drafted_at);
-  EXPECT_EQ(batch.sequences[0].accepted_at, stats.accepted_at);
+  EXPECT_EQ(batch.per_sequence[0].drafted_at, stats.drafted_at);
+  EXPECT_EQ(batch.per_sequence[0].accepted_at, stats.accepted_at);
   // Position 1 always wrong: rounds accept 1 token and emit 2. 13 rounds of
   // K = 4 (26 tokens), one of 3 drafts (the budget of 4 leaves room for 3),
   // then one of 1 draft, right: 15 rounds.
-  EXPECT_EQ(batch.sequences[1].drafted_at, (std::vector<std::int64_t>{15, 14, 14, 13}));
-  EXPECT_EQ(batch.sequences[1].accepted_at, (std::vector<std::int64_t>{15, 0, 0, 0}));
+  EXPECT_EQ(batch.per_sequence[1].drafted_at, (std::vector<std::int64_t>{15, 14, 14, 13}));
+  EXPECT_EQ(batch.per_sequence[1].accepted_at, (std::vector<std::int64_t>{15, 0, 0, 0}));
   // One serializer: each per_sequence entry is that sequence's own JSON line,
   // with the keys (and drafted_at) of a single call's.
   const nlohmann::json single = nlohmann::json::parse(stats.to_json());
@@ -359,7 +359,7 @@ TEST(AcceptanceByPosition, ScriptedMistakeStopsEveryRoundThere) {
   ASSERT_EQ(batched.at("per_sequence").size(), 2u);
   for (std::size_t i = 0; i < 2; ++i) {
     const nlohmann::json& entry = batched.at("per_sequence")[i];
-    EXPECT_EQ(entry, nlohmann::json::parse(batch.sequences[i].to_json())) << i;
+    EXPECT_EQ(entry, nlohmann::json::parse(batch.per_sequence[i].to_json())) << i;
     std::vector<std::string> keys, want;
     for (const auto& [key, value] : entry.items()) keys.push_back(key);
     for (const auto& [key, value] : single.items()) want.push_back(key);
@@ -369,11 +369,13 @@ TEST(AcceptanceByPosition, ScriptedMistakeStopsEveryRoundThere) {
   // The batch's own line has every key of a single call's, over the batch:
   // sums of the two sequences' counts (computed here from the figures above).
   for (const auto& [key, value] : single.items()) EXPECT_TRUE(batched.contains(key)) << key;
-  const GenerationStats total = batch.total();
-  EXPECT_EQ(total.drafted, batch.sequences[0].drafted + batch.sequences[1].drafted);
-  EXPECT_EQ(total.accepted_at, (std::vector<std::int64_t>{10 + 15, 10 + 0, 0 + 0, 0 + 0}));
-  EXPECT_EQ(total.drafted_at, (std::vector<std::int64_t>{10 + 15, 10 + 14, 9 + 14, 9 + 13}));
-  EXPECT_EQ(batched.at("drafted_at"), nlohmann::json(total.drafted_at));
+  EXPECT_TRUE(batch.batched());
+  EXPECT_FALSE(stats.batched());
+  EXPECT_EQ(batch.drafted, batch.per_sequence[0].drafted + batch.per_sequence[1].drafted);
+  EXPECT_EQ(batch.new_tokens, batch.per_sequence[0].new_tokens + batch.per_sequence[1].new_tokens);
+  EXPECT_EQ(batch.accepted_at, (std::vector<std::int64_t>{10 + 15, 10 + 0, 0 + 0, 0 + 0}));
+  EXPECT_EQ(batch.drafted_at, (std::vector<std::int64_t>{10 + 15, 10 + 14, 9 + 14, 9 + 13}));
+  EXPECT_EQ(batched.at("drafted_at"), nlohmann::json(batch.drafted_at));
   EXPECT_EQ(batched.at("sequences"), 2);
 }
 

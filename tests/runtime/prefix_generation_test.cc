@@ -116,20 +116,20 @@ TEST(PrefixGeneration, BatchedDecodingReusesPrefixesPerSequence) {
   const std::vector<std::vector<std::int32_t>> prompts = {prompt_of(70, 4), prompt_of(33, 5), prompt_of(1, 6)};
   const auto want = generate_batch(model, prompts, plain);
   for (int run = 0; run < 2; ++run) {
-    BatchGenerationStats s;
+    GenerationStats s;
     EXPECT_EQ(generate_batch(model, prompts, cached, &s), want) << "run " << run;
-    EXPECT_EQ(s.sequences[0].prefix_hit_tokens, run == 0 ? 0 : 69);
-    EXPECT_EQ(s.sequences[1].prefix_hit_tokens, run == 0 ? 0 : 32);
-    EXPECT_EQ(s.sequences[2].prefix_hit_tokens, 0);  // BOS alone: nothing to prefill
+    EXPECT_EQ(s.per_sequence[0].prefix_hit_tokens, run == 0 ? 0 : 69);
+    EXPECT_EQ(s.per_sequence[1].prefix_hit_tokens, run == 0 ? 0 : 32);
+    EXPECT_EQ(s.per_sequence[2].prefix_hit_tokens, 0);  // BOS alone: nothing to prefill
     PerSequenceDrafts drafts([] {
       std::vector<std::unique_ptr<DraftSource>> v;
       for (int i = 0; i < 3; ++i) v.push_back(std::make_unique<LookupDraft>(2));
       return v;
     }());
-    BatchGenerationStats ss;
+    GenerationStats ss;
     EXPECT_EQ(speculative_generate_batch(model, drafts, prompts, with_chain(cached, {3, false}), &ss), want)
         << "run " << run;
-    EXPECT_EQ(ss.sequences[0].prefix_hit_tokens, 69);  // the batched greedy run stored [0, 69)
+    EXPECT_EQ(ss.per_sequence[0].prefix_hit_tokens, 69);  // the batched greedy run stored [0, 69)
   }
   // A solo run of prompt 0 finds the batched run's entry at P - 1.
   GenerationStats solo;

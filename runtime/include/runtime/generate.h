@@ -148,18 +148,49 @@ struct GenerationStats {
   std::int64_t prefix_hit_tokens = 0;  // prompt tokens restored from the prefix cache
   std::optional<std::uint64_t> seed;   // the sampling seed; empty for greedy decoding
   int threads = 1;                     // OpenMP threads the forwards could use
+
+  // ---- batched calls (generate_batch, speculative_generate_batch) --------
+  // Each sequence's own statistics in prompt order, seconds counted from
+  // the start of the call; empty for a call of one sequence. When it is not
+  // empty (batched()), the fields above are the batch's: forwards are
+  // batched forwards and seconds the call's wall time (set by the call);
+  // the rest is what sum_per_sequence() gives.
+  std::vector<GenerationStats> per_sequence;
+  // The most sequences allowed to decode at once (options.max_batch capped
+  // by the number of prompts; that number for 0), and the most one forward
+  // held (prefilling ones included; 0 when nothing decoded).
+  std::int64_t max_batch = 0;
+  std::int64_t peak_batch = 0;
+  // Time in the draft source's cache calls (speculative), counted in
+  // cache_seconds by sum_per_sequence().
+  double draft_cache_seconds = 0.0;
+  // Set by a caller that joins several calls' statistics (the CLI's
+  // --prompts groups): the sum of each call's time after its last first
+  // token. Empty: seconds minus the last first token's time.
+  std::optional<double> decode_seconds;
+
+  bool batched() const { return !per_sequence.empty(); }
+  // Sets the batch's counts from per_sequence: new and prompt tokens,
+  // drafts and acceptances (per position too), rounds, rollbacks and prefix
+  // hits summed; cache_seconds summed plus draft_cache_seconds;
+  // time_to_first_token when the last sequence's first token came (0 when
+  // none); peak_cache_bytes the largest sequence's; sequence 0's seed and
+  // threads. forwards, seconds and the batch fields are left as they are.
+  void sum_per_sequence();
+
   // End to end: new tokens / seconds, the prompt's prefill included (so a
-  // long prompt lowers it however fast decoding is).
+  // long prompt lowers it however fast decoding is). For a batch, every
+  // sequence's tokens over the call's time.
   double tokens_per_second() const { return seconds > 0 ? static_cast<double>(new_tokens) / seconds : 0.0; }
   // Decoding alone: the tokens after the first over the time after the
   // first, (new_tokens - 1) / (seconds - time_to_first_token), as inference
   // servers define the time per output token. Speculative decoding's first
   // round may emit several tokens at once; those after the first count
-  // here. 0 with fewer than 2 new tokens.
-  double decode_tokens_per_second() const {
-    const double t = seconds - time_to_first_token;
-    return new_tokens > 1 && t > 0 ? static_cast<double>(new_tokens - 1) / t : 0.0;
-  }
+  // here. 0 with fewer than 2 new tokens. For a batch: every sequence's
+  // tokens after its first, over the time after the last sequence's first
+  // token (from then on every sequence decodes), or over decode_seconds
+  // when set.
+  double decode_tokens_per_second() const;
   double acceptance_rate() const {
     return drafted > 0 ? static_cast<double>(accepted) / static_cast<double>(drafted) : 0.0;
   }
@@ -170,11 +201,13 @@ struct GenerationStats {
                ? static_cast<double>(accepted_at[i]) / static_cast<double>(drafted_at[i])
                : 0.0;
   }
-  // One JSON object on one line: every field above plus tokens_per_second,
-  // decode_tokens_per_second, acceptance_rate and acceptance_at (the list
-  // of acceptance_at(i)); "seed" is null for greedy decoding. The one
-  // serializer: each entry of BatchGenerationStats' per_sequence has the
-  // same keys, and time_to_first_token is "time_to_first_token_s".
+  // One JSON object on one line: every field of a single call plus
+  // tokens_per_second, decode_tokens_per_second, acceptance_rate and
+  // acceptance_at (the list of acceptance_at(i)); "seed" is null for greedy
+  // decoding; time_to_first_token is "time_to_first_token_s". A batch adds
+  // sequences (their number), max_batch, peak_batch and per_sequence (each
+  // sequence's object, same keys), and its time_to_first_token_s is the
+  // list of every sequence's.
   std::string to_json() const;
 };
 
@@ -211,47 +244,6 @@ std::vector<std::int32_t> continue_generation(const Model& model, Cache& cache, 
 std::vector<std::int32_t> generate(const Model& model, std::span<const std::int32_t> prompt,
                                    const GenerationOptions& options, GenerationStats* stats = nullptr);
 
-// What generate_batch measured: per sequence (GenerationStats, seconds
-// counted from the start of the call) and for the whole batch.
-struct BatchGenerationStats {
-  std::vector<GenerationStats> sequences;  // in prompt order
-  std::int64_t new_tokens = 0;             // over every sequence
-  std::int64_t forwards = 0;               // batched forwards
-  // The most sequences allowed to decode at once (options.max_batch capped
-  // by the number of prompts; that number for 0), and the most one forward
-  // held (prefilling ones included; 0 when nothing decoded).
-  std::int64_t max_batch = 0;
-  std::int64_t peak_batch = 0;
-  double seconds = 0.0;              // wall time of the call
-  double draft_cache_seconds = 0.0;  // time in the draft source's cache calls (speculative)
-  // Aggregate: every sequence's new tokens over the call's wall time
-  // (prefill included: 16 prompts' prefill is 16 prompts' work however they
-  // are batched).
-  double tokens_per_second() const { return seconds > 0 ? static_cast<double>(new_tokens) / seconds : 0.0; }
-  // Decoding alone, as GenerationStats::decode_tokens_per_second for one
-  // sequence: every sequence's tokens after its first, over the time after
-  // the last sequence's first token (from then on every sequence decodes),
-  // or over decode_seconds when set. 0 when no time or no such token is left.
-  double decode_tokens_per_second() const;
-  // Set by a caller that joins several calls' statistics (the CLI's
-  // --prompts groups): the sum of each call's time after its last first
-  // token. Empty: seconds minus the last first token's time.
-  std::optional<double> decode_seconds;
-  // The batch as one GenerationStats: every sequence's counts summed
-  // (tokens, drafts and acceptances, per position too, rounds, rollbacks,
-  // prefix hits, cache time plus draft_cache_seconds), the call's seconds
-  // and batched forwards, time_to_first_token when the last sequence's first
-  // token came (0 when none), the cache bytes of the largest sequence, and
-  // sequence 0's seed and threads. Its decode_tokens_per_second() is one
-  // sequence's formula; the batch's own is decode_tokens_per_second() above.
-  GenerationStats total() const;
-  // One line: total()'s GenerationStats::to_json keys, with the batch's
-  // decode_tokens_per_second and time_to_first_token_s as the list of every
-  // sequence's; plus sequences (their number), max_batch, peak_batch and
-  // per_sequence (each sequence's GenerationStats::to_json object).
-  std::string to_json() const;
-};
-
 // Plain decoding of many prompts in one SequenceCache: the prompts in one
 // batched forward, then each round one forward of every unfinished
 // sequence's pending token; a sequence leaves the batch when it stops (EOS,
@@ -264,7 +256,7 @@ struct BatchGenerationStats {
 std::vector<std::vector<std::int32_t>> generate_batch(const Model& model,
                                                       std::span<const std::vector<std::int32_t>> prompts,
                                                       const GenerationOptions& options,
-                                                      BatchGenerationStats* stats = nullptr);
+                                                      GenerationStats* stats = nullptr);
 
 // {"index": i, "text": text} as one JSON line (no newline); bytes that are
 // not UTF-8 become U+FFFD.
@@ -518,6 +510,6 @@ class BatchedModelDraft : public BatchDraftSource {
 std::vector<std::vector<std::int32_t>> speculative_generate_batch(const Model& target, BatchDraftSource& drafts,
                                                                   std::span<const std::vector<std::int32_t>> prompts,
                                                                   const GenerationOptions& options,
-                                                                  BatchGenerationStats* stats = nullptr);
+                                                                  GenerationStats* stats = nullptr);
 
 }  // namespace rwd::runtime
