@@ -409,22 +409,14 @@ void def_layer_updates(LayerClass& c) {
           },
           py::arg("new_state"), py::arg("state") = 0)
       .def(
-          "write_final_recurrent_state",
+          "update_recurrent_state_final",
           [](PyLayer& l, py::object final_state, std::int64_t q, int state) {
-            rwd::TensorView src = input_view(final_state, "recurrent_states");
-            rwd::RecurrentUpdate u = l.guarded([&] { return l.layer().begin_recurrent_update(q, state); });
-            rwd::TensorView last = u.next(q);
-            rwd::copy_tensor(src, last);
-            // The states between are unknown: every slot gets the final one so
-            // that nothing uninitialised is ever read; the Python layer refuses
-            // crops that would land on them.
-            for (std::int64_t t = 1; t < q; ++t) {
-              rwd::TensorView slot = u.next(t);
-              if (slot.data != last.data) rwd::copy_tensor(src, slot);
-            }
-            l.guarded([&] { u.commit(); });
+            rwd::TensorView in = input_view(final_state, "recurrent_states");
+            l.guarded([&] { l.layer().update_recurrent_state_final(in, q, state); });
           },
-          py::arg("final_state"), py::arg("q"), py::arg("state") = 0)
+          py::arg("final_state"), py::arg("q"), py::arg("state") = 0,
+          "rwd::Layer::update_recurrent_state_final: q tokens given only the state after the last; crops into "
+          "them raise RollbackError.")
       .def(
           "get_recurrent_state", [](const PyLayer& l, int s) { return l.out(l.layer().get_recurrent_state(s)); },
           py::arg("state") = 0)

@@ -95,6 +95,9 @@ class Cache {
   TensorView update_conv_state(const TensorView& x, int layer_idx, int state = 0);
   RecurrentUpdate begin_recurrent_update(std::int64_t q, int layer_idx, int state = 0);
   void update_recurrent_state(const TensorView& new_state, int layer_idx, int state = 0);
+  // Layer::update_recurrent_state_final on `layer_idx`: q tokens given only
+  // the state after the last; crops into them throw RollbackError.
+  void update_recurrent_state_final(const TensorView& final_state, std::int64_t q, int layer_idx, int state = 0);
   TensorView get_recurrent_state(int layer_idx, int state = 0) const;
   TensorView get_conv_state(int layer_idx, int state = 0) const;
   // For `layer_idx`, or (default) the last linear layer. Throws StateError

@@ -259,6 +259,21 @@ class Layer {
   // Throws InvalidArgument for a shape or dtype mismatch, and what
   // begin_recurrent_update(1) throws.
   void update_recurrent_state(const TensorView& new_state, int state = 0);
+  // Advances recurrent state `state` by q tokens given only final_state
+  // [B, shape...], the state after the last of them: transformers' Gated
+  // DeltaNet calls update_recurrent_state so after a multi-token forward.
+  // S(L+1)..S(L+q-1) were never received, so no crop may land on them:
+  // until a rollback below L+1 removes them (or a reset, or a full
+  // rollback), crop(n) whose landing length lies in [L+1, L+q-1] throws
+  // RollbackError ("... never received ...") and changes nothing, and
+  // max_rollback() is at most the tokens appended after this update
+  // (0 right after it). Crops that land at L + q or later, at 0, or at L
+  // or below where the history holds it, stay exact. A second such update
+  // while the first's placeholders are still held widens the refused range
+  // to cover both. q == 1 is update_recurrent_state. Throws InvalidArgument
+  // for a shape or dtype mismatch, and what begin_recurrent_update(q)
+  // throws; nothing changes then. final_state may be a view of this layer.
+  void update_recurrent_state_final(const TensorView& final_state, std::int64_t q, int state = 0);
   // S(L): [B, shape...] (zeros when L = 0).
   TensorView get_recurrent_state(int state = 0) const;
   // S(pos) for a snapshot still held, pos in [L - held + 1, L]; throws
@@ -277,8 +292,10 @@ class Layer {
   void crop(std::int64_t n);
   // Throws exactly what crop(n) would throw, changes nothing.
   void check_crop(std::int64_t n) const;
-  // Largest k for which crop(-k) is exact now; L means any k. 0 for a part
-  // that cannot roll back (not recording).
+  // Largest k such that crop(-j) is exact now for every 1 <= j <= k; L
+  // means any k. 0 for a part that cannot roll back (not recording). After
+  // update_recurrent_state_final a deeper crop may still be exact (see
+  // there); check_crop says.
   std::int64_t max_rollback() const;
   // Keeps enough history to remove up to R tokens exactly. Can be called
   // again to change R (a smaller R drops history now). Throws

@@ -19,10 +19,12 @@ recording, batch operations, reset) is one call of rewind's C++ ``Cache``
 over those parts (``_rw._Cache``): it checks every part of every layer before
 it changes any, and its errors are the C++ ones. What stays here is what the
 C++ layers cannot know: parts not created yet, transformers' own messages
-for them, recurrent states given only after a whole multi-token forward, and
-how ``conv_states`` shows its inputs. Results are views of rewind's storage
-(no copy): they stay valid until the next call that changes the same layer;
-a stale view can be read (it may show replaced values) but never dangles.
+for them, and how ``conv_states`` shows its inputs. A recurrent state given
+only after a whole multi-token forward goes to the C++
+``update_recurrent_state_final``, which refuses crops into that forward
+itself. Results are views of rewind's storage (no copy): they stay valid
+until the next call that changes the same layer; a stale view can be read
+(it may show replaced values) but never dangles.
 """
 
 from __future__ import annotations
@@ -40,10 +42,6 @@ DEFAULT_MAX_ROLLBACK = 32
 _NOT_RECORDING = (
     "`crop` was called, but the current layer does not track past states. Call `activate_past_recording` "
     "before `crop` to be able to rollback the cache."
-)
-_SLIDING_NOT_RECORDING = (
-    "`crop` was called, but the current layer does not track past states, and the sliding window size was already "
-    "reached. Call `activate_past_recording` before `crop` to be able to rollback the cache."
 )
 _LINEAR_POSITIVE = (
     "Linear attention layers can only be cropped by passing a negative int, to specify how many tokens to remove"
@@ -161,10 +159,6 @@ class _RewindLayerBase:
         # Per conv state, while recording: the columns transformers' conv_states would show (its recorded inputs
         # since the last crop); absent means K (conv_states property).
         self._conv_shown: dict[int, int] = {}
-        # Per recurrent state: the first position p >= 1 from which S(p)..S(L)
-        # were all given to the cache (0: all of them). A crop that would land
-        # before it is refused: the state there is unknown.
-        self._rec_exact_from: dict[int, int] = {}
         self._recording: int | None = None
         self._index = -1
         # Bytes of this layer's buffers; counted in its cache's budget too.
@@ -293,9 +287,7 @@ class _RewindLayerBase:
     # ---- rollback ----
     def _check_crop_here(self, n: int) -> None:
         """What only this module can refuse in crop(n), before the C++ cache checks the parts: a lazy part that
-        does not exist yet (transformers' messages for a layer without state), a sliding layer past its window
-        without recording (transformers >= 5.15 names the missing recording first), and a crop into a multi-token
-        forward whose recurrent states were given only as the final one."""
+        does not exist yet (transformers' messages for a layer without state)."""
         parts = self._parts()
         if not parts:
             if self._linear and self._recording is None:
@@ -303,20 +295,6 @@ class _RewindLayerBase:
             if self._linear and n > 0:
                 raise _rw.RollbackError(f"{_LINEAR_POSITIVE} {self._where(n)}")
             return
-        if (self._attention == "sliding" and not self._linear and self._recording is None
-                and self.get_seq_length() >= int(self._sliding_window)):
-            raise _rw.RollbackError(f"{_SLIDING_NOT_RECORDING} {self._where(n)}")
-        L = self.get_seq_length()
-        if n < 0:
-            target = L + n
-            for i, exact_from in self._rec_exact_from.items():
-                if 0 < target < exact_from:
-                    raise _rw.RollbackError(
-                        f"crop({n}) would restore recurrent state {i} after {target} tokens, which the cache never "
-                        f"received: update_recurrent_state got only the final state of a multi-token update "
-                        f"(pass all_states=, or use begin_recurrent_update, to make such rollbacks exact); the "
-                        f"largest exact rollback is {L - exact_from} {self._where(n)}"
-                    )
 
     def check_crop(self, max_length: int) -> None:
         """Raises exactly what ``crop(max_length)`` would raise; changes nothing."""
@@ -332,30 +310,19 @@ class _RewindLayerBase:
             raise _rw.InvalidArgument("crop takes one argument: max_length (or tokens_to_remove)")
         n = int(max_length if max_length is not None else tokens_to_remove)
         self._check_crop_here(n)
-        before = self.get_seq_length()
         self._txn().crop(n)
-        self._after_crop(n, before)
+        self._after_crop(n)
 
-    def _after_crop(self, n: int, before: int) -> None:
-        """This module's bookkeeping once the C++ cache cropped the parts (from length ``before``)."""
-        if self._rec_exact_from and n < 0 and before + n <= 0:
-            self._rec_exact_from = {i: 0 for i in self._rec_exact_from}
+    def _after_crop(self, n: int) -> None:
+        """This module's bookkeeping once the C++ cache cropped the parts."""
         # transformers keeps the K columns before the removed ones (fewer when fewer precede them).
         for i, shown in list(self._conv_shown.items()):
             k = self.conv_kernel_size[i]
             self._conv_shown[i] = max(0, shown + n) - max(0, shown + n - k) if n < 0 else min(shown, k)
 
-    def _exact_bound(self) -> int | None:
-        """The deepest exact rollback the final-state-only recurrent updates allow (None: no such bound)."""
-        L = self.get_seq_length()
-        bounds = [L - e for e in self._rec_exact_from.values() if e > 0]
-        return min(bounds) if bounds else None
-
     def max_rollback(self) -> int:
-        """Largest k for which ``crop(-k)`` is exact now (the layer's length means any depth)."""
-        value = self._txn().max_rollback()
-        bound = self._exact_bound()
-        return value if bound is None else min(value, bound)
+        """Largest k such that every ``crop(-j)``, j <= k, is exact now (the layer's length means any depth)."""
+        return self._txn().max_rollback()
 
     def activate_past_recording(self, max_tokens: int | None = None) -> None:
         """Keeps enough history to remove up to ``max_tokens`` tokens exactly (default DEFAULT_MAX_ROLLBACK).
@@ -407,7 +374,6 @@ class _RewindLayerBase:
         self._after_reset()
 
     def _after_reset(self) -> None:
-        self._rec_exact_from = {i: 0 for i in self._rec_exact_from}
         self._conv_shown = {}
 
     def memory(self) -> dict:
@@ -500,14 +466,10 @@ class CacheLayerMixin(_RewindLayerBase):
         return tuple(self._kv.get_mask_sizes(q))
 
     def _kept(self) -> tuple[int, int]:
-        """Positions [first, end) of the minimal working state the attention part holds."""
+        """Positions [first, end) of the minimal working state the attention part holds: from the first key the
+        next token attends to (the C++ layer's kv_offset for one token)."""
         first, end = self._kv.stored_range()
-        L = end
-        if self._attention == "sliding":
-            first = max(first, L - (int(self._sliding_window) - 1))
-        elif self._attention == "chunked":
-            first = max(first, (L // int(self._chunk_size)) * int(self._chunk_size))
-        return first, end
+        return max(first, int(self._kv.get_mask_sizes(1)[1])), end
 
     @property
     def keys(self) -> Any:
@@ -663,7 +625,6 @@ class LinearAttentionCacheLayerMixin(_RewindLayerBase):
                 self.dtype = recurrent_states.dtype
                 self.device = getattr(recurrent_states, "device", None)
             self._recs[state_idx] = part
-            self._rec_exact_from[state_idx] = 0
         self.is_initialized = True
 
     def _check_state_idx(self, state_idx: int) -> None:
@@ -760,12 +721,7 @@ class LinearAttentionCacheLayerMixin(_RewindLayerBase):
             update.commit()
         else:
             q = int(num_tokens) if num_tokens is not None else self._pending_tokens(state_idx)
-            if q == 1:
-                part.update_recurrent_state(recurrent_states)
-            else:
-                start = part.get_seq_length()
-                part.write_final_recurrent_state(recurrent_states, q)
-                self._rec_exact_from[state_idx] = start + q
+            part.update_recurrent_state_final(recurrent_states, q)
         return part.get_recurrent_state()
 
     def begin_recurrent_update(self, num_tokens: int, state_idx: int = 0, like: Any = None) -> Any:
@@ -1217,16 +1173,13 @@ class Cache:
         n = int(max_length)
         for layer in self.layers:
             layer._check_crop_here(n)
-        before = [layer.get_seq_length() for layer in self.layers]
         self._txn().crop(n)
-        for layer, length in zip(self.layers, before):
-            layer._after_crop(n, length)
+        for layer in self.layers:
+            layer._after_crop(n)
 
     def max_rollback(self) -> int:
-        """Largest k for which ``crop(-k)`` is exact now, over every stateful layer (rewind)."""
-        value = self._txn().max_rollback()
-        bounds = [b for b in (layer._exact_bound() for layer in self.layers) if b is not None]
-        return min([value] + bounds)
+        """Largest k such that every ``crop(-j)``, j <= k, is exact now, over every stateful layer (rewind)."""
+        return self._txn().max_rollback()
 
     def activate_past_recording(self, max_tokens: int | None = None) -> None:
         """Every layer keeps enough history to remove up to ``max_tokens`` tokens exactly

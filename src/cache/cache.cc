@@ -175,6 +175,10 @@ void Cache::update_recurrent_state(const TensorView& new_state, int layer_idx, i
   mutable_layer(Cache::state(), layer_idx).update_recurrent_state(new_state, state);
 }
 
+void Cache::update_recurrent_state_final(const TensorView& final_state, std::int64_t q, int layer_idx, int state) {
+  mutable_layer(Cache::state(), layer_idx).update_recurrent_state_final(final_state, q, state);
+}
+
 TensorView Cache::get_recurrent_state(int layer_idx, int state) const {
   return layer(layer_idx).get_recurrent_state(state);
 }

@@ -206,7 +206,7 @@ namespace {
 bool is_sliding(const Layer::Impl& l) { return l.attention && l.keys.rule.kind == RetentionRule::Kind::Sliding; }
 }  // namespace
 
-std::int64_t Layer::Impl::max_rollback() const {
+std::int64_t Layer::Impl::max_rollback(bool received_only) const {
   if (stateless()) return 0;
   const std::int64_t L = length();
   if (!recording && linear()) return 0;
@@ -217,7 +217,7 @@ std::int64_t Layer::Impl::max_rollback() const {
       depth = std::min(depth, s.rule.max_rollback(s.buffer.first(), s.buffer.end(), recording));
   }
   for (const auto& c : convs) depth = std::min(depth, c.rule.max_rollback(c.buffer));
-  for (const auto& r : recurrents) depth = std::min(depth, r.max_rollback());
+  for (const auto& r : recurrents) depth = std::min(depth, received_only ? r.max_rollback() : r.held_rollback());
   return depth;
 }
 
@@ -240,7 +240,24 @@ void Layer::Impl::check_crop(std::int64_t n) const {
   if (n >= 0) return;
   if (n == std::numeric_limits<std::int64_t>::min() || -n >= L) return;  // full rollback
   const std::int64_t depth = max_rollback();
-  if (-n > depth) throw_crop_too_deep(where(), n, L, depth);
+  if (-n <= depth) return;
+  // Deeper than max_rollback: exact only when it lands below every
+  // placeholder a final-state-only update left, on states still held.
+  const std::int64_t target = L + n;
+  for (std::size_t i = 0; i < recurrents.size(); ++i) {
+    const auto& r = recurrents[i];
+    if (!r.is_unknown(target)) continue;
+    throw RollbackError(where() + ": crop(" + num(n) + ") would restore recurrent state " +
+                        num(static_cast<std::int64_t>(i)) + " after " + num(target) +
+                        " tokens, which the layer never received: update_recurrent_state_final gave only the "
+                        "final state of a multi-token update, so the states after " +
+                        num(r.unknown_first) + ".." + num(r.unknown_end - 1) +
+                        " tokens are unknown; the largest exact rollback is " + num(depth) + " (or to a length below " +
+                        num(r.unknown_first) +
+                        " still held); give every state (begin_recurrent_update) to make such rollbacks exact");
+  }
+  if (-n <= max_rollback(false)) return;
+  throw_crop_too_deep(where(), n, L, depth);
 }
 
 void throw_crop_too_deep(const std::string& where, std::int64_t n, std::int64_t L, std::int64_t depth) {
@@ -384,6 +401,8 @@ void Layer::Impl::open_forward(std::int64_t q, ForwardPlan plan) noexcept {
     auto& record = saved.recurrents[j];
     record.length = r.length;
     record.held = r.held;
+    record.unknown_first = r.unknown_first;
+    record.unknown_end = r.unknown_end;
     record.table.assign(r.table.begin(), r.table.end());
   }
   forward = true;
@@ -444,6 +463,8 @@ void Layer::Impl::abandon_forward() noexcept {
     const auto& record = saved.recurrents[j];
     r.length = record.length;
     r.held = record.held;
+    r.unknown_first = record.unknown_first;
+    r.unknown_end = record.unknown_end;
     r.table.assign(record.table.begin(), record.table.end());  // same size: no allocation
     ++r.version;
     r.protect();
@@ -783,20 +804,59 @@ RecurrentUpdate Layer::begin_recurrent_update(std::int64_t q, int state) {
   return RecurrentUpdate(this, state, q, l.generation, r.version);
 }
 
-void Layer::update_recurrent_state(const TensorView& new_state, int state) {
-  const auto& r = impl_->recurrent(state, "update_recurrent_state");
+namespace {
+
+void check_state_input(const Layer::Impl& l, const detail::RecurrentState& r, const TensorView& input,
+                       const char* operation) {
   const TensorView expected = r.view(r.length);
-  if (new_state.rank != expected.rank || new_state.shape != expected.shape || new_state.dtype != r.dtype ||
-      new_state.data == nullptr) {
-    throw InvalidArgument(impl_->where() + ": update_recurrent_state got " + new_state.describe() + "; expected " +
+  if (input.rank != expected.rank || input.shape != expected.shape || input.dtype != r.dtype || input.data == nullptr) {
+    throw InvalidArgument(l.where() + ": " + operation + " got " + input.describe() + "; expected " +
                           expected.describe());
   }
+}
+
+}  // namespace
+
+void Layer::update_recurrent_state(const TensorView& new_state, int state) {
+  const auto& r = impl_->recurrent(state, "update_recurrent_state");
+  check_state_input(*impl_, r, new_state, "update_recurrent_state");
   RecurrentUpdate u = begin_recurrent_update(1, state);
   // next(1) never aliases a held snapshot, and a one-token update never
   // grows the slots (there is always one free), so new_state may be a view
   // of this layer's own S(L) or snapshots: copying it reads what is there.
   copy_tensor(new_state, u.next(1));
   u.commit();
+}
+
+void Layer::update_recurrent_state_final(const TensorView& final_state, std::int64_t q, int state) {
+  auto& r = impl_->recurrent(state, "update_recurrent_state_final");
+  check_state_input(*impl_, r, final_state, "update_recurrent_state_final");
+  if (q == 1) {
+    update_recurrent_state(final_state, state);
+    return;
+  }
+  // begin_recurrent_update may grow the slots, which frees the old ones: an
+  // input that is a view of this state's storage is copied out first.
+  std::vector<std::byte> staged;
+  TensorView input = final_state;
+  const detail::ByteSpan span = detail::byte_span(final_state);
+  if (r.ring.overlaps(span.lo, span.hi)) {
+    impl_->budgeted("update_recurrent_state_final", [&] { staged.resize(r.state_bytes()); });
+    input = r.view_of(staged.data());
+    copy_tensor(final_state, input);
+  }
+  const std::int64_t start = r.length;
+  RecurrentUpdate u = begin_recurrent_update(q, state);  // checks q, the token limit and an open forward
+  const TensorView last = u.next(q);
+  copy_tensor(input, last);
+  // Every slot before the last gets the final state too, so that no slot is
+  // ever read uninitialised; check_crop refuses to land on them.
+  for (std::int64_t t = 1; t < q; ++t) {
+    const TensorView slot = u.next(t);
+    if (slot.data != last.data) copy_tensor(last, slot);
+  }
+  u.commit();
+  r.mark_unknown(start + 1, start + q);
 }
 
 TensorView Layer::get_recurrent_state(int state) const {

@@ -96,7 +96,9 @@ struct Layer::Impl {
   // Throws StateError when parts are at different lengths.
   void check_in_step(const char* operation) const;
   bool in_step() const;
-  std::int64_t max_rollback() const;
+  // received_only false: ignores the placeholders of final-state-only
+  // updates (the deepest rollback landing on held states).
+  std::int64_t max_rollback(bool received_only = true) const;
   void check_crop(std::int64_t n) const;
   void apply_crop(std::int64_t n) noexcept;
 
@@ -135,7 +137,7 @@ struct Layer::Impl {
   struct SavedState {
     std::vector<PositionRange> tracks;  // [first, end) per track
     struct Recurrent {
-      std::int64_t length, held;
+      std::int64_t length, held, unknown_first, unknown_end;
       std::vector<std::int32_t> table;
     };
     std::vector<Recurrent> recurrents;
@@ -212,12 +214,15 @@ std::vector<std::int64_t> repeat_rows(std::int64_t batch, std::int64_t repeats);
 // retains positions from `first` (docs/semantics.md sections 3 and 4), all
 // but the depth check: a positive crop a filled sliding window or a chunked
 // part past position 0 cannot do, and any crop of a filled window that does
-// not record. where() starts the chunked message, context() builds the
-// bracketed suffix of the verbatim ones; both run only when one is thrown
-// (crop runs every decode step). Shared by Layer and SequenceCache.
+// not record (checked first, for any n: transformers >= 5.15 names the
+// missing recording before the sign). where() starts the chunked message,
+// context() builds the bracketed suffix of the verbatim ones; both run only
+// when one is thrown (crop runs every decode step). Shared by Layer and
+// SequenceCache.
 template <typename Where, typename Context>
 void check_attention_crop(const detail::RetentionRule& rule, std::int64_t first, std::int64_t L, bool recording,
                           std::int64_t n, Where&& where, Context&& context) {
+  if (!recording && rule.window_filled(L)) throw RollbackError(kNotTrackingSliding + context());
   if (n > 0) {
     if (rule.window_filled(L)) throw RollbackError(kSlidingPositive + context());
     if (rule.kind == detail::RetentionRule::Kind::Chunked && first > 0) {
@@ -225,9 +230,7 @@ void check_attention_crop(const detail::RetentionRule& rule, std::int64_t first,
                           " tokens, but this chunked layer no longer holds positions [0, " + std::to_string(first) +
                           "); crop with a negative int to remove tokens from the end");
     }
-    return;
   }
-  if (!recording && rule.window_filled(L)) throw RollbackError(kNotTrackingSliding + context());
 }
 
 // crop(n) asks to remove more of the L tokens than the `depth` that can go

@@ -58,6 +58,8 @@ RecurrentState RecurrentState::copied(std::int64_t rows, std::int64_t history_sl
   unpoison(out.ring.data(), out.ring.size());
   out.length = length;
   out.held = keep;
+  out.unknown_first = unknown_first;
+  out.unknown_end = unknown_end;
   // The kept snapshots keep their positions; physical slots are renumbered densely.
   for (std::int64_t pos = out.oldest(), s = 0; pos <= length; ++pos, ++s) {
     out.table[static_cast<std::size_t>(pos % out.capacity)] = static_cast<std::int32_t>(s);
@@ -85,6 +87,13 @@ void RecurrentState::advance(std::int64_t q, std::span<const std::int32_t> writt
   protect();
 }
 
+void RecurrentState::mark_unknown(std::int64_t first, std::int64_t end) {
+  if (first >= end) return;
+  if (has_unknown() && unknown_end - 1 >= oldest()) first = std::min(first, unknown_first);
+  unknown_first = first;
+  unknown_end = end;
+}
+
 void RecurrentState::rollback(std::int64_t k) {
   if (k >= length) {
     clear();
@@ -92,12 +101,14 @@ void RecurrentState::rollback(std::int64_t k) {
   }
   length -= k;
   held -= k;
+  if (length < unknown_first) unknown_first = unknown_end = 0;  // the placeholders went with the tokens
   protect();
 }
 
 void RecurrentState::clear() {
   length = 0;
   held = 1;
+  unknown_first = unknown_end = 0;
   unpoison(ring.data(), ring.size());
   std::memset(slot(0), 0, state_bytes());
   protect();
@@ -107,6 +118,7 @@ void RecurrentState::load(std::int64_t L, const TensorView& state) {
   unpoison(ring.data(), ring.size());
   length = L;
   held = 1;
+  unknown_first = unknown_end = 0;
   table[static_cast<std::size_t>(L % capacity)] = 0;  // physical slot 0 holds S(L)
   copy_tensor(state, view(L));
   ++version;

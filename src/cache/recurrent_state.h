@@ -12,8 +12,14 @@
 // Slots: R + 1 snapshots (`history`) plus Q = min(q, R + 1) fresh slots for
 // the update in flight, so capacity <= 2 (R + 1). With R = 0 the fresh slot
 // is reused for every token of an update (in place after the first).
+//
+// An update given only its final state (Layer::update_recurrent_state_final)
+// leaves placeholders in the slots of the states before it: positions
+// [unknown_first, unknown_end) hold states the layer never received, and no
+// rollback may land there until a rollback below unknown_first removes them.
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 #include <span>
 #include <vector>
@@ -32,6 +38,10 @@ struct RecurrentState {
   std::int64_t length = 0;
   std::int64_t held = 1;
   std::uint64_t version = 0;  // bumped by advance (stale RecurrentUpdate handles)
+  // Positions whose slot holds a placeholder, not a state received (empty
+  // when unknown_first == unknown_end).
+  std::int64_t unknown_first = 0;
+  std::int64_t unknown_end = 0;
   AlignedBuffer ring;
   std::vector<std::int32_t> table;  // capacity entries
 
@@ -48,7 +58,18 @@ struct RecurrentState {
   TensorView view_of(std::byte* data) const;  // [B, shape...]
   TensorView view(std::int64_t pos) const { return view_of(slot(pos)); }
   std::int64_t oldest() const { return length - held + 1; }
-  std::int64_t max_rollback() const { return oldest() <= 1 ? length : held - 1; }
+  // Deepest rollback whose every landing position is held (S(0) always is).
+  std::int64_t held_rollback() const { return oldest() <= 1 ? length : held - 1; }
+  bool has_unknown() const { return unknown_first < unknown_end; }
+  bool is_unknown(std::int64_t pos) const { return pos >= unknown_first && pos < unknown_end; }
+  // Largest k such that every crop(-j), j <= k, lands on a state received.
+  std::int64_t max_rollback() const {
+    return has_unknown() ? std::min(held_rollback(), length - unknown_end) : held_rollback();
+  }
+  // Marks S(first)..S(end - 1) as placeholders (a final-state-only update).
+  // An older interval still within the held snapshots is merged in
+  // (conservatively: the positions between count as unknown too).
+  void mark_unknown(std::int64_t first, std::int64_t end);
 
   // Fresh slots an update of q tokens writes into.
   std::int64_t fresh_count(std::int64_t q) const { return std::min(std::max<std::int64_t>(q, 1), history); }

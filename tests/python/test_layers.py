@@ -139,6 +139,39 @@ def test_final_state_only_refuses_rollback_inside_the_forward():
     assert torch.equal(layer.recurrent_states[0], torch.zeros(1, 4))
 
 
+def test_final_state_only_rolls_back_exactly_to_before_the_forward():
+    """The rule is the C++ one (rwd::Layer::update_recurrent_state_final): a crop into the forward is refused and
+    changes nothing; a crop to the length before it restores the state given there; tokens after it roll back."""
+    layer = rewind.LinearAttentionLayer(conv_kernel_size=3)
+    layer.activate_past_recording(8)
+    states = [torch.zeros(1, 4)]
+    for t in range(3):
+        states.append(torch.full((1, 4), float(t + 1)))
+        layer.update_conv_state(conv_in(t, 1))
+        layer.update_recurrent_state(states[-1])
+    final = torch.full((1, 4), 7.0)
+    layer.update_conv_state(conv_in(3, 4))
+    layer.update_recurrent_state(final)  # 4 tokens, only S(7) given
+    window = layer.conv_states[0].clone()
+    for n in (-1, -2, -3):
+        with pytest.raises(rewind.RollbackError, match=f"after {7 + n} tokens, which the layer never received"):
+            layer.crop(n)
+        assert layer.get_seq_length() == 7 and torch.equal(layer.recurrent_states[0], final)
+        assert torch.equal(layer.conv_states[0], window)
+    assert layer.max_rollback() == 0
+    after = torch.full((1, 4), 8.0)
+    layer.update_conv_state(conv_in(7, 1))
+    layer.update_recurrent_state(after)
+    assert layer.max_rollback() == 1
+    layer.crop(-1)
+    assert torch.equal(layer.recurrent_states[0], final)
+    layer.crop(-4)  # back to before the forward: S(3) was given
+    assert layer.get_seq_length() == 3 and torch.equal(layer.recurrent_states[0], states[3])
+    assert layer.max_rollback() == 3
+    layer.crop(-2)
+    assert torch.equal(layer.recurrent_states[0], states[1])
+
+
 def test_begin_recurrent_update_writes_in_place():
     c = rewind.DynamicCache(layer_types=["linear_attention"], conv_kernel_size=2)
     c.activate_past_recording(4)
