@@ -23,6 +23,7 @@
 
 #include "rewind/error.h"
 #include "rewind/sequences.h"
+#include "runtime/chat_template.h"
 #include "runtime/generate.h"
 #include "runtime/kernels.h"
 #include "runtime/model.h"
@@ -214,10 +215,9 @@ std::vector<std::int32_t> parse_prompt(const json& body, const Tokenizer& tokeni
   return ids;
 }
 
-CompletionRequest parse_completion(const json& body, const Tokenizer& tokenizer, std::int64_t vocab,
-                                   std::int64_t context) {
-  CompletionRequest r;
-  // Generation fields first, so that a bad one is reported whatever the prompt.
+// The fields /v1/completions and /v1/chat/completions share (all but the
+// prompt), into `r`.
+void parse_generation(const json& body, std::int64_t context, CompletionRequest& r) {
   if (auto n = integer_field(body, "n", 1, 1 << 20); n && *n != 1) {
     throw ApiError(400, "'n' is " + std::to_string(*n) + "; only n = 1 is supported yet", "n", "unsupported_value");
   }
@@ -260,7 +260,9 @@ CompletionRequest parse_completion(const json& body, const Tokenizer& tokenizer,
     if (!so->is_object()) wrong_type("stream_options", "an object", *so);
     if (auto u = bool_field(*so, "include_usage")) r.include_usage = *u;
   }
-  r.prompt = parse_prompt(body, tokenizer, vocab);
+}
+
+void check_context(const CompletionRequest& r, std::int64_t context) {
   const auto P = static_cast<std::int64_t>(r.prompt.size());
   if (P + r.max_tokens > context) {
     throw ApiError(400,
@@ -269,7 +271,76 @@ CompletionRequest parse_completion(const json& body, const Tokenizer& tokenizer,
                        " more (" + std::to_string(P + r.max_tokens) + "); shorten the prompt or lower max_tokens",
                    P > context ? "prompt" : "max_tokens", "context_length_exceeded");
   }
+}
+
+CompletionRequest parse_completion(const json& body, const Tokenizer& tokenizer, std::int64_t vocab,
+                                   std::int64_t context) {
+  CompletionRequest r;
+  // Generation fields first, so that a bad one is reported whatever the prompt.
+  parse_generation(body, context, r);
+  r.prompt = parse_prompt(body, tokenizer, vocab);
+  check_context(r, context);
   return r;
+}
+
+// ---- chat requests ------------------------------------------------------------
+
+using ordered_json = nlohmann::ordered_json;
+
+[[noreturn]] void bad_message(std::size_t i, const std::string& what, const char* code = "invalid_type") {
+  throw ApiError(400, "'messages' item " + std::to_string(i) + " " + what, "messages", code);
+}
+
+// The messages of a chat request, checked, as the template receives them:
+// every message an object with a string role and string content (a list of
+// text parts is joined; null or absent only beside tool_calls, then ""), the
+// other fields (tool_calls, reasoning_content, name, ...) as sent, in order.
+ordered_json chat_messages(const ordered_json& body) {
+  const auto it = body.find("messages");
+  if (it == body.end() || it->is_null()) {
+    throw ApiError(400, "'messages' is required: a list of {role, content} objects", "messages", "missing_field");
+  }
+  if (!it->is_array()) {
+    throw ApiError(400, std::string("'messages' must be a list of {role, content} objects, got ") + it->type_name(),
+                   "messages", "invalid_type");
+  }
+  if (it->empty())
+    throw ApiError(400, "'messages' is an empty list; give at least one message", "messages", "invalid_value");
+  ordered_json out = ordered_json::array();
+  for (std::size_t i = 0; i < it->size(); ++i) {
+    ordered_json m = (*it)[i];
+    if (!m.is_object()) bad_message(i, std::string("must be an object {role, content}, got ") + m.type_name());
+    const auto role = m.find("role");
+    if (role == m.end() || role->is_null()) bad_message(i, "has no 'role'", "missing_field");
+    if (!role->is_string()) bad_message(i, std::string("has a 'role' that is not a string: ") + role->type_name());
+    const auto calls = m.find("tool_calls");
+    const bool has_calls = calls != m.end() && !calls->is_null();
+    if (has_calls && !calls->is_array()) bad_message(i, "has 'tool_calls' that is not a list");
+    if (calls != m.end() && calls->is_null()) m.erase("tool_calls");
+    auto content = m.find("content");
+    if (content == m.end() || content->is_null()) {
+      if (!has_calls)
+        bad_message(i, "has no 'content' (only an assistant message with tool_calls may omit it)", "missing_field");
+      m["content"] = "";
+    } else if (content->is_array()) {
+      std::string text;
+      for (const ordered_json& part : *content) {
+        if (!part.is_object() || part.value("type", "") != "text" || !part.contains("text") ||
+            !part["text"].is_string()) {
+          bad_message(i,
+                      "has a content part that is not {\"type\": \"text\", \"text\": string}; only text is supported",
+                      "unsupported_value");
+        }
+        text += part["text"].get<std::string>();
+      }
+      *content = text;
+    } else if (!content->is_string()) {
+      bad_message(i,
+                  std::string("has a 'content' that is not a string or a list of text parts: ") + content->type_name());
+    }
+    out.push_back(std::move(m));
+  }
+  return out;
 }
 
 // ---- the decode loop's jobs ---------------------------------------------------
@@ -305,6 +376,10 @@ struct Server::Impl {
   Model model;
   Tokenizer tokenizer;
   std::int64_t context = 0;
+  // tokenizer_config.json's chat_template; when absent or unparsable, the
+  // chat endpoint answers 400 and says why (chat_template_problem).
+  std::optional<runtime::ChatTemplate> chat_template;
+  std::string chat_template_problem;
 
   httplib::Server http;
   std::thread listener;
@@ -500,6 +575,8 @@ struct Server::Impl {
     std::int64_t completion_tokens = 0;
     std::int64_t prompt_tokens = 0;
     bool include_usage = false;
+    bool chat = false;       // /v1/chat/completions: chat.completion(.chunk) objects
+    bool sent_role = false;  // chat streams: the {"role": "assistant"} delta went out
     std::string id;
     std::int64_t created = 0;
     std::string finish_reason;  // set when finished
@@ -551,7 +628,22 @@ struct Server::Impl {
               {"completion_tokens", completion_tokens},
               {"total_tokens", prompt_tokens + completion_tokens}};
     }
-    json chunk(const std::string& text, const std::string& model_name, bool last) const {
+    // A streamed chunk (`last`: with finish_reason and usage); for chat, a
+    // chat.completion.chunk whose delta is `delta`, or {"content": text}.
+    json chunk(const std::string& text, const std::string& model_name, bool last, const json* delta = nullptr) const {
+      if (chat) {
+        json d = delta ? *delta : last && text.empty() ? json::object() : json{{"content", text}};
+        json j = {{"id", id},
+                  {"object", "chat.completion.chunk"},
+                  {"created", created},
+                  {"model", model_name},
+                  {"choices", json::array({{{"index", 0},
+                                            {"delta", std::move(d)},
+                                            {"logprobs", nullptr},
+                                            {"finish_reason", last ? json(finish_reason) : json(nullptr)}}})}};
+        if (last) j["usage"] = usage();
+        return j;
+      }
       json j = {{"id", id},
                 {"object", "text_completion"},
                 {"created", created},
@@ -568,7 +660,12 @@ struct Server::Impl {
   void completions(const httplib::Request& req, httplib::Response& res) {
     const json body = parse_body(req);
     check_model(body, name);
-    CompletionRequest r = parse_completion(body, tokenizer, model.vocab_size(), context);
+    respond(parse_completion(body, tokenizer, model.vocab_size(), context), false, res);
+  }
+
+  // Runs a validated request and answers it: one JSON object, or a stream
+  // of server-sent events.
+  void respond(const CompletionRequest& r, bool chat, httplib::Response& res) {
     auto job = std::make_shared<Job>();
     job->prompt = r.prompt;
     job->max_tokens = r.max_tokens;
@@ -576,7 +673,8 @@ struct Server::Impl {
     auto c = std::make_shared<Completion>(job, tokenizer, r.stop);
     c->prompt_tokens = static_cast<std::int64_t>(r.prompt.size());
     c->include_usage = r.include_usage;
-    c->id = "cmpl-" + std::to_string(next_id.fetch_add(1));
+    c->chat = chat;
+    c->id = (chat ? "chatcmpl-" : "cmpl-") + std::to_string(next_id.fetch_add(1));
     c->created = static_cast<std::int64_t>(std::time(nullptr));
     if (r.max_tokens == 0) {
       c->finished = true;
@@ -592,7 +690,20 @@ struct Server::Impl {
         job->cancel = true;
         throw;
       }
-      send_json(res, 200, c->chunk(text, name, true));
+      if (!chat) {
+        send_json(res, 200, c->chunk(text, name, true));
+        return;
+      }
+      send_json(res, 200,
+                {{"id", c->id},
+                 {"object", "chat.completion"},
+                 {"created", c->created},
+                 {"model", name},
+                 {"choices", json::array({{{"index", 0},
+                                           {"message", {{"role", "assistant"}, {"content", text}}},
+                                           {"logprobs", nullptr},
+                                           {"finish_reason", c->finish_reason}}})},
+                 {"usage", c->usage()}});
       return;
     }
     res.status = 200;
@@ -604,6 +715,11 @@ struct Server::Impl {
             const std::string line = "data: " + dump(j) + "\n\n";
             return sink.write(line.data(), line.size());
           };
+          if (c->chat && !c->sent_role) {  // OpenAI's first chat chunk: the role alone
+            c->sent_role = true;
+            const json role = {{"role", "assistant"}, {"content", ""}};
+            return write(c->chunk("", name, false, &role));
+          }
           std::string text;
           try {
             text = c->finished ? std::string() : c->next();
@@ -621,7 +737,8 @@ struct Server::Impl {
             if (!text.empty() && !write(c->chunk(text, name, false))) return false;  // the client left
             return true;
           }
-          if (!write(c->chunk(text, name, true))) return false;
+          if (c->chat && !text.empty() && !write(c->chunk(text, name, false))) return false;
+          if (!write(c->chunk(c->chat ? std::string() : text, name, true))) return false;
           if (c->include_usage) {
             json u = c->chunk("", name, true);
             u["choices"] = json::array();
@@ -643,13 +760,68 @@ struct Server::Impl {
         });
   }
 
-  void chat_completions(const httplib::Request& req, httplib::Response&) {
+  void chat_completions(const httplib::Request& req, httplib::Response& res) {
     const json body = parse_body(req);
     check_model(body, name);
-    throw ApiError(400,
-                   "/v1/chat/completions needs the model's chat template (tokenizer_config.json's chat_template), "
-                   "and rendering chat templates is not supported yet; use /v1/completions with a prompt",
-                   "messages", "chat_template_unsupported");
+    if (!chat_template) {
+      throw ApiError(
+          400,
+          "this model has no chat template (" +
+              (chat_template_problem.empty() ? "tokenizer_config.json beside the model names no chat_template"
+                                             : chat_template_problem) +
+              "); use /v1/completions with a prompt",
+          "messages", "chat_template_unsupported");
+    }
+    CompletionRequest r;
+    // OpenAI's default for chat is as many tokens as the context leaves.
+    r.max_tokens = -1;
+    parse_generation(body, context, r);
+    if (auto m = integer_field(body, "max_completion_tokens", 0, context)) r.max_tokens = *m;
+    // The template sees the messages and tools as sent, keys in order
+    // (tojson of a tool's schema keeps the client's order).
+    const ordered_json ordered = ordered_json::parse(req.body);
+    ordered_json vars = ordered_json::object();
+    if (const auto kw = ordered.find("chat_template_kwargs"); kw != ordered.end() && !kw->is_null()) {
+      if (!kw->is_object()) wrong_type("chat_template_kwargs", "an object", body["chat_template_kwargs"]);
+      vars = *kw;  // vLLM's extension: e.g. {"enable_thinking": false}
+    }
+    vars["messages"] = chat_messages(ordered);
+    if (const auto tools = ordered.find("tools"); tools != ordered.end() && !tools->is_null()) {
+      if (!tools->is_array()) wrong_type("tools", "a list of tools", body["tools"]);
+      if (!tools->empty()) vars["tools"] = *tools;
+    }
+    vars["add_generation_prompt"] = true;
+    std::string text;
+    try {
+      text = chat_template->render(vars.dump(-1, ' ', false, ordered_json::error_handler_t::replace));
+    } catch (const runtime::TemplateRaised& e) {
+      throw ApiError(400, "the model's chat template refused the messages: " + e.message(), "messages",
+                     "invalid_value");
+    } catch (const runtime::TemplateError& e) {
+      throw ApiError(400, std::string("the model's chat template cannot render these messages: ") + e.what(),
+                     "messages", "invalid_value");
+    }
+    // The template writes special tokens (BOS included, when it has one) as
+    // text: encode matches them as tokens and adds nothing itself. BOS is
+    // put first only when the tokenizer would add it and the text did not.
+    try {
+      r.prompt = tokenizer.encode(text, false);
+    } catch (const InvalidArgument& e) {
+      throw ApiError(400, std::string("the rendered chat cannot be tokenized: ") + e.what(), "messages",
+                     "invalid_value");
+    }
+    const std::vector<std::int32_t>& lead = tokenizer.prefix_ids();
+    if (!lead.empty() && !std::equal(lead.begin(), lead.end(), r.prompt.begin(), r.prompt.end())) {
+      r.prompt.insert(r.prompt.begin(), lead.begin(), lead.end());
+    }
+    if (r.prompt.empty()) {
+      throw ApiError(400, "the chat template rendered these messages to no token", "messages", "invalid_value");
+    }
+    if (r.max_tokens < 0) {
+      r.max_tokens = std::max<std::int64_t>(context - static_cast<std::int64_t>(r.prompt.size()), 0);
+    }
+    check_context(r, context);
+    respond(r, true, res);
   }
 
   std::string metrics() const {
@@ -774,6 +946,13 @@ Server::Server(ServerOptions options) {
   impl_ = std::make_unique<Impl>(std::move(options), std::move(model), std::move(tokenizer));
   impl_->context = context;
   impl_->name = std::move(name);
+  try {
+    impl_->chat_template = runtime::ChatTemplate::from_model_dir(impl_->options.model_dir);
+  } catch (const Error& e) {
+    // Completions still work; the chat endpoint reports the problem.
+    impl_->chat_template_problem = e.what();
+    std::fprintf(stderr, "rewind serve: no chat template: %s\n", e.what());
+  }
 }
 
 Server::~Server() { stop(); }

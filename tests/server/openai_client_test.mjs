@@ -3,7 +3,9 @@
 // 127.0.0.1, checks completions with and without streaming against
 // `rewind generate` on the same prompt, the error statuses the client maps
 // to its error classes, concurrent streams, and that SIGTERM drains and
-// exits 0.
+// exits 0. Then chat completions (with and without streaming) on a copy of
+// the model with a chat template, against `rewind generate` on the prompt
+// the template renders.
 //
 //   node tests/server/openai_client_test.mjs REWIND_BINARY MODEL_DIR
 //
@@ -11,8 +13,9 @@
 // openai package (`cd tests/server && npm ci --no-audit --no-fund` installs it).
 import assert from 'node:assert/strict';
 import { execFileSync, spawn } from 'node:child_process';
-import { existsSync } from 'node:fs';
-import { dirname, join } from 'node:path';
+import { copyFileSync, existsSync, mkdtempSync, rmSync, symlinkSync, writeFileSync } from 'node:fs';
+import { tmpdir } from 'node:os';
+import { dirname, join, resolve } from 'node:path';
 import { fileURLToPath } from 'node:url';
 
 const here = dirname(fileURLToPath(import.meta.url));
@@ -34,19 +37,34 @@ function solo(prompt, n) {
   return out.endsWith('\n') ? out.slice(0, -1) : out;
 }
 
-const server = spawn(rewind, ['serve', '-m', modelDir, '--port', '0', '--max-batch', '3'], {
-  stdio: ['ignore', 'ignore', 'pipe'],
-});
-let serverLog = '';
-const exited = new Promise((resolve) => server.on('exit', (code, signal) => resolve({ code, signal })));
-const port = await new Promise((resolve, reject) => {
-  server.stderr.on('data', (d) => {
-    serverLog += d;
-    const m = serverLog.match(/http:\/\/[^\s:]+:(\d+)/);
-    if (m) resolve(Number(m[1]));
+// Starts `rewind serve` on a free port; resolves once it listens.
+async function startServer(dir) {
+  const proc = spawn(rewind, ['serve', '-m', dir, '--port', '0', '--max-batch', '3'], {
+    stdio: ['ignore', 'ignore', 'pipe'],
   });
-  exited.then(({ code }) => reject(new Error(`rewind serve exited (${code}) before listening:\n${serverLog}`)));
-});
+  const srv = { proc, log: '' };
+  srv.exited = new Promise((resolve) => proc.on('exit', (code, signal) => resolve({ code, signal })));
+  srv.port = await new Promise((resolve, reject) => {
+    proc.stderr.on('data', (d) => {
+      srv.log += d;
+      const m = srv.log.match(/http:\/\/[^\s:]+:(\d+)/);
+      if (m) resolve(Number(m[1]));
+    });
+    srv.exited.then(({ code }) => reject(new Error(`rewind serve exited (${code}) before listening:\n${srv.log}`)));
+  });
+  return srv;
+}
+
+// SIGTERM drains and exits 0.
+async function stopServer(srv) {
+  srv.proc.kill('SIGTERM');
+  const { code, signal } = await srv.exited;
+  assert.equal(signal, null, `rewind serve died of ${signal}:\n${srv.log}`);
+  assert.equal(code, 0, `rewind serve exited ${code} after SIGTERM:\n${srv.log}`);
+}
+
+const srv = await startServer(modelDir);
+const port = srv.port;
 
 const client = new OpenAI({ baseURL: `http://127.0.0.1:${port}/v1`, apiKey: 'unused', maxRetries: 0 });
 const model = 'kjv-hybrid';
@@ -124,9 +142,75 @@ try {
   );
   ++checks;
 } finally {
-  server.kill('SIGTERM');
+  await stopServer(srv);
 }
-const { code, signal } = await exited;
-assert.equal(signal, null, `rewind serve died of ${signal}:\n${serverLog}`);
-assert.equal(code, 0, `rewind serve exited ${code} after SIGTERM:\n${serverLog}`);
-console.log(`ok: ${checks + 1} checks against rewind serve on port ${port}`);
+++checks;
+
+// ---- chat: the model beside a tokenizer_config.json with a template ----
+const chatDir = mkdtempSync(join(tmpdir(), 'rewind-chat-'));
+copyFileSync(join(modelDir, 'config.json'), join(chatDir, 'config.json'));
+symlinkSync(resolve(modelDir, 'model.safetensors'), join(chatDir, 'model.safetensors'));
+writeFileSync(
+  join(chatDir, 'tokenizer_config.json'),
+  JSON.stringify({
+    chat_template:
+      "{%- for m in messages %}{{ m.role }}: {{ m.content | trim }}{{ '\\n' }}{%- endfor %}" +
+      "{%- if add_generation_prompt %}assistant:{% endif %}",
+  }),
+);
+const chatSrv = await startServer(chatDir);
+try {
+  const chat = new OpenAI({ baseURL: `http://127.0.0.1:${chatSrv.port}/v1`, apiKey: 'unused', maxRetries: 0 });
+  const messages = [
+    { role: 'system', content: ' Answer from the book. ' },
+    { role: 'user', content: 'In the beginning' },
+  ];
+  // The template's text, written out: `rewind generate` puts BOS first, as the server does.
+  const expected = solo('system: Answer from the book.\nuser: In the beginning\nassistant:', 24);
+
+  const r = await chat.chat.completions.create({ messages, max_tokens: 24, temperature: 0 });
+  assert.equal(r.object, 'chat.completion');
+  assert.equal(r.choices[0].message.role, 'assistant');
+  assert.equal(r.choices[0].message.content, expected);
+  assert.equal(r.choices[0].finish_reason, 'length');
+  assert.equal(r.usage.completion_tokens, 24);
+  ++checks;
+
+  const stream = await chat.chat.completions.create({
+    messages,
+    max_tokens: 24,
+    temperature: 0,
+    stream: true,
+    stream_options: { include_usage: true },
+  });
+  let text = '';
+  let role = null;
+  let finish = null;
+  let usage = null;
+  for await (const chunk of stream) {
+    assert.equal(chunk.object, 'chat.completion.chunk');
+    for (const choice of chunk.choices) {
+      if (choice.delta.role) role = choice.delta.role;
+      text += choice.delta.content ?? '';
+      if (choice.finish_reason) finish = choice.finish_reason;
+    }
+    if (chunk.usage && chunk.choices.length === 0) usage = chunk.usage;
+  }
+  assert.equal(role, 'assistant');
+  assert.equal(text, expected);
+  assert.equal(finish, 'length');
+  assert.equal(usage.completion_tokens, 24);
+  assert.equal(usage.prompt_tokens, r.usage.prompt_tokens);
+  ++checks;
+
+  await assert.rejects(chat.chat.completions.create({ messages: [{ role: 'user' }] }), (e) => {
+    assert.ok(e instanceof OpenAI.BadRequestError, String(e));
+    assert.equal(e.param, 'messages');
+    return true;
+  });
+  ++checks;
+} finally {
+  await stopServer(chatSrv);
+  rmSync(chatDir, { recursive: true, force: true });
+}
+console.log(`ok: ${checks} checks against rewind serve on ports ${port} and ${chatSrv.port}`);

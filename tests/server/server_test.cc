@@ -1,7 +1,8 @@
 // rewind serve: the server started in-process on 127.0.0.1 (a free port)
 // over the shipped model, driven through HTTP by httplib's client. Every
 // greedy or seeded response is compared with runtime::generate() on the
-// same prompt alone.
+// same prompt alone; chat requests (ChatServerTest, a copy of the model with
+// a chat template) with generate() on the conversation the template renders.
 #include <gtest/gtest.h>
 
 #include <httplib.h>
@@ -9,10 +10,14 @@
 
 #include <atomic>
 #include <chrono>
+#include <filesystem>
+#include <fstream>
 #include <memory>
 #include <string>
 #include <thread>
 #include <vector>
+
+#include <unistd.h>
 
 #include <nlohmann/json.hpp>
 
@@ -41,7 +46,7 @@ struct Solo {
 };
 
 class ServerTest : public ::testing::Test {
- protected:
+ public:
   static void SetUpTestSuite() {
     // One OpenMP thread for the test's own decoding and the server's: two
     // teams spinning at their barriers on a loaded machine take turns for
@@ -393,6 +398,212 @@ TEST_F(ServerTest, MetricsArePrometheusText) {
 }
 
 // stop() drains: a stream under way runs to its end, then the server is gone.
+// ---- /v1/chat/completions over a copy of the model with a chat template ----
+
+// The shipped model (byte level, BOS 256) beside a tokenizer_config.json
+// whose template writes "role: content" lines and refuses a role "bad".
+const char* const kChatTemplate =
+    "{%- for m in messages %}"
+    "{%- if m.role == 'bad' %}{{ raise_exception('role bad is not allowed') }}{% endif %}"
+    "{{- m.role }}: {{ m.content | trim }}{{ '\\n' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}assistant:{% endif %}";
+
+class ChatServerTest : public ::testing::Test {
+ protected:
+  static void SetUpTestSuite() {
+    omp_set_num_threads(1);
+    dir_ = std::filesystem::temp_directory_path() / ("rwd_chat_server_" + std::to_string(::getpid()));
+    std::filesystem::create_directories(dir_);
+    std::filesystem::copy_file(model_dir() + "/config.json", dir_ / "config.json",
+                               std::filesystem::copy_options::overwrite_existing);
+    std::filesystem::remove(dir_ / "model.safetensors");
+    std::filesystem::create_symlink(model_dir() + "/model.safetensors", dir_ / "model.safetensors");
+    std::ofstream(dir_ / "tokenizer_config.json") << json{{"chat_template", kChatTemplate}}.dump();
+    model_ = new Model(Model::load(model_dir()));
+    tokenizer_ = new Tokenizer(rwd::runtime::tokenizer_for_model(model_dir(), model_->config()));
+    ServerOptions o;
+    o.model_dir = dir_.string();
+    o.model_name = "kjv-chat";
+    o.port = 0;
+    o.max_batch = 4;
+    o.threads = 1;
+    server_ = new Server(o);
+    port_ = server_->start();
+  }
+  static void TearDownTestSuite() {
+    delete server_;
+    delete tokenizer_;
+    delete model_;
+    std::filesystem::remove_all(dir_);
+  }
+
+  // The template's text for `messages`, written out by hand, and what
+  // generate() gives for it alone: BOS, then its bytes.
+  static Solo solo(const std::string& rendered, std::int64_t max_tokens) {
+    Solo s;
+    s.prompt = tokenizer_->encode(rendered, true);
+    EXPECT_EQ(s.prompt.front(), 256);  // BOS once, then the bytes
+    EXPECT_EQ(s.prompt.size(), rendered.size() + 1);
+    GenerationOptions options;
+    options.max_new_tokens = max_tokens;
+    s.tokens = rwd::runtime::generate(*model_, s.prompt, options);
+    s.text = tokenizer_->decode(s.tokens, true);
+    return s;
+  }
+  static httplib::Result post(const json& body) {
+    httplib::Client client("127.0.0.1", port_);
+    client.set_read_timeout(120, 0);
+    return client.Post("/v1/chat/completions", body.dump(), "application/json");
+  }
+
+  static std::filesystem::path dir_;
+  static Model* model_;
+  static Tokenizer* tokenizer_;
+  static Server* server_;
+  static int port_;
+};
+
+std::filesystem::path ChatServerTest::dir_;
+Model* ChatServerTest::model_ = nullptr;
+Tokenizer* ChatServerTest::tokenizer_ = nullptr;
+Server* ChatServerTest::server_ = nullptr;
+int ChatServerTest::port_ = 0;
+
+const json kConversation = json::array({{{"role", "system"}, {"content", "  Answer in the words of the book.  "}},
+                                        {{"role", "user"}, {"content", "In the beginning"}},
+                                        {{"role", "assistant"}, {"content", "God created the heaven"}},
+                                        {{"role", "user"}, {"content", "And the earth?"}}});
+const std::string kConversationText =
+    "system: Answer in the words of the book.\nuser: In the beginning\nassistant: God created the heaven\n"
+    "user: And the earth?\nassistant:";
+
+TEST_F(ChatServerTest, GreedyChatEqualsGenerateOnTheRenderedConversation) {
+  const Solo s = solo(kConversationText, 24);
+  const auto res = post({{"model", "kjv-chat"}, {"messages", kConversation}, {"max_tokens", 24}, {"temperature", 0}});
+  ASSERT_TRUE(res);
+  ASSERT_EQ(res->status, 200) << res->body;
+  const json j = json::parse(res->body);
+  EXPECT_EQ(j["object"], "chat.completion");
+  EXPECT_EQ(j["model"], "kjv-chat");
+  EXPECT_EQ(j["id"].get<std::string>().rfind("chatcmpl-", 0), 0u);
+  const json& choice = j["choices"][0];
+  EXPECT_EQ(choice["index"], 0);
+  EXPECT_EQ(choice["message"]["role"], "assistant");
+  EXPECT_EQ(choice["message"]["content"], s.text);
+  EXPECT_EQ(choice["finish_reason"], "length");
+  EXPECT_EQ(j["usage"]["prompt_tokens"], s.prompt.size());
+  EXPECT_EQ(j["usage"]["completion_tokens"], 24);
+  EXPECT_EQ(j["usage"]["total_tokens"], s.prompt.size() + 24);
+}
+
+TEST_F(ChatServerTest, StreamingChatSendsRoleThenContentThenFinish) {
+  const json messages = json::array({{{"role", "user"}, {"content", "And God said, Let there be light"}}});
+  const Solo s = solo("user: And God said, Let there be light\nassistant:", 30);
+  const auto res = post({{"messages", messages},
+                         {"max_tokens", 30},
+                         {"temperature", 0},
+                         {"stream", true},
+                         {"stream_options", {{"include_usage", true}}}});
+  ASSERT_TRUE(res);
+  ASSERT_EQ(res->status, 200) << res->body;
+  EXPECT_EQ(res->get_header_value("Content-Type"), "text/event-stream");
+  const std::vector<std::string> ev = ServerTest::events(res->body);
+  ASSERT_GE(ev.size(), 4u);  // role, content..., finish, usage, [DONE]
+  EXPECT_EQ(ev.back(), "[DONE]");
+  const json first = json::parse(ev[0]);
+  EXPECT_EQ(first["object"], "chat.completion.chunk");
+  EXPECT_EQ(first["choices"][0]["delta"]["role"], "assistant");
+  EXPECT_TRUE(first["choices"][0]["finish_reason"].is_null());
+  std::string text;
+  for (std::size_t i = 1; i + 3 < ev.size(); ++i) {
+    const json c = json::parse(ev[i]);
+    EXPECT_EQ(c["object"], "chat.completion.chunk");
+    EXPECT_FALSE(c["choices"][0]["delta"].contains("role"));
+    EXPECT_TRUE(c["choices"][0]["finish_reason"].is_null());
+    text += c["choices"][0]["delta"]["content"].get<std::string>();
+  }
+  EXPECT_EQ(text, s.text);
+  const json finish = json::parse(ev[ev.size() - 3]);
+  EXPECT_EQ(finish["choices"][0]["finish_reason"], "length");
+  EXPECT_TRUE(finish["choices"][0]["delta"].empty());
+  const json usage = json::parse(ev[ev.size() - 2]);
+  EXPECT_TRUE(usage["choices"].empty());
+  EXPECT_EQ(usage["usage"]["prompt_tokens"], s.prompt.size());
+  EXPECT_EQ(usage["usage"]["completion_tokens"], 30);
+}
+
+TEST_F(ChatServerTest, StopStringsAndTextPartsWork) {
+  // Content as a list of text parts is joined before rendering.
+  const json parts = json::array({{{"role", "user"},
+                                   {"content", json::array({{{"type", "text"}, {"text", "In the "}},
+                                                            {{"type", "text"}, {"text", "beginning"}}})}}});
+  const Solo s = solo("user: In the beginning\nassistant:", 40);
+  ASSERT_GT(s.text.size(), 6u);
+  const std::string stop = s.text.substr(4, 3);
+  const auto res = post({{"messages", parts}, {"max_tokens", 40}, {"temperature", 0}, {"stop", stop}});
+  ASSERT_TRUE(res);
+  ASSERT_EQ(res->status, 200) << res->body;
+  const json j = json::parse(res->body);
+  EXPECT_EQ(j["choices"][0]["message"]["content"], s.text.substr(0, s.text.find(stop)));
+  EXPECT_EQ(j["choices"][0]["finish_reason"], "stop");
+}
+
+TEST_F(ChatServerTest, MalformedMessagesGetOpenAIErrors) {
+  const auto bad = [&](const json& body, const std::string& param, const std::string& code) {
+    SCOPED_TRACE(body.dump());
+    ServerTest::expect_error(post(body), 400, param, code);
+  };
+  const json user = {{"role", "user"}, {"content", "hi"}};
+  bad(json::object(), "messages", "missing_field");
+  bad({{"messages", "hi"}}, "messages", "invalid_type");
+  bad({{"messages", json::array()}}, "messages", "invalid_value");
+  bad({{"messages", {1}}}, "messages", "invalid_type");
+  bad({{"messages", {{{"content", "hi"}}}}}, "messages", "missing_field");
+  bad({{"messages", {{{"role", 3}, {"content", "hi"}}}}}, "messages", "invalid_type");
+  bad({{"messages", {{{"role", "user"}}}}}, "messages", "missing_field");
+  bad({{"messages", {{{"role", "user"}, {"content", 5}}}}}, "messages", "invalid_type");
+  bad({{"messages", {{{"role", "user"}, {"content", {{{"type", "image_url"}, {"image_url", "x"}}}}}}}}, "messages",
+      "unsupported_value");
+  bad({{"messages", {{{"role", "assistant"}, {"content", nullptr}, {"tool_calls", "x"}}}}}, "messages", "invalid_type");
+  bad({{"messages", {{{"role", "bad"}, {"content", "x"}}}}}, "messages", "invalid_value");  // raise_exception
+  bad({{"messages", {user}}, {"tools", "x"}}, "tools", "invalid_type");
+  bad({{"messages", {user}}, {"max_tokens", "x"}}, "max_tokens", "invalid_type");
+  bad({{"messages", {user}}, {"max_tokens", 5000}}, "max_tokens", "");
+  bad({{"messages", {user}}, {"temperature", 5}}, "temperature", "");
+  ServerTest::expect_error(post({{"messages", {user}}, {"model", "other"}}), 404, "model", "model_not_found");
+  // The template's refusal is in the message.
+  const auto res = post({{"messages", {{{"role", "bad"}, {"content", "x"}}}}});
+  ASSERT_TRUE(res);
+  EXPECT_NE(res->body.find("role bad is not allowed"), std::string::npos) << res->body;
+  // Nothing refused left anything behind (the stop-string test's sequence
+  // is dropped within a round: waited for, not timed).
+  for (int k = 0; k < 1000 && server_->counters().live_sequences != 0; ++k) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  const rwd::server::ServerCounters c = server_->counters();
+  EXPECT_EQ(c.live_sequences, 0);
+  EXPECT_EQ(c.waiting, 0);
+  // An assistant turn with tool_calls and no content renders ("" content).
+  const auto ok = post(
+      {{"messages", {user, {{"role", "assistant"}, {"content", nullptr}, {"tool_calls", json::array()}}, user}},
+       {"max_tokens", 2},
+       {"temperature", 0}});
+  ASSERT_TRUE(ok);
+  EXPECT_EQ(ok->status, 200) << ok->body;
+}
+
+TEST_F(ChatServerTest, CompletionsStillWorkBesideChat) {
+  const auto res = post({{"messages", {{{"role", "user"}, {"content", "x"}}}}, {"max_tokens", 0}});
+  ASSERT_TRUE(res);
+  EXPECT_EQ(res->status, 200) << res->body;
+  EXPECT_EQ(json::parse(res->body)["choices"][0]["message"]["content"], "");
+  httplib::Client client("127.0.0.1", port_);
+  const auto c = client.Post("/v1/completions", json{{"prompt", "In"}, {"max_tokens", 3}}.dump(), "application/json");
+  ASSERT_TRUE(c);
+  EXPECT_EQ(c->status, 200) << c->body;
+}
+
 TEST(ServerLifecycle, StopDrainsTheStreamUnderWay) {
   omp_set_num_threads(1);
   ServerOptions o;
