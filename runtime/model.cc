@@ -29,10 +29,31 @@ using detail::TreeRows;
 
 namespace {
 
+k::PackedMatrix::Element element_of(DType dtype) {
+  if (dtype == DType::BF16) return k::PackedMatrix::Element::BF16;
+  if (dtype == DType::F16) return k::PackedMatrix::Element::F16;
+  return k::PackedMatrix::Element::F32;
+}
+
 // An [out, in] matrix of `dtype` (F32, BF16 or F16) packed for
-// kernels::matmul in the same dtype.
-k::PackedMatrix pack(const std::byte* w, DType dtype, std::int64_t out, std::int64_t in) {
+// kernels::matmul in the same dtype, or quantized to Q8 (`what` names it
+// in the error for a weight Q8 cannot hold).
+k::PackedMatrix pack(const std::byte* w, DType dtype, std::int64_t out, std::int64_t in, WeightFormat format,
+                     const std::string& what) {
   const auto* half = static_cast<const std::uint16_t*>(static_cast<const void*>(w));
+  if (format == WeightFormat::kQ8) {
+    for (std::int64_t k = 0; k < out * in; ++k) {
+      const std::size_t i = static_cast<std::size_t>(k);
+      const float v = dtype == DType::BF16  ? bf16_to_f32(half[i])
+                      : dtype == DType::F16 ? f16_to_f32(half[i])
+                                            : static_cast<const float*>(static_cast<const void*>(w))[i];
+      if (!std::isfinite(v)) {
+        throw FormatError("weights q8: " + what + " holds a non-finite value at [" + std::to_string(k / in) + ", " +
+                          std::to_string(k % in) + "]; Q8 blocks hold finite weights only (load it as stored)");
+      }
+    }
+    return k::PackedMatrix::from_q8(w, element_of(dtype), out, in);
+  }
   if (dtype == DType::BF16) return k::PackedMatrix::from_bf16(half, out, in);
   if (dtype == DType::F16) return k::PackedMatrix::from_f16(half, out, in);
   return k::PackedMatrix(static_cast<const float*>(static_cast<const void*>(w)), out, in);
@@ -48,9 +69,9 @@ float element_as_f32(const Tensor& t, std::size_t i) {
 }
 
 // The linear weight `name` ([out, in]) packed for kernels::matmul.
-k::PackedMatrix packed(const ModelWeights& w, const std::string& name) {
+k::PackedMatrix packed(const ModelWeights& w, const std::string& name, WeightFormat format) {
   const Tensor& t = w.get(name);
-  return pack(t.data<std::byte>(), t.view().dtype, t.view().size(0), t.view().size(1));
+  return pack(t.data<std::byte>(), t.view().dtype, t.view().size(0), t.view().size(1), format, "tensor '" + name + "'");
 }
 
 // Throws InvalidArgument naming the first token outside the vocabulary.
@@ -65,9 +86,13 @@ void check_tokens(std::span<const std::int32_t> tokens, const ModelConfig& c, co
 
 // "rewind-hybrid-" + 16 hex digits hashing config.json's fields and every
 // tensor's name, shape and bytes (Model::fingerprint).
-std::string fingerprint_of(const ModelWeights& weights) {
+std::string fingerprint_of(const ModelWeights& weights, WeightFormat format) {
   const std::string config_text = to_json(weights.config());
   std::uint64_t h = content_hash(std::as_bytes(std::span(config_text)));
+  if (format != WeightFormat::kAsStored) {
+    const std::string tag = std::string("weights:") + weight_format_name(format);
+    h = content_hash(std::as_bytes(std::span(tag)), h);
+  }
   for (const auto& name : weights.names()) {
     const Tensor& t = weights.get(name);
     const std::string head = name + ":" + t.view().describe();
@@ -86,7 +111,7 @@ std::string fingerprint_of(const ModelWeights& weights) {
 // per-key-head qkvz / ba groups) are split into the unfused matrices the
 // blocks multiply with.
 k::PackedMatrix gathered_rows(const Tensor& t, std::int64_t groups, std::int64_t stride, std::int64_t first,
-                              std::int64_t count) {
+                              std::int64_t count, WeightFormat format, const std::string& what) {
   const std::int64_t in = t.view().size(1);
   const std::size_t row = static_cast<std::size_t>(in) * dtype_size(t.view().dtype);
   std::vector<std::byte> rows(static_cast<std::size_t>(groups * count) * row);
@@ -95,7 +120,7 @@ k::PackedMatrix gathered_rows(const Tensor& t, std::int64_t groups, std::int64_t
                 t.data<std::byte>() + static_cast<std::size_t>(g * stride + first) * row,
                 static_cast<std::size_t>(count) * row);
   }
-  return pack(rows.data(), t.view().dtype, groups * count, in);
+  return pack(rows.data(), t.view().dtype, groups * count, in, format, what);
 }
 
 // glibc raises its mmap threshold as large blocks are freed, so released
@@ -136,7 +161,7 @@ class Model::Packer {
   const float* get(std::int64_t layer, WeightRole role) { return small(name(layer, role), false); }
   // The linear weight of `role` packed; the original is released.
   k::PackedMatrix linear(std::int64_t layer, WeightRole role) {
-    k::PackedMatrix m = packed(m_.weights_, name(layer, role));
+    k::PackedMatrix m = packed(m_.weights_, name(layer, role), m_.weight_format_);
     m_.weights_.release(name(layer, role));
     return m;
   }
@@ -151,6 +176,11 @@ class Model::Packer {
     fused_.push_back(name(layer, role));
     return m_.weights_.get(fused_.back());
   }
+  // gathered_rows of the fused tensor just taken, in the model's format.
+  k::PackedMatrix gathered(const Tensor& t, std::int64_t groups, std::int64_t stride, std::int64_t first,
+                           std::int64_t count) {
+    return gathered_rows(t, groups, stride, first, count, m_.weight_format_, "tensor '" + fused_.back() + "'");
+  }
 
   Model& m_;
   const ModelConfig& c_;
@@ -161,8 +191,8 @@ void Model::Packer::attention(std::int64_t i, LayerWeights& w) {
   if (c_.attn_output_gate) {
     // q_proj: per head, head_dim query rows then head_dim gate rows.
     const Tensor& q = fused(i, WeightRole::AttnQ);
-    w.wq = gathered_rows(q, c_.num_attention_heads, 2 * c_.head_dim, 0, c_.head_dim);
-    w.wgate = gathered_rows(q, c_.num_attention_heads, 2 * c_.head_dim, c_.head_dim, c_.head_dim);
+    w.wq = gathered(q, c_.num_attention_heads, 2 * c_.head_dim, 0, c_.head_dim);
+    w.wgate = gathered(q, c_.num_attention_heads, 2 * c_.head_dim, c_.head_dim, c_.head_dim);
   } else {
     w.wq = linear(i, WeightRole::AttnQ);
   }
@@ -197,10 +227,13 @@ void Model::Packer::gated_deltanet(std::int64_t i, LayerWeights& w) {
                     static_cast<std::size_t>(count) * row);
       }
     }
-    w.in_qkv = pack(qkv.data(), qkvz.view().dtype, c_.linear_conv_dim(), d);
-    w.in_z = gathered_rows(qkvz, nk, group, 2 * kd + rv, rv);
-    w.in_b = gathered_rows(ba, nk, 2 * r, 0, r);
-    w.in_a = gathered_rows(ba, nk, 2 * r, r, r);
+    w.in_qkv = pack(qkv.data(), qkvz.view().dtype, c_.linear_conv_dim(), d, m_.weight_format_,
+                    "tensor '" + name(i, WeightRole::GdnQkvz) + "'");
+    w.in_z = gathered_rows(qkvz, nk, group, 2 * kd + rv, rv, m_.weight_format_,
+                           "tensor '" + name(i, WeightRole::GdnQkvz) + "'");
+    const std::string ba_what = "tensor '" + name(i, WeightRole::GdnBa) + "'";
+    w.in_b = gathered_rows(ba, nk, 2 * r, 0, r, m_.weight_format_, ba_what);
+    w.in_a = gathered_rows(ba, nk, 2 * r, r, r, m_.weight_format_, ba_what);
   } else {
     w.in_qkv = linear(i, WeightRole::GdnQkv);
     w.in_z = linear(i, WeightRole::GdnZ);
@@ -253,17 +286,20 @@ Model::LayerWeights Model::Packer::layer(std::int64_t i) {
   return w;
 }
 
-Model::Model(ModelWeights weights) : weights_(std::move(weights)) {
+const char* weight_format_name(WeightFormat format) { return format == WeightFormat::kQ8 ? "q8" : "as-stored"; }
+
+Model::Model(ModelWeights weights, LoadOptions options)
+    : weights_(std::move(weights)), weight_format_(options.weights) {
   const ModelConfig& c = weights_.config();
   // rope_inv_freq(c) is theta^(-2j / d), scaled where the config says so
   // (Llama 3), so one cache serves either.
   rope_cache_ = std::make_unique<kernels::RopeCache>(rope_inv_freq(c));
   for (const auto& name : weights_.names()) parameter_count_ += weights_.get(name).numel();
-  fingerprint_ = fingerprint_of(weights_);  // before packing releases the originals
+  fingerprint_ = fingerprint_of(weights_, weight_format_);  // before packing releases the originals
   Packer packer(*this);
   const std::string embed_name = packer.name(0, WeightRole::Embed);
   final_norm_ = packer.norm(packer.name(0, WeightRole::FinalNorm));
-  lm_head_ = packed(weights_, c.tie_word_embeddings ? embed_name : packer.name(0, WeightRole::LmHead));
+  lm_head_ = packed(weights_, c.tie_word_embeddings ? embed_name : packer.name(0, WeightRole::LmHead), weight_format_);
   // A tied embedding is looked up in the packed output matrix (the same
   // values), so the model holds it once.
   embed_ = c.tie_word_embeddings ? nullptr : &weights_.get(embed_name);
@@ -302,7 +338,7 @@ void Model::embed_row(std::int32_t token, float* dst) const {
   }
 }
 
-Model Model::load(const std::string& dir) { return Model(ModelWeights::load(dir)); }
+Model Model::load(const std::string& dir, LoadOptions options) { return Model(ModelWeights::load(dir), options); }
 
 Cache Model::make_cache() const {
   const ModelConfig& c = config();

@@ -934,7 +934,7 @@ Server::Server(ServerOptions options) {
         "max_prefill_rows must be >= 1, got " + std::to_string(options.max_prefill_rows));
   check(options.port >= 0 && options.port <= 65535, "port must be in [0, 65535], got " + std::to_string(options.port));
   check(options.max_body_bytes >= 1, "max_body_bytes must be >= 1");
-  Model model = Model::load(options.model_dir);
+  Model model = Model::load(options.model_dir, options.load);
   Tokenizer tokenizer = runtime::tokenizer_for_model(options.model_dir, model.config());
   const std::int64_t trained = model.config().max_position_embeddings;
   if (trained > 0 && options.context > trained) {

@@ -24,7 +24,7 @@ int run_bench(const CLI::App& cmd, const std::string& model_dir, const DraftChoi
   if (cmd.count("--tree-nodes") > 0 && !tree_choice.tree()) {
     throw InvalidArgument("--tree-nodes sizes tree speculation: it needs --tree W (W >= 2)");
   }
-  const Model model = Model::load(model_dir);
+  const Model model = load_model(model_dir);
   DraftChoice choice;
   choice.draft_dir = tree_choice.draft_dir;
   const Tokenizer tokenizer = load_tokenizer(model_dir, model);
@@ -98,6 +98,7 @@ Command add_bench_command(CLI::App& app, SharedFlags& shared) {
       ->check(integer_in(1, 64))
       ->default_str("2,3,4,5,6,7,8");
   ben->add_option("--json", f.json, "also write the rows as JSON to this file")->default_str("none");
+  add_weights_option(ben, shared.weights);
   add_threads_option(ben, shared.threads);
   return {ben, [ben, flags] {
             const BenchFlags& o = *flags;

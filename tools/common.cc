@@ -356,6 +356,14 @@ void add_threads_option(CLI::App* cmd, std::optional<int>& threads) {
       ->default_str("1 or $OMP_NUM_THREADS");
 }
 
+void add_weights_option(CLI::App* cmd, std::string& weights) {
+  cmd->add_option("--weights", weights,
+                  "how the linear weights are held: as-stored (the checkpoint's dtype, exact) or q8 (int8 "
+                  "blocks of 32 with a bf16 scale each, quantized at load: about half of bf16's bytes; "
+                  "docs/quantization.md)")
+      ->check(CLI::IsMember({"as-stored", "q8"}));
+}
+
 void add_ctx_option(CLI::App* cmd, std::optional<std::int64_t>& ctx_size) {
   cmd->add_option("-c,--ctx-size", ctx_size,
                   "the most positions a run may use (prompt tokens + --max-new-tokens): a run past it is refused "
@@ -408,6 +416,24 @@ void add_sampling_options(CLI::App* cmd, SamplingChoice& sampling) {
 // from main memory, and the prefill of long prompts gain from more threads
 // on an idle machine: the user asks for them with --threads or
 // OMP_NUM_THREADS.
+namespace {
+LoadOptions chosen_load_options;
+}  // namespace
+
+void set_load_options(const std::string& weights) {
+  if (weights == "as-stored") {
+    chosen_load_options.weights = WeightFormat::kAsStored;
+  } else if (weights == "q8") {
+    chosen_load_options.weights = WeightFormat::kQ8;
+  } else {
+    throw InvalidArgument("--weights " + weights + ": the formats are as-stored and q8");
+  }
+}
+
+LoadOptions load_options() { return chosen_load_options; }
+
+Model load_model(const std::string& dir) { return Model::load(dir, chosen_load_options); }
+
 void set_threads(const std::optional<int>& threads) {
   if (threads) {
     omp_set_num_threads(*threads);
@@ -487,7 +513,9 @@ void StdoutStream::write(const std::string& bytes) {
 
 std::optional<Model> load_draft(const DraftChoice& choice, const Model& target, const Tokenizer& target_tokenizer) {
   if (choice.draft_dir.empty()) return std::nullopt;
-  Model draft = Model::load(choice.draft_dir);
+  LoadOptions options;
+  options.weights = target.weight_format();
+  Model draft = Model::load(choice.draft_dir, options);
   const ModelConfig& t = target.config();
   const ModelConfig& d = draft.config();
   // A draft proposes token ids the target scores: the vocabularies must be

@@ -48,7 +48,8 @@ struct Command {
 
 // Flags main acts on for every subcommand before running it.
 struct SharedFlags {
-  std::optional<int> threads;  // -t / --threads (set_threads)
+  std::optional<int> threads;         // -t / --threads (set_threads)
+  std::string weights = "as-stored";  // --weights FORMAT (set_load_options)
 };
 
 // ---- option values -----------------------------------------------------------------
@@ -201,12 +202,22 @@ void add_prompts_option(CLI::App* cmd, PromptChoice& prompt, const char* what);
 void add_draft_options(CLI::App* cmd, DraftChoice& choice);
 // -t / --threads.
 void add_threads_option(CLI::App* cmd, std::optional<int>& threads);
+// --weights as-stored|q8: how the loaded models hold their linear weights.
+void add_weights_option(CLI::App* cmd, std::string& weights);
 // -c / --ctx-size.
 void add_ctx_option(CLI::App* cmd, std::optional<std::int64_t>& ctx_size);
 // --temperature, --top-k, --top-p, -s / --seed.
 void add_sampling_options(CLI::App* cmd, SamplingChoice& sampling);
 
-// ---- threads and context -----------------------------------------------------------
+// ---- threads, weights and context --------------------------------------------------
+
+// Makes load_model use the --weights format in `weights` ("as-stored" or
+// "q8", as add_weights_option allows). Throws InvalidArgument otherwise.
+void set_load_options(const std::string& weights);
+// The options set_load_options chose (default: weights as stored).
+LoadOptions load_options();
+// Model::load(dir, load_options()): the model a subcommand runs.
+Model load_model(const std::string& dir);
 
 // The OpenMP thread count: --threads N, else OMP_NUM_THREADS when the user
 // set it, else one thread (common.cc says why).
@@ -251,7 +262,8 @@ class StdoutStream {
 };
 
 // The --draft model, checked against the target (same vocabulary ids and
-// tokenizer; InvalidArgument otherwise); empty without --draft.
+// tokenizer; InvalidArgument otherwise), its weights held as the target's
+// (Model::weight_format); empty without --draft.
 std::optional<Model> load_draft(const DraftChoice& choice, const Model& target, const Tokenizer& target_tokenizer);
 
 // The chain draft source: the draft model, else prompt lookup.

@@ -22,7 +22,7 @@ int run_eval(const EvalFlags& f) {
   buffer << in.rdbuf();
   const std::string text = buffer.str();
   if (text.empty()) throw InvalidArgument(f.text_path + " is empty");
-  const Model model = Model::load(f.model_dir);
+  const Model model = load_model(f.model_dir);
   const Tokenizer tokenizer = load_tokenizer(f.model_dir, model);
   EvalOptions options;
   options.chunk = f.chunk;
@@ -63,6 +63,7 @@ Command add_eval_command(CLI::App& app, SharedFlags& shared) {
                   "tokens each window moves on, in [1, --context]; earlier tokens of a window are context only "
                   "(default: --context, disjoint windows)")
       ->check(integer_in(0, std::numeric_limits<std::int64_t>::max()));
+  add_weights_option(evl, shared.weights);
   add_threads_option(evl, shared.threads);
   return {evl, [flags] { return run_eval(*flags); }};
 }

@@ -41,7 +41,7 @@ int run_generate_batch(const CLI::App& cmd, const std::string& model_dir, const 
                        std::int64_t max_new, const DraftChoice& choice, const SamplingParams& sampling,
                        const PrefixChoice& prefix_choice, bool stats_wanted,
                        const std::optional<std::int64_t>& ctx_size) {
-  const Model model = Model::load(model_dir);
+  const Model model = load_model(model_dir);
   const std::int64_t ctx = resolve_ctx_size(ctx_size, model);
   const Tokenizer tokenizer = load_tokenizer(model_dir, model);
   const std::optional<Model> draft = load_draft(choice, model, tokenizer);
@@ -123,7 +123,7 @@ int run_generate(const CLI::App& cmd, const std::string& model_dir, const Prompt
                               ctx_size);
   }
   const std::string prompt = prompt_choice.read(cmd);
-  const Model model = Model::load(model_dir);
+  const Model model = load_model(model_dir);
   const Tokenizer tokenizer = load_tokenizer(model_dir, model);
   const std::optional<Model> draft = load_draft(choice, model, tokenizer);
   const std::vector<std::int32_t> tokens = encode_for_generation(tokenizer, prompt, "the prompt");
@@ -194,6 +194,7 @@ Command add_generate_command(CLI::App& app, SharedFlags& shared) {
       ->check(integer_in(0, std::int64_t{1} << 50));
   add_draft_options(gen, f.choice);
   add_sampling_options(gen, f.sampling);
+  add_weights_option(gen, shared.weights);
   add_threads_option(gen, shared.threads);
   add_ctx_option(gen, f.ctx_size);
   gen->add_flag("--stats", f.stats,

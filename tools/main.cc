@@ -90,6 +90,7 @@ int main(int argc, char** argv) {
   }
   try {
     set_threads(shared.threads);
+    set_load_options(shared.weights);
     for (const Command& command : commands) {
       if (*command.app) return command.run();
     }

@@ -38,6 +38,7 @@ int run_serve(const ServeFlags& f, const std::optional<int>& threads) {
   server::ServerOptions o;
   o.model_dir = f.model_dir;
   o.model_name = f.model_name;
+  o.load = load_options();
   o.host = f.host;
   o.port = f.port;
   o.max_batch = f.max_batch;
@@ -89,6 +90,7 @@ Command add_serve_command(CLI::App& app, SharedFlags& shared) {
   cmd->add_option("--port", f.port, "port to listen on (0: a free one, printed at start)")->check(integer_in(0, 65535));
   cmd->add_option("--max-batch", f.max_batch, "sequences decoding at once; later requests wait and join")
       ->check(integer_in(1, 4096));
+  add_weights_option(cmd, shared.weights);
   add_threads_option(cmd, shared.threads);
   cmd->add_option("--http-threads", f.http_threads, "threads serving connections (a streaming client holds one)")
       ->check(integer_in(1, 4096));

@@ -23,7 +23,7 @@ struct VerifyFlags {
 // checked against greedy decoding of that prompt alone.
 int run_verify_batch(const CLI::App& cmd, const std::string& model_dir, const PromptChoice& prompt_choice,
                      std::int64_t max_new, const DraftChoice& choice, const std::optional<std::int64_t>& ctx_size) {
-  const Model model = Model::load(model_dir);
+  const Model model = load_model(model_dir);
   const Tokenizer tokenizer = load_tokenizer(model_dir, model);
   const std::optional<Model> draft = load_draft(choice, model, tokenizer);
   const std::vector<std::vector<std::int32_t>> prompts = encode_prompts(prompt_choice, tokenizer);
@@ -96,7 +96,7 @@ int run_verify(const CLI::App& cmd, const std::string& model_dir, const PromptCh
     return run_verify_batch(cmd, model_dir, prompt_choice, max_new, choice, ctx_size);
   }
   const std::string prompt = prompt_choice.read(cmd);
-  const Model model = Model::load(model_dir);
+  const Model model = load_model(model_dir);
   const Tokenizer tokenizer = load_tokenizer(model_dir, model);
   const std::optional<Model> draft = load_draft(choice, model, tokenizer);
   const std::vector<std::int32_t> tokens = encode_for_generation(tokenizer, prompt, "the prompt");
@@ -180,6 +180,7 @@ Command add_verify_command(CLI::App& app, SharedFlags& shared) {
                   "decode greedily and speculatively this many times each, alternating; every run is "
                   "checked and tok/s (end to end, prefill included) are medians")
       ->check(integer_in(1, 100));
+  add_weights_option(ver, shared.weights);
   add_threads_option(ver, shared.threads);
   add_ctx_option(ver, f.ctx_size);
   return {ver, [ver, flags] {

@@ -1,7 +1,7 @@
 // matmul in isolation (BM_Matmul* of rewind_kernel_bench): y = x w^T for
 // `rows` rows of x against one packed matrix, by element type. Arguments:
 // rows (1: a decoding step; K + 1: a verification forward) and the element
-// type (0 f32, 1 f16, 2 bf16). Shapes: one of the shipped target's
+// type (0 f32, 1 f16, 2 bf16, 3 Q8 quantized from the f32 values). Shapes: one of the shipped target's
 // projections (192 inputs, 512 outputs: resident in L2 / L3) and a Qwen3-size
 // one (1024 x 4096, streamed from memory). Counter: flops_per_second (2 per
 // multiply-add). Which instruction-set copy runs follows the CPU and the
@@ -21,6 +21,7 @@ namespace k = rwd::runtime::kernels;
 
 k::PackedMatrix packed(const std::vector<float>& w, std::int64_t out, std::int64_t in, std::int64_t element) {
   if (element == 0) return k::PackedMatrix(w.data(), out, in);
+  if (element == 3) return k::PackedMatrix::from_q8(w.data(), k::PackedMatrix::Element::F32, out, in);
   std::vector<std::uint16_t> h(w.size());
   for (std::size_t i = 0; i < w.size(); ++i) {
     h[i] = element == 1 ? rwd::f32_to_f16(w[i]) : rwd::f32_to_bf16(w[i]);
@@ -50,8 +51,11 @@ void BM_MatmulQwen3(benchmark::State& state) { matmul(state, 1024, 4096); }
 
 BENCHMARK(BM_MatmulShipped)
     ->ArgNames({"rows", "element"})
-    ->ArgsProduct({{1, 2, 5, 8, 16}, {0, 1, 2}})
+    ->ArgsProduct({{1, 2, 5, 8, 16}, {0, 1, 2, 3}})
     ->Unit(benchmark::kMicrosecond);
-BENCHMARK(BM_MatmulQwen3)->ArgNames({"rows", "element"})->ArgsProduct({{1, 5}, {0, 1}})->Unit(benchmark::kMicrosecond);
+BENCHMARK(BM_MatmulQwen3)
+    ->ArgNames({"rows", "element"})
+    ->ArgsProduct({{1, 5}, {0, 1, 2, 3}})
+    ->Unit(benchmark::kMicrosecond);
 
 }  // namespace

@@ -4,10 +4,14 @@
 #include <omp.h>
 #include <algorithm>
 #include <cassert>
+#include <cmath>
 #include <cstddef>
 #include <cstdint>
+#include <cstring>
+#include <limits>
 #include <memory>
 #include <new>
+#include <vector>
 #if defined(__linux__)
 #include <sys/mman.h>
 #endif
@@ -93,6 +97,84 @@ PackedMatrix PackedMatrix::from_bf16(const std::uint16_t* w, int64_t out, int64_
 
 PackedMatrix PackedMatrix::from_f16(const std::uint16_t* w, int64_t out, int64_t in) {
   return packed_from(w, out, in, Element::F16);
+}
+
+namespace {
+
+// Row o of a [out, in] source matrix of `source` as f32 into dst[0, in),
+// exactly.
+void source_row(const void* w, PackedMatrix::Element source, int64_t o, int64_t in, float* dst) {
+  const auto first = static_cast<std::size_t>(o * in);
+  const auto* half = static_cast<const std::uint16_t*>(w) + first;
+  switch (source) {
+    case PackedMatrix::Element::BF16:
+      for (int64_t i = 0; i < in; ++i) dst[i] = bf16_to_f32(half[i]);
+      return;
+    case PackedMatrix::Element::F16:
+      for (int64_t i = 0; i < in; ++i) dst[i] = f16_to_f32(half[i]);
+      return;
+    default: std::memcpy(dst, static_cast<const float*>(w) + first, static_cast<std::size_t>(in) * sizeof(float));
+  }
+}
+
+// The smallest bf16 >= max_abs / 127 (max_abs finite and >= 0), as its bits:
+// rounding the scale up keeps every |w| / s within 127 (a scale rounded
+// down could need 128). Positive floats order as their bits, so rounding up
+// to bf16 is adding one unit in the kept half where any dropped bit is set.
+std::uint16_t q8_scale_bits(float max_abs) {
+  const double exact = static_cast<double>(max_abs) / 127.0;
+  float s = static_cast<float>(exact);
+  if (static_cast<double>(s) < exact) s = std::nextafter(s, std::numeric_limits<float>::infinity());
+  std::uint32_t bits;
+  std::memcpy(&bits, &s, sizeof bits);
+  return static_cast<std::uint16_t>((bits >> 16) + ((bits & 0xFFFFu) != 0 ? 1u : 0u));
+}
+
+// The integer in [-127, 127] nearest to v / s (s > 0, |v| <= 127 s): the
+// nearest integer to the quotient in double, moved by one where the exact
+// error says so (q * s has at most 16 significant bits and v 24, so
+// v - q * s is exact in double), so that |v - q s| <= s / 2 holds exactly.
+std::int8_t q8_nearest(float v, float s) {
+  const double x = static_cast<double>(v), sd = static_cast<double>(s);
+  double q = std::clamp(std::nearbyint(x / sd), -127.0, 127.0);
+  const double e = x - q * sd;
+  if (e > sd / 2 && q < 127.0) q += 1.0;
+  if (e < -sd / 2 && q > -127.0) q -= 1.0;
+  return static_cast<std::int8_t>(q);
+}
+
+}  // namespace
+
+PackedMatrix PackedMatrix::from_q8(const void* w, Element source, int64_t out, int64_t in) {
+  assert(out >= 0 && in >= 0 && source != Element::Q8);
+  PackedMatrix m;
+  m.out_ = out;
+  m.in_ = in;
+  m.element_ = Element::Q8;
+  const std::size_t total = m.bytes();
+  if (total == 0) return m;
+  m.data_ = allocate_panels(total);
+  std::memset(m.data_.get(), 0, total);
+  const int64_t blocks = (in + kQ8Block - 1) / kQ8Block;
+  std::vector<float> row(static_cast<std::size_t>(in));
+  for (int64_t o = 0; o < out; ++o) {
+    const int64_t l = o % kPanel;
+    std::byte* panel = m.data_.get() + static_cast<std::size_t>(o / kPanel) * m.panel_bytes();
+    source_row(w, source, o, in, row.data());
+    for (int64_t b = 0; b < blocks; ++b) {
+      const int64_t first = b * kQ8Block, n = std::min(kQ8Block, in - first);
+      const float* v = row.data() + first;
+      float max_abs = 0.0f;
+      for (int64_t k = 0; k < n; ++k) max_abs = std::max(max_abs, std::abs(v[k]));
+      std::byte* block = panel + b * kQ8BlockBytes;
+      if (max_abs == 0.0f) continue;  // scale and values stay 0
+      const std::uint16_t scale_bits = q8_scale_bits(max_abs);
+      std::memcpy(block + l * 2, &scale_bits, sizeof scale_bits);
+      const float s = bf16_to_f32(scale_bits);
+      for (int64_t k = 0; k < n; ++k) block[kPanel * 2 + k * kPanel + l] = static_cast<std::byte>(q8_nearest(v[k], s));
+    }
+  }
+  return m;
 }
 
 namespace {

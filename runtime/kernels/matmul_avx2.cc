@@ -85,6 +85,23 @@ struct F16SoftwarePanels {
     return a;
   }
 };
+// Q8 rows in the two registers (the generic Q8Panels' 16-lane vectors
+// would go through the stack, as above).
+struct Q8Panels {
+  static constexpr bool kQ8 = true;
+  REWIND_INLINE static void load_q8_scales(const unsigned char* block, Reg* out) {
+    out[0] = Bf16Panels::widen(static_cast<const std::uint16_t*>(static_cast<const void*>(block)));
+    out[1] = Bf16Panels::widen(static_cast<const std::uint16_t*>(static_cast<const void*>(block)) + 8);
+  }
+  REWIND_INLINE static __m256 widen(const unsigned char* p) {
+    return _mm256_cvtepi32_ps(
+        _mm256_cvtepi8_epi32(_mm_loadl_epi64(static_cast<const __m128i*>(static_cast<const void*>(p)))));
+  }
+  REWIND_INLINE static void load_q8(const unsigned char* row, const Reg* scale, Reg* out) {
+    out[0] = _mm256_mul_ps(widen(row), scale[0]);
+    out[1] = _mm256_mul_ps(widen(row + 8), scale[1]);
+  }
+};
 REWIND_INLINE Reg multiply_add(float x, Reg w, Reg acc) { return _mm256_fmadd_ps(_mm256_set1_ps(x), w, acc); }
 constexpr bool kWide = false;
 

@@ -111,6 +111,31 @@ struct Bf16Panels {
   }
 };
 
+// Q8 panels (kernels.h): a block's 16 bf16 scales widened to f32 (a shift),
+// and one row of 16 int8 widened and multiplied by them, exactly (q * s
+// has at most 16 significant bits). Reg is the including copy's panel row
+// (PanelRow here; the AVX2 copy has its own loads).
+struct Q8Panels {
+  static constexpr bool kQ8 = true;
+  REWIND_INLINE static PanelRow scales(const unsigned char* block) {
+    PanelRow16 h;
+    __builtin_memcpy(&h, block, sizeof h);
+    return bits_as_floats(__builtin_convertvector(h, PanelRowBits) << 16);
+  }
+  REWIND_INLINE static void load_q8_scales(const unsigned char* block, PanelRow* out) { out[0] = scales(block); }
+  REWIND_INLINE static void load_q8(const unsigned char* row, const PanelRow* scale, PanelRow* out) {
+    typedef signed char PanelRow8 __attribute__((vector_size(kPanel)));
+    PanelRow8 q;
+    __builtin_memcpy(&q, row, sizeof q);
+    out[0] = __builtin_convertvector(q, PanelRow) * scale[0];
+  }
+};
+// Whether E is a Q8 panel loader (matmul_micro.inc picks its block loop).
+template <class E>
+inline constexpr bool is_q8_panels = requires {
+  E::kQ8;
+};
+
 // IEEE binary16 to f32 without F16C, exactly (the values vcvtph2ps gives):
 // a normal f16 is its exponent rebiased by 127 - 15 = 112 and its mantissa
 // shifted up 13 bits; a subnormal one, m * 2^-24, is (1 + m / 1024) * 2^-14

@@ -114,6 +114,20 @@ TEST_F(Cli, VerifyEndsWithAcceptanceByPosition) {
   EXPECT_EQ(figures_after(batch.out, marker).size(), 4u) << batch.out;
 }
 
+TEST_F(Cli, WeightsQ8QuantizesAtLoadAndSpeculationStaysExact) {
+  // verify checks speculative decoding against greedy decoding of the same
+  // (here quantized) target, the draft quantized with it.
+  const CliResult r = run_cli("verify" + model("target") + " --draft " + quote(dir_ + "/draft") +
+                              " --weights q8 --prompt 'in the beginning' --max-new-tokens 24");
+  EXPECT_EQ(r.status, 0) << r.all();
+  EXPECT_NE(r.out.find("IDENTICAL: "), std::string::npos) << r.all();  // a random target may stop at EOS
+  const CliResult gen = run_cli("generate" + model("target") + " --weights q8 --prompt hello --max-new-tokens 8");
+  EXPECT_EQ(gen.status, 0) << gen.all();
+  const CliResult bad = run_cli("generate" + model("target") + " --weights q4 --prompt hello");
+  EXPECT_EQ(bad.status, 2) << bad.all();
+  EXPECT_NE(bad.err.find("--weights"), std::string::npos) << bad.all();
+}
+
 TEST_F(Cli, VerifyRepeatsChecksEveryRunAndReportsMedians) {
   const CliResult r = run_cli("verify" + model("target") + " --draft " + quote(dir_ + "/draft") +
                               " --prompt 'in the beginning' --max-new-tokens 24 --repeats 3");

@@ -132,13 +132,25 @@ inline float softplus(float x) { return x > 20.0f ? x : std::log1p(std::exp(x));
 // a shift; f16: the CPU's F16C conversion, or the same exact conversion in
 // integer and f32 operations where it has none). Widening is exact, so the
 // products and sums, and the results, are bit for bit those of the f32
-// matrix of the same values. Holds 64-byte aligned storage of its own (the
-// source can be freed after packing); movable, not copyable.
+// matrix of the same values. Or the elements are Q8 (from_q8): int8 in
+// blocks of kQ8Block = 32 consecutive inputs of one output, each block with
+// one bf16 scale s, the weight standing for q * s (docs/quantization.md).
+// Panel p then holds, per block b of inputs: the 16 lanes' scales (bf16,
+// 32 bytes), then w[p * 16 + l, b * 32 + k] as int8 at k * 16 + l (512
+// bytes; zeros past `out` and past `in`). A bf16 scale has 8 significant
+// bits and q at most 8, so q * s is exact in f32: matmul widens q, multiplies
+// it by s and goes on as for f32, and its results are bit for bit those of
+// the f32 matrix of the dequantized values. Holds 64-byte aligned storage of
+// its own (the source can be freed after packing); movable, not copyable.
 class PackedMatrix {
  public:
   static constexpr std::int64_t kPanelWidth = 16;
+  // Inputs per Q8 block, and the bytes of one block of a Q8 panel (16 bf16
+  // scales, then 32 x 16 int8).
+  static constexpr std::int64_t kQ8Block = 32;
+  static constexpr std::int64_t kQ8BlockBytes = kPanelWidth * 2 + kQ8Block * kPanelWidth;
   // How the elements are stored.
-  enum class Element : std::uint8_t { F32, BF16, F16 };
+  enum class Element : std::uint8_t { F32, BF16, F16, Q8 };
 
   // An empty 0 x 0 matrix.
   PackedMatrix() = default;
@@ -151,6 +163,14 @@ class PackedMatrix {
   // Copies w: [out, in] of IEEE binary16 bit patterns into f16 panels.
   // REQUIRES as above (out * in uint16 values). Throws std::bad_alloc.
   static PackedMatrix from_f16(const std::uint16_t* w, std::int64_t out, std::int64_t in);
+  // Quantizes w: [out, in] of `source` (F32: floats; BF16 / F16: uint16 bit
+  // patterns, widened exactly) into Q8 panels: per block of 32 inputs of one
+  // output, s = the smallest bf16 >= max|w| / 127 (0 for an all-zero
+  // block) and q = the integer in [-127, 127] nearest to w / s, so that
+  // |w - q * s| <= s / 2 for every weight. REQUIRES: source is not Q8;
+  // every weight is finite; out, in and w as for the other constructors.
+  // Throws std::bad_alloc.
+  static PackedMatrix from_q8(const void* w, Element source, std::int64_t out, std::int64_t in);
   // A moved-from matrix is the empty 0 x 0 one.
   PackedMatrix(PackedMatrix&& other) noexcept
       : data_(std::move(other.data_)), out_(std::exchange(other.out_, 0)), in_(std::exchange(other.in_, 0)),
@@ -169,18 +189,31 @@ class PackedMatrix {
   std::int64_t in() const { return in_; }
   std::int64_t panels() const { return (out_ + kPanelWidth - 1) / kPanelWidth; }
   Element element() const { return element_; }
-  // Bytes per stored element: 4 (f32) or 2 (bf16, f16).
-  std::size_t element_bytes() const { return element_ == Element::F32 ? sizeof(float) : sizeof(std::uint16_t); }
-  // Panel p: [in][kPanelWidth] elements of element(): floats, or uint16 bit
-  // patterns. REQUIRES: 0 <= p < panels().
-  const void* panel_data(std::int64_t p) const {
-    return data_.get() + static_cast<std::size_t>(p * in_ * kPanelWidth) * element_bytes();
+  // Bytes of one panel: in() * 16 elements of element(), or for Q8
+  // ceil(in() / 32) blocks of kQ8BlockBytes.
+  std::size_t panel_bytes() const {
+    if (element_ == Element::Q8) return static_cast<std::size_t>((in_ + kQ8Block - 1) / kQ8Block * kQ8BlockBytes);
+    const std::size_t element = element_ == Element::F32 ? sizeof(float) : sizeof(std::uint16_t);
+    return static_cast<std::size_t>(in_ * kPanelWidth) * element;
   }
+  // Panel p: [in][kPanelWidth] elements of element(): floats, or uint16 bit
+  // patterns; for Q8 its blocks as described above. REQUIRES: 0 <= p <
+  // panels().
+  const void* panel_data(std::int64_t p) const { return data_.get() + static_cast<std::size_t>(p) * panel_bytes(); }
   // Panel p as floats. REQUIRES: 0 <= p < panels() and element() == F32.
   const float* panel(std::int64_t p) const { return static_cast<const float*>(panel_data(p)); }
-  // w[o, i] as packed (as f32). REQUIRES: 0 <= o < out(), 0 <= i < in().
+  // w[o, i] as packed (as f32; for Q8 q * s, exact). REQUIRES: 0 <= o <
+  // out(), 0 <= i < in().
   float at(std::int64_t o, std::int64_t i) const {
-    const std::int64_t k = i * kPanelWidth + o % kPanelWidth;
+    const std::int64_t l = o % kPanelWidth;
+    if (element_ == Element::Q8) {
+      const auto* block = static_cast<const std::byte*>(panel_data(o / kPanelWidth)) + i / kQ8Block * kQ8BlockBytes;
+      std::uint16_t scale;
+      std::memcpy(&scale, block + l * 2, sizeof scale);
+      const auto q = static_cast<std::int8_t>(block[kPanelWidth * 2 + i % kQ8Block * kPanelWidth + l]);
+      return static_cast<float>(q) * bf16_to_f32(scale);
+    }
+    const std::int64_t k = i * kPanelWidth + l;
     if (element_ == Element::F32) return panel(o / kPanelWidth)[k];
     const std::uint16_t h = static_cast<const std::uint16_t*>(panel_data(o / kPanelWidth))[k];
     return element_ == Element::BF16 ? bf16_to_f32(h) : f16_to_f32(h);
@@ -191,7 +224,7 @@ class PackedMatrix {
     for (std::int64_t i = 0; i < in_; ++i) dst[i] = at(o, i);
   }
   // Bytes of the packed storage (padding included).
-  std::size_t bytes() const { return static_cast<std::size_t>(panels() * in_ * kPanelWidth) * element_bytes(); }
+  std::size_t bytes() const { return static_cast<std::size_t>(panels()) * panel_bytes(); }
 
  private:
   struct AlignedFree {

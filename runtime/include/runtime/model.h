@@ -59,13 +59,31 @@ struct SequenceTokens {
   LogitRows logits = LogitRows::kAll;
 };
 
+// How a Model holds its linear weights (every matrix kernels::matmul
+// multiplies with: projections, MLP, output head and a tied embedding).
+enum class WeightFormat : std::uint8_t {
+  kAsStored,  // the checkpoint's dtype (f32, bf16 or f16): exact
+  kQ8,        // quantized at load into int8 blocks of 32 with a bf16 scale
+              // each (kernels::PackedMatrix::from_q8, docs/quantization.md)
+};
+
+// "as-stored" or "q8" (the CLI's --weights values).
+const char* weight_format_name(WeightFormat format);
+
+// Options of Model's constructor and Model::load.
+struct LoadOptions {
+  WeightFormat weights = WeightFormat::kAsStored;
+};
+
 class Model {
  public:
-  // Takes validated weights (ModelWeights::load / random check them).
-  explicit Model(ModelWeights weights);
+  // Takes validated weights (ModelWeights::load / random check them) and
+  // packs them as options.weights says. Throws FormatError for kQ8 when a
+  // linear weight is not finite (Q8 has no infinity or NaN).
+  explicit Model(ModelWeights weights, LoadOptions options = {});
   // Loads DIR/config.json + DIR/model.safetensors. Throws FormatError /
-  // rwd::Error as ModelWeights::load does.
-  static Model load(const std::string& dir);
+  // rwd::Error as ModelWeights::load and the constructor do.
+  static Model load(const std::string& dir, LoadOptions options = {});
 
   Model(Model&&) noexcept = default;
   Model& operator=(Model&&) noexcept = default;
@@ -84,7 +102,11 @@ class Model {
   // hashing config.json's fields (to_json) and every tensor's name, shape
   // and bytes (rwd::content_hash). What prefix-cache entries and snapshot
   // files are tagged with.
+  // A Q8 model's logits differ from the stored weights', so its fingerprint
+  // also hashes the format: cache entries of one never serve the other.
   const std::string& fingerprint() const { return fingerprint_; }
+  // How the linear weights are held (LoadOptions::weights).
+  WeightFormat weight_format() const { return weight_format_; }
 
   // An empty cache for one sequence (batch 1) with one layer per model layer.
   Cache make_cache() const;
@@ -282,6 +304,7 @@ class Model {
   std::deque<std::vector<float>> folded_;
   std::int64_t parameter_count_ = 0;
   std::string fingerprint_;
+  WeightFormat weight_format_ = WeightFormat::kAsStored;
   bool has_attention_ = false;  // any full / sliding attention layer (needs RoPE)
   // The RoPE angles of the positions seen so far (kernels::RopeCache: at
   // most 64K positions' rows, thread-safe), shared by every forward; its

@@ -19,6 +19,8 @@
 #include <memory>
 #include <string>
 
+#include "runtime/model.h"
+
 namespace rwd::server {
 
 struct ServerOptions {
@@ -43,6 +45,8 @@ struct ServerOptions {
   std::int64_t context = 0;
   // Prompt tokens one forward feeds at most (runtime::GenerationOptions).
   std::int64_t max_prefill_rows = 2048;
+  // How the model holds its linear weights (runtime::LoadOptions).
+  runtime::LoadOptions load;
 };
 
 // The context used when neither ServerOptions::context nor the model's
