@@ -117,9 +117,9 @@ build-options: deps
 # Every label but python (test-python runs those with the tokenizer data required).
 test-plain: build tokenizer-reference
 	cd $(BUILD) && REWIND_REQUIRE_TOKENIZER_DATA=1 ctest --output-on-failure -j $(JOBS) -LE python
-	# matmul's other register shape (the one machines without AVX-512 run;
-	# f16 weights widened by AVX2 + F16C there)
-	REWIND_MATMUL_NARROW=1 $(BUILD)/tests/rewind_runtime_tests \
+	# matmul's other register shape and the other kernels' AVX2 copies (what
+	# machines without AVX-512 run; f16 weights widened by AVX2 + F16C there)
+	REWIND_MATMUL_NARROW=1 REWIND_KERNELS_NARROW=1 $(BUILD)/tests/rewind_runtime_tests \
 	  --gtest_filter='Kernels*:WeightsMemory*:ForwardBatch*:GenerateBatch*:SpeculativeBatch*:ModelForward*:*Lossless*:Speculative*' --gtest_brief=1
 	# f16 weights widened without F16C (CPUs that lack it): the shipped models are f16
 	REWIND_MATMUL_F16_SOFTWARE=1 $(BUILD)/tests/rewind_runtime_tests \

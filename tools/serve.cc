@@ -82,7 +82,8 @@ int run_serve(const ServeFlags&, const std::optional<int>&) {
 Command add_serve_command(CLI::App& app, SharedFlags& shared) {
   auto flags = std::make_shared<ServeFlags>();
   ServeFlags& f = *flags;
-  auto* cmd = app.add_subcommand("serve", "an OpenAI-compatible HTTP server (/v1/completions, streaming)");
+  auto* cmd = app.add_subcommand("serve",
+                                 "an OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions, streaming)");
   add_model_option(cmd, f.model_dir);
   cmd->add_option("--model-name", f.model_name,
                   "the model id /v1/models reports and requests name (default: the model directory's name)");

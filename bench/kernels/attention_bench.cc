@@ -10,6 +10,11 @@
 // of 48) and a Qwen3-size one (32 over 8 of 128).
 // Counters: kv_bytes_per_second (keys and values read), per_key_head (the
 // time per key and KV head, all query heads of a group together).
+// BM_PrefillAttention*: kernels::attention for a prompt of `rows` rows
+// attending causally to themselves (one strided buffer), the shipped
+// target's shape and a Qwen3.5-0.8B full-attention one (8 query heads over 2
+// KV heads of 256). Counter: flops_per_second (2 per multiply-add of the
+// scores and of the weighted values).
 #include <benchmark/benchmark.h>
 
 #include <algorithm>
@@ -107,6 +112,35 @@ void decode_attention(benchmark::State& state, Shape shape) {
 void BM_DecodeAttentionShipped(benchmark::State& state) { decode_attention(state, {4, 2, 48}); }
 void BM_DecodeAttentionQwen3(benchmark::State& state) { decode_attention(state, {32, 8, 128}); }
 
+void prefill_attention(benchmark::State& state, Shape shape) {
+  const std::int64_t rows = state.range(0);
+  std::mt19937 rng(9);
+  std::normal_distribution<float> normal;
+  const auto kv_floats = static_cast<std::size_t>(rows * shape.kv_heads * shape.head_dim);
+  std::vector<float> q(static_cast<std::size_t>(rows * shape.heads * shape.head_dim)), keys(kv_floats),
+      values(kv_floats), out(q.size());
+  for (auto* v : {&q, &keys, &values}) {
+    for (float& x : *v) x = normal(rng);
+  }
+  const k::StridedKV ks{keys.data(), shape.head_dim, shape.kv_heads * shape.head_dim};
+  const k::StridedKV vs{values.data(), shape.head_dim, shape.kv_heads * shape.head_dim};
+  for (auto _ : state) {
+    k::attention(q.data(), rows, 0, shape.heads, shape.kv_heads, shape.head_dim, ks, vs, 0, rows, {}, out.data());
+    benchmark::DoNotOptimize(out.data());
+  }
+  // Row r attends to r + 1 keys: rows (rows + 1) / 2 score-and-value pairs
+  // per query head, each 2 * head_dim multiply-adds.
+  const double pairs = static_cast<double>(rows) * static_cast<double>(rows + 1) / 2.0;
+  state.counters["flops_per_second"] = benchmark::Counter(
+      4.0 * pairs * static_cast<double>(shape.heads * shape.head_dim), benchmark::Counter::kIsIterationInvariantRate,
+      benchmark::Counter::kIs1000);
+}
+
+void BM_PrefillAttentionShipped(benchmark::State& state) { prefill_attention(state, {4, 2, 48}); }
+void BM_PrefillAttentionQwen35(benchmark::State& state) { prefill_attention(state, {8, 2, 256}); }
+
+BENCHMARK(BM_PrefillAttentionShipped)->ArgNames({"rows"})->Arg(172)->Unit(benchmark::kMicrosecond);
+BENCHMARK(BM_PrefillAttentionQwen35)->ArgNames({"rows"})->Arg(256)->Unit(benchmark::kMicrosecond);
 BENCHMARK(BM_DecodeAttentionShipped)
     ->ArgNames({"seqs", "ctx", "flush"})
     ->ArgsProduct({{1, 16}, {64, 172, 1024}, {0, 1}})

@@ -102,22 +102,53 @@ REWIND_INLINE void dot4x2_strided(const float* xa, const float* xb, const float*
   add_tails4(sb, xb, k, stride, i, n);
 }
 
+// dot4x2_strided with 8-float vectors only (the AVX2 copy, where a 16-float
+// one goes through the stack): xa's partial sums in a0..a3, xb's in
+// b0..b3, each key chunk loaded once for both. Lane for lane the
+// arithmetic of dot4x2_strided's halves.
+REWIND_INLINE void dot4x2_strided_narrow(const float* xa, const float* xb, const float* k, int64_t stride, int64_t n,
+                                         Quad& sa, Quad& sb) {
+  const float* k0 = k;
+  const float* k1 = k + stride;
+  const float* k2 = k + 2 * stride;
+  const float* k3 = k + 3 * stride;
+  Lanes a0 = {}, a1 = {}, a2 = {}, a3 = {}, b0 = {}, b1 = {}, b2 = {}, b3 = {};
+  int64_t i = 0;
+  for (; i + kLanes <= n; i += kLanes) {
+    const Lanes xav = load_lanes(xa + i), xbv = load_lanes(xb + i);
+    const Lanes l0 = load_lanes(k0 + i), l1 = load_lanes(k1 + i), l2 = load_lanes(k2 + i), l3 = load_lanes(k3 + i);
+    a0 += xav * l0;
+    b0 += xbv * l0;
+    a1 += xav * l1;
+    b1 += xbv * l1;
+    a2 += xav * l2;
+    b2 += xbv * l2;
+    a3 += xav * l3;
+    b3 += xbv * l3;
+  }
+  sa = combine4(a0, a1, a2, a3);
+  sb = combine4(b0, b1, b2, b3);
+  add_tails4(sa, xa, k, stride, i, n);
+  add_tails4(sb, xb, k, stride, i, n);
+}
+
 // For each of G queries g: out[g][0, B * 8) = sum_j e[g][j] * rows[j *
 // stride + (0 .. B * 8)], in order of j from 0, with the sums held in
-// registers (16 floats a vector: one AVX-512 register, two AVX2 ones; each
-// lane's arithmetic is the same) and each row of values loaded once for all
-// G queries.
+// registers and each row of values loaded once for all G queries. `kWide`:
+// 16 floats a vector (one AVX-512 register), then one of 8; otherwise 8
+// floats a vector (one AVX2 register); each lane's arithmetic is the same.
 // `resume`: the sums continue from out (a previous call over the positions
 // before these) instead of starting at 0; storing and reloading a sum keeps
 // its bits, so splitting the positions changes nothing.
 // `e_sum`, when not null: also e_sum[g] += e[g][j] in order of j, a chain of
 // adds that runs alongside the products instead of in a loop of its own.
-template <int B, int G>
+template <int B, int G, bool kWideRows>
 REWIND_INLINE void weighted_sum_of_rows(const float* const* e, const float* rows, int64_t stride, int64_t n,
                                         float* const* out, bool resume, float* e_sum) {
-  constexpr int kWide = B / 2, kNarrow = B % 2;  // 16-float vectors, then one of 8
+  // 16-float vectors, then 8-float ones (one at most when kWideRows).
+  constexpr int kWide = kWideRows ? B / 2 : 0, kNarrow = kWideRows ? B % 2 : B;
   PanelRow acc[G][kWide > 0 ? kWide : 1] = {};
-  Lanes tail[G] = {};
+  Lanes tail[G][kNarrow > 0 ? kNarrow : 1] = {};
   float sum[G] = {};
 #pragma GCC unroll 2
   for (int g = 0; g < G; ++g) {
@@ -126,7 +157,10 @@ REWIND_INLINE void weighted_sum_of_rows(const float* const* e, const float* rows
 #pragma GCC unroll 8
         for (int b = 0; b < kWide; ++b) acc[g][b] = F32Panels::load(out[g] + b * kPanel);
       }
-      if constexpr (kNarrow) __builtin_memcpy(&tail[g], out[g] + kWide * kPanel, sizeof(Lanes));
+      if constexpr (kNarrow > 0) {
+#pragma GCC unroll 8
+        for (int b = 0; b < kNarrow; ++b) tail[g][b] = load_lanes(out[g] + kWide * kPanel + b * kLanes);
+      }
     }
     if (e_sum != nullptr) sum[g] = e_sum[g];
   }
@@ -140,10 +174,13 @@ REWIND_INLINE void weighted_sum_of_rows(const float* const* e, const float* rows
         for (int g = 0; g < G; ++g) acc[g][b] += e[g][j] * v;
       }
     }
-    if constexpr (kNarrow) {
-      const Lanes v = load_lanes(row + kWide * kPanel);
+    if constexpr (kNarrow > 0) {
+#pragma GCC unroll 8
+      for (int b = 0; b < kNarrow; ++b) {
+        const Lanes v = load_lanes(row + kWide * kPanel + b * kLanes);
 #pragma GCC unroll 2
-      for (int g = 0; g < G; ++g) tail[g] += e[g][j] * v;
+        for (int g = 0; g < G; ++g) tail[g][b] += e[g][j] * v;
+      }
     }
     if (e_sum != nullptr) {
 #pragma GCC unroll 2
@@ -156,18 +193,25 @@ REWIND_INLINE void weighted_sum_of_rows(const float* const* e, const float* rows
 #pragma GCC unroll 8
       for (int b = 0; b < kWide; ++b) __builtin_memcpy(out[g] + b * kPanel, &acc[g][b], sizeof(PanelRow));
     }
-    if constexpr (kNarrow) __builtin_memcpy(out[g] + kWide * kPanel, &tail[g], sizeof(Lanes));
+    if constexpr (kNarrow > 0) {
+#pragma GCC unroll 8
+      for (int b = 0; b < kNarrow; ++b)
+        __builtin_memcpy(out[g] + kWide * kPanel + b * kLanes, &tail[g][b], sizeof(Lanes));
+    }
     if (e_sum != nullptr) e_sum[g] = sum[g];
   }
 }
 
-// w[j] = exp_f32(w[j] - shift) for j < n, 16 lanes at a time, then 8, then
-// one: the same arithmetic per lane.
+// w[j] = exp_f32(w[j] - shift) for j < n, 16 lanes at a time (when
+// `kWide`), then 8, then one: the same arithmetic per lane.
+template <bool kWide>
 REWIND_INLINE void exp_shifted_inplace(float* w, int64_t n, float shift) {
   int64_t j = 0;
-  for (; j + kPanel <= n; j += kPanel) {
-    const PanelRow e = exp_of<PanelRow, PanelRowBits>(F32Panels::load(w + j) - shift);
-    __builtin_memcpy(w + j, &e, sizeof e);
+  if constexpr (kWide) {
+    for (; j + kPanel <= n; j += kPanel) {
+      const PanelRow e = exp_of<PanelRow, PanelRowBits>(F32Panels::load(w + j) - shift);
+      __builtin_memcpy(w + j, &e, sizeof e);
+    }
   }
   for (; j + kLanes <= n; j += kLanes) {
     const Lanes e = exp_lanes(load_lanes(w + j) - broadcast<Lanes>(shift));
@@ -235,8 +279,9 @@ constexpr int64_t kPrefetchRows = 16;
 // grouped, and a maximum does not depend on the order it is taken in
 // (signed zeros aside, and exp(w - max) is the same for max = +0 and -0).
 // `prefetch`: keep kPrefetchRows rows of keys and values (v_pos_stride
-// floats apart) requested ahead of the scoring.
-template <int G>
+// floats apart) requested ahead of the scoring. `kWide`: pairs of queries
+// share 16-float vectors (dot4x2_strided); otherwise 8-float ones.
+template <int G, bool kWide>
 REWIND_INLINE void score_keys(const float* const* qh, const KVSegment* segments, int64_t num_segments,
                               int64_t k_pos_stride, int64_t v_pos_stride, int64_t head_dim, float scale, int64_t begin,
                               int64_t end, float* const* w, Quad* max4, float* max_score, bool prefetch) {
@@ -254,7 +299,11 @@ REWIND_INLINE void score_keys(const float* const* qh, const KVSegment* segments,
       ahead.advance(4);
       Quad sc[G];
       if constexpr (G == 2) {
-        dot4x2_strided(qh[0], qh[1], kh + key * k_pos_stride, k_pos_stride, head_dim, sc[0], sc[1]);
+        if constexpr (kWide) {
+          dot4x2_strided(qh[0], qh[1], kh + key * k_pos_stride, k_pos_stride, head_dim, sc[0], sc[1]);
+        } else {
+          dot4x2_strided_narrow(qh[0], qh[1], kh + key * k_pos_stride, k_pos_stride, head_dim, sc[0], sc[1]);
+        }
       } else {
         sc[0] = dot4_strided(qh[0], kh + key * k_pos_stride, k_pos_stride, head_dim);
       }
@@ -280,12 +329,15 @@ REWIND_INLINE void score_keys(const float* const* qh, const KVSegment* segments,
 // apart), in order of j, for G queries at once (each value row loaded once
 // for both); `resume`: continuing from o (the keys before `begin`) instead
 // of from 0. e_sum[g] += e[g][j] in the same order.
-// Up to 64 elements of o stay in registers for a whole pass over a
-// segment's keys (storing o after every key would chain each step to the
-// previous store); the rest goes element by element. Every path does the
-// same operations per element, and storing and reloading a sum keeps its
-// bits, so splitting the keys into calls or pieces changes nothing.
-template <int G>
+// Up to 64 elements of o (16-float vectors, `kWide`: AVX-512's 32
+// registers; 8-float ones for one query in AVX2) or 48 (a pair of queries
+// in AVX2's 16 registers: 12 sums, a row of values and the two weights)
+// stay in registers for a whole pass over a segment's keys (storing o after
+// every key would chain each step to the previous store); the rest goes
+// element by element. Every path does the same operations per element, and
+// storing and reloading a sum keeps its bits, so splitting the keys into
+// calls or pieces changes nothing.
+template <int G, bool kWide>
 REWIND_INLINE void weighted_values(float* const* e, const KVSegment* segments, int64_t num_segments,
                                    int64_t v_pos_stride, int64_t head_dim, int64_t begin, int64_t end, bool resume,
                                    float* e_sum, float* const* o) {
@@ -300,19 +352,23 @@ REWIND_INLINE void weighted_values(float* const* e, const KVSegment* segments, i
     int64_t d0 = 0;
     float* sum = e_sum;  // the first pass over this piece's keys adds up e
     for (; d0 + kLanes <= head_dim;) {
-      const int64_t vectors = std::min<int64_t>(8, (head_dim - d0) / kLanes);
+      constexpr int64_t kMaxVectors = kWide || G == 1 ? 8 : 6;
+      const int64_t vectors = std::min<int64_t>(kMaxVectors, (head_dim - d0) / kLanes);
       const float* vd = vh + d0;
       float* od[G];
       for (int g = 0; g < G; ++g) od[g] = o[g] + d0;
       switch (vectors) {
-        case 1: weighted_sum_of_rows<1, G>(ea, vd, v_pos_stride, count, od, resume, sum); break;
-        case 2: weighted_sum_of_rows<2, G>(ea, vd, v_pos_stride, count, od, resume, sum); break;
-        case 3: weighted_sum_of_rows<3, G>(ea, vd, v_pos_stride, count, od, resume, sum); break;
-        case 4: weighted_sum_of_rows<4, G>(ea, vd, v_pos_stride, count, od, resume, sum); break;
-        case 5: weighted_sum_of_rows<5, G>(ea, vd, v_pos_stride, count, od, resume, sum); break;
-        case 6: weighted_sum_of_rows<6, G>(ea, vd, v_pos_stride, count, od, resume, sum); break;
-        case 7: weighted_sum_of_rows<7, G>(ea, vd, v_pos_stride, count, od, resume, sum); break;
-        default: weighted_sum_of_rows<8, G>(ea, vd, v_pos_stride, count, od, resume, sum); break;
+        case 1: weighted_sum_of_rows<1, G, kWide>(ea, vd, v_pos_stride, count, od, resume, sum); break;
+        case 2: weighted_sum_of_rows<2, G, kWide>(ea, vd, v_pos_stride, count, od, resume, sum); break;
+        case 3: weighted_sum_of_rows<3, G, kWide>(ea, vd, v_pos_stride, count, od, resume, sum); break;
+        case 4: weighted_sum_of_rows<4, G, kWide>(ea, vd, v_pos_stride, count, od, resume, sum); break;
+        case 5: weighted_sum_of_rows<5, G, kWide>(ea, vd, v_pos_stride, count, od, resume, sum); break;
+        case 6: weighted_sum_of_rows<6, G, kWide>(ea, vd, v_pos_stride, count, od, resume, sum); break;
+        case 7: weighted_sum_of_rows<7, G, kWide>(ea, vd, v_pos_stride, count, od, resume, sum); break;
+        default:
+          if constexpr (kMaxVectors >= 8)
+            weighted_sum_of_rows<8, G, kWide>(ea, vd, v_pos_stride, count, od, resume, sum);
+          break;
       }
       sum = nullptr;
       d0 += vectors * kLanes;
@@ -362,6 +418,9 @@ constexpr int64_t kKeyBlock = 64;
 // v go in order of position, resuming from their stored bits at each
 // block. What the blocks change is where keys and values come from: a
 // block is read from L2 (or DRAM) once and then from L1 by the other rows.
+// `kWide`: with 16-float vectors (the baseline and AVX-512 copies);
+// otherwise with 8-float ones only (AVX2), the same arithmetic per lane.
+template <bool kWide>
 REWIND_INLINE void attend_units_body(QueryUnit* units, int64_t num_units, const KVSegment* segments,
                                      int64_t num_segments, int64_t k_pos_stride, int64_t v_pos_stride, int64_t head_dim,
                                      float scale, int64_t key_block) {
@@ -398,11 +457,11 @@ REWIND_INLINE void attend_units_body(QueryUnit* units, int64_t num_units, const 
     // block, fetched once for all of them.
     const bool prefetch = u == 0 && last - first <= key_block;
     if (q.G == 2) {
-      score_keys<2>(q.qh, segments, num_segments, k_pos_stride, v_pos_stride, head_dim, scale, a, b, q.w, max4[u],
-                    max_score[u], prefetch);
+      score_keys<2, kWide>(q.qh, segments, num_segments, k_pos_stride, v_pos_stride, head_dim, scale, a, b, q.w,
+                           max4[u], max_score[u], prefetch);
     } else {
-      score_keys<1>(q.qh, segments, num_segments, k_pos_stride, v_pos_stride, head_dim, scale, a, b, q.w, max4[u],
-                    max_score[u], prefetch);
+      score_keys<1, kWide>(q.qh, segments, num_segments, k_pos_stride, v_pos_stride, head_dim, scale, a, b, q.w,
+                           max4[u], max_score[u], prefetch);
     }
   });
   for (int64_t u = 0; u < num_units; ++u) {
@@ -411,15 +470,15 @@ REWIND_INLINE void attend_units_body(QueryUnit* units, int64_t num_units, const 
       for (int l = 0; l < 4; ++l) max_score[u][g] = std::max(max_score[u][g], max4[u][g][l]);
       // The exponentials first (a loop the compiler vectorises); their sum,
       // in order of position, is taken in the first pass over the values.
-      exp_shifted_inplace(q.w[g] + q.begin, q.end - q.begin, max_score[u][g]);
+      exp_shifted_inplace<kWide>(q.w[g] + q.begin, q.end - q.begin, max_score[u][g]);
     }
   }
   for_each_block([&](int64_t u, int64_t a, int64_t b) __attribute__((always_inline)) {
     QueryUnit& q = units[u];
     if (q.G == 2) {
-      weighted_values<2>(q.w, segments, num_segments, v_pos_stride, head_dim, a, b, a > q.begin, sum[u], q.o);
+      weighted_values<2, kWide>(q.w, segments, num_segments, v_pos_stride, head_dim, a, b, a > q.begin, sum[u], q.o);
     } else {
-      weighted_values<1>(q.w, segments, num_segments, v_pos_stride, head_dim, a, b, a > q.begin, sum[u], q.o);
+      weighted_values<1, kWide>(q.w, segments, num_segments, v_pos_stride, head_dim, a, b, a > q.begin, sum[u], q.o);
     }
   });
   for (int64_t u = 0; u < num_units; ++u) {
@@ -432,10 +491,46 @@ REWIND_INLINE void attend_units_body(QueryUnit* units, int64_t num_units, const 
   }
 }
 
-REWIND_WIDE_KERNEL_CLONES
+// The copies per instruction set (kernel_isa.h), each calling only its body.
+void attend_units_baseline(QueryUnit* units, int64_t num_units, const KVSegment* segments, int64_t num_segments,
+                           int64_t k_pos_stride, int64_t v_pos_stride, int64_t head_dim, float scale,
+                           int64_t key_block) {
+  attend_units_body<true>(units, num_units, segments, num_segments, k_pos_stride, v_pos_stride, head_dim, scale,
+                          key_block);
+}
+#if defined(REWIND_KERNEL_ISA_COPIES)
+REWIND_TARGET_AVX2
+void attend_units_avx2(QueryUnit* units, int64_t num_units, const KVSegment* segments, int64_t num_segments,
+                       int64_t k_pos_stride, int64_t v_pos_stride, int64_t head_dim, float scale, int64_t key_block) {
+  attend_units_body<false>(units, num_units, segments, num_segments, k_pos_stride, v_pos_stride, head_dim, scale,
+                           key_block);
+}
+REWIND_TARGET_AVX512
+void attend_units_avx512(QueryUnit* units, int64_t num_units, const KVSegment* segments, int64_t num_segments,
+                         int64_t k_pos_stride, int64_t v_pos_stride, int64_t head_dim, float scale, int64_t key_block) {
+  attend_units_body<true>(units, num_units, segments, num_segments, k_pos_stride, v_pos_stride, head_dim, scale,
+                          key_block);
+}
+#endif
+
 void attend_units(QueryUnit* units, int64_t num_units, const KVSegment* segments, int64_t num_segments,
                   int64_t k_pos_stride, int64_t v_pos_stride, int64_t head_dim, float scale, int64_t key_block) {
-  attend_units_body(units, num_units, segments, num_segments, k_pos_stride, v_pos_stride, head_dim, scale, key_block);
+  switch (kernel_isa()) {
+#if defined(REWIND_KERNEL_ISA_COPIES)
+    case KernelIsa::Avx512:
+      attend_units_avx512(units, num_units, segments, num_segments, k_pos_stride, v_pos_stride, head_dim, scale,
+                          key_block);
+      return;
+    case KernelIsa::Avx2:
+      attend_units_avx2(units, num_units, segments, num_segments, k_pos_stride, v_pos_stride, head_dim, scale,
+                        key_block);
+      return;
+#endif
+    default:
+      attend_units_baseline(units, num_units, segments, num_segments, k_pos_stride, v_pos_stride, head_dim, scale,
+                            key_block);
+      return;
+  }
 }
 
 }  // namespace

@@ -3,7 +3,9 @@
 #include <algorithm>
 #include <cassert>
 #include <cmath>
+#include <cstddef>
 #include <cstdint>
+#include <vector>
 
 #include "internal.h"
 
@@ -14,13 +16,21 @@ using namespace detail;
 namespace {
 
 // out[c] = sums[c] + bias[c] (bias may be null), then silu when `fuse_silu`:
-// the end of causal_conv1d, element-wise.
+// the end of causal_conv1d, element-wise, V floats at a time (PanelRow, or
+// Lanes in the AVX2 copy), then one by one.
+template <class V, class Bits>
 REWIND_INLINE void add_bias_silu_body(const float* sums, const float* bias, int64_t n, bool fuse_silu, float* out) {
+  constexpr int64_t kWidth = sizeof(V) / sizeof(float);
   int64_t c = 0;
-  for (; c + kPanel <= n; c += kPanel) {
-    PanelRow v = F32Panels::load(sums + c);
-    if (bias != nullptr) v += F32Panels::load(bias + c);
-    if (fuse_silu) v = silu_of<PanelRow, PanelRowBits>(v);
+  for (; c + kWidth <= n; c += kWidth) {
+    V v;
+    __builtin_memcpy(&v, sums + c, sizeof v);
+    if (bias != nullptr) {
+      V b;
+      __builtin_memcpy(&b, bias + c, sizeof b);
+      v += b;
+    }
+    if (fuse_silu) v = silu_of<V, Bits>(v);
     __builtin_memcpy(out + c, &v, sizeof v);
   }
   for (; c < n; ++c) {
@@ -30,59 +40,169 @@ REWIND_INLINE void add_bias_silu_body(const float* sums, const float* bias, int6
   }
 }
 
-REWIND_WIDE_KERNEL_CLONES
-void add_bias_silu(const float* sums, const float* bias, int64_t n, bool fuse_silu, float* out) {
-  add_bias_silu_body(sums, bias, n, fuse_silu, out);
-}
-
-// Columns [j0, j0 + W) of one gated delta step, W a vector width (V: W
-// floats). Column j of the new state, kv[j], delta[j] and o[j] depend only
-// on column j of the old one, so the step goes column block by column block
-// with kv and o in registers, the block (k_dim x W floats) staying in L1
-// between its two passes. Per element exactly the arithmetic of the
-// definition: S[i][j] * decay; kv[j] summed over i in order from 0; (v[j] -
-// kv[j]) * beta; S[i][j] + k[i] * delta[j]; o[j] summed over i in order.
-template <class V>
+// Columns [j0, j0 + N * W) of one gated delta step, W the width of V (V: W
+// floats, or a float), N vectors side by side (independent chains of adds):
+// the old state's rows at s_in + i * in_stride, the new one's at s_out + i *
+// out_stride (s_in and s_out pointing at column j0). Column j of the new
+// state, kv[j], delta[j] and o[j] depend only on column j of the old one, so
+// the step goes column block by column block with kv and o in registers, the
+// block (k_dim x N * W floats) staying in L1 between its two passes. Per
+// element exactly the arithmetic of the definition: S[i][j] * decay; kv[j]
+// summed over i in order from 0; (v[j] - kv[j]) * beta; S[i][j] + k[i] *
+// delta[j]; o[j] summed over i in order.
+template <class V, int N>
 REWIND_INLINE void delta_step_columns(const float* q, const float* k, const float* v, float decay, float beta,
-                                      int64_t k_dim, int64_t v_dim, int64_t j0, const float* s_in, float* s_out,
-                                      float* o) {
-  V kv = {};
+                                      int64_t k_dim, int64_t j0, const float* s_in, int64_t in_stride, float* s_out,
+                                      int64_t out_stride, float* o) {
+  constexpr int64_t kWidth = sizeof(V) / sizeof(float);
+  V kv[N] = {};
   for (int64_t i = 0; i < k_dim; ++i) {
-    V row;
-    __builtin_memcpy(&row, s_in + i * v_dim + j0, sizeof row);
-    const V decayed = row * decay;
-    __builtin_memcpy(s_out + i * v_dim + j0, &decayed, sizeof decayed);
-    kv += decayed * k[i];
+    const float* src = s_in + i * in_stride;
+    float* dst = s_out + i * out_stride;
+#pragma GCC unroll 4
+    for (int n = 0; n < N; ++n) {
+      V row;
+      __builtin_memcpy(&row, src + n * kWidth, sizeof row);
+      const V decayed = row * decay;
+      __builtin_memcpy(dst + n * kWidth, &decayed, sizeof decayed);
+      kv[n] += decayed * k[i];
+    }
   }
-  V vv;
-  __builtin_memcpy(&vv, v + j0, sizeof vv);
-  const V delta = (vv - kv) * beta;
-  V out = {};
+  V delta[N];
+#pragma GCC unroll 4
+  for (int n = 0; n < N; ++n) {
+    V vv;
+    __builtin_memcpy(&vv, v + j0 + n * kWidth, sizeof vv);
+    delta[n] = (vv - kv[n]) * beta;
+  }
+  V out[N] = {};
   for (int64_t i = 0; i < k_dim; ++i) {
-    V row;
-    __builtin_memcpy(&row, s_out + i * v_dim + j0, sizeof row);
-    const V updated = row + k[i] * delta;
-    __builtin_memcpy(s_out + i * v_dim + j0, &updated, sizeof updated);
-    out += updated * q[i];
+    float* row_at = s_out + i * out_stride;
+#pragma GCC unroll 4
+    for (int n = 0; n < N; ++n) {
+      V row;
+      __builtin_memcpy(&row, row_at + n * kWidth, sizeof row);
+      const V updated = row + k[i] * delta[n];
+      __builtin_memcpy(row_at + n * kWidth, &updated, sizeof updated);
+      out[n] += updated * q[i];
+    }
   }
-  __builtin_memcpy(o + j0, &out, sizeof out);
+#pragma GCC unroll 4
+  for (int n = 0; n < N; ++n) __builtin_memcpy(o + j0 + n * kWidth, &out[n], sizeof out[n]);
 }
 
-typedef float Single __attribute__((vector_size(sizeof(float))));
+// One value head's run of gated delta steps (kernels.h: gated_delta_rule):
+// token t reads q + t * qk_stride, k + t * qk_stride, v + t * vo_stride,
+// decay[t] (exp(g), taken outside the per-ISA code so that every copy gets
+// the same float) and beta[t * beta_stride], reads its old state from
+// state_in (t = 0) or state_out[t - 1], plus `offset`, and writes the new
+// one to state_out[t] + offset and its output to o + t * vo_stride.
+// `block`: room for k_dim x 32 floats.
+struct DeltaRun {
+  const float* q;
+  const float* k;
+  int64_t qk_stride;
+  const float* v;
+  float* o;
+  int64_t vo_stride;
+  const float* decay;
+  const float* beta;
+  int64_t beta_stride;
+  int64_t tokens, k_dim, v_dim;
+  const float* state_in;
+  float* const* state_out;
+  int64_t offset;
+  float* block;
+};
 
-// One gated delta step (kernels.h: gated_delta_rule_step) reading the old
-// state from s_in and writing the new one to s_out, which may be s_in
-// itself: each element is read before it is written, and no copy of the
-// state is made first.
-REWIND_WIDE_KERNEL_CLONES
-void delta_step(const float* __restrict q, const float* __restrict k, const float* __restrict v, float decay,
-                float beta, int64_t k_dim, int64_t v_dim, const float* s_in, float* s_out, float* __restrict o) {
+// Columns [j0, j0 + N * W) of the run, every token in order: column j of a
+// token's state and output depends only on column j of the state before
+// it, so a block of columns goes through all the tokens, held in `block`
+// (contiguous: the same columns of the state's rows, v_dim floats apart,
+// fall into a few L1 sets and evict one another), instead of the whole
+// state (64 KiB for k_dim = v_dim = 128) going from L2 and back once per
+// token. A token's block is copied out to state_out[t] unless the next
+// token overwrites it there (in place); copying keeps the bits, so every
+// element sees the same operations as token by token.
+template <class V, int N>
+REWIND_INLINE void delta_run_columns(const DeltaRun& r, int64_t j0) {
+  constexpr int64_t kWidth = N * static_cast<int64_t>(sizeof(V) / sizeof(float));
+  if (r.tokens == 1) {
+    delta_step_columns<V, N>(r.q, r.k, r.v, r.decay[0], r.beta[0], r.k_dim, j0, r.state_in + r.offset + j0, r.v_dim,
+                             r.state_out[0] + r.offset + j0, r.v_dim, r.o);
+    return;
+  }
+  for (int64_t t = 0; t < r.tokens; ++t) {
+    const bool first = t == 0;
+    delta_step_columns<V, N>(r.q + t * r.qk_stride, r.k + t * r.qk_stride, r.v + t * r.vo_stride, r.decay[t],
+                             r.beta[t * r.beta_stride], r.k_dim, j0, first ? r.state_in + r.offset + j0 : r.block,
+                             first ? r.v_dim : kWidth, r.block, kWidth, r.o + t * r.vo_stride);
+    if (t + 1 == r.tokens || r.state_out[t + 1] != r.state_out[t]) {
+      float* dst = r.state_out[t] + r.offset + j0;
+      for (int64_t i = 0; i < r.k_dim; ++i) {
+        __builtin_memcpy(dst + i * r.v_dim, r.block + i * kWidth, sizeof(float) * static_cast<std::size_t>(kWidth));
+      }
+    }
+  }
+}
+
+// The run column block by column block. `kWide`: 16-float vectors first
+// (the baseline and AVX-512 copies); otherwise (AVX2) blocks of four 8-float
+// vectors, enough independent chains to cover the latency of the adds in 16
+// registers.
+template <bool kWide>
+REWIND_INLINE void delta_run_body(const DeltaRun& r) {
   int64_t j0 = 0;
-  for (; j0 + kPanel <= v_dim; j0 += kPanel)
-    delta_step_columns<PanelRow>(q, k, v, decay, beta, k_dim, v_dim, j0, s_in, s_out, o);
-  for (; j0 + kLanes <= v_dim; j0 += kLanes)
-    delta_step_columns<Lanes>(q, k, v, decay, beta, k_dim, v_dim, j0, s_in, s_out, o);
-  for (; j0 < v_dim; ++j0) delta_step_columns<Single>(q, k, v, decay, beta, k_dim, v_dim, j0, s_in, s_out, o);
+  if constexpr (kWide) {
+    for (; j0 + kPanel <= r.v_dim; j0 += kPanel) delta_run_columns<PanelRow, 1>(r, j0);
+  } else {
+    for (; j0 + 4 * kLanes <= r.v_dim; j0 += 4 * kLanes) delta_run_columns<Lanes, 4>(r, j0);
+    for (; j0 + 2 * kLanes <= r.v_dim; j0 += 2 * kLanes) delta_run_columns<Lanes, 2>(r, j0);
+  }
+  for (; j0 + kLanes <= r.v_dim; j0 += kLanes) delta_run_columns<Lanes, 1>(r, j0);
+  for (; j0 < r.v_dim; ++j0) delta_run_columns<float, 1>(r, j0);
+}
+
+// The copies per instruction set (kernel_isa.h). Each only calls its body
+// (Clang checks the vector ABI of calls made directly from a function whose
+// target differs from its callee's).
+void add_bias_silu_baseline(const float* sums, const float* bias, int64_t n, bool fuse_silu, float* out) {
+  add_bias_silu_body<PanelRow, PanelRowBits>(sums, bias, n, fuse_silu, out);
+}
+void delta_run_baseline(const DeltaRun& r) { delta_run_body<true>(r); }
+#if defined(REWIND_KERNEL_ISA_COPIES)
+REWIND_TARGET_AVX2
+void add_bias_silu_avx2(const float* sums, const float* bias, int64_t n, bool fuse_silu, float* out) {
+  add_bias_silu_body<Lanes, ULanes>(sums, bias, n, fuse_silu, out);
+}
+REWIND_TARGET_AVX2
+void delta_run_avx2(const DeltaRun& r) { delta_run_body<false>(r); }
+REWIND_TARGET_AVX512
+void add_bias_silu_avx512(const float* sums, const float* bias, int64_t n, bool fuse_silu, float* out) {
+  add_bias_silu_body<PanelRow, PanelRowBits>(sums, bias, n, fuse_silu, out);
+}
+REWIND_TARGET_AVX512
+void delta_run_avx512(const DeltaRun& r) { delta_run_body<true>(r); }
+#endif
+
+void add_bias_silu(const float* sums, const float* bias, int64_t n, bool fuse_silu, float* out) {
+  switch (kernel_isa()) {
+#if defined(REWIND_KERNEL_ISA_COPIES)
+    case KernelIsa::Avx512: add_bias_silu_avx512(sums, bias, n, fuse_silu, out); return;
+    case KernelIsa::Avx2: add_bias_silu_avx2(sums, bias, n, fuse_silu, out); return;
+#endif
+    default: add_bias_silu_baseline(sums, bias, n, fuse_silu, out); return;
+  }
+}
+
+void delta_run(const DeltaRun& r) {
+  switch (kernel_isa()) {
+#if defined(REWIND_KERNEL_ISA_COPIES)
+    case KernelIsa::Avx512: delta_run_avx512(r); return;
+    case KernelIsa::Avx2: delta_run_avx2(r); return;
+#endif
+    default: delta_run_baseline(r); return;
+  }
 }
 
 }  // namespace
@@ -110,24 +230,27 @@ void causal_conv1d(const float* window, int64_t channels, int64_t kernel_size, i
 
 void gated_delta_rule_step(const float* q, const float* k, const float* v, float g, float beta, int64_t k_dim,
                            int64_t v_dim, const float* state_in, float* state_out, float* o) {
-  delta_step(q, k, v, std::exp(g), beta, k_dim, v_dim, state_in, state_out, o);
+  const float decay = std::exp(g);
+  float* const out_states[1] = {state_out};
+  delta_run({q, k, 0, v, o, 0, &decay, &beta, 0, 1, k_dim, v_dim, state_in, out_states, 0, nullptr});
 }
 
 void gated_delta_rule(const float* q, const float* k, const float* v, const float* g, const float* beta, int64_t tokens,
                       int64_t num_v_heads, int64_t num_k_heads, int64_t k_dim, int64_t v_dim, const float* state_in,
                       float* const* state_out, float* out) {
   assert(num_k_heads > 0 && num_v_heads % num_k_heads == 0);
+  if (tokens <= 0) return;
   const int64_t ratio = num_v_heads / num_k_heads;
   const int64_t head_state = k_dim * v_dim;
   parallel_for(num_v_heads, tokens * num_v_heads * head_state >= kParallelWork, [&](int64_t h) {
-    const int64_t kh = h / ratio;
-    for (int64_t t = 0; t < tokens; ++t) {
-      const float* prev = (t == 0 ? state_in : state_out[t - 1]) + h * head_state;
-      const int64_t qk = (t * num_k_heads + kh) * k_dim;
-      const int64_t vo = t * num_v_heads + h;
-      gated_delta_rule_step(q + qk, k + qk, v + vo * v_dim, g[vo], beta[vo], k_dim, v_dim, prev,
-                            state_out[t] + h * head_state, out + vo * v_dim);
-    }
+    thread_local std::vector<float> decay;
+    decay.resize(static_cast<std::size_t>(tokens));
+    for (int64_t t = 0; t < tokens; ++t) decay[static_cast<std::size_t>(t)] = std::exp(g[t * num_v_heads + h]);
+    const int64_t qk = (h / ratio) * k_dim;
+    thread_local std::vector<float> block;
+    block.resize(static_cast<std::size_t>(k_dim * 4 * kLanes));
+    delta_run({q + qk, k + qk, num_k_heads * k_dim, v + h * v_dim, out + h * v_dim, num_v_heads * v_dim, decay.data(),
+               beta + h, num_v_heads, tokens, k_dim, v_dim, state_in, state_out, h * head_state, block.data()});
   });
 }
 

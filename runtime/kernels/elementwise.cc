@@ -14,20 +14,23 @@ using namespace detail;
 namespace {
 
 // out[i] = silu(gate[i]) * up[i] for i < n, or silu(gate[i]) when up is
-// null. The out-of-line, cloned home of the element-wise SiLU loops, so
-// that exp_of runs 16 lanes wide (one AVX-512 vector, two AVX2 ones), then
-// 8, then one at a time: the same arithmetic in every lane.
-// Clang checks the vector ABI of every call made directly from a cloned
-// function's baseline (SSE2) version, even to always-inlined helpers, and
+// null. The out-of-line home of the element-wise SiLU loops, compiled per
+// instruction set (kernel_isa.h), so that exp_of runs 16 lanes wide (when
+// `kWide`: one AVX-512 vector), then 8 (one AVX2 vector), then one at a
+// time: the same arithmetic in every lane.
+// Clang checks the vector ABI of every call made directly from a function
+// compiled for another instruction set, even to always-inlined helpers, and
 // rejects passing Lanes by value there; calls made from inside an inlined
-// helper pass. So each cloned function below only calls a helper that
-// holds its body.
+// helper pass. So each copy below only calls the helper that holds its body.
+template <bool kWide>
 REWIND_INLINE void swiglu_span_body(const float* gate, const float* up, int64_t n, float* out) {
   int64_t i = 0;
-  for (; i + kPanel <= n; i += kPanel) {
-    PanelRow v = silu_of<PanelRow, PanelRowBits>(F32Panels::load(gate + i));
-    if (up != nullptr) v *= F32Panels::load(up + i);
-    __builtin_memcpy(out + i, &v, sizeof v);
+  if constexpr (kWide) {
+    for (; i + kPanel <= n; i += kPanel) {
+      PanelRow v = silu_of<PanelRow, PanelRowBits>(F32Panels::load(gate + i));
+      if (up != nullptr) v *= F32Panels::load(up + i);
+      __builtin_memcpy(out + i, &v, sizeof v);
+    }
   }
   for (; i + kLanes <= n; i += kLanes) {
     Lanes v = silu_lanes(load_lanes(gate + i));
@@ -37,8 +40,29 @@ REWIND_INLINE void swiglu_span_body(const float* gate, const float* up, int64_t 
   for (; i < n; ++i) out[i] = up != nullptr ? silu(gate[i]) * up[i] : silu(gate[i]);
 }
 
-REWIND_WIDE_KERNEL_CLONES
-void swiglu_span(const float* gate, const float* up, int64_t n, float* out) { swiglu_span_body(gate, up, n, out); }
+void swiglu_span_baseline(const float* gate, const float* up, int64_t n, float* out) {
+  swiglu_span_body<true>(gate, up, n, out);
+}
+#if defined(REWIND_KERNEL_ISA_COPIES)
+REWIND_TARGET_AVX2
+void swiglu_span_avx2(const float* gate, const float* up, int64_t n, float* out) {
+  swiglu_span_body<false>(gate, up, n, out);
+}
+REWIND_TARGET_AVX512
+void swiglu_span_avx512(const float* gate, const float* up, int64_t n, float* out) {
+  swiglu_span_body<true>(gate, up, n, out);
+}
+#endif
+
+void swiglu_span(const float* gate, const float* up, int64_t n, float* out) {
+  switch (kernel_isa()) {
+#if defined(REWIND_KERNEL_ISA_COPIES)
+    case KernelIsa::Avx512: swiglu_span_avx512(gate, up, n, out); return;
+    case KernelIsa::Avx2: swiglu_span_avx2(gate, up, n, out); return;
+#endif
+    default: swiglu_span_baseline(gate, up, n, out); return;
+  }
+}
 
 }  // namespace
 

@@ -13,32 +13,37 @@
 //    (row, head) pairs, heads), never inside a sum.
 //
 // Everything here is always inlined or a template: each cloned caller
-// (REWIND_KERNEL_CLONES) and each matmul instruction-set unit gets a copy
-// compiled for its own ISA. Include it before any `#pragma GCC target`
-// region, so that it is itself compiled for the baseline.
+// (REWIND_KERNEL_CLONES), each per-ISA copy (kernel_isa.h) and each matmul
+// instruction-set unit gets a copy compiled for its own ISA. Include it
+// before any `#pragma GCC target` region, so that it is itself compiled for
+// the baseline.
 #pragma once
 
 #include <omp.h>
 #include <cstdint>
 
+#include "kernel_isa.h"
 #include "runtime/kernels.h"
 
-// Hot loops other than matmul are also compiled for AVX2 (some for AVX-512)
-// and picked at load time (GCC / Clang function multiversioning). The
-// clones only widen the vectors; every lane still does one rounded multiply
-// and one rounded add in the same order (no FMA outside matmul, whose every
-// copy fuses the same way), so each clone gives the same bits as the
+// Hot loops other than matmul are also compiled for AVX2 and picked at load
+// time: gated_rms_norm's rows through GCC / Clang function multiversioning
+// (REWIND_KERNEL_CLONES), the kernels whose vectors are 16 floats wide
+// through a copy per instruction set (kernel_isa.h: REWIND_TARGET_AVX2 and
+// REWIND_TARGET_AVX512 on functions that inline one body). The copies only
+// change the width of the vectors; every lane still does one rounded
+// multiply and one rounded add in the same order (no FMA outside matmul,
+// whose every copy fuses the same way), so each gives the same bits as the
 // baseline.
 // Sanitizer builds that instrument the ifunc resolvers themselves (TSan runs
 // them before its runtime is up, and crashes) define REWIND_NO_KERNEL_CLONES.
 #if defined(__GNUC__) && defined(__x86_64__) && defined(__linux__) && !defined(REWIND_NO_KERNEL_CLONES)
 #define REWIND_KERNEL_CLONES __attribute__((target_clones("avx2", "default")))
-// Kernels whose vectors are 16 floats wide (attention's weighted sum of
-// values) also get an AVX-512 clone, with the same arithmetic per lane.
-#define REWIND_WIDE_KERNEL_CLONES __attribute__((target_clones("avx512f", "avx2", "default")))
 #else
 #define REWIND_KERNEL_CLONES
-#define REWIND_WIDE_KERNEL_CLONES
+#endif
+#if defined(REWIND_KERNEL_ISA_COPIES)
+#define REWIND_TARGET_AVX2 __attribute__((target("avx2")))
+#define REWIND_TARGET_AVX512 __attribute__((target("avx512f")))
 #endif
 #if defined(__GNUC__)
 #define REWIND_INLINE __attribute__((always_inline)) inline
@@ -133,7 +138,8 @@ REWIND_INLINE void for_each_lane_chunked(int64_t n, F&& f) {
   for (; j < n; ++j) f(j);
 }
 
-// 16 floats (a matmul panel row): one AVX-512 vector, two AVX2 ones.
+// 16 floats (a matmul panel row): one AVX-512 vector, two AVX2 ones (which
+// GCC moves through the stack: the AVX2 copies of the kernels use Lanes).
 inline constexpr int64_t kPanel = PackedMatrix::kPanelWidth;
 typedef float PanelRow __attribute__((vector_size(kPanel * sizeof(float))));
 typedef std::uint16_t PanelRow16 __attribute__((vector_size(kPanel * sizeof(std::uint16_t))));

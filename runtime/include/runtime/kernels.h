@@ -447,8 +447,10 @@ void gated_delta_rule_step(const float* q, const float* k, const float* v, float
 // state_out[t] receives S(L + t + 1), the state after token t, and token t
 // reads S(L + t) from state_out[t - 1] (state_in for t = 0). Value head h
 // uses key head h / (num_v_heads / num_k_heads) (repeat_interleave). Parallel
-// over heads; each head runs its tokens in order with gated_delta_rule_step,
-// so processing q tokens in one call or in q calls gives the same bits.
+// over heads; each state column gets, token by token in order, exactly the
+// operations gated_delta_rule_step does (a head's columns go through all its
+// tokens a block at a time, kept in L1), so processing q tokens in one call
+// or in q calls gives the same bits.
 // q, k: [tokens, num_k_heads, k_dim] (normalised, q scaled, as above);
 // v: [tokens, num_v_heads, v_dim]; g, beta: [tokens, num_v_heads];
 // state_in and each state_out[t]: [num_v_heads, k_dim, v_dim];

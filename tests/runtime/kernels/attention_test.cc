@@ -322,5 +322,36 @@ TEST(KernelsAttention, QueryWithoutKeysGetsZeros) {
   EXPECT_EQ(out, Vec(8, 0.0f));
 }
 
+// ---- instruction-set copies ---------------------------------------------------------
+
+// The AVX2 copy scores a pair of queries with 8-float vectors where the
+// others share 16-float ones, keeps 32 floats of a pair's output in
+// registers per pass over the values instead of 64, and takes the
+// exponentials 8 wide: every copy must give the baseline's bits. Head dims
+// with every kind of tail (fewer than 8 floats, a lone 8-float vector,
+// several passes), pairs and lone queries (3 heads per KV head), one row
+// and several rows over more than one 64-key block, full and sliding.
+TEST(KernelsAttention, EveryIsaCopyGivesTheBaselineBits) {
+  if (wider_kernel_isas().empty()) GTEST_SKIP() << "this CPU runs the baseline copy only";
+  const std::int64_t total = 150;
+  for (const std::int64_t dim : {48, 128, 256, 200, 20, 7}) {
+    for (const auto& [heads, kv_heads] : {std::pair<std::int64_t, std::int64_t>{4, 2}, {3, 1}, {8, 2}}) {
+      const KVStore kv(kv_heads, dim, total, 60 + static_cast<std::uint32_t>(dim));
+      for (const std::int64_t q_len : {1, 9}) {
+        for (const AttentionMask mask : {AttentionMask{}, AttentionMask{70, 0}}) {
+          const Vec q = random_vec(static_cast<std::size_t>(q_len * heads * dim), 62, -3.0f, 3.0f);
+          EXPECT_TRUE(same_bits_as_baseline_on_every_isa([&] {
+            Vec out(q.size());
+            attention(q.data(), q_len, total - q_len, heads, kv_heads, dim, kv.k(0), kv.v(0), 0, total, mask,
+                      out.data());
+            return out;
+          })) << "head_dim "
+              << dim << " heads " << heads << "/" << kv_heads << " rows " << q_len << " window " << mask.window;
+        }
+      }
+    }
+  }
+}
+
 }  // namespace
 }  // namespace rwd::runtime::kernels

@@ -298,5 +298,61 @@ TEST(KernelsGatedDelta, IndependentOfThreadCount) {
   EXPECT_TRUE(same_bits(s1.back(), s2.back()));
 }
 
+// ---- instruction-set copies ---------------------------------------------------------
+
+// The AVX2 copy goes over a head's value columns in blocks of 32, 16 and 8
+// (four, two and one 8-float vectors), then single columns; the baseline
+// and AVX-512 copies in blocks of 16 and 8, then single columns. Every v_dim
+// here mixes them (128: 32s or 16s; 75 = 2 x 32 + 8 + 3; 56 = 32 + 16 + 8;
+// 27 = 16 + 8 + 3), and every copy must give the baseline's bits for the
+// outputs and every state, out of place and in place.
+TEST(KernelsGatedDelta, EveryIsaCopyGivesTheBaselineBits) {
+  if (wider_kernel_isas().empty()) GTEST_SKIP() << "this CPU runs the baseline copy only";
+  for (const std::int64_t vd : {128, 75, 56, 40, 27, 8, 5, 1}) {
+    const DeltaInputs in(3, 2, 1, 19, vd, 200 + static_cast<std::uint32_t>(vd));
+    EXPECT_TRUE(same_bits_as_baseline_on_every_isa([&] {
+      std::vector<Vec> states;
+      Vec out;
+      run_delta(in, 0, in.tokens, in.state0.data(), states, out);
+      for (const Vec& state : states) out.insert(out.end(), state.begin(), state.end());
+      return out;
+    })) << "v_dim "
+        << vd;
+    EXPECT_TRUE(same_bits_as_baseline_on_every_isa([&] {
+      Vec slot = in.state0;
+      const std::vector<float*> ptrs(static_cast<std::size_t>(in.tokens), slot.data());
+      Vec out(static_cast<std::size_t>(in.tokens * in.nv * in.vd));
+      gated_delta_rule(in.q.data(), in.k.data(), in.v.data(), in.g.data(), in.beta.data(), in.tokens, in.nv, in.nk,
+                       in.kd, in.vd, slot.data(), ptrs.data(), out.data());
+      out.insert(out.end(), slot.begin(), slot.end());
+      return out;
+    })) << "in place, v_dim "
+        << vd;
+  }
+}
+
+// The end of the convolution (bias, then SiLU) runs 8 lanes wide in the
+// AVX2 copy and 16 wide in the others: channel counts with every kind of
+// tail, and sums large enough for exp to saturate.
+TEST(KernelsConv, EveryIsaCopyGivesTheBaselineBits) {
+  if (wider_kernel_isas().empty()) GTEST_SKIP() << "this CPU runs the baseline copy only";
+  for (const std::int64_t channels : {300, 261, 40, 24, 7}) {
+    const std::int64_t kernel = 4, q = 3, span = kernel - 1 + q;
+    const Vec window = random_vec(static_cast<std::size_t>(span * channels), 65, -40.0f, 40.0f);
+    const Vec weight = random_vec(static_cast<std::size_t>(channels * kernel), 66);
+    const Vec bias = random_vec(static_cast<std::size_t>(channels), 67);
+    for (const bool fuse : {false, true}) {
+      for (const float* b : {static_cast<const float*>(nullptr), bias.data()}) {
+        EXPECT_TRUE(same_bits_as_baseline_on_every_isa([&] {
+          Vec out(static_cast<std::size_t>(q * channels));
+          causal_conv1d(window.data(), channels, kernel, q, 1, channels, weight.data(), b, fuse, out.data());
+          return out;
+        })) << "channels "
+            << channels << " fuse " << fuse << " bias " << (b != nullptr);
+      }
+    }
+  }
+}
+
 }  // namespace
 }  // namespace rwd::runtime::kernels

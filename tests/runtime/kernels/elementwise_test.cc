@@ -139,6 +139,27 @@ TEST(KernelsHelpers, SiluLoopsEqualScalarSiluBitwise) {
   }
 }
 
+// The AVX2 copy of the SiLU loops runs 8 lanes wide, the others 16 then 8:
+// every copy must give the baseline's bits, saturated inputs and tails
+// included.
+TEST(KernelsHelpers, SiluLoopsOnEveryIsaCopyGiveTheBaselineBits) {
+  if (wider_kernel_isas().empty()) GTEST_SKIP() << "this CPU runs the baseline copy only";
+  for (const std::int64_t n : {1, 7, 8, 9, 15, 16, 17, 24, 31, 37, 64, 100, 4133}) {
+    const std::size_t un = static_cast<std::size_t>(n);
+    const Vec gate = silu_inputs(un, static_cast<std::uint32_t>(500 + n));
+    const Vec up = random_vec(un, static_cast<std::uint32_t>(600 + n), -2.0f, 2.0f);
+    EXPECT_TRUE(same_bits_as_baseline_on_every_isa([&] {
+      Vec out(un);
+      swiglu(gate.data(), up.data(), n, out.data());
+      Vec act = gate;
+      silu_inplace(act.data(), n);
+      out.insert(out.end(), act.begin(), act.end());
+      return out;
+    })) << "n "
+        << n;
+  }
+}
+
 // ---- helpers ----------------------------------------------------------------------
 
 TEST(KernelsHelpers, ActivationsMatchDoubleAndStayFinite) {

@@ -1,6 +1,7 @@
 // Helpers shared by the kernel tests (tests/runtime/kernels/*_test.cc):
-// random inputs, bitwise comparison, a fixed OpenMP thread count, and the
-// SiLU inputs with saturating values.
+// random inputs, bitwise comparison, a fixed OpenMP thread count, the
+// instruction-set copies of the kernels compared, and the SiLU inputs with
+// saturating values.
 #pragma once
 
 #include <gtest/gtest.h>
@@ -11,6 +12,8 @@
 #include <iterator>
 #include <random>
 #include <vector>
+
+#include "kernels/kernel_isa.h"
 
 namespace rwd::runtime::kernels::test_support {
 
@@ -47,6 +50,48 @@ void with_threads(int threads, F&& f) {
   omp_set_num_threads(threads);
   f();
   omp_set_num_threads(saved);
+}
+
+inline const char* isa_name(detail::KernelIsa isa) {
+  switch (isa) {
+    case detail::KernelIsa::Avx512: return "avx512";
+    case detail::KernelIsa::Avx2: return "avx2";
+    case detail::KernelIsa::Baseline: break;
+  }
+  return "baseline";
+}
+
+// Every instruction-set copy of the kernels (runtime/kernels/kernel_isa.h)
+// this build and CPU run other than the baseline, narrowest first.
+inline std::vector<detail::KernelIsa> wider_kernel_isas() {
+  std::vector<detail::KernelIsa> isas;
+  for (const auto isa : {detail::KernelIsa::Avx2, detail::KernelIsa::Avx512}) {
+    if (static_cast<int>(isa) <= static_cast<int>(detail::kernel_isa_native())) isas.push_back(isa);
+  }
+  return isas;
+}
+
+// Runs f() with the kernels' `isa` copy chosen, the native one restored after.
+template <class F>
+auto with_kernel_isa(detail::KernelIsa isa, F&& f) {
+  EXPECT_TRUE(detail::set_kernel_isa(isa)) << isa_name(isa);
+  struct Restore {
+    ~Restore() { detail::set_kernel_isa(detail::kernel_isa_native()); }
+  } restore;
+  return f();
+}
+
+// compute() (returning the floats to compare) under every copy of
+// wider_kernel_isas() against the baseline copy's, bit for bit.
+template <class F>
+testing::AssertionResult same_bits_as_baseline_on_every_isa(F&& compute) {
+  const Vec baseline = with_kernel_isa(detail::KernelIsa::Baseline, compute);
+  for (const detail::KernelIsa isa : wider_kernel_isas()) {
+    const Vec wide = with_kernel_isa(isa, compute);
+    testing::AssertionResult same = same_bits(wide, baseline);
+    if (!same) return same << " (" << isa_name(isa) << " copy against the baseline)";
+  }
+  return testing::AssertionSuccess();
 }
 
 // Inputs for the SiLU loops: random values with saturating ones (|x| > 88,
