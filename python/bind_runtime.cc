@@ -269,18 +269,24 @@ void bind_model(py::module_& m) {
   py::class_<PyModel, std::shared_ptr<PyModel>>(m, "Model", "The reference runtime's hybrid decoder (runtime/model.h).")
       .def_static(
           "load",
-          [](const std::string& dir) {
+          [](const std::string& dir, const std::string& weights) {
+            rwd::runtime::LoadOptions options;
+            options.weights = rwd::runtime::weight_format_from_name(weights, "Model.load: weights");
             std::shared_ptr<PyModel> loaded;
             {
               py::gil_scoped_release nogil;
-              rwd::runtime::Model model = rwd::runtime::Model::load(dir);
+              rwd::runtime::Model model = rwd::runtime::Model::load(dir, options);
               rwd::runtime::Tokenizer tokenizer = rwd::runtime::tokenizer_for_model(dir, model.config());
               loaded = std::make_shared<PyModel>(PyModel{std::move(model), std::move(tokenizer)});
             }
             return loaded;
           },
-          py::arg("directory"),
-          "Loads DIR/config.json, DIR/model.safetensors (or its shards) and DIR/tokenizer.json when present.")
+          py::arg("directory"), py::arg("weights") = "as-stored",
+          "Loads DIR/config.json, DIR/model.safetensors (or its shards) and DIR/tokenizer.json when present; "
+          "weights='q8' quantizes the linear weights at load (docs/quantization.md).")
+      .def_property_readonly(
+          "weights",
+          [](const PyModel& self) { return std::string(rwd::runtime::weight_format_name(self.model.weight_format())); })
       .def_property_readonly("vocab_size", [](const PyModel& self) { return self.model.vocab_size(); })
       .def_property_readonly("parameter_count", [](const PyModel& self) { return self.model.parameter_count(); })
       .def_property_readonly("layer_types",

@@ -288,6 +288,13 @@ Model::LayerWeights Model::Packer::layer(std::int64_t i) {
 
 const char* weight_format_name(WeightFormat format) { return format == WeightFormat::kQ8 ? "q8" : "as-stored"; }
 
+WeightFormat weight_format_from_name(std::string_view name, std::string_view what) {
+  for (const WeightFormat f : {WeightFormat::kAsStored, WeightFormat::kQ8}) {
+    if (name == weight_format_name(f)) return f;
+  }
+  throw InvalidArgument(std::string(what) + " '" + std::string(name) + "': the formats are as-stored and q8");
+}
+
 Model::Model(ModelWeights weights, LoadOptions options)
     : weights_(std::move(weights)), weight_format_(options.weights) {
   const ModelConfig& c = weights_.config();

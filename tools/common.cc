@@ -421,13 +421,7 @@ LoadOptions chosen_load_options;
 }  // namespace
 
 void set_load_options(const std::string& weights) {
-  if (weights == "as-stored") {
-    chosen_load_options.weights = WeightFormat::kAsStored;
-  } else if (weights == "q8") {
-    chosen_load_options.weights = WeightFormat::kQ8;
-  } else {
-    throw InvalidArgument("--weights " + weights + ": the formats are as-stored and q8");
-  }
+  chosen_load_options.weights = weight_format_from_name(weights, "--weights");
 }
 
 LoadOptions load_options() { return chosen_load_options; }

@@ -21,9 +21,16 @@ class Model:
         self._core = core
 
     @classmethod
-    def load(cls, directory: str) -> "Model":
-        """Loads a model directory (config.json + model.safetensors). Raises FormatError for malformed files."""
-        return cls(_rw.Model.load(str(directory)))
+    def load(cls, directory: str, weights: str = "as-stored") -> "Model":
+        """Loads a model directory (config.json + model.safetensors). ``weights="q8"`` quantizes the linear weights
+        at load, as the CLI's ``--weights q8`` (docs/quantization.md). Raises FormatError for malformed files,
+        InvalidArgument for another ``weights``."""
+        return cls(_rw.Model.load(str(directory), weights))
+
+    @property
+    def weights(self) -> str:
+        """How the linear weights are held: "as-stored" or "q8"."""
+        return self._core.weights
 
     @property
     def vocab_size(self) -> int:

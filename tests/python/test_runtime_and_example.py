@@ -76,6 +76,25 @@ def test_generate_greedy_equals_speculative(target, draft):
     assert isinstance(text, bytes) and len(text) == 40
 
 
+def test_q8_weights_load_and_speculation_equals_their_greedy(target):
+    q8 = rewind.Model.load(TARGET, weights="q8")
+    q8_draft = rewind.Model.load(DRAFT, weights="q8")
+    assert q8.weights == "q8" and target.weights == "as-stored"
+    prompt = q8.encode("And the LORD spake unto Moses")
+    # Quantized logits stay near the stored model's, but are not the same numbers.
+    exact = target.forward(prompt, target.make_cache(), all_logits=True)
+    quant = q8.forward(prompt, q8.make_cache(), all_logits=True)
+    assert quant.shape == exact.shape and not np.array_equal(quant, exact)
+    assert np.max(np.abs(quant - exact)) < 0.05 * np.max(np.abs(exact))
+    plain, _ = q8.generate(prompt, max_new_tokens=30, stop_at_eos=False)
+    spec, sstats = q8.generate(prompt, max_new_tokens=30, stop_at_eos=False, draft=q8_draft, num_draft=4)
+    assert spec == plain and sstats["drafted"] > 0
+    look, _ = q8.generate(prompt, max_new_tokens=30, stop_at_eos=False, lookup=3)
+    assert look == plain
+    with pytest.raises(rewind.InvalidArgument, match="weights 'q4': the formats are as-stored and q8"):
+        rewind.Model.load(TARGET, weights="q4")
+
+
 def test_sampling_is_seeded(target):
     prompt = target.encode("Thou shalt")
     a, s = target.generate(prompt, max_new_tokens=20, temperature=0.8, top_k=20, seed=7, stop_at_eos=False)

@@ -30,6 +30,7 @@
 #include <memory>
 #include <span>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "rewind/cache.h"
@@ -69,6 +70,9 @@ enum class WeightFormat : std::uint8_t {
 
 // "as-stored" or "q8" (the CLI's --weights values).
 const char* weight_format_name(WeightFormat format);
+// The format weight_format_name gives `name`. Throws InvalidArgument naming
+// `what` (e.g. "--weights") and the accepted names for anything else.
+WeightFormat weight_format_from_name(std::string_view name, std::string_view what);
 
 // Options of Model's constructor and Model::load.
 struct LoadOptions {
