@@ -72,16 +72,7 @@ SeqSpec make_spec(std::uint8_t h) {
       break;
     case 2:
       s.name = "every_kind_bf16_bs2";
-      s.kinds = {LayerKind::FullAttention,
-                 LayerKind::SlidingAttention,
-                 LayerKind::ChunkedAttention,
-                 LayerKind::LinearAttention,
-                 LayerKind::Conv,
-                 LayerKind::Hybrid,
-                 LayerKind::HybridSliding,
-                 LayerKind::SparseAttention,
-                 LayerKind::Moe,
-                 LayerKind::Mlp};
+      s.kinds = kEveryLayerKind;
       s.dtype = DType::BF16;
       s.block_size = 2;
       break;
