@@ -9,6 +9,7 @@
 #include <unicode/uchar.h>
 #include <unicode/ustring.h>
 
+#include <algorithm>
 #include <charconv>
 #include <cmath>
 #include <fstream>
@@ -2078,5 +2079,13 @@ std::string ChatTemplate::render(std::string_view context_json) const {
 }
 
 const std::string& ChatTemplate::source() const { return impl_->source; }
+
+std::vector<std::int32_t> encode_rendered_chat(const Tokenizer& tokenizer, std::string_view rendered) {
+  std::vector<std::int32_t> ids = tokenizer.encode(rendered, false);
+  const std::vector<std::int32_t>& lead = tokenizer.prefix_ids();
+  const bool led = ids.size() >= lead.size() && std::equal(lead.begin(), lead.end(), ids.begin());
+  if (!led) ids.insert(ids.begin(), lead.begin(), lead.end());
+  return ids;
+}
 
 }  // namespace rwd::runtime

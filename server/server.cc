@@ -801,18 +801,11 @@ struct Server::Impl {
       throw ApiError(400, std::string("the model's chat template cannot render these messages: ") + e.what(),
                      "messages", "invalid_value");
     }
-    // The template writes special tokens (BOS included, when it has one) as
-    // text: encode matches them as tokens and adds nothing itself. BOS is
-    // put first only when the tokenizer would add it and the text did not.
     try {
-      r.prompt = tokenizer.encode(text, false);
+      r.prompt = runtime::encode_rendered_chat(tokenizer, text);
     } catch (const InvalidArgument& e) {
       throw ApiError(400, std::string("the rendered chat cannot be tokenized: ") + e.what(), "messages",
                      "invalid_value");
-    }
-    const std::vector<std::int32_t>& lead = tokenizer.prefix_ids();
-    if (!lead.empty() && !std::equal(lead.begin(), lead.end(), r.prompt.begin(), r.prompt.end())) {
-      r.prompt.insert(r.prompt.begin(), lead.begin(), lead.end());
     }
     if (r.prompt.empty()) {
       throw ApiError(400, "the chat template rendered these messages to no token", "messages", "invalid_value");

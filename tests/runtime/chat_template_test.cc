@@ -20,6 +20,7 @@
 #include "rewind/error.h"
 #include "runtime/chat_template.h"
 #include "runtime/tokenizer.h"
+#include "tiny_tokenizer.h"
 
 namespace rwd::runtime {
 namespace {
@@ -220,6 +221,27 @@ TEST(ChatTemplate, FromModelDirReadsTokenizerConfig) {
   ASSERT_TRUE(t.has_value());
   EXPECT_EQ(t->render("{}"), "file");
   std::filesystem::remove_all(dir);
+}
+
+// A rendered chat is encoded with its special tokens matched, and the
+// tokenizer's prefix (BOS here, from add_bos_token) comes first exactly once,
+// whether or not the template wrote it.
+TEST(ChatTemplate, RenderedChatGetsTheTokenizersPrefixOnce) {
+  const std::string tj = testing_tokenizer::tiny().dump();
+  const Tokenizer with_bos = Tokenizer::from_json(
+      tj, nlohmann::json{{"bos_token", "<s>"}, {"add_bos_token", true}}.dump(), "tiny");
+  using Ids = std::vector<std::int32_t>;
+  ASSERT_EQ(with_bos.prefix_ids(), (Ids{305}));
+  EXPECT_EQ(encode_rendered_chat(with_bos, "<s>hello"), (Ids{305, 259}));  // written by the template: kept once
+  EXPECT_EQ(encode_rendered_chat(with_bos, "hello"), (Ids{305, 259}));     // not written: put first
+  EXPECT_EQ(encode_rendered_chat(with_bos, "<s>"), (Ids{305}));
+  EXPECT_EQ(encode_rendered_chat(with_bos, "hello<s>"), (Ids{305, 259, 305}));  // a later <s> is the text's own
+  EXPECT_EQ(encode_rendered_chat(with_bos, "<|end|>hello"), (Ids{305, 300, 259}));
+  const Tokenizer plain = Tokenizer::from_json(tj, "", "tiny");
+  EXPECT_EQ(encode_rendered_chat(plain, "<s>hello"), (Ids{305, 259}));
+  EXPECT_EQ(encode_rendered_chat(plain, "hello"), (Ids{259}));
+  EXPECT_TRUE(encode_rendered_chat(plain, "").empty());
+  EXPECT_THROW(encode_rendered_chat(plain, "\xff"), InvalidArgument);
 }
 
 }  // namespace

@@ -24,8 +24,10 @@
 #include <optional>
 #include <string>
 #include <string_view>
+#include <vector>
 
 #include "rewind/error.h"
+#include "runtime/tokenizer.h"
 
 namespace rwd::runtime {
 
@@ -82,5 +84,12 @@ class ChatTemplate {
   explicit ChatTemplate(std::shared_ptr<const Impl> impl) : impl_(std::move(impl)) {}
   std::shared_ptr<const Impl> impl_;
 };
+
+// The prompt ids of `rendered`, a chat template's output: the special
+// tokens it writes as text become their ids (tokenizer.encode(rendered,
+// false)), and tokenizer.prefix_ids() go first unless the ids already start
+// with them (a template that writes BOS gets it once, a byte-level model
+// gets its BOS as encode(text, true) gives it). Throws what encode throws.
+std::vector<std::int32_t> encode_rendered_chat(const Tokenizer& tokenizer, std::string_view rendered);
 
 }  // namespace rwd::runtime
