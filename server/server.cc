@@ -41,6 +41,9 @@ using runtime::Tokenizer;
 
 namespace {
 
+// How long stop() lets open streams finish writing before it cuts them.
+constexpr std::chrono::seconds kStreamDrainLimit{30};
+
 // A request refused with an OpenAI-style error body:
 // {"error": {"message", "type", "param", "code"}}.
 class ApiError : public InvalidArgument {
@@ -395,6 +398,10 @@ struct Server::Impl {
   std::condition_variable cv;
   std::deque<std::shared_ptr<Job>> waiting;
   bool quit = false;
+  // Streaming responses whose content provider has not been released yet;
+  // stop() waits for them, since httplib's stop() cuts a stream mid-way.
+  std::int64_t open_streams = 0;
+  std::condition_variable streams_cv;
   ServerCounters counters;  // under mu
   std::atomic<std::uint64_t> next_id{1};
 
@@ -708,6 +715,10 @@ struct Server::Impl {
     }
     res.status = 200;
     res.set_header("Cache-Control", "no-cache");
+    {
+      std::lock_guard<std::mutex> lock(mu);
+      ++open_streams;
+    }
     res.set_chunked_content_provider(
         "text/event-stream",
         [this, c](std::size_t, httplib::DataSink& sink) {
@@ -752,11 +763,15 @@ struct Server::Impl {
         [this, c](bool success) {
           // Always called when the response ends: a client that went away
           // mid-stream has its sequence dropped within a round.
-          if (!c->finished || !success) {
-            c->job->cancel = true;
+          {
             std::lock_guard<std::mutex> lock(mu);
-            ++counters.cancelled;
+            if (!c->finished || !success) {
+              c->job->cancel = true;
+              ++counters.cancelled;
+            }
+            --open_streams;
           }
+          streams_cv.notify_all();
         });
   }
 
@@ -1004,7 +1019,15 @@ void Server::stop() {
   }
   s.cv.notify_all();
   s.decoder.join();  // every admitted request has its tokens
-  s.http.stop();     // streams still writing finish first (the pool joins its threads)
+  {
+    // httplib's stop() ends a stream at its next chunk, so the streams still
+    // writing their (already generated) tokens finish first; a client that
+    // stops reading fails its writes within httplib's write timeout, and one
+    // reading too slowly is cut after kStreamDrainLimit.
+    std::unique_lock<std::mutex> q(s.mu);
+    s.streams_cv.wait_for(q, kStreamDrainLimit, [&] { return s.open_streams == 0; });
+  }
+  s.http.stop();  // the pool joins its threads
   s.listener.join();
   s.started = false;
   s.stopped = true;

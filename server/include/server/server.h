@@ -85,8 +85,9 @@ class Server {
   // StateError when started before (a Server starts once).
   int start();
   // Drains and stops: new requests get 503, requests already admitted run
-  // to their end (streams included), then the listener and the decode
-  // thread stop. Idempotent; returns at once when not started.
+  // to their end and streams finish writing them (a stream still open 30 s
+  // after the last token is cut), then the listener and the decode thread
+  // stop. Idempotent; returns at once when not started.
   void stop();
   // The port bound by start() (0 before).
   int port() const;
