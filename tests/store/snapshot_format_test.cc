@@ -18,6 +18,7 @@
 #include <string>
 #include <vector>
 
+#include "conformance/harness.h"
 #include "rewind/checksum.h"
 #include "rewind/error.h"
 #include "rewind/snapshot.h"
@@ -114,16 +115,8 @@ void expect_same(const Snapshot& a, const Snapshot& b) {
   EXPECT_EQ(a.parent, b.parent);
 }
 
-constexpr std::array<LayerKind, 10> kAllKinds{LayerKind::FullAttention,
-                                              LayerKind::SlidingAttention,
-                                              LayerKind::ChunkedAttention,
-                                              LayerKind::LinearAttention,
-                                              LayerKind::Conv,
-                                              LayerKind::Hybrid,
-                                              LayerKind::HybridSliding,
-                                              LayerKind::SparseAttention,
-                                              LayerKind::Moe,
-                                              LayerKind::Mlp};
+// Every kind, in LayerKind's order (the conformance harness's list).
+const std::vector<LayerKind>& kAllKinds = rwt::kEveryLayerKind;
 
 bool attention_kind(LayerKind k) {
   return k == LayerKind::FullAttention || k == LayerKind::SlidingAttention || k == LayerKind::ChunkedAttention ||
@@ -957,8 +950,7 @@ TEST(SnapshotFormatSeeds, CorpusMatchesTheGenerator) {
     std::printf("wrote %zu seeds to %s\n", generated.size(), dir);
     return;
   }
-  const auto corpus = std::filesystem::path(__FILE__).parent_path().parent_path().parent_path() / "fuzz" / "corpus" /
-                      "snapshot";
+  const auto corpus = std::filesystem::path(REWIND_SOURCE_DIR) / "fuzz" / "corpus" / "snapshot";
   if (!std::filesystem::is_directory(corpus)) GTEST_SKIP() << corpus << " is not here (tree moved after the build)";
   for (const auto& [name, blob] : generated) {
     std::ifstream f(corpus / name, std::ios::binary);
