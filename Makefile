@@ -46,7 +46,7 @@ DEMO_DEB_PACKAGES := cmake g++ make nlohmann-json3-dev libcli11-dev $(TOKENIZER_
 DEMO_BUILD ?= build-demo
 INSTALL_PREFIX = $(abspath $(or $(PREFIX),/usr/local))
 
-.PHONY: docs-check all deps install-deps python-deps check-deps demo-deps pip-deps format-deps check-pip-install node-deps tokenizer-reference build check build-options test test-plain test-python test-asan test-tsan test-fuzz fuzz bench install python clean demo train-models
+.PHONY: docs-check all deps install-deps python-deps check-deps demo-deps pip-deps format-deps check-pip-install node-deps tokenizer-reference server-client build check build-options test test-plain test-python test-asan test-tsan test-fuzz fuzz bench install python clean demo train-models
 
 all: build
 
@@ -88,6 +88,11 @@ tokenizer-reference: node-deps
 	node scripts/tokenizer/reference.mjs --check $(TOKENIZER_REFERENCE)
 	node scripts/tokenizer/chat_reference.mjs --check $(TOKENIZER_NPM_DIR)/chat_template_reference.json
 
+# The official `openai` npm client that tests/server/openai_client_test.mjs
+# drives `rewind serve` with (pinned by tests/server/package-lock.json).
+server-client: node-deps
+	cd tests/server && npm ci --no-audit --no-fund --loglevel=error
+
 build: deps
 	cmake -S . -B $(BUILD) -DCMAKE_BUILD_TYPE=Release -DREWIND_WERROR=ON $(CMAKE_FLAGS)
 	cmake --build $(BUILD) -j $(JOBS)
@@ -115,8 +120,8 @@ build-options: deps
 	scripts/check_build_options.sh
 
 # Every label but python (test-python runs those with the tokenizer data required).
-test-plain: build tokenizer-reference
-	cd $(BUILD) && REWIND_REQUIRE_TOKENIZER_DATA=1 ctest --output-on-failure -j $(JOBS) -LE python
+test-plain: build tokenizer-reference server-client
+	cd $(BUILD) && REWIND_REQUIRE_TOKENIZER_DATA=1 REWIND_REQUIRE_OPENAI_CLIENT=1 ctest --output-on-failure -j $(JOBS) -LE python
 	# matmul's other register shape and the other kernels' AVX2 copies (what
 	# machines without AVX-512 run; f16 weights widened by AVX2 + F16C there)
 	REWIND_MATMUL_NARROW=1 REWIND_KERNELS_NARROW=1 $(BUILD)/tests/rewind_runtime_tests \
