@@ -548,6 +548,9 @@ struct Server::Impl {
     counters.running = static_cast<std::int64_t>(running);
     counters.waiting = static_cast<std::int64_t>(waiting.size());
     counters.live_sequences = cache.num_sequences();
+    const rwd::SequenceMemory m = cache.memory();
+    counters.cache_bytes_used = m.bytes_used;
+    counters.cache_bytes_reserved = m.bytes_reserved;
   }
 
   // Queues `job`; refuses with 503 while stopping and 429 past the queue limit.
@@ -849,6 +852,10 @@ struct Server::Impl {
     add("rewind_batch_running", "gauge", "Sequences in the running batch.", c.running);
     add("rewind_batch_peak", "gauge", "The most sequences one forward held.", c.peak_batch);
     add("rewind_cache_sequences", "gauge", "Sequences held by the decode loop's SequenceCache.", c.live_sequences);
+    add("rewind_cache_bytes_used", "gauge", "Bytes the live sequences use in the SequenceCache.",
+        static_cast<std::int64_t>(c.cache_bytes_used));
+    add("rewind_cache_bytes_reserved", "gauge", "Bytes the SequenceCache holds, free blocks included.",
+        static_cast<std::int64_t>(c.cache_bytes_reserved));
     return out;
   }
 
@@ -978,9 +985,11 @@ int Server::start() {
   s.http.set_tcp_nodelay(true);
   // SO_REUSEADDR alone: httplib's default adds SO_REUSEPORT, which would let
   // a second server bind the same port and silently share its connections.
-  s.http.set_socket_options([](socket_t sock) {
+  socket_t listening = INVALID_SOCKET;
+  s.http.set_socket_options([&listening](socket_t sock) {
     int yes = 1;
     setsockopt(sock, SOL_SOCKET, SO_REUSEADDR, &yes, sizeof(yes));
+    listening = sock;  // the last socket httplib tries is the one it binds
   });
   // Short idle keep-alive: stop() waits for idle connections to time out.
   s.http.set_keep_alive_timeout(2);
@@ -995,6 +1004,15 @@ int Server::start() {
   if (port <= 0) {
     throw InvalidArgument("cannot listen on " + s.options.host + ":" + std::to_string(s.options.port) +
                           " (address in use, not an address of this machine, or not allowed)");
+  }
+  // httplib 0.11 listens with a backlog of 5: a burst of clients connecting
+  // at once overflowed it and some connections failed after the 1 s SYN
+  // retry (seen with 32). listen() again on the bound socket raises it.
+  int accepting = 0;
+  socklen_t len = sizeof(accepting);
+  if (listening != INVALID_SOCKET && getsockopt(listening, SOL_SOCKET, SO_ACCEPTCONN, &accepting, &len) == 0 &&
+      accepting != 0) {
+    ::listen(listening, SOMAXCONN);
   }
   s.bound_port = port;
   s.decoder = std::thread([&s] { s.decode_loop(); });

@@ -65,6 +65,11 @@ struct ServerCounters {
   std::int64_t running = 0;           // sequences in the batch now
   std::int64_t peak_batch = 0;        // the most sequences one forward held
   std::int64_t live_sequences = 0;    // sequences in the SequenceCache now
+  // The decode loop's SequenceCache (SequenceMemory), after its last round:
+  // what its live sequences use, and everything it holds, free blocks kept
+  // for the next requests included.
+  std::size_t cache_bytes_used = 0;
+  std::size_t cache_bytes_reserved = 0;
 };
 
 class Server {
