@@ -18,9 +18,7 @@
 #include <system_error>
 
 #include "rewind/error.h"
-#if REWIND_HAVE_REDIS
-#include "rewind/redis_store.h"
-#endif
+#include "rewind/open_store.h"
 #include "rewind/store.h"
 
 namespace rwd::cli {
@@ -198,70 +196,11 @@ std::unique_ptr<PrefixCache> PrefixChoice::open(const CLI::App& cmd, const Model
       throw InvalidArgument("--prefix-interval and --prefix-cache-bytes need --prefix-cache");
     return nullptr;
   }
-  const std::string accepted =
-      "accepted: a directory path, ro:DIR (a directory read but never written) or redis://HOST:PORT[/PREFIX]";
-  const bool read_only = spec.rfind("ro:", 0) == 0;
-  const std::string path = read_only ? spec.substr(3) : spec;
-  const bool redis = !read_only && spec.rfind("redis://", 0) == 0;
-  if (read_only && path.empty()) throw InvalidArgument("--prefix-cache 'ro:' names no directory; " + accepted);
-  if (!redis) {
-    // "rediss://h", "REDIS://h", "file:///x", "redis:/x": a URL of a kind
-    // this build does not speak must not become a local directory.
-    std::size_t n = 0;
-    while (n < path.size() && (std::isalnum(static_cast<unsigned char>(path[n])) != 0 ||
-                               (n > 0 && (path[n] == '+' || path[n] == '.' || path[n] == '-')))) {
-      ++n;
-    }
-    if (n > 0 && std::isalpha(static_cast<unsigned char>(path[0])) != 0 && path.compare(n, 2, ":/") == 0) {
-      throw InvalidArgument("--prefix-cache '" + path + "' is a '" + path.substr(0, n + 1) +
-                            "' URL, which rewind does not take; " + accepted + " (for a directory of that name, " +
-                            "write ./" + path + ")");
-    }
-  }
-  if ((redis || read_only) && cmd.count("--prefix-cache-bytes") > 0) {
-    throw InvalidArgument(redis ? "--prefix-cache-bytes caps a directory cache; a Redis server caps itself (maxmemory)"
-                                : "--prefix-cache-bytes caps a cache that is written; ro:DIR is never written");
-  }
-  std::shared_ptr<BlobStore> store;
-  try {
-    if (redis) {
-#if REWIND_HAVE_REDIS
-      store = make_redis_store(parse_redis_url(spec));
-#else
-      throw InvalidArgument("--prefix-cache " + spec +
-                            ": this build has no Redis support (built with -DREWIND_BUILD_REDIS=OFF); " +
-                            "give a directory or ro:DIR");
-#endif
-    } else if (read_only) {
-      store = make_directory_store(path, DirectoryStoreOptions{static_cast<std::size_t>(bytes), true});
-    } else {
-      try {
-        store = make_directory_store(path, static_cast<std::size_t>(bytes));
-      } catch (const StoreError& e) {
-        // A directory this user may read but not write (a pre-built
-        // cache, another user's) still serves its entries.
-        std::error_code ec;
-        if (!std::filesystem::is_directory(path, ec)) throw;
-        store = make_directory_store(path, DirectoryStoreOptions{static_cast<std::size_t>(bytes), true});
-        std::fprintf(stderr, "rewind: warning: prefix cache: %s; reading its entries without storing new ones\n",
-                     e.what());
-      }
-    }
-  } catch (const StoreError& e) {
-    std::fprintf(stderr, "rewind: warning: prefix cache: %s; continuing without it (prefixes are recomputed)\n",
-                 e.what());
-    return nullptr;
-  }
-  PrefixCacheOptions options;
-  options.interval = interval;
-  options.model_fingerprint = model.fingerprint();
-  // An entry ending at b holds at most b tokens' rows, the fixed states and
-  // the logits; twice that (and 1 MiB of headers) bounds what a file under
-  // a short prompt's key is read for.
-  const std::size_t logits_bytes = static_cast<std::size_t>(model.vocab_size()) * sizeof(float);
-  options.entry_bytes_per_token = 2 * (model.kv_bytes_per_token() + sizeof(std::int32_t));
-  options.entry_fixed_bytes = 2 * (model.fixed_state_bytes() + logits_bytes) + (std::size_t{1} << 20);
-  return std::make_unique<PrefixCache>(std::move(store), options);
+  StoreSpecOptions spec_options;
+  if (cmd.count("--prefix-cache-bytes") > 0) spec_options.capacity_bytes = static_cast<std::size_t>(bytes);
+  std::shared_ptr<BlobStore> store = open_store_spec(spec, spec_options);
+  if (!store) return nullptr;
+  return std::make_unique<PrefixCache>(std::move(store), prefix_cache_options(model, interval));
 }
 
 std::string with_prefix_stats(std::string json, const PrefixCache* pc) {

@@ -157,6 +157,22 @@ std::int64_t prefill_pieces(const Model& model, std::span<const std::int32_t> to
 
 }  // namespace
 
+PrefixCacheOptions prefix_cache_options(const Model& model, std::int64_t interval) {
+  if (interval < 1 || interval > (std::int64_t{1} << 40)) {
+    throw InvalidArgument("prefix_cache_options: interval must be in [1, 2^40], got " + std::to_string(interval));
+  }
+  PrefixCacheOptions options;
+  options.interval = interval;
+  options.model_fingerprint = model.fingerprint();
+  // An entry ending at b holds at most b tokens' rows, the fixed states and
+  // the logits; twice that (and 1 MiB of headers) bounds what a file under
+  // a short prompt's key is read for.
+  const std::size_t logits_bytes = static_cast<std::size_t>(model.vocab_size()) * sizeof(float);
+  options.entry_bytes_per_token = 2 * (model.kv_bytes_per_token() + sizeof(std::int32_t));
+  options.entry_fixed_bytes = 2 * (model.fixed_state_bytes() + logits_bytes) + (std::size_t{1} << 20);
+  return options;
+}
+
 std::int64_t prefill(const Model& model, std::span<const std::int32_t> tokens, Cache& cache, std::vector<float>& logits,
                      PrefixCache* prefix_cache, GenerationStats& stats, std::int64_t max_rows,
                      const std::function<void(std::int64_t, std::int64_t)>& on_piece) {

@@ -211,6 +211,13 @@ struct GenerationStats {
   std::string to_json() const;
 };
 
+// Options of a PrefixCache for `model` (GenerationOptions::prefix_cache):
+// an entry every `interval` tokens, the model's fingerprint, and entry
+// bounds from its sizes, so that junk under a short prompt's key is refused
+// unread past about twice what a real entry of that length holds. Throws
+// InvalidArgument for an interval outside [1, 2^40].
+PrefixCacheOptions prefix_cache_options(const Model& model, std::int64_t interval = 256);
+
 // Runs `tokens` (non-empty) into `cache` (empty) and leaves the logits after
 // the last one in `logits` [vocab]. With a prefix cache: restores the
 // longest stored prefix (an entry that does not fit this model's cache is a
