@@ -22,7 +22,10 @@
 #include <nlohmann/json.hpp>
 
 #include "rewind/error.h"
+#include "rewind/open_store.h"
+#include "rewind/prefix_cache.h"
 #include "rewind/sequences.h"
+#include "rewind/store.h"
 #include "runtime/chat_template.h"
 #include "runtime/generate.h"
 #include "runtime/kernels.h"
@@ -361,6 +364,13 @@ struct Job {
   std::vector<std::int32_t> pending;  // tokens the next forward feeds
   std::mt19937_64 rng;
   std::int64_t emitted = 0;
+  // Prefix reuse: the prompt tokens in the cache (restored or fed), where
+  // the prefix-cache entry under way begins, and the boundaries still ahead
+  // in the prompt but its last token (ascending; a piece never crosses one,
+  // an entry is stored at each).
+  std::int64_t in_cache = 0;
+  std::int64_t entry_from = 0;
+  std::deque<std::int64_t> boundaries;
 
   std::mutex mu;
   std::condition_variable cv;
@@ -404,6 +414,9 @@ struct Server::Impl {
   std::condition_variable streams_cv;
   ServerCounters counters;  // under mu
   std::atomic<std::uint64_t> next_id{1};
+  // Used by the decode thread alone (PrefixCache is not thread-safe); its
+  // figures reach counters after each use. Null: no prefix reuse.
+  std::unique_ptr<PrefixCache> prefix;
 
   Impl(ServerOptions o, Model m, Tokenizer t) : options(std::move(o)), model(std::move(m)), tokenizer(std::move(t)) {}
 
@@ -426,10 +439,102 @@ struct Server::Impl {
     job.cv.notify_all();
   }
 
+  // Gives `job` its sequence in `cache`: with prefix reuse, the longest
+  // stored prefix of its prompt but the last token restored, the rest of
+  // the prompt pending (fed in pieces that end at the prefix cache's
+  // boundaries, prefill_piece), the last token to join the batch as a
+  // decoding row does. Returns false when the request failed (the system
+  // refused the memory of its sequence). A stored prefix that does not fit
+  // (another shape under this fingerprint) or that the store cannot deliver
+  // is recomputed.
+  bool admit(Job& job, SequenceCache& cache) {
+    try {
+      job.id = cache.add_sequence();
+    } catch (const std::exception& e) {
+      finish(job, "error", e.what());
+      return false;
+    }
+    job.pending = job.prompt;
+    job.rng.seed(job.sampling.seed);
+    job.in_cache = job.entry_from = 0;
+    job.boundaries.clear();
+    const auto head = static_cast<std::int64_t>(job.prompt.size()) - 1;
+    if (!prefix || head < 1) return true;
+    const std::span<const std::int32_t> tokens = std::span<const std::int32_t>(job.prompt).first(head);
+    std::int64_t restored = 0;
+    try {
+      const PrefixHit hit = prefix->lookup(tokens, false);
+      if (hit.length > 0) {
+        const SeqId id = cache.import_snapshot(hit.state);
+        cache.seq_rm(job.id);
+        job.id = id;
+        restored = hit.length;
+      }
+    } catch (const Error&) {
+      // InvalidArgument: an entry of another shape; CapacityError: no memory
+      // for the restored state. Either way the prompt is computed.
+    }
+    const std::vector<std::int64_t> b = prefix->boundaries(restored, head);
+    job.boundaries.assign(b.begin(), b.end());
+    job.pending.erase(job.pending.begin(), job.pending.begin() + restored);
+    job.in_cache = job.entry_from = restored;
+    {
+      std::lock_guard<std::mutex> lock(mu);
+      ++counters.prefix_lookups;
+      if (restored > 0) {
+        ++counters.prefix_hits;
+        counters.prefix_hit_tokens += restored;
+      }
+      copy_prefix_stats();
+    }
+    return true;
+  }
+
+  // Tokens `job` feeds this round when `prompt_rows` prompt rows are left
+  // (a decoding row, or a prompt's last token, goes whole), and whether the
+  // forward returns the logits of its last one: to sample, or for the
+  // prefix-cache entry its piece ends at.
+  std::pair<std::int64_t, LogitRows> prefill_piece(const Job& job, std::int64_t prompt_rows) const {
+    const auto want = static_cast<std::int64_t>(job.pending.size());
+    if (want == 1) return {1, LogitRows::kLast};
+    std::int64_t take = std::max<std::int64_t>(0, std::min(want, prompt_rows));
+    if (!job.boundaries.empty()) take = std::min(take, job.boundaries.front() - job.in_cache);
+    const bool at_boundary = take > 0 && !job.boundaries.empty() && job.in_cache + take == job.boundaries.front();
+    return {take, take == want || at_boundary ? LogitRows::kLast : LogitRows::kNone};
+  }
+
+  // After a forward fed `take` tokens of `job`'s prompt (not its last):
+  // stores the prefix-cache entry when the piece reached a boundary, with
+  // the logits after it (`logits`). Never fails the request: a store that
+  // fails is counted (and warned about once by the PrefixCache).
+  void prefill_done(Job& job, std::int64_t take, const SequenceCache& cache, std::span<const float> logits) {
+    job.pending.erase(job.pending.begin(), job.pending.begin() + take);
+    job.in_cache += take;
+    if (job.boundaries.empty() || job.in_cache != job.boundaries.front()) return;
+    job.boundaries.pop_front();
+    try {
+      prefix->store(std::span<const std::int32_t>(job.prompt).first(static_cast<std::size_t>(job.in_cache)),
+                    job.entry_from, cache.export_snapshot(job.id, job.entry_from), logits);
+    } catch (const Error&) {
+      // No memory for the entry's copy: it is not kept, the request goes on.
+    }
+    job.entry_from = job.in_cache;
+    std::lock_guard<std::mutex> lock(mu);
+    copy_prefix_stats();
+  }
+
+  // REQUIRES: mu held.
+  void copy_prefix_stats() {
+    const PrefixCacheStats& st = prefix->stats();
+    counters.prefix_entries_written = st.entries_written;
+    counters.prefix_store_errors = st.store_errors;
+  }
+
   void decode_loop() {
     if (options.threads > 0) omp_set_num_threads(options.threads);
     SequenceCache cache = model.make_sequence_cache();
     std::vector<std::shared_ptr<Job>> active;
+    std::vector<std::shared_ptr<Job>> joining;
     std::vector<SequenceTokens> batch;
     std::vector<std::int64_t> fed;
     std::vector<float> logits;
@@ -442,7 +547,8 @@ struct Server::Impl {
         std::unique_lock<std::mutex> lock(mu);
         cv.wait(lock, [&] { return !waiting.empty() || !active.empty() || quit; });
         if (waiting.empty() && active.empty()) break;  // quit, and drained
-        while (static_cast<std::int64_t>(active.size()) < options.max_batch && !waiting.empty()) {
+        joining.clear();
+        while (static_cast<std::int64_t>(active.size() + joining.size()) < options.max_batch && !waiting.empty()) {
           std::shared_ptr<Job> job = std::move(waiting.front());
           waiting.pop_front();
           // The gauge follows the queue at once, not at the round's end: a
@@ -453,17 +559,13 @@ struct Server::Impl {
             finish(*job, "cancelled");
             continue;
           }
-          try {
-            job->id = cache.add_sequence();
-          } catch (const std::exception& e) {  // the system refused the memory: this request fails alone
-            finish(*job, "error", e.what());
-            continue;
-          }
-          job->pending = job->prompt;
-          job->rng.seed(job->sampling.seed);
           counters.prompt_tokens += static_cast<std::int64_t>(job->prompt.size());
-          active.push_back(std::move(job));
+          joining.push_back(std::move(job));
         }
+      }
+      // Outside the lock: a lookup may wait for a store (Redis).
+      for (std::shared_ptr<Job>& job : joining) {
+        if (admit(*job, cache)) active.push_back(std::move(job));
       }
       std::erase_if(active, [&](const std::shared_ptr<Job>& job) {
         if (!job->cancel) return false;
@@ -481,12 +583,11 @@ struct Server::Impl {
       fed.clear();
       std::int64_t prompt_rows = options.max_prefill_rows;
       for (const auto& job : active) {
-        const auto want = static_cast<std::int64_t>(job->pending.size());
-        const std::int64_t take = want == 1 ? 1 : std::max<std::int64_t>(0, std::min(want, prompt_rows));
-        if (want > 1) prompt_rows -= take;
+        const auto [take, rows] = prefill_piece(*job, prompt_rows);
+        if (job->pending.size() > 1) prompt_rows -= take;
         fed.push_back(take);
-        batch.push_back({job->id, std::span<const std::int32_t>(job->pending).first(static_cast<std::size_t>(take)),
-                         take == want ? LogitRows::kLast : LogitRows::kNone});
+        batch.push_back(
+            {job->id, std::span<const std::int32_t>(job->pending).first(static_cast<std::size_t>(take)), rows});
       }
       try {
         model.forward_batch(batch, cache, logits);
@@ -506,12 +607,13 @@ struct Server::Impl {
       std::vector<std::shared_ptr<Job>> still;
       for (std::size_t k = 0; k < active.size(); ++k) {
         Job& job = *active[k];
+        std::span<const float> l;
+        if (batch[k].logits == LogitRows::kLast) l = std::span<const float>(logits.data() + row++ * V, V);
         if (fed[k] < static_cast<std::int64_t>(job.pending.size())) {  // more of its prompt next round
-          job.pending.erase(job.pending.begin(), job.pending.begin() + fed[k]);
+          prefill_done(job, fed[k], cache, l);
           still.push_back(std::move(active[k]));
           continue;
         }
-        const std::span<const float> l(logits.data() + row++ * V, V);
         std::int32_t token = 0;
         if (job.sampling.greedy()) {
           token = static_cast<std::int32_t>(runtime::kernels::argmax(l.data(), static_cast<std::int64_t>(V)));
@@ -856,6 +958,15 @@ struct Server::Impl {
         static_cast<std::int64_t>(c.cache_bytes_used));
     add("rewind_cache_bytes_reserved", "gauge", "Bytes the SequenceCache holds, free blocks included.",
         static_cast<std::int64_t>(c.cache_bytes_reserved));
+    add("rewind_prefix_lookups_total", "counter", "Admitted prompts looked up in the prefix cache.", c.prefix_lookups);
+    add("rewind_prefix_hits_total", "counter", "Admitted requests that started from a stored prompt prefix.",
+        c.prefix_hits);
+    add("rewind_prefix_hit_tokens_total", "counter", "Prompt tokens restored from the prefix cache, not computed.",
+        c.prefix_hit_tokens);
+    add("rewind_prefix_entries_written_total", "counter", "Prefix-cache entries the store took.",
+        c.prefix_entries_written);
+    add("rewind_prefix_store_errors_total", "counter", "Prefix-store calls that failed (recomputed or not kept).",
+        c.prefix_store_errors);
     return out;
   }
 
@@ -949,6 +1060,12 @@ Server::Server(ServerOptions options) {
         "max_prefill_rows must be >= 1, got " + std::to_string(options.max_prefill_rows));
   check(options.port >= 0 && options.port <= 65535, "port must be in [0, 65535], got " + std::to_string(options.port));
   check(options.max_body_bytes >= 1, "max_body_bytes must be >= 1");
+  check(options.prefix_interval >= 1 && options.prefix_interval <= (std::int64_t{1} << 40),
+        "prefix_interval must be in [1, 2^40], got " + std::to_string(options.prefix_interval));
+  StoreSpecOptions spec;
+  spec.capacity_bytes = options.prefix_cache_bytes;
+  // Before the model loads: a bad URL is refused at once.
+  if (options.prefix_reuse && !options.prefix_cache.empty()) check_store_spec(options.prefix_cache, spec);
   Model model = Model::load(options.model_dir, options.load);
   Tokenizer tokenizer = runtime::tokenizer_for_model(options.model_dir, model.config());
   const std::int64_t trained = model.config().max_position_embeddings;
@@ -961,6 +1078,18 @@ Server::Server(ServerOptions options) {
   impl_ = std::make_unique<Impl>(std::move(options), std::move(model), std::move(tokenizer));
   impl_->context = context;
   impl_->name = std::move(name);
+  if (impl_->options.prefix_reuse) {
+    std::shared_ptr<BlobStore> store;
+    if (impl_->options.prefix_cache.empty()) {
+      store = make_memory_store(impl_->options.prefix_cache_bytes.value_or(kDefaultPrefixCacheBytes));
+    } else {
+      store = open_store_spec(impl_->options.prefix_cache, spec);  // null, after a warning, when unreachable
+    }
+    if (store) {
+      impl_->prefix = std::make_unique<PrefixCache>(
+          std::move(store), runtime::prefix_cache_options(impl_->model, impl_->options.prefix_interval));
+    }
+  }
   try {
     impl_->chat_template = runtime::ChatTemplate::from_model_dir(impl_->options.model_dir);
   } catch (const Error& e) {

@@ -31,6 +31,10 @@ struct ServeFlags {
   std::int64_t max_body = 1 << 20;
   std::int64_t queue_limit = 256;
   std::optional<std::int64_t> ctx_size;
+  std::string prefix_cache;
+  bool no_prefix_cache = false;
+  std::int64_t prefix_interval = 256;
+  std::optional<std::int64_t> prefix_cache_bytes;
 };
 
 #ifdef REWIND_HAVE_SERVER
@@ -46,6 +50,10 @@ int run_serve(const ServeFlags& f, const std::optional<int>& threads) {
   o.max_body_bytes = static_cast<std::size_t>(f.max_body);
   o.queue_limit = f.queue_limit;
   o.context = f.ctx_size.value_or(0);
+  o.prefix_reuse = !f.no_prefix_cache;
+  o.prefix_cache = f.prefix_cache;
+  o.prefix_interval = f.prefix_interval;
+  if (f.prefix_cache_bytes) o.prefix_cache_bytes = static_cast<std::size_t>(*f.prefix_cache_bytes);
   // The decode loop runs on a thread of its own, which does not inherit
   // main's omp_set_num_threads: the CLI's thread rule is passed explicitly.
   const char* env = std::getenv("OMP_NUM_THREADS");
@@ -103,6 +111,25 @@ Command add_serve_command(CLI::App& app, SharedFlags& shared) {
                   "positions a request may use (prompt + max_tokens); default the model's "
                   "max_position_embeddings, 4096 when its config names none")
       ->check(integer_in(1, std::int64_t{1} << 40));
+  auto* prefix = cmd->add_option("--prefix-cache", f.prefix_cache,
+                                 "where prompt-prefix entries live, shared by every server (replica) given the same "
+                                 "one: a directory, ro:DIR (read, never written) or redis://HOST:PORT[/PREFIX], as "
+                                 "generate --prefix-cache takes; other URLs are refused. Default: in this process "
+                                 "(1 GiB, least recently used entries go first). A request's prompt starts from the "
+                                 "longest stored prefix; output is identical with or without a hit. A store that "
+                                 "fails is one warning and recomputation")
+                     ->type_name("DIR|ro:DIR|URL")
+                     ->default_str("in-process");
+  auto* off = cmd->add_flag("--no-prefix-cache", f.no_prefix_cache, "no prefix reuse: every prompt is computed")
+                  ->excludes(prefix);
+  cmd->add_option("--prefix-interval", f.prefix_interval, "tokens between prefix-cache entries")
+      ->check(integer_in(1, std::int64_t{1} << 40))
+      ->excludes(off);
+  cmd->add_option("--prefix-cache-bytes", f.prefix_cache_bytes,
+                  "cap of the in-process or directory prefix cache in bytes; least recently used entries go first "
+                  "(0: no cap)")
+      ->check(integer_in(0, std::int64_t{1} << 50))
+      ->excludes(off);
   return {cmd, [flags, &shared] { return run_serve(*flags, shared.threads); }};
 }
 

@@ -8,7 +8,11 @@
 // finish, are cancelled (a stop string matched, the client went away) or
 // fail. The forward is batch invariant, so a request's tokens equal
 // runtime::generate()'s for its prompt alone with the same sampling
-// parameters and seed, whatever else is in the batch.
+// parameters and seed, whatever else is in the batch. A joining prompt
+// starts from the longest prefix its prefix cache holds (in-process, or a
+// directory or Redis shared with other servers) and stores an entry at each
+// of the cache's boundaries it reaches; the tokens are the same with or
+// without a hit.
 //
 // HTTP (cpp-httplib): a pool of `http_threads` threads parses requests and
 // writes responses; a streaming response holds its thread while it streams.
@@ -17,6 +21,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <string>
 
 #include "runtime/model.h"
@@ -47,7 +52,26 @@ struct ServerOptions {
   std::int64_t max_prefill_rows = 2048;
   // How the model holds its linear weights (runtime::LoadOptions).
   runtime::LoadOptions load;
+  // Prefix reuse (docs/server.md): a request's prompt starts from the
+  // longest prefix stored by an earlier request, of this server or of any
+  // other on the same store; output is identical with and without a hit.
+  // False: none.
+  bool prefix_reuse = true;
+  // Where entries live: empty, an in-process store of prefix_cache_bytes
+  // (kDefaultPrefixCacheBytes when unset); otherwise what `rewind generate
+  // --prefix-cache` takes (rewind/open_store.h): a directory, ro:DIR or
+  // redis://HOST:PORT[/PREFIX], which several servers may share.
+  std::string prefix_cache;
+  // An entry every this many prompt tokens (and at each prompt's end).
+  std::int64_t prefix_interval = 256;
+  // The cap in bytes of the in-process store or of a directory store (least
+  // recently used entries go first; 0: none); refused for Redis and ro:DIR.
+  std::optional<std::size_t> prefix_cache_bytes;
 };
+
+// The in-process prefix store's cap when ServerOptions::prefix_cache_bytes
+// is unset.
+inline constexpr std::size_t kDefaultPrefixCacheBytes = std::size_t{1} << 30;
 
 // The context used when neither ServerOptions::context nor the model's
 // config names one.
@@ -70,14 +94,24 @@ struct ServerCounters {
   // for the next requests included.
   std::size_t cache_bytes_used = 0;
   std::size_t cache_bytes_reserved = 0;
+  // Prefix reuse (all 0 without it).
+  std::int64_t prefix_lookups = 0;          // admitted prompts looked up in the prefix cache
+  std::int64_t prefix_hits = 0;             // admitted requests that started from a stored prefix
+  std::int64_t prefix_hit_tokens = 0;       // prompt tokens restored instead of computed
+  std::int64_t prefix_entries_written = 0;  // entries the store took
+  std::int64_t prefix_store_errors = 0;     // store calls that failed (each a miss or an entry not kept)
 };
 
 class Server {
  public:
-  // Loads the model and its tokenizer. Throws InvalidArgument naming the
-  // option for a bad option (max_batch < 1, http_threads < 1, queue_limit
-  // < 1, context < 0 or past the model's max_position_embeddings,
-  // max_prefill_rows < 1), and what Model::load / tokenizer_for_model throw.
+  // Loads the model and its tokenizer and opens the prefix cache. Throws
+  // InvalidArgument naming the option for a bad option (max_batch < 1,
+  // http_threads < 1, queue_limit < 1, context < 0 or past the model's
+  // max_position_embeddings, max_prefill_rows < 1, a prefix_cache that is
+  // not a directory, ro:DIR or redis:// URL, prefix_interval outside [1,
+  // 2^40], prefix_cache_bytes for Redis or ro:DIR), and what Model::load /
+  // tokenizer_for_model throw. A prefix store that cannot be reached now (a
+  // Redis server down) is a warning on stderr and no prefix reuse.
   explicit Server(ServerOptions options);
   // stop()s a running server.
   ~Server();
