@@ -141,39 +141,6 @@ class ServerPrefix : public ::testing::Test {
 Model* ServerPrefix::model_ = nullptr;
 Tokenizer* ServerPrefix::tokenizer_ = nullptr;
 
-// The store-failure warnings among `messages` (not those of a slow call,
-// which a loaded machine may also cause).
-std::vector<std::string> failures(const std::vector<std::string>& messages) {
-  std::vector<std::string> out;
-  for (const std::string& m : messages) {
-    if (m.find("a call took") == std::string::npos) out.push_back(m);
-  }
-  return out;
-}
-
-// Counts the warnings rewind emits while alive (PrefixCache's store
-// warnings), passing them on to stderr as the default handler does.
-class WarningLog {
- public:
-  WarningLog() {
-    previous_ = rwd::set_warning_handler([this](const std::string& m) {
-      std::lock_guard<std::mutex> lock(mu_);
-      messages_.push_back(m);
-      std::fprintf(stderr, "%s\n", m.c_str());
-    });
-  }
-  ~WarningLog() { rwd::set_warning_handler(previous_); }
-  std::vector<std::string> messages() {
-    std::lock_guard<std::mutex> lock(mu_);
-    return messages_;
-  }
-
- private:
-  rwd::WarningHandler previous_;
-  std::mutex mu_;
-  std::vector<std::string> messages_;
-};
-
 TEST_F(ServerPrefix, RepeatedPromptHitsAndGivesTheSameText) {
   Server server(options());  // the in-process store
   const int port = server.start();
@@ -307,6 +274,39 @@ TEST_F(ServerPrefix, BadPrefixCacheOptionsAreRefused) {
 }
 
 #if REWIND_HAVE_REDIS
+
+// The store-failure warnings among `messages` (not those of a slow call,
+// which a loaded machine may also cause).
+std::vector<std::string> failures(const std::vector<std::string>& messages) {
+  std::vector<std::string> out;
+  for (const std::string& m : messages) {
+    if (m.find("a call took") == std::string::npos) out.push_back(m);
+  }
+  return out;
+}
+
+// Counts the warnings rewind emits while alive (PrefixCache's store
+// warnings), passing them on to stderr as the default handler does.
+class WarningLog {
+ public:
+  WarningLog() {
+    previous_ = rwd::set_warning_handler([this](const std::string& m) {
+      std::lock_guard<std::mutex> lock(mu_);
+      messages_.push_back(m);
+      std::fprintf(stderr, "%s\n", m.c_str());
+    });
+  }
+  ~WarningLog() { rwd::set_warning_handler(previous_); }
+  std::vector<std::string> messages() {
+    std::lock_guard<std::mutex> lock(mu_);
+    return messages_;
+  }
+
+ private:
+  rwd::WarningHandler previous_;
+  std::mutex mu_;
+  std::vector<std::string> messages_;
+};
 
 TEST_F(ServerPrefix, RedisSharedByTwoServers) {
   rwd::test::RedisServer redis;
