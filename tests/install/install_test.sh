@@ -33,6 +33,7 @@ test -f "$prefix/include/rewind/cache.h" || fail "headers not installed"
 # A plain install is the library alone: no header of something it does not
 # ship (the Redis store is in-tree only), no runtime component.
 test ! -e "$prefix/include/rewind/redis_store.h" || fail "rewind/redis_store.h installed without its library"
+test ! -e "$prefix/include/rewind/open_store.h" || fail "rewind/open_store.h installed without its library"
 for path in bin/rewind include/runtime; do
   test ! -e "$prefix/$path" || fail "$path installed by a plain install (it belongs to the runtime component)"
 done
