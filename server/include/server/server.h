@@ -8,7 +8,10 @@
 // finish, are cancelled (a stop string matched, the client went away) or
 // fail. The forward is batch invariant, so a request's tokens equal
 // runtime::generate()'s for its prompt alone with the same sampling
-// parameters and seed, whatever else is in the batch.
+// parameters and seed, whatever else is in the batch. With speculation
+// (ServerOptions::draft_dir / lookup) every request drafts, verifies and
+// rolls back on its own within the same rounds; greedy tokens are still
+// generate()'s.
 //
 // HTTP (cpp-httplib): a pool of `http_threads` threads parses requests and
 // writes responses; a streaming response holds its thread while it streams.
@@ -45,8 +48,19 @@ struct ServerOptions {
   std::int64_t context = 0;
   // Prompt tokens one forward feeds at most (runtime::GenerationOptions).
   std::int64_t max_prefill_rows = 2048;
-  // How the model holds its linear weights (runtime::LoadOptions).
+  // How the model holds its linear weights (runtime::LoadOptions); a draft
+  // model is loaded the same way.
   runtime::LoadOptions load;
+  // Speculative decoding of every request (docs/server.md, "Speculation"):
+  // a draft model directory whose vocabulary is the model's, or prompt
+  // lookup with n-grams of up to `lookup` tokens in [1, runtime::kMaxDraft];
+  // not both. Empty and 0: plain decoding.
+  std::string draft_dir;
+  std::int64_t lookup = 0;
+  // Draft tokens per round K, in [1, runtime::kMaxDraft]; with adaptive, the
+  // most K grows to (runtime::SpeculativeOptions, per request).
+  std::int64_t num_draft = 4;
+  bool adaptive = false;
 };
 
 // The context used when neither ServerOptions::context nor the model's
@@ -65,14 +79,19 @@ struct ServerCounters {
   std::int64_t running = 0;           // sequences in the batch now
   std::int64_t peak_batch = 0;        // the most sequences one forward held
   std::int64_t live_sequences = 0;    // sequences in the SequenceCache now
+  std::int64_t drafted = 0;           // draft tokens proposed for verification (speculation)
+  std::int64_t accepted = 0;          // of those, tokens the model accepted
 };
 
 class Server {
  public:
-  // Loads the model and its tokenizer. Throws InvalidArgument naming the
-  // option for a bad option (max_batch < 1, http_threads < 1, queue_limit
-  // < 1, context < 0 or past the model's max_position_embeddings,
-  // max_prefill_rows < 1), and what Model::load / tokenizer_for_model throw.
+  // Loads the model and its tokenizer (and the draft model). Throws
+  // InvalidArgument naming the option for a bad option (max_batch < 1,
+  // http_threads < 1, queue_limit < 1, context < 0 or past the model's
+  // max_position_embeddings, max_prefill_rows < 1, num_draft or lookup out
+  // of range, draft_dir with lookup, a draft model whose vocabulary or
+  // tokenizer differs from the model's), and what Model::load /
+  // tokenizer_for_model throw.
   explicit Server(ServerOptions options);
   // stop()s a running server.
   ~Server();
