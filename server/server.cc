@@ -425,11 +425,15 @@ class Speculation {
     free_slots_.push_back(job.slot);
   }
 
-  // This round's drafts of `jobs` (prefilled), at most K each and never
-  // more than the tokens the request may still emit less one (a round
-  // emits the accepted drafts and one more); each job's pending becomes
-  // its verify tokens, the pending token then the drafts.
-  void draft(std::span<Job* const> jobs) {
+  // This round's drafts of the requests of `active` past their prefill,
+  // at most K each and never more than the tokens the request may still
+  // emit less one (a round emits the accepted drafts and one more); each
+  // one's pending becomes its verify tokens, the pending token then the
+  // drafts.
+  void draft(const std::vector<std::shared_ptr<Job>>& active) {
+    std::vector<Job*> jobs;
+    for (const auto& job : active)
+      if (job->prefilled) jobs.push_back(job.get());
     std::vector<runtime::BatchDraftSource::Request> requests;
     for (Job* job : jobs) {
       job->drafts.clear();
@@ -545,6 +549,53 @@ struct Server::Impl {
     return job.emitted >= job.max_tokens ? "length" : nullptr;
   }
 
+  // A speculating request after its verify forward (`rows`: its logits):
+  // emits the tokens the round keeps, up to an EOS or max_tokens; returns
+  // why the request ends (as emit), or null.
+  const char* emit_verified(Job& job, std::span<const float> rows, Speculation& spec, SequenceCache& cache) {
+    std::int64_t kept = 0;
+    const std::vector<std::int32_t> tokens = spec.accept(job, rows, cache, kept);
+    {
+      std::lock_guard<std::mutex> lock(mu);
+      counters.accepted += kept;
+    }
+    for (const std::int32_t token : tokens) {
+      job.sequence.push_back(token);
+      if (const char* end = emit(job, token)) return end;  // the tokens after it are dropped
+    }
+    return nullptr;
+  }
+
+  // This round's forward: each request's share in `batch` and the tokens
+  // of its pending it feeds in `fed`; returns the drafts it verifies. As
+  // generate_batch: a decoding row goes whole, joining prompts share
+  // max_prefill_rows and a prompt that does not fit goes on next round. A
+  // speculating request's prompt but its last token goes first without
+  // logits, then each round its verify tokens with a row each.
+  std::int64_t fill_batch(const std::vector<std::shared_ptr<Job>>& active, bool speculating,
+                          std::vector<SequenceTokens>& batch, std::vector<std::int64_t>& fed) const {
+    batch.clear();
+    fed.clear();
+    std::int64_t drafted = 0;
+    std::int64_t prompt_rows = options.max_prefill_rows;
+    for (const auto& job : active) {
+      const auto want = static_cast<std::int64_t>(job->pending.size());
+      if (job->prefilled) {
+        drafted += static_cast<std::int64_t>(job->drafts.size());
+        fed.push_back(want);
+        batch.push_back({job->id, job->pending, LogitRows::kAll});
+        continue;
+      }
+      const std::int64_t take = want == 1 ? 1 : std::max<std::int64_t>(0, std::min(want, prompt_rows));
+      if (want > 1) prompt_rows -= take;
+      fed.push_back(take);
+      const bool last_piece = take == want && !speculating;  // speculating: the pending token verifies next
+      batch.push_back({job->id, std::span<const std::int32_t>(job->pending).first(static_cast<std::size_t>(take)),
+                       last_piece ? LogitRows::kLast : LogitRows::kNone});
+    }
+    return drafted;
+  }
+
   void decode_loop() {
     if (options.threads > 0) omp_set_num_threads(options.threads);
     SequenceCache cache = model.make_sequence_cache();
@@ -605,43 +656,18 @@ struct Server::Impl {
         update_gauges(active.size(), cache);
         continue;
       }
-      std::vector<Job*> verifying;  // speculating requests past their prefill: they verify this round
-      if (spec.on()) {
-        for (const auto& job : active)
-          if (job->prefilled) verifying.push_back(job.get());
-      }
-      // As generate_batch: a decoding row goes whole, joining prompts share
-      // max_prefill_rows and a prompt that does not fit goes on next round.
-      // A speculating request's prompt but its last token goes first
-      // without logits, then each round its verify tokens with a row each.
       std::int64_t drafted = 0;
       try {
-        if (!verifying.empty()) spec.draft(verifying);
-        batch.clear();
-        fed.clear();
-        std::int64_t prompt_rows = options.max_prefill_rows;
-        for (const auto& job : active) {
-          const auto want = static_cast<std::int64_t>(job->pending.size());
-          if (job->prefilled) {
-            drafted += static_cast<std::int64_t>(job->drafts.size());
-            fed.push_back(want);
-            batch.push_back({job->id, job->pending, LogitRows::kAll});
-            continue;
-          }
-          const std::int64_t take = want == 1 ? 1 : std::max<std::int64_t>(0, std::min(want, prompt_rows));
-          if (want > 1) prompt_rows -= take;
-          fed.push_back(take);
-          const bool last_piece = take == want && !spec.on();  // speculating: the pending token verifies next
-          batch.push_back({job->id, std::span<const std::int32_t>(job->pending).first(static_cast<std::size_t>(take)),
-                           last_piece ? LogitRows::kLast : LogitRows::kNone});
-        }
+        if (spec.on()) spec.draft(active);
+        drafted = fill_batch(active, spec.on(), batch, fed);
         model.forward_batch(batch, cache, logits);
         std::lock_guard<std::mutex> lock(mu);
         ++counters.forwards;
         counters.drafted += drafted;
         counters.peak_batch = std::max(counters.peak_batch, static_cast<std::int64_t>(batch.size()));
       } catch (const std::exception& e) {
-        // All or nothing: no sequence moved. Every request of the batch
+        // All or nothing: no sequence moved (a draft model's sequences may
+        // have, and go with their requests). Every request of the batch
         // fails (the budget or the system refused memory); the server goes on.
         for (const auto& job : active) {
           retire(*job);
@@ -655,21 +681,10 @@ struct Server::Impl {
       std::vector<std::shared_ptr<Job>> still;
       for (std::size_t k = 0; k < active.size(); ++k) {
         Job& job = *active[k];
-        if (job.prefilled) {
+        if (job.prefilled) {  // speculating: it verified its drafts
           const std::span<const float> rows(logits.data() + row * V, job.pending.size() * V);
           row += job.pending.size();
-          std::int64_t kept = 0;
-          const std::vector<std::int32_t> tokens = spec.accept(job, rows, cache, kept);
-          {
-            std::lock_guard<std::mutex> lock(mu);
-            counters.accepted += kept;
-          }
-          const char* end = nullptr;
-          for (const std::int32_t token : tokens) {  // never past an EOS or max_tokens
-            job.sequence.push_back(token);
-            if ((end = emit(job, token))) break;
-          }
-          if (end) {
+          if (const char* end = emit_verified(job, rows, spec, cache)) {
             retire(job);
             finish(job, end);
           } else {
