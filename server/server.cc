@@ -371,6 +371,15 @@ struct Job {
   std::int64_t in_cache = 0;
   std::int64_t entry_from = 0;
   std::deque<std::int64_t> boundaries;
+  // Speculation (Speculation below): the sequence so far, prompt + emitted,
+  // whose last token is the pending one the next verify forward leads with;
+  // whether the prompt but that token is in the cache; this round's drafts;
+  // the draft length K now (adaptive) and the request's draft-model slot.
+  std::vector<std::int32_t> sequence;
+  bool prefilled = false;
+  std::vector<std::int32_t> drafts;
+  std::int64_t k_now = 0;
+  std::size_t slot = 0;
 
   std::mutex mu;
   std::condition_variable cv;
@@ -381,6 +390,106 @@ struct Job {
   std::atomic<bool> cancel{false};
 };
 
+// Per-request speculation in the decode loop (ServerOptions::draft_dir /
+// lookup), as runtime::speculative_generate_batch does it: each round a
+// request that decodes drafts up to its own K tokens (prompt lookup over its
+// sequence, or the draft model, whose per-request sequences live in the
+// draft's own SequenceCache and are fed and cropped as runtime::ModelDraft
+// does, every draft step one batched forward), the verify forward scores
+// the pending token and the drafts, and accept() keeps what
+// runtime::accept_drafts keeps and crops the rest from the request's
+// sequence alone. The draft model drafts greedily for every request, a
+// sampled one included: a deterministic draft is exact under speculative
+// sampling (its q is one-hot), needs no per-request draft temperature, and
+// keeps a seeded request's tokens independent of the rest of the batch.
+class Speculation {
+ public:
+  Speculation(const ServerOptions& o, const Model* draft, const Model& target)
+      : num_draft_(o.num_draft), adaptive_(o.adaptive), V_(target.vocab_size()) {
+    if (o.lookup > 0) lookup_.emplace(o.lookup);
+    if (draft) {
+      drafter_.emplace(*draft, SamplingParams{}, o.num_draft, o.max_prefill_rows);
+      drafter_->begin(std::vector<std::vector<std::int32_t>>(static_cast<std::size_t>(o.max_batch)));
+      for (auto i = static_cast<std::size_t>(o.max_batch); i-- > 0;) free_slots_.push_back(i);
+    }
+  }
+  bool on() const { return lookup_.has_value() || drafter_.has_value(); }
+
+  // A request joins, the first `restored` tokens of its prompt in the cache
+  // (restored from the prefix cache; at most all but the last): the target
+  // keeps a round's worth of rollback record for it, and the rest of its
+  // prompt but the last token is what it feeds first.
+  void join(Job& job, SequenceCache& cache, std::int64_t restored) {
+    cache.activate_past_recording(job.id, num_draft_);
+    job.sequence = job.prompt;
+    job.pending.assign(job.prompt.begin() + restored, job.prompt.end() - 1);
+    job.prefilled = job.pending.empty();
+    job.k_now = num_draft_;
+    if (drafter_) {
+      job.slot = free_slots_.back();  // the batch never holds more than max_batch
+      free_slots_.pop_back();
+    }
+  }
+  // A request leaves: its draft state goes back.
+  void leave(Job& job) {
+    if (!drafter_) return;
+    drafter_->finish(job.slot);
+    free_slots_.push_back(job.slot);
+  }
+
+  // This round's drafts of the requests of `active` past their prefill,
+  // at most K each and never more than the tokens the request may still
+  // emit less one (a round emits the accepted drafts and one more); each
+  // one's pending becomes its verify tokens, the pending token then the
+  // drafts.
+  void draft(const std::vector<std::shared_ptr<Job>>& active) {
+    std::vector<Job*> jobs;
+    for (const auto& job : active)
+      if (job->prefilled) jobs.push_back(job.get());
+    std::vector<runtime::BatchDraftSource::Request> requests;
+    for (Job* job : jobs) {
+      job->drafts.clear();
+      const std::int64_t k = std::min(job->k_now, job->max_tokens - job->emitted - 1);
+      if (k <= 0) continue;
+      if (lookup_) {
+        job->drafts = lookup_->propose(job->sequence, k, nullptr);
+      } else {
+        requests.push_back({job->slot, job->sequence, k, &job->drafts, nullptr});
+      }
+    }
+    if (!requests.empty()) drafter_->propose(requests);
+    for (Job* job : jobs) {
+      job->pending.assign(1, job->sequence.back());
+      job->pending.insert(job->pending.end(), job->drafts.begin(), job->drafts.end());
+    }
+  }
+
+  // After the verify forward (`logits`: a row per verify token): the tokens
+  // the round emits, the rejected drafts cropped from the job's sequence
+  // (crop(0) too, so that sliding and conv states shrink back) and the
+  // draft told. Sets `accepted`.
+  std::vector<std::int32_t> accept(Job& job, std::span<const float> logits, SequenceCache& cache,
+                                   std::int64_t& accepted) {
+    const std::vector<std::int32_t> emitted = runtime::accept_drafts(logits, V_, job.drafts, {}, job.sampling, job.rng,
+                                                                     accepted);
+    const auto kd = static_cast<std::int64_t>(job.drafts.size());
+    cache.crop(job.id, -(kd - accepted));
+    if (drafter_ && kd > 0) drafter_->accept(job.slot, kd, accepted);
+    if (adaptive_ && kd > 0) {
+      job.k_now = accepted == kd ? std::min(job.k_now + 2, num_draft_) : std::max<std::int64_t>(job.k_now - 1, 1);
+    }
+    return emitted;
+  }
+
+ private:
+  std::int64_t num_draft_;
+  bool adaptive_;
+  std::int64_t V_;
+  std::optional<runtime::LookupDraft> lookup_;
+  std::optional<runtime::BatchedModelDraft> drafter_;
+  std::vector<std::size_t> free_slots_;  // draft-model slots no request holds
+};
+
 }  // namespace
 
 struct Server::Impl {
@@ -388,6 +497,7 @@ struct Server::Impl {
   std::string name;
   Model model;
   Tokenizer tokenizer;
+  std::optional<Model> draft;  // ServerOptions::draft_dir's model
   std::int64_t context = 0;
   // tokenizer_config.json's chat_template; when absent or unparsable, the
   // chat endpoint answers 400 and says why (chat_template_problem).
@@ -443,42 +553,41 @@ struct Server::Impl {
   // stored prefix of its prompt but the last token restored, the rest of
   // the prompt pending (fed in pieces that end at the prefix cache's
   // boundaries, prefill_piece), the last token to join the batch as a
-  // decoding row does. Returns false when the request failed (the system
-  // refused the memory of its sequence). A stored prefix that does not fit
-  // (another shape under this fingerprint) or that the store cannot deliver
-  // is recomputed.
-  bool admit(Job& job, SequenceCache& cache) {
+  // decoding row does, or with speculation to lead its first verify
+  // forward (Speculation::join, after the restore: the recording is the
+  // sequence's). Returns false when the request failed (the system refused
+  // the memory of its sequence or of its rollback record). A stored prefix
+  // that does not fit (another shape under this fingerprint) or that the
+  // store cannot deliver is recomputed.
+  bool admit(Job& job, SequenceCache& cache, Speculation& spec) {
     try {
       job.id = cache.add_sequence();
     } catch (const std::exception& e) {
       finish(job, "error", e.what());
       return false;
     }
-    job.pending = job.prompt;
     job.rng.seed(job.sampling.seed);
     job.in_cache = job.entry_from = 0;
     job.boundaries.clear();
     const auto head = static_cast<std::int64_t>(job.prompt.size()) - 1;
-    if (!prefix || head < 1) return true;
-    const std::span<const std::int32_t> tokens = std::span<const std::int32_t>(job.prompt).first(head);
     std::int64_t restored = 0;
-    try {
-      const PrefixHit hit = prefix->lookup(tokens, false);
-      if (hit.length > 0) {
-        const SeqId id = cache.import_snapshot(hit.state);
-        cache.seq_rm(job.id);
-        job.id = id;
-        restored = hit.length;
+    if (prefix && head >= 1) {
+      const std::span<const std::int32_t> tokens = std::span<const std::int32_t>(job.prompt).first(head);
+      try {
+        const PrefixHit hit = prefix->lookup(tokens, false);
+        if (hit.length > 0) {
+          const SeqId id = cache.import_snapshot(hit.state);
+          cache.seq_rm(job.id);
+          job.id = id;
+          restored = hit.length;
+        }
+      } catch (const Error&) {
+        // InvalidArgument: an entry of another shape; CapacityError: no memory
+        // for the restored state. Either way the prompt is computed.
       }
-    } catch (const Error&) {
-      // InvalidArgument: an entry of another shape; CapacityError: no memory
-      // for the restored state. Either way the prompt is computed.
-    }
-    const std::vector<std::int64_t> b = prefix->boundaries(restored, head);
-    job.boundaries.assign(b.begin(), b.end());
-    job.pending.erase(job.pending.begin(), job.pending.begin() + restored);
-    job.in_cache = job.entry_from = restored;
-    {
+      const std::vector<std::int64_t> b = prefix->boundaries(restored, head);
+      job.boundaries.assign(b.begin(), b.end());
+      job.in_cache = job.entry_from = restored;
       std::lock_guard<std::mutex> lock(mu);
       ++counters.prefix_lookups;
       if (restored > 0) {
@@ -487,20 +596,33 @@ struct Server::Impl {
       }
       copy_prefix_stats();
     }
+    if (!spec.on()) {
+      job.pending.assign(job.prompt.begin() + restored, job.prompt.end());
+      return true;
+    }
+    try {
+      spec.join(job, cache, restored);  // its rollback record may be refused memory too
+    } catch (const std::exception& e) {
+      cache.seq_rm(job.id);
+      finish(job, "error", e.what());
+      return false;
+    }
     return true;
   }
 
   // Tokens `job` feeds this round when `prompt_rows` prompt rows are left
   // (a decoding row, or a prompt's last token, goes whole), and whether the
   // forward returns the logits of its last one: to sample, or for the
-  // prefix-cache entry its piece ends at.
-  std::pair<std::int64_t, LogitRows> prefill_piece(const Job& job, std::int64_t prompt_rows) const {
+  // prefix-cache entry its piece ends at. Speculating, the pending tokens
+  // are the prompt but its last, whose end needs no logits (that token
+  // leads the next round's verify forward) unless an entry ends there.
+  std::pair<std::int64_t, LogitRows> prefill_piece(const Job& job, std::int64_t prompt_rows, bool speculating) const {
     const auto want = static_cast<std::int64_t>(job.pending.size());
-    if (want == 1) return {1, LogitRows::kLast};
-    std::int64_t take = std::max<std::int64_t>(0, std::min(want, prompt_rows));
+    std::int64_t take = want == 1 ? 1 : std::max<std::int64_t>(0, std::min(want, prompt_rows));
     if (!job.boundaries.empty()) take = std::min(take, job.boundaries.front() - job.in_cache);
     const bool at_boundary = take > 0 && !job.boundaries.empty() && job.in_cache + take == job.boundaries.front();
-    return {take, take == want || at_boundary ? LogitRows::kLast : LogitRows::kNone};
+    const bool samples = take == want && !speculating;
+    return {take, samples || at_boundary ? LogitRows::kLast : LogitRows::kNone};
   }
 
   // After a forward fed `take` tokens of `job`'s prompt (not its last):
@@ -530,9 +652,72 @@ struct Server::Impl {
     counters.prefix_store_errors = st.store_errors;
   }
 
+  // Publishes `token` as the request's next; returns why the request ends
+  // with it ("stop": an EOS, "length": max_tokens reached), or null.
+  const char* emit(Job& job, std::int32_t token) {
+    ++job.emitted;
+    {
+      // Counted before the client can see it: a reader of the counters
+      // after a response has every one of its tokens.
+      std::lock_guard<std::mutex> lock(mu);
+      ++counters.generated_tokens;
+    }
+    publish(job, token);
+    if (model.config().is_eos(token)) return "stop";
+    return job.emitted >= job.max_tokens ? "length" : nullptr;
+  }
+
+  // A speculating request after its verify forward (`rows`: its logits):
+  // emits the tokens the round keeps, up to an EOS or max_tokens; returns
+  // why the request ends (as emit), or null.
+  const char* emit_verified(Job& job, std::span<const float> rows, Speculation& spec, SequenceCache& cache) {
+    std::int64_t kept = 0;
+    const std::vector<std::int32_t> tokens = spec.accept(job, rows, cache, kept);
+    {
+      std::lock_guard<std::mutex> lock(mu);
+      counters.accepted += kept;
+    }
+    for (const std::int32_t token : tokens) {
+      job.sequence.push_back(token);
+      if (const char* end = emit(job, token)) return end;  // the tokens after it are dropped
+    }
+    return nullptr;
+  }
+
+  // This round's forward: each request's share in `batch` and the tokens
+  // of its pending it feeds in `fed`; returns the drafts it verifies. As
+  // generate_batch: a decoding row goes whole, joining prompts share
+  // max_prefill_rows and a prompt that does not fit goes on next round
+  // (pieces end at prefix-cache boundaries: prefill_piece). A speculating
+  // request's prompt but its last token goes first, then each round its
+  // verify tokens with a row each.
+  std::int64_t fill_batch(const std::vector<std::shared_ptr<Job>>& active, bool speculating,
+                          std::vector<SequenceTokens>& batch, std::vector<std::int64_t>& fed) const {
+    batch.clear();
+    fed.clear();
+    std::int64_t drafted = 0;
+    std::int64_t prompt_rows = options.max_prefill_rows;
+    for (const auto& job : active) {
+      const auto want = static_cast<std::int64_t>(job->pending.size());
+      if (job->prefilled) {
+        drafted += static_cast<std::int64_t>(job->drafts.size());
+        fed.push_back(want);
+        batch.push_back({job->id, job->pending, LogitRows::kAll});
+        continue;
+      }
+      const auto [take, rows] = prefill_piece(*job, prompt_rows, speculating);
+      if (want > 1) prompt_rows -= take;
+      fed.push_back(take);
+      batch.push_back(
+          {job->id, std::span<const std::int32_t>(job->pending).first(static_cast<std::size_t>(take)), rows});
+    }
+    return drafted;
+  }
+
   void decode_loop() {
     if (options.threads > 0) omp_set_num_threads(options.threads);
     SequenceCache cache = model.make_sequence_cache();
+    Speculation spec(options, draft ? &*draft : nullptr, model);
     std::vector<std::shared_ptr<Job>> active;
     std::vector<std::shared_ptr<Job>> joining;
     std::vector<SequenceTokens> batch;
@@ -541,6 +726,7 @@ struct Server::Impl {
     const auto V = static_cast<std::size_t>(model.vocab_size());
     const auto retire = [&](Job& job) {
       cache.seq_rm(job.id);  // its blocks and states go back at once
+      if (spec.on()) spec.leave(job);
     };
     while (true) {
       {
@@ -565,7 +751,7 @@ struct Server::Impl {
       }
       // Outside the lock: a lookup may wait for a store (Redis).
       for (std::shared_ptr<Job>& job : joining) {
-        if (admit(*job, cache)) active.push_back(std::move(job));
+        if (admit(*job, cache, spec)) active.push_back(std::move(job));
       }
       std::erase_if(active, [&](const std::shared_ptr<Job>& job) {
         if (!job->cancel) return false;
@@ -577,22 +763,18 @@ struct Server::Impl {
         update_gauges(active.size(), cache);
         continue;
       }
-      // As generate_batch: a decoding row goes whole, joining prompts share
-      // max_prefill_rows and a prompt that does not fit goes on next round.
-      batch.clear();
-      fed.clear();
-      std::int64_t prompt_rows = options.max_prefill_rows;
-      for (const auto& job : active) {
-        const auto [take, rows] = prefill_piece(*job, prompt_rows);
-        if (job->pending.size() > 1) prompt_rows -= take;
-        fed.push_back(take);
-        batch.push_back(
-            {job->id, std::span<const std::int32_t>(job->pending).first(static_cast<std::size_t>(take)), rows});
-      }
+      std::int64_t drafted = 0;
       try {
+        if (spec.on()) spec.draft(active);
+        drafted = fill_batch(active, spec.on(), batch, fed);
         model.forward_batch(batch, cache, logits);
+        std::lock_guard<std::mutex> lock(mu);
+        ++counters.forwards;
+        counters.drafted += drafted;
+        counters.peak_batch = std::max(counters.peak_batch, static_cast<std::int64_t>(batch.size()));
       } catch (const std::exception& e) {
-        // All or nothing: no sequence moved. Every request of the batch
+        // All or nothing: no sequence moved (a draft model's sequences may
+        // have, and go with their requests). Every request of the batch
         // fails (the budget or the system refused memory); the server goes on.
         for (const auto& job : active) {
           retire(*job);
@@ -603,14 +785,32 @@ struct Server::Impl {
         continue;
       }
       std::size_t row = 0;
-      std::int64_t emitted = 0;
       std::vector<std::shared_ptr<Job>> still;
       for (std::size_t k = 0; k < active.size(); ++k) {
         Job& job = *active[k];
+        if (job.prefilled) {  // speculating: it verified its drafts
+          const std::span<const float> rows(logits.data() + row * V, job.pending.size() * V);
+          row += job.pending.size();
+          if (const char* end = emit_verified(job, rows, spec, cache)) {
+            retire(job);
+            finish(job, end);
+          } else {
+            still.push_back(std::move(active[k]));
+          }
+          continue;
+        }
+        // A prompt piece has its last row's logits when it ends the prompt
+        // or a prefix-cache interval (prefill_piece).
         std::span<const float> l;
         if (batch[k].logits == LogitRows::kLast) l = std::span<const float>(logits.data() + row++ * V, V);
         if (fed[k] < static_cast<std::int64_t>(job.pending.size())) {  // more of its prompt next round
           prefill_done(job, fed[k], cache, l);
+          still.push_back(std::move(active[k]));
+          continue;
+        }
+        if (spec.on()) {  // its prompt but the last token is in: it drafts and verifies from next round
+          prefill_done(job, fed[k], cache, l);
+          job.prefilled = true;
           still.push_back(std::move(active[k]));
           continue;
         }
@@ -621,23 +821,13 @@ struct Server::Impl {
           const std::vector<float> p = runtime::sampling_distribution(l, job.sampling);
           token = runtime::sample_from(p, job.rng);
         }
-        ++job.emitted;
-        ++emitted;
-        publish(job, token);
-        const bool eos = model.config().is_eos(token);
-        if (eos || job.emitted >= job.max_tokens) {
+        if (const char* end = emit(job, token)) {
           retire(job);
-          finish(job, eos ? "stop" : "length");
+          finish(job, end);
         } else {
           job.pending.assign(1, token);
           still.push_back(std::move(active[k]));
         }
-      }
-      {
-        std::lock_guard<std::mutex> lock(mu);
-        counters.generated_tokens += emitted;
-        ++counters.forwards;
-        counters.peak_batch = std::max(counters.peak_batch, static_cast<std::int64_t>(batch.size()));
       }
       active = std::move(still);
       update_gauges(active.size(), cache);
@@ -950,6 +1140,8 @@ struct Server::Impl {
     add("rewind_prompt_tokens_total", "counter", "Prompt tokens of admitted requests.", c.prompt_tokens);
     add("rewind_generated_tokens_total", "counter", "Tokens generated.", c.generated_tokens);
     add("rewind_forwards_total", "counter", "Batched forwards of the decode loop.", c.forwards);
+    add("rewind_draft_tokens_total", "counter", "Draft tokens proposed for verification (speculation).", c.drafted);
+    add("rewind_accepted_tokens_total", "counter", "Draft tokens the model accepted (speculation).", c.accepted);
     add("rewind_queue_waiting", "gauge", "Requests waiting for a place in the batch.", c.waiting);
     add("rewind_batch_running", "gauge", "Sequences in the running batch.", c.running);
     add("rewind_batch_peak", "gauge", "The most sequences one forward held.", c.peak_batch);
@@ -1038,6 +1230,36 @@ struct Server::Impl {
 
 namespace {
 
+// The draft model of `dir` (ServerOptions::draft_dir), loaded as the target
+// holds its weights. Its token ids must mean what the target's mean: the
+// same vocabulary size, BOS and its use, EOS ids and tokenizer vocabulary.
+Model load_draft(const std::string& dir, const Model& target, const Tokenizer& target_tokenizer) {
+  runtime::LoadOptions load;
+  load.weights = target.weight_format();
+  Model draft = Model::load(dir, load);
+  const runtime::ModelConfig& t = target.config();
+  const runtime::ModelConfig& d = draft.config();
+  const auto describe = [](const runtime::ModelConfig& c) {
+    std::string eos;
+    for (const std::int64_t id : c.eos_token_ids) eos += (eos.empty() ? "" : ",") + std::to_string(id);
+    return std::to_string(c.vocab_size) + " (BOS " + std::to_string(c.bos_token_id) + (c.add_bos ? "" : " not added") +
+           ", EOS [" + eos + "])";
+  };
+  if (d.vocab_size != t.vocab_size || d.bos_token_id != t.bos_token_id || d.add_bos != t.add_bos ||
+      d.eos_token_ids != t.eos_token_ids) {
+    throw InvalidArgument("server option draft_dir: " + dir + " is incompatible with the model: vocabulary " +
+                          describe(d) + " vs the model's " + describe(t));
+  }
+  const Tokenizer draft_tokenizer = runtime::tokenizer_for_model(dir, d);
+  std::string why;
+  if (!target_tokenizer.compatible_with(draft_tokenizer, &why)) {
+    throw InvalidArgument(
+        "server option draft_dir: " + dir +
+        " is incompatible with the model: the tokenizers' vocabularies differ (the model's first): " + why);
+  }
+  return draft;
+}
+
 std::string default_name(const std::string& dir) {
   std::filesystem::path p(dir);
   while (!p.empty() && p.filename().empty()) p = p.parent_path();
@@ -1066,8 +1288,18 @@ Server::Server(ServerOptions options) {
   spec.capacity_bytes = options.prefix_cache_bytes;
   // Before the model loads: a bad URL is refused at once.
   if (options.prefix_reuse && !options.prefix_cache.empty()) check_store_spec(options.prefix_cache, spec);
+  const std::string max_draft = std::to_string(runtime::kMaxDraft);
+  check(options.num_draft >= 1 && options.num_draft <= runtime::kMaxDraft,
+        "num_draft must be in [1, " + max_draft + "], got " + std::to_string(options.num_draft));
+  check(options.lookup >= 0 && options.lookup <= runtime::kMaxDraft,
+        "lookup must be in [1, " + max_draft + "] (0: off), got " + std::to_string(options.lookup));
+  check(options.draft_dir.empty() || options.lookup == 0,
+        "draft_dir (" + options.draft_dir + ") and lookup (" + std::to_string(options.lookup) +
+            ") exclude each other: speculate with a draft model or with prompt lookup");
   Model model = Model::load(options.model_dir, options.load);
   Tokenizer tokenizer = runtime::tokenizer_for_model(options.model_dir, model.config());
+  std::optional<Model> draft;
+  if (!options.draft_dir.empty()) draft = load_draft(options.draft_dir, model, tokenizer);
   const std::int64_t trained = model.config().max_position_embeddings;
   if (trained > 0 && options.context > trained) {
     throw InvalidArgument("server option context " + std::to_string(options.context) +
@@ -1076,6 +1308,7 @@ Server::Server(ServerOptions options) {
   const std::int64_t context = options.context > 0 ? options.context : trained > 0 ? trained : kDefaultContext;
   std::string name = options.model_name.empty() ? default_name(options.model_dir) : options.model_name;
   impl_ = std::make_unique<Impl>(std::move(options), std::move(model), std::move(tokenizer));
+  impl_->draft = std::move(draft);
   impl_->context = context;
   impl_->name = std::move(name);
   if (impl_->options.prefix_reuse) {

@@ -35,6 +35,10 @@ struct ServeFlags {
   bool no_prefix_cache = false;
   std::int64_t prefix_interval = 256;
   std::optional<std::int64_t> prefix_cache_bytes;
+  std::string draft_dir;
+  std::int64_t lookup = 0;
+  std::int64_t num_draft = 4;
+  bool adaptive = false;
 };
 
 #ifdef REWIND_HAVE_SERVER
@@ -54,6 +58,10 @@ int run_serve(const ServeFlags& f, const std::optional<int>& threads) {
   o.prefix_cache = f.prefix_cache;
   o.prefix_interval = f.prefix_interval;
   if (f.prefix_cache_bytes) o.prefix_cache_bytes = static_cast<std::size_t>(*f.prefix_cache_bytes);
+  o.draft_dir = f.draft_dir;
+  o.lookup = f.lookup;
+  o.num_draft = f.num_draft;
+  o.adaptive = f.adaptive;
   // The decode loop runs on a thread of its own, which does not inherit
   // main's omp_set_num_threads: the CLI's thread rule is passed explicitly.
   const char* env = std::getenv("OMP_NUM_THREADS");
@@ -67,8 +75,12 @@ int run_serve(const ServeFlags& f, const std::optional<int>& threads) {
   sigaddset(&stop_signals, SIGINT);
   pthread_sigmask(SIG_BLOCK, &stop_signals, nullptr);
   const int port = server.start();
-  std::fprintf(stderr, "rewind serve: model %s on http://%s:%d (max batch %lld)\n", server.model_name().c_str(),
-               f.host.c_str(), port, static_cast<long long>(f.max_batch));
+  std::string speculation;
+  if (!f.draft_dir.empty()) speculation = ", draft model " + f.draft_dir;
+  if (f.lookup > 0) speculation = ", prompt lookup n <= " + std::to_string(f.lookup);
+  if (!speculation.empty()) speculation += ", K " + std::to_string(f.num_draft) + (f.adaptive ? " adaptive" : "");
+  std::fprintf(stderr, "rewind serve: model %s on http://%s:%d (max batch %lld%s)\n", server.model_name().c_str(),
+               f.host.c_str(), port, static_cast<long long>(f.max_batch), speculation.c_str());
   std::fflush(stderr);
   int sig = 0;
   sigwait(&stop_signals, &sig);
@@ -130,7 +142,32 @@ Command add_serve_command(CLI::App& app, SharedFlags& shared) {
                   "(0: no cap)")
       ->check(integer_in(0, std::int64_t{1} << 50))
       ->excludes(off);
-  return {cmd, [flags, &shared] { return run_serve(*flags, shared.threads); }};
+  // generate's speculation flags, same names and meaning (no --tree: the
+  // server speculates in chains).
+  auto* d = cmd->add_option("--draft", f.draft_dir,
+                            "speculate every request with this draft model (same vocabulary; it drafts greedily)")
+                ->check(CLI::ExistingDirectory)
+                ->default_str("none");
+  auto* l = cmd->add_option("--lookup", f.lookup, "speculate every request with prompt lookup, n-grams up to N")
+                ->check(integer_in(1, 64))
+                ->default_str("off");
+  d->excludes(l);
+  cmd->add_option("--num-draft", f.num_draft, "draft tokens per round K; needs --draft or --lookup")
+      ->check(integer_in(1, 64));
+  cmd->add_flag("--adaptive", f.adaptive,
+                "adapt each request's K from its acceptance (K is the maximum); needs --draft or --lookup");
+  return {cmd, [cmd, flags, &shared] {
+            const ServeFlags& o = *flags;
+            if (o.draft_dir.empty() && o.lookup == 0) {
+              for (const char* flag : {"--num-draft", "--adaptive"}) {
+                if (cmd->count(flag) > 0) {
+                  throw InvalidArgument(std::string(flag) + " applies to speculative decoding: it needs a draft " +
+                                        "source, --draft DIR or --lookup N");
+                }
+              }
+            }
+            return run_serve(o, shared.threads);
+          }};
 }
 
 }  // namespace rwd::cli

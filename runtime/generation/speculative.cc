@@ -19,6 +19,58 @@ void check_num_draft(std::int64_t k, const char* what) {
   }
 }
 
+std::vector<std::int32_t> accept_drafts(std::span<const float> logits, std::int64_t V,
+                                        std::span<const std::int32_t> drafts,
+                                        std::span<const std::vector<float>> draft_probs, const SamplingParams& sampling,
+                                        std::mt19937_64& rng, std::int64_t& accepted) {
+  const auto kd = static_cast<std::int64_t>(drafts.size());
+  if (V < 1 || static_cast<std::int64_t>(logits.size()) < (kd + 1) * V) {
+    throw InvalidArgument("accept_drafts: " + std::to_string(kd) + " drafts need " + std::to_string(kd + 1) +
+                          " rows of " + std::to_string(V) + " logits, got " + std::to_string(logits.size()) +
+                          " floats");
+  }
+  auto row = [&](std::int64_t j) {
+    return logits.subspan(static_cast<std::size_t>(j * V), static_cast<std::size_t>(V));
+  };
+  std::vector<std::int32_t> emitted;
+  accepted = 0;
+  if (sampling.greedy()) {
+    while (accepted < kd && kernels::argmax(row(accepted).data(), V) == drafts[static_cast<std::size_t>(accepted)]) {
+      ++accepted;
+    }
+    emitted.assign(drafts.begin(), drafts.begin() + accepted);
+    emitted.push_back(static_cast<std::int32_t>(kernels::argmax(row(accepted).data(), V)));
+    return emitted;
+  }
+  for (std::int64_t j = 0; j < kd; ++j) {
+    const std::vector<float> p = sampling_distribution(row(j), sampling);
+    const auto d = static_cast<std::size_t>(drafts[static_cast<std::size_t>(j)]);
+    const bool has_q = static_cast<std::size_t>(j) < draft_probs.size();
+    const double qd = has_q ? draft_probs[static_cast<std::size_t>(j)][d] : 1.0;
+    if (qd > 0.0 && uniform01(rng) < std::min(1.0, static_cast<double>(p[d]) / qd)) {
+      emitted.push_back(static_cast<std::int32_t>(d));
+      ++accepted;
+      continue;
+    }
+    std::vector<float> residual(p.size());
+    double total = 0.0;
+    for (std::size_t t = 0; t < p.size(); ++t) {
+      const double qt = has_q ? draft_probs[static_cast<std::size_t>(j)][t] : (t == d ? 1.0 : 0.0);
+      residual[t] = static_cast<float>(std::max(0.0, static_cast<double>(p[t]) - qt));
+      total += residual[t];
+    }
+    if (total > 0.0) {
+      for (float& r : residual) r = static_cast<float>(r / total);
+      emitted.push_back(sample_from(residual, rng));
+    } else {
+      emitted.push_back(sample_from(p, rng));
+    }
+    return emitted;
+  }
+  emitted.push_back(sample_from(sampling_distribution(row(kd), sampling), rng));
+  return emitted;
+}
+
 namespace {
 
 // One sequence under speculative decoding: what it has emitted, its own
@@ -72,53 +124,10 @@ std::vector<std::int32_t> verify_tokens(SpecSequence& s) {
 }
 
 // The tokens this round emits from the verify forward's logits ([kd + 1,
-// V]): the accepted drafts and one more. Greedy: the longest prefix the
-// target's argmax agrees with. Sampling: accept draft d with probability
-// min(1, p(d) / q(d)); on rejection draw from the residual max(0, p - q),
-// renormalised (a deterministic draft has q = one-hot).
+// V]): accept_drafts over this round's drafts.
 std::vector<std::int32_t> accept_round(SpecSequence& s, std::span<const float> logits, std::int64_t V,
                                        const SamplingParams& sampling, std::int64_t& accepted) {
-  auto row = [&](std::int64_t j) {
-    return logits.subspan(static_cast<std::size_t>(j * V), static_cast<std::size_t>(V));
-  };
-  const auto kd = static_cast<std::int64_t>(s.drafts.size());
-  std::vector<std::int32_t> emitted;
-  accepted = 0;
-  if (sampling.greedy()) {
-    while (accepted < kd && kernels::argmax(row(accepted).data(), V) == s.drafts[static_cast<std::size_t>(accepted)]) {
-      ++accepted;
-    }
-    emitted.assign(s.drafts.begin(), s.drafts.begin() + accepted);
-    emitted.push_back(static_cast<std::int32_t>(kernels::argmax(row(accepted).data(), V)));
-    return emitted;
-  }
-  for (std::int64_t j = 0; j < kd; ++j) {
-    const std::vector<float> p = sampling_distribution(row(j), sampling);
-    const auto d = static_cast<std::size_t>(s.drafts[static_cast<std::size_t>(j)]);
-    const bool has_q = static_cast<std::size_t>(j) < s.q.size();
-    const double qd = has_q ? s.q[static_cast<std::size_t>(j)][d] : 1.0;
-    if (qd > 0.0 && uniform01(s.rng) < std::min(1.0, static_cast<double>(p[d]) / qd)) {
-      emitted.push_back(static_cast<std::int32_t>(d));
-      ++accepted;
-      continue;
-    }
-    std::vector<float> residual(p.size());
-    double total = 0.0;
-    for (std::size_t t = 0; t < p.size(); ++t) {
-      const double qt = has_q ? s.q[static_cast<std::size_t>(j)][t] : (t == d ? 1.0 : 0.0);
-      residual[t] = static_cast<float>(std::max(0.0, static_cast<double>(p[t]) - qt));
-      total += residual[t];
-    }
-    if (total > 0.0) {
-      for (float& r : residual) r = static_cast<float>(r / total);
-      emitted.push_back(sample_from(residual, s.rng));
-    } else {
-      emitted.push_back(sample_from(p, s.rng));
-    }
-    return emitted;
-  }
-  emitted.push_back(sample_from(sampling_distribution(row(kd), sampling), s.rng));
-  return emitted;
+  return accept_drafts(logits, V, s.drafts, s.q, sampling, s.rng, accepted);
 }
 
 // After the target's crop and the draft's accept: counts the round, emits

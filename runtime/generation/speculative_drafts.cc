@@ -149,6 +149,7 @@ void BatchedModelDraft::accept(std::size_t index, std::int64_t proposed, std::in
 void BatchedModelDraft::finish(std::size_t index) {
   if (ids_[index].generation != 0) cache_.seq_rm(ids_[index]);
   ids_[index] = SeqId{};
+  seen_[index] = 0;  // the index may be given to a new sequence
 }
 
 ModelDraft::ModelDraft(const Model& draft, SamplingParams sampling, std::int64_t max_draft,

@@ -483,6 +483,26 @@ TEST(Drafts, ModelDraftsTakeLongPromptsInPiecesWithTheSameOutput) {
   EXPECT_THROW(ModelTreeDraft(draft, -1), InvalidArgument);
 }
 
+// A server reuses the index of a sequence that left (finish) for a new one:
+// the new sequence drafts what a fresh ModelDraft drafts for it alone,
+// whatever the index held before.
+TEST(Drafts, BatchedModelDraftIndexIsReusableAfterFinish) {
+  const Model draft(ModelWeights::random(testing_configs::hybrid({"conv", "sliding_attention"}, 16, 3), 53));
+  std::mt19937_64 rng(53);
+  const Tokens a = random_tokens(rng, 30), b = random_tokens(rng, 12);
+  BatchedModelDraft batched(draft, {}, 4);
+  batched.begin(std::vector<Tokens>(1));
+  Tokens out;
+  const BatchDraftSource::Request first{0, a, 4, &out, nullptr};
+  batched.propose(std::span(&first, 1));
+  batched.accept(0, 4, 2);
+  batched.finish(0);
+  const BatchDraftSource::Request second{0, b, 4, &out, nullptr};
+  batched.propose(std::span(&second, 1));
+  ModelDraft fresh(draft, {}, 4);
+  EXPECT_EQ(out, fresh.propose(b, 4, nullptr));
+}
+
 // Batched speculative decoding: for random hybrids with every runtime kind
 // and a window far below the generated length, batches of 1 / 3 / 8 prompts
 // of different lengths, every draft source (draft model, prompt lookup,

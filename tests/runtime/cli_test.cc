@@ -191,6 +191,19 @@ TEST_F(Cli, MisuseGivesAClearMessageAndExitStatus2) {
     EXPECT_EQ(r.status, 2) << m.args << "\n" << r.all();
     EXPECT_NE(r.all().find(m.phrase), std::string::npos) << m.args << "\n" << r.all();
   }
+#ifdef REWIND_HAVE_SERVER
+  // serve's speculation flags, refused before it listens.
+  for (const Misuse& m : std::vector<Misuse>{
+           {"serve" + target + " --port 0 --num-draft 3", "--num-draft applies to speculative decoding"},
+           {"serve" + target + " --port 0 --lookup 2 --draft " + quote(dir_ + "/draft"), "--draft excludes --lookup"},
+           {"serve" + target + " --port 0 --lookup 2 --num-draft 65", "--num-draft: '65' is outside [1, 64]"},
+           {"serve" + target + " --port 0 --draft " + quote(dir_ + "/other_vocab"), "draft_dir"},
+       }) {
+    const CliResult r = run_cli(m.args);
+    EXPECT_EQ(r.status, 2) << m.args << "\n" << r.all();
+    EXPECT_NE(r.all().find(m.phrase), std::string::npos) << m.args << "\n" << r.all();
+  }
+#endif
 }
 
 // ---- 1. prompts from files --------------------------------------------------------

@@ -498,6 +498,30 @@ double chi_square_critical(int dof) {
   return k * std::pow(1.0 - a + z * std::sqrt(a), 3.0);
 }
 
+// accept_drafts, the rule speculative decoding and the server share: greedy
+// keeps the drafts the argmax agrees with and adds the argmax after them;
+// sampling with a draft the target gives all its mass keeps it; too few
+// rows of logits are refused.
+TEST(Sampling, AcceptDraftsKeepsTheAgreeingPrefix) {
+  const std::vector<float> logits = {0, 5, 1,   // after the pending token: 1
+                                     0, 1, 7,   // after draft 1: 2
+                                     9, 1, 0,   // after draft 2: 0, not the draft 1
+                                     0, 0, 3};  // not reached
+  const std::vector<std::int32_t> drafts = {1, 2, 1};
+  std::mt19937_64 rng(1);
+  std::int64_t accepted = -1;
+  EXPECT_EQ(accept_drafts(logits, 3, drafts, {}, SamplingParams{}, rng, accepted),
+            (std::vector<std::int32_t>{1, 2, 0}));
+  EXPECT_EQ(accepted, 2);
+  SamplingParams sampled;
+  sampled.temperature = 1.0f;
+  sampled.top_k = 1;  // p is one-hot on the argmax: the same tokens, drawn
+  EXPECT_EQ(accept_drafts(logits, 3, drafts, {}, sampled, rng, accepted), (std::vector<std::int32_t>{1, 2, 0}));
+  EXPECT_EQ(accepted, 2);
+  EXPECT_THROW(accept_drafts(std::span(logits).first(9), 3, drafts, {}, SamplingParams{}, rng, accepted),
+               InvalidArgument);
+}
+
 TEST(Sampling, SpeculativeSamplingPreservesTheTargetDistribution) {
   // Exact marginals of the first two sampled tokens are computed from the
   // target's logits; speculative sampling with a different model as draft

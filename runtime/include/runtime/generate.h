@@ -55,6 +55,25 @@ inline constexpr std::int64_t kMaxDraft = 64;
 // Throws InvalidArgument naming `what` unless 1 <= k <= kMaxDraft.
 void check_num_draft(std::int64_t k, const char* what);
 
+// The tokens one speculative round emits, from the target's logits of the
+// verify forward, `logits` [drafts.size() + 1, V] (the pending token's row,
+// then one per draft): the accepted drafts and one more token. Greedy: the
+// longest prefix of `drafts` the target's argmax agrees with, then the
+// argmax after it (the tokens generate() emits). Sampling (speculative
+// sampling): draft j is kept with probability min(1, p(d) / q(d)), p the
+// sampling_distribution of row j and q draft_probs[j], or one-hot on d
+// where draft_probs has no entry j (a deterministic draft); on a rejection
+// one token is drawn from max(0, p - q) renormalised and the round ends;
+// when every draft is kept one more is drawn from the last row. The tokens
+// follow the target's own distribution; every draw comes from `rng`, so the
+// same drafts, logits and generator state give the same tokens. Sets
+// `accepted` to the drafts kept. Throws InvalidArgument when `logits` holds
+// fewer than drafts.size() + 1 rows of V >= 1 floats.
+std::vector<std::int32_t> accept_drafts(std::span<const float> logits, std::int64_t V,
+                                        std::span<const std::int32_t> drafts,
+                                        std::span<const std::vector<float>> draft_probs, const SamplingParams& sampling,
+                                        std::mt19937_64& rng, std::int64_t& accepted);
+
 struct SpeculativeOptions {
   std::int64_t num_draft = 4;  // K (the maximum when adaptive)
   // Adapt K from the acceptance (transformers' heuristic): +2 after a round
@@ -439,7 +458,8 @@ std::vector<std::int32_t> tree_speculative_generate(const Model& target, TreeDra
 // propose) and fills each request's drafts (and, sampling, the draft
 // distributions as DraftSource::propose does); accept() tells how many of
 // sequence `index`'s proposals the target kept; finish() that the sequence
-// left the batch.
+// left the batch (a later propose with that index starts a new sequence:
+// a server reuses the indices of the sequences that left).
 class BatchDraftSource {
  public:
   struct Request {

@@ -12,7 +12,10 @@
 // starts from the longest prefix its prefix cache holds (in-process, or a
 // directory or Redis shared with other servers) and stores an entry at each
 // of the cache's boundaries it reaches; the tokens are the same with or
-// without a hit.
+// without a hit. With speculation
+// (ServerOptions::draft_dir / lookup) every request drafts, verifies and
+// rolls back on its own within the same rounds; greedy tokens are still
+// generate()'s.
 //
 // HTTP (cpp-httplib): a pool of `http_threads` threads parses requests and
 // writes responses; a streaming response holds its thread while it streams.
@@ -50,7 +53,8 @@ struct ServerOptions {
   std::int64_t context = 0;
   // Prompt tokens one forward feeds at most (runtime::GenerationOptions).
   std::int64_t max_prefill_rows = 2048;
-  // How the model holds its linear weights (runtime::LoadOptions).
+  // How the model holds its linear weights (runtime::LoadOptions); a draft
+  // model is loaded the same way.
   runtime::LoadOptions load;
   // Prefix reuse (docs/server.md): a request's prompt starts from the
   // longest prefix stored by an earlier request, of this server or of any
@@ -67,6 +71,16 @@ struct ServerOptions {
   // The cap in bytes of the in-process store or of a directory store (least
   // recently used entries go first; 0: none); refused for Redis and ro:DIR.
   std::optional<std::size_t> prefix_cache_bytes;
+  // Speculative decoding of every request (docs/server.md, "Speculation"):
+  // a draft model directory whose vocabulary is the model's, or prompt
+  // lookup with n-grams of up to `lookup` tokens in [1, runtime::kMaxDraft];
+  // not both. Empty and 0: plain decoding.
+  std::string draft_dir;
+  std::int64_t lookup = 0;
+  // Draft tokens per round K, in [1, runtime::kMaxDraft]; with adaptive, the
+  // most K grows to (runtime::SpeculativeOptions, per request).
+  std::int64_t num_draft = 4;
+  bool adaptive = false;
 };
 
 // The in-process prefix store's cap when ServerOptions::prefix_cache_bytes
@@ -100,14 +114,18 @@ struct ServerCounters {
   std::int64_t prefix_hit_tokens = 0;       // prompt tokens restored instead of computed
   std::int64_t prefix_entries_written = 0;  // entries the store took
   std::int64_t prefix_store_errors = 0;     // store calls that failed (each a miss or an entry not kept)
+  std::int64_t drafted = 0;                 // draft tokens proposed for verification (speculation)
+  std::int64_t accepted = 0;                // of those, tokens the model accepted
 };
 
 class Server {
  public:
-  // Loads the model and its tokenizer and opens the prefix cache. Throws
-  // InvalidArgument naming the option for a bad option (max_batch < 1,
-  // http_threads < 1, queue_limit < 1, context < 0 or past the model's
-  // max_position_embeddings, max_prefill_rows < 1, a prefix_cache that is
+  // Loads the model and its tokenizer (and the draft model) and opens the
+  // prefix cache. Throws InvalidArgument naming the option for a bad option
+  // (max_batch < 1, http_threads < 1, queue_limit < 1, context < 0 or past
+  // the model's max_position_embeddings, max_prefill_rows < 1, num_draft or
+  // lookup out of range, draft_dir with lookup, a draft model whose
+  // vocabulary or tokenizer differs from the model's, a prefix_cache that is
   // not a directory, ro:DIR or redis:// URL, prefix_interval outside [1,
   // 2^40], prefix_cache_bytes for Redis or ro:DIR), and what Model::load /
   // tokenizer_for_model throw. A prefix store that cannot be reached now (a
