@@ -184,7 +184,10 @@ TEST(ServerLoad, EveryResponseEqualsSoloDecodingAndMemoryComesBack) {
   const std::int64_t most = kMaxTokens[std::size(kMaxTokens) - 1];
   EXPECT_EQ(complete(port, kPrompts[longest], most, true), expected.at({longest, most}));
   const std::size_t alone = idle_counters(server, before.completions + 1).cache_bytes_reserved;
-  ASSERT_GT(alone, before.cache_bytes_reserved);
+  // Builds with REWIND_DEBUG_VIEWS (the sanitizer builds) free a released
+  // block at once, so that a stale view's read is reported; the others keep
+  // it for the next request.
+  const bool keeps_blocks = alone > before.cache_bytes_reserved;
   EXPECT_EQ(load(), 0);
   const ServerCounters first = idle_counters(server, before.completions + 1 + kClients * kRequestsPerClient);
   // The allocator's arenas and the thread stacks' pages settle over the
@@ -206,9 +209,13 @@ TEST(ServerLoad, EveryResponseEqualsSoloDecodingAndMemoryComesBack) {
     EXPECT_EQ(c->waiting, 0);
     EXPECT_EQ(c->cache_bytes_used, before.cache_bytes_used) << "a finished request left state behind";
   }
-  EXPECT_LE(third.cache_bytes_reserved, static_cast<std::size_t>(kMaxBatch) * alone)
-      << "the loads reserved more than " << kMaxBatch << " times the longest request alone (" << alone
-      << " bytes): freed blocks were not reused";
+  if (keeps_blocks) {
+    EXPECT_LE(third.cache_bytes_reserved, static_cast<std::size_t>(kMaxBatch) * alone)
+        << "the loads reserved more than " << kMaxBatch << " times the longest request alone (" << alone
+        << " bytes): freed blocks were not reused";
+  } else {
+    EXPECT_EQ(third.cache_bytes_reserved, before.cache_bytes_reserved) << "a released block was kept";
+  }
   // 256 requests: a leak of even 16 KiB each would be 4 MiB. (ASan keeps
   // freed memory in quarantine and reports leaks itself.)
   if (!kUnderAddressSanitizer) {
