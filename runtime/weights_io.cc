@@ -496,7 +496,8 @@ void write_random_model(const ModelConfig& config, const std::string& out_dir, s
 
 QuantizeResult write_q8_checkpoint(const std::string& in_dir, const std::string& out_dir,
                                    const QuantizeProgress& progress) {
-  const fs::path out = fs::path(out_dir).lexically_normal();
+  fs::path out = fs::path(out_dir).lexically_normal();
+  if (out.filename().empty()) out = out.parent_path();  // "DIR/": the directory itself
   std::error_code ec;
   const fs::file_status st = fs::status(out, ec);
   if (fs::exists(st)) {

@@ -174,7 +174,7 @@ PackedMatrix PackedMatrix::from_q8(const void* w, Element source, int64_t out, i
       bool finite = true;
       for (int64_t k = 0; k < n; ++k) {
         const float a = std::abs(v[k]);
-        finite = finite && a <= std::numeric_limits<float>::max();
+        finite &= a <= std::numeric_limits<float>::max();  // no branch: the loop stays vectorizable
         max_abs = std::max(max_abs, a);
       }
       if (!finite) {

@@ -291,6 +291,8 @@ TEST_F(Q8Checkpoint, WritesAtomicallyAndRefusesAnOutputInUse) {
   fs::create_directories(path("empty"));
   write_q8_checkpoint(path("m"), path("empty"));
   EXPECT_TRUE(ModelWeights::load(path("empty")).q8());
+  write_q8_checkpoint(path("m"), path("slash") + "/");  // the directory named, not one inside it
+  EXPECT_TRUE(ModelWeights::load(path("slash")).q8());
   // A failure part way (a NaN in the last layer's MLP) leaves nothing:
   // neither the output nor the temporary directory beside it.
   const ModelConfig c = ModelWeights::load(path("m")).config();
