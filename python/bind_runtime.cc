@@ -269,9 +269,9 @@ void bind_model(py::module_& m) {
   py::class_<PyModel, std::shared_ptr<PyModel>>(m, "Model", "The reference runtime's hybrid decoder (runtime/model.h).")
       .def_static(
           "load",
-          [](const std::string& dir, const std::string& weights) {
+          [](const std::string& dir, const std::optional<std::string>& weights) {
             rwd::runtime::LoadOptions options;
-            options.weights = rwd::runtime::weight_format_from_name(weights, "Model.load: weights");
+            if (weights) options.weights = rwd::runtime::weight_format_from_name(*weights, "Model.load: weights");
             std::shared_ptr<PyModel> loaded;
             {
               py::gil_scoped_release nogil;
@@ -281,9 +281,10 @@ void bind_model(py::module_& m) {
             }
             return loaded;
           },
-          py::arg("directory"), py::arg("weights") = "as-stored",
+          py::arg("directory"), py::arg("weights") = py::none(),
           "Loads DIR/config.json, DIR/model.safetensors (or its shards) and DIR/tokenizer.json when present; "
-          "weights='q8' quantizes the linear weights at load (docs/quantization.md).")
+          "weights='q8' quantizes the linear weights at load, a Q8 checkpoint (rewind quantize) loads as q8 by "
+          "itself and refuses weights='as-stored' (docs/quantization.md).")
       .def_property_readonly(
           "weights",
           [](const PyModel& self) { return std::string(rwd::runtime::weight_format_name(self.model.weight_format())); })

@@ -42,17 +42,14 @@ k::PackedMatrix pack(const std::byte* w, DType dtype, std::int64_t out, std::int
                      const std::string& what) {
   const auto* half = static_cast<const std::uint16_t*>(static_cast<const void*>(w));
   if (format == WeightFormat::kQ8) {
-    for (std::int64_t k = 0; k < out * in; ++k) {
-      const std::size_t i = static_cast<std::size_t>(k);
-      const float v = dtype == DType::BF16  ? bf16_to_f32(half[i])
-                      : dtype == DType::F16 ? f16_to_f32(half[i])
-                                            : static_cast<const float*>(static_cast<const void*>(w))[i];
-      if (!std::isfinite(v)) {
-        throw FormatError("weights q8: " + what + " holds a non-finite value at [" + std::to_string(k / in) + ", " +
-                          std::to_string(k % in) + "]; Q8 blocks hold finite weights only (load it as stored)");
-      }
+    // One pass: from_q8 finds a non-finite weight while it quantizes.
+    std::int64_t bad = -1;
+    k::PackedMatrix m = k::PackedMatrix::from_q8(w, element_of(dtype), out, in, &bad);
+    if (bad >= 0) {
+      throw FormatError("weights q8: " + what + " holds a non-finite value at [" + std::to_string(bad / in) + ", " +
+                        std::to_string(bad % in) + "]; Q8 blocks hold finite weights only (load it as stored)");
     }
-    return k::PackedMatrix::from_q8(w, element_of(dtype), out, in);
+    return m;
   }
   if (dtype == DType::BF16) return k::PackedMatrix::from_bf16(half, out, in);
   if (dtype == DType::F16) return k::PackedMatrix::from_f16(half, out, in);
@@ -68,10 +65,62 @@ float element_as_f32(const Tensor& t, std::size_t i) {
   }
 }
 
+// A matmul weight [out, in] as the model got it: a float tensor (F32, BF16
+// or F16), or a Q8 checkpoint's int8 values and scales.
+struct MatrixSource {
+  const std::byte* data = nullptr;  // float rows
+  DType dtype = DType::F32;
+  const Q8Weight* q8 = nullptr;  // or these
+  std::int64_t out = 0, in = 0;
+};
+
+MatrixSource source_of(const ModelWeights& w, const std::string& name) {
+  if (const Q8Weight* q = w.q8_weight(name)) return {nullptr, DType::F32, q, q->out, q->in};
+  const Tensor& t = w.get(name);
+  return {t.data<std::byte>(), t.view().dtype, nullptr, t.view().size(0), t.view().size(1)};
+}
+
+// Rows [first, first + count) of a matrix.
+struct RowRange {
+  std::int64_t first, count;
+};
+
+// The rows `ranges` of `m`, gathered in that order and packed in `format`
+// (a Q8 source is packed as it is stored: its rows were quantized one by
+// one, so gathering them equals quantizing the gathered float rows): how
+// fused projections (per-head query and gate, Qwen3-Next's per-key-head
+// qkvz / ba groups) are split into the unfused matrices the blocks
+// multiply with.
+k::PackedMatrix gathered(const MatrixSource& m, const std::vector<RowRange>& ranges, WeightFormat format,
+                         const std::string& what) {
+  std::int64_t rows = 0;
+  for (const RowRange& r : ranges) rows += r.count;
+  auto gather = [&](const std::byte* src, std::size_t row) {
+    std::vector<std::byte> out(static_cast<std::size_t>(rows) * row);
+    std::byte* dst = out.data();
+    for (const RowRange& r : ranges) {
+      std::memcpy(dst, src + static_cast<std::size_t>(r.first) * row, static_cast<std::size_t>(r.count) * row);
+      dst += static_cast<std::size_t>(r.count) * row;
+    }
+    return out;
+  };
+  if (m.q8 != nullptr) {
+    const auto blocks = static_cast<std::size_t>((m.in + k::PackedMatrix::kQ8Block - 1) / k::PackedMatrix::kQ8Block);
+    const std::vector<std::byte> q = gather(static_cast<const std::byte*>(static_cast<const void*>(m.q8->q)),
+                                            static_cast<std::size_t>(m.in));
+    const std::vector<std::byte> scales = gather(m.q8->scales, blocks * 2);
+    return k::PackedMatrix::from_q8_blocks(static_cast<const std::int8_t*>(static_cast<const void*>(q.data())),
+                                           scales.data(), rows, m.in);
+  }
+  const std::vector<std::byte> data = gather(m.data, static_cast<std::size_t>(m.in) * dtype_size(m.dtype));
+  return pack(data.data(), m.dtype, rows, m.in, format, what);
+}
+
 // The linear weight `name` ([out, in]) packed for kernels::matmul.
 k::PackedMatrix packed(const ModelWeights& w, const std::string& name, WeightFormat format) {
-  const Tensor& t = w.get(name);
-  return pack(t.data<std::byte>(), t.view().dtype, t.view().size(0), t.view().size(1), format, "tensor '" + name + "'");
+  const MatrixSource m = source_of(w, name);
+  if (m.q8 != nullptr) return k::PackedMatrix::from_q8_blocks(m.q8->q, m.q8->scales, m.out, m.in);
+  return pack(m.data, m.dtype, m.out, m.in, format, "tensor '" + name + "'");
 }
 
 // Throws InvalidArgument naming the first token outside the vocabulary.
@@ -99,28 +148,26 @@ std::string fingerprint_of(const ModelWeights& weights, WeightFormat format) {
     h = content_hash(std::as_bytes(std::span(head)), h);
     h = content_hash(std::span(static_cast<const std::byte*>(t.view().data), t.bytes()), h);
   }
+  for (const auto& name : weights.q8_names()) {
+    const Q8Weight& q = *weights.q8_weight(name);
+    const std::string head = name + ":q8[" + std::to_string(q.out) + ", " + std::to_string(q.in) + "]";
+    h = content_hash(std::as_bytes(std::span(head)), h);
+    h = content_hash(std::span(q.q_entry->data, q.q_entry->nbytes), h);
+    h = content_hash(std::span(q.scale_entry->data, q.scale_entry->nbytes), h);
+  }
   static constexpr char digits[] = "0123456789abcdef";
   std::string hex(16, '0');
   for (int i = 15; i >= 0; --i, h >>= 4) hex[static_cast<std::size_t>(i)] = digits[h & 15];
   return "rewind-hybrid-" + hex;
 }
 
-// Rows [first + k * stride, ... + count) for k = 0, 1, ..., groups - 1 of
-// the [out, in] matrix `t`, gathered in that order and packed (in t's
-// dtype): how fused projections (per-head query and gate, Qwen3-Next's
-// per-key-head qkvz / ba groups) are split into the unfused matrices the
-// blocks multiply with.
-k::PackedMatrix gathered_rows(const Tensor& t, std::int64_t groups, std::int64_t stride, std::int64_t first,
+// Rows [first + g * stride, ... + count) for g = 0, 1, ..., groups - 1 of
+// `m`, gathered in that order and packed.
+k::PackedMatrix gathered_rows(const MatrixSource& m, std::int64_t groups, std::int64_t stride, std::int64_t first,
                               std::int64_t count, WeightFormat format, const std::string& what) {
-  const std::int64_t in = t.view().size(1);
-  const std::size_t row = static_cast<std::size_t>(in) * dtype_size(t.view().dtype);
-  std::vector<std::byte> rows(static_cast<std::size_t>(groups * count) * row);
-  for (std::int64_t g = 0; g < groups; ++g) {
-    std::memcpy(rows.data() + static_cast<std::size_t>(g * count) * row,
-                t.data<std::byte>() + static_cast<std::size_t>(g * stride + first) * row,
-                static_cast<std::size_t>(count) * row);
-  }
-  return pack(rows.data(), t.view().dtype, groups * count, in, format, what);
+  std::vector<RowRange> ranges;
+  for (std::int64_t g = 0; g < groups; ++g) ranges.push_back({g * stride + first, count});
+  return gathered(m, ranges, format, what);
 }
 
 // glibc raises its mmap threshold as large blocks are freed, so released
@@ -172,12 +219,12 @@ class Model::Packer {
   void attention(std::int64_t i, LayerWeights& w);
   void gated_deltanet(std::int64_t i, LayerWeights& w);
   // A fused tensor split with gathered_rows, released once its layer is packed.
-  const Tensor& fused(std::int64_t layer, WeightRole role) {
+  MatrixSource fused(std::int64_t layer, WeightRole role) {
     fused_.push_back(name(layer, role));
-    return m_.weights_.get(fused_.back());
+    return source_of(m_.weights_, fused_.back());
   }
   // gathered_rows of the fused tensor just taken, in the model's format.
-  k::PackedMatrix gathered(const Tensor& t, std::int64_t groups, std::int64_t stride, std::int64_t first,
+  k::PackedMatrix gathered(const MatrixSource& t, std::int64_t groups, std::int64_t stride, std::int64_t first,
                            std::int64_t count) {
     return gathered_rows(t, groups, stride, first, count, m_.weight_format_, "tensor '" + fused_.back() + "'");
   }
@@ -190,7 +237,7 @@ class Model::Packer {
 void Model::Packer::attention(std::int64_t i, LayerWeights& w) {
   if (c_.attn_output_gate) {
     // q_proj: per head, head_dim query rows then head_dim gate rows.
-    const Tensor& q = fused(i, WeightRole::AttnQ);
+    const MatrixSource q = fused(i, WeightRole::AttnQ);
     w.wq = gathered(q, c_.num_attention_heads, 2 * c_.head_dim, 0, c_.head_dim);
     w.wgate = gathered(q, c_.num_attention_heads, 2 * c_.head_dim, c_.head_dim, c_.head_dim);
   } else {
@@ -214,21 +261,14 @@ void Model::Packer::gated_deltanet(std::int64_t i, LayerWeights& w) {
     const std::int64_t nk = c_.linear_num_key_heads, kd = c_.linear_key_head_dim;
     const std::int64_t r = c_.linear_num_value_heads / nk, rv = r * c_.linear_value_head_dim;
     const std::int64_t group = 2 * kd + 2 * rv;
-    const Tensor& qkvz = fused(i, WeightRole::GdnQkvz);
-    const Tensor& ba = fused(i, WeightRole::GdnBa);
-    const std::int64_t d = c_.hidden_size;
-    const std::size_t row = static_cast<std::size_t>(d) * dtype_size(qkvz.view().dtype);
-    std::vector<std::byte> qkv(static_cast<std::size_t>(c_.linear_conv_dim()) * row);
-    std::byte* dst = qkv.data();
+    const MatrixSource qkvz = fused(i, WeightRole::GdnQkvz);
+    const MatrixSource ba = fused(i, WeightRole::GdnBa);
+    std::vector<RowRange> qkv;
     for (std::int64_t part : {std::int64_t{0}, kd, 2 * kd}) {  // q, k, v blocks of each group
       const std::int64_t count = part == 2 * kd ? rv : kd;
-      for (std::int64_t g = 0; g < nk; ++g, dst += static_cast<std::size_t>(count) * row) {
-        std::memcpy(dst, qkvz.data<std::byte>() + static_cast<std::size_t>(g * group + part) * row,
-                    static_cast<std::size_t>(count) * row);
-      }
+      for (std::int64_t g = 0; g < nk; ++g) qkv.push_back({g * group + part, count});
     }
-    w.in_qkv = pack(qkv.data(), qkvz.view().dtype, c_.linear_conv_dim(), d, m_.weight_format_,
-                    "tensor '" + name(i, WeightRole::GdnQkvz) + "'");
+    w.in_qkv = rwd::runtime::gathered(qkvz, qkv, m_.weight_format_, "tensor '" + name(i, WeightRole::GdnQkvz) + "'");
     w.in_z = gathered_rows(qkvz, nk, group, 2 * kd + rv, rv, m_.weight_format_,
                            "tensor '" + name(i, WeightRole::GdnQkvz) + "'");
     const std::string ba_what = "tensor '" + name(i, WeightRole::GdnBa) + "'";
@@ -295,13 +335,30 @@ WeightFormat weight_format_from_name(std::string_view name, std::string_view wha
   throw InvalidArgument(std::string(what) + " '" + std::string(name) + "': the formats are as-stored and q8");
 }
 
+namespace {
+
+// The format a model of `weights` holds its matmul weights in.
+WeightFormat resolved_format(const ModelWeights& weights, const LoadOptions& options) {
+  if (!weights.q8()) return options.weights.value_or(WeightFormat::kAsStored);
+  if (options.weights == WeightFormat::kAsStored) {
+    throw InvalidArgument(
+        "weights as-stored: this checkpoint's weights are already quantized (a Q8 checkpoint, written by rewind "
+        "quantize), and Q8 weights are never dequantized; allowed: no weights option (they load as q8) or q8");
+  }
+  return WeightFormat::kQ8;
+}
+
+}  // namespace
+
 Model::Model(ModelWeights weights, LoadOptions options)
-    : weights_(std::move(weights)), weight_format_(options.weights) {
+    : weights_(std::move(weights)), weight_format_(resolved_format(weights_, options)) {
   const ModelConfig& c = weights_.config();
   // rope_inv_freq(c) is theta^(-2j / d), scaled where the config says so
   // (Llama 3), so one cache serves either.
   rope_cache_ = std::make_unique<kernels::RopeCache>(rope_inv_freq(c));
   for (const auto& name : weights_.names()) parameter_count_ += weights_.get(name).numel();
+  for (const auto& name : weights_.q8_names())
+    parameter_count_ += weights_.q8_weight(name)->out * weights_.q8_weight(name)->in;
   fingerprint_ = fingerprint_of(weights_, weight_format_);  // before packing releases the originals
   Packer packer(*this);
   const std::string embed_name = packer.name(0, WeightRole::Embed);

@@ -1094,14 +1094,18 @@ std::vector<WeightSpec> expected_weights(const ModelConfig& c) {
   const std::int64_t d = c.hidden_size;
   const std::int64_t ff = c.intermediate_size;
   std::vector<WeightSpec> w;
-  w.push_back({weight_name(c, 0, WeightRole::Embed), {c.vocab_size, d}});
+  // A tied embedding is the output matrix: the model multiplies with it.
+  w.push_back({weight_name(c, 0, WeightRole::Embed), {c.vocab_size, d}, c.tie_word_embeddings});
   w.push_back({weight_name(c, 0, WeightRole::FinalNorm), {d}});
-  if (!c.tie_word_embeddings) w.push_back({weight_name(c, 0, WeightRole::LmHead), {c.vocab_size, d}});
+  if (!c.tie_word_embeddings) w.push_back({weight_name(c, 0, WeightRole::LmHead), {c.vocab_size, d}, true});
 
   for (std::size_t li = 0; li < c.layer_types.size(); ++li) {
     const auto i = static_cast<std::int64_t>(li);
     auto add = [&](WeightRole role, std::vector<std::int64_t> shape) {
       w.push_back({weight_name(c, i, role), std::move(shape)});
+    };
+    auto linear = [&](WeightRole role, std::vector<std::int64_t> shape) {
+      w.push_back({weight_name(c, i, role), std::move(shape), true});
     };
     add(WeightRole::InputNorm, {d});
     switch (c.layer_types[li]) {
@@ -1109,10 +1113,10 @@ std::vector<WeightSpec> expected_weights(const ModelConfig& c) {
       case LayerKind::SlidingAttention: {
         const std::int64_t q = c.num_attention_heads * c.head_dim;
         const std::int64_t kv = c.num_key_value_heads * c.head_dim;
-        add(WeightRole::AttnQ, {c.attn_output_gate ? 2 * q : q, d});
-        add(WeightRole::AttnK, {kv, d});
-        add(WeightRole::AttnV, {kv, d});
-        add(WeightRole::AttnO, {d, q});
+        linear(WeightRole::AttnQ, {c.attn_output_gate ? 2 * q : q, d});
+        linear(WeightRole::AttnK, {kv, d});
+        linear(WeightRole::AttnV, {kv, d});
+        linear(WeightRole::AttnO, {d, q});
         if (c.qk_norm) {
           add(WeightRole::AttnQNorm, {c.head_dim});
           add(WeightRole::AttnKNorm, {c.head_dim});
@@ -1124,25 +1128,25 @@ std::vector<WeightSpec> expected_weights(const ModelConfig& c) {
         const std::int64_t value = lnv * c.linear_value_head_dim;
         const std::int64_t conv_dim = c.linear_conv_dim();
         if (c.fused_gdn_projections) {
-          add(WeightRole::GdnQkvz, {conv_dim + value, d});
-          add(WeightRole::GdnBa, {2 * lnv, d});
+          linear(WeightRole::GdnQkvz, {conv_dim + value, d});
+          linear(WeightRole::GdnBa, {2 * lnv, d});
         } else {
-          add(WeightRole::GdnQkv, {conv_dim, d});
-          add(WeightRole::GdnZ, {value, d});
-          add(WeightRole::GdnB, {lnv, d});
-          add(WeightRole::GdnA, {lnv, d});
+          linear(WeightRole::GdnQkv, {conv_dim, d});
+          linear(WeightRole::GdnZ, {value, d});
+          linear(WeightRole::GdnB, {lnv, d});
+          linear(WeightRole::GdnA, {lnv, d});
         }
         add(WeightRole::GdnConv, {conv_dim, 1, c.linear_conv_kernel_dim});
         add(WeightRole::GdnDtBias, {lnv});
         add(WeightRole::GdnALog, {lnv});
         add(WeightRole::GdnNorm, {c.linear_value_head_dim});
-        add(WeightRole::GdnOut, {d, value});
+        linear(WeightRole::GdnOut, {d, value});
         break;
       }
       case LayerKind::Conv:
-        add(WeightRole::ConvIn, {3 * d, d});
+        linear(WeightRole::ConvIn, {3 * d, d});
         add(WeightRole::ConvConv, {d, 1, c.conv_L_cache});
-        add(WeightRole::ConvOut, {d, d});
+        linear(WeightRole::ConvOut, {d, d});
         break;
       case LayerKind::ChunkedAttention:
       case LayerKind::Hybrid:
@@ -1152,9 +1156,9 @@ std::vector<WeightSpec> expected_weights(const ModelConfig& c) {
       case LayerKind::Mlp: break;  // refused by parse_model_config
     }
     add(WeightRole::PostNorm, {d});
-    add(WeightRole::MlpGate, {ff, d});
-    add(WeightRole::MlpUp, {ff, d});
-    add(WeightRole::MlpDown, {d, ff});
+    linear(WeightRole::MlpGate, {ff, d});
+    linear(WeightRole::MlpUp, {ff, d});
+    linear(WeightRole::MlpDown, {d, ff});
   }
   return w;
 }

@@ -40,21 +40,23 @@ struct DuplicateKey {
   bool top_level;
 };
 
-bool parse_dtype_name(std::string_view s, DType* out) {
-  if (s == "F32") {
-    *out = DType::F32;
+// The dtype spelled `s` into *entry (F32, F16, BF16, or I8: entry->i8).
+bool parse_dtype_name(std::string_view s, TensorEntry* entry) {
+  if (s == "I8") {
+    entry->i8 = true;
     return true;
   }
-  if (s == "F16") {
-    *out = DType::F16;
-    return true;
-  }
-  if (s == "BF16") {
-    *out = DType::BF16;
-    return true;
+  for (DType d : {DType::F32, DType::F16, DType::BF16}) {
+    if (s == safetensors_dtype_name(d)) {
+      entry->dtype = d;
+      return true;
+    }
   }
   return false;
 }
+
+std::size_t element_bytes(DType dtype, bool i8) { return i8 ? 1 : dtype_size(dtype); }
+std::string element_name(DType dtype, bool i8) { return i8 ? "I8" : std::string(safetensors_dtype_name(dtype)); }
 
 // JSON integers >= 0 that fit in `limit`. The parser stores non-negative
 // literals as unsigned and negative ones as signed; a value built in memory
@@ -164,9 +166,9 @@ RawEntry read_entry(const std::string& path, const std::string& name, const json
 
   const json& dtype = value["dtype"];
   if (!dtype.is_string()) fail(path, where + "dtype is not a string");
-  if (!parse_dtype_name(dtype.get_ref<const std::string&>(), &raw.entry.dtype)) {
+  if (!parse_dtype_name(dtype.get_ref<const std::string&>(), &raw.entry)) {
     fail(path, where + "unsupported dtype " + in_quotes(dtype.get_ref<const std::string&>()) +
-                   " (supported: F32, F16, BF16)");
+                   " (supported: F32, F16, BF16, I8)");
   }
 
   const json& shape = value["shape"];
@@ -181,9 +183,9 @@ RawEntry read_entry(const std::string& path, const std::string& name, const json
     dims.push_back(u);
   }
   std::uint64_t nbytes = 0;
-  if (!checked_byte_size(dims, dtype_size(raw.entry.dtype), &nbytes)) {
+  if (!checked_byte_size(dims, element_bytes(raw.entry.dtype, raw.entry.i8), &nbytes)) {
     fail(path, where + "byte size of shape " + shape_string_u64(dims) + " " +
-                   std::string(safetensors_dtype_name(raw.entry.dtype)) + " overflows 64 bits");
+                   element_name(raw.entry.dtype, raw.entry.i8) + " overflows 64 bits");
   }
   // No extent exceeds the (non-zero) product, or the product is 0 and a
   // huge extent beside a zero would still not fit int64: check each.
@@ -204,7 +206,7 @@ RawEntry read_entry(const std::string& path, const std::string& name, const json
   if (raw.begin > raw.end) fail(path, where + "data_offsets " + range + " has begin > end");
   if (raw.end - raw.begin != nbytes) {
     fail(path, where + "data_offsets " + range + " span " + std::to_string(raw.end - raw.begin) + " bytes, but shape " +
-                   shape_string_u64(dims) + " " + std::string(safetensors_dtype_name(raw.entry.dtype)) + " needs " +
+                   shape_string_u64(dims) + " " + element_name(raw.entry.dtype, raw.entry.i8) + " needs " +
                    std::to_string(nbytes));
   }
   if (raw.end > data_size) {
@@ -472,9 +474,9 @@ void write_safetensors(const std::string& path, const std::vector<TensorToWrite>
       dims.push_back(static_cast<std::uint64_t>(d));
     }
     std::uint64_t nbytes = 0;
-    if (!checked_byte_size(dims, dtype_size(t.dtype), &nbytes) || nbytes != t.bytes.size()) {
+    if (!checked_byte_size(dims, element_bytes(t.dtype, t.i8), &nbytes) || nbytes != t.bytes.size()) {
       invalid("tensor " + in_quotes(t.name) + " has " + std::to_string(t.bytes.size()) + " bytes, shape " +
-              shape_string(t.shape) + " " + std::string(safetensors_dtype_name(t.dtype)) + " needs " +
+              shape_string(t.shape) + " " + element_name(t.dtype, t.i8) + " needs " +
               (nbytes ? std::to_string(nbytes) : std::string("an overflowing count")));
     }
   }
@@ -487,7 +489,7 @@ void write_safetensors(const std::string& path, const std::vector<TensorToWrite>
   std::vector<std::size_t> order(tensors.size());
   std::iota(order.begin(), order.end(), std::size_t{0});
   std::stable_sort(order.begin(), order.end(), [&tensors](std::size_t a, std::size_t b) {
-    return dtype_size(tensors[a].dtype) > dtype_size(tensors[b].dtype);
+    return element_bytes(tensors[a].dtype, tensors[a].i8) > element_bytes(tensors[b].dtype, tensors[b].i8);
   });
 
   json header = json::object();
@@ -496,7 +498,7 @@ void write_safetensors(const std::string& path, const std::vector<TensorToWrite>
   for (std::size_t i : order) {
     const TensorToWrite& t = tensors[i];
     const std::uint64_t end = offset + t.bytes.size();
-    header[t.name] = {{"dtype", safetensors_dtype_name(t.dtype)}, {"shape", t.shape}, {"data_offsets", {offset, end}}};
+    header[t.name] = {{"dtype", element_name(t.dtype, t.i8)}, {"shape", t.shape}, {"data_offsets", {offset, end}}};
     offset = end;
   }
   std::string text = header.dump();

@@ -7,10 +7,12 @@
 
 #include <cerrno>
 #include <cmath>
+#include <cstdio>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <map>
+#include <optional>
 #include <set>
 #include <sstream>
 #include <system_error>
@@ -19,6 +21,7 @@
 #include <nlohmann/json.hpp>
 
 #include "rewind/error.h"
+#include "runtime/kernels.h"
 #include "runtime/safetensors.h"
 
 namespace rwd::runtime {
@@ -188,6 +191,61 @@ bool has_prefix(std::string_view s, const std::vector<std::string>& prefixes) {
 // from config.json here, as transformers itself does when it loads them.
 bool saved_rope_buffer(std::string_view name) { return name.ends_with("rotary_emb.inv_freq"); }
 
+constexpr std::int64_t kQ8Block = kernels::PackedMatrix::kQ8Block;
+
+std::int64_t q8_blocks(std::int64_t in) { return (in + kQ8Block - 1) / kQ8Block; }
+
+// Whether the checkpoint is a Q8 one (its files' __metadata__ says so);
+// refuses one this build cannot read, and shards that disagree.
+bool is_q8_checkpoint(const Checkpoint& ck) {
+  std::optional<bool> q8;
+  for (const SafetensorsFile& f : ck.files) {
+    const auto& meta = f.metadata();
+    const auto format = meta.find(kQ8FormatKey);
+    const bool this_q8 = format != meta.end();
+    if (this_q8) {
+      auto value = [&](const char* key) {
+        const auto it = meta.find(key);
+        return it == meta.end() ? std::string("(absent)") : "'" + it->second + "'";
+      };
+      if (format->second != kQ8FormatValue) {
+        throw FormatError(f.path() + ": __metadata__ " + kQ8FormatKey + " is " + value(kQ8FormatKey) +
+                          "; this build reads '" + kQ8FormatValue + "' only");
+      }
+      if (value(kQ8VersionKey) != "'" + std::string(kQ8Version) + "'") {
+        throw FormatError(f.path() + ": Q8 checkpoint version " + value(kQ8VersionKey) + " (__metadata__ " +
+                          kQ8VersionKey + "); this build reads version " + kQ8Version);
+      }
+      if (value(kQ8BlockKey) != "'" + std::to_string(kQ8Block) + "'") {
+        throw FormatError(f.path() + ": Q8 block size " + value(kQ8BlockKey) + " (__metadata__ " + kQ8BlockKey +
+                          "); this build reads blocks of " + std::to_string(kQ8Block) + " only");
+      }
+    }
+    if (q8 && *q8 != this_q8) {
+      throw FormatError(f.path() + ": shards disagree on " + kQ8FormatKey + " (a Q8 checkpoint is quantized in full)");
+    }
+    q8 = this_q8;
+  }
+  return q8.value_or(false);
+}
+
+// Refuses a scale the runtime never writes: negative or not finite (an
+// exponent of all ones) would turn logits into NaN or flip signs.
+void check_q8_scales(const std::string& path, const TensorEntry& e, std::int64_t blocks) {
+  for (std::size_t i = 0; i < e.nbytes / 2; ++i) {
+    std::uint16_t bits;
+    std::memcpy(&bits, e.data + 2 * i, sizeof bits);
+    if ((bits & 0x8000u) != 0 || (bits & 0x7F80u) == 0x7F80u) {
+      const auto b = static_cast<std::int64_t>(i);
+      char hex[8];
+      std::snprintf(hex, sizeof hex, "0x%04x", bits);
+      throw FormatError(path + ": tensor '" + e.name + "' holds an invalid scale at [" + std::to_string(b / blocks) +
+                        ", " + std::to_string(b % blocks) + "] (bf16 bits " + hex +
+                        "): Q8 scales are finite and non-negative; the file is corrupt");
+    }
+  }
+}
+
 }  // namespace
 
 ModelWeights ModelWeights::load(const std::string& dir) {
@@ -198,8 +256,9 @@ ModelWeights ModelWeights::load(const std::string& dir) {
   if (w.config_.family != ModelFamily::RewindHybrid && fs::exists(generation_path)) {
     apply_generation_config(w.config_, read_text_file(generation_path), generation_path);
   }
-  const Checkpoint ck = open_checkpoint(dir);
+  Checkpoint ck = open_checkpoint(dir);
   const std::string weights_path = ck.index_path.empty() ? ck.files.front().path() : ck.index_path;
+  const bool q8 = is_q8_checkpoint(ck);
   const std::vector<std::string> ignored = ignored_weight_prefixes(w.config_);
 
   // Where each expected tensor is: in the index's shard (sharded) or the file.
@@ -218,8 +277,12 @@ ModelWeights ModelWeights::load(const std::string& dir) {
   // checkpoint allows. With both lm_head.weight and the embedding present it
   // keeps them apart (the config is wrong about the file); with lm_head.weight
   // alone the embedding is tied to it. rewind's own layout stays strict.
-  auto holds = [&ck](const std::string& name) {
-    return ck.index_path.empty() ? ck.files.front().find(name) != nullptr : ck.shard_of.contains(name);
+  // A Q8 checkpoint holds a matmul weight W as W.q8 (and W.q8_scale).
+  auto holds = [&ck, q8](const std::string& name) {
+    for (const std::string& n : {name, q8 ? name + ".q8" : name}) {
+      if (ck.index_path.empty() ? ck.files.front().find(n) != nullptr : ck.shard_of.contains(n)) return true;
+    }
+    return false;
   };
   // transformers reads (and writes back) Qwen3.5 text-model weights under
   // either prefix: its conversion mapping renames ^model.language_model to
@@ -242,11 +305,43 @@ ModelWeights ModelWeights::load(const std::string& dir) {
     if (has_head && !has_embed) embed_source = head;
   }
   const std::vector<WeightSpec> specs = expected_weights(w.config_);
-  std::set<std::string_view> expected;
-  std::vector<const TensorEntry*> entries;
+  std::set<std::string, std::less<>> expected;
+  std::vector<const TensorEntry*> entries;  // null for a Q8 weight
+  std::vector<Q8Weight> q8_weights;         // one per null entry, in order
   for (const WeightSpec& spec : specs) {
     const bool aliased = !embed_source.empty() && spec.name == weight_name(w.config_, 0, WeightRole::Embed);
     const std::string& source = aliased ? embed_source : spec.name;
+    if (q8 && spec.matmul) {
+      const std::int64_t out = spec.shape[0], in = spec.shape[1];
+      const std::vector<std::int64_t> scale_shape = {out, q8_blocks(in)};
+      Q8Weight q{out, in};
+      for (const std::string& part : {source + ".q8", source + ".q8_scale"}) {
+        expected.insert(part);
+        const TensorEntry* e = locate(part);
+        if (e == nullptr) {
+          throw FormatError(weights_path + ": missing tensor '" + part + "', which " + config_path +
+                            " requires of a Q8 checkpoint");
+        }
+        const bool values = part.ends_with(".q8");
+        const std::vector<std::int64_t>& shape = values ? spec.shape : scale_shape;
+        if (e->i8 != values || (!values && e->dtype != DType::BF16) || e->shape != shape) {
+          const std::string is = (e->i8 ? std::string("I8") : std::string(safetensors_dtype_name(e->dtype))) + " " +
+                                 shape_string(e->shape);
+          throw FormatError(weights_path + ": tensor '" + part + "' is " + is + ", " + config_path + " implies " +
+                            (values ? "I8 " : "BF16 ") + shape_string(shape) +
+                            " (a Q8 checkpoint, docs/quantization.md)");
+        }
+        (values ? q.q_entry : q.scale_entry) = e;
+      }
+      const std::string& scale_path = ck.index_path.empty() ? ck.files.front().path()
+                                                            : ck.files[ck.shard_of.at(source + ".q8_scale")].path();
+      check_q8_scales(scale_path, *q.scale_entry, scale_shape[1]);
+      q.q = static_cast<const std::int8_t*>(static_cast<const void*>(q.q_entry->data));
+      q.scales = q.scale_entry->data;
+      q8_weights.push_back(q);
+      entries.push_back(nullptr);
+      continue;
+    }
     expected.insert(source);
     const TensorEntry* e = locate(source);
     if (e == nullptr) {
@@ -255,6 +350,11 @@ ModelWeights ModelWeights::load(const std::string& dir) {
     if (e->shape != spec.shape) {
       throw FormatError(weights_path + ": tensor '" + spec.name + "' has shape " + shape_string(e->shape) + ", " +
                         config_path + " implies " + shape_string(spec.shape));
+    }
+    if (e->i8) {
+      throw FormatError(weights_path + ": tensor '" + spec.name +
+                        "' is I8; the runtime reads int8 only as the W.q8 values of a Q8 checkpoint "
+                        "(docs/quantization.md)");
     }
     entries.push_back(e);
   }
@@ -269,10 +369,21 @@ ModelWeights ModelWeights::load(const std::string& dir) {
   // Copied only after every check passed: a bad file costs no copies. The
   // mapped pages of each tensor are dropped once it is copied, so the
   // process holds the file's bytes about once, not twice, while loading.
+  std::size_t next_q8 = 0;
   for (std::size_t i = 0; i < specs.size(); ++i) {
+    if (entries[i] == nullptr) {
+      w.q8_.emplace(specs[i].name, q8_weights[next_q8++]);
+      w.q8_names_.push_back(specs[i].name);
+      continue;
+    }
     w.tensors_.emplace(specs[i].name, to_memory_tensor(entries[i]->shape, entries[i]->dtype, entries[i]->data));
     w.names_.push_back(specs[i].name);
     for (const SafetensorsFile& file : ck.files) file.drop_pages(*entries[i]);
+  }
+  if (q8) {
+    // Moving the files keeps the mapping, and with it every pointer taken.
+    w.mapped_ = std::make_shared<const std::vector<SafetensorsFile>>(std::move(ck.files));
+    w.from_q8_ = true;
   }
   return w;
 }
@@ -328,7 +439,22 @@ const Tensor& ModelWeights::get(std::string_view name) const {
   return *t;
 }
 
+const Q8Weight* ModelWeights::q8_weight(std::string_view name) const {
+  auto it = q8_.find(name);
+  return it == q8_.end() ? nullptr : &it->second;
+}
+
 void ModelWeights::release(std::string_view name) {
+  if (auto q = q8_.find(name); q != q8_.end()) {
+    for (const SafetensorsFile& file : *mapped_) {
+      file.drop_pages(*q->second.q_entry);
+      file.drop_pages(*q->second.scale_entry);
+    }
+    q8_.erase(q);
+    q8_names_.erase(std::find(q8_names_.begin(), q8_names_.end(), name));
+    if (q8_.empty()) mapped_.reset();
+    return;
+  }
   auto it = tensors_.find(name);
   if (it == tensors_.end()) throw InvalidArgument("ModelWeights::release: no tensor named '" + std::string(name) + "'");
   tensors_.erase(it);
@@ -338,6 +464,7 @@ void ModelWeights::release(std::string_view name) {
 std::size_t ModelWeights::bytes() const {
   std::size_t total = 0;
   for (const auto& [name, t] : tensors_) total += t.bytes();
+  for (const auto& [name, q] : q8_) total += q.q_entry->nbytes + q.scale_entry->nbytes;
   return total;
 }
 
@@ -365,6 +492,116 @@ void write_random_model(const ModelConfig& config, const std::string& out_dir, s
       {"format", "pt"}, {"generator", "rewind write_random_model"}, {"seed", std::to_string(seed)}};
   write_safetensors((fs::path(out_dir) / "model.safetensors").string(), tensors, metadata);
   write_text_file_atomically((fs::path(out_dir) / "config.json").string(), to_json(stored));
+}
+
+QuantizeResult write_q8_checkpoint(const std::string& in_dir, const std::string& out_dir,
+                                   const QuantizeProgress& progress) {
+  fs::path out = fs::path(out_dir).lexically_normal();
+  if (out.filename().empty()) out = out.parent_path();  // "DIR/": the directory itself
+  std::error_code ec;
+  const fs::file_status st = fs::status(out, ec);
+  if (fs::exists(st)) {
+    if (!fs::is_directory(st)) {
+      throw InvalidArgument("quantize: output '" + out_dir +
+                            "' exists and is not a directory; allowed: a new directory or an empty one");
+    }
+    if (!fs::is_empty(out, ec) || ec) {
+      throw InvalidArgument("quantize: output directory '" + out_dir +
+                            "' is not empty; allowed: a new directory or an empty one (nothing was written)");
+    }
+  }
+  ModelWeights w = ModelWeights::load(in_dir);
+  if (w.q8()) {
+    throw InvalidArgument("quantize: '" + in_dir +
+                          "' is already a Q8 checkpoint; quantize reads f32, bf16 or f16 "
+                          "weights");
+  }
+  const ModelConfig& c = w.config();
+  const std::vector<WeightSpec> specs = expected_weights(c);
+
+  // Quantized layer by layer (a group: the global tensors, then each
+  // layer), each original released once its Q8 copy is made.
+  QuantizeResult result;
+  std::vector<std::vector<std::byte>> buffers;  // W.q8 and W.q8_scale bytes
+  buffers.reserve(2 * specs.size());
+  std::vector<TensorToWrite> tensors;
+  const std::int64_t groups = c.num_hidden_layers + 1;
+  std::int64_t layer = -1;
+  auto finish_group = [&] {
+    if (progress)
+      progress(layer + 2, groups, layer < 0 ? std::string("global tensors") : "layer " + std::to_string(layer));
+  };
+  for (const WeightSpec& spec : specs) {
+    if (layer + 1 < c.num_hidden_layers && spec.name == weight_name(c, layer + 1, WeightRole::InputNorm)) {
+      finish_group();
+      ++layer;
+    }
+    const Tensor& t = w.get(spec.name);
+    if (!spec.matmul) {
+      tensors.push_back(
+          {spec.name, t.view().dtype, spec.shape, std::span<const std::byte>(t.data<std::byte>(), t.bytes())});
+      ++result.kept;
+      continue;
+    }
+    const std::int64_t rows = spec.shape[0], in = spec.shape[1], blocks = q8_blocks(in);
+    const DType dtype = t.view().dtype;
+    const auto source = dtype == DType::BF16  ? kernels::PackedMatrix::Element::BF16
+                        : dtype == DType::F16 ? kernels::PackedMatrix::Element::F16
+                                              : kernels::PackedMatrix::Element::F32;
+    std::int64_t bad = -1;
+    const kernels::PackedMatrix m = kernels::PackedMatrix::from_q8(t.data<std::byte>(), source, rows, in, &bad);
+    if (bad >= 0) {
+      throw FormatError("quantize: tensor '" + spec.name + "' holds a non-finite value at [" +
+                        std::to_string(bad / in) + ", " + std::to_string(bad % in) +
+                        "]; Q8 blocks hold finite weights only (nothing was written)");
+    }
+    std::vector<std::byte>& q = buffers.emplace_back(static_cast<std::size_t>(rows * in));
+    std::vector<std::byte>& scales = buffers.emplace_back(static_cast<std::size_t>(rows * blocks) * 2);
+    std::vector<std::uint16_t> row_scales(static_cast<std::size_t>(blocks));
+    for (std::int64_t o = 0; o < rows; ++o) {
+      m.q8_row(o, static_cast<std::int8_t*>(static_cast<void*>(q.data() + o * in)), row_scales.data());
+      std::memcpy(scales.data() + static_cast<std::size_t>(o * blocks) * 2, row_scales.data(), row_scales.size() * 2);
+    }
+    tensors.push_back({spec.name + ".q8", DType::F32, spec.shape, q, /*i8=*/true});
+    tensors.push_back({spec.name + ".q8_scale", DType::BF16, {rows, blocks}, scales});
+    ++result.quantized;
+    w.release(spec.name);
+  }
+  finish_group();
+
+  // Written into a hidden directory beside `out` and renamed into place:
+  // `out` appears whole or not at all.
+  const fs::path parent = out.has_parent_path() ? out.parent_path() : fs::path(".");
+  const fs::path tmp = parent / ("." + out.filename().string() + ".tmp-" + std::to_string(::getpid()));
+  fs::remove_all(tmp, ec);
+  if (!fs::create_directories(tmp, ec) || ec) {
+    throw Error("quantize: cannot create " + tmp.string() + ": " + ec.message());
+  }
+  try {
+    const std::map<std::string, std::string> metadata = {{"format", "pt"},
+                                                         {kQ8FormatKey, kQ8FormatValue},
+                                                         {kQ8VersionKey, kQ8Version},
+                                                         {kQ8BlockKey, std::to_string(kQ8Block)}};
+    write_safetensors((tmp / "model.safetensors").string(), tensors, metadata);
+    // Everything but the weights: config.json, tokenizer files, the model card.
+    for (const fs::directory_entry& e : fs::directory_iterator(in_dir)) {
+      const std::string name = e.path().filename().string();
+      if (!e.is_regular_file() || name.ends_with(".safetensors") || name == "model.safetensors.index.json") {
+        continue;
+      }
+      fs::copy_file(e.path(), tmp / name);
+    }
+    result.file_bytes = fs::file_size(tmp / "model.safetensors");
+    if (fs::exists(out)) fs::remove(out);  // the empty directory checked above
+    fs::rename(tmp, out);
+  } catch (const fs::filesystem_error& e) {
+    fs::remove_all(tmp, ec);
+    throw Error("quantize: cannot write " + out_dir + ": " + e.what());
+  } catch (...) {
+    fs::remove_all(tmp, ec);
+    throw;
+  }
+  return result;
 }
 
 }  // namespace rwd::runtime

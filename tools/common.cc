@@ -295,12 +295,14 @@ void add_threads_option(CLI::App* cmd, std::optional<int>& threads) {
       ->default_str("1 or $OMP_NUM_THREADS");
 }
 
-void add_weights_option(CLI::App* cmd, std::string& weights) {
+void add_weights_option(CLI::App* cmd, std::optional<std::string>& weights) {
   cmd->add_option("--weights", weights,
                   "how the linear weights are held: as-stored (the checkpoint's dtype, exact) or q8 (int8 "
                   "blocks of 32 with a bf16 scale each, quantized at load: about half of bf16's bytes; "
-                  "docs/quantization.md)")
-      ->check(CLI::IsMember({"as-stored", "q8"}));
+                  "docs/quantization.md). A checkpoint written by `rewind quantize` loads as q8 without the flag "
+                  "and refuses as-stored")
+      ->check(CLI::IsMember({"as-stored", "q8"}))
+      ->default_str("as the checkpoint holds them");
 }
 
 void add_ctx_option(CLI::App* cmd, std::optional<std::int64_t>& ctx_size) {
@@ -359,8 +361,9 @@ namespace {
 LoadOptions chosen_load_options;
 }  // namespace
 
-void set_load_options(const std::string& weights) {
-  chosen_load_options.weights = weight_format_from_name(weights, "--weights");
+void set_load_options(const std::optional<std::string>& weights) {
+  chosen_load_options.weights.reset();
+  if (weights) chosen_load_options.weights = weight_format_from_name(*weights, "--weights");
 }
 
 LoadOptions load_options() { return chosen_load_options; }
@@ -446,8 +449,11 @@ void StdoutStream::write(const std::string& bytes) {
 
 std::optional<Model> load_draft(const DraftChoice& choice, const Model& target, const Tokenizer& target_tokenizer) {
   if (choice.draft_dir.empty()) return std::nullopt;
+  // A Q8 target gets a Q8 draft (quantized at load, or a Q8 checkpoint's);
+  // otherwise the draft loads as its checkpoint holds it (as stored, or a
+  // Q8 checkpoint's Q8: the draft only proposes).
   LoadOptions options;
-  options.weights = target.weight_format();
+  if (target.weight_format() == WeightFormat::kQ8) options.weights = WeightFormat::kQ8;
   Model draft = Model::load(choice.draft_dir, options);
   const ModelConfig& t = target.config();
   const ModelConfig& d = draft.config();

@@ -48,8 +48,8 @@ struct Command {
 
 // Flags main acts on for every subcommand before running it.
 struct SharedFlags {
-  std::optional<int> threads;         // -t / --threads (set_threads)
-  std::string weights = "as-stored";  // --weights FORMAT (set_load_options)
+  std::optional<int> threads;          // -t / --threads (set_threads)
+  std::optional<std::string> weights;  // --weights FORMAT (set_load_options); unset: as the checkpoint holds them
 };
 
 // ---- option values -----------------------------------------------------------------
@@ -203,7 +203,7 @@ void add_draft_options(CLI::App* cmd, DraftChoice& choice);
 // -t / --threads.
 void add_threads_option(CLI::App* cmd, std::optional<int>& threads);
 // --weights as-stored|q8: how the loaded models hold their linear weights.
-void add_weights_option(CLI::App* cmd, std::string& weights);
+void add_weights_option(CLI::App* cmd, std::optional<std::string>& weights);
 // -c / --ctx-size.
 void add_ctx_option(CLI::App* cmd, std::optional<std::int64_t>& ctx_size);
 // --temperature, --top-k, --top-p, -s / --seed.
@@ -212,9 +212,10 @@ void add_sampling_options(CLI::App* cmd, SamplingChoice& sampling);
 // ---- threads, weights and context --------------------------------------------------
 
 // Makes load_model use the --weights format in `weights` ("as-stored" or
-// "q8", as add_weights_option allows). Throws InvalidArgument otherwise.
-void set_load_options(const std::string& weights);
-// The options set_load_options chose (default: weights as stored).
+// "q8", as add_weights_option allows; unset: as the checkpoint holds its
+// weights). Throws InvalidArgument otherwise.
+void set_load_options(const std::optional<std::string>& weights);
+// The options set_load_options chose (default: as the checkpoint holds them).
 LoadOptions load_options();
 // Model::load(dir, load_options()): the model a subcommand runs.
 Model load_model(const std::string& dir);

@@ -38,9 +38,15 @@ int run_inspect(const std::string& model_dir, std::int64_t rollback) {
   } catch (const rwd::Error& e) {
     throw InvalidArgument("--rollback " + std::to_string(rollback) + ": " + e.what());
   }
+  // A Q8 checkpoint (rewind quantize) loads as q8 by itself: say so, and
+  // what its other tensors are.
+  const bool q8 = model.weight_format() == WeightFormat::kQ8;
+  const std::string stored = q8 ? "q8 (a Q8 checkpoint: int8 blocks of 32 with a bf16 scale each; the other tensors " +
+                                      std::string(dtype_name(c.torch_dtype)) + ")"
+                                : std::string(dtype_name(c.torch_dtype));
   std::printf("model %s: %s, %lld layers, hidden %lld, vocab %lld, weights stored as %s\n", model_dir.c_str(),
               c.model_type.c_str(), static_cast<long long>(c.num_hidden_layers), static_cast<long long>(c.hidden_size),
-              static_cast<long long>(c.vocab_size), std::string(dtype_name(c.torch_dtype)).c_str());
+              static_cast<long long>(c.vocab_size), stored.c_str());
   std::printf("tokenizer: %s\n", load_tokenizer(model_dir, model).describe().c_str());
   std::printf("parameters: %lld\n", static_cast<long long>(model.parameter_count()));
   {
@@ -108,8 +114,9 @@ int run_inspect(const std::string& model_dir, std::int64_t rollback) {
       if (line.rfind("VmHWM:", 0) == 0) peak = line.substr(6);
     }
     peak.erase(0, peak.find_first_not_of(" \t"));
-    std::printf("weights in memory: %s (in the stored dtype); peak resident memory of this process: %s\n",
-                human_bytes(static_cast<double>(model.weight_bytes())).c_str(), peak.c_str());
+    std::printf("weights in memory: %s (%s); peak resident memory of this process: %s\n",
+                human_bytes(static_cast<double>(model.weight_bytes())).c_str(),
+                q8 ? "matmul weights as q8" : "in the stored dtype", peak.c_str());
   }
   std::printf("KV bytes per token (full-attention layers, f32): %s\n",
               human_bytes(static_cast<double>(model.kv_bytes_per_token())).c_str());

@@ -8,6 +8,7 @@
 //   rewind forward-cost the cost of a q-token forward in one-token forwards
 //   rewind snapshot    save, inspect or load a sequence's state as a file
 //   rewind init-random write a model with random weights
+//   rewind quantize    write a model's Q8 checkpoint
 //
 // Each subcommand is a file of tools/ with one registration function
 // (common.h); this file parses the command line and runs the chosen one.
@@ -46,6 +47,7 @@ Command add_bench_command(CLI::App& app, SharedFlags& shared);
 Command add_forward_cost_command(CLI::App& app, SharedFlags& shared);
 Command add_snapshot_command(CLI::App& app, SharedFlags& shared);
 Command add_init_random_command(CLI::App& app, SharedFlags& shared);
+Command add_quantize_command(CLI::App& app, SharedFlags& shared);
 #ifdef REWIND_HAVE_SERVER
 Command add_serve_command(CLI::App& app, SharedFlags& shared);
 #endif
@@ -69,7 +71,7 @@ int main(int argc, char** argv) {
   std::vector<Command> commands = {
       add_generate_command(app, shared), add_verify_command(app, shared),      add_eval_command(app, shared),
       add_inspect_command(app, shared),  add_bench_command(app, shared),       add_forward_cost_command(app, shared),
-      add_snapshot_command(app, shared), add_init_random_command(app, shared),
+      add_snapshot_command(app, shared), add_init_random_command(app, shared), add_quantize_command(app, shared),
   };
 #ifdef REWIND_HAVE_SERVER
   commands.push_back(add_serve_command(app, shared));

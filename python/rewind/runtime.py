@@ -7,7 +7,7 @@ with a draft model (``draft=``) or prompt lookup (``lookup=``), with the CLI's o
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Optional
 
 from . import _rewind as _rw
 
@@ -21,10 +21,11 @@ class Model:
         self._core = core
 
     @classmethod
-    def load(cls, directory: str, weights: str = "as-stored") -> "Model":
+    def load(cls, directory: str, weights: Optional[str] = None) -> "Model":
         """Loads a model directory (config.json + model.safetensors). ``weights="q8"`` quantizes the linear weights
-        at load, as the CLI's ``--weights q8`` (docs/quantization.md). Raises FormatError for malformed files,
-        InvalidArgument for another ``weights``."""
+        at load, as the CLI's ``--weights q8``; ``None`` loads them as the checkpoint holds them (a Q8 checkpoint
+        written by ``rewind quantize`` as q8, any other as stored; docs/quantization.md). Raises FormatError for
+        malformed files, InvalidArgument for another ``weights`` and for ``"as-stored"`` with a Q8 checkpoint."""
         return cls(_rw.Model.load(str(directory), weights))
 
     @property

@@ -11,12 +11,14 @@
 #include <limits>
 #include <memory>
 #include <new>
+#include <string>
 #include <vector>
 #if defined(__linux__)
 #include <sys/mman.h>
 #endif
 
 #include "matmul_internal.h"
+#include "rewind/error.h"
 
 namespace rwd::runtime::kernels {
 
@@ -145,8 +147,9 @@ std::int8_t q8_nearest(float v, float s) {
 
 }  // namespace
 
-PackedMatrix PackedMatrix::from_q8(const void* w, Element source, int64_t out, int64_t in) {
+PackedMatrix PackedMatrix::from_q8(const void* w, Element source, int64_t out, int64_t in, int64_t* non_finite) {
   assert(out >= 0 && in >= 0 && source != Element::Q8);
+  if (non_finite != nullptr) *non_finite = -1;
   PackedMatrix m;
   m.out_ = out;
   m.in_ = in;
@@ -164,8 +167,26 @@ PackedMatrix PackedMatrix::from_q8(const void* w, Element source, int64_t out, i
     for (int64_t b = 0; b < blocks; ++b) {
       const int64_t first = b * kQ8Block, n = std::min(kQ8Block, in - first);
       const float* v = row.data() + first;
+      // |v| <= FLT_MAX is false for an infinity and a NaN alike, so one
+      // comparison per weight finds both while the block's maximum is taken
+      // (std::max alone would skip a NaN).
       float max_abs = 0.0f;
-      for (int64_t k = 0; k < n; ++k) max_abs = std::max(max_abs, std::abs(v[k]));
+      bool finite = true;
+      for (int64_t k = 0; k < n; ++k) {
+        const float a = std::abs(v[k]);
+        finite &= a <= std::numeric_limits<float>::max();  // no branch: the loop stays vectorizable
+        max_abs = std::max(max_abs, a);
+      }
+      if (!finite) {
+        int64_t k = 0;
+        while (std::abs(v[k]) <= std::numeric_limits<float>::max()) ++k;
+        if (non_finite == nullptr) {
+          throw InvalidArgument("PackedMatrix::from_q8: weight [" + std::to_string(o) + ", " +
+                                std::to_string(first + k) + "] is not finite; Q8 holds finite weights only");
+        }
+        *non_finite = o * in + first + k;
+        return PackedMatrix();
+      }
       std::byte* block = panel + b * kQ8BlockBytes;
       if (max_abs == 0.0f) continue;  // scale and values stay 0
       const std::uint16_t scale_bits = q8_scale_bits(max_abs);
@@ -175,6 +196,45 @@ PackedMatrix PackedMatrix::from_q8(const void* w, Element source, int64_t out, i
     }
   }
   return m;
+}
+
+PackedMatrix PackedMatrix::from_q8_blocks(const std::int8_t* q, const std::byte* scales, int64_t out, int64_t in) {
+  assert(out >= 0 && in >= 0);
+  PackedMatrix m;
+  m.out_ = out;
+  m.in_ = in;
+  m.element_ = Element::Q8;
+  const std::size_t total = m.bytes();
+  if (total == 0) return m;
+  m.data_ = allocate_panels(total);
+  std::memset(m.data_.get(), 0, total);
+  const int64_t blocks = (in + kQ8Block - 1) / kQ8Block;
+  for (int64_t o = 0; o < out; ++o) {
+    const int64_t l = o % kPanel;
+    std::byte* panel = m.data_.get() + static_cast<std::size_t>(o / kPanel) * m.panel_bytes();
+    const std::int8_t* row = q + o * in;
+    const std::byte* row_scales = scales + static_cast<std::size_t>(o * blocks) * 2;
+    for (int64_t b = 0; b < blocks; ++b) {
+      const int64_t first = b * kQ8Block, n = std::min(kQ8Block, in - first);
+      std::byte* block = panel + b * kQ8BlockBytes;
+      std::memcpy(block + l * 2, row_scales + b * 2, 2);
+      for (int64_t k = 0; k < n; ++k) block[kPanel * 2 + k * kPanel + l] = static_cast<std::byte>(row[first + k]);
+    }
+  }
+  return m;
+}
+
+void PackedMatrix::q8_row(int64_t o, std::int8_t* q, std::uint16_t* scales) const {
+  assert(element_ == Element::Q8 && o >= 0 && o < out_);
+  const int64_t l = o % kPanel;
+  const std::byte* panel = static_cast<const std::byte*>(panel_data(o / kPanel));
+  const int64_t blocks = (in_ + kQ8Block - 1) / kQ8Block;
+  for (int64_t b = 0; b < blocks; ++b) {
+    const int64_t first = b * kQ8Block, n = std::min(kQ8Block, in_ - first);
+    const std::byte* block = panel + b * kQ8BlockBytes;
+    std::memcpy(scales + b, block + l * 2, 2);
+    for (int64_t k = 0; k < n; ++k) q[first + k] = static_cast<std::int8_t>(block[kPanel * 2 + k * kPanel + l]);
+  }
 }
 
 namespace {

@@ -95,6 +95,24 @@ def test_q8_weights_load_and_speculation_equals_their_greedy(target):
         rewind.Model.load(TARGET, weights="q4")
 
 
+def test_q8_checkpoint_loads_as_q8_and_equals_quantizing_at_load(tmp_path):
+    cli = os.path.join(os.path.dirname(rewind.__file__), "..", "..", "tools", "rewind")
+    assert os.path.exists(cli), cli  # the module and the CLI come from the same build directory
+    out = tmp_path / "kjv-hybrid-q8"
+    subprocess.run([cli, "quantize", "--model", TARGET, "--out", str(out)], check=True, capture_output=True)
+    stored = rewind.Model.load(str(out))
+    at_load = rewind.Model.load(TARGET, weights="q8")
+    assert stored.weights == "q8" and rewind.Model.load(str(out), weights="q8").weights == "q8"
+    prompt = stored.encode("And the LORD spake unto Moses")
+    a = stored.forward(prompt, stored.make_cache(), all_logits=True)
+    b = at_load.forward(prompt, at_load.make_cache(), all_logits=True)
+    assert a.tobytes() == b.tobytes()  # bit for bit
+    assert stored.generate(prompt, max_new_tokens=20, stop_at_eos=False)[0] == \
+        at_load.generate(prompt, max_new_tokens=20, stop_at_eos=False)[0]
+    with pytest.raises(rewind.InvalidArgument, match="already quantized"):
+        rewind.Model.load(str(out), weights="as-stored")
+
+
 def test_sampling_is_seeded(target):
     prompt = target.encode("Thou shalt")
     a, s = target.generate(prompt, max_new_tokens=20, temperature=0.8, top_k=20, seed=7, stop_at_eos=False)

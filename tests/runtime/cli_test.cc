@@ -128,6 +128,43 @@ TEST_F(Cli, WeightsQ8QuantizesAtLoadAndSpeculationStaysExact) {
   EXPECT_NE(bad.err.find("--weights"), std::string::npos) << bad.all();
 }
 
+// rewind quantize writes a Q8 checkpoint that loads as q8 without a flag:
+// its tokens are those of the original with --weights q8 (logits are
+// compared bit for bit in q8_checkpoint_test.cc); inspect names the format.
+TEST_F(Cli, QuantizeWritesACheckpointThatGeneratesTheTokensOfWeightsQ8) {
+  const std::string out = dir_ + "/target-q8";
+  fs::remove_all(out);
+  const CliResult q = run_cli("quantize" + model("target") + " --out " + quote(out));
+  ASSERT_EQ(q.status, 0) << q.all();
+  EXPECT_NE(q.out.find("wrote " + out + ": "), std::string::npos) << q.all();
+  EXPECT_NE(q.err.find("quantize: 1/5 global tensors"), std::string::npos) << q.all();
+  EXPECT_NE(q.err.find("quantize: 5/5 layer 3"), std::string::npos) << q.all();
+  const std::string args = " --prompt 'in the beginning' --max-new-tokens 24 --stats";
+  const CliResult a = run_cli("generate --model " + quote(out) + args);
+  const CliResult b = run_cli("generate" + model("target") + " --weights q8" + args);
+  ASSERT_EQ(a.status, 0) << a.all();
+  ASSERT_EQ(b.status, 0) << b.all();
+  EXPECT_EQ(text_of(a), text_of(b));
+  EXPECT_EQ(stats_of(a)["new_tokens"], stats_of(b)["new_tokens"]);
+  EXPECT_EQ(text_of(run_cli("generate --model " + quote(out) + " --weights q8" + args)), text_of(a));
+  const CliResult ins = run_cli("inspect --model " + quote(out));
+  ASSERT_EQ(ins.status, 0) << ins.all();
+  EXPECT_NE(ins.out.find("weights stored as q8 (a Q8 checkpoint"), std::string::npos) << ins.out;
+  // Refused: as-stored weights of it, quantizing it again, an output in use.
+  const CliResult stored = run_cli("generate --model " + quote(out) + " --weights as-stored --prompt x");
+  EXPECT_EQ(stored.status, 2) << stored.all();
+  EXPECT_NE(stored.err.find("already quantized"), std::string::npos) << stored.all();
+  const CliResult again = run_cli("quantize --model " + quote(out) + " --out " + quote(dir_ + "/twice"));
+  EXPECT_EQ(again.status, 2) << again.all();
+  EXPECT_FALSE(fs::exists(dir_ + "/twice"));
+  const CliResult busy = run_cli("quantize" + model("draft") + " --out " + quote(out));
+  EXPECT_EQ(busy.status, 2) << busy.all();
+  EXPECT_NE(busy.err.find("is not empty"), std::string::npos) << busy.all();
+  EXPECT_EQ(text_of(run_cli("generate --model " + quote(out) + args)), text_of(a))
+      << "the refused quantize changed " << out;
+  fs::remove_all(out);
+}
+
 TEST_F(Cli, VerifyRepeatsChecksEveryRunAndReportsMedians) {
   const CliResult r = run_cli("verify" + model("target") + " --draft " + quote(dir_ + "/draft") +
                               " --prompt 'in the beginning' --max-new-tokens 24 --repeats 3");
@@ -575,8 +612,8 @@ TEST_F(Cli, BadValuesAreRefusedWithTheReason) {
 }
 
 TEST_F(Cli, HelpShowsTheDefaultOfEveryOptionThatTakesAValue) {
-  for (const std::string sub : {"generate", "verify", "eval", "inspect", "bench", "init-random", "snapshot save",
-                                "snapshot load"}) {  // snapshot inspect takes only its required --file
+  for (const std::string sub : {"generate", "verify", "eval", "inspect", "bench", "init-random", "quantize",
+                                "snapshot save", "snapshot load"}) {  // snapshot inspect takes only its required --file
     const CliResult r = run_cli(sub + " --help");
     ASSERT_EQ(r.status, 0) << r.all();
     std::istringstream lines(r.out);
@@ -883,9 +920,10 @@ TEST_F(Cli, VersionPrintsTheProjectVersion) {
 TEST_F(Cli, MisspeltSubcommandsAndFlagsGetADidYouMean) {
 #ifdef REWIND_HAVE_SERVER
   const std::string all =
-      "(subcommands: generate, verify, eval, inspect, bench, forward-cost, snapshot, init-random, serve)";
+      "(subcommands: generate, verify, eval, inspect, bench, forward-cost, snapshot, init-random, quantize, serve)";
 #else
-  const std::string all = "(subcommands: generate, verify, eval, inspect, bench, forward-cost, snapshot, init-random)";
+  const std::string all =
+      "(subcommands: generate, verify, eval, inspect, bench, forward-cost, snapshot, init-random, quantize)";
 #endif
   struct Case {
     std::string args, err;

@@ -276,7 +276,7 @@ TEST_F(SafetensorsTest, MalformedFilesThrowFormatError) {
       {"missing data_offsets", [] { return file_with_header(R"({"a":{"dtype":"F32","shape":[1]}})", 4); },
        "tensor 'a': missing 'data_offsets'"},
       {"unknown dtype I64", [] { return file_with_header(R"({"a":)" + entry("I64", "[1]", "[0,8]") + "}", 8); },
-       "unsupported dtype 'I64' (supported: F32, F16, BF16)"},
+       "unsupported dtype 'I64' (supported: F32, F16, BF16, I8)"},
       {"dtype not a string",
        [] { return file_with_header(R"({"a":{"dtype":4,"shape":[1],"data_offsets":[0,4]}})", 4); },
        "dtype is not a string"},

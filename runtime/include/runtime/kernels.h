@@ -167,10 +167,21 @@ class PackedMatrix {
   // patterns, widened exactly) into Q8 panels: per block of 32 inputs of one
   // output, s = the smallest bf16 >= max|w| / 127 (0 for an all-zero
   // block) and q = the integer in [-127, 127] nearest to w / s, so that
-  // |w - q * s| <= s / 2 for every weight. REQUIRES: source is not Q8;
-  // every weight is finite; out, in and w as for the other constructors.
-  // Throws std::bad_alloc.
-  static PackedMatrix from_q8(const void* w, Element source, std::int64_t out, std::int64_t in);
+  // |w - q * s| <= s / 2 for every weight. A non-finite weight has no Q8
+  // value: the pass that quantizes also looks for one, and on meeting it
+  // stores its index o * in + i in *non_finite and returns the empty matrix
+  // (*non_finite is -1 otherwise), or throws InvalidArgument naming [o, i]
+  // when non_finite is null. REQUIRES: source is not Q8; out, in and w as
+  // for the other constructors. Throws std::bad_alloc.
+  static PackedMatrix from_q8(const void* w, Element source, std::int64_t out, std::int64_t in,
+                              std::int64_t* non_finite = nullptr);
+  // Q8 panels from blocks already quantized (a Q8 checkpoint): q: [out, in]
+  // int8 values, row-major; scales: [out, ceil(in / 32)] bf16 bit patterns,
+  // row-major, as little-endian bytes (possibly unaligned). Copies them
+  // into the layout from_q8 makes, so from_q8_blocks of q8_row()'s output
+  // is the matrix itself, byte for byte. REQUIRES: out, in >= 0. Throws
+  // std::bad_alloc.
+  static PackedMatrix from_q8_blocks(const std::int8_t* q, const std::byte* scales, std::int64_t out, std::int64_t in);
   // A moved-from matrix is the empty 0 x 0 one.
   PackedMatrix(PackedMatrix&& other) noexcept
       : data_(std::move(other.data_)), out_(std::exchange(other.out_, 0)), in_(std::exchange(other.in_, 0)),
@@ -223,6 +234,10 @@ class PackedMatrix {
   void row(std::int64_t o, float* dst) const {
     for (std::int64_t i = 0; i < in_; ++i) dst[i] = at(o, i);
   }
+  // Row o of a Q8 matrix as stored: its in() int8 values into q and its
+  // ceil(in() / 32) bf16 scales into scales (from_q8_blocks' layout).
+  // REQUIRES: element() == Q8; 0 <= o < out().
+  void q8_row(std::int64_t o, std::int8_t* q, std::uint16_t* scales) const;
   // Bytes of the packed storage (padding included).
   std::size_t bytes() const { return static_cast<std::size_t>(panels()) * panel_bytes(); }
 

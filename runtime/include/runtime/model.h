@@ -28,6 +28,7 @@
 #include <cstdint>
 #include <deque>
 #include <memory>
+#include <optional>
 #include <span>
 #include <string>
 #include <string_view>
@@ -76,14 +77,20 @@ WeightFormat weight_format_from_name(std::string_view name, std::string_view wha
 
 // Options of Model's constructor and Model::load.
 struct LoadOptions {
-  WeightFormat weights = WeightFormat::kAsStored;
+  // Unset: as the checkpoint holds them (a Q8 checkpoint's as Q8, any
+  // other's as stored). kQ8 quantizes a float checkpoint at load; kAsStored
+  // asks for the checkpoint's float dtype, which a Q8 checkpoint no longer
+  // has (refused).
+  std::optional<WeightFormat> weights;
 };
 
 class Model {
  public:
   // Takes validated weights (ModelWeights::load / random check them) and
   // packs them as options.weights says. Throws FormatError for kQ8 when a
-  // linear weight is not finite (Q8 has no infinity or NaN).
+  // linear weight is not finite (Q8 has no infinity or NaN), and
+  // InvalidArgument for kAsStored with the weights of a Q8 checkpoint
+  // (ModelWeights::q8: they are packed as they are, never dequantized).
   explicit Model(ModelWeights weights, LoadOptions options = {});
   // Loads DIR/config.json + DIR/model.safetensors. Throws FormatError /
   // rwd::Error as ModelWeights::load and the constructor do.
@@ -107,9 +114,14 @@ class Model {
   // and bytes (rwd::content_hash). What prefix-cache entries and snapshot
   // files are tagged with.
   // A Q8 model's logits differ from the stored weights', so its fingerprint
-  // also hashes the format: cache entries of one never serve the other.
+  // also hashes the format: cache entries of one never serve the other. A
+  // Q8 checkpoint's model hashes the stored int8 values and scales instead
+  // of the float weights it was made from, so its fingerprint differs from
+  // that of the same checkpoint quantized at load (same logits: entries of
+  // one are recomputed by the other, never wrongly served).
   const std::string& fingerprint() const { return fingerprint_; }
-  // How the linear weights are held (LoadOptions::weights).
+  // How the linear weights are held (LoadOptions::weights; kQ8 for a Q8
+  // checkpoint).
   WeightFormat weight_format() const { return weight_format_; }
 
   // An empty cache for one sequence (batch 1) with one layer per model layer.

@@ -183,6 +183,10 @@ std::vector<std::string> ignored_weight_prefixes(const ModelConfig& config);
 struct WeightSpec {
   std::string name;
   std::vector<std::int64_t> shape;
+  // An [out, in] matrix that kernels::matmul multiplies with (projections,
+  // MLP, the output head, a tied embedding): what a Q8 model holds
+  // quantized (docs/quantization.md).
+  bool matmul = false;
 };
 
 // What a tensor is for; weight_name() gives its name in a family's

@@ -36,10 +36,11 @@ namespace rwd::runtime {
 // One tensor of a mapped file.
 struct TensorEntry {
   std::string name;
-  DType dtype = DType::F32;
+  DType dtype = DType::F32;         // meaningless when i8
   std::vector<std::int64_t> shape;  // may be empty (a scalar)
   const std::byte* data = nullptr;  // nbytes bytes inside the mapping
-  std::size_t nbytes = 0;           // numel() * dtype_size(dtype), checked at open
+  std::size_t nbytes = 0;           // numel() * element size (1 for i8), checked at open
+  bool i8 = false;                  // int8 elements (the values of a Q8 checkpoint, docs/quantization.md)
 
   std::int64_t numel() const;
 };
@@ -97,9 +98,10 @@ class SafetensorsFile {
 // data, row-major, exactly numel(shape) * dtype_size(dtype) bytes.
 struct TensorToWrite {
   std::string name;
-  DType dtype = DType::F32;
+  DType dtype = DType::F32;  // ignored when i8
   std::vector<std::int64_t> shape;
   std::span<const std::byte> bytes;
+  bool i8 = false;  // int8 elements ("I8")
 };
 
 // Writes `tensors` and `metadata` as a safetensors file at `path`, readable
@@ -119,7 +121,8 @@ void write_safetensors(const std::string& path, const std::vector<TensorToWrite>
 // file). Throws rwd::Error naming `path` and the system error otherwise.
 void write_file_atomically(const std::string& path, std::span<const std::span<const std::byte>> parts);
 
-// "F32", "F16", "BF16": the dtype spellings of the safetensors header.
+// "F32", "F16", "BF16": the dtype spellings of the safetensors header (an
+// int8 entry, TensorEntry::i8, is "I8").
 std::string_view safetensors_dtype_name(DType dtype);
 
 // "[2, 3, 4]", for messages.
