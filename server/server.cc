@@ -1096,6 +1096,94 @@ struct Server::Impl {
 
   bool speculating() const { return options.lookup > 0 || draft.has_value(); }
 
+  // Waits for every choice of `c` and answers with one JSON object.
+  void answer_whole(Completion& c, httplib::Response& res) const {
+    std::vector<std::string> texts(c.choices.size());
+    try {
+      while (!c.all_reported()) {
+        for (Completion::Event& e : c.next()) texts[e.index] += e.text;
+      }
+    } catch (...) {
+      c.cancel_all();
+      throw;
+    }
+    json choices = json::array();
+    for (std::size_t i = 0; i < texts.size(); ++i) {
+      const std::string& reason = c.choices[i].finish_reason;
+      if (c.chat) {
+        choices.push_back({{"index", i},
+                           {"message", {{"role", "assistant"}, {"content", texts[i]}}},
+                           {"logprobs", nullptr},
+                           {"finish_reason", reason}});
+      } else {
+        choices.push_back({{"text", texts[i]}, {"index", i}, {"logprobs", nullptr}, {"finish_reason", reason}});
+      }
+    }
+    send_json(res, 200,
+              {{"id", c.id},
+               {"object", c.chat ? "chat.completion" : "text_completion"},
+               {"created", c.created},
+               {"model", name},
+               {"choices", std::move(choices)},
+               {"usage", c.usage()}});
+  }
+
+  // One call of a stream's content provider: writes what `c`'s choices
+  // have next (waiting for it), and at the end the usage chunk and [DONE].
+  // Returns false when the client left.
+  bool stream_step(Completion& c, httplib::DataSink& sink) const {
+    const auto write = [&](const json& j) {
+      const std::string line = "data: " + dump(j) + "\n\n";
+      return sink.write(line.data(), line.size());
+    };
+    const auto end = [&] {
+      const std::string done = "data: [DONE]\n\n";
+      if (!sink.write(done.data(), done.size())) return false;
+      sink.done();
+      return true;
+    };
+    if (c.chat && !c.sent_role) {  // OpenAI's first chat chunk of each choice: the role alone
+      c.sent_role = true;
+      const json role = {{"role", "assistant"}, {"content", ""}};
+      for (std::size_t i = 0; i < c.choices.size(); ++i)
+        if (!write(c.chunk(i, "", name, false, false, &role))) return false;
+      return true;
+    }
+    std::vector<Completion::Event> events;
+    try {
+      events = c.next();
+    } catch (const ApiError& e) {
+      // Headers are out: the error goes as an event, then the end.
+      c.cancel_all();
+      c.failed = true;
+      write(e.body());
+      end();
+      return true;
+    }
+    // The chunk that ends the request's last choice carries the usage.
+    std::size_t usage_at = events.size();
+    if (c.all_reported()) {
+      for (std::size_t e = 0; e < events.size(); ++e)
+        if (events[e].last) usage_at = e;
+    }
+    for (std::size_t e = 0; e < events.size(); ++e) {
+      const Completion::Event& ev = events[e];
+      if (!ev.last) {
+        if (!ev.text.empty() && !write(c.chunk(ev.index, ev.text, name, false, false))) return false;
+        continue;
+      }
+      if (c.chat && !ev.text.empty() && !write(c.chunk(ev.index, ev.text, name, false, false))) return false;
+      if (!write(c.chunk(ev.index, c.chat ? std::string() : ev.text, name, true, e == usage_at))) return false;
+    }
+    if (!c.all_reported()) return true;
+    if (c.include_usage) {
+      json u = c.chunk(0, "", name, true, true);
+      u["choices"] = json::array();
+      if (!write(u)) return false;
+    }
+    return end();
+  }
+
   // Runs a validated request and answers it: one JSON object, or a stream
   // of server-sent events. Choice i samples with the request's seed + i, as
   // runtime::generate_batch seeds its sequence i; the decode loop forks
@@ -1132,34 +1220,7 @@ struct Server::Impl {
       submit(first);
     }
     if (!r.stream) {
-      std::vector<std::string> texts(c->choices.size());
-      try {
-        while (!c->all_reported()) {
-          for (Completion::Event& e : c->next()) texts[e.index] += e.text;
-        }
-      } catch (...) {
-        c->cancel_all();
-        throw;
-      }
-      json choices = json::array();
-      for (std::size_t i = 0; i < texts.size(); ++i) {
-        const std::string& reason = c->choices[i].finish_reason;
-        if (chat) {
-          choices.push_back({{"index", i},
-                             {"message", {{"role", "assistant"}, {"content", texts[i]}}},
-                             {"logprobs", nullptr},
-                             {"finish_reason", reason}});
-        } else {
-          choices.push_back({{"text", texts[i]}, {"index", i}, {"logprobs", nullptr}, {"finish_reason", reason}});
-        }
-      }
-      send_json(res, 200,
-                {{"id", c->id},
-                 {"object", chat ? "chat.completion" : "text_completion"},
-                 {"created", c->created},
-                 {"model", name},
-                 {"choices", std::move(choices)},
-                 {"usage", c->usage()}});
+      answer_whole(*c, res);
       return;
     }
     res.status = 200;
@@ -1169,58 +1230,7 @@ struct Server::Impl {
       ++open_streams;
     }
     res.set_chunked_content_provider(
-        "text/event-stream",
-        [this, c](std::size_t, httplib::DataSink& sink) {
-          const auto write = [&](const json& j) {
-            const std::string line = "data: " + dump(j) + "\n\n";
-            return sink.write(line.data(), line.size());
-          };
-          if (c->chat && !c->sent_role) {  // OpenAI's first chat chunk of each choice: the role alone
-            c->sent_role = true;
-            const json role = {{"role", "assistant"}, {"content", ""}};
-            for (std::size_t i = 0; i < c->choices.size(); ++i)
-              if (!write(c->chunk(i, "", name, false, false, &role))) return false;
-            return true;
-          }
-          std::vector<Completion::Event> events;
-          try {
-            events = c->next();
-          } catch (const ApiError& e) {
-            // Headers are out: the error goes as an event, then the end.
-            c->cancel_all();
-            c->failed = true;
-            write(e.body());
-            const std::string done = "data: [DONE]\n\n";
-            sink.write(done.data(), done.size());
-            sink.done();
-            return true;
-          }
-          // The chunk that ends the request's last choice carries the usage.
-          std::size_t usage_at = events.size();
-          if (c->all_reported()) {
-            for (std::size_t e = 0; e < events.size(); ++e)
-              if (events[e].last) usage_at = e;
-          }
-          for (std::size_t e = 0; e < events.size(); ++e) {
-            const Completion::Event& ev = events[e];
-            if (!ev.last) {
-              if (!ev.text.empty() && !write(c->chunk(ev.index, ev.text, name, false, false))) return false;
-              continue;
-            }
-            if (c->chat && !ev.text.empty() && !write(c->chunk(ev.index, ev.text, name, false, false))) return false;
-            if (!write(c->chunk(ev.index, c->chat ? std::string() : ev.text, name, true, e == usage_at))) return false;
-          }
-          if (!c->all_reported()) return true;
-          if (c->include_usage) {
-            json u = c->chunk(0, "", name, true, true);
-            u["choices"] = json::array();
-            if (!write(u)) return false;  // the client left
-          }
-          const std::string done = "data: [DONE]\n\n";
-          if (!sink.write(done.data(), done.size())) return false;
-          sink.done();
-          return true;
-        },
+        "text/event-stream", [this, c](std::size_t, httplib::DataSink& sink) { return stream_step(*c, sink); },
         [this, c](bool success) {
           // Always called when the response ends: a client that went away
           // mid-stream has its sequences dropped within a round.
