@@ -121,6 +121,7 @@ class ServerNTest : public ::testing::Test {
     o.port = 0;
     o.max_batch = kMaxBatch;
     o.max_prefill_rows = 16;  // the prompts go in several rounds
+    o.prefix_interval = 16;   // and store prefix-cache entries: a repeated prompt is restored, then forked
     o.threads = 1;
     server_ = new Server(o);
     port_ = server_->start();
@@ -240,6 +241,27 @@ TEST_F(ServerNTest, SampledChoiceIEqualsGenerateWithSeedPlusI) {
   ASSERT_EQ(one["choices"].size(), 1u);
   EXPECT_EQ(one["choices"][0]["text"], expected[0]);
   EXPECT_EQ(idle().forks - before.forks, 3) << "n = 1 forked";
+}
+
+TEST_F(ServerNTest, ARestoredPromptForksAsAComputedOne) {
+  const std::string prompt = "And the evening and the morning were the first day. And God said,";
+  std::vector<std::string> expected;
+  for (std::uint64_t i = 0; i < 3; ++i) expected.push_back(solo(prompt, 24, 0.9f, 500 + i));
+  const json body = {{"prompt", prompt}, {"max_tokens", 24}, {"temperature", 0.9}, {"seed", 500}, {"n", 3}};
+  for (const bool restored : {false, true}) {
+    SCOPED_TRACE(restored ? "restored" : "computed");
+    const ServerCounters before = server_->counters();
+    const json j = post_json("/v1/completions", body);
+    ASSERT_EQ(j["choices"].size(), 3u);
+    for (std::size_t i = 0; i < 3; ++i) EXPECT_EQ(j["choices"][i]["text"], expected[i]) << "choice " << i;
+    const ServerCounters after = idle();
+    EXPECT_EQ(after.forks - before.forks, 2);
+    EXPECT_EQ(after.prefix_lookups - before.prefix_lookups, 1) << "the prompt was looked up once per request";
+    // The first request stored its prompt but the last token (entries every
+    // 16 tokens and one at its end); the second restores all of it.
+    const std::int64_t head = prompt_tokens(prompt) - 1;
+    EXPECT_EQ(after.prefix_hit_tokens - before.prefix_hit_tokens, restored ? head : 0);
+  }
 }
 
 TEST_F(ServerNTest, StreamedChoicesReassembleToTheNonStreamedOnes) {
