@@ -144,6 +144,7 @@ struct CompletionRequest {
   std::vector<std::string> stop;
   bool stream = false;
   bool include_usage = false;
+  std::int64_t n = 1;  // choices: n - 1 of them forked from the first once its prompt is in
 };
 
 json parse_body(const httplib::Request& req) {
@@ -222,10 +223,20 @@ std::vector<std::int32_t> parse_prompt(const json& body, const Tokenizer& tokeni
 }
 
 // The fields /v1/completions and /v1/chat/completions share (all but the
-// prompt), into `r`.
-void parse_generation(const json& body, std::int64_t context, CompletionRequest& r) {
-  if (auto n = integer_field(body, "n", 1, 1 << 20); n && *n != 1) {
-    throw ApiError(400, "'n' is " + std::to_string(*n) + "; only n = 1 is supported yet", "n", "unsupported_value");
+// prompt), into `r`. `max_n` is the server's max_batch: a request's choices
+// decode together, each a place in the batch; `speculating`: the server
+// speculates (lookup or a draft model), where n stays 1.
+void parse_generation(const json& body, std::int64_t context, std::int64_t max_n, bool speculating,
+                      CompletionRequest& r) {
+  // Past max_batch a request could never be admitted whole.
+  if (auto n = integer_field(body, "n", 1, max_n)) {
+    if (*n > 1 && speculating) {
+      throw ApiError(400,
+                     "'n' is " + std::to_string(*n) +
+                         "; this server speculates (--lookup or --draft), where only n = 1 is supported",
+                     "n", "unsupported_value");
+    }
+    r.n = *n;
   }
   if (auto echo = bool_field(body, "echo"); echo && *echo) {
     throw ApiError(400, "'echo' is not supported yet", "echo", "unsupported_value");
@@ -280,10 +291,10 @@ void check_context(const CompletionRequest& r, std::int64_t context) {
 }
 
 CompletionRequest parse_completion(const json& body, const Tokenizer& tokenizer, std::int64_t vocab,
-                                   std::int64_t context) {
+                                   std::int64_t context, std::int64_t max_n, bool speculating) {
   CompletionRequest r;
   // Generation fields first, so that a bad one is reported whatever the prompt.
-  parse_generation(body, context, r);
+  parse_generation(body, context, max_n, speculating, r);
   r.prompt = parse_prompt(body, tokenizer, vocab);
   check_context(r, context);
   return r;
@@ -351,13 +362,25 @@ ordered_json chat_messages(const ordered_json& body) {
 
 // ---- the decode loop's jobs ---------------------------------------------------
 
-// One generation request. The HTTP thread fills the request part, submits
-// it and reads `tokens` as the decode loop appends them; `cancel` asks the
-// decode loop to drop the sequence (a stop string matched, the client left).
+// What the HTTP thread of a request waits on: every choice of the request
+// publishes under the one mutex and wakes the one reader.
+struct Channel {
+  std::mutex mu;
+  std::condition_variable cv;
+};
+
+// One choice of a generation request. The HTTP thread fills the request
+// part, submits it and reads `tokens` as the decode loop appends them;
+// `cancel` asks the decode loop to drop the sequence (a stop string
+// matched, the client left). With n > 1 the first choice holds the others
+// in `forks` until its prompt is in the cache; each is then forked from its
+// sequence (copy-on-write, no prompt of its own) and decodes on its own.
 struct Job {
   std::vector<std::int32_t> prompt;
   std::int64_t max_tokens = 0;
   SamplingParams sampling;
+  std::vector<std::shared_ptr<Job>> forks;  // the other choices, until forked
+  std::shared_ptr<Channel> channel;         // the request's, shared by its choices
 
   // Decode-loop state.
   SeqId id;
@@ -381,12 +404,10 @@ struct Job {
   std::int64_t k_now = 0;
   std::size_t slot = 0;
 
-  std::mutex mu;
-  std::condition_variable cv;
-  std::vector<std::int32_t> tokens;  // under mu
-  bool done = false;                 // under mu
-  std::string finish_reason;         // under mu: "stop" (EOS) or "length"; with error: "error"
-  std::string error;                 // under mu
+  std::vector<std::int32_t> tokens;  // under channel->mu
+  bool done = false;                 // under channel->mu
+  std::string finish_reason;         // under channel->mu: "stop" (EOS) or "length"; with error: "error"
+  std::string error;                 // under channel->mu
   std::atomic<bool> cancel{false};
 };
 
@@ -534,19 +555,23 @@ struct Server::Impl {
 
   static void publish(Job& job, std::int32_t token) {
     {
-      std::lock_guard<std::mutex> lock(job.mu);
+      std::lock_guard<std::mutex> lock(job.channel->mu);
       job.tokens.push_back(token);
     }
-    job.cv.notify_all();
+    job.channel->cv.notify_all();
   }
   static void finish(Job& job, std::string reason, std::string error = {}) {
     {
-      std::lock_guard<std::mutex> lock(job.mu);
+      std::lock_guard<std::mutex> lock(job.channel->mu);
       job.done = true;
-      job.finish_reason = std::move(reason);
-      job.error = std::move(error);
+      job.finish_reason = reason;
+      job.error = error;
     }
-    job.cv.notify_all();
+    job.channel->cv.notify_all();
+    // Choices not forked yet end with the first (its request failed, or
+    // was cancelled, before its prompt was in).
+    for (const auto& fork : job.forks) finish(*fork, reason, error);
+    job.forks.clear();
   }
 
   // Gives `job` its sequence in `cache`: with prefix reuse, the longest
@@ -734,7 +759,11 @@ struct Server::Impl {
         cv.wait(lock, [&] { return !waiting.empty() || !active.empty() || quit; });
         if (waiting.empty() && active.empty()) break;  // quit, and drained
         joining.clear();
-        while (static_cast<std::int64_t>(active.size() + joining.size()) < options.max_batch && !waiting.empty()) {
+        // A request takes a place per choice, the ones not forked yet
+        // included; the queue's head waits until all of its places are free.
+        std::int64_t places = 0;
+        for (const auto& job : active) places += places_of(*job);
+        while (!waiting.empty() && places + places_of(*waiting.front()) <= options.max_batch) {
           std::shared_ptr<Job> job = std::move(waiting.front());
           waiting.pop_front();
           // The gauge follows the queue at once, not at the round's end: a
@@ -746,6 +775,7 @@ struct Server::Impl {
             continue;
           }
           counters.prompt_tokens += static_cast<std::int64_t>(job->prompt.size());
+          places += places_of(*job);
           joining.push_back(std::move(job));
         }
       }
@@ -814,25 +844,60 @@ struct Server::Impl {
           still.push_back(std::move(active[k]));
           continue;
         }
-        std::int32_t token = 0;
-        if (job.sampling.greedy()) {
-          token = static_cast<std::int32_t>(runtime::kernels::argmax(l.data(), static_cast<std::int64_t>(V)));
-        } else {
-          const std::vector<float> p = runtime::sampling_distribution(l, job.sampling);
-          token = runtime::sample_from(p, job.rng);
-        }
-        if (const char* end = emit(job, token)) {
-          retire(job);
-          finish(job, end);
-        } else {
-          job.pending.assign(1, token);
-          still.push_back(std::move(active[k]));
-        }
+        // Its prompt is in: the other choices fork from it before its own
+        // token moves it on, and sample from the same logits.
+        std::vector<std::shared_ptr<Job>> forked = fork_choices(job, cache);
+        const auto sampled = [&](Job& j) {
+          const std::int32_t token = sample(j, l);
+          if (const char* end = emit(j, token)) {
+            retire(j);
+            finish(j, end);
+            return false;
+          }
+          j.pending.assign(1, token);
+          return true;
+        };
+        if (sampled(job)) still.push_back(std::move(active[k]));
+        for (auto& fork : forked)
+          if (sampled(*fork)) still.push_back(std::move(fork));
       }
       active = std::move(still);
       update_gauges(active.size(), cache);
     }
     update_gauges(0, cache);
+  }
+
+  // The places in the batch `job` takes: one, and one per choice not forked yet.
+  static std::int64_t places_of(const Job& job) { return 1 + static_cast<std::int64_t>(job.forks.size()); }
+
+  // The next token of `job` from its logits `l`, as generate() draws it.
+  std::int32_t sample(Job& job, std::span<const float> l) const {
+    if (job.sampling.greedy()) {
+      return static_cast<std::int32_t>(runtime::kernels::argmax(l.data(), model.vocab_size()));
+    }
+    return runtime::sample_from(runtime::sampling_distribution(l, job.sampling), job.rng);
+  }
+
+  // Forks the choices `job` holds from its sequence, whose prompt is all in
+  // the cache: O(layers + block runs) each, the blocks shared copy-on-write.
+  // Returns them, seeded and ready to sample their first token; a choice the
+  // cache refuses (memory) fails alone.
+  std::vector<std::shared_ptr<Job>> fork_choices(Job& job, SequenceCache& cache) {
+    std::vector<std::shared_ptr<Job>> forked;
+    for (auto& fork : job.forks) {
+      try {
+        fork->id = cache.fork(job.id);
+      } catch (const std::exception& e) {
+        finish(*fork, "error", e.what());
+        continue;
+      }
+      fork->rng.seed(fork->sampling.seed);
+      forked.push_back(std::move(fork));
+    }
+    job.forks.clear();
+    std::lock_guard<std::mutex> lock(mu);
+    counters.forks += static_cast<std::int64_t>(forked.size());
+    return forked;
   }
 
   void update_gauges(std::size_t running, const SequenceCache& cache) {
@@ -867,41 +932,29 @@ struct Server::Impl {
 
   // ---- HTTP ----
 
-  // A request's generation as the client sees it: the decode loop's tokens
+  // One choice of a request as the client sees it: the decode loop's tokens
   // decoded to text, cut at a stop string.
-  struct Completion {
+  struct Choice {
     std::shared_ptr<Job> job;
     runtime::StreamDecoder decoder;
     StopMatcher stop;
     std::size_t seen = 0;
     std::int64_t completion_tokens = 0;
-    std::int64_t prompt_tokens = 0;
-    bool include_usage = false;
-    bool chat = false;       // /v1/chat/completions: chat.completion(.chunk) objects
-    bool sent_role = false;  // chat streams: the {"role": "assistant"} delta went out
-    std::string id;
-    std::int64_t created = 0;
     std::string finish_reason;  // set when finished
     bool finished = false;
+    bool reported = false;  // Completion::next returned its last event
 
-    Completion(std::shared_ptr<Job> j, const Tokenizer& tokenizer, std::vector<std::string> stops)
+    Choice(std::shared_ptr<Job> j, const Tokenizer& tokenizer, std::vector<std::string> stops)
         : job(std::move(j)), decoder(tokenizer, true), stop(std::move(stops)) {}
 
-    // Waits for the next tokens (or the end) and returns the text they
-    // release. Throws ApiError(500) when the decode loop failed the request.
-    std::string next() {
-      std::vector<std::int32_t> fresh;
-      bool done = false;
-      std::string reason, error;
-      {
-        std::unique_lock<std::mutex> lock(job->mu);
-        job->cv.wait(lock, [&] { return job->tokens.size() > seen || job->done; });
-        fresh.assign(job->tokens.begin() + static_cast<std::ptrdiff_t>(seen), job->tokens.end());
-        seen = job->tokens.size();
-        done = job->done && seen == job->tokens.size();
-        reason = job->finish_reason;
-        error = job->error;
-      }
+    // REQUIRES: job->channel->mu held.
+    bool ready() const { return !finished && (job->tokens.size() > seen || job->done); }
+
+    // The text that `fresh` tokens release (`done`: the job ended with them,
+    // for `reason`); a stop string ends the choice and cancels its job.
+    // Throws ApiError(500) when the decode loop failed it.
+    std::string take(const std::vector<std::int32_t>& fresh, bool done, const std::string& reason,
+                     const std::string& error) {
       std::string text;
       for (const std::int32_t t : fresh) {
         ++completion_tokens;
@@ -924,37 +977,112 @@ struct Server::Impl {
       }
       return text;
     }
+  };
 
-    json usage() const {
-      return {{"prompt_tokens", prompt_tokens},
-              {"completion_tokens", completion_tokens},
-              {"total_tokens", prompt_tokens + completion_tokens}};
+  // A request's generation as the client sees it: its choices (`n`), read
+  // together as the decode loop publishes them.
+  struct Completion {
+    std::deque<Choice> choices;  // a deque: a Choice does not move
+    std::shared_ptr<Channel> channel;
+    std::int64_t prompt_tokens = 0;
+    bool include_usage = false;
+    bool chat = false;       // /v1/chat/completions: chat.completion(.chunk) objects
+    bool sent_role = false;  // chat streams: the {"role": "assistant"} deltas went out
+    bool failed = false;     // a stream ended with an error event
+    std::string id;
+    std::int64_t created = 0;
+
+    // What next() has for a choice: its text so far, and whether the
+    // choice ended with it (finish_reason set).
+    struct Event {
+      std::size_t index;
+      std::string text;
+      bool last;
+    };
+
+    bool all_reported() const {
+      return std::all_of(choices.begin(), choices.end(), [](const Choice& c) { return c.reported; });
     }
-    // A streamed chunk (`last`: with finish_reason and usage); for chat, a
-    // chat.completion.chunk whose delta is `delta`, or {"content": text}.
-    json chunk(const std::string& text, const std::string& model_name, bool last, const json* delta = nullptr) const {
+    void cancel_all() {
+      for (Choice& c : choices) c.job->cancel = true;
+    }
+
+    // REQUIRES: !all_reported(). Waits until a choice has news (tokens or
+    // its end) and returns each such choice's event, in index order.
+    // Throws ApiError(500) when the decode loop failed a choice.
+    std::vector<Event> next() {
+      std::vector<Event> out;
+      for (std::size_t i = 0; i < choices.size(); ++i) {
+        if (choices[i].finished && !choices[i].reported) {  // max_tokens 0: ended before it began
+          choices[i].reported = true;
+          out.push_back({i, std::string(), true});
+        }
+      }
+      if (!out.empty()) return out;
+      struct News {
+        std::vector<std::int32_t> fresh;
+        bool done = false;
+        std::string reason, error;
+      };
+      std::vector<News> news(choices.size());
+      {
+        std::unique_lock<std::mutex> lock(channel->mu);
+        channel->cv.wait(lock, [&] {
+          return std::any_of(choices.begin(), choices.end(), [](const Choice& c) { return c.ready(); });
+        });
+        for (std::size_t i = 0; i < choices.size(); ++i) {
+          Choice& c = choices[i];
+          if (!c.ready()) continue;
+          news[i].fresh.assign(c.job->tokens.begin() + static_cast<std::ptrdiff_t>(c.seen), c.job->tokens.end());
+          c.seen = c.job->tokens.size();
+          news[i].done = c.job->done;
+          news[i].reason = c.job->finish_reason;
+          news[i].error = c.job->error;
+        }
+      }
+      for (std::size_t i = 0; i < choices.size(); ++i) {
+        Choice& c = choices[i];
+        if (news[i].fresh.empty() && !news[i].done) continue;
+        std::string text = c.take(news[i].fresh, news[i].done, news[i].reason, news[i].error);
+        if (c.finished) c.reported = true;
+        if (!text.empty() || c.finished) out.push_back({i, std::move(text), c.finished});
+      }
+      return out;
+    }
+
+    // The prompt once, the tokens of every choice.
+    json usage() const {
+      std::int64_t completion = 0;
+      for (const Choice& c : choices) completion += c.completion_tokens;
+      return {{"prompt_tokens", prompt_tokens},
+              {"completion_tokens", completion},
+              {"total_tokens", prompt_tokens + completion}};
+    }
+    // A streamed chunk of choice `index` (`last`: with its finish_reason;
+    // `with_usage`: the request's usage); for chat, a chat.completion.chunk
+    // whose delta is `delta`, or {"content": text}.
+    json chunk(std::size_t index, const std::string& text, const std::string& model_name, bool last, bool with_usage,
+               const json* delta = nullptr) const {
+      const json reason = last ? json(choices[index].finish_reason) : json(nullptr);
+      json j;
       if (chat) {
         json d = delta ? *delta : last && text.empty() ? json::object() : json{{"content", text}};
-        json j = {{"id", id},
-                  {"object", "chat.completion.chunk"},
-                  {"created", created},
-                  {"model", model_name},
-                  {"choices", json::array({{{"index", 0},
-                                            {"delta", std::move(d)},
-                                            {"logprobs", nullptr},
-                                            {"finish_reason", last ? json(finish_reason) : json(nullptr)}}})}};
-        if (last) j["usage"] = usage();
-        return j;
+        j = {{"id", id},
+             {"object", "chat.completion.chunk"},
+             {"created", created},
+             {"model", model_name},
+             {"choices",
+              json::array(
+                  {{{"index", index}, {"delta", std::move(d)}, {"logprobs", nullptr}, {"finish_reason", reason}}})}};
+      } else {
+        j = {{"id", id},
+             {"object", "text_completion"},
+             {"created", created},
+             {"model", model_name},
+             {"choices",
+              json::array({{{"text", text}, {"index", index}, {"logprobs", nullptr}, {"finish_reason", reason}}})}};
       }
-      json j = {{"id", id},
-                {"object", "text_completion"},
-                {"created", created},
-                {"model", model_name},
-                {"choices", json::array({{{"text", text},
-                                          {"index", 0},
-                                          {"logprobs", nullptr},
-                                          {"finish_reason", last ? json(finish_reason) : json(nullptr)}}})}};
-      if (last) j["usage"] = usage();
+      if (with_usage) j["usage"] = usage();
       return j;
     }
   };
@@ -962,50 +1090,137 @@ struct Server::Impl {
   void completions(const httplib::Request& req, httplib::Response& res) {
     const json body = parse_body(req);
     check_model(body, name);
-    respond(parse_completion(body, tokenizer, model.vocab_size(), context), false, res);
+    respond(parse_completion(body, tokenizer, model.vocab_size(), context, options.max_batch, speculating()), false,
+            res);
+  }
+
+  bool speculating() const { return options.lookup > 0 || draft.has_value(); }
+
+  // Waits for every choice of `c` and answers with one JSON object.
+  void answer_whole(Completion& c, httplib::Response& res) const {
+    std::vector<std::string> texts(c.choices.size());
+    try {
+      while (!c.all_reported()) {
+        for (Completion::Event& e : c.next()) texts[e.index] += e.text;
+      }
+    } catch (...) {
+      c.cancel_all();
+      throw;
+    }
+    json choices = json::array();
+    for (std::size_t i = 0; i < texts.size(); ++i) {
+      const std::string& reason = c.choices[i].finish_reason;
+      if (c.chat) {
+        choices.push_back({{"index", i},
+                           {"message", {{"role", "assistant"}, {"content", texts[i]}}},
+                           {"logprobs", nullptr},
+                           {"finish_reason", reason}});
+      } else {
+        choices.push_back({{"text", texts[i]}, {"index", i}, {"logprobs", nullptr}, {"finish_reason", reason}});
+      }
+    }
+    send_json(res, 200,
+              {{"id", c.id},
+               {"object", c.chat ? "chat.completion" : "text_completion"},
+               {"created", c.created},
+               {"model", name},
+               {"choices", std::move(choices)},
+               {"usage", c.usage()}});
+  }
+
+  // One call of a stream's content provider: writes what `c`'s choices
+  // have next (waiting for it), and at the end the usage chunk and [DONE].
+  // Returns false when the client left.
+  bool stream_step(Completion& c, httplib::DataSink& sink) const {
+    const auto write = [&](const json& j) {
+      const std::string line = "data: " + dump(j) + "\n\n";
+      return sink.write(line.data(), line.size());
+    };
+    const auto end = [&] {
+      const std::string done = "data: [DONE]\n\n";
+      if (!sink.write(done.data(), done.size())) return false;
+      sink.done();
+      return true;
+    };
+    if (c.chat && !c.sent_role) {  // OpenAI's first chat chunk of each choice: the role alone
+      c.sent_role = true;
+      const json role = {{"role", "assistant"}, {"content", ""}};
+      for (std::size_t i = 0; i < c.choices.size(); ++i)
+        if (!write(c.chunk(i, "", name, false, false, &role))) return false;
+      return true;
+    }
+    std::vector<Completion::Event> events;
+    try {
+      events = c.next();
+    } catch (const ApiError& e) {
+      // Headers are out: the error goes as an event, then the end.
+      c.cancel_all();
+      c.failed = true;
+      write(e.body());
+      end();
+      return true;
+    }
+    // The chunk that ends the request's last choice carries the usage.
+    std::size_t usage_at = events.size();
+    if (c.all_reported()) {
+      for (std::size_t e = 0; e < events.size(); ++e)
+        if (events[e].last) usage_at = e;
+    }
+    for (std::size_t e = 0; e < events.size(); ++e) {
+      const Completion::Event& ev = events[e];
+      if (!ev.last) {
+        if (!ev.text.empty() && !write(c.chunk(ev.index, ev.text, name, false, false))) return false;
+        continue;
+      }
+      if (c.chat && !ev.text.empty() && !write(c.chunk(ev.index, ev.text, name, false, false))) return false;
+      if (!write(c.chunk(ev.index, c.chat ? std::string() : ev.text, name, true, e == usage_at))) return false;
+    }
+    if (!c.all_reported()) return true;
+    if (c.include_usage) {
+      json u = c.chunk(0, "", name, true, true);
+      u["choices"] = json::array();
+      if (!write(u)) return false;
+    }
+    return end();
   }
 
   // Runs a validated request and answers it: one JSON object, or a stream
-  // of server-sent events.
+  // of server-sent events. Choice i samples with the request's seed + i, as
+  // runtime::generate_batch seeds its sequence i; the decode loop forks
+  // choices 1..n-1 from choice 0 once the prompt is in (Job::forks).
   void respond(const CompletionRequest& r, bool chat, httplib::Response& res) {
-    auto job = std::make_shared<Job>();
-    job->prompt = r.prompt;
-    job->max_tokens = r.max_tokens;
-    job->sampling = r.sampling;
-    auto c = std::make_shared<Completion>(job, tokenizer, r.stop);
+    auto c = std::make_shared<Completion>();
+    c->channel = std::make_shared<Channel>();
+    std::shared_ptr<Job> first;
+    for (std::int64_t i = 0; i < r.n; ++i) {
+      auto job = std::make_shared<Job>();
+      job->channel = c->channel;
+      job->max_tokens = r.max_tokens;
+      job->sampling = r.sampling;
+      job->sampling.seed = r.sampling.seed + static_cast<std::uint64_t>(i);
+      if (i == 0) {
+        job->prompt = r.prompt;
+        first = job;
+      } else {
+        first->forks.push_back(job);
+      }
+      c->choices.emplace_back(std::move(job), tokenizer, r.stop);
+    }
     c->prompt_tokens = static_cast<std::int64_t>(r.prompt.size());
     c->include_usage = r.include_usage;
     c->chat = chat;
     c->id = (chat ? "chatcmpl-" : "cmpl-") + std::to_string(next_id.fetch_add(1));
     c->created = static_cast<std::int64_t>(std::time(nullptr));
     if (r.max_tokens == 0) {
-      c->finished = true;
-      c->finish_reason = "length";
+      for (Choice& choice : c->choices) {
+        choice.finished = true;
+        choice.finish_reason = "length";
+      }
     } else {
-      submit(job);
+      submit(first);
     }
     if (!r.stream) {
-      std::string text;
-      try {
-        while (!c->finished) text += c->next();
-      } catch (...) {
-        job->cancel = true;
-        throw;
-      }
-      if (!chat) {
-        send_json(res, 200, c->chunk(text, name, true));
-        return;
-      }
-      send_json(res, 200,
-                {{"id", c->id},
-                 {"object", "chat.completion"},
-                 {"created", c->created},
-                 {"model", name},
-                 {"choices", json::array({{{"index", 0},
-                                           {"message", {{"role", "assistant"}, {"content", text}}},
-                                           {"logprobs", nullptr},
-                                           {"finish_reason", c->finish_reason}}})},
-                 {"usage", c->usage()}});
+      answer_whole(*c, res);
       return;
     }
     res.status = 200;
@@ -1015,53 +1230,14 @@ struct Server::Impl {
       ++open_streams;
     }
     res.set_chunked_content_provider(
-        "text/event-stream",
-        [this, c](std::size_t, httplib::DataSink& sink) {
-          const auto write = [&](const json& j) {
-            const std::string line = "data: " + dump(j) + "\n\n";
-            return sink.write(line.data(), line.size());
-          };
-          if (c->chat && !c->sent_role) {  // OpenAI's first chat chunk: the role alone
-            c->sent_role = true;
-            const json role = {{"role", "assistant"}, {"content", ""}};
-            return write(c->chunk("", name, false, &role));
-          }
-          std::string text;
-          try {
-            text = c->finished ? std::string() : c->next();
-          } catch (const ApiError& e) {
-            // Headers are out: the error goes as an event, then the end.
-            write(e.body());
-            c->finished = true;
-            c->finish_reason = "error";
-            const std::string done = "data: [DONE]\n\n";
-            sink.write(done.data(), done.size());
-            sink.done();
-            return true;
-          }
-          if (!c->finished) {
-            if (!text.empty() && !write(c->chunk(text, name, false))) return false;  // the client left
-            return true;
-          }
-          if (c->chat && !text.empty() && !write(c->chunk(text, name, false))) return false;
-          if (!write(c->chunk(c->chat ? std::string() : text, name, true))) return false;
-          if (c->include_usage) {
-            json u = c->chunk("", name, true);
-            u["choices"] = json::array();
-            if (!write(u)) return false;
-          }
-          const std::string done = "data: [DONE]\n\n";
-          if (!sink.write(done.data(), done.size())) return false;
-          sink.done();
-          return true;
-        },
+        "text/event-stream", [this, c](std::size_t, httplib::DataSink& sink) { return stream_step(*c, sink); },
         [this, c](bool success) {
           // Always called when the response ends: a client that went away
-          // mid-stream has its sequence dropped within a round.
+          // mid-stream has its sequences dropped within a round.
           {
             std::lock_guard<std::mutex> lock(mu);
-            if (!c->finished || !success) {
-              c->job->cancel = true;
+            if (!(c->all_reported() || c->failed) || !success) {
+              c->cancel_all();
               ++counters.cancelled;
             }
             --open_streams;
@@ -1085,7 +1261,7 @@ struct Server::Impl {
     CompletionRequest r;
     // OpenAI's default for chat is as many tokens as the context leaves.
     r.max_tokens = -1;
-    parse_generation(body, context, r);
+    parse_generation(body, context, options.max_batch, speculating(), r);
     if (auto m = integer_field(body, "max_completion_tokens", 0, context)) r.max_tokens = *m;
     // The template sees the messages and tools as sent, keys in order
     // (tojson of a tool's schema keeps the client's order).
@@ -1140,6 +1316,7 @@ struct Server::Impl {
     add("rewind_prompt_tokens_total", "counter", "Prompt tokens of admitted requests.", c.prompt_tokens);
     add("rewind_generated_tokens_total", "counter", "Tokens generated.", c.generated_tokens);
     add("rewind_forwards_total", "counter", "Batched forwards of the decode loop.", c.forwards);
+    add("rewind_forks_total", "counter", "Choices forked from a request's prefilled prompt (n > 1).", c.forks);
     add("rewind_draft_tokens_total", "counter", "Draft tokens proposed for verification (speculation).", c.drafted);
     add("rewind_accepted_tokens_total", "counter", "Draft tokens the model accepted (speculation).", c.accepted);
     add("rewind_queue_waiting", "gauge", "Requests waiting for a place in the batch.", c.waiting);

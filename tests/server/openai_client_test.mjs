@@ -125,6 +125,16 @@ try {
   assert.equal(cut.choices[0].finish_reason, 'stop');
   ++checks;
 
+  // n = 3 choices forked from one prefill: greedy, each equals generate; streamed, chunks interleave by index.
+  const three = await client.completions.create({ model, prompt: prompts[2], max_tokens: 32, temperature: 0, n: 3 });
+  assert.deepEqual(three.choices.map((c) => [c.index, c.text, c.finish_reason]), [0, 1, 2].map((i) => [i, expected[2], 'length']));
+  assert.equal(three.usage.completion_tokens, 3 * 32);
+  const threeStream = await client.completions.create({ model, prompt: prompts[2], max_tokens: 32, temperature: 0, n: 3, stream: true });
+  const texts = ['', '', ''];
+  for await (const chunk of threeStream) for (const c of chunk.choices) texts[c.index] += c.text;
+  assert.deepEqual(texts, [expected[2], expected[2], expected[2]]);
+  ++checks;
+
   await assert.rejects(client.completions.create({ model: 'no-such-model', prompt: 'x' }), (e) => {
     assert.ok(e instanceof OpenAI.NotFoundError, String(e));
     assert.equal(e.code, 'model_not_found');

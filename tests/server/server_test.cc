@@ -335,7 +335,9 @@ TEST_F(ServerTest, MalformedRequestsGetOpenAIErrors) {
   bad({{"prompt", "x"}, {"stop", 5}}, "stop");
   bad({{"prompt", "x"}, {"stop", {"a", 1}}}, "stop");
   bad({{"prompt", "x"}, {"stop", ""}}, "stop");
-  bad({{"prompt", "x"}, {"n", 2}}, "n");
+  bad({{"prompt", "x"}, {"n", 0}}, "n");
+  bad({{"prompt", "x"}, {"n", "2"}}, "n");
+  bad({{"prompt", "x"}, {"n", 5}}, "n");  // past max_batch (4)
   bad({{"prompt", 5}}, "prompt");
   bad({{"prompt", json::array()}}, "prompt");
   bad({{"prompt", {1, 2, 100000}}}, "prompt");

@@ -99,6 +99,7 @@ struct ServerCounters {
   std::int64_t prompt_tokens = 0;     // prompt tokens of admitted requests
   std::int64_t generated_tokens = 0;  // tokens the decode loop emitted
   std::int64_t forwards = 0;          // batched forwards
+  std::int64_t forks = 0;             // choices forked from a request's prefilled prompt (n > 1)
   std::int64_t waiting = 0;           // requests in the queue now
   std::int64_t running = 0;           // sequences in the batch now
   std::int64_t peak_batch = 0;        // the most sequences one forward held

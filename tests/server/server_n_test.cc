@@ -1,0 +1,477 @@
+// rewind serve with n > 1: several choices for one prompt, the prompt
+// prefilled once and the other choices forked from it. Every choice i is
+// compared with runtime::generate() on the prompt alone with the request's
+// seed + i (greedy: every choice equals generate()); the server's counters
+// show the forks and that every choice's state goes back.
+#include <gtest/gtest.h>
+
+#include <httplib.h>
+#include <omp.h>
+
+#include <chrono>
+#include <filesystem>
+#include <fstream>
+#include <map>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include <unistd.h>
+
+#include <nlohmann/json.hpp>
+
+#include "runtime/generate.h"
+#include "runtime/model.h"
+#include "runtime/tokenizer.h"
+#include "server/server.h"
+
+namespace {
+
+using json = nlohmann::json;
+using rwd::runtime::GenerationOptions;
+using rwd::runtime::Model;
+using rwd::runtime::Tokenizer;
+using rwd::server::Server;
+using rwd::server::ServerCounters;
+using rwd::server::ServerOptions;
+
+std::string model_dir() { return std::string(REWIND_SOURCE_DIR) + "/models/kjv-hybrid"; }
+
+constexpr std::int64_t kMaxBatch = 4;
+
+const char* const kPrompt = "And God said, Let there be light";
+const char* const kOtherPrompt = "The LORD is my shepherd; I shall not want.";
+
+// The data lines of an SSE body, without "data: ".
+std::vector<std::string> events(const std::string& body) {
+  std::vector<std::string> out;
+  std::size_t at = 0;
+  while (at < body.size()) {
+    const std::size_t end = body.find("\n\n", at);
+    EXPECT_NE(end, std::string::npos) << "an event without its blank line: " << body.substr(at);
+    if (end == std::string::npos) break;
+    const std::string event = body.substr(at, end - at);
+    EXPECT_EQ(event.rfind("data: ", 0), 0u) << event;
+    out.push_back(event.substr(6));
+    at = end + 2;
+  }
+  return out;
+}
+
+// A stream's choices as the client reassembles them, checked on the way:
+// every chunk holds one choice, a choice's chunk with a finish_reason is its
+// last, the usage chunk (choices []) comes after every choice's end, then
+// [DONE].
+struct Stream {
+  std::map<std::int64_t, std::string> text;
+  std::map<std::int64_t, std::string> finish_reason;
+  json usage;
+};
+
+Stream reassemble(const std::string& body, bool chat) {
+  Stream s;
+  const std::vector<std::string> ev = events(body);
+  EXPECT_FALSE(ev.empty());
+  if (ev.empty()) return s;
+  EXPECT_EQ(ev.back(), "[DONE]");
+  for (std::size_t i = 0; i + 1 < ev.size(); ++i) {
+    const json c = json::parse(ev[i]);
+    EXPECT_EQ(c["object"], chat ? "chat.completion.chunk" : "text_completion");
+    if (c["choices"].empty()) {  // the usage chunk: after every choice ended
+      EXPECT_EQ(i + 2, ev.size()) << "the usage chunk is not the last before [DONE]";
+      s.usage = c["usage"];
+      continue;
+    }
+    EXPECT_EQ(c["choices"].size(), 1u) << ev[i];
+    const json& choice = c["choices"][0];
+    const std::int64_t index = choice["index"];
+    EXPECT_EQ(s.finish_reason.count(index), 0u) << "choice " << index << " has a chunk after its end";
+    if (chat) {
+      const json& delta = choice["delta"];
+      if (delta.contains("content")) s.text[index] += delta["content"].get<std::string>();
+    } else {
+      s.text[index] += choice["text"].get<std::string>();
+    }
+    if (!choice["finish_reason"].is_null()) s.finish_reason[index] = choice["finish_reason"];
+  }
+  return s;
+}
+
+class ServerNTest : public ::testing::Test {
+ public:
+  static void SetUpTestSuite() {
+    omp_set_num_threads(1);  // as server_test.cc: the test's decoding beside the server's
+    model_ = new Model(Model::load(model_dir()));
+    tokenizer_ = new Tokenizer(rwd::runtime::tokenizer_for_model(model_dir(), model_->config()));
+    // The model again with a chat template (server_test.cc's ChatServerTest).
+    dir_ = std::filesystem::temp_directory_path() / ("rwd_n_server_" + std::to_string(::getpid()));
+    std::filesystem::create_directories(dir_);
+    std::filesystem::copy_file(model_dir() + "/config.json", dir_ / "config.json",
+                               std::filesystem::copy_options::overwrite_existing);
+    std::filesystem::remove(dir_ / "model.safetensors");
+    std::filesystem::create_symlink(model_dir() + "/model.safetensors", dir_ / "model.safetensors");
+    std::ofstream(dir_ / "tokenizer_config.json")
+        << json{{"chat_template",
+                 "{%- for m in messages %}{{- m.role }}: {{ m.content | trim }}{{ '\\n' }}{%- endfor %}"
+                 "{%- if add_generation_prompt %}assistant:{% endif %}"}}
+               .dump();
+    ServerOptions o;
+    o.model_dir = dir_.string();
+    o.model_name = "kjv";
+    o.port = 0;
+    o.max_batch = kMaxBatch;
+    o.max_prefill_rows = 16;  // the prompts go in several rounds
+    o.prefix_interval = 16;   // and store prefix-cache entries: a repeated prompt is restored, then forked
+    o.threads = 1;
+    server_ = new Server(o);
+    port_ = server_->start();
+    baseline_ = new ServerCounters(server_->counters());
+  }
+  static void TearDownTestSuite() {
+    delete server_;
+    delete baseline_;
+    delete tokenizer_;
+    delete model_;
+    std::filesystem::remove_all(dir_);
+  }
+
+  // generate() on `text` alone.
+  static std::string solo(const std::string& text, std::int64_t max_tokens, float temperature, std::uint64_t seed,
+                          std::vector<std::int32_t>* tokens = nullptr) {
+    GenerationOptions options;
+    options.max_new_tokens = max_tokens;
+    options.sampling.temperature = temperature;
+    options.sampling.seed = seed;
+    const std::vector<std::int32_t> out = rwd::runtime::generate(*model_, tokenizer_->encode(text, true), options);
+    if (tokens) *tokens = out;
+    return tokenizer_->decode(out, true);
+  }
+  static std::int64_t prompt_tokens(const std::string& text) {
+    return static_cast<std::int64_t>(tokenizer_->encode(text, true).size());
+  }
+
+  static httplib::Result post(const std::string& path, const json& body) {
+    httplib::Client client("127.0.0.1", port_);
+    client.set_read_timeout(120, 0);
+    return client.Post(path.c_str(), body.dump(), "application/json");
+  }
+  static json post_json(const std::string& path, const json& body) {
+    const auto res = post(path, body);
+    EXPECT_TRUE(res) << "no response from " << path;
+    if (!res) return {};
+    EXPECT_EQ(res->status, 200) << res->body;
+    return json::parse(res->body);
+  }
+
+  // The counters once the decode loop has retired every sequence (a
+  // response reaches the client a moment before the round that finished it
+  // ends); then no state is left behind.
+  static ServerCounters idle() {
+    ServerCounters c = server_->counters();
+    for (int i = 0; i < 6000 && (c.live_sequences != 0 || c.running != 0); ++i) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(10));
+      c = server_->counters();
+    }
+    EXPECT_EQ(c.live_sequences, 0);
+    EXPECT_EQ(c.running, 0);
+    EXPECT_EQ(c.cache_bytes_used, baseline_->cache_bytes_used) << "a finished choice left state behind";
+    return c;
+  }
+
+  static std::filesystem::path dir_;
+  static Model* model_;
+  static Tokenizer* tokenizer_;
+  static Server* server_;
+  static ServerCounters* baseline_;
+  static int port_;
+};
+
+std::filesystem::path ServerNTest::dir_;
+Model* ServerNTest::model_ = nullptr;
+Tokenizer* ServerNTest::tokenizer_ = nullptr;
+Server* ServerNTest::server_ = nullptr;
+ServerCounters* ServerNTest::baseline_ = nullptr;
+int ServerNTest::port_ = 0;
+
+TEST_F(ServerNTest, GreedyChoicesEachEqualGenerateAndForkOnce) {
+  std::vector<std::int32_t> tokens;
+  const std::string expected = solo(kPrompt, 24, 0.0f, 0, &tokens);
+  const ServerCounters before = server_->counters();
+  const json j = post_json("/v1/completions", {{"prompt", kPrompt}, {"max_tokens", 24}, {"temperature", 0}, {"n", 3}});
+  ASSERT_EQ(j["choices"].size(), 3u) << j;
+  for (std::size_t i = 0; i < 3; ++i) {
+    EXPECT_EQ(j["choices"][i]["index"], i);
+    EXPECT_EQ(j["choices"][i]["text"], expected) << "choice " << i;
+    EXPECT_EQ(j["choices"][i]["finish_reason"], "length");
+  }
+  EXPECT_EQ(j["usage"]["prompt_tokens"], prompt_tokens(kPrompt));  // the prompt once
+  EXPECT_EQ(j["usage"]["completion_tokens"], 3 * tokens.size());
+  EXPECT_EQ(j["usage"]["total_tokens"], prompt_tokens(kPrompt) + 3 * static_cast<std::int64_t>(tokens.size()));
+  const ServerCounters after = idle();
+  EXPECT_EQ(after.forks - before.forks, 2);
+  EXPECT_EQ(after.prompt_tokens - before.prompt_tokens, prompt_tokens(kPrompt)) << "the prompt was admitted twice";
+  EXPECT_EQ(after.generated_tokens - before.generated_tokens, 3 * static_cast<std::int64_t>(tokens.size()));
+  EXPECT_LE(after.peak_batch, kMaxBatch);
+}
+
+TEST_F(ServerNTest, SampledChoiceIEqualsGenerateWithSeedPlusI) {
+  constexpr std::uint64_t kSeed = 4321;
+  std::vector<std::string> expected;
+  std::int64_t tokens = 0;
+  for (std::uint64_t i = 0; i < 4; ++i) {
+    std::vector<std::int32_t> t;
+    expected.push_back(solo(kPrompt, 32, 0.9f, kSeed + i, &t));
+    tokens += static_cast<std::int64_t>(t.size());
+  }
+  EXPECT_NE(expected[0], expected[1]) << "seeds 4321 and 4322 should sample other continuations";
+  const ServerCounters before = server_->counters();
+  const json j = post_json("/v1/completions",
+                           {{"prompt", kPrompt}, {"max_tokens", 32}, {"temperature", 0.9}, {"seed", kSeed}, {"n", 4}});
+  ASSERT_EQ(j["choices"].size(), 4u) << j;
+  for (std::size_t i = 0; i < 4; ++i) {
+    EXPECT_EQ(j["choices"][i]["index"], i);
+    EXPECT_EQ(j["choices"][i]["text"], expected[i]) << "choice " << i;
+  }
+  EXPECT_EQ(j["usage"]["prompt_tokens"], prompt_tokens(kPrompt));
+  EXPECT_EQ(j["usage"]["completion_tokens"], tokens);
+  EXPECT_EQ(idle().forks - before.forks, 3);
+  // Choice 0 of an n = 4 request is the n = 1 request with that seed.
+  const json one = post_json(
+      "/v1/completions", {{"prompt", kPrompt}, {"max_tokens", 32}, {"temperature", 0.9}, {"seed", kSeed}, {"n", 1}});
+  ASSERT_EQ(one["choices"].size(), 1u);
+  EXPECT_EQ(one["choices"][0]["text"], expected[0]);
+  EXPECT_EQ(idle().forks - before.forks, 3) << "n = 1 forked";
+}
+
+TEST_F(ServerNTest, ARestoredPromptForksAsAComputedOne) {
+  const std::string prompt = "And the evening and the morning were the first day. And God said,";
+  std::vector<std::string> expected;
+  for (std::uint64_t i = 0; i < 3; ++i) expected.push_back(solo(prompt, 24, 0.9f, 500 + i));
+  const json body = {{"prompt", prompt}, {"max_tokens", 24}, {"temperature", 0.9}, {"seed", 500}, {"n", 3}};
+  for (const bool restored : {false, true}) {
+    SCOPED_TRACE(restored ? "restored" : "computed");
+    const ServerCounters before = server_->counters();
+    const json j = post_json("/v1/completions", body);
+    ASSERT_EQ(j["choices"].size(), 3u);
+    for (std::size_t i = 0; i < 3; ++i) EXPECT_EQ(j["choices"][i]["text"], expected[i]) << "choice " << i;
+    const ServerCounters after = idle();
+    EXPECT_EQ(after.forks - before.forks, 2);
+    EXPECT_EQ(after.prefix_lookups - before.prefix_lookups, 1) << "the prompt was looked up once per request";
+    // The first request stored its prompt but the last token (entries every
+    // 16 tokens and one at its end); the second restores all of it.
+    const std::int64_t head = prompt_tokens(prompt) - 1;
+    EXPECT_EQ(after.prefix_hit_tokens - before.prefix_hit_tokens, restored ? head : 0);
+  }
+}
+
+TEST_F(ServerNTest, StreamedChoicesReassembleToTheNonStreamedOnes) {
+  const json body = {{"prompt", kOtherPrompt}, {"max_tokens", 30}, {"temperature", 0.9}, {"seed", 77}, {"n", 3}};
+  const json whole = post_json("/v1/completions", body);
+  ASSERT_EQ(whole["choices"].size(), 3u);
+  json streamed = body;
+  streamed["stream"] = true;
+  streamed["stream_options"] = {{"include_usage", true}};
+  const auto res = post("/v1/completions", streamed);
+  ASSERT_TRUE(res);
+  ASSERT_EQ(res->status, 200) << res->body;
+  EXPECT_EQ(res->get_header_value("Content-Type"), "text/event-stream");
+  const Stream s = reassemble(res->body, false);
+  ASSERT_EQ(s.text.size(), 3u);
+  for (std::int64_t i = 0; i < 3; ++i) {
+    EXPECT_EQ(s.text.at(i), whole["choices"][i]["text"]) << "choice " << i;
+    EXPECT_EQ(s.text.at(i), solo(kOtherPrompt, 30, 0.9f, 77 + static_cast<std::uint64_t>(i))) << "choice " << i;
+    ASSERT_EQ(s.finish_reason.count(i), 1u) << "choice " << i << " has no final chunk";
+    EXPECT_EQ(s.finish_reason.at(i), whole["choices"][i]["finish_reason"]);
+  }
+  EXPECT_EQ(s.usage, whole["usage"]);
+  idle();
+}
+
+TEST_F(ServerNTest, AStopStringEndsItsChoiceOnly) {
+  constexpr std::uint64_t kSeed = 99;
+  std::vector<std::string> full;
+  for (std::uint64_t i = 0; i < 3; ++i) full.push_back(solo(kPrompt, 40, 0.9f, kSeed + i));
+  // Four characters of choice 0 that neither other choice holds.
+  std::string stop;
+  for (std::size_t at = 4; at + 4 <= full[0].size() && stop.empty(); ++at) {
+    const std::string s = full[0].substr(at, 4);
+    if (full[1].find(s) == std::string::npos && full[2].find(s) == std::string::npos) stop = s;
+  }
+  ASSERT_FALSE(stop.empty()) << "no stop string only choice 0 holds in: " << full[0];
+  for (const bool stream : {false, true}) {
+    SCOPED_TRACE(stream ? "streaming" : "one response");
+    const json body = {{"prompt", kPrompt}, {"max_tokens", 40}, {"temperature", 0.9}, {"seed", kSeed}, {"n", 3},
+                       {"stop", stop},      {"stream", stream}};
+    std::vector<std::string> text(3), reason(3);
+    if (stream) {
+      const auto res = post("/v1/completions", body);
+      ASSERT_TRUE(res);
+      ASSERT_EQ(res->status, 200) << res->body;
+      const Stream s = reassemble(res->body, false);
+      ASSERT_EQ(s.finish_reason.size(), 3u);
+      for (std::int64_t i = 0; i < 3; ++i) {
+        text[static_cast<std::size_t>(i)] = s.text.count(i) ? s.text.at(i) : "";
+        reason[static_cast<std::size_t>(i)] = s.finish_reason.at(i);
+      }
+    } else {
+      const json j = post_json("/v1/completions", body);
+      ASSERT_EQ(j["choices"].size(), 3u);
+      for (std::size_t i = 0; i < 3; ++i) {
+        text[i] = j["choices"][i]["text"];
+        reason[i] = j["choices"][i]["finish_reason"];
+      }
+    }
+    EXPECT_EQ(text[0], full[0].substr(0, full[0].find(stop)));
+    EXPECT_EQ(reason[0], "stop");
+    for (std::size_t i = 1; i < 3; ++i) {
+      EXPECT_EQ(text[i], full[i]) << "choice " << i;
+      EXPECT_EQ(reason[i], "length") << "choice " << i;
+    }
+    idle();
+  }
+}
+
+TEST_F(ServerNTest, NOutOfRangeOrOfTheWrongTypeIsRefused) {
+  for (const json& n : {json(0), json(-1), json(kMaxBatch + 1), json(std::uint64_t{1} << 63), json("2"), json(1.5),
+                        json(true), json::array({2})}) {
+    for (const char* path : {"/v1/completions", "/v1/chat/completions"}) {
+      const json body = {{"prompt", kPrompt}, {"messages", {{{"role", "user"}, {"content", "x"}}}}, {"n", n}};
+      const auto res = post(path, body);
+      ASSERT_TRUE(res);
+      EXPECT_EQ(res->status, 400) << path << " n = " << n.dump() << ": " << res->body;
+      const json e = json::parse(res->body)["error"];
+      EXPECT_EQ(e["param"], "n") << res->body;
+      EXPECT_EQ(e["code"], n.is_number_integer() ? "invalid_value" : "invalid_type") << res->body;
+    }
+  }
+  // n = max_batch is allowed, null is the default.
+  const json j = post_json("/v1/completions", {{"prompt", kPrompt}, {"max_tokens", 2}, {"n", kMaxBatch}});
+  EXPECT_EQ(j["choices"].size(), static_cast<std::size_t>(kMaxBatch));
+  EXPECT_EQ(post_json("/v1/completions", {{"prompt", kPrompt}, {"max_tokens", 2}, {"n", nullptr}})["choices"].size(),
+            1u);
+  idle();
+}
+
+TEST_F(ServerNTest, MaxTokensZeroGivesNEmptyChoices) {
+  const json j = post_json("/v1/completions", {{"prompt", kPrompt}, {"max_tokens", 0}, {"n", 3}});
+  ASSERT_EQ(j["choices"].size(), 3u);
+  for (std::size_t i = 0; i < 3; ++i) {
+    EXPECT_EQ(j["choices"][i]["index"], i);
+    EXPECT_EQ(j["choices"][i]["text"], "");
+    EXPECT_EQ(j["choices"][i]["finish_reason"], "length");
+  }
+  EXPECT_EQ(j["usage"]["completion_tokens"], 0);
+}
+
+TEST_F(ServerNTest, ChatWithNTwoEqualsGenerateOnTheRenderedConversation) {
+  const std::string rendered = "user: In the beginning\nassistant:";
+  const json messages = json::array({{{"role", "user"}, {"content", "In the beginning"}}});
+  const json body = {{"model", "kjv"}, {"messages", messages}, {"max_tokens", 20}, {"temperature", 0.9}, {"seed", 5},
+                     {"n", 2}};
+  const json j = post_json("/v1/chat/completions", body);
+  EXPECT_EQ(j["object"], "chat.completion");
+  ASSERT_EQ(j["choices"].size(), 2u) << j;
+  for (std::size_t i = 0; i < 2; ++i) {
+    EXPECT_EQ(j["choices"][i]["index"], i);
+    EXPECT_EQ(j["choices"][i]["message"]["role"], "assistant");
+    EXPECT_EQ(j["choices"][i]["message"]["content"], solo(rendered, 20, 0.9f, 5 + i)) << "choice " << i;
+  }
+  EXPECT_EQ(j["usage"]["prompt_tokens"], prompt_tokens(rendered));
+  json streamed = body;
+  streamed["stream"] = true;
+  const auto res = post("/v1/chat/completions", streamed);
+  ASSERT_TRUE(res);
+  ASSERT_EQ(res->status, 200) << res->body;
+  const std::vector<std::string> ev = events(res->body);
+  ASSERT_GE(ev.size(), 3u);
+  for (std::size_t i = 0; i < 2; ++i) {  // a role chunk per choice first
+    const json c = json::parse(ev[i]);
+    EXPECT_EQ(c["choices"][0]["index"], i);
+    EXPECT_EQ(c["choices"][0]["delta"]["role"], "assistant");
+  }
+  const Stream s = reassemble(res->body, true);
+  ASSERT_EQ(s.text.size(), 2u);
+  for (std::int64_t i = 0; i < 2; ++i) {
+    EXPECT_EQ(s.text.at(i), j["choices"][i]["message"]["content"]) << "choice " << i;
+    EXPECT_EQ(s.finish_reason.at(i), j["choices"][i]["finish_reason"]);
+  }
+  idle();
+}
+
+// A request of n choices takes n places: beside another it waits until
+// they are free, and the batch never holds more than max_batch.
+TEST_F(ServerNTest, ConcurrentRequestsWithForksStayWithinMaxBatch) {
+  const ServerCounters before = server_->counters();
+  const json a = {{"prompt", kPrompt}, {"max_tokens", 40}, {"temperature", 0.9}, {"seed", 11}, {"n", 3}};
+  const json b = {{"prompt", kOtherPrompt}, {"max_tokens", 40}, {"temperature", 0.9}, {"seed", 12}, {"n", 2}};
+  json ra, rb;
+  std::thread ta([&] { ra = post_json("/v1/completions", a); });
+  std::thread tb([&] { rb = post_json("/v1/completions", b); });
+  ta.join();
+  tb.join();
+  ASSERT_EQ(ra["choices"].size(), 3u);
+  ASSERT_EQ(rb["choices"].size(), 2u);
+  for (std::uint64_t i = 0; i < 3; ++i) EXPECT_EQ(ra["choices"][i]["text"], solo(kPrompt, 40, 0.9f, 11 + i));
+  for (std::uint64_t i = 0; i < 2; ++i) EXPECT_EQ(rb["choices"][i]["text"], solo(kOtherPrompt, 40, 0.9f, 12 + i));
+  const ServerCounters after = idle();
+  EXPECT_EQ(after.forks - before.forks, 3);
+  EXPECT_LE(after.peak_batch, kMaxBatch);
+}
+
+TEST_F(ServerNTest, AClientThatLeavesCancelsEveryChoice) {
+  const ServerCounters before = server_->counters();
+  httplib::Client client("127.0.0.1", port_);
+  httplib::Request req;
+  req.method = "POST";
+  req.path = "/v1/completions";
+  req.set_header("Content-Type", "application/json");
+  req.body = json{{"prompt", kPrompt}, {"max_tokens", 3000}, {"temperature", 0}, {"n", 3}, {"stream", true}}.dump();
+  int chunks = 0;
+  req.content_receiver = [&](const char*, std::size_t, std::uint64_t, std::uint64_t) { return ++chunks < 2; };
+  client.send(req);  // the receiver's false closes the connection
+  ServerCounters now;
+  for (int i = 0; i < 6000; ++i) {
+    now = server_->counters();
+    if (now.cancelled > before.cancelled && now.live_sequences == 0) break;
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  EXPECT_EQ(now.cancelled - before.cancelled, 1);
+  EXPECT_LT(now.generated_tokens - before.generated_tokens, 3 * 3000) << "the choices ran to their end";
+  idle();
+}
+
+TEST_F(ServerNTest, MetricsCountForks) {
+  const ServerCounters c = server_->counters();
+  httplib::Client client("127.0.0.1", port_);
+  const auto res = client.Get("/metrics");
+  ASSERT_TRUE(res);
+  EXPECT_NE(res->body.find("# TYPE rewind_forks_total counter\nrewind_forks_total " + std::to_string(c.forks) + "\n"),
+            std::string::npos)
+      << res->body;
+}
+
+// With speculation on, n stays 1: a request for more is refused, naming n.
+TEST(ServerNSpeculation, NAboveOneIsRefusedWithLookup) {
+  omp_set_num_threads(1);
+  ServerOptions o;
+  o.model_dir = model_dir();
+  o.port = 0;
+  o.max_batch = 4;
+  o.threads = 1;
+  o.lookup = 3;
+  Server server(o);
+  const int port = server.start();
+  httplib::Client client("127.0.0.1", port);
+  client.set_read_timeout(120, 0);
+  const auto refused = client.Post("/v1/completions", json{{"prompt", kPrompt}, {"n", 2}}.dump(), "application/json");
+  ASSERT_TRUE(refused);
+  EXPECT_EQ(refused->status, 400) << refused->body;
+  EXPECT_EQ(json::parse(refused->body)["error"]["param"], "n");
+  EXPECT_EQ(json::parse(refused->body)["error"]["code"], "unsupported_value");
+  const auto one = client.Post("/v1/completions", json{{"prompt", kPrompt}, {"n", 1}, {"max_tokens", 3}}.dump(),
+                               "application/json");
+  ASSERT_TRUE(one);
+  EXPECT_EQ(one->status, 200) << one->body;
+}
+
+}  // namespace
