@@ -27,16 +27,11 @@
 #include "runtime/model.h"
 #include "runtime/tokenizer.h"
 #include "server/server.h"
+#include "server/server_test_util.h"
 
 namespace {
 
-using json = nlohmann::json;
-using rwd::runtime::GenerationOptions;
-using rwd::runtime::Model;
-using rwd::runtime::Tokenizer;
-using rwd::server::Server;
-using rwd::server::ServerCounters;
-using rwd::server::ServerOptions;
+using namespace rwt::server;  // json, Model, Tokenizer, Server, ServerOptions, ... (server_test_util.h)
 
 #if defined(__SANITIZE_ADDRESS__)
 constexpr bool kUnderAddressSanitizer = true;
@@ -61,8 +56,6 @@ const char* const kPrompts[] = {
     "Now these are the generations of",    "Then answered Jesus and said unto them,",
 };
 constexpr std::int64_t kMaxTokens[] = {4, 9, 16, 23};
-
-std::string model_dir() { return std::string(REWIND_SOURCE_DIR) + "/models/kjv-hybrid"; }
 
 // The process's resident set in bytes (/proc/self/statm's second field).
 std::size_t resident_bytes() {

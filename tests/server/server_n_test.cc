@@ -24,39 +24,18 @@
 #include "runtime/model.h"
 #include "runtime/tokenizer.h"
 #include "server/server.h"
+#include "server/server_test_util.h"
 
 namespace {
 
-using json = nlohmann::json;
-using rwd::runtime::GenerationOptions;
-using rwd::runtime::Model;
-using rwd::runtime::Tokenizer;
-using rwd::server::Server;
-using rwd::server::ServerCounters;
-using rwd::server::ServerOptions;
-
-std::string model_dir() { return std::string(REWIND_SOURCE_DIR) + "/models/kjv-hybrid"; }
+using namespace rwt::server;  // json, Model, Tokenizer, Server, ServerOptions, ... (server_test_util.h)
 
 constexpr std::int64_t kMaxBatch = 4;
 
 const char* const kPrompt = "And God said, Let there be light";
 const char* const kOtherPrompt = "The LORD is my shepherd; I shall not want.";
 
-// The data lines of an SSE body, without "data: ".
-std::vector<std::string> events(const std::string& body) {
-  std::vector<std::string> out;
-  std::size_t at = 0;
-  while (at < body.size()) {
-    const std::size_t end = body.find("\n\n", at);
-    EXPECT_NE(end, std::string::npos) << "an event without its blank line: " << body.substr(at);
-    if (end == std::string::npos) break;
-    const std::string event = body.substr(at, end - at);
-    EXPECT_EQ(event.rfind("data: ", 0), 0u) << event;
-    out.push_back(event.substr(6));
-    at = end + 2;
-  }
-  return out;
-}
+std::vector<std::string> events(const std::string& body) { return rwt::server::sse_data(body); }
 
 // A stream's choices as the client reassembles them, checked on the way:
 // every chunk holds one choice, a choice's chunk with a finish_reason is its
@@ -105,16 +84,9 @@ class ServerNTest : public ::testing::Test {
     tokenizer_ = new Tokenizer(rwd::runtime::tokenizer_for_model(model_dir(), model_->config()));
     // The model again with a chat template (server_test.cc's ChatServerTest).
     dir_ = std::filesystem::temp_directory_path() / ("rwd_n_server_" + std::to_string(::getpid()));
-    std::filesystem::create_directories(dir_);
-    std::filesystem::copy_file(model_dir() + "/config.json", dir_ / "config.json",
-                               std::filesystem::copy_options::overwrite_existing);
-    std::filesystem::remove(dir_ / "model.safetensors");
-    std::filesystem::create_symlink(model_dir() + "/model.safetensors", dir_ / "model.safetensors");
-    std::ofstream(dir_ / "tokenizer_config.json")
-        << json{{"chat_template",
-                 "{%- for m in messages %}{{- m.role }}: {{ m.content | trim }}{{ '\\n' }}{%- endfor %}"
-                 "{%- if add_generation_prompt %}assistant:{% endif %}"}}
-               .dump();
+    rwt::server::make_chat_model(dir_,
+                                 "{%- for m in messages %}{{- m.role }}: {{ m.content | trim }}{{ '\\n' }}{%- endfor %}"
+                                 "{%- if add_generation_prompt %}assistant:{% endif %}");
     ServerOptions o;
     o.model_dir = dir_.string();
     o.model_name = "kjv";

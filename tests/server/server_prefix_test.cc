@@ -31,21 +31,14 @@
 #include "runtime/model.h"
 #include "runtime/tokenizer.h"
 #include "server/server.h"
+#include "server/server_test_util.h"
 #if REWIND_HAVE_REDIS
 #include "store/redis_server.h"
 #endif
 
 namespace {
 
-using json = nlohmann::json;
-using rwd::runtime::GenerationOptions;
-using rwd::runtime::Model;
-using rwd::runtime::Tokenizer;
-using rwd::server::Server;
-using rwd::server::ServerCounters;
-using rwd::server::ServerOptions;
-
-std::string model_dir() { return std::string(REWIND_SOURCE_DIR) + "/models/kjv-hybrid"; }
+using namespace rwt::server;  // json, Model, Tokenizer, Server, ServerOptions, ... (server_test_util.h)
 
 constexpr std::int64_t kInterval = 32;
 

@@ -26,18 +26,13 @@
 #include "runtime/model.h"
 #include "runtime/tokenizer.h"
 #include "server/server.h"
+#include "server/server_test_util.h"
 
 namespace {
 
-using json = nlohmann::json;
-using rwd::runtime::GenerationOptions;
-using rwd::runtime::Model;
-using rwd::runtime::Tokenizer;
-using rwd::server::Server;
-using rwd::server::ServerCounters;
-using rwd::server::ServerOptions;
+using namespace rwt::server;  // json, Model, Tokenizer, Server, ServerOptions, ... (server_test_util.h)
 
-std::string target_dir() { return std::string(REWIND_SOURCE_DIR) + "/models/kjv-hybrid"; }
+std::string target_dir() { return rwt::server::model_dir(); }
 std::string small_draft_dir() { return std::string(REWIND_SOURCE_DIR) + "/models/kjv-draft"; }
 
 // Prompts whose continuations repeat what came before (prompt lookup finds

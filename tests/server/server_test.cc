@@ -26,17 +26,11 @@
 #include "runtime/model.h"
 #include "runtime/tokenizer.h"
 #include "server/server.h"
+#include "server/server_test_util.h"
 
 namespace {
 
-using json = nlohmann::json;
-using rwd::runtime::GenerationOptions;
-using rwd::runtime::Model;
-using rwd::runtime::Tokenizer;
-using rwd::server::Server;
-using rwd::server::ServerOptions;
-
-std::string model_dir() { return std::string(REWIND_SOURCE_DIR) + "/models/kjv-hybrid"; }
+using namespace rwt::server;  // json, Model, Tokenizer, Server, ServerOptions, ... (server_test_util.h)
 
 // What generate() gives for one prompt alone.
 struct Solo {
@@ -95,21 +89,7 @@ class ServerTest : public ::testing::Test {
     return json::parse(res->body);
   }
 
-  // The data lines of an SSE body, without "data: ".
-  static std::vector<std::string> events(const std::string& body) {
-    std::vector<std::string> out;
-    std::size_t at = 0;
-    while (at < body.size()) {
-      const std::size_t end = body.find("\n\n", at);
-      EXPECT_NE(end, std::string::npos) << "an event without its blank line: " << body.substr(at);
-      if (end == std::string::npos) break;
-      const std::string event = body.substr(at, end - at);
-      EXPECT_EQ(event.rfind("data: ", 0), 0u) << event;
-      out.push_back(event.substr(6));
-      at = end + 2;
-    }
-    return out;
-  }
+  static std::vector<std::string> events(const std::string& body) { return rwt::server::sse_data(body); }
 
   // Checks an OpenAI-style error body.
   static void expect_error(const httplib::Result& res, int status, const std::string& param, const std::string& code) {
@@ -416,12 +396,7 @@ class ChatServerTest : public ::testing::Test {
   static void SetUpTestSuite() {
     omp_set_num_threads(1);
     dir_ = std::filesystem::temp_directory_path() / ("rwd_chat_server_" + std::to_string(::getpid()));
-    std::filesystem::create_directories(dir_);
-    std::filesystem::copy_file(model_dir() + "/config.json", dir_ / "config.json",
-                               std::filesystem::copy_options::overwrite_existing);
-    std::filesystem::remove(dir_ / "model.safetensors");
-    std::filesystem::create_symlink(model_dir() + "/model.safetensors", dir_ / "model.safetensors");
-    std::ofstream(dir_ / "tokenizer_config.json") << json{{"chat_template", kChatTemplate}}.dump();
+    rwt::server::make_chat_model(dir_, kChatTemplate);
     model_ = new Model(Model::load(model_dir()));
     tokenizer_ = new Tokenizer(rwd::runtime::tokenizer_for_model(model_dir(), model_->config()));
     ServerOptions o;
