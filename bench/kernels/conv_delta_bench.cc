@@ -7,6 +7,10 @@
 // state per head) and one whose value dim leaves a tail (4 heads, 48 x 40).
 // Counter: flops_per_second (7 per state element and token: the decay, the
 // two multiply-adds of kv and o, the update's multiply-add).
+// BM_CausalConv: kernels::causal_conv1d over `rows` rows, the
+// linear-attention mixer's shape (6,144 channels, kernel 4, SiLU fused),
+// the cache's window layout (channel stride 1). Counter: bytes_per_second
+// (window, weights and outputs once each).
 #include <benchmark/benchmark.h>
 
 #include <cmath>
@@ -63,5 +67,25 @@ void BM_GatedDeltaRuleTail(benchmark::State& state) { gated_delta(state, {4, 4, 
 
 BENCHMARK(BM_GatedDeltaRuleQwen35)->ArgNames({"tokens"})->Arg(1)->Arg(64)->Unit(benchmark::kMicrosecond);
 BENCHMARK(BM_GatedDeltaRuleTail)->ArgNames({"tokens"})->Arg(64)->Unit(benchmark::kMicrosecond);
+
+void BM_CausalConv(benchmark::State& state) {
+  const std::int64_t q = state.range(0), channels = 6144, kernel = 4;
+  std::mt19937 rng(12);
+  std::uniform_real_distribution<float> uniform(-1.0f, 1.0f);
+  std::vector<float> window(static_cast<std::size_t>((kernel - 1 + q) * channels)),
+      w(static_cast<std::size_t>(channels * kernel));
+  for (float& x : window) x = uniform(rng);
+  for (float& x : w) x = uniform(rng);
+  std::vector<float> out(static_cast<std::size_t>(q * channels));
+  for (auto _ : state) {
+    k::causal_conv1d(window.data(), channels, kernel, q, 1, channels, w.data(), nullptr, true, out.data());
+    benchmark::DoNotOptimize(out.data());
+  }
+  state.counters["bytes_per_second"] = benchmark::Counter(
+      4.0 * static_cast<double>((kernel - 1 + 2 * q) * channels + channels * kernel),
+      benchmark::Counter::kIsIterationInvariantRate, benchmark::Counter::kIs1024);
+}
+
+BENCHMARK(BM_CausalConv)->ArgNames({"rows"})->Arg(1)->Arg(512)->Unit(benchmark::kMicrosecond);
 
 }  // namespace

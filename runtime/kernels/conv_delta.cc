@@ -1,5 +1,6 @@
 // The linear-attention kernels: the short causal convolution and the Gated
-// DeltaNet recurrence (one step, and a run of tokens over all heads).
+// DeltaNet recurrence (one step, and a run of tokens over all heads), each
+// in a copy per instruction set (kernel_isa.h).
 #include <algorithm>
 #include <cassert>
 #include <cmath>
@@ -37,6 +38,63 @@ REWIND_INLINE void add_bias_silu_body(const float* sums, const float* bias, int6
     float v = sums[c];
     if (bias != nullptr) v += bias[c];
     out[c] = fuse_silu ? silu(v) : v;
+  }
+}
+
+// A block of causal_conv1d's outputs when the window's channels are
+// contiguous (channel_stride 1, the cache's layout): out[t, c] for t in
+// [t0, t1), c in [0, nc) of the block (pointers already at its first
+// channel). `taps`: the block's weights transposed, taps[i * nc + c] =
+// weight[c, i], so that a tap is one load for V channels.
+struct ConvBlock {
+  const float* window;
+  int64_t time_stride;
+  const float* taps;
+  int64_t kernel_size;
+  const float* bias;
+  bool fuse_silu;
+  int64_t nc, t0, t1;
+  float* out;
+  int64_t out_stride;
+};
+
+// Channels [c, nc) of row t, V floats at a time (V: PanelRow, Lanes or a
+// float), the sum in a register: per element exactly causal_conv1d's
+// arithmetic, 0 + w[0] x[0] + w[1] x[1] + ... in order of i (each product
+// rounded, then the add), then + bias, then silu.
+template <class V, class Bits>
+REWIND_INLINE int64_t conv_channels(const ConvBlock& b, const float* x, float* out, int64_t c) {
+  constexpr int64_t kWidth = sizeof(V) / sizeof(float);
+  for (; c + kWidth <= b.nc; c += kWidth) {
+    V acc = {};
+    for (int64_t i = 0; i < b.kernel_size; ++i) {
+      V w, xi;
+      __builtin_memcpy(&w, b.taps + i * b.nc + c, sizeof w);
+      __builtin_memcpy(&xi, x + i * b.time_stride + c, sizeof xi);
+      acc += w * xi;
+    }
+    if (b.bias != nullptr) {
+      V bias;
+      __builtin_memcpy(&bias, b.bias + c, sizeof bias);
+      acc += bias;
+    }
+    if (b.fuse_silu) acc = silu_of<V, Bits>(acc);
+    __builtin_memcpy(out + c, &acc, sizeof acc);
+  }
+  return c;
+}
+
+// The block's rows, 16 channels at a time when `kWide` (one AVX-512
+// vector), then 8 (one AVX2 vector), then one by one.
+template <bool kWide>
+REWIND_INLINE void conv_block_body(const ConvBlock& b) {
+  for (int64_t t = b.t0; t < b.t1; ++t) {
+    const float* x = b.window + t * b.time_stride;
+    float* out = b.out + t * b.out_stride;
+    int64_t c = 0;
+    if constexpr (kWide) c = conv_channels<PanelRow, PanelRowBits>(b, x, out, c);
+    c = conv_channels<Lanes, ULanes>(b, x, out, c);
+    conv_channels<float, std::uint32_t>(b, x, out, c);
   }
 }
 
@@ -170,6 +228,7 @@ void add_bias_silu_baseline(const float* sums, const float* bias, int64_t n, boo
   add_bias_silu_body<PanelRow, PanelRowBits>(sums, bias, n, fuse_silu, out);
 }
 void delta_run_baseline(const DeltaRun& r) { delta_run_body<true>(r); }
+void conv_block_baseline(const ConvBlock& b) { conv_block_body<false>(b); }
 #if defined(REWIND_KERNEL_ISA_COPIES)
 REWIND_TARGET_AVX2
 void add_bias_silu_avx2(const float* sums, const float* bias, int64_t n, bool fuse_silu, float* out) {
@@ -177,12 +236,16 @@ void add_bias_silu_avx2(const float* sums, const float* bias, int64_t n, bool fu
 }
 REWIND_TARGET_AVX2
 void delta_run_avx2(const DeltaRun& r) { delta_run_body<false>(r); }
+REWIND_TARGET_AVX2
+void conv_block_avx2(const ConvBlock& b) { conv_block_body<false>(b); }
 REWIND_TARGET_AVX512
 void add_bias_silu_avx512(const float* sums, const float* bias, int64_t n, bool fuse_silu, float* out) {
   add_bias_silu_body<PanelRow, PanelRowBits>(sums, bias, n, fuse_silu, out);
 }
 REWIND_TARGET_AVX512
 void delta_run_avx512(const DeltaRun& r) { delta_run_body<true>(r); }
+REWIND_TARGET_AVX512
+void conv_block_avx512(const ConvBlock& b) { conv_block_body<true>(b); }
 #endif
 
 void add_bias_silu(const float* sums, const float* bias, int64_t n, bool fuse_silu, float* out) {
@@ -205,16 +268,49 @@ void delta_run(const DeltaRun& r) {
   }
 }
 
+void conv_block(const ConvBlock& b) {
+  switch (kernel_isa()) {
+#if defined(REWIND_KERNEL_ISA_COPIES)
+    case KernelIsa::Avx512: conv_block_avx512(b); return;
+    case KernelIsa::Avx2: conv_block_avx2(b); return;
+#endif
+    default: conv_block_baseline(b); return;
+  }
+}
+
 }  // namespace
 
 void causal_conv1d(const float* window, int64_t channels, int64_t kernel_size, int64_t q, int64_t channel_stride,
                    int64_t time_stride, const float* weight, const float* bias, bool fuse_silu, float* out) {
-  // Channels go in blocks so that the inner loop runs across channels while
-  // each out[t, c] still sums over i in order.
   constexpr int64_t kBlock = 256;
+  constexpr int64_t kMinRowsToTranspose = 4;
   const int64_t blocks = (channels + kBlock - 1) / kBlock;
+  const bool worth_it = q * channels * kernel_size >= kParallelWork;
+  if (channel_stride == 1 && q >= kMinRowsToTranspose) {
+    // Tasks of up to kRows rows of one channel block, whose weights are
+    // transposed once per task (conv_block); for fewer rows that scalar
+    // transposition costs more than the vectors save.
+    constexpr int64_t kRows = 64;
+    const int64_t row_tasks = (q + kRows - 1) / kRows;
+    parallel_for(blocks * row_tasks, worth_it, [&](int64_t task) {
+      const int64_t c0 = (task % blocks) * kBlock;
+      const int64_t t0 = (task / blocks) * kRows;
+      const int64_t nc = std::min(kBlock, channels - c0);
+      thread_local std::vector<float> taps;
+      taps.resize(static_cast<std::size_t>(kernel_size * kBlock));
+      for (int64_t c = 0; c < nc; ++c) {
+        for (int64_t i = 0; i < kernel_size; ++i)
+          taps[static_cast<std::size_t>(i * nc + c)] = weight[(c0 + c) * kernel_size + i];
+      }
+      conv_block({window + c0, time_stride, taps.data(), kernel_size, bias != nullptr ? bias + c0 : nullptr, fuse_silu,
+                  nc, t0, std::min(q, t0 + kRows), out + c0, channels});
+    });
+    return;
+  }
+  // Other layouts: channels in blocks so that the inner loop runs across
+  // channels while each out[t, c] still sums over i in order.
   const int64_t tasks = q * blocks;
-  parallel_for(tasks, q * channels * kernel_size >= kParallelWork, [&](int64_t task) {
+  parallel_for(tasks, worth_it, [&](int64_t task) {
     const int64_t t = task / blocks;
     const int64_t c0 = (task % blocks) * kBlock;
     const int64_t nc = std::min(kBlock, channels - c0);

@@ -12,9 +12,9 @@
 //  - work is split across threads by independent outputs (output panels,
 //    (row, head) pairs, heads), never inside a sum.
 //
-// Everything here is always inlined or a template: each cloned caller
-// (REWIND_KERNEL_CLONES), each per-ISA copy (kernel_isa.h) and each matmul
-// instruction-set unit gets a copy compiled for its own ISA. Include it
+// Everything here is always inlined or a template: each per-ISA copy
+// (kernel_isa.h) and each matmul instruction-set unit gets a copy compiled
+// for its own ISA. Include it
 // before any `#pragma GCC target` region, so that it is itself compiled for
 // the baseline.
 #pragma once
@@ -25,22 +25,13 @@
 #include "kernel_isa.h"
 #include "runtime/kernels.h"
 
-// Hot loops other than matmul are also compiled for AVX2 and picked at load
-// time: gated_rms_norm's rows through GCC / Clang function multiversioning
-// (REWIND_KERNEL_CLONES), the kernels whose vectors are 16 floats wide
-// through a copy per instruction set (kernel_isa.h: REWIND_TARGET_AVX2 and
-// REWIND_TARGET_AVX512 on functions that inline one body). The copies only
-// change the width of the vectors; every lane still does one rounded
-// multiply and one rounded add in the same order (no FMA outside matmul,
-// whose every copy fuses the same way), so each gives the same bits as the
-// baseline.
-// Sanitizer builds that instrument the ifunc resolvers themselves (TSan runs
-// them before its runtime is up, and crashes) define REWIND_NO_KERNEL_CLONES.
-#if defined(__GNUC__) && defined(__x86_64__) && defined(__linux__) && !defined(REWIND_NO_KERNEL_CLONES)
-#define REWIND_KERNEL_CLONES __attribute__((target_clones("avx2", "default")))
-#else
-#define REWIND_KERNEL_CLONES
-#endif
+// Hot loops other than matmul are also compiled for AVX2 and AVX-512F and
+// picked at run time: a copy per instruction set (kernel_isa.h:
+// REWIND_TARGET_AVX2 and REWIND_TARGET_AVX512 on functions that inline one
+// body). The copies only change the width of the vectors; every lane still
+// does one rounded multiply and one rounded add in the same order (no FMA
+// outside matmul, whose every copy fuses the same way), so each gives the
+// same bits as the baseline.
 #if defined(REWIND_KERNEL_ISA_COPIES)
 #define REWIND_TARGET_AVX2 __attribute__((target("avx2")))
 #define REWIND_TARGET_AVX512 __attribute__((target("avx512f")))

@@ -1,6 +1,7 @@
-// runtime/kernels/kernel_isa.h: which instruction-set copy of the kernels
-// with 16-float vectors (the delta rule, attention, the element-wise SiLU
-// loops) a process runs (not installed, not part of runtime/kernels.h's API).
+// runtime/kernels/kernel_isa.h: which instruction-set copy of the vector
+// kernels other than matmul (the delta rule, attention, the element-wise
+// SiLU loops, the norms, RoPE, the short convolution) a process runs (not
+// installed, not part of runtime/kernels.h's API).
 //
 // Those kernels are compiled three times in their own translation units
 // (functions with __attribute__((target)) that inline one shared body): for
@@ -14,7 +15,8 @@
 namespace rwd::runtime::kernels::detail {
 
 // GCC or Clang on x86-64 Linux, outside the sanitizer builds that define
-// REWIND_NO_KERNEL_CLONES (internal.h): the AVX2 and AVX-512 copies exist.
+// REWIND_NO_KERNEL_CLONES (CMakeLists.txt): the AVX2 and AVX-512 copies
+// exist.
 // Elsewhere only the baseline copy is compiled.
 #if defined(__GNUC__) && defined(__x86_64__) && defined(__linux__) && !defined(REWIND_NO_KERNEL_CLONES)
 #define REWIND_KERNEL_ISA_COPIES 1

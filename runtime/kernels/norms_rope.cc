@@ -1,5 +1,7 @@
 // The normalisations (RMS norm, its gated form, l2 normalisation) and RoPE:
-// the angle tables (RopeTable, RopeCache) and the rotation.
+// the angle tables (RopeTable, RopeCache) and the rotation. The rows of both
+// run in a copy per instruction set (kernel_isa.h).
+#include <algorithm>
 #include <atomic>
 #include <cassert>
 #include <cmath>
@@ -19,56 +21,218 @@ using namespace detail;
 
 namespace {
 
-// 1 / sqrt(mean(x^2) + eps) of one row, in f32 like transformers.
-float rms_inverse(const float* x, int64_t dim, double eps) {
-  const float mean = dot_inline(x, x, dim) / static_cast<float>(dim);
-  return 1.0f / std::sqrt(mean + static_cast<float>(eps));
-}
-
-// One row of gated_rms_norm, given the row's 1 / rms.
-REWIND_INLINE void gated_norm_row_body(const float* x, const float* z, const float* weight, float inv, int64_t dim,
-                                       float* y) {
+// dot_inline(x, x, n) on vectors: lane l of the one Lanes accumulator is
+// dot_inline's partial sum l (a rounded multiply, then a rounded add, in
+// order of i), then the same combine and the same in-order tail. Eight
+// partial sums in every copy: the AVX-512 one gains nothing here, because a
+// wider accumulator would change the order of the sum.
+REWIND_INLINE float sum_squares_lanes(const float* x, int64_t n) {
+  Lanes acc = {};
   int64_t i = 0;
-  for (; i + kLanes <= dim; i += kLanes) {
-    const Lanes v = (load_lanes(weight + i) * (load_lanes(x + i) * broadcast<Lanes>(inv))) *
-                    silu_lanes(load_lanes(z + i));
-    __builtin_memcpy(y + i, &v, sizeof v);
+  for (; i + kLanes <= n; i += kLanes) {
+    const Lanes v = load_lanes(x + i);
+    acc += v * v;
   }
-  for (; i < dim; ++i) y[i] = (weight[i] * (x[i] * inv)) * silu(z[i]);
+  float partial[kLanes];
+  __builtin_memcpy(partial, &acc, sizeof acc);
+  float s = combine(partial);
+  for (; i < n; ++i) s += x[i] * x[i];
+  return s;
 }
 
-REWIND_KERNEL_CLONES
-void gated_norm_row(const float* x, const float* z, const float* weight, float inv, int64_t dim, float* y) {
-  gated_norm_row_body(x, z, weight, inv, dim, y);
+// Which normalisation a row gets (kernels.h): rms_norm, gated_rms_norm or
+// l2_normalize.
+enum class NormKind { Rms, Gated, L2 };
+
+// One row: x, z (Gated only), weight (not L2), y (x itself for L2); or,
+// passed to norm_rows, the first of `rows` rows dim floats apart.
+struct NormRow {
+  NormKind kind;
+  const float* x;
+  const float* z;
+  const float* weight;
+  int64_t dim;
+  float eps;
+  float* y;
+  int64_t rows;
+};
+
+// y[i] for the row, V floats at a time (V: PanelRow, Lanes or a float):
+// x * inv (L2), weight * (x * inv) (Rms), times silu(z) (Gated). Element-
+// wise, so the width changes no bits; the kind is a template argument so
+// that each loop holds only its own operands (the SiLU's constants stay in
+// registers).
+template <NormKind kKind, class V, class Bits>
+REWIND_INLINE int64_t norm_apply(const NormRow& r, float inv, int64_t i) {
+  constexpr int64_t kWidth = sizeof(V) / sizeof(float);
+  for (; i + kWidth <= r.dim; i += kWidth) {
+    V x;
+    __builtin_memcpy(&x, r.x + i, sizeof x);
+    V v;
+    if constexpr (kKind == NormKind::L2) {
+      v = x * inv;
+    } else {
+      V w;
+      __builtin_memcpy(&w, r.weight + i, sizeof w);
+      v = w * (x * inv);
+      if constexpr (kKind == NormKind::Gated) {
+        V z;
+        __builtin_memcpy(&z, r.z + i, sizeof z);
+        v = v * silu_of<V, Bits>(z);
+      }
+    }
+    __builtin_memcpy(r.y + i, &v, sizeof v);
+  }
+  return i;
+}
+
+// The element-wise part 16 floats at a time when `kWide` (one AVX-512
+// vector), then 8 (one AVX2 vector), then one by one.
+template <NormKind kKind, bool kWide>
+REWIND_INLINE void norm_apply_all(const NormRow& r, float inv) {
+  int64_t i = 0;
+  if constexpr (kWide) i = norm_apply<kKind, PanelRow, PanelRowBits>(r, inv, i);
+  i = norm_apply<kKind, Lanes, ULanes>(r, inv, i);
+  norm_apply<kKind, float, std::uint32_t>(r, inv, i);
+}
+
+// The row: 1 / sqrt(mean(x^2) + eps) in f32 like transformers (Rms, Gated)
+// or 1 / sqrt(sum(x^2) + eps) (L2), then the element-wise part.
+template <bool kWide>
+REWIND_INLINE void norm_row_body(const NormRow& r) {
+  const float sum = sum_squares_lanes(r.x, r.dim);
+  // Only the gated form's SiLU runs 16 floats wide in the AVX-512 copy: the
+  // plain products are a small part of a row next to its sum of squares.
+  if (r.kind == NormKind::L2) {
+    norm_apply_all<NormKind::L2, false>(r, 1.0f / std::sqrt(sum + r.eps));
+    return;
+  }
+  const float inv = 1.0f / std::sqrt(sum / static_cast<float>(r.dim) + r.eps);
+  if (r.kind == NormKind::Gated) {
+    norm_apply_all<NormKind::Gated, kWide>(r, inv);
+  } else {
+    norm_apply_all<NormKind::Rms, false>(r, inv);
+  }
+}
+
+// RoPE on one row's heads (kernels.h: rope_inplace), pairs (j, j + half)
+// V floats at a time: per element x1 * cos - x2 * sin and x2 * cos + x1 *
+// sin, each product rounded, then the add. A vector never reaches past
+// `half`, so its loads of x1 and x2 never overlap its stores.
+template <class V>
+REWIND_INLINE int64_t rope_apply(float* xh, const float* cos_t, const float* sin_t, int64_t half, int64_t j) {
+  constexpr int64_t kWidth = sizeof(V) / sizeof(float);
+  for (; j + kWidth <= half; j += kWidth) {
+    V x1, x2, c, s;
+    __builtin_memcpy(&x1, xh + j, sizeof x1);
+    __builtin_memcpy(&x2, xh + j + half, sizeof x2);
+    __builtin_memcpy(&c, cos_t + j, sizeof c);
+    __builtin_memcpy(&s, sin_t + j, sizeof s);
+    const V y1 = x1 * c - x2 * s;
+    const V y2 = x2 * c + x1 * s;
+    __builtin_memcpy(xh + j, &y1, sizeof y1);
+    __builtin_memcpy(xh + j + half, &y2, sizeof y2);
+  }
+  return j;
+}
+
+template <bool kWide>
+REWIND_INLINE void rope_row_body(float* x, int64_t heads, int64_t head_dim, const float* cos_t, const float* sin_t,
+                                 int64_t half) {
+  for (int64_t h = 0; h < heads; ++h) {
+    float* xh = x + h * head_dim;
+    int64_t j = 0;
+    if constexpr (kWide) j = rope_apply<PanelRow>(xh, cos_t, sin_t, half, j);
+    j = rope_apply<Lanes>(xh, cos_t, sin_t, half, j);
+    rope_apply<float>(xh, cos_t, sin_t, half, j);
+  }
+}
+
+// Row after row (one call per group of rows, not per row: a row of 128
+// costs only a few dozen cycles).
+template <bool kWide>
+REWIND_INLINE void norm_rows_body(const NormRow& first) {
+  NormRow r = first;
+  for (int64_t k = 0; k < first.rows; ++k) {
+    norm_row_body<kWide>(r);
+    r.x += r.dim;
+    if (r.z != nullptr) r.z += r.dim;
+    r.y += r.dim;
+  }
+}
+
+// The copies per instruction set (kernel_isa.h), each only calling its body
+// (Clang checks the vector ABI of calls made directly from a function whose
+// target differs from its callee's). The baseline keeps to 8-float vectors
+// (two SSE registers each).
+void norm_rows_baseline(const NormRow& r) { norm_rows_body<false>(r); }
+void rope_row_baseline(float* x, int64_t heads, int64_t head_dim, const float* cos_t, const float* sin_t,
+                       int64_t half) {
+  rope_row_body<false>(x, heads, head_dim, cos_t, sin_t, half);
+}
+#if defined(REWIND_KERNEL_ISA_COPIES)
+REWIND_TARGET_AVX2
+void norm_rows_avx2(const NormRow& r) { norm_rows_body<false>(r); }
+REWIND_TARGET_AVX2
+void rope_row_avx2(float* x, int64_t heads, int64_t head_dim, const float* cos_t, const float* sin_t, int64_t half) {
+  rope_row_body<false>(x, heads, head_dim, cos_t, sin_t, half);
+}
+REWIND_TARGET_AVX512
+void norm_rows_avx512(const NormRow& r) { norm_rows_body<true>(r); }
+REWIND_TARGET_AVX512
+void rope_row_avx512(float* x, int64_t heads, int64_t head_dim, const float* cos_t, const float* sin_t, int64_t half) {
+  rope_row_body<true>(x, heads, head_dim, cos_t, sin_t, half);
+}
+#endif
+
+void norm_rows(const NormRow& r) {
+  switch (kernel_isa()) {
+#if defined(REWIND_KERNEL_ISA_COPIES)
+    case KernelIsa::Avx512: norm_rows_avx512(r); return;
+    case KernelIsa::Avx2: norm_rows_avx2(r); return;
+#endif
+    default: norm_rows_baseline(r); return;
+  }
+}
+
+// All of `all`'s rows, in groups of kGroup rows per task (a row's result
+// does not depend on its group).
+void norm_all(const NormRow& all) {
+  constexpr int64_t kGroup = 8;
+  parallel_for((all.rows + kGroup - 1) / kGroup, all.rows * all.dim >= kParallelWork, [&](int64_t g) {
+    const int64_t first = g * kGroup;
+    NormRow r = all;
+    r.x += first * all.dim;
+    if (r.z != nullptr) r.z += first * all.dim;
+    r.y += first * all.dim;
+    r.rows = std::min(kGroup, all.rows - first);
+    norm_rows(r);
+  });
+}
+
+void rope_row(float* x, int64_t heads, int64_t head_dim, const float* cos_t, const float* sin_t, int64_t half) {
+  switch (kernel_isa()) {
+#if defined(REWIND_KERNEL_ISA_COPIES)
+    case KernelIsa::Avx512: rope_row_avx512(x, heads, head_dim, cos_t, sin_t, half); return;
+    case KernelIsa::Avx2: rope_row_avx2(x, heads, head_dim, cos_t, sin_t, half); return;
+#endif
+    default: rope_row_baseline(x, heads, head_dim, cos_t, sin_t, half); return;
+  }
 }
 
 }  // namespace
 
 void rms_norm(const float* x, const float* weight, int64_t rows, int64_t dim, double eps, float* y) {
-  parallel_for(rows, rows * dim >= kParallelWork, [&](int64_t r) {
-    const float* xr = x + r * dim;
-    float* yr = y + r * dim;
-    const float inv = rms_inverse(xr, dim, eps);
-    for (int64_t i = 0; i < dim; ++i) yr[i] = weight[i] * (xr[i] * inv);
-  });
+  norm_all({NormKind::Rms, x, nullptr, weight, dim, static_cast<float>(eps), y, rows});
 }
 
 void gated_rms_norm(const float* x, const float* z, const float* weight, int64_t rows, int64_t dim, double eps,
                     float* y) {
-  parallel_for(rows, rows * dim >= kParallelWork, [&](int64_t r) {
-    const float* xr = x + r * dim;
-    const float* zr = z + r * dim;
-    float* yr = y + r * dim;
-    gated_norm_row(xr, zr, weight, rms_inverse(xr, dim, eps), dim, yr);
-  });
+  norm_all({NormKind::Gated, x, z, weight, dim, static_cast<float>(eps), y, rows});
 }
 
 void l2_normalize(float* x, int64_t rows, int64_t dim, float eps) {
-  parallel_for(rows, rows * dim >= kParallelWork, [&](int64_t r) {
-    float* xr = x + r * dim;
-    const float inv = 1.0f / std::sqrt(dot_inline(xr, xr, dim) + eps);
-    for (int64_t i = 0; i < dim; ++i) xr[i] *= inv;
-  });
+  norm_all({NormKind::L2, x, nullptr, nullptr, dim, eps, x, rows});
 }
 
 namespace {
@@ -174,15 +338,7 @@ void rope_inplace(float* x, int64_t rows, int64_t heads, int64_t head_dim, const
   parallel_for(rows, rows * heads * head_dim >= kParallelWork, [&](int64_t r) {
     const float* cos_t = table.cos(r);
     const float* sin_t = table.sin(r);
-    for (int64_t h = 0; h < heads; ++h) {
-      float* xh = x + (r * heads + h) * head_dim;
-      for (int64_t j = 0; j < half; ++j) {
-        const float x1 = xh[j];
-        const float x2 = xh[j + half];
-        xh[j] = x1 * cos_t[j] - x2 * sin_t[j];
-        xh[j + half] = x2 * cos_t[j] + x1 * sin_t[j];
-      }
-    }
+    rope_row(x + r * heads * head_dim, heads, head_dim, cos_t, sin_t, half);
   });
 }
 

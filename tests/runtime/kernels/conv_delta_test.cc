@@ -354,5 +354,66 @@ TEST(KernelsConv, EveryIsaCopyGivesTheBaselineBits) {
   }
 }
 
+// causal_conv1d on each instruction-set copy (kernel_isa.h) equals the
+// scalar formula bit for bit: channel counts with every tail (16-, 8-float
+// vectors, scalars, and blocks of 256), kernel sizes 1, 3 and 4, row counts
+// on both sides of the transposed path (4 rows) and across its 64-row
+// tasks, the cache's layout (channel stride 1, a padded time stride) and the
+// channel-major one, with and without bias and SiLU (sums large enough for
+// exp to saturate).
+TEST(KernelsConv, EveryIsaCopyEqualsScalarFormulaBitwise) {
+#if defined(__FMA__)
+  GTEST_SKIP() << "FMA contraction enabled in this build";
+#endif
+  std::vector<detail::KernelIsa> isas = {detail::KernelIsa::Baseline};
+  for (const detail::KernelIsa isa : wider_kernel_isas()) isas.push_back(isa);
+  for (const std::int64_t channels : {1, 7, 8, 15, 16, 17, 24, 40, 255, 256, 257, 530}) {
+    for (const std::int64_t kernel : {1, 3, 4}) {
+      for (const std::int64_t q : {1, 3, 4, 65, 130}) {
+        if (channels * q > 20000 && kernel != 4) continue;  // the large ones once
+        const std::int64_t span = kernel - 1 + q;
+        const Vec storage = random_vec(static_cast<std::size_t>(span * (channels + 3)),
+                                       static_cast<std::uint32_t>(channels * 31 + kernel * 7 + q), -40.0f, 40.0f);
+        const Vec weight = random_vec(static_cast<std::size_t>(channels * kernel),
+                                      static_cast<std::uint32_t>(channels));
+        const Vec bias = random_vec(static_cast<std::size_t>(channels), static_cast<std::uint32_t>(channels + 1));
+        // (channel stride, time stride): token-major with padding, channel-major.
+        const std::int64_t layouts[2][2] = {{1, channels + 3}, {span, 1}};
+        for (const auto& layout : layouts) {
+          const auto at = [&](std::int64_t c, std::int64_t s) {
+            return storage[static_cast<std::size_t>(c * layout[0] + s * layout[1])];
+          };
+          for (const bool fuse : {false, true}) {
+            for (const float* b : {static_cast<const float*>(nullptr), bias.data()}) {
+              Vec want(static_cast<std::size_t>(q * channels));
+              for (std::int64_t t = 0; t < q; ++t) {
+                for (std::int64_t c = 0; c < channels; ++c) {
+                  float acc = 0.0f;
+                  for (std::int64_t i = 0; i < kernel; ++i) {
+                    const float product = weight[static_cast<std::size_t>(c * kernel + i)] * at(c, t + i);
+                    acc = acc + product;
+                  }
+                  if (b != nullptr) acc = acc + b[c];
+                  want[static_cast<std::size_t>(t * channels + c)] = fuse ? kernels::silu(acc) : acc;
+                }
+              }
+              for (const detail::KernelIsa isa : isas) {
+                Vec out(want.size());
+                with_kernel_isa(isa, [&] {
+                  causal_conv1d(storage.data(), channels, kernel, q, layout[0], layout[1], weight.data(), b, fuse,
+                                out.data());
+                });
+                EXPECT_TRUE(same_bits(out, want))
+                    << "channels " << channels << " kernel " << kernel << " q " << q << " channel stride " << layout[0]
+                    << " fuse " << fuse << " bias " << (b != nullptr) << ", " << isa_name(isa);
+              }
+            }
+          }
+        }
+      }
+    }
+  }
+}
+
 }  // namespace
 }  // namespace rwd::runtime::kernels

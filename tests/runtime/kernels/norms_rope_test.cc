@@ -246,5 +246,121 @@ TEST(KernelsNorm, GatedRmsNormEqualsScalarFormulaBitwise) {
   }
 }
 
+// The sum of squares as every copy of the norms must compute it, written out
+// here: eight partial sums over i (lane l takes i = l mod 8), combined as
+// ((0 + 4) + (1 + 5)) + ((2 + 6) + (3 + 7)), then the dim % 8 tail in order.
+float ref_sum_squares(const float* x, std::int64_t n) {
+  float acc[8] = {};
+  std::int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    for (int l = 0; l < 8; ++l) {
+      const float sq = x[i + l] * x[i + l];
+      acc[l] = acc[l] + sq;
+    }
+  }
+  float s = ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7]));
+  for (; i < n; ++i) {
+    const float sq = x[i] * x[i];
+    s = s + sq;
+  }
+  return s;
+}
+
+// Lengths that leave every tail: the 16-float part, the 8-float one and the
+// scalar one, alone and together.
+constexpr std::int64_t kNormLengths[] = {1, 3, 7, 8, 9, 15, 16, 17, 23, 24, 25, 31, 33, 40, 48, 77, 128, 131};
+
+// rms_norm, gated_rms_norm and l2_normalize on each instruction-set copy
+// (kernel_isa.h: baseline, AVX2, AVX-512 where the CPU has them) equal the
+// scalar formula bit for bit, in place too.
+TEST(KernelsNorm, EveryIsaCopyEqualsScalarFormulaBitwise) {
+#if defined(__FMA__)
+  GTEST_SKIP() << "FMA contraction enabled in this build";
+#endif
+  std::vector<detail::KernelIsa> isas = {detail::KernelIsa::Baseline};
+  for (const detail::KernelIsa isa : wider_kernel_isas()) isas.push_back(isa);
+  const std::int64_t rows = 3;
+  const double eps = 1e-6;
+  for (const std::int64_t dim : kNormLengths) {
+    const std::size_t n = static_cast<std::size_t>(rows * dim);
+    const Vec x = random_vec(n, static_cast<std::uint32_t>(800 + dim), -3.0f, 3.0f);
+    const Vec z = silu_inputs(n, static_cast<std::uint32_t>(900 + dim));
+    const Vec weight = random_vec(static_cast<std::size_t>(dim), 1000, 0.5f, 1.5f);
+    Vec want_rms(n), want_gated(n), want_l2(n);
+    for (std::int64_t r = 0; r < rows; ++r) {
+      const float* xr = x.data() + r * dim;
+      const float ss = ref_sum_squares(xr, dim);
+      const float mean = ss / static_cast<float>(dim);
+      const float inv = 1.0f / std::sqrt(mean + static_cast<float>(eps));
+      const float inv_l2 = 1.0f / std::sqrt(ss + 1e-6f);
+      for (std::int64_t i = 0; i < dim; ++i) {
+        const std::size_t at = static_cast<std::size_t>(r * dim + i);
+        const float normed = x[at] * inv;
+        const float scaled = weight[static_cast<std::size_t>(i)] * normed;
+        want_rms[at] = scaled;
+        want_gated[at] = scaled * silu(z[at]);
+        want_l2[at] = x[at] * inv_l2;
+      }
+    }
+    for (const detail::KernelIsa isa : isas) {
+      with_kernel_isa(isa, [&] {
+        Vec y(n);
+        rms_norm(x.data(), weight.data(), rows, dim, eps, y.data());
+        EXPECT_TRUE(same_bits(y, want_rms)) << "rms_norm, dim " << dim << ", " << isa_name(isa);
+        Vec in_place = x;
+        rms_norm(in_place.data(), weight.data(), rows, dim, eps, in_place.data());
+        EXPECT_TRUE(same_bits(in_place, want_rms)) << "rms_norm in place, dim " << dim << ", " << isa_name(isa);
+        gated_rms_norm(x.data(), z.data(), weight.data(), rows, dim, eps, y.data());
+        EXPECT_TRUE(same_bits(y, want_gated)) << "gated_rms_norm, dim " << dim << ", " << isa_name(isa);
+        Vec in_z = z;
+        gated_rms_norm(x.data(), in_z.data(), weight.data(), rows, dim, eps, in_z.data());
+        EXPECT_TRUE(same_bits(in_z, want_gated)) << "gated_rms_norm y == z, dim " << dim << ", " << isa_name(isa);
+        Vec l2 = x;
+        l2_normalize(l2.data(), rows, dim, 1e-6f);
+        EXPECT_TRUE(same_bits(l2, want_l2)) << "l2_normalize, dim " << dim << ", " << isa_name(isa);
+      });
+    }
+  }
+}
+
+// rope_inplace on each instruction-set copy equals the scalar rotation with
+// the table's angles bit for bit: half-widths that leave every tail, partial
+// rotary (elements past 2 * half unchanged), several heads per row.
+TEST(KernelsRope, EveryIsaCopyEqualsScalarFormulaBitwise) {
+#if defined(__FMA__)
+  GTEST_SKIP() << "FMA contraction enabled in this build";
+#endif
+  std::vector<detail::KernelIsa> isas = {detail::KernelIsa::Baseline};
+  for (const detail::KernelIsa isa : wider_kernel_isas()) isas.push_back(isa);
+  const std::int64_t rows = 3, heads = 3;
+  const std::int64_t positions[rows] = {0, 5, 40001};
+  for (const std::int64_t half : kNormLengths) {
+    for (const std::int64_t extra : {std::int64_t{0}, std::int64_t{5}}) {
+      const std::int64_t head_dim = 2 * half + extra;
+      const RopeTable table(positions, rows, 10000.0, 2 * half);
+      const Vec x = random_vec(static_cast<std::size_t>(rows * heads * head_dim), static_cast<std::uint32_t>(half));
+      Vec want = x;
+      for (std::int64_t r = 0; r < rows; ++r) {
+        for (std::int64_t h = 0; h < heads; ++h) {
+          const std::size_t base = static_cast<std::size_t>((r * heads + h) * head_dim);
+          for (std::int64_t j = 0; j < half; ++j) {
+            const float x1 = x[base + static_cast<std::size_t>(j)];
+            const float x2 = x[base + static_cast<std::size_t>(j + half)];
+            const float c = table.cos(r)[j], s = table.sin(r)[j];
+            const float a = x1 * c, b = x2 * s, d = x2 * c, e = x1 * s;
+            want[base + static_cast<std::size_t>(j)] = a - b;
+            want[base + static_cast<std::size_t>(j + half)] = d + e;
+          }
+        }
+      }
+      for (const detail::KernelIsa isa : isas) {
+        Vec y = x;
+        with_kernel_isa(isa, [&] { rope_inplace(y.data(), rows, heads, head_dim, table); });
+        EXPECT_TRUE(same_bits(y, want)) << "half " << half << ", head_dim " << head_dim << ", " << isa_name(isa);
+      }
+    }
+  }
+}
+
 }  // namespace
 }  // namespace rwd::runtime::kernels
