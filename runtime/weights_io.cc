@@ -143,6 +143,30 @@ struct Checkpoint {
   std::vector<SafetensorsFile> files;
   std::map<std::string, std::size_t, std::less<>> shard_of;  // tensor name -> files index (sharded only)
   std::string index_path;                                    // empty when not sharded
+
+  // The file named in errors: the index when sharded, else the one file.
+  const std::string& weights_path() const { return index_path.empty() ? files.front().path() : index_path; }
+  // The file that holds `name` (REQUIRES: it holds it).
+  const SafetensorsFile& file_of(const std::string& name) const {
+    return index_path.empty() ? files.front() : files[shard_of.at(name)];
+  }
+  // Where `name` is: in the index's shard (sharded) or the file; null when
+  // absent. Throws FormatError when the index places it in a shard that
+  // lacks it.
+  const TensorEntry* locate(const std::string& name) const {
+    if (index_path.empty()) return files.front().find(name);
+    auto it = shard_of.find(name);
+    if (it == shard_of.end()) return nullptr;
+    const TensorEntry* e = files[it->second].find(name);
+    if (e == nullptr) {
+      throw FormatError(files[it->second].path() + ": missing tensor '" + name + "', which " + index_path +
+                        " places there");
+    }
+    return e;
+  }
+  bool contains(const std::string& name) const {
+    return index_path.empty() ? files.front().find(name) != nullptr : shard_of.contains(name);
+  }
 };
 
 Checkpoint open_checkpoint(const std::string& dir) {
@@ -246,6 +270,60 @@ void check_q8_scales(const std::string& path, const TensorEntry& e, std::int64_t
   }
 }
 
+// The Q8 weight `spec` of a Q8 checkpoint, stored as `source`.q8 (I8, the
+// matrix's shape) and `source`.q8_scale (BF16 [out, blocks]), both added to
+// `expected`; their scales checked. Throws FormatError naming the file and
+// tensor for a missing part, a wrong dtype or shape, or a bad scale.
+Q8Weight find_q8_weight(const Checkpoint& ck, const WeightSpec& spec, const std::string& source,
+                        const std::string& config_path, std::set<std::string, std::less<>>& expected) {
+  const std::int64_t out = spec.shape[0], in = spec.shape[1];
+  const std::vector<std::int64_t> scale_shape = {out, q8_blocks(in)};
+  Q8Weight q{out, in};
+  for (const std::string& part : {source + ".q8", source + ".q8_scale"}) {
+    expected.insert(part);
+    const TensorEntry* e = ck.locate(part);
+    if (e == nullptr) {
+      throw FormatError(ck.weights_path() + ": missing tensor '" + part + "', which " + config_path +
+                        " requires of a Q8 checkpoint");
+    }
+    const bool values = part.ends_with(".q8");
+    const std::vector<std::int64_t>& shape = values ? spec.shape : scale_shape;
+    if (e->i8 != values || (!values && e->dtype != DType::BF16) || e->shape != shape) {
+      const std::string is = (e->i8 ? std::string("I8") : std::string(safetensors_dtype_name(e->dtype))) + " " +
+                             shape_string(e->shape);
+      throw FormatError(ck.weights_path() + ": tensor '" + part + "' is " + is + ", " + config_path + " implies " +
+                        (values ? "I8 " : "BF16 ") + shape_string(shape) + " (a Q8 checkpoint, docs/quantization.md)");
+    }
+    (values ? q.q_entry : q.scale_entry) = e;
+  }
+  check_q8_scales(ck.file_of(source + ".q8_scale").path(), *q.scale_entry, scale_shape[1]);
+  q.q = static_cast<const std::int8_t*>(static_cast<const void*>(q.q_entry->data));
+  q.scales = q.scale_entry->data;
+  return q;
+}
+
+// The float weight `spec`, stored as `source` (added to `expected`). Throws
+// FormatError naming the file and tensor when it is missing, has another
+// shape, or is int8 (int8 only as a Q8 checkpoint's values).
+const TensorEntry* find_weight(const Checkpoint& ck, const WeightSpec& spec, const std::string& source,
+                               const std::string& config_path, std::set<std::string, std::less<>>& expected) {
+  expected.insert(source);
+  const TensorEntry* e = ck.locate(source);
+  if (e == nullptr) {
+    throw FormatError(ck.weights_path() + ": missing tensor '" + spec.name + "', which " + config_path + " requires");
+  }
+  if (e->shape != spec.shape) {
+    throw FormatError(ck.weights_path() + ": tensor '" + spec.name + "' has shape " + shape_string(e->shape) + ", " +
+                      config_path + " implies " + shape_string(spec.shape));
+  }
+  if (e->i8) {
+    throw FormatError(ck.weights_path() + ": tensor '" + spec.name +
+                      "' is I8; the runtime reads int8 only as the W.q8 values of a Q8 checkpoint "
+                      "(docs/quantization.md)");
+  }
+  return e;
+}
+
 }  // namespace
 
 ModelWeights ModelWeights::load(const std::string& dir) {
@@ -257,33 +335,15 @@ ModelWeights ModelWeights::load(const std::string& dir) {
     apply_generation_config(w.config_, read_text_file(generation_path), generation_path);
   }
   Checkpoint ck = open_checkpoint(dir);
-  const std::string weights_path = ck.index_path.empty() ? ck.files.front().path() : ck.index_path;
   const bool q8 = is_q8_checkpoint(ck);
   const std::vector<std::string> ignored = ignored_weight_prefixes(w.config_);
 
-  // Where each expected tensor is: in the index's shard (sharded) or the file.
-  auto locate = [&](const std::string& name) -> const TensorEntry* {
-    if (ck.index_path.empty()) return ck.files.front().find(name);
-    auto it = ck.shard_of.find(name);
-    if (it == ck.shard_of.end()) return nullptr;
-    const TensorEntry* e = ck.files[it->second].find(name);
-    if (e == nullptr) {
-      throw FormatError(ck.files[it->second].path() + ": missing tensor '" + name + "', which " + ck.index_path +
-                        " places there");
-    }
-    return e;
-  };
   // Tied embeddings as transformers' from_pretrained ties them: only what the
   // checkpoint allows. With both lm_head.weight and the embedding present it
   // keeps them apart (the config is wrong about the file); with lm_head.weight
   // alone the embedding is tied to it. rewind's own layout stays strict.
   // A Q8 checkpoint holds a matmul weight W as W.q8 (and W.q8_scale).
-  auto holds = [&ck, q8](const std::string& name) {
-    for (const std::string& n : {name, q8 ? name + ".q8" : name}) {
-      if (ck.index_path.empty() ? ck.files.front().find(n) != nullptr : ck.shard_of.contains(n)) return true;
-    }
-    return false;
-  };
+  auto holds = [&ck, q8](const std::string& name) { return ck.contains(name) || (q8 && ck.contains(name + ".q8")); };
   // transformers reads (and writes back) Qwen3.5 text-model weights under
   // either prefix: its conversion mapping renames ^model.language_model to
   // model for Qwen3_5ForCausalLM. The checkpoint's embedding says which.
@@ -312,51 +372,11 @@ ModelWeights ModelWeights::load(const std::string& dir) {
     const bool aliased = !embed_source.empty() && spec.name == weight_name(w.config_, 0, WeightRole::Embed);
     const std::string& source = aliased ? embed_source : spec.name;
     if (q8 && spec.matmul) {
-      const std::int64_t out = spec.shape[0], in = spec.shape[1];
-      const std::vector<std::int64_t> scale_shape = {out, q8_blocks(in)};
-      Q8Weight q{out, in};
-      for (const std::string& part : {source + ".q8", source + ".q8_scale"}) {
-        expected.insert(part);
-        const TensorEntry* e = locate(part);
-        if (e == nullptr) {
-          throw FormatError(weights_path + ": missing tensor '" + part + "', which " + config_path +
-                            " requires of a Q8 checkpoint");
-        }
-        const bool values = part.ends_with(".q8");
-        const std::vector<std::int64_t>& shape = values ? spec.shape : scale_shape;
-        if (e->i8 != values || (!values && e->dtype != DType::BF16) || e->shape != shape) {
-          const std::string is = (e->i8 ? std::string("I8") : std::string(safetensors_dtype_name(e->dtype))) + " " +
-                                 shape_string(e->shape);
-          throw FormatError(weights_path + ": tensor '" + part + "' is " + is + ", " + config_path + " implies " +
-                            (values ? "I8 " : "BF16 ") + shape_string(shape) +
-                            " (a Q8 checkpoint, docs/quantization.md)");
-        }
-        (values ? q.q_entry : q.scale_entry) = e;
-      }
-      const std::string& scale_path = ck.index_path.empty() ? ck.files.front().path()
-                                                            : ck.files[ck.shard_of.at(source + ".q8_scale")].path();
-      check_q8_scales(scale_path, *q.scale_entry, scale_shape[1]);
-      q.q = static_cast<const std::int8_t*>(static_cast<const void*>(q.q_entry->data));
-      q.scales = q.scale_entry->data;
-      q8_weights.push_back(q);
+      q8_weights.push_back(find_q8_weight(ck, spec, source, config_path, expected));
       entries.push_back(nullptr);
-      continue;
+    } else {
+      entries.push_back(find_weight(ck, spec, source, config_path, expected));
     }
-    expected.insert(source);
-    const TensorEntry* e = locate(source);
-    if (e == nullptr) {
-      throw FormatError(weights_path + ": missing tensor '" + spec.name + "', which " + config_path + " requires");
-    }
-    if (e->shape != spec.shape) {
-      throw FormatError(weights_path + ": tensor '" + spec.name + "' has shape " + shape_string(e->shape) + ", " +
-                        config_path + " implies " + shape_string(spec.shape));
-    }
-    if (e->i8) {
-      throw FormatError(weights_path + ": tensor '" + spec.name +
-                        "' is I8; the runtime reads int8 only as the W.q8 values of a Q8 checkpoint "
-                        "(docs/quantization.md)");
-    }
-    entries.push_back(e);
   }
   for (const SafetensorsFile& file : ck.files) {
     for (const TensorEntry& e : file.entries()) {
