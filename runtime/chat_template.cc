@@ -15,6 +15,7 @@
 #include <fstream>
 #include <functional>
 #include <map>
+#include <optional>
 #include <sstream>
 #include <unordered_map>
 #include <vector>
@@ -1698,32 +1699,13 @@ class Renderer {
     fail(e.pos, "unknown method '" + name + "' of a " + type_name(obj));
   }
 
-  Value filter(const Expr& e) {
-    const Value v = eval(*e.a[0]);
-    const std::vector<Value> args = args_of(e, 1);
+  // The string filters (trim, upper, lower, capitalize, title, replace,
+  // string) of `v`; nullopt for another filter.
+  std::optional<Value> text_filter(const Expr& e, const Value& v, const std::vector<Value>& args) {
     const std::string& f = e.s;
     const auto need = [&](bool ok, const char* what) {
       if (!ok) type_fail(e, "filter '" + f + "' needs " + what + ", got a " + type_name(v));
     };
-    if (f == "tojson") {
-      int indent = 0;
-      const Expr* ie = kwarg(e, "indent");
-      if (ie || !args.empty()) {
-        const Value iv = ie ? eval(*ie) : args[0];
-        if (!iv.is_null()) indent = static_cast<int>(as_int(iv, e, "tojson's indent"));
-      }
-      return Value::of(Json(to_json(v, indent)));
-    }
-    if (f == "default" || f == "d") {
-      const bool boolean = args.size() > 1 ? truthy(args[1]) : false;
-      if (v.undefined() || (boolean && !truthy(v))) return args.empty() ? Value::of(Json("")) : args[0];
-      return v;
-    }
-    if (f == "length" || f == "count") {
-      if (v.is_string()) return Value::of(Json(utf16_length(v.str())));
-      need(v.is_list() || v.is_dict(), "a string, a list or a dict");
-      return Value::of(Json(static_cast<std::int64_t>(v.j().size())));
-    }
     if (f == "trim") {
       need(v.is_string(), "a string");
       return Value::of(Json(trim(v.str())));
@@ -1747,6 +1729,17 @@ class Renderer {
       return Value::of(
           Json(replace_all(v.str(), string_arg(args, 0, e, "replace"), string_arg(args, 1, e, "replace"), count)));
     }
+    if (f == "string") return Value::of(Json(render_value(v)));
+    return std::nullopt;
+  }
+
+  // The list filters (items, join, first, last, reverse, selectattr,
+  // rejectattr, map, list) of `v`; nullopt for another filter.
+  std::optional<Value> list_filter(const Expr& e, const Value& v, const std::vector<Value>& args) {
+    const std::string& f = e.s;
+    const auto need = [&](bool ok, const char* what) {
+      if (!ok) type_fail(e, "filter '" + f + "' needs " + what + ", got a " + type_name(v));
+    };
     if (f == "items") {
       if (v.undefined()) return Value::of(Json::array());
       need(v.is_dict(), "a dict");
@@ -1823,7 +1816,15 @@ class Renderer {
       need(v.is_list(), "a list");
       return v;
     }
-    if (f == "string") return Value::of(Json(render_value(v)));
+    return std::nullopt;
+  }
+
+  // The number filters (int, float, abs) of `v`; nullopt for another filter.
+  std::optional<Value> number_filter(const Expr& e, const Value& v) {
+    const std::string& f = e.s;
+    const auto need = [&](bool ok, const char* what) {
+      if (!ok) type_fail(e, "filter '" + f + "' needs " + what + ", got a " + type_name(v));
+    };
     if (f == "int") {
       if (v.is_int()) return v;
       if (v.is_float()) return Value::of(Json(static_cast<std::int64_t>(std::trunc(v.num()))));
@@ -1846,6 +1847,38 @@ class Renderer {
       if (v.is_int()) return Value::of(Json(std::llabs(v.j().get<std::int64_t>())));
       return Value::of(Json(std::fabs(v.num())));
     }
+    return std::nullopt;
+  }
+
+  Value filter(const Expr& e) {
+    const Value v = eval(*e.a[0]);
+    const std::vector<Value> args = args_of(e, 1);
+    const std::string& f = e.s;
+    const auto need = [&](bool ok, const char* what) {
+      if (!ok) type_fail(e, "filter '" + f + "' needs " + what + ", got a " + type_name(v));
+    };
+    if (f == "tojson") {
+      int indent = 0;
+      const Expr* ie = kwarg(e, "indent");
+      if (ie || !args.empty()) {
+        const Value iv = ie ? eval(*ie) : args[0];
+        if (!iv.is_null()) indent = static_cast<int>(as_int(iv, e, "tojson's indent"));
+      }
+      return Value::of(Json(to_json(v, indent)));
+    }
+    if (f == "default" || f == "d") {
+      const bool boolean = args.size() > 1 ? truthy(args[1]) : false;
+      if (v.undefined() || (boolean && !truthy(v))) return args.empty() ? Value::of(Json("")) : args[0];
+      return v;
+    }
+    if (f == "length" || f == "count") {
+      if (v.is_string()) return Value::of(Json(utf16_length(v.str())));
+      need(v.is_list() || v.is_dict(), "a string, a list or a dict");
+      return Value::of(Json(static_cast<std::int64_t>(v.j().size())));
+    }
+    if (auto r = text_filter(e, v, args)) return *r;
+    if (auto r = list_filter(e, v, args)) return *r;
+    if (auto r = number_filter(e, v)) return *r;
     fail(e.pos, "unknown filter '" + f +
                     "' (supported: tojson, default, length, count, trim, upper, lower, capitalize, title, replace, "
                     "items, join, first, last, reverse, list, string, int, float, abs, selectattr, rejectattr, "
