@@ -224,20 +224,10 @@ std::vector<std::int32_t> parse_prompt(const json& body, const Tokenizer& tokeni
 
 // The fields /v1/completions and /v1/chat/completions share (all but the
 // prompt), into `r`. `max_n` is the server's max_batch: a request's choices
-// decode together, each a place in the batch; `speculating`: the server
-// speculates (lookup or a draft model), where n stays 1.
-void parse_generation(const json& body, std::int64_t context, std::int64_t max_n, bool speculating,
-                      CompletionRequest& r) {
+// decode together, each a place in the batch (speculating or not).
+void parse_generation(const json& body, std::int64_t context, std::int64_t max_n, CompletionRequest& r) {
   // Past max_batch a request could never be admitted whole.
-  if (auto n = integer_field(body, "n", 1, max_n)) {
-    if (*n > 1 && speculating) {
-      throw ApiError(400,
-                     "'n' is " + std::to_string(*n) +
-                         "; this server speculates (--lookup or --draft), where only n = 1 is supported",
-                     "n", "unsupported_value");
-    }
-    r.n = *n;
-  }
+  if (auto n = integer_field(body, "n", 1, max_n)) r.n = *n;
   if (auto echo = bool_field(body, "echo"); echo && *echo) {
     throw ApiError(400, "'echo' is not supported yet", "echo", "unsupported_value");
   }
@@ -291,10 +281,10 @@ void check_context(const CompletionRequest& r, std::int64_t context) {
 }
 
 CompletionRequest parse_completion(const json& body, const Tokenizer& tokenizer, std::int64_t vocab,
-                                   std::int64_t context, std::int64_t max_n, bool speculating) {
+                                   std::int64_t context, std::int64_t max_n) {
   CompletionRequest r;
   // Generation fields first, so that a bad one is reported whatever the prompt.
-  parse_generation(body, context, max_n, speculating, r);
+  parse_generation(body, context, max_n, r);
   r.prompt = parse_prompt(body, tokenizer, vocab);
   check_context(r, context);
   return r;
@@ -373,8 +363,9 @@ struct Channel {
 // part, submits it and reads `tokens` as the decode loop appends them;
 // `cancel` asks the decode loop to drop the sequence (a stop string
 // matched, the client left). With n > 1 the first choice holds the others
-// in `forks` until its prompt is in the cache; each is then forked from its
-// sequence (copy-on-write, no prompt of its own) and decodes on its own.
+// in `forks` until its prompt (speculating: all but its last token) is in
+// the cache; each is then forked from its sequence (copy-on-write, no
+// prompt of its own) and decodes (or speculates) on its own.
 struct Job {
   std::vector<std::int32_t> prompt;
   std::int64_t max_tokens = 0;
@@ -448,6 +439,23 @@ class Speculation {
     job.k_now = num_draft_;
     if (drafter_) {
       job.slot = free_slots_.back();  // the batch never holds more than max_batch
+      free_slots_.pop_back();
+    }
+  }
+  // A choice forked (SequenceCache::fork) from `first` once its prompt but
+  // the last token is in joins as a request would after that prefill: the
+  // fork holds the recording `first` activated (fork copies it), its own K
+  // and a draft-model slot of its own, which prefills the prompt at its first
+  // propose as a fresh request's does. Its tokens are then those of a
+  // request alone with its seed.
+  void join_fork(Job& fork, const Job& first) {
+    fork.sequence = first.prompt;
+    fork.pending.clear();
+    fork.drafts.clear();
+    fork.prefilled = true;
+    fork.k_now = num_draft_;
+    if (drafter_) {
+      fork.slot = free_slots_.back();  // the request's places include its forks: a slot is free
       free_slots_.pop_back();
     }
   }
@@ -781,7 +789,13 @@ struct Server::Impl {
       }
       // Outside the lock: a lookup may wait for a store (Redis).
       for (std::shared_ptr<Job>& job : joining) {
-        if (admit(*job, cache, spec)) active.push_back(std::move(job));
+        if (!admit(*job, cache, spec)) continue;
+        // Speculating with its prompt but the last token restored (or a
+        // one-token prompt): its choices fork now and draft this round.
+        std::vector<std::shared_ptr<Job>> forked;
+        if (job->prefilled) forked = fork_speculating(*job, cache, spec);
+        active.push_back(std::move(job));
+        for (auto& fork : forked) active.push_back(std::move(fork));
       }
       std::erase_if(active, [&](const std::shared_ptr<Job>& job) {
         if (!job->cancel) return false;
@@ -841,7 +855,9 @@ struct Server::Impl {
         if (spec.on()) {  // its prompt but the last token is in: it drafts and verifies from next round
           prefill_done(job, fed[k], cache, l);
           job.prefilled = true;
+          std::vector<std::shared_ptr<Job>> forked = fork_speculating(job, cache, spec);
           still.push_back(std::move(active[k]));
+          for (auto& fork : forked) still.push_back(std::move(fork));
           continue;
         }
         // Its prompt is in: the other choices fork from it before its own
@@ -879,9 +895,10 @@ struct Server::Impl {
   }
 
   // Forks the choices `job` holds from its sequence, whose prompt is all in
-  // the cache: O(layers + block runs) each, the blocks shared copy-on-write.
-  // Returns them, seeded and ready to sample their first token; a choice the
-  // cache refuses (memory) fails alone.
+  // the cache (speculating: all but the last token): O(layers + block runs)
+  // each, the blocks shared copy-on-write. Returns them, seeded and ready to
+  // sample (or verify) their first token; a choice the cache refuses
+  // (memory) fails alone.
   std::vector<std::shared_ptr<Job>> fork_choices(Job& job, SequenceCache& cache) {
     std::vector<std::shared_ptr<Job>> forked;
     for (auto& fork : job.forks) {
@@ -897,6 +914,15 @@ struct Server::Impl {
     job.forks.clear();
     std::lock_guard<std::mutex> lock(mu);
     counters.forks += static_cast<std::int64_t>(forked.size());
+    return forked;
+  }
+
+  // Speculating: forks the choices `job` holds once its prompt but the last
+  // token is in (the last leads each one's first verify forward) and joins
+  // each to the speculation (Speculation::join_fork).
+  std::vector<std::shared_ptr<Job>> fork_speculating(Job& job, SequenceCache& cache, Speculation& spec) {
+    std::vector<std::shared_ptr<Job>> forked = fork_choices(job, cache);
+    for (auto& fork : forked) spec.join_fork(*fork, job);
     return forked;
   }
 
@@ -1090,11 +1116,8 @@ struct Server::Impl {
   void completions(const httplib::Request& req, httplib::Response& res) {
     const json body = parse_body(req);
     check_model(body, name);
-    respond(parse_completion(body, tokenizer, model.vocab_size(), context, options.max_batch, speculating()), false,
-            res);
+    respond(parse_completion(body, tokenizer, model.vocab_size(), context, options.max_batch), false, res);
   }
-
-  bool speculating() const { return options.lookup > 0 || draft.has_value(); }
 
   // Waits for every choice of `c` and answers with one JSON object.
   void answer_whole(Completion& c, httplib::Response& res) const {
@@ -1261,7 +1284,7 @@ struct Server::Impl {
     CompletionRequest r;
     // OpenAI's default for chat is as many tokens as the context leaves.
     r.max_tokens = -1;
-    parse_generation(body, context, options.max_batch, speculating(), r);
+    parse_generation(body, context, options.max_batch, r);
     if (auto m = integer_field(body, "max_completion_tokens", 0, context)) r.max_tokens = *m;
     // The template sees the messages and tools as sent, keys in order
     // (tojson of a tool's schema keeps the client's order).

@@ -12,6 +12,7 @@
 #include <filesystem>
 #include <fstream>
 #include <map>
+#include <memory>
 #include <string>
 #include <thread>
 #include <vector>
@@ -422,28 +423,231 @@ TEST_F(ServerNTest, MetricsCountForks) {
       << res->body;
 }
 
-// With speculation on, n stays 1: a request for more is refused, naming n.
-TEST(ServerNSpeculation, NAboveOneIsRefusedWithLookup) {
-  omp_set_num_threads(1);
-  ServerOptions o;
-  o.model_dir = model_dir();
-  o.port = 0;
-  o.max_batch = 4;
-  o.threads = 1;
-  o.lookup = 3;
-  Server server(o);
-  const int port = server.start();
-  httplib::Client client("127.0.0.1", port);
-  client.set_read_timeout(120, 0);
-  const auto refused = client.Post("/v1/completions", json{{"prompt", kPrompt}, {"n", 2}}.dump(), "application/json");
-  ASSERT_TRUE(refused);
-  EXPECT_EQ(refused->status, 400) << refused->body;
-  EXPECT_EQ(json::parse(refused->body)["error"]["param"], "n");
-  EXPECT_EQ(json::parse(refused->body)["error"]["code"], "unsupported_value");
-  const auto one = client.Post("/v1/completions", json{{"prompt", kPrompt}, {"n", 1}, {"max_tokens", 3}}.dump(),
-                               "application/json");
-  ASSERT_TRUE(one);
-  EXPECT_EQ(one->status, 200) << one->body;
+// n > 1 on a speculating server: each choice forks from the first once its
+// prompt but the last token is in, with its own rollback record, K and
+// draft-model slot, and speculates on its own. Greedy choices each equal
+// generate(); a seeded sampled choice i equals speculative_generate() with
+// the same draft source and seed + i on the prompt alone.
+class ServerNSpeculationTest : public ::testing::Test {
+ public:
+  static void SetUpTestSuite() {
+    omp_set_num_threads(1);
+    model_ = new Model(Model::load(model_dir()));
+    draft_ = new Model(Model::load(draft_dir()));
+    tokenizer_ = new Tokenizer(rwd::runtime::tokenizer_for_model(model_dir(), model_->config()));
+  }
+  static void TearDownTestSuite() {
+    delete tokenizer_;
+    delete draft_;
+    delete model_;
+  }
+  static std::string draft_dir() { return std::string(REWIND_SOURCE_DIR) + "/models/kjv-draft"; }
+
+  // A server speculating with prompt lookup (model_draft false) or the
+  // small draft model, K = 4, prompts fed 16 rows at a time and stored in
+  // the prefix cache every `prefix_interval` tokens.
+  struct Spec {
+    std::unique_ptr<Server> server;
+    int port = 0;
+    ServerCounters baseline;
+  };
+  static Spec start(bool model_draft, std::int64_t prefix_interval = 256) {
+    ServerOptions o;
+    o.model_dir = model_dir();
+    o.port = 0;
+    o.threads = 1;
+    o.max_batch = kMaxBatch;
+    o.max_prefill_rows = 16;
+    o.prefix_interval = prefix_interval;
+    o.num_draft = 4;
+    if (model_draft) {
+      o.draft_dir = draft_dir();
+    } else {
+      o.lookup = 3;
+    }
+    Spec s;
+    s.server = std::make_unique<Server>(o);
+    s.port = s.server->start();
+    s.baseline = s.server->counters();
+    return s;
+  }
+
+  static std::string text(const std::vector<std::int32_t>& tokens) { return tokenizer_->decode(tokens, true); }
+  static std::string greedy(const std::string& prompt, std::int64_t max_tokens) {
+    GenerationOptions options;
+    options.max_new_tokens = max_tokens;
+    return text(rwd::runtime::generate(*model_, tokenizer_->encode(prompt, true), options));
+  }
+  // speculative_generate on `prompt` alone with the server's draft source
+  // (its draft model drafts greedily) and `seed`.
+  static std::string speculated(bool model_draft, const std::string& prompt, std::int64_t max_tokens, float temperature,
+                                std::uint64_t seed) {
+    GenerationOptions options;
+    options.max_new_tokens = max_tokens;
+    options.sampling.temperature = temperature;
+    options.sampling.seed = seed;
+    options.speculation.num_draft = 4;
+    const std::vector<std::int32_t> prompt_ids = tokenizer_->encode(prompt, true);
+    if (model_draft) {
+      rwd::runtime::ModelDraft source(*draft_, rwd::runtime::SamplingParams{}, 4);
+      return text(rwd::runtime::speculative_generate(*model_, source, prompt_ids, options));
+    }
+    rwd::runtime::LookupDraft source(3);
+    return text(rwd::runtime::speculative_generate(*model_, source, prompt_ids, options));
+  }
+
+  static httplib::Result post(int port, const json& body) {
+    httplib::Client client("127.0.0.1", port);
+    client.set_read_timeout(120, 0);
+    return client.Post("/v1/completions", body.dump(), "application/json");
+  }
+  // The choices' texts, in index order, streamed (reassembled) or not.
+  static std::vector<std::string> choices(int port, json body, bool stream) {
+    body["stream"] = stream;
+    const auto res = post(port, body);
+    EXPECT_TRUE(res);
+    if (!res) return {};
+    EXPECT_EQ(res->status, 200) << res->body;
+    std::vector<std::string> out;
+    if (stream) {
+      const Stream s = reassemble(res->body, false);
+      for (const auto& [index, t] : s.text) {
+        EXPECT_EQ(index, static_cast<std::int64_t>(out.size()));
+        out.push_back(t);
+      }
+      return out;
+    }
+    const json j = json::parse(res->body);
+    for (std::size_t i = 0; i < j["choices"].size(); ++i) {
+      EXPECT_EQ(j["choices"][i]["index"], i);
+      out.push_back(j["choices"][i]["text"]);
+    }
+    return out;
+  }
+  // The counters once every sequence is retired; then none is left and
+  // the cache holds what it held before the first request.
+  static ServerCounters idle(const Spec& s) {
+    ServerCounters c = s.server->counters();
+    for (int i = 0; i < 6000 && (c.live_sequences != 0 || c.running != 0); ++i) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(10));
+      c = s.server->counters();
+    }
+    EXPECT_EQ(c.live_sequences, 0);
+    EXPECT_EQ(c.running, 0);
+    EXPECT_EQ(c.cache_bytes_used, s.baseline.cache_bytes_used) << "a finished choice left state behind";
+    return c;
+  }
+
+  static Model* model_;
+  static Model* draft_;
+  static Tokenizer* tokenizer_;
+};
+
+Model* ServerNSpeculationTest::model_ = nullptr;
+Model* ServerNSpeculationTest::draft_ = nullptr;
+Tokenizer* ServerNSpeculationTest::tokenizer_ = nullptr;
+
+// Repeats that prompt lookup finds, and a prompt of plain text.
+const char* const kRepetitive = "the LORD, the LORD, the LORD, the LORD, the LORD, the LORD,";
+
+TEST_F(ServerNSpeculationTest, GreedyChoicesEachEqualGenerateWithLookupAndWithADraftModel) {
+  for (const bool model_draft : {false, true}) {
+    SCOPED_TRACE(model_draft ? "draft model" : "lookup");
+    Spec s = start(model_draft);
+    for (const char* prompt : {kRepetitive, kOtherPrompt}) {
+      const std::string expected = greedy(prompt, 30);
+      for (const bool stream : {false, true}) {
+        SCOPED_TRACE(std::string(prompt) + (stream ? " (streamed)" : ""));
+        const ServerCounters before = s.server->counters();
+        const std::vector<std::string> got = choices(
+            s.port, {{"prompt", prompt}, {"max_tokens", 30}, {"temperature", 0}, {"n", 3}}, stream);
+        ASSERT_EQ(got.size(), 3u);
+        for (std::size_t i = 0; i < 3; ++i) EXPECT_EQ(got[i], expected) << "choice " << i;
+        const ServerCounters after = idle(s);
+        EXPECT_EQ(after.forks - before.forks, 2);
+        EXPECT_GT(after.drafted - before.drafted, 0);
+        EXPECT_EQ(after.generated_tokens - before.generated_tokens, 90);
+      }
+    }
+    const ServerCounters c = idle(s);
+    EXPECT_GT(c.accepted, 0);
+    EXPECT_LE(c.accepted, c.drafted);
+  }
+}
+
+TEST_F(ServerNSpeculationTest, SeededSampledChoiceIEqualsSpeculativeGenerateWithSeedPlusI) {
+  constexpr std::uint64_t kSeed = 911;
+  for (const bool model_draft : {false, true}) {
+    SCOPED_TRACE(model_draft ? "draft model" : "lookup");
+    std::vector<std::string> expected;
+    for (std::uint64_t i = 0; i < 3; ++i) expected.push_back(speculated(model_draft, kRepetitive, 32, 0.8f, kSeed + i));
+    EXPECT_NE(expected[0], expected[1]) << "seeds 911 and 912 should sample other continuations";
+    Spec s = start(model_draft);
+    const json body = {{"prompt", kRepetitive}, {"max_tokens", 32}, {"temperature", 0.8}, {"seed", kSeed}, {"n", 3}};
+    for (const bool stream : {false, true}) {
+      SCOPED_TRACE(stream ? "streamed" : "whole");
+      const ServerCounters before = s.server->counters();
+      const std::vector<std::string> got = choices(s.port, body, stream);
+      ASSERT_EQ(got.size(), 3u);
+      for (std::size_t i = 0; i < 3; ++i) EXPECT_EQ(got[i], expected[i]) << "choice " << i;
+      const ServerCounters after = idle(s);
+      EXPECT_EQ(after.forks - before.forks, 2);
+      EXPECT_GT(after.drafted - before.drafted, 0);
+      EXPECT_GT(after.accepted - before.accepted, 0);
+    }
+  }
+}
+
+// A prompt restored from the prefix cache (all but its last token) and a
+// one-token prompt are prefilled at admission: their choices fork there and
+// draft in the same round, and still equal the computed ones.
+TEST_F(ServerNSpeculationTest, ChoicesForkedAtAdmissionEqualTheOthers) {
+  for (const bool model_draft : {false, true}) {
+    SCOPED_TRACE(model_draft ? "draft model" : "lookup");
+    Spec s = start(model_draft, 8);
+    for (const char* prompt : {kRepetitive, kRepetitive, "A"}) {
+      SCOPED_TRACE(prompt);
+      std::vector<std::string> expected;
+      for (std::uint64_t i = 0; i < 3; ++i) expected.push_back(speculated(model_draft, prompt, 24, 0.8f, 60 + i));
+      const ServerCounters before = s.server->counters();
+      const std::vector<std::string> got = choices(
+          s.port, {{"prompt", prompt}, {"max_tokens", 24}, {"temperature", 0.8}, {"seed", 60}, {"n", 3}}, false);
+      ASSERT_EQ(got.size(), 3u);
+      for (std::size_t i = 0; i < 3; ++i) EXPECT_EQ(got[i], expected[i]) << "choice " << i;
+      EXPECT_EQ(idle(s).forks - before.forks, 2);
+    }
+    EXPECT_EQ(idle(s).prefix_hits, 1) << "the repeated prompt should have been restored";
+  }
+}
+
+// Concurrent requests whose choices fill max_batch (4) together: one waits
+// until all of its places (and draft-model slots) are free; every choice is
+// still generate()'s.
+TEST_F(ServerNSpeculationTest, ConcurrentRequestsWithForksShareTheDraftSlots) {
+  Spec s = start(true);
+  const std::vector<std::int64_t> n = {3, 2, 2, 1};
+  const char* prompts[] = {kRepetitive, kOtherPrompt, kPrompt, kRepetitive};
+  std::vector<std::vector<std::string>> got(n.size());
+  std::vector<std::thread> threads;
+  for (std::size_t r = 0; r < n.size(); ++r) {
+    threads.emplace_back([&, r] {
+      got[r] = choices(s.port,
+                       {{"prompt", prompts[r]},
+                        {"max_tokens", 20 + 4 * static_cast<std::int64_t>(r)},
+                        {"temperature", 0},
+                        {"n", n[r]}},
+                       r % 2 == 1);
+    });
+  }
+  for (std::thread& t : threads) t.join();
+  for (std::size_t r = 0; r < n.size(); ++r) {
+    const std::string expected = greedy(prompts[r], 20 + 4 * static_cast<std::int64_t>(r));
+    ASSERT_EQ(got[r].size(), static_cast<std::size_t>(n[r])) << "request " << r;
+    for (const std::string& t : got[r]) EXPECT_EQ(t, expected) << "request " << r;
+  }
+  const ServerCounters c = idle(s);
+  EXPECT_LE(c.peak_batch, kMaxBatch);
+  EXPECT_EQ(c.forks, 2 + 1 + 1);
 }
 
 }  // namespace
