@@ -747,6 +747,106 @@ struct Server::Impl {
     return drafted;
   }
 
+  // A finished, cancelled or failed request leaves: its blocks and states go
+  // back at once, and its draft state.
+  static void retire(Job& job, SequenceCache& cache, Speculation& spec) {
+    cache.seq_rm(job.id);
+    if (spec.on()) spec.leave(job);
+  }
+
+  // Moves the requests that fit in the batch beside `active` from the queue
+  // to `joining` (waiting for one first); false once stop() was asked and
+  // nothing is left to do.
+  bool take_joining(const std::vector<std::shared_ptr<Job>>& active, std::vector<std::shared_ptr<Job>>& joining) {
+    std::unique_lock<std::mutex> lock(mu);
+    cv.wait(lock, [&] { return !waiting.empty() || !active.empty() || quit; });
+    if (waiting.empty() && active.empty()) return false;  // quit, and drained
+    joining.clear();
+    // A request takes a place per choice, the ones not forked yet included;
+    // the queue's head waits until all of its places are free.
+    std::int64_t places = 0;
+    for (const auto& job : active) places += places_of(*job);
+    while (!waiting.empty() && places + places_of(*waiting.front()) <= options.max_batch) {
+      std::shared_ptr<Job> job = std::move(waiting.front());
+      waiting.pop_front();
+      // The gauge follows the queue at once, not at the round's end: a
+      // reader (/metrics, a test waiting for a queued request) must not
+      // count an admitted request as waiting.
+      counters.waiting = static_cast<std::int64_t>(waiting.size());
+      if (job->cancel) {
+        finish(*job, "cancelled");
+        continue;
+      }
+      counters.prompt_tokens += static_cast<std::int64_t>(job->prompt.size());
+      places += places_of(*job);
+      joining.push_back(std::move(job));
+    }
+    return true;
+  }
+
+  // After the round's forward (`logits`, the rows `batch` asked for): each
+  // request of `active` takes its rows, prompt pieces move on (their
+  // prefix-cache entries stored), decoding requests emit their tokens
+  // (verified drafts included) and choices fork; returns the requests that
+  // go on, the finished ones retired.
+  std::vector<std::shared_ptr<Job>> after_forward(std::vector<std::shared_ptr<Job>>& active,
+                                                  const std::vector<SequenceTokens>& batch,
+                                                  const std::vector<std::int64_t>& fed,
+                                                  const std::vector<float>& logits, SequenceCache& cache,
+                                                  Speculation& spec) {
+    const auto V = static_cast<std::size_t>(model.vocab_size());
+    std::size_t row = 0;
+    std::vector<std::shared_ptr<Job>> still;
+    for (std::size_t k = 0; k < active.size(); ++k) {
+      Job& job = *active[k];
+      if (job.prefilled) {  // speculating: it verified its drafts
+        const std::span<const float> rows(logits.data() + row * V, job.pending.size() * V);
+        row += job.pending.size();
+        if (const char* end = emit_verified(job, rows, spec, cache)) {
+          retire(job, cache, spec);
+          finish(job, end);
+        } else {
+          still.push_back(std::move(active[k]));
+        }
+        continue;
+      }
+      // A prompt piece has its last row's logits when it ends the prompt
+      // or a prefix-cache interval (prefill_piece).
+      std::span<const float> l;
+      if (batch[k].logits == LogitRows::kLast) l = std::span<const float>(logits.data() + row++ * V, V);
+      if (fed[k] < static_cast<std::int64_t>(job.pending.size())) {  // more of its prompt next round
+        prefill_done(job, fed[k], cache, l);
+        still.push_back(std::move(active[k]));
+        continue;
+      }
+      if (spec.on()) {  // its prompt but the last token is in: it drafts and verifies from next round
+        prefill_done(job, fed[k], cache, l);
+        job.prefilled = true;
+        std::vector<std::shared_ptr<Job>> forked = fork_speculating(job, cache, spec);
+        still.push_back(std::move(active[k]));
+        for (auto& fork : forked) still.push_back(std::move(fork));
+        continue;
+      }
+      // Its prompt is in: the other choices fork from it before its own
+      // token moves it on, and sample from the same logits.
+      std::vector<std::shared_ptr<Job>> forked = fork_choices(job, cache);
+      const auto sampled = [&](Job& j) {
+        const std::int32_t token = sample(j, l);
+        if (const char* end = emit(j, token)) {
+          retire(j, cache, spec);
+          finish(j, end);
+          return false;
+        }
+        j.pending.assign(1, token);
+        return true;
+      };
+      if (sampled(job)) still.push_back(std::move(active[k]));
+      for (auto& fork : forked)
+        if (sampled(*fork)) still.push_back(std::move(fork));
+    }
+    return still;
+  }
+
   void decode_loop() {
     if (options.threads > 0) omp_set_num_threads(options.threads);
     SequenceCache cache = model.make_sequence_cache();
@@ -756,37 +856,7 @@ struct Server::Impl {
     std::vector<SequenceTokens> batch;
     std::vector<std::int64_t> fed;
     std::vector<float> logits;
-    const auto V = static_cast<std::size_t>(model.vocab_size());
-    const auto retire = [&](Job& job) {
-      cache.seq_rm(job.id);  // its blocks and states go back at once
-      if (spec.on()) spec.leave(job);
-    };
-    while (true) {
-      {
-        std::unique_lock<std::mutex> lock(mu);
-        cv.wait(lock, [&] { return !waiting.empty() || !active.empty() || quit; });
-        if (waiting.empty() && active.empty()) break;  // quit, and drained
-        joining.clear();
-        // A request takes a place per choice, the ones not forked yet
-        // included; the queue's head waits until all of its places are free.
-        std::int64_t places = 0;
-        for (const auto& job : active) places += places_of(*job);
-        while (!waiting.empty() && places + places_of(*waiting.front()) <= options.max_batch) {
-          std::shared_ptr<Job> job = std::move(waiting.front());
-          waiting.pop_front();
-          // The gauge follows the queue at once, not at the round's end: a
-          // reader (/metrics, a test waiting for a queued request) must not
-          // count an admitted request as waiting.
-          counters.waiting = static_cast<std::int64_t>(waiting.size());
-          if (job->cancel) {
-            finish(*job, "cancelled");
-            continue;
-          }
-          counters.prompt_tokens += static_cast<std::int64_t>(job->prompt.size());
-          places += places_of(*job);
-          joining.push_back(std::move(job));
-        }
-      }
+    while (take_joining(active, joining)) {
       // Outside the lock: a lookup may wait for a store (Redis).
       for (std::shared_ptr<Job>& job : joining) {
         if (!admit(*job, cache, spec)) continue;
@@ -799,7 +869,7 @@ struct Server::Impl {
       }
       std::erase_if(active, [&](const std::shared_ptr<Job>& job) {
         if (!job->cancel) return false;
-        retire(*job);
+        retire(*job, cache, spec);
         finish(*job, "cancelled");
         return true;
       });
@@ -821,63 +891,14 @@ struct Server::Impl {
         // have, and go with their requests). Every request of the batch
         // fails (the budget or the system refused memory); the server goes on.
         for (const auto& job : active) {
-          retire(*job);
+          retire(*job, cache, spec);
           finish(*job, "error", e.what());
         }
         active.clear();
         update_gauges(0, cache);
         continue;
       }
-      std::size_t row = 0;
-      std::vector<std::shared_ptr<Job>> still;
-      for (std::size_t k = 0; k < active.size(); ++k) {
-        Job& job = *active[k];
-        if (job.prefilled) {  // speculating: it verified its drafts
-          const std::span<const float> rows(logits.data() + row * V, job.pending.size() * V);
-          row += job.pending.size();
-          if (const char* end = emit_verified(job, rows, spec, cache)) {
-            retire(job);
-            finish(job, end);
-          } else {
-            still.push_back(std::move(active[k]));
-          }
-          continue;
-        }
-        // A prompt piece has its last row's logits when it ends the prompt
-        // or a prefix-cache interval (prefill_piece).
-        std::span<const float> l;
-        if (batch[k].logits == LogitRows::kLast) l = std::span<const float>(logits.data() + row++ * V, V);
-        if (fed[k] < static_cast<std::int64_t>(job.pending.size())) {  // more of its prompt next round
-          prefill_done(job, fed[k], cache, l);
-          still.push_back(std::move(active[k]));
-          continue;
-        }
-        if (spec.on()) {  // its prompt but the last token is in: it drafts and verifies from next round
-          prefill_done(job, fed[k], cache, l);
-          job.prefilled = true;
-          std::vector<std::shared_ptr<Job>> forked = fork_speculating(job, cache, spec);
-          still.push_back(std::move(active[k]));
-          for (auto& fork : forked) still.push_back(std::move(fork));
-          continue;
-        }
-        // Its prompt is in: the other choices fork from it before its own
-        // token moves it on, and sample from the same logits.
-        std::vector<std::shared_ptr<Job>> forked = fork_choices(job, cache);
-        const auto sampled = [&](Job& j) {
-          const std::int32_t token = sample(j, l);
-          if (const char* end = emit(j, token)) {
-            retire(j);
-            finish(j, end);
-            return false;
-          }
-          j.pending.assign(1, token);
-          return true;
-        };
-        if (sampled(job)) still.push_back(std::move(active[k]));
-        for (auto& fork : forked)
-          if (sampled(*fork)) still.push_back(std::move(fork));
-      }
-      active = std::move(still);
+      active = after_forward(active, batch, fed, logits, cache, spec);
       update_gauges(active.size(), cache);
     }
     update_gauges(0, cache);
