@@ -107,6 +107,11 @@ TEST_F(TaggedChatServerTest, ATurnWithoutTagsIsTheTextAsBefore) {
   EXPECT_EQ(choice["message"], json({{"role", "assistant"}, {"content", text}}));  // no other key
   EXPECT_EQ(choice["finish_reason"], "length");
 
+  // Each of n choices has its own parser.
+  const json two = post({{"messages", kMessages}, {"max_tokens", 40}, {"temperature", 0}, {"n", 2}});
+  ASSERT_EQ(two["choices"].size(), 2u);
+  for (const json& c : two["choices"]) EXPECT_EQ(c["message"], json({{"role", "assistant"}, {"content", text}}));
+
   const json events = post({{"messages", kMessages}, {"max_tokens", 40}, {"temperature", 0}, {"stream", true}});
   ASSERT_GE(events.size(), 2u);
   EXPECT_EQ(events[0]["choices"][0]["delta"]["role"], "assistant");
