@@ -1065,7 +1065,8 @@ struct Server::Impl {
           if (c.finished) {
             parts.append(c.parser->finish());
             // The model ended its turn (EOS) after calling tools.
-            if (c.parser->had_tool_calls() && c.finish_reason == "stop") c.finish_reason = "tool_calls";
+            if (c.parser->had_tool_calls() && c.finish_reason == "stop" && !c.stop.stopped())
+              c.finish_reason = "tool_calls";
           }
           ev.text = std::move(parts.content);
           ev.reasoning = std::move(parts.reasoning);
