@@ -31,6 +31,7 @@
 #include "runtime/kernels.h"
 #include "runtime/model.h"
 #include "runtime/tokenizer.h"
+#include "server/chat_output.h"
 #include "server/stop_strings.h"
 
 namespace rwd::server {
@@ -980,11 +981,14 @@ struct Server::Impl {
   // ---- HTTP ----
 
   // One choice of a request as the client sees it: the decode loop's tokens
-  // decoded to text, cut at a stop string.
+  // decoded to text, cut at a stop string, then (chat over a template with
+  // the tags) split into reasoning, content and tool calls.
   struct Choice {
     std::shared_ptr<Job> job;
     runtime::StreamDecoder decoder;
     StopMatcher stop;
+    std::optional<ChatOutputParser> parser;
+    int tool_calls_sent = 0;  // streams: the index of the next tool call delta
     std::size_t seen = 0;
     std::int64_t completion_tokens = 0;
     std::string finish_reason;  // set when finished
@@ -1039,13 +1043,25 @@ struct Server::Impl {
     std::string id;
     std::int64_t created = 0;
 
-    // What next() has for a choice: its text so far, and whether the
-    // choice ended with it (finish_reason set).
+    // What next() has for a choice: its text so far (with a parser: its
+    // content, reasoning and tool calls), and whether the choice ended with
+    // it (finish_reason set).
     struct Event {
       std::size_t index;
       std::string text;
       bool last;
+      std::string reasoning;
+      std::vector<ToolCall> tool_calls;
     };
+    std::mt19937_64 ids{std::random_device{}()};  // tool call ids
+
+    // A fresh tool call id: "call_" and 24 hexadecimal digits.
+    std::string call_id() {
+      char buf[32];
+      std::snprintf(buf, sizeof buf, "call_%016llx%08llx", static_cast<unsigned long long>(ids()),
+                    static_cast<unsigned long long>(ids() & 0xffffffffu));
+      return buf;
+    }
 
     bool all_reported() const {
       return std::all_of(choices.begin(), choices.end(), [](const Choice& c) { return c.reported; });
@@ -1062,7 +1078,7 @@ struct Server::Impl {
       for (std::size_t i = 0; i < choices.size(); ++i) {
         if (choices[i].finished && !choices[i].reported) {  // max_tokens 0: ended before it began
           choices[i].reported = true;
-          out.push_back({i, std::string(), true});
+          out.push_back(Event{i, std::string(), true, {}, {}});
         }
       }
       if (!out.empty()) return out;
@@ -1090,9 +1106,22 @@ struct Server::Impl {
       for (std::size_t i = 0; i < choices.size(); ++i) {
         Choice& c = choices[i];
         if (news[i].fresh.empty() && !news[i].done) continue;
-        std::string text = c.take(news[i].fresh, news[i].done, news[i].reason, news[i].error);
+        Event ev{i, c.take(news[i].fresh, news[i].done, news[i].reason, news[i].error), c.finished, {}, {}};
+        if (c.parser) {
+          ChatOutput parts = c.parser->push(ev.text);
+          if (c.finished) {
+            parts.append(c.parser->finish());
+            // The model ended its turn (EOS) after calling tools.
+            if (c.parser->had_tool_calls() && c.finish_reason == "stop" && !c.stop.stopped())
+              c.finish_reason = "tool_calls";
+          }
+          ev.text = std::move(parts.content);
+          ev.reasoning = std::move(parts.reasoning);
+          ev.tool_calls = std::move(parts.tool_calls);
+        }
         if (c.finished) c.reported = true;
-        if (!text.empty() || c.finished) out.push_back({i, std::move(text), c.finished});
+        if (!ev.text.empty() || !ev.reasoning.empty() || !ev.tool_calls.empty() || c.finished)
+          out.push_back(std::move(ev));
       }
       return out;
     }
@@ -1142,25 +1171,29 @@ struct Server::Impl {
 
   // Waits for every choice of `c` and answers with one JSON object.
   void answer_whole(Completion& c, httplib::Response& res) const {
-    std::vector<std::string> texts(c.choices.size());
+    std::vector<ChatOutput> parts(c.choices.size());
     try {
       while (!c.all_reported()) {
-        for (Completion::Event& e : c.next()) texts[e.index] += e.text;
+        for (Completion::Event& e : c.next()) {
+          parts[e.index].append({std::move(e.reasoning), std::move(e.text), std::move(e.tool_calls)});
+        }
       }
     } catch (...) {
       c.cancel_all();
       throw;
     }
     json choices = json::array();
-    for (std::size_t i = 0; i < texts.size(); ++i) {
+    for (std::size_t i = 0; i < parts.size(); ++i) {
       const std::string& reason = c.choices[i].finish_reason;
       if (c.chat) {
+        std::vector<std::string> ids;
+        for (std::size_t k = 0; k < parts[i].tool_calls.size(); ++k) ids.push_back(c.call_id());
         choices.push_back({{"index", i},
-                           {"message", {{"role", "assistant"}, {"content", texts[i]}}},
+                           {"message", chat_message_json(parts[i], ids)},
                            {"logprobs", nullptr},
                            {"finish_reason", reason}});
       } else {
-        choices.push_back({{"text", texts[i]}, {"index", i}, {"logprobs", nullptr}, {"finish_reason", reason}});
+        choices.push_back({{"text", parts[i].content}, {"index", i}, {"logprobs", nullptr}, {"finish_reason", reason}});
       }
     }
     send_json(res, 200,
@@ -1212,12 +1245,26 @@ struct Server::Impl {
     }
     for (std::size_t e = 0; e < events.size(); ++e) {
       const Completion::Event& ev = events[e];
+      if (c.chat) {
+        // Reasoning, content, then each tool call whole, as one delta each.
+        if (!ev.reasoning.empty()) {
+          const json d = {{"reasoning_content", ev.reasoning}};
+          if (!write(c.chunk(ev.index, "", name, false, false, &d))) return false;
+        }
+        if (!ev.text.empty() && !write(c.chunk(ev.index, ev.text, name, false, false))) return false;
+        for (const ToolCall& call : ev.tool_calls) {
+          const json d = {
+              {"tool_calls", json::array({tool_call_json(call, c.call_id(), c.choices[ev.index].tool_calls_sent++)})}};
+          if (!write(c.chunk(ev.index, "", name, false, false, &d))) return false;
+        }
+        if (ev.last && !write(c.chunk(ev.index, std::string(), name, true, e == usage_at))) return false;
+        continue;
+      }
       if (!ev.last) {
         if (!ev.text.empty() && !write(c.chunk(ev.index, ev.text, name, false, false))) return false;
         continue;
       }
-      if (c.chat && !ev.text.empty() && !write(c.chunk(ev.index, ev.text, name, false, false))) return false;
-      if (!write(c.chunk(ev.index, c.chat ? std::string() : ev.text, name, true, e == usage_at))) return false;
+      if (!write(c.chunk(ev.index, ev.text, name, true, e == usage_at))) return false;
     }
     if (!c.all_reported()) return true;
     if (c.include_usage) {
@@ -1232,7 +1279,8 @@ struct Server::Impl {
   // of server-sent events. Choice i samples with the request's seed + i, as
   // runtime::generate_batch seeds its sequence i; the decode loop forks
   // choices 1..n-1 from choice 0 once the prompt is in (Job::forks).
-  void respond(const CompletionRequest& r, bool chat, httplib::Response& res) {
+  // `syntax`: what a chat turn's text is split by (ChatSyntax{}: nothing).
+  void respond(const CompletionRequest& r, bool chat, httplib::Response& res, ChatSyntax syntax = {}) {
     auto c = std::make_shared<Completion>();
     c->channel = std::make_shared<Channel>();
     std::shared_ptr<Job> first;
@@ -1249,6 +1297,7 @@ struct Server::Impl {
         first->forks.push_back(job);
       }
       c->choices.emplace_back(std::move(job), tokenizer, r.stop);
+      if (syntax.any()) c->choices.back().parser.emplace(syntax);
     }
     c->prompt_tokens = static_cast<std::int64_t>(r.prompt.size());
     c->include_usage = r.include_usage;
@@ -1344,7 +1393,8 @@ struct Server::Impl {
       r.max_tokens = std::max<std::int64_t>(context - static_cast<std::int64_t>(r.prompt.size()), 0);
     }
     check_context(r, context);
-    respond(r, true, res);
+    // Stop strings cut the model's text first; the parser splits what is left.
+    respond(r, true, res, chat_syntax(chat_template->source(), text));
   }
 
   std::string metrics() const {

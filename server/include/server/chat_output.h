@@ -1,0 +1,98 @@
+// server/chat_output.h: the assistant's text split into reasoning, content
+// and tool calls, as Qwen3-family chat templates lay them out.
+//
+// Reasoning is `<think>...</think>` at the start of the turn (or everything
+// up to `</think>` when the generation prompt already opened `<think>`);
+// a tool call is a `<tool_call>\n{"name": ..., "arguments": {...}}\n
+// </tool_call>` block (the Hermes format). Text arrives in pieces split
+// anywhere, even inside a tag or a UTF-8 sequence: ChatOutputParser emits
+// only what can no longer belong to a tag, holds back the rest, and the
+// pieces it returns add up to the same result however the text was split.
+#pragma once
+
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+namespace rwd::server {
+
+// Which of the tags a model's turns use.
+struct ChatSyntax {
+  bool think = false;         // <think>...</think> at the start of the turn
+  bool tool_calls = false;    // <tool_call>...</tool_call> blocks
+  bool in_reasoning = false;  // the generation prompt ended inside <think>
+
+  bool any() const { return think || tool_calls; }
+};
+
+// The syntax of a model whose chat template has `template_source`, for a
+// turn whose rendered prompt is `prompt`: a tag counts when the template's
+// source contains it; in_reasoning when the prompt ends with "<think>" and
+// whitespace.
+ChatSyntax chat_syntax(std::string_view template_source, std::string_view prompt);
+
+struct ToolCall {
+  std::string name;
+  std::string arguments;  // JSON text, as OpenAI's function.arguments
+};
+
+// Parts of an assistant turn, in the order each kind arrived.
+struct ChatOutput {
+  std::string reasoning;
+  std::string content;
+  std::vector<ToolCall> tool_calls;
+
+  bool empty() const { return reasoning.empty() && content.empty() && tool_calls.empty(); }
+  void append(ChatOutput&& more);
+};
+
+class ChatOutputParser {
+ public:
+  // With a syntax whose any() is false, every byte goes to content as it
+  // comes (nothing is held back).
+  explicit ChatOutputParser(ChatSyntax syntax);
+
+  // Appends `text`; returns what is now known. Reasoning drops the newlines
+  // next to its tags, content the newlines right after </think> (as the
+  // templates' own strip('\n') does when the turn is sent back). A
+  // <tool_call> block whose body is not a JSON object with a string "name"
+  // (and, if present, "arguments" an object or a string) stays content,
+  // tags and all. Whitespace next to a tool call is the template's layout,
+  // not content: it is dropped, except one run between text before and
+  // text after a call.
+  ChatOutput push(std::string_view text);
+  // The end of the turn: what was held back. An unterminated <think> is
+  // reasoning, an unterminated <tool_call> content; whitespace held before a
+  // tool call that never came is content unless the turn had tool calls.
+  ChatOutput finish();
+  // True once a tool call was returned.
+  bool had_tool_calls() const { return tool_calls_ > 0; }
+
+ private:
+  enum class State { kStart, kReasoning, kContent, kToolCall };
+  void drain(bool final, ChatOutput& out);
+
+  ChatSyntax syntax_;
+  State state_;
+  std::string held_;                // bytes not yet decided
+  std::string space_;               // content whitespace held before a possible tool call
+  bool reasoning_started_ = false;  // a reasoning byte other than '\n' went out
+  bool after_think_ = false;        // content has not begun since </think>
+  bool content_started_ = false;    // content other than whitespace went out
+  std::size_t tool_calls_ = 0;
+};
+
+// OpenAI's tool_calls entry for `call`: {"id", "type": "function",
+// "function": {"name", "arguments"}}, with `index` when index >= 0 (stream
+// deltas carry it).
+nlohmann::json tool_call_json(const ToolCall& call, const std::string& id, int index = -1);
+
+// The assistant message of a finished turn: content (null when empty and
+// there are tool calls), reasoning_content when there was reasoning,
+// tool_calls (ids[i] for call i) when there were any.
+// REQUIRES: ids.size() == out.tool_calls.size().
+nlohmann::json chat_message_json(const ChatOutput& out, const std::vector<std::string>& ids);
+
+}  // namespace rwd::server
