@@ -206,6 +206,21 @@ class Model::Packer {
   }
   const float* norm(const std::string& n) { return small(n, c_.norm_plus_one); }
   const float* get(std::int64_t layer, WeightRole role) { return small(name(layer, role), false); }
+  // Layer `layer`'s conv weight ([channels, 1, K]) tap-major as f32 for
+  // kernels::causal_conv1d_taps, taps[i * channels + c] = weight[c, i]:
+  // transposed once here rather than per decoding step. The original is
+  // released, so the weights are held once.
+  const float* conv_taps(std::int64_t layer, WeightRole role, std::int64_t kernel_size) {
+    const std::string n = name(layer, role);
+    const Tensor& t = m_.weights_.get(n);
+    const std::size_t k = static_cast<std::size_t>(kernel_size), channels = static_cast<std::size_t>(t.numel()) / k;
+    std::vector<float> taps(channels * k);
+    for (std::size_t c = 0; c < channels; ++c) {
+      for (std::size_t i = 0; i < k; ++i) taps[i * channels + c] = element_as_f32(t, c * k + i);
+    }
+    m_.weights_.release(n);
+    return m_.folded_.emplace_back(std::move(taps)).data();
+  }
   // The linear weight of `role` packed; the original is released.
   k::PackedMatrix linear(std::int64_t layer, WeightRole role) {
     k::PackedMatrix m = packed(m_.weights_, name(layer, role), m_.weight_format_);
@@ -280,7 +295,7 @@ void Model::Packer::gated_deltanet(std::int64_t i, LayerWeights& w) {
     w.in_b = linear(i, WeightRole::GdnB);
     w.in_a = linear(i, WeightRole::GdnA);
   }
-  w.conv = get(i, WeightRole::GdnConv);
+  w.conv = conv_taps(i, WeightRole::GdnConv, c_.linear_conv_kernel_dim);
   w.dt_bias = get(i, WeightRole::GdnDtBias);
   w.a_log = get(i, WeightRole::GdnALog);
   w.out_norm = get(i, WeightRole::GdnNorm);  // a plain-weight norm in every family
@@ -308,7 +323,7 @@ Model::LayerWeights Model::Packer::layer(std::int64_t i) {
     case LayerKind::Conv:
       w.kind = LayerWeights::Kind::ShortConv;
       w.in_bcx = linear(i, WeightRole::ConvIn);
-      w.conv = get(i, WeightRole::ConvConv);
+      w.conv = conv_taps(i, WeightRole::ConvConv, c_.conv_L_cache);
       w.out = linear(i, WeightRole::ConvOut);
       break;
     case LayerKind::ChunkedAttention:
@@ -685,8 +700,8 @@ void Model::conv_rows(const LayerWeights& w, int layer, float* x, std::int64_t c
   const std::span<const ConvWindow> windows = cache.conv(layer, x, channels);
   const std::span<const CacheRows::Group> groups = cache.groups();
   for (std::size_t g = 0; g < groups.size(); ++g) {
-    k::causal_conv1d(windows[g].data, channels, kernel_size, groups[g].count, windows[g].channel_stride,
-                     windows[g].time_stride, w.conv, nullptr, fuse_silu, out + groups[g].row * channels);
+    k::causal_conv1d_taps(windows[g].data, channels, kernel_size, groups[g].count, windows[g].channel_stride,
+                          windows[g].time_stride, w.conv, nullptr, fuse_silu, out + groups[g].row * channels);
   }
 }
 

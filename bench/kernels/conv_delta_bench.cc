@@ -9,8 +9,10 @@
 // two multiply-adds of kv and o, the update's multiply-add).
 // BM_CausalConv: kernels::causal_conv1d over `rows` rows, the
 // linear-attention mixer's shape (6,144 channels, kernel 4, SiLU fused),
-// the cache's window layout (channel stride 1). Counter: bytes_per_second
-// (window, weights and outputs once each).
+// the cache's window layout (channel stride 1); BM_CausalConvTaps: the same
+// with the weights tap-major (causal_conv1d_taps, what the model runs).
+// Arguments: rows (1 to 3: a decoding step's rows, 512: a prompt's).
+// Counter: bytes_per_second (window, weights and outputs once each).
 #include <benchmark/benchmark.h>
 
 #include <cmath>
@@ -68,7 +70,7 @@ void BM_GatedDeltaRuleTail(benchmark::State& state) { gated_delta(state, {4, 4, 
 BENCHMARK(BM_GatedDeltaRuleQwen35)->ArgNames({"tokens"})->Arg(1)->Arg(64)->Unit(benchmark::kMicrosecond);
 BENCHMARK(BM_GatedDeltaRuleTail)->ArgNames({"tokens"})->Arg(64)->Unit(benchmark::kMicrosecond);
 
-void BM_CausalConv(benchmark::State& state) {
+void causal_conv(benchmark::State& state, bool tap_major) {
   const std::int64_t q = state.range(0), channels = 6144, kernel = 4;
   std::mt19937 rng(12);
   std::uniform_real_distribution<float> uniform(-1.0f, 1.0f);
@@ -78,7 +80,11 @@ void BM_CausalConv(benchmark::State& state) {
   for (float& x : w) x = uniform(rng);
   std::vector<float> out(static_cast<std::size_t>(q * channels));
   for (auto _ : state) {
-    k::causal_conv1d(window.data(), channels, kernel, q, 1, channels, w.data(), nullptr, true, out.data());
+    if (tap_major) {
+      k::causal_conv1d_taps(window.data(), channels, kernel, q, 1, channels, w.data(), nullptr, true, out.data());
+    } else {
+      k::causal_conv1d(window.data(), channels, kernel, q, 1, channels, w.data(), nullptr, true, out.data());
+    }
     benchmark::DoNotOptimize(out.data());
   }
   state.counters["bytes_per_second"] = benchmark::Counter(
@@ -86,6 +92,10 @@ void BM_CausalConv(benchmark::State& state) {
       benchmark::Counter::kIsIterationInvariantRate, benchmark::Counter::kIs1024);
 }
 
-BENCHMARK(BM_CausalConv)->ArgNames({"rows"})->Arg(1)->Arg(512)->Unit(benchmark::kMicrosecond);
+void BM_CausalConv(benchmark::State& state) { causal_conv(state, false); }
+void BM_CausalConvTaps(benchmark::State& state) { causal_conv(state, true); }
+
+BENCHMARK(BM_CausalConv)->ArgNames({"rows"})->Arg(1)->Arg(2)->Arg(3)->Arg(512)->Unit(benchmark::kMicrosecond);
+BENCHMARK(BM_CausalConvTaps)->ArgNames({"rows"})->Arg(1)->Arg(2)->Arg(3)->Arg(512)->Unit(benchmark::kMicrosecond);
 
 }  // namespace

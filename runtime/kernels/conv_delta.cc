@@ -44,12 +44,13 @@ REWIND_INLINE void add_bias_silu_body(const float* sums, const float* bias, int6
 // A block of causal_conv1d's outputs when the window's channels are
 // contiguous (channel_stride 1, the cache's layout): out[t, c] for t in
 // [t0, t1), c in [0, nc) of the block (pointers already at its first
-// channel). `taps`: the block's weights transposed, taps[i * nc + c] =
-// weight[c, i], so that a tap is one load for V channels.
+// channel). `taps`: the block's weights tap-major, taps[i * taps_stride +
+// c] = weight[c, i], so that a tap is one load for V channels.
 struct ConvBlock {
   const float* window;
   int64_t time_stride;
   const float* taps;
+  int64_t taps_stride;
   int64_t kernel_size;
   const float* bias;
   bool fuse_silu;
@@ -69,7 +70,7 @@ REWIND_INLINE int64_t conv_channels(const ConvBlock& b, const float* x, float* o
     V acc = {};
     for (int64_t i = 0; i < b.kernel_size; ++i) {
       V w, xi;
-      __builtin_memcpy(&w, b.taps + i * b.nc + c, sizeof w);
+      __builtin_memcpy(&w, b.taps + i * b.taps_stride + c, sizeof w);
       __builtin_memcpy(&xi, x + i * b.time_stride + c, sizeof xi);
       acc += w * xi;
     }
@@ -278,49 +279,78 @@ void conv_block(const ConvBlock& b) {
   }
 }
 
-}  // namespace
+// Channels in blocks of kBlock, rows in tasks of up to kConvRows (so that a
+// long prompt spreads over the threads as well as a wide layer does).
+constexpr int64_t kBlock = 256;
+constexpr int64_t kConvRows = 64;
 
-void causal_conv1d(const float* window, int64_t channels, int64_t kernel_size, int64_t q, int64_t channel_stride,
-                   int64_t time_stride, const float* weight, const float* bias, bool fuse_silu, float* out) {
-  constexpr int64_t kBlock = 256;
-  constexpr int64_t kMinRowsToTranspose = 4;
+// Windows whose channels are not contiguous (channel stride other than 1),
+// and causal_conv1d's calls of fewer than 4 rows: channels in blocks so
+// that the inner loop runs across channels while each out[t, c] still sums
+// over i in order, the sums in an array. Tap i of channel c is at
+// weight[i * channels + c] when kTapMajor, else weight[c * kernel_size + i].
+template <bool kTapMajor>
+void conv_any_layout(const float* window, int64_t channels, int64_t kernel_size, int64_t q, int64_t channel_stride,
+                     int64_t time_stride, const float* weight, const float* bias, bool fuse_silu, float* out) {
+  const int64_t c_step = kTapMajor ? 1 : kernel_size, i_step = kTapMajor ? channels : 1;
   const int64_t blocks = (channels + kBlock - 1) / kBlock;
-  const bool worth_it = q * channels * kernel_size >= kParallelWork;
-  if (channel_stride == 1 && q >= kMinRowsToTranspose) {
-    // Tasks of up to kRows rows of one channel block, whose weights are
-    // transposed once per task (conv_block); for fewer rows that scalar
-    // transposition costs more than the vectors save.
-    constexpr int64_t kRows = 64;
-    const int64_t row_tasks = (q + kRows - 1) / kRows;
-    parallel_for(blocks * row_tasks, worth_it, [&](int64_t task) {
-      const int64_t c0 = (task % blocks) * kBlock;
-      const int64_t t0 = (task / blocks) * kRows;
-      const int64_t nc = std::min(kBlock, channels - c0);
-      thread_local std::vector<float> taps;
-      taps.resize(static_cast<std::size_t>(kernel_size * kBlock));
-      for (int64_t c = 0; c < nc; ++c) {
-        for (int64_t i = 0; i < kernel_size; ++i)
-          taps[static_cast<std::size_t>(i * nc + c)] = weight[(c0 + c) * kernel_size + i];
-      }
-      conv_block({window + c0, time_stride, taps.data(), kernel_size, bias != nullptr ? bias + c0 : nullptr, fuse_silu,
-                  nc, t0, std::min(q, t0 + kRows), out + c0, channels});
-    });
-    return;
-  }
-  // Other layouts: channels in blocks so that the inner loop runs across
-  // channels while each out[t, c] still sums over i in order.
-  const int64_t tasks = q * blocks;
-  parallel_for(tasks, worth_it, [&](int64_t task) {
+  parallel_for(q * blocks, q * channels * kernel_size >= kParallelWork, [&](int64_t task) {
     const int64_t t = task / blocks;
     const int64_t c0 = (task % blocks) * kBlock;
     const int64_t nc = std::min(kBlock, channels - c0);
     float acc[kBlock] = {};
     for (int64_t i = 0; i < kernel_size; ++i) {
       const float* xs = window + c0 * channel_stride + (t + i) * time_stride;
-      const float* wi = weight + c0 * kernel_size + i;
-      for (int64_t c = 0; c < nc; ++c) acc[c] += wi[c * kernel_size] * xs[c * channel_stride];
+      const float* wi = weight + c0 * c_step + i * i_step;
+      for (int64_t c = 0; c < nc; ++c) acc[c] += wi[c * c_step] * xs[c * channel_stride];
     }
     add_bias_silu(acc, bias != nullptr ? bias + c0 : nullptr, nc, fuse_silu, out + t * channels + c0);
+  });
+}
+
+}  // namespace
+
+void causal_conv1d(const float* window, int64_t channels, int64_t kernel_size, int64_t q, int64_t channel_stride,
+                   int64_t time_stride, const float* weight, const float* bias, bool fuse_silu, float* out) {
+  constexpr int64_t kMinRowsToTranspose = 4;
+  if (channel_stride != 1 || q < kMinRowsToTranspose) {
+    // For fewer rows, transposing the weights per call costs more than the
+    // vectors save (causal_conv1d_taps takes them transposed once).
+    conv_any_layout<false>(window, channels, kernel_size, q, channel_stride, time_stride, weight, bias, fuse_silu, out);
+    return;
+  }
+  // Tasks of up to kConvRows rows of one channel block, whose weights are
+  // transposed once per task.
+  const int64_t blocks = (channels + kBlock - 1) / kBlock;
+  const int64_t row_tasks = (q + kConvRows - 1) / kConvRows;
+  parallel_for(blocks * row_tasks, q * channels * kernel_size >= kParallelWork, [&](int64_t task) {
+    const int64_t c0 = (task % blocks) * kBlock;
+    const int64_t t0 = (task / blocks) * kConvRows;
+    const int64_t nc = std::min(kBlock, channels - c0);
+    thread_local std::vector<float> taps;
+    taps.resize(static_cast<std::size_t>(kernel_size * kBlock));
+    for (int64_t c = 0; c < nc; ++c) {
+      for (int64_t i = 0; i < kernel_size; ++i)
+        taps[static_cast<std::size_t>(i * nc + c)] = weight[(c0 + c) * kernel_size + i];
+    }
+    conv_block({window + c0, time_stride, taps.data(), nc, kernel_size, bias != nullptr ? bias + c0 : nullptr,
+                fuse_silu, nc, t0, std::min(q, t0 + kConvRows), out + c0, channels});
+  });
+}
+
+void causal_conv1d_taps(const float* window, int64_t channels, int64_t kernel_size, int64_t q, int64_t channel_stride,
+                        int64_t time_stride, const float* taps, const float* bias, bool fuse_silu, float* out) {
+  if (channel_stride != 1) {
+    conv_any_layout<true>(window, channels, kernel_size, q, channel_stride, time_stride, taps, bias, fuse_silu, out);
+    return;
+  }
+  const int64_t blocks = (channels + kBlock - 1) / kBlock;
+  const int64_t row_tasks = (q + kConvRows - 1) / kConvRows;
+  parallel_for(blocks * row_tasks, q * channels * kernel_size >= kParallelWork, [&](int64_t task) {
+    const int64_t c0 = (task % blocks) * kBlock;
+    const int64_t t0 = (task / blocks) * kConvRows;
+    conv_block({window + c0, time_stride, taps + c0, channels, kernel_size, bias != nullptr ? bias + c0 : nullptr,
+                fuse_silu, std::min(kBlock, channels - c0), t0, std::min(q, t0 + kConvRows), out + c0, channels});
   });
 }
 

@@ -444,6 +444,14 @@ void causal_conv1d(const float* window, std::int64_t channels, std::int64_t kern
                    std::int64_t channel_stride, std::int64_t time_stride, const float* weight, const float* bias,
                    bool fuse_silu, float* out);
 
+// causal_conv1d with the weights tap-major, taps[i * channels + c] =
+// weight[c, i] (the layout a model keeps from load on): the same bits as
+// causal_conv1d on the transposed weights, and a tap is one vector load for
+// a run of channels, also for the one to three rows of a decoding step.
+void causal_conv1d_taps(const float* window, std::int64_t channels, std::int64_t kernel_size, std::int64_t q,
+                        std::int64_t channel_stride, std::int64_t time_stride, const float* taps, const float* bias,
+                        bool fuse_silu, float* out);
+
 // One token of the Gated DeltaNet recurrence (Qwen3-Next) for one value head:
 //   S = S * exp(g); kv[j] = sum_i S[i][j] k[i]; delta[j] = (v[j] - kv[j]) beta;
 //   S[i][j] += k[i] delta[j]; o[j] = sum_i S[i][j] q[i].

@@ -213,7 +213,7 @@ class Model {
     kernels::PackedMatrix in_z;       // [lnv*lvd, d]
     kernels::PackedMatrix in_b;       // [lnv, d]
     kernels::PackedMatrix in_a;       // [lnv, d]
-    const float* conv = nullptr;      // [channels, K] (conv_dim for GDN, d for short conv)
+    const float* conv = nullptr;      // [K, channels] tap-major (conv_dim for GDN, d for short conv)
     const float* dt_bias = nullptr;   // [lnv]
     const float* a_log = nullptr;     // [lnv]
     const float* out_norm = nullptr;  // [lvd]

@@ -354,11 +354,12 @@ TEST(KernelsConv, EveryIsaCopyGivesTheBaselineBits) {
   }
 }
 
-// causal_conv1d on each instruction-set copy (kernel_isa.h) equals the
-// scalar formula bit for bit: channel counts with every tail (16-, 8-float
-// vectors, scalars, and blocks of 256), kernel sizes 1, 3 and 4, row counts
-// on both sides of the transposed path (4 rows) and across its 64-row
-// tasks, the cache's layout (channel stride 1, a padded time stride) and the
+// causal_conv1d, and causal_conv1d_taps on the same weights tap-major, on
+// each instruction-set copy (kernel_isa.h) equal the scalar formula bit for
+// bit: channel counts with every tail (16-, 8-float vectors, scalars, and
+// blocks of 256), kernel sizes 1, 3 and 4, row counts of a decoding step (1
+// to 3, where causal_conv1d does not transpose and causal_conv1d_taps runs
+// in registers), 4 and across the 64-row tasks, the cache's layout (channel stride 1, a padded time stride) and the
 // channel-major one, with and without bias and SiLU (sums large enough for
 // exp to saturate).
 TEST(KernelsConv, EveryIsaCopyEqualsScalarFormulaBitwise) {
@@ -369,7 +370,7 @@ TEST(KernelsConv, EveryIsaCopyEqualsScalarFormulaBitwise) {
   for (const detail::KernelIsa isa : wider_kernel_isas()) isas.push_back(isa);
   for (const std::int64_t channels : {1, 7, 8, 15, 16, 17, 24, 40, 255, 256, 257, 530}) {
     for (const std::int64_t kernel : {1, 3, 4}) {
-      for (const std::int64_t q : {1, 3, 4, 65, 130}) {
+      for (const std::int64_t q : {1, 2, 3, 4, 65, 130}) {
         if (channels * q > 20000 && kernel != 4) continue;  // the large ones once
         const std::int64_t span = kernel - 1 + q;
         const Vec storage = random_vec(static_cast<std::size_t>(span * (channels + 3)),
@@ -377,6 +378,11 @@ TEST(KernelsConv, EveryIsaCopyEqualsScalarFormulaBitwise) {
         const Vec weight = random_vec(static_cast<std::size_t>(channels * kernel),
                                       static_cast<std::uint32_t>(channels));
         const Vec bias = random_vec(static_cast<std::size_t>(channels), static_cast<std::uint32_t>(channels + 1));
+        Vec taps(weight.size());
+        for (std::int64_t c = 0; c < channels; ++c) {
+          for (std::int64_t i = 0; i < kernel; ++i)
+            taps[static_cast<std::size_t>(i * channels + c)] = weight[static_cast<std::size_t>(c * kernel + i)];
+        }
         // (channel stride, time stride): token-major with padding, channel-major.
         const std::int64_t layouts[2][2] = {{1, channels + 3}, {span, 1}};
         for (const auto& layout : layouts) {
@@ -398,14 +404,22 @@ TEST(KernelsConv, EveryIsaCopyEqualsScalarFormulaBitwise) {
                 }
               }
               for (const detail::KernelIsa isa : isas) {
-                Vec out(want.size());
-                with_kernel_isa(isa, [&] {
-                  causal_conv1d(storage.data(), channels, kernel, q, layout[0], layout[1], weight.data(), b, fuse,
-                                out.data());
-                });
-                EXPECT_TRUE(same_bits(out, want))
-                    << "channels " << channels << " kernel " << kernel << " q " << q << " channel stride " << layout[0]
-                    << " fuse " << fuse << " bias " << (b != nullptr) << ", " << isa_name(isa);
+                for (const bool tap_major : {false, true}) {
+                  Vec out(want.size());
+                  with_kernel_isa(isa, [&] {
+                    if (tap_major) {
+                      causal_conv1d_taps(storage.data(), channels, kernel, q, layout[0], layout[1], taps.data(), b,
+                                         fuse, out.data());
+                    } else {
+                      causal_conv1d(storage.data(), channels, kernel, q, layout[0], layout[1], weight.data(), b, fuse,
+                                    out.data());
+                    }
+                  });
+                  EXPECT_TRUE(same_bits(out, want))
+                      << "channels " << channels << " kernel " << kernel << " q " << q << " channel stride "
+                      << layout[0] << " fuse " << fuse << " bias " << (b != nullptr) << " tap-major " << tap_major
+                      << ", " << isa_name(isa);
+                }
               }
             }
           }
