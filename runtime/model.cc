@@ -133,6 +133,17 @@ void check_tokens(std::span<const std::int32_t> tokens, const ModelConfig& c, co
   }
 }
 
+// The kernels read the cache's rows in place: every layer's state must be in
+// host memory. Throws InvalidArgument naming the first layer that is not.
+void check_host_state(const LayerOptions& o, int layer, const char* where) {
+  if (o.storage && !o.storage->device().is_host()) {
+    throw InvalidArgument(std::string(where) + ": layer " + std::to_string(layer) + "'s state is on " +
+                          o.storage->device().describe() +
+                          "; the CPU runtime reads the cache in place and needs host storage "
+                          "(LayerOptions::storage = rwd::host_storage())");
+  }
+}
+
 // "rewind-hybrid-" + 16 hex digits hashing config.json's fields and every
 // tensor's name, shape and bytes (Model::fingerprint).
 std::string fingerprint_of(const ModelWeights& weights, WeightFormat format) {
@@ -427,6 +438,7 @@ Cache Model::make_cache() const {
     LayerOptions o;
     o.dtype = DType::F32;
     o.batch_size = 1;
+    o.storage = rwd::host_storage();  // the kernels read the rows in place
     switch (kind) {
       case LayerKind::FullAttention:
       case LayerKind::SlidingAttention:
@@ -769,6 +781,7 @@ void Model::forward(std::span<const std::int32_t> tokens, Cache& cache, std::vec
   if (n < 1) throw InvalidArgument("Model::forward needs at least one token");
   check_tokens(tokens, c, "Model::forward");
   const std::int64_t d = c.hidden_size, V = c.vocab_size;
+  for (int i = 0; i < cache.num_layers(); ++i) check_host_state(cache.layer(i).options(), i, "Model::forward");
   const std::int64_t pos0 = cache.get_seq_length();
   // All or nothing: room and budget for n tokens in every layer are reserved
   // before any layer changes, and an exception anywhere below (a kernel, an
@@ -795,6 +808,7 @@ void Model::forward_batch(std::span<const SequenceTokens> batch, SequenceCache& 
                           std::vector<float>& logits) const {
   const ModelConfig& c = config();
   if (batch.empty()) throw InvalidArgument("Model::forward_batch needs at least one sequence");
+  for (int i = 0; i < cache.num_layers(); ++i) check_host_state(cache.layer_options(i), i, "Model::forward_batch");
   std::vector<BatchEntry> entries;
   std::vector<std::int64_t> pos0, offset;
   std::vector<std::int32_t> tokens;  // every entry's, in entry order
@@ -851,6 +865,7 @@ void Model::forward_tree(std::span<const std::int32_t> tokens, TreeForward& tree
                           std::to_string(tree.num_nodes()) + " nodes");
   }
   check_tokens(tokens, c, "Model::forward_tree");
+  for (int i = 0; i < cache.num_layers(); ++i) check_host_state(cache.layer(i).options(), i, "Model::forward_tree");
   const std::int64_t d = c.hidden_size, V = c.vocab_size;
   TreeRows rows(tree, cache_seconds);
   ScratchLease lease;

@@ -6,6 +6,7 @@
 
 #include "aligned_memory.h"
 #include "rewind/error.h"
+#include "tensor_copy.h"
 
 namespace rwd {
 namespace {
@@ -108,6 +109,7 @@ std::string TensorView::describe() const {
   out << '[';
   for (int d = 0; d < rank; ++d) out << (d ? ", " : "") << shape[static_cast<std::size_t>(d)];
   out << "] " << dtype_name(dtype);
+  if (!device.is_host()) out << " on " << device.describe();
   return out.str();
 }
 
@@ -151,9 +153,11 @@ void copy_elements(const std::byte* src, std::byte* dst, std::int64_t n, std::in
 
 }  // namespace
 
-void copy_tensor(const TensorView& src, const TensorView& dst) {
-  check_same_layout(src, dst, "copy_tensor");
-  if (src.numel() == 0) return;
+namespace detail {
+
+void host_copy_strided(const TensorView& src, const TensorView& dst) noexcept {
+  for (int d = 0; d < src.rank; ++d)
+    if (src.shape[static_cast<std::size_t>(d)] == 0) return;
   const auto es = static_cast<std::int64_t>(dtype_size(src.dtype));
   std::array<CopyDim, kMaxRank> dims{};
   int count = 0;
@@ -227,9 +231,57 @@ void copy_tensor(const TensorView& src, const TensorView& dst) {
   }
 }
 
+Storage* storage_of_pair(const TensorView& src, const TensorView& dst, const char* what) {
+  if (src.device.is_host() && dst.device.is_host()) return nullptr;
+  if (!src.device.is_host() && !dst.device.is_host() && src.device != dst.device) {
+    throw InvalidArgument(std::string(what) + ": a copy from " + src.device.describe() + " to " +
+                          dst.device.describe() + " is not supported (one side must be the host or both one device)");
+  }
+  return &storage_for(src.device.is_host() ? dst.device : src.device);
+}
+
+void copy_view(const TensorView& src, const TensorView& dst, const char* what) {
+  check_same_layout(src, dst, what);
+  Storage* storage = storage_of_pair(src, dst, what);
+  if (src.numel() == 0) return;
+  if (storage == nullptr) {
+    host_copy_strided(src, dst);
+  } else {
+    storage->copy_strided(src, dst);
+  }
+}
+
+}  // namespace detail
+
+void copy_tensor(const TensorView& src, const TensorView& dst) {
+  detail::copy_view(src, dst, "copy_tensor");
+  if (!src.device.is_host() || !dst.device.is_host())
+    storage_for(src.device.is_host() ? dst.device : src.device).synchronize();
+}
+
+float TensorView::get_on_device(const void* p) const {
+  std::array<std::byte, 4> bytes{};
+  Storage& s = storage_for(device);
+  s.copy(bytes.data(), false, p, true, dtype_size(dtype));
+  s.synchronize();
+  return load_as_f32(bytes.data(), dtype);
+}
+
+void TensorView::set_on_device(void* p, float v) const {
+  std::array<std::byte, 4> bytes{};
+  store_from_f32(bytes.data(), dtype, v);
+  Storage& s = storage_for(device);
+  s.copy(p, true, bytes.data(), false, dtype_size(dtype));
+  s.synchronize();
+}
+
 bool bitwise_equal(const TensorView& a, const TensorView& b) {
   if (a.rank != b.rank || a.dtype != b.dtype || a.shape != b.shape) return false;
   if (a.numel() == 0) return true;
+  if (!a.device.is_host() || !b.device.is_host()) {
+    const Tensor ha = detail::copy_of(a), hb = detail::copy_of(b);
+    return bitwise_equal(ha.view(), hb.view());
+  }
   const int last = a.rank == 0 ? 0 : a.rank - 1;
   const auto li = static_cast<std::size_t>(last);
   const std::int64_t n = a.rank == 0 ? 1 : a.shape[li];

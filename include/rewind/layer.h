@@ -45,6 +45,7 @@
 #include <vector>
 
 #include "rewind/dtype.h"
+#include "rewind/storage.h"
 #include "rewind/tensor.h"
 
 namespace rwd {
@@ -98,6 +99,11 @@ struct LayerOptions {
   // {num_v_heads, head_k_dim, head_v_dim}; stored as [B, shape...].
   std::vector<std::vector<std::int64_t>> recurrent_shapes;
   DType recurrent_dtype = DType::F32;
+
+  // Where every state byte of the layer lives (rewind/storage.h); null:
+  // default_storage(). Inputs may be host memory or this storage's device;
+  // the views returned are on its device.
+  std::shared_ptr<Storage> storage;
 };
 
 struct KeyValueView {

@@ -99,6 +99,7 @@ struct BlockLayout {
   std::vector<std::int64_t> side_dims;
   std::vector<std::size_t> part_offsets;  // bytes from the block's start
   std::size_t block_bytes = 0;
+  Device device{};  // where the blocks are (the cache's storage); rows() views carry it
 
   int num_parts() const { return 2 + static_cast<int>(side_dims.size()); }
   // Elements of one position's row of `part`.

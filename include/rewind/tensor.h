@@ -4,7 +4,9 @@
 // type, up to four dimensions and a stride (in elements) per dimension. The
 // cache takes its inputs as views and returns views into its own storage; a
 // returned view stays valid until the next call that mutates the same layer.
-// Tensor owns a 64-byte aligned, contiguous, zero-initialised buffer.
+// A view names the Device its bytes are on (rewind/storage.h): host unless
+// it came from a cache whose storage is a device; only a host view may be
+// read in place. Tensor owns a 64-byte aligned, contiguous, zero-initialised buffer.
 //
 // Conventions: "REQUIRES: x" is the caller's duty and is not checked;
 // "Throws E when x" is checked.
@@ -18,6 +20,7 @@
 #include <string>
 
 #include "rewind/dtype.h"
+#include "rewind/storage.h"
 
 namespace rwd {
 
@@ -29,6 +32,7 @@ struct TensorView {
   int rank = 0;
   std::array<std::int64_t, kMaxRank> shape{};    // unused dims are 1
   std::array<std::int64_t, kMaxRank> strides{};  // in elements; unused dims 0
+  Device device{};                               // where `data` points
 
   // A contiguous (row-major) view of `shape`. Throws InvalidArgument for
   // more than 4 extents, a negative extent, or more than 2^62 elements.
@@ -61,25 +65,35 @@ struct TensorView {
     std::int64_t off = i0 * strides[0] + i1 * strides[1] + i2 * strides[2] + i3 * strides[3];
     return static_cast<std::byte*>(data) + off * static_cast<std::int64_t>(dtype_size(dtype));
   }
-  // Element read / write converted through f32 (for tests and slow paths).
+  // Element read / write converted through f32 (for tests and slow paths;
+  // on a device, one synchronous copy through storage_for(device) each).
   float get(std::int64_t i0 = 0, std::int64_t i1 = 0, std::int64_t i2 = 0, std::int64_t i3 = 0) const {
+    if (!device.is_host()) return get_on_device(ptr(i0, i1, i2, i3));
     return load_as_f32(ptr(i0, i1, i2, i3), dtype);
   }
   void set(float v, std::int64_t i0 = 0, std::int64_t i1 = 0, std::int64_t i2 = 0, std::int64_t i3 = 0) const {
+    if (!device.is_host()) return set_on_device(ptr(i0, i1, i2, i3), v);
     store_from_f32(ptr(i0, i1, i2, i3), dtype, v);
   }
 
-  // "[2, 8, 5, 64] f16", for messages.
+  // "[2, 8, 5, 64] f16" ("... on cuda:0" off the host), for messages.
   std::string describe() const;
+
+ private:
+  float get_on_device(const void* p) const;
+  void set_on_device(void* p, float v) const;
 };
 
 // Copies every element of `src` into `dst` bit for bit, whatever their
-// strides. Throws InvalidArgument unless both have the same rank, shape and
-// dtype. REQUIRES: `dst` does not overlap `src` unless both are the same view.
+// strides and devices (host to device, device to host, within a device, through
+// that device's storage; synchronous). Throws InvalidArgument unless both
+// have the same rank, shape and dtype, or when they are on two different
+// non-host devices. REQUIRES: `dst` does not overlap `src` unless both are
+// the same view.
 void copy_tensor(const TensorView& src, const TensorView& dst);
 
 // True when both views have the same shape and dtype and every element has
-// identical bits.
+// identical bits (device views are read through their storage).
 bool bitwise_equal(const TensorView& a, const TensorView& b);
 
 // Owns a contiguous, 64-byte aligned, zero-filled buffer. Move-only.

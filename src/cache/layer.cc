@@ -79,7 +79,9 @@ std::string_view layer_kind_name(LayerKind kind) {
 // ---- construction ----------------------------------------------------------
 
 Layer::Impl::Impl(LayerKind k, const LayerOptions& o, int layer_index, detail::MemoryBudget* memory_budget)
-    : kind(k), options(o), index(layer_index), batch(o.batch_size), budget(memory_budget) {
+    : kind(k), options(o), index(layer_index), batch(o.batch_size), budget(memory_budget),
+      storage(o.storage ? o.storage : default_storage()) {
+  options.storage = storage;
   require_option(o.batch_size >= 1 && o.batch_size <= detail::kMaxBatch,
                  "option batch_size must be in [1, 2^24], got " + num(o.batch_size));
   require_option(o.static_capacity >= 0, "option static_capacity must be >= 0, got " + num(o.static_capacity));
@@ -118,15 +120,15 @@ void Layer::Impl::build_attention_parts(const LayerOptions& o) {
                 dtype_size(o.dtype), where());
   TrackShape ks{TrackShape::Layout::Heads, o.batch_size, o.num_kv_heads, o.key_dim, o.dtype};
   TrackShape vs{TrackShape::Layout::Heads, o.batch_size, o.num_kv_heads, vdim, o.dtype};
-  keys = TokenTrack(ks, rule, o.static_capacity, budget);
-  values = TokenTrack(vs, rule, o.static_capacity, budget);
+  keys = TokenTrack(ks, rule, o.static_capacity, storage, budget);
+  values = TokenTrack(vs, rule, o.static_capacity, storage, budget);
   for (std::size_t i = 0; i < o.side_dims.size(); ++i) {
     require_option(o.side_dims[i] >= 1,
                    "side_dims[" + num(static_cast<std::int64_t>(i)) + "] must be >= 1, got " + num(o.side_dims[i]));
     checked_bytes({o.batch_size, o.side_dims[i], std::max<std::int64_t>(o.static_capacity, 1)}, dtype_size(o.dtype),
                   where());
     TrackShape ss{TrackShape::Layout::Rows, o.batch_size, 1, o.side_dims[i], o.dtype};
-    sides.emplace_back(ss, rule, o.static_capacity, budget);
+    sides.emplace_back(ss, rule, o.static_capacity, storage, budget);
   }
 }
 
@@ -144,7 +146,7 @@ void Layer::Impl::build_linear_parts(const LayerOptions& o) {
     require_option(o.conv_channels[i] >= 1, name + " must be >= 1, got " + num(o.conv_channels[i]));
     checked_bytes({o.batch_size, o.conv_channels[i], o.conv_kernel_size}, dtype_size(o.dtype), where());
     TrackShape cs{TrackShape::Layout::Channels, o.batch_size, 1, o.conv_channels[i], o.dtype};
-    convs.emplace_back(cs, RetentionRule{RetentionRule::Kind::Conv, o.conv_kernel_size}, 0, budget);
+    convs.emplace_back(cs, RetentionRule{RetentionRule::Kind::Conv, o.conv_kernel_size}, 0, storage, budget);
   }
   if (!conv_only) {
     for (std::size_t i = 0; i < o.recurrent_shapes.size(); ++i) {
@@ -158,7 +160,7 @@ void Layer::Impl::build_linear_parts(const LayerOptions& o) {
       std::size_t bytes = checked_bytes({o.batch_size, 2}, dtype_size(o.recurrent_dtype), where());
       for (std::int64_t e : shape) bytes = checked_bytes({e}, bytes, where());
       // R + 1 = 1 snapshot, plus the fresh slot an update writes into.
-      recurrents.emplace_back(shape, o.recurrent_dtype, o.batch_size, 1, 2, budget);
+      recurrents.emplace_back(shape, o.recurrent_dtype, o.batch_size, 1, 2, storage, budget);
     }
   }
 }
@@ -824,7 +826,7 @@ void Layer::update_recurrent_state(const TensorView& new_state, int state) {
   // next(1) never aliases a held snapshot, and a one-token update never
   // grows the slots (there is always one free), so new_state may be a view
   // of this layer's own S(L) or snapshots: copying it reads what is there.
-  copy_tensor(new_state, u.next(1));
+  detail::copy_view(new_state, u.next(1));
   u.commit();
 }
 
@@ -843,17 +845,18 @@ void Layer::update_recurrent_state_final(const TensorView& final_state, std::int
   if (r.ring.overlaps(span.lo, span.hi)) {
     impl_->budgeted("update_recurrent_state_final", [&] { staged.resize(r.state_bytes()); });
     input = r.view_of(staged.data());
+    input.device = Device{};  // staged on the host
     copy_tensor(final_state, input);
   }
   const std::int64_t start = r.length;
   RecurrentUpdate u = begin_recurrent_update(q, state);  // checks q, the token limit and an open forward
   const TensorView last = u.next(q);
-  copy_tensor(input, last);
+  detail::copy_view(input, last);
   // Every slot before the last gets the final state too, so that no slot is
   // ever read uninitialised; check_crop refuses to land on them.
   for (std::int64_t t = 1; t < q; ++t) {
     const TensorView slot = u.next(t);
-    if (slot.data != last.data) copy_tensor(last, slot);
+    if (slot.data != last.data) detail::copy_view(last, slot);
   }
   u.commit();
   r.mark_unknown(start + 1, start + q);

@@ -70,6 +70,7 @@ struct Layer::Impl {
   std::int64_t history = 0;                // R while recording
   std::uint64_t generation = 0;            // bumped by crop, recording, batch ops, reset, abandon (stale handles)
   detail::MemoryBudget* budget = nullptr;  // the owning cache's, or none
+  std::shared_ptr<Storage> storage;        // of every state byte (options.storage or the default)
 
   bool attention = false;
   detail::TokenTrack keys, values;

@@ -153,8 +153,7 @@ void Layer::Impl::load_snapshot(const LayerSnapshot& s, std::int64_t L, bool wit
     const TensorView dst = c.load(first, L - first);
     // Positions before L - K exist only as the zero padding (L < K).
     const std::int64_t zeros = (L - K) - first;
-    for (std::int64_t ch = 0; ch < dst.size(1); ++ch)
-      for (std::int64_t p = 0; p < zeros; ++p) dst.set(0.0f, 0, ch, p);
+    if (zeros > 0) copy_tensor(Tensor(dst.dtype, {1, dst.size(1), zeros}), dst.slice(2, 0, zeros));
     copy_tensor(s.conv_states[i].view(), dst.slice(2, zeros, K));
     c.protect();
   }

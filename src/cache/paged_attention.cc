@@ -6,6 +6,7 @@
 #include <string>
 
 #include "aligned_memory.h"
+#include "tensor_copy.h"
 
 namespace rwd::detail {
 
@@ -29,7 +30,7 @@ std::byte* BlockPool::acquire() {
   if (budget_) budget_->acquire(block_bytes_);
   std::byte* block = nullptr;
   try {
-    block = aligned_allocate(block_bytes_).release();
+    block = static_cast<std::byte*>(storage_->allocate(block_bytes_));
   } catch (...) {
     if (budget_) budget_->release(block_bytes_);
     throw;
@@ -92,14 +93,16 @@ void BlockPool::restore_mark() noexcept {
 }
 
 void BlockPool::destroy(std::byte* block) noexcept {
-  AlignedFree{}(block);
+  storage_->deallocate(block, block_bytes_);
   if (budget_) budget_->release(block_bytes_);
 }
 
 // ---- PagedLayer --------------------------------------------------------------
 
-PagedLayer::PagedLayer(RetentionRule rule, BlockLayout layout, MemoryBudget* budget)
-    : rule_(rule), layout_(std::move(layout)), pool_(layout_.block_bytes, budget) {}
+PagedLayer::PagedLayer(RetentionRule rule, BlockLayout layout, std::shared_ptr<Storage> storage, MemoryBudget* budget)
+    : rule_(rule), layout_(std::move(layout)), pool_(layout_.block_bytes, std::move(storage), budget) {
+  layout_.device = pool_.storage().device();
+}
 
 void PagedLayer::settle_range(BlockRun& run, std::int64_t old_lo, std::int64_t old_hi) noexcept {
   if (old_lo >= old_hi) return;
@@ -290,7 +293,7 @@ void PagedLayer::reserve(PagedPart& part, std::int64_t q) {
         const std::size_t row_bytes = static_cast<std::size_t>(layout_.row_elements(k)) * dtype_size(layout_.dtype);
         const std::size_t offset = layout_.part_offsets[static_cast<std::size_t>(k)] +
                                    static_cast<std::size_t>(row) * row_bytes;
-        std::memcpy(dst + offset, src + offset, static_cast<std::size_t>(E - copy_from) * row_bytes);
+        storage_move(pool_.storage(), dst + offset, src + offset, static_cast<std::size_t>(E - copy_from) * row_bytes);
       }
     }
     p.fresh = run.release();
@@ -375,8 +378,8 @@ void PagedLayer::write(const PagedPart& part, int part_index, const TensorView& 
   const BlockSpan span{pos, n, run.blocks.data() + (pos - run.first_position) / block_size()};
   layout_.for_each_block_rows(std::span<const BlockSpan>(&span, 1), pos, n,
                               [&](const std::byte* block, std::int64_t row, std::int64_t count, std::int64_t at) {
-                                copy_tensor(input.slice(token_dim, row0 + at, count),
-                                            layout_.rows(block, part_index, row, count));
+                                copy_view(input.slice(token_dim, row0 + at, count),
+                                          layout_.rows(block, part_index, row, count));
                               });
 }
 

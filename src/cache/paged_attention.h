@@ -30,7 +30,8 @@ namespace rwd::detail {
 // up to max(16, blocks in use), beyond that they go back to the system.
 class BlockPool {
  public:
-  BlockPool(std::size_t block_bytes, MemoryBudget* budget) : block_bytes_(block_bytes), budget_(budget) {}
+  BlockPool(std::size_t block_bytes, std::shared_ptr<Storage> storage, MemoryBudget* budget)
+      : block_bytes_(block_bytes), storage_(std::move(storage)), budget_(budget) {}
   ~BlockPool();
   BlockPool(const BlockPool&) = delete;
   BlockPool& operator=(const BlockPool&) = delete;
@@ -55,6 +56,7 @@ class BlockPool {
   void unmark() noexcept { marked_ = false; }
 
   std::size_t block_bytes() const { return block_bytes_; }
+  Storage& storage() const { return *storage_; }
   std::int64_t in_use() const { return in_use_; }
   std::int64_t free_count() const { return static_cast<std::int64_t>(free_.size()); }
   std::size_t bytes_reserved() const { return static_cast<std::size_t>(in_use_ + free_count()) * block_bytes_; }
@@ -62,6 +64,7 @@ class BlockPool {
  private:
   void destroy(std::byte* block) noexcept;
   std::size_t block_bytes_;
+  std::shared_ptr<Storage> storage_;
   MemoryBudget* budget_;
   std::vector<std::byte*> free_;  // capacity >= every block ever live, so release never allocates
   std::int64_t in_use_ = 0;
@@ -116,7 +119,8 @@ struct PagedPart {
 // The paged storage of one attention layer: its geometry, rule and pool.
 class PagedLayer {
  public:
-  PagedLayer(RetentionRule rule, BlockLayout layout, MemoryBudget* budget);
+  // `layout.device` is set to the storage's.
+  PagedLayer(RetentionRule rule, BlockLayout layout, std::shared_ptr<Storage> storage, MemoryBudget* budget);
 
   const RetentionRule& rule() const { return rule_; }
   const BlockLayout& layout() const { return layout_; }

@@ -26,14 +26,15 @@ void MemoryBudget::acquire(std::size_t bytes) {
   reserved += bytes;
 }
 
-AlignedBuffer::AlignedBuffer(std::size_t bytes, MemoryBudget* budget) : budget_(budget) {
+AlignedBuffer::AlignedBuffer(std::size_t bytes, std::shared_ptr<Storage> storage, MemoryBudget* budget)
+    : storage_(storage ? std::move(storage) : host_storage()), budget_(budget) {
   if (bytes == 0) return;
   if (bytes > kMaxBufferBytes) {
     throw CapacityError("an allocation of " + std::to_string(bytes) + " bytes exceeds the limit of 2^48 bytes");
   }
   if (budget_) budget_->acquire(bytes);
   try {
-    data_ = aligned_allocate(bytes);
+    data_ = static_cast<std::byte*>(storage_->allocate(bytes));
   } catch (...) {
     if (budget_) budget_->release(bytes);
     throw;
@@ -42,22 +43,30 @@ AlignedBuffer::AlignedBuffer(std::size_t bytes, MemoryBudget* budget) : budget_(
 }
 
 AlignedBuffer::AlignedBuffer(AlignedBuffer&& other) noexcept
-    : data_(std::move(other.data_)), size_(std::exchange(other.size_, 0)), budget_(other.budget_) {}
+    : data_(std::exchange(other.data_, nullptr)), size_(std::exchange(other.size_, 0)), storage_(other.storage_),
+      budget_(other.budget_) {}
 
 AlignedBuffer& AlignedBuffer::operator=(AlignedBuffer&& other) noexcept {
   if (this != &other) {
-    if (budget_ && size_) budget_->release(size_);
-    unpoison(data_.get(), size_);
-    data_ = std::move(other.data_);
+    free();
+    data_ = std::exchange(other.data_, nullptr);
     size_ = std::exchange(other.size_, 0);
+    storage_ = other.storage_;
     budget_ = other.budget_;
   }
   return *this;
 }
 
-AlignedBuffer::~AlignedBuffer() {
+AlignedBuffer::~AlignedBuffer() { free(); }
+
+void AlignedBuffer::free() noexcept {
   if (budget_ && size_) budget_->release(size_);
-  unpoison(data_.get(), size_);
+  if (data_ != nullptr) {
+    unpoison(data_, size_);
+    storage_->deallocate(data_, size_);
+  }
+  data_ = nullptr;
+  size_ = 0;
 }
 
 void AlignedBuffer::attach(MemoryBudget* budget) noexcept {
@@ -67,18 +76,19 @@ void AlignedBuffer::attach(MemoryBudget* budget) noexcept {
 }
 
 PositionBuffer::PositionBuffer(std::size_t row_bytes, std::int64_t origin, std::int64_t static_slots,
-                               MemoryBudget* budget)
-    : buffer_(budget), row_bytes_(row_bytes), origin_(origin), base_(origin), first_(origin), end_(origin),
-      static_(static_slots > 0) {
+                               std::shared_ptr<Storage> storage, MemoryBudget* budget)
+    : buffer_(storage ? std::move(storage) : host_storage(), budget), row_bytes_(row_bytes), origin_(origin),
+      base_(origin), first_(origin), end_(origin), static_(static_slots > 0) {
   if (static_) {
     buffer_ = AlignedBuffer(checked_mul(static_slots, static_cast<std::int64_t>(row_bytes_), "static_capacity"),
-                            budget);
+                            buffer_.storage(), budget);
     slots_ = static_slots;
   } else if (origin < 0) {
     // Room for the zero padding rows (conv inputs before position 0) that
     // clear() writes: a dynamic buffer never holds fewer rows than that.
     slots_ = std::max(-origin, std::int64_t{16});
-    buffer_ = AlignedBuffer(checked_mul(slots_, static_cast<std::int64_t>(row_bytes_), "a conv state"), budget);
+    buffer_ = AlignedBuffer(checked_mul(slots_, static_cast<std::int64_t>(row_bytes_), "a conv state"),
+                            buffer_.storage(), budget);
   }
 }
 
@@ -103,7 +113,7 @@ std::int64_t PositionBuffer::shrunk_slots(std::int64_t need) const {
 
 void PositionBuffer::try_move_into(std::int64_t slots) noexcept {
   try {
-    move_into(AlignedBuffer(static_cast<std::size_t>(slots) * row_bytes_, buffer_.budget()), slots);
+    move_into(AlignedBuffer(static_cast<std::size_t>(slots) * row_bytes_, buffer_.storage(), buffer_.budget()), slots);
   } catch (const Error&) {
     // the budget or the system refused the smaller copy: keep the larger allocation, nothing is lost
   }
@@ -121,7 +131,7 @@ PositionBuffer::Plan PositionBuffer::plan_append(std::int64_t q) const {
                                         "an append of " + std::to_string(q) + " tokens");
   const bool same_size = static_ || slots == slots_;
   // A same-size relocation (debug mode) does not count twice against the budget.
-  plan.grown = AlignedBuffer(bytes, same_size ? nullptr : buffer_.budget());
+  plan.grown = AlignedBuffer(bytes, buffer_.storage(), same_size ? nullptr : buffer_.budget());
   plan.slots = slots;
   return plan;
 }
@@ -129,7 +139,8 @@ PositionBuffer::Plan PositionBuffer::plan_append(std::int64_t q) const {
 void PositionBuffer::move_into(AlignedBuffer grown, std::int64_t slots) noexcept {
   const std::int64_t kept = end_ - first_;
   unpoison(buffer_.data(), buffer_.size());
-  if (kept > 0) std::memcpy(grown.data(), row(first_), static_cast<std::size_t>(kept) * row_bytes_);
+  if (kept > 0)
+    storage_move(*buffer_.storage(), grown.data(), row(first_), static_cast<std::size_t>(kept) * row_bytes_);
   MemoryBudget* budget = buffer_.budget();
   const bool counted = grown.budget() != nullptr;
   buffer_ = std::move(grown);
@@ -145,7 +156,7 @@ void PositionBuffer::apply(Plan plan, std::int64_t q) noexcept {
   } else if (!has_room(q)) {
     const std::int64_t kept = end_ - first_;
     if (kept > 0 && first_ != base_) {
-      std::memmove(buffer_.data(), row(first_), static_cast<std::size_t>(kept) * row_bytes_);
+      storage_move(*buffer_.storage(), buffer_.data(), row(first_), static_cast<std::size_t>(kept) * row_bytes_);
     }
     base_ = first_;
   }
@@ -159,7 +170,7 @@ void PositionBuffer::clear(std::int64_t zero_rows) noexcept {
   base_ = first_ = end_ = origin_;
   if (const std::int64_t smaller = shrunk_slots(zero_rows)) try_move_into(smaller);  // moves no rows: empty
   end_ = origin_ + zero_rows;
-  if (zero_rows > 0) std::memset(buffer_.data(), 0, static_cast<std::size_t>(zero_rows) * row_bytes_);
+  if (zero_rows > 0) storage_zero(*buffer_.storage(), buffer_.data(), static_cast<std::size_t>(zero_rows) * row_bytes_);
 }
 
 void PositionBuffer::shrink_if_oversized(std::int64_t refill_rows) noexcept {
@@ -182,12 +193,13 @@ PositionBuffer PositionBuffer::gathered(std::span<const std::int64_t> rows, std:
   const std::int64_t kept = end_ - first_;
   out.slots_ = static_ ? slots_ : std::max(kept, std::int64_t{16});
   out.buffer_ = AlignedBuffer(checked_mul(out.slots_, static_cast<std::int64_t>(out.row_bytes_), "a batch operation"),
-                              buffer_.budget());
+                              buffer_.storage(), buffer_.budget());
   for (std::int64_t pos = first_; pos < end_; ++pos) {
     const std::byte* src = row(pos);
     std::byte* dst = out.row(pos);
     for (std::size_t i = 0; i < rows.size(); ++i) {
-      std::memcpy(dst + i * entry_bytes, src + static_cast<std::size_t>(rows[i]) * entry_bytes, entry_bytes);
+      storage_move(*buffer_.storage(), dst + i * entry_bytes, src + static_cast<std::size_t>(rows[i]) * entry_bytes,
+                   entry_bytes);
     }
   }
   return out;
@@ -198,7 +210,7 @@ void PositionBuffer::relocate() noexcept {
   if (buffer_.size() == 0 || static_) return;  // a static buffer's address is part of its contract
   try {
     // Not counted twice against the budget: move_into counts the new one as the old one goes.
-    move_into(AlignedBuffer(static_cast<std::size_t>(slots_) * row_bytes_, nullptr), slots_);
+    move_into(AlignedBuffer(static_cast<std::size_t>(slots_) * row_bytes_, buffer_.storage(), nullptr), slots_);
   } catch (...) {
     // the system refused the copy: the old allocation stays (only a debug aid is lost)
   }

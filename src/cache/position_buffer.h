@@ -26,6 +26,7 @@
 
 #include "aligned_memory.h"
 #include "rewind/error.h"
+#include "rewind/storage.h"
 
 namespace rwd::detail {
 
@@ -46,37 +47,55 @@ struct MemoryBudget {
   void release(std::size_t bytes) noexcept { reserved -= bytes; }
 };
 
-// 64-byte aligned, move-only byte buffer, counted against an optional budget.
+// A move-only allocation from a Storage (64-byte aligned), counted against
+// an optional budget. Its bytes are read and written only through the
+// storage's copy calls (the copy / zero helpers below): they may be device
+// memory.
 class AlignedBuffer {
  public:
   AlignedBuffer() = default;
-  explicit AlignedBuffer(MemoryBudget* budget) : budget_(budget) {}
+  // An empty buffer that will allocate from `storage` (null: the host).
+  AlignedBuffer(std::shared_ptr<Storage> storage, MemoryBudget* budget)
+      : storage_(std::move(storage)), budget_(budget) {}
   // Allocates `bytes` (contents undefined: every user writes before it
-  // reads) after acquiring them from `budget`. Throws BudgetExceeded or
-  // CapacityError; nothing is counted then.
-  AlignedBuffer(std::size_t bytes, MemoryBudget* budget);
+  // reads) from `storage` after acquiring them from `budget`. Throws
+  // BudgetExceeded or CapacityError; nothing is counted then.
+  AlignedBuffer(std::size_t bytes, std::shared_ptr<Storage> storage, MemoryBudget* budget);
   AlignedBuffer(AlignedBuffer&& other) noexcept;
   AlignedBuffer& operator=(AlignedBuffer&& other) noexcept;
   AlignedBuffer(const AlignedBuffer&) = delete;
   AlignedBuffer& operator=(const AlignedBuffer&) = delete;
   ~AlignedBuffer();
 
-  std::byte* data() const { return data_.get(); }
+  std::byte* data() const { return data_; }
   std::size_t size() const { return size_; }
   MemoryBudget* budget() const { return budget_; }
+  const std::shared_ptr<Storage>& storage() const { return storage_; }
+  Device device() const { return storage_ ? storage_->device() : Device{}; }
   // Counts this buffer against `budget` (null: none) instead of the one before.
   void attach(MemoryBudget* budget) noexcept;
   // True when addresses [lo, hi) intersect this allocation.
   bool overlaps(std::uintptr_t lo, std::uintptr_t hi) const {
-    const auto begin = reinterpret_cast<std::uintptr_t>(data_.get());
+    const auto begin = reinterpret_cast<std::uintptr_t>(data_);
     return size_ != 0 && lo < begin + size_ && begin < hi;
   }
 
  private:
-  AlignedBytes data_;
+  void free() noexcept;
+  std::byte* data_ = nullptr;
   std::size_t size_ = 0;
+  std::shared_ptr<Storage> storage_;
   MemoryBudget* budget_ = nullptr;
 };
+
+// Copies and zero fills of state memory, through its storage (`dst` and
+// `src` both `storage`'s memory).
+inline void storage_move(Storage& storage, std::byte* dst, const std::byte* src, std::size_t bytes) noexcept {
+  storage.copy(dst, true, src, true, bytes);
+}
+inline void storage_zero(Storage& storage, std::byte* dst, std::size_t bytes) noexcept {
+  storage.fill_zero(dst, bytes);
+}
 
 class PositionBuffer {
  public:
@@ -85,7 +104,8 @@ class PositionBuffer {
   // position of an empty buffer (0, or -K for conv inputs whose zero padding
   // is stored as rows). `static_slots` > 0 allocates exactly that many rows
   // now and never changes the row count. Throws CapacityError / BudgetExceeded.
-  PositionBuffer(std::size_t row_bytes, std::int64_t origin, std::int64_t static_slots, MemoryBudget* budget);
+  PositionBuffer(std::size_t row_bytes, std::int64_t origin, std::int64_t static_slots,
+                 std::shared_ptr<Storage> storage, MemoryBudget* budget);
   void attach(MemoryBudget* budget) noexcept { buffer_.attach(budget); }
 
   std::int64_t first() const { return first_; }
@@ -95,6 +115,7 @@ class PositionBuffer {
   bool is_static() const { return static_; }
   std::int64_t slots() const { return slots_; }
   const AlignedBuffer& allocation() const { return buffer_; }
+  Device device() const { return buffer_.device(); }
 
   // Address of position `pos`'s row. REQUIRES: pos in [first, end] and the
   // row inside the allocation (not checked).

@@ -5,17 +5,20 @@
 #include <cstring>
 #include <string>
 
+#include "tensor_copy.h"
+
 namespace rwd::detail {
 
 RecurrentState::RecurrentState(std::vector<std::int64_t> state_shape, DType t, std::int64_t b,
-                               std::int64_t history_slots, std::int64_t num_slots, MemoryBudget* budget)
+                               std::int64_t history_slots, std::int64_t num_slots, std::shared_ptr<Storage> storage,
+                               MemoryBudget* budget)
     : shape(std::move(state_shape)), dtype(t), batch(b), history(history_slots), capacity(num_slots) {
   const std::size_t bytes = checked_mul(checked_mul(num_slots, b, "a recurrent state"), entry_bytes(),
                                         "a recurrent state");
-  ring = AlignedBuffer(bytes, budget);
+  ring = AlignedBuffer(bytes, std::move(storage), budget);
   table.assign(static_cast<std::size_t>(capacity), 0);
   for (std::int64_t s = 0; s < capacity; ++s) table[static_cast<std::size_t>(s)] = static_cast<std::int32_t>(s);
-  std::memset(slot(0), 0, state_bytes());  // S(0), the zero state
+  storage_zero(*ring.storage(), slot(0), state_bytes());  // S(0), the zero state
   protect();
 }
 
@@ -26,11 +29,14 @@ std::size_t RecurrentState::entry_bytes() const {
 }
 
 TensorView RecurrentState::view_of(std::byte* data) const {
+  TensorView v;
   switch (shape.size()) {
-    case 1: return TensorView::contiguous(data, dtype, {batch, shape[0]});
-    case 2: return TensorView::contiguous(data, dtype, {batch, shape[0], shape[1]});
-    default: return TensorView::contiguous(data, dtype, {batch, shape[0], shape[1], shape[2]});
+    case 1: v = TensorView::contiguous(data, dtype, {batch, shape[0]}); break;
+    case 2: v = TensorView::contiguous(data, dtype, {batch, shape[0], shape[1]}); break;
+    default: v = TensorView::contiguous(data, dtype, {batch, shape[0], shape[1], shape[2]}); break;
   }
+  v.device = ring.device();
+  return v;
 }
 
 void RecurrentState::choose_fresh(std::int64_t q) {
@@ -54,7 +60,7 @@ void RecurrentState::choose_fresh(std::int64_t q) {
 template <typename CopyState>
 RecurrentState RecurrentState::copied(std::int64_t rows, std::int64_t history_slots, std::int64_t num_slots,
                                       std::int64_t keep, CopyState&& copy_state) const {
-  RecurrentState out(shape, dtype, rows, history_slots, num_slots, ring.budget());
+  RecurrentState out(shape, dtype, rows, history_slots, num_slots, ring.storage(), ring.budget());
   unpoison(out.ring.data(), out.ring.size());
   out.length = length;
   out.held = keep;
@@ -70,8 +76,9 @@ RecurrentState RecurrentState::copied(std::int64_t rows, std::int64_t history_sl
 }
 
 RecurrentState RecurrentState::with_room(std::int64_t q) const {
-  RecurrentState out = copied(batch, history, history + fresh_count(q), held,
-                              [&](std::byte* dst, const std::byte* src) { std::memcpy(dst, src, state_bytes()); });
+  RecurrentState out = copied(
+      batch, history, history + fresh_count(q), held,
+      [&](std::byte* dst, const std::byte* src) { storage_move(*ring.storage(), dst, src, state_bytes()); });
   out.version = version + 1;  // handles that named the old slots are stale
   return out;
 }
@@ -110,7 +117,7 @@ void RecurrentState::clear() {
   held = 1;
   unknown_first = unknown_end = 0;
   unpoison(ring.data(), ring.size());
-  std::memset(slot(0), 0, state_bytes());
+  storage_zero(*ring.storage(), slot(0), state_bytes());
   protect();
 }
 
@@ -120,24 +127,24 @@ void RecurrentState::load(std::int64_t L, const TensorView& state) {
   held = 1;
   unknown_first = unknown_end = 0;
   table[static_cast<std::size_t>(L % capacity)] = 0;  // physical slot 0 holds S(L)
-  copy_tensor(state, view(L));
+  copy_view(state, view(L));
   ++version;
   protect();
 }
 
 RecurrentState RecurrentState::resized(std::int64_t history_slots) const {
   return copied(batch, history_slots, history_slots + 1, std::min(held, history_slots),
-                [&](std::byte* dst, const std::byte* src) { std::memcpy(dst, src, state_bytes()); });
+                [&](std::byte* dst, const std::byte* src) { storage_move(*ring.storage(), dst, src, state_bytes()); });
 }
 
 RecurrentState RecurrentState::gathered(std::span<const std::int64_t> rows) const {
   const std::size_t entry = entry_bytes();
-  return copied(static_cast<std::int64_t>(rows.size()), history, history + 1, held,
-                [&](std::byte* dst, const std::byte* src) {
-                  for (std::size_t i = 0; i < rows.size(); ++i) {
-                    std::memcpy(dst + i * entry, src + static_cast<std::size_t>(rows[i]) * entry, entry);
-                  }
-                });
+  return copied(
+      static_cast<std::int64_t>(rows.size()), history, history + 1, held, [&](std::byte* dst, const std::byte* src) {
+        for (std::size_t i = 0; i < rows.size(); ++i) {
+          storage_move(*ring.storage(), dst + i * entry, src + static_cast<std::size_t>(rows[i]) * entry, entry);
+        }
+      });
 }
 
 #if defined(REWIND_DEBUG_VIEWS)

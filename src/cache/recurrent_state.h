@@ -49,7 +49,7 @@ struct RecurrentState {
   // S(0) = 0 with `history_slots` = R + 1 and `num_slots` >= 1 physical slots.
   // Throws CapacityError / BudgetExceeded.
   RecurrentState(std::vector<std::int64_t> state_shape, DType t, std::int64_t b, std::int64_t history_slots,
-                 std::int64_t num_slots, MemoryBudget* budget);
+                 std::int64_t num_slots, std::shared_ptr<Storage> storage, MemoryBudget* budget);
 
   std::size_t entry_bytes() const;  // one sequence's state
   std::size_t state_bytes() const { return static_cast<std::size_t>(batch) * entry_bytes(); }

@@ -23,9 +23,13 @@ TensorView BlockLayout::rows(const std::byte* block, int part, std::int64_t row,
                     static_cast<std::size_t>(row * width) * dtype_size(dtype);
   if (part < 2) {
     const std::int64_t d = part == 0 ? key_dim : value_dim;
-    return TensorView::strided(base, dtype, {1, num_kv_heads, n, d}, {width, d, width, 1});
+    TensorView v = TensorView::strided(base, dtype, {1, num_kv_heads, n, d}, {width, d, width, 1});
+    v.device = device;
+    return v;
   }
-  return TensorView::strided(base, dtype, {1, n, width}, {width, width, 1});
+  TensorView v = TensorView::strided(base, dtype, {1, n, width}, {width, width, 1});
+  v.device = device;
+  return v;
 }
 
 void BlockLayout::gather(std::span<const BlockSpan> spans, int part, std::int64_t first, const TensorView& dst) const {
@@ -111,7 +115,7 @@ void SequenceCache::init(const Cache& probe, std::int64_t block_size) {
         offset = round64(offset + bytes);
       }
       layout.block_bytes = offset;
-      l.paged = std::make_unique<PagedLayer>(model.keys.rule, std::move(layout), &c.budget);
+      l.paged = std::make_unique<PagedLayer>(model.keys.rule, std::move(layout), model.storage, &c.budget);
       l.sides_done.assign(model.sides.size(), false);
     }
     if (!model.stateless()) c.keeps_tokens = true;

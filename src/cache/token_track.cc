@@ -2,6 +2,8 @@
 
 #include <algorithm>
 
+#include "tensor_copy.h"
+
 namespace rwd::detail {
 namespace {
 
@@ -68,14 +70,15 @@ std::string TrackShape::expected(const char* token_name) const {
   return {};
 }
 
-TokenTrack::TokenTrack(TrackShape s, RetentionRule r, std::int64_t static_slots, MemoryBudget* budget)
-    : shape(s), rule(r), buffer(s.row_bytes(), r.origin(), static_slots, budget) {
+TokenTrack::TokenTrack(TrackShape s, RetentionRule r, std::int64_t static_slots, std::shared_ptr<Storage> storage,
+                       MemoryBudget* budget)
+    : shape(s), rule(r), buffer(s.row_bytes(), r.origin(), static_slots, std::move(storage), budget) {
   clear();
 }
 
 TensorView TokenTrack::append(const TensorView& input, std::int64_t q, std::int64_t R) {
   const std::int64_t L = buffer.end();
-  copy_tensor(input, view(L, q));
+  copy_view(input, view(L, q));
   buffer.commit_append(q);
   const std::int64_t first = rule.visible_first(L);
   TensorView out = view(first, L + q - first);

@@ -76,10 +76,15 @@ struct TokenTrack {
   PositionBuffer buffer;
 
   TokenTrack() = default;
-  TokenTrack(TrackShape s, RetentionRule r, std::int64_t static_slots, MemoryBudget* budget);
+  TokenTrack(TrackShape s, RetentionRule r, std::int64_t static_slots, std::shared_ptr<Storage> storage,
+             MemoryBudget* budget);
 
   std::int64_t length() const { return buffer.end(); }
-  TensorView view(std::int64_t first, std::int64_t n) const { return shape.view(buffer.row(first), n); }
+  TensorView view(std::int64_t first, std::int64_t n) const {
+    TensorView v = shape.view(buffer.row(first), n);
+    v.device = buffer.device();
+    return v;
+  }
   TensorView retained() const { return view(buffer.first(), buffer.stored()); }
   // Writes the q positions of `input` (shape checked by the caller) after
   // the end; returns the range [visible_first(L), L + q) and evicts what a

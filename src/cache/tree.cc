@@ -27,13 +27,14 @@ void check_node(std::int64_t node, std::int64_t n, const char* what) {
   }
 }
 
-// The rows of `nodes` along dimension `dim` of `src`, in that order.
-Tensor gathered(const TensorView& src, int dim, std::span<const std::int64_t> nodes) {
+// The rows of `nodes` along dimension `dim` of `src`, in that order, in `storage`.
+detail::StateTensor gathered(const std::shared_ptr<Storage>& storage, const TensorView& src, int dim,
+                             std::span<const std::int64_t> nodes) {
   std::array<std::int64_t, kMaxRank> shape = src.shape;
   shape[static_cast<std::size_t>(dim)] = static_cast<std::int64_t>(nodes.size());
-  Tensor out(src.dtype, shape.data(), src.rank);
+  detail::StateTensor out(storage, src.dtype, shape.data(), src.rank);
   for (std::size_t t = 0; t < nodes.size(); ++t)
-    copy_tensor(src.slice(dim, nodes[t], 1), out.view().slice(dim, static_cast<std::int64_t>(t), 1));
+    detail::copy_view(src.slice(dim, nodes[t], 1), out.view().slice(dim, static_cast<std::int64_t>(t), 1));
   return out;
 }
 
@@ -169,7 +170,7 @@ TreeKeyValues TreeForward::update(const TensorView& keys, const TensorView& valu
                           extents({1, H, n, dv}, dtype) + " (N = " + num(n) + " nodes)");
   }
   l.budgeted("TreeForward::update", [&] {
-    Tensor k = detail::copy_of(keys), v = detail::copy_of(values);
+    detail::StateTensor k = detail::state_copy_of(l.storage, keys), v = detail::state_copy_of(l.storage, values);
     std::vector<std::int64_t> first(static_cast<std::size_t>(n));
     for (std::int64_t i = 0; i < n; ++i)
       first[static_cast<std::size_t>(i)] = l.keys.rule.visible_first(t.tree.start +
@@ -201,7 +202,7 @@ TreeRows TreeForward::update_side(const TensorView& rows, int layer_idx, int sid
     throw InvalidArgument(l.where() + ": TreeForward::update_side(" + num(side) + ") got " + rows.describe() +
                           "; expected " + extents({1, n, D}, track.shape.dtype) + " (N = " + num(n) + " nodes)");
   }
-  l.budgeted("TreeForward::update_side", [&] { t.scratch.sides[s] = detail::copy_of(rows); });
+  l.budgeted("TreeForward::update_side", [&] { t.scratch.sides[s] = detail::state_copy_of(l.storage, rows); });
   t.scratch.sides_done[s] = true;
   const std::int64_t L = t.tree.start, first = track.rule.visible_first(L);
   return {track.view(first, L - first), first, t.scratch.sides[s].view()};
@@ -224,9 +225,12 @@ TensorView TreeForward::update_conv(const TensorView& x, int layer_idx, int stat
   l.budgeted("TreeForward::update_conv", [&] {
     // Time-major storage, as the cache keeps conv inputs: one position's C
     // channels are contiguous, so every window column is one row copy.
-    Tensor inputs(dtype, {n, C});
-    copy_tensor(x, TensorView::strided(inputs.view().data, dtype, {1, C, n}, {n * C, 1, C}));
-    Tensor windows(dtype, {n, K, C});
+    detail::StateTensor inputs(l.storage, dtype, {n, C});
+    TensorView time_major = TensorView::strided(inputs.view().data, dtype, {1, C, n}, {n * C, 1, C});
+    time_major.device = inputs.view().device;
+    detail::copy_view(x, time_major);
+    detail::StateTensor windows(l.storage, dtype, {n, K, C});
+    Storage& storage = *l.storage;
     const std::int64_t L = t.tree.start;
     const auto* in = static_cast<const std::byte*>(inputs.view().data);
     auto* out = static_cast<std::byte*>(windows.view().data);
@@ -238,10 +242,10 @@ TensorView TreeForward::update_conv(const TensorView& x, int layer_idx, int stat
       for (std::int64_t j = 0; j < K; ++j) {
         std::byte* dst = out + static_cast<std::size_t>((node * K + K - 1 - j)) * row_bytes;
         if (on_path >= 0) {
-          std::memcpy(dst, in + static_cast<std::size_t>(on_path) * row_bytes, row_bytes);
+          detail::storage_move(storage, dst, in + static_cast<std::size_t>(on_path) * row_bytes, row_bytes);
           on_path = t.tree.parents[static_cast<std::size_t>(on_path)];
         } else {
-          std::memcpy(dst, track.view(P - j, 1).data, row_bytes);
+          detail::storage_move(storage, dst, static_cast<const std::byte*>(track.view(P - j, 1).data), row_bytes);
         }
       }
     }
@@ -249,7 +253,9 @@ TensorView TreeForward::update_conv(const TensorView& x, int layer_idx, int stat
     t.scratch.conv_windows[s] = std::move(windows);
   });
   t.scratch.convs_done[s] = true;
-  return TensorView::strided(t.scratch.conv_windows[s].view().data, dtype, {n, C, K}, {K * C, 1, C});
+  TensorView windows = TensorView::strided(t.scratch.conv_windows[s].view().data, dtype, {n, C, K}, {K * C, 1, C});
+  windows.device = t.scratch.conv_windows[s].view().device;
+  return windows;
 }
 
 TreeRecurrentSlots TreeForward::recurrent_slots(int layer_idx, int state) {
@@ -264,7 +270,7 @@ TreeRecurrentSlots TreeForward::recurrent_slots(int layer_idx, int state) {
     std::array<std::int64_t, kMaxRank> shape{};
     shape[0] = n;
     for (std::size_t d = 0; d < r.shape.size(); ++d) shape[d + 1] = r.shape[d];
-    Tensor slots(r.dtype, shape.data(), static_cast<int>(r.shape.size()) + 1);
+    detail::StateTensor slots(l.storage, r.dtype, shape.data(), static_cast<int>(r.shape.size()) + 1);
     out.slots_.reserve(static_cast<std::size_t>(n));
     for (std::int64_t i = 0; i < n; ++i) out.slots_.push_back(slots.view().slice(0, i, 1));
     t.scratch.recurrent_slots[s] = std::move(slots);
@@ -391,25 +397,27 @@ void TreeForward::commit(std::int64_t leaf) {
       const Layer::Impl& l = c.layer_impl(i);
       const TreeState::LayerTree& lt = held->layers[i];
       if (l.attention) {
-        const Tensor keys = gathered(lt.keys.view(), 2, nodes), values = gathered(lt.values.view(), 2, nodes);
+        const detail::StateTensor keys = gathered(l.storage, lt.keys.view(), 2, nodes),
+                                  values = gathered(l.storage, lt.values.view(), 2, nodes);
         layer.update(keys, values);
         for (std::size_t s = 0; s < lt.sides.size(); ++s)
-          layer.update_side(gathered(lt.sides[s].view(), 1, nodes), static_cast<int>(s));
+          layer.update_side(gathered(l.storage, lt.sides[s].view(), 1, nodes), static_cast<int>(s));
       }
       for (std::size_t s = 0; s < lt.conv_inputs.size(); ++s) {
         // Rows [k, C] of the path, given as [1, C, k].
-        const Tensor rows = gathered(lt.conv_inputs[s].view(), 0, nodes);
+        const detail::StateTensor rows = gathered(l.storage, lt.conv_inputs[s].view(), 0, nodes);
         const std::int64_t C = rows.view().size(1);
-        layer.update_conv_state(TensorView::strided(rows.view().data, rows.view().dtype, {1, C, k}, {k * C, 1, C}),
-                                static_cast<int>(s));
+        TensorView path = TensorView::strided(rows.view().data, rows.view().dtype, {1, C, k}, {k * C, 1, C});
+        path.device = rows.view().device;
+        layer.update_conv_state(path, static_cast<int>(s));
       }
       for (std::size_t s = 0; s < lt.recurrent_slots.size(); ++s) {
         RecurrentUpdate u = layer.begin_recurrent_update(k, static_cast<int>(s));
         // Without recording every next(t) is one slot: the last copy wins,
         // as the state after the path's last token must.
         for (std::int64_t step = 1; step <= k; ++step)
-          copy_tensor(lt.recurrent_slots[s].view().slice(0, nodes[static_cast<std::size_t>(step - 1)], 1),
-                      u.next(step));
+          detail::copy_view(lt.recurrent_slots[s].view().slice(0, nodes[static_cast<std::size_t>(step - 1)], 1),
+                            u.next(step));
         u.commit();
       }
     }

@@ -6,6 +6,7 @@
 #include <cstdint>
 #include <vector>
 
+#include "cache/state_tensor.h"
 #include "rewind/tensor.h"
 
 namespace rwd::detail {
@@ -17,15 +18,15 @@ struct TreeState {
 
   struct LayerTree {
     bool kv_done = false;
-    Tensor keys, values;                      // [1, H, N, D]
+    StateTensor keys, values;                 // [1, H, N, D]
     std::vector<std::int64_t> first_visible;  // per node
     std::vector<bool> sides_done;
-    std::vector<Tensor> sides;  // [1, N, D]
+    std::vector<StateTensor> sides;  // [1, N, D]
     std::vector<bool> convs_done;
-    std::vector<Tensor> conv_inputs;   // [N, C]: each node's inputs, time-major
-    std::vector<Tensor> conv_windows;  // [N, K, C] storage of the [N, C, K] windows
+    std::vector<StateTensor> conv_inputs;   // [N, C]: each node's inputs, time-major
+    std::vector<StateTensor> conv_windows;  // [N, K, C] storage of the [N, C, K] windows
     std::vector<bool> recurrents_done;
-    std::vector<Tensor> recurrent_slots;  // [N, shape...]
+    std::vector<StateTensor> recurrent_slots;  // [N, shape...]
   };
   std::vector<LayerTree> layers;
 
