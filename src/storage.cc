@@ -3,6 +3,7 @@
 #include <cstring>
 
 #include "aligned_memory.h"
+#include "rewind/cuda_storage.h"
 #include "rewind/error.h"
 #include "rewind/tensor.h"
 #include "storage_backends.h"
@@ -75,7 +76,18 @@ Storage& storage_for(Device device) {
 }  // namespace rwd
 
 #if !defined(REWIND_WITH_CUDA)
-// Without the CUDA toolkit there is no CUDA backend: a CUDA view is refused
-// by storage_for with a message saying so.
-rwd::Storage* rwd::detail::cuda_default_storage(int) { return nullptr; }
+// Without the CUDA toolkit there is no CUDA backend: a CUDA view or storage
+// is refused with a message saying so.
+namespace rwd {
+
+bool cuda_built() { return false; }
+int cuda_device_count() { return 0; }
+std::shared_ptr<Storage> cuda_storage(int device, void*) {
+  throw InvalidArgument("cuda_storage(" + std::to_string(device) +
+                        "): this build of rewind has no CUDA backend (CMake did not find the CUDA toolkit)");
+}
+
+Storage* detail::cuda_default_storage(int) { return nullptr; }
+
+}  // namespace rwd
 #endif
