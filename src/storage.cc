@@ -53,7 +53,11 @@ std::shared_ptr<Storage> guarded_storage() {
 }
 
 std::shared_ptr<Storage> default_storage() {
-#if defined(REWIND_GUARDED_STORAGE)
+#if defined(REWIND_CUDA_DEFAULT_STORAGE)
+  // The device check's build: every suite's caches on CUDA device 0.
+  static const std::shared_ptr<Storage> cuda = cuda_storage(0);
+  return cuda;
+#elif defined(REWIND_GUARDED_STORAGE)
   return guarded_storage();
 #else
   return host_storage();

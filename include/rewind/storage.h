@@ -8,7 +8,7 @@
 // dereferences it. A cache takes its storage from LayerOptions::storage
 // (null: default_storage()). Views the cache returns carry the storage's
 // Device; a view of device memory is a device pointer with the same shape
-// and strides as a host view, valid for as long (docs/semantics.md 16).
+// and strides as a host view, valid for as long (docs/semantics.md 17).
 //
 // Backends: host memory (host_storage(), today's behaviour and speed), a
 // guarded test backend (guarded_storage(): pages the host cannot touch
@@ -80,7 +80,8 @@ std::shared_ptr<Storage> host_storage();
 // memory directly.
 std::shared_ptr<Storage> guarded_storage();
 // What a cache uses when LayerOptions::storage is null: host_storage(), or
-// guarded_storage() in a build with REWIND_GUARDED_STORAGE=ON.
+// guarded_storage() in a build with REWIND_GUARDED_STORAGE=ON, or CUDA
+// device 0 with REWIND_CUDA_DEFAULT_STORAGE=ON (the device check's build).
 std::shared_ptr<Storage> default_storage();
 
 // The storage that holds views on `device`: host_storage() for the host,

@@ -621,6 +621,7 @@ std::int64_t check_tokens(const Layer::Impl& l, const TokenTrack& track, const T
     throw InvalidArgument(l.where() + ": " + what + " " + input.describe() + " " + why + "; expected " +
                           s.expected("q") + " " + std::string(dtype_name(s.dtype)));
   };
+  l.check_device(input, what);
   if (input.rank != s.rank()) fail("has rank " + num(input.rank));
   if (input.dtype != s.dtype) fail("has the wrong dtype");
   if (input.size(0) != s.batch) fail("has batch size " + num(input.size(0)));
@@ -810,6 +811,7 @@ namespace {
 
 void check_state_input(const Layer::Impl& l, const detail::RecurrentState& r, const TensorView& input,
                        const char* operation) {
+  l.check_device(input, operation);
   const TensorView expected = r.view(r.length);
   if (input.rank != expected.rank || input.shape != expected.shape || input.dtype != r.dtype || input.data == nullptr) {
     throw InvalidArgument(l.where() + ": " + operation + " got " + input.describe() + "; expected " +

@@ -91,6 +91,16 @@ struct Layer::Impl {
 
   // "layer 3 (sliding_attention)".
   std::string where() const;
+  // Inputs may be host memory or this layer's device (docs/semantics.md 17).
+  // Throws InvalidArgument naming `what` otherwise.
+  void check_device(const TensorView& input, const std::string& what) const {
+    const Device d = storage->device();
+    if (!input.device.is_host() && input.device != d) {
+      throw InvalidArgument(where() + ": " + what + " is on " + input.device.describe() +
+                            "; this layer's state is on " + d.describe() + ", and inputs may be host memory or " +
+                            d.describe());
+    }
+  }
   bool linear() const { return !convs.empty() || !recurrents.empty(); }
   bool stateless() const { return !attention && !linear(); }
   std::int64_t length() const;

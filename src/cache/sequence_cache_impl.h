@@ -550,7 +550,13 @@ struct SequenceCache::Impl {
   void check_input(const TensorView& v, int layer_idx, const char* what, std::initializer_list<std::int64_t> shape,
                    int token_dim) const {
     const std::int64_t T = total_tokens();
-    const DType dtype = layers[static_cast<std::size_t>(layer_idx)].options.dtype;
+    const LayerOptions& options = layers[static_cast<std::size_t>(layer_idx)].options;
+    const DType dtype = options.dtype;
+    if (const Device d = options.storage->device(); !v.device.is_host() && v.device != d) {
+      throw InvalidArgument(where(layer_idx) + ": " + what + " is on " + v.device.describe() +
+                            "; this layer's state is on " + d.describe() + ", and inputs may be host memory or " +
+                            d.describe());
+    }
     bool ok = v.rank == static_cast<int>(shape.size()) && v.dtype == dtype;
     int d = 0;
     for (std::int64_t extent : shape) {

@@ -164,6 +164,8 @@ TreeKeyValues TreeForward::update(const TensorView& keys, const TensorView& valu
   const std::int64_t n = t.tree.size(), H = l.keys.shape.heads;
   const std::int64_t dk = l.keys.shape.width, dv = l.values.shape.width;
   const DType dtype = l.keys.shape.dtype;
+  l.check_device(keys, "TreeForward::update keys");
+  l.check_device(values, "TreeForward::update values");
   if (!same_extents(keys, {1, H, n, dk}, dtype) || !same_extents(values, {1, H, n, dv}, dtype)) {
     throw InvalidArgument(l.where() + ": TreeForward::update got keys " + keys.describe() + " and values " +
                           values.describe() + "; expected " + extents({1, H, n, dk}, dtype) + " and " +
@@ -198,6 +200,7 @@ TreeRows TreeForward::update_side(const TensorView& rows, int layer_idx, int sid
   const auto s = static_cast<std::size_t>(side);
   if (t.scratch.sides_done[s]) twice(l, "side tensor " + num(side), "TreeForward::update_side");
   const std::int64_t n = t.tree.size(), D = track.shape.width;
+  l.check_device(rows, "TreeForward::update_side rows");
   if (!same_extents(rows, {1, n, D}, track.shape.dtype)) {
     throw InvalidArgument(l.where() + ": TreeForward::update_side(" + num(side) + ") got " + rows.describe() +
                           "; expected " + extents({1, n, D}, track.shape.dtype) + " (N = " + num(n) + " nodes)");
@@ -216,6 +219,7 @@ TensorView TreeForward::update_conv(const TensorView& x, int layer_idx, int stat
   if (t.scratch.convs_done[s]) twice(l, "conv state " + num(state), "TreeForward::update_conv");
   const std::int64_t n = t.tree.size(), C = track.shape.width, K = track.rule.size;
   const DType dtype = track.shape.dtype;
+  l.check_device(x, "TreeForward::update_conv input");
   if (!same_extents(x, {1, C, n}, dtype)) {
     throw InvalidArgument(l.where() + ": TreeForward::update_conv(" + num(state) + ") got " + x.describe() +
                           "; expected " + extents({1, C, n}, dtype) + " (N = " + num(n) + " nodes)");

@@ -323,6 +323,34 @@ TEST_P(DeviceCache, SequenceForkAndCopyOnWriteMatchHost) {
   EXPECT_EQ(host.memory().bytes_reserved, guarded.memory().bytes_reserved);
 }
 
+TEST(GuardedCache, RefusesInputsOnAnotherDeviceChangingNothing) {
+  Pair c(rwd::guarded_storage());
+  forward_both(c, 2, 5);
+  const Tensor k = pattern(DType::F32, {1, 2, 1, 4}, 1), v = pattern(DType::F32, {1, 2, 1, 3}, 2);
+  TensorView elsewhere = k.view();
+  elsewhere.device = {DeviceType::Cuda, 0};
+  const rwd::MemoryReport before = c.guarded.memory();
+  try {
+    c.guarded.update(elsewhere, v, 0);
+    FAIL() << "an input on cuda:0 was accepted by a cache on guarded storage";
+  } catch (const rwd::InvalidArgument& e) {
+    EXPECT_NE(std::string(e.what()).find("is on cuda:0"), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("inputs may be host memory or guarded"), std::string::npos) << e.what();
+  }
+  EXPECT_EQ(c.guarded.get_seq_length(0), 2);
+  EXPECT_EQ(c.guarded.memory().bytes_reserved, before.bytes_reserved);
+  // A host cache takes host inputs only: a guarded view is another device to it.
+  const rwd::KeyValueView guarded_rows = c.guarded.update(k, v, 0);
+  EXPECT_THROW(c.host.update(guarded_rows.keys.slice(2, 0, 1), v, 0), rwd::InvalidArgument);
+  EXPECT_EQ(c.host.get_seq_length(0), 2);
+  // The same refusals in a batch of sequences.
+  rwd::SequenceCache seqs(kLayers, hybrid_options(rwd::guarded_storage()));
+  const rwd::SeqId id = seqs.add_sequence();
+  const std::vector<rwd::BatchEntry> one = {{id, 1}};
+  rwd::SequenceBatch batch = seqs.begin_batch(one);
+  EXPECT_THROW(seqs.update(elsewhere, v, 0), rwd::InvalidArgument);
+}
+
 INSTANTIATE_TEST_SUITE_P(Storages, DeviceCache, ::testing::Values("guarded", "cuda"),
                          [](const ::testing::TestParamInfo<std::string>& p) { return p.param; });
 
