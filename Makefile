@@ -7,6 +7,7 @@ JOBS ?= 2
 BUILD ?= build
 ASAN_BUILD ?= build-asan
 TSAN_BUILD ?= build-tsan
+GUARDED_BUILD ?= build-guarded
 FUZZ_BUILD ?= build-fuzz
 FUZZ_SECONDS ?= 30
 CMAKE_FLAGS ?=
@@ -46,7 +47,7 @@ DEMO_DEB_PACKAGES := cmake g++ make nlohmann-json3-dev libcli11-dev $(TOKENIZER_
 DEMO_BUILD ?= build-demo
 INSTALL_PREFIX = $(abspath $(or $(PREFIX),/usr/local))
 
-.PHONY: docs-check all deps install-deps python-deps check-deps demo-deps pip-deps format-deps check-pip-install node-deps tokenizer-reference server-client build check build-options test test-plain test-python test-asan test-tsan test-fuzz fuzz bench install python clean demo train-models
+.PHONY: docs-check all deps install-deps python-deps check-deps demo-deps pip-deps format-deps check-pip-install node-deps tokenizer-reference server-client build check build-options test test-plain test-python test-asan test-tsan test-guarded test-fuzz fuzz bench install python clean demo train-models
 
 all: build
 
@@ -149,6 +150,18 @@ test-asan: deps tokenizer-reference
 	cd $(ASAN_BUILD) && ASAN_OPTIONS=detect_leaks=1 UBSAN_OPTIONS=print_stacktrace=1 REWIND_REQUIRE_TOKENIZER_DATA=1 \
 	  ctest --output-on-failure -j $(JOBS)
 
+# The cache and store suites with every cache on the guarded test storage
+# (REWIND_GUARDED_STORAGE: state pages inaccessible outside the storage's own
+# copy calls), so any library or test code that reads or writes cache memory
+# directly faults. The library and those two suites only; slow (page
+# protection changes on every copy).
+test-guarded: deps
+	cmake -S . -B $(GUARDED_BUILD) -DCMAKE_BUILD_TYPE=Release -DREWIND_GUARDED_STORAGE=ON -DREWIND_WERROR=ON \
+	  -DREWIND_BUILD_RUNTIME=OFF -DREWIND_BUILD_PYTHON=OFF -DREWIND_BUILD_BENCH=OFF $(CMAKE_FLAGS)
+	cmake --build $(GUARDED_BUILD) -j $(JOBS) --target rewind_cache_tests rewind_store_tests
+	$(GUARDED_BUILD)/tests/rewind_cache_tests --gtest_brief=1
+	$(GUARDED_BUILD)/tests/rewind_store_tests --gtest_brief=1
+
 # ThreadSanitizer: threads decoding with their own caches over shared
 # weights (tests/runtime/concurrency_test.cc). OpenMP stays at one thread:
 # libgomp is not instrumented and would only add false reports. ASLR is
@@ -178,7 +191,7 @@ fuzz: deps
 
 test-fuzz: fuzz
 
-test: build-options docs-check test-plain test-python check-pip-install test-asan test-tsan test-fuzz
+test: build-options docs-check test-plain test-python check-pip-install test-asan test-tsan test-guarded test-fuzz
 
 # The docs point at files that exist; folders include only what
 # docs/architecture.md allows; C++ sources are as .clang-format writes them.

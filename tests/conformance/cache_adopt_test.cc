@@ -35,7 +35,7 @@ std::vector<float> keys_of(const Layer& l, std::int64_t b) {
   const rwd::TensorView k = l.keys_values().keys;
   std::vector<float> out;
   for (std::int64_t t = 0; t < k.size(2); ++t)
-    out.push_back(static_cast<const float*>(k.data)[b * k.stride(0) + t * k.stride(2)]);
+    out.push_back(k.get(b, 0, t, 0));  // through the view's storage (it may be a device's)
   return out;
 }
 

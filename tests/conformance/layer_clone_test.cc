@@ -33,10 +33,11 @@ void step(Layer& l, std::int64_t q, float salt) {
   for (std::size_t s = 0; s < o.recurrent_shapes.size(); ++s) {
     rwd::RecurrentUpdate u = l.begin_recurrent_update(q, static_cast<int>(s));
     for (std::int64_t t = 1; t <= q; ++t) {
-      rwd::TensorView slot = u.next(t);
-      for (std::int64_t i = 0; i < slot.numel(); ++i) {
-        static_cast<float*>(slot.data)[i] = salt + 300 + static_cast<float>(t * 10 + i);
-      }
+      // Written from a host tensor: the slot may be device memory.
+      const rwd::TensorView slot = u.next(t);
+      const rwd::Tensor h(slot.dtype, slot.shape.data(), slot.rank);
+      for (std::int64_t i = 0; i < slot.numel(); ++i) h.data<float>()[i] = salt + 300 + static_cast<float>(t * 10 + i);
+      rwd::copy_tensor(h, slot);
     }
     u.commit();
   }

@@ -122,8 +122,18 @@ inline std::string shape_str(const std::vector<i64>& s) {
   return out + "]";
 }
 
+// A contiguous host copy of `v`. Views a cache returns may be on a device
+// (the guarded test storage of a REWIND_GUARDED_STORAGE build faults on any
+// direct read), so the tests read them only through this copy.
+inline rwd::Tensor to_host(const TensorView& v) {
+  rwd::Tensor t(v.dtype, v.shape.data(), v.rank);
+  rwd::copy_tensor(v, t.view());
+  return t;
+}
+
 // Row-major bytes of every element of `v`.
 inline Bytes gather(const TensorView& v) {
+  if (!v.device.is_host()) return gather(to_host(v).view());
   const std::size_t es = rwd::dtype_size(v.dtype);
   auto ext = [&](std::size_t d) { return static_cast<int>(d) < v.rank ? v.shape[d] : 1; };
   Bytes out;
@@ -151,6 +161,12 @@ inline Bytes gather(const TensorView& v) {
 
 // Writes row-major `bytes` into every element of `v`.
 inline void scatter(const Bytes& bytes, const TensorView& v) {
+  if (!v.device.is_host()) {  // written through the view's storage
+    const rwd::Tensor h(v.dtype, v.shape.data(), v.rank);
+    scatter(bytes, h.view());
+    rwd::copy_tensor(h.view(), v);
+    return;
+  }
   const std::size_t es = rwd::dtype_size(v.dtype);
   auto ext = [&](std::size_t d) { return static_cast<int>(d) < v.rank ? v.shape[d] : 1; };
   std::size_t off = 0;

@@ -581,8 +581,10 @@ TEST(StaleState, DroppedRecurrentUpdateKeepsEverySnapshot) {
       {
         rwd::RecurrentUpdate u = layer.begin_recurrent_update(q, 0);
         for (i64 t = 1; t <= q; ++t) {
-          const TensorView slot = u.next(t);
-          std::memset(slot.data, 0xAB, static_cast<std::size_t>(slot.numel()) * 4);
+          const TensorView slot = u.next(t);  // written from a host tensor: it may be device memory
+          const rwd::Tensor h(slot.dtype, slot.shape.data(), slot.rank);
+          std::memset(h.data<void>(), 0xAB, h.bytes());
+          rwd::copy_tensor(h, slot);
         }
       }  // dropped
       EXPECT_EQ(diff(before, observe(layer)), "");

@@ -82,8 +82,9 @@ inline std::string id_str(SeqId id) {
   return "{" + std::to_string(id.slot) + "," + std::to_string(id.generation) + "}";
 }
 
-// Every element of `v` (row-major) equals `want`, without copying.
+// Every element of `v` (row-major) equals `want`, without copying a host view.
 inline bool view_equals(const TensorView& v, const Bytes& want) {
+  if (!v.device.is_host()) return view_equals(to_host(v).view(), want);
   const std::size_t es = rwd::dtype_size(v.dtype);
   auto ext = [&](int d) { return d < v.rank ? v.size(d) : 1; };
   const i64 n = ext(0) * ext(1) * ext(2) * ext(3);
