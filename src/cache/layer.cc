@@ -504,6 +504,7 @@ std::unique_ptr<Layer::Impl> Layer::Impl::gathered(std::span<const std::int64_t>
     out->history = history;
     out->generation = generation + 1;
     out->budget = budget;
+    out->storage = storage;
     out->attention = attention;
     if (attention) {
       out->keys = keys.gathered(rows);
