@@ -80,7 +80,7 @@ std::string_view layer_kind_name(LayerKind kind) {
 
 Layer::Impl::Impl(LayerKind k, const LayerOptions& o, int layer_index, detail::MemoryBudget* memory_budget)
     : kind(k), options(o), index(layer_index), batch(o.batch_size), budget(memory_budget),
-      storage(o.storage ? o.storage : default_storage()) {
+      storage(o.storage ? o.storage : default_storage()), device(storage->device()) {
   options.storage = storage;
   require_option(o.batch_size >= 1 && o.batch_size <= detail::kMaxBatch,
                  "option batch_size must be in [1, 2^24], got " + num(o.batch_size));
@@ -505,6 +505,7 @@ std::unique_ptr<Layer::Impl> Layer::Impl::gathered(std::span<const std::int64_t>
     out->generation = generation + 1;
     out->budget = budget;
     out->storage = storage;
+    out->device = device;
     out->attention = attention;
     if (attention) {
       out->keys = keys.gathered(rows);

@@ -71,6 +71,7 @@ struct Layer::Impl {
   std::uint64_t generation = 0;            // bumped by crop, recording, batch ops, reset, abandon (stale handles)
   detail::MemoryBudget* budget = nullptr;  // the owning cache's, or none
   std::shared_ptr<Storage> storage;        // of every state byte (options.storage or the default)
+  Device device{};                         // storage->device(), kept for the per-update input check
 
   bool attention = false;
   detail::TokenTrack keys, values;
@@ -93,8 +94,8 @@ struct Layer::Impl {
   std::string where() const;
   // Inputs may be host memory or this layer's device (docs/semantics.md 17).
   // Throws InvalidArgument naming `what` otherwise.
-  void check_device(const TensorView& input, const std::string& what) const {
-    const Device d = storage->device();
+  void check_device(const TensorView& input, const char* what) const {  // no string unless it throws
+    const Device d = device;
     if (!input.device.is_host() && input.device != d) {
       throw InvalidArgument(where() + ": " + what + " is on " + input.device.describe() +
                             "; this layer's state is on " + d.describe() + ", and inputs may be host memory or " +

@@ -27,7 +27,7 @@ void MemoryBudget::acquire(std::size_t bytes) {
 }
 
 AlignedBuffer::AlignedBuffer(std::size_t bytes, std::shared_ptr<Storage> storage, MemoryBudget* budget)
-    : storage_(storage ? std::move(storage) : host_storage()), budget_(budget) {
+    : storage_(storage ? std::move(storage) : host_storage()), device_(storage_->device()), budget_(budget) {
   if (bytes == 0) return;
   if (bytes > kMaxBufferBytes) {
     throw CapacityError("an allocation of " + std::to_string(bytes) + " bytes exceeds the limit of 2^48 bytes");
@@ -52,12 +52,11 @@ AlignedBuffer& AlignedBuffer::operator=(AlignedBuffer&& other) noexcept {
     data_ = std::exchange(other.data_, nullptr);
     size_ = std::exchange(other.size_, 0);
     storage_ = other.storage_;
+    device_ = other.device_;
     budget_ = other.budget_;
   }
   return *this;
 }
-
-AlignedBuffer::~AlignedBuffer() { free(); }
 
 void AlignedBuffer::free() noexcept {
   if (budget_ && size_) budget_->release(size_);

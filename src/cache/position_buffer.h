@@ -56,7 +56,7 @@ class AlignedBuffer {
   AlignedBuffer() = default;
   // An empty buffer that will allocate from `storage` (null: the host).
   AlignedBuffer(std::shared_ptr<Storage> storage, MemoryBudget* budget)
-      : storage_(std::move(storage)), budget_(budget) {}
+      : storage_(std::move(storage)), device_(storage_ ? storage_->device() : Device{}), budget_(budget) {}
   // Allocates `bytes` (contents undefined: every user writes before it
   // reads) from `storage` after acquiring them from `budget`. Throws
   // BudgetExceeded or CapacityError; nothing is counted then.
@@ -65,13 +65,15 @@ class AlignedBuffer {
   AlignedBuffer& operator=(AlignedBuffer&& other) noexcept;
   AlignedBuffer(const AlignedBuffer&) = delete;
   AlignedBuffer& operator=(const AlignedBuffer&) = delete;
-  ~AlignedBuffer();
+  ~AlignedBuffer() {
+    if (data_ != nullptr) free();  // an empty plan (every update makes one) costs nothing
+  }
 
   std::byte* data() const { return data_; }
   std::size_t size() const { return size_; }
   MemoryBudget* budget() const { return budget_; }
   const std::shared_ptr<Storage>& storage() const { return storage_; }
-  Device device() const { return storage_ ? storage_->device() : Device{}; }
+  Device device() const { return device_; }  // kept: views are made on every update
   // Counts this buffer against `budget` (null: none) instead of the one before.
   void attach(MemoryBudget* budget) noexcept;
   // True when addresses [lo, hi) intersect this allocation.
@@ -85,6 +87,7 @@ class AlignedBuffer {
   std::byte* data_ = nullptr;
   std::size_t size_ = 0;
   std::shared_ptr<Storage> storage_;
+  Device device_{};
   MemoryBudget* budget_ = nullptr;
 };
 
