@@ -44,7 +44,7 @@ AlignedBuffer::AlignedBuffer(std::size_t bytes, std::shared_ptr<Storage> storage
 
 AlignedBuffer::AlignedBuffer(AlignedBuffer&& other) noexcept
     : data_(std::exchange(other.data_, nullptr)), size_(std::exchange(other.size_, 0)), storage_(other.storage_),
-      budget_(other.budget_) {}
+      device_(other.device_), budget_(other.budget_) {}
 
 AlignedBuffer& AlignedBuffer::operator=(AlignedBuffer&& other) noexcept {
   if (this != &other) {
