@@ -155,7 +155,8 @@ py::tuple layer_state(const PyLayer& l) {
   py::object budget = l.budget() ? py::cast(l.budget()) : py::none();
   return py::make_tuple(1, std::string(rwd::layer_kind_name(layer.kind())), options, layer.batch_size(),
                         layer.get_seq_length(), layer.is_recording() ? layer.recording_capacity() : std::int64_t{-1},
-                        l.as_torch(), layer.index(), budget, attention, convs, recurrents);
+                        l.as_torch(), layer.index(), budget, attention, convs, recurrents,
+                        l.device()->device.describe());
 }
 
 // Feeds `layer`, new and not recording, up to length L with the values of
@@ -209,7 +210,10 @@ void replay(rwd::Layer& layer, std::int64_t L, const py::object& attention, cons
 }
 
 std::shared_ptr<PyLayer> layer_from_state(const py::tuple& st) {
-  if (st.size() != 12 || st[0].cast<int>() != 1) invalid("_Layer state: not a version-1 layer state");
+  // 13 entries: the device's name last; a 12-entry state (older module) is on the host.
+  if ((st.size() != 12 && st.size() != 13) || st[0].cast<int>() != 1)
+    invalid("_Layer state: not a version-1 layer state");
+  std::shared_ptr<PyDevice> device = resolve_device(st.size() == 13 ? st[12] : py::str("cpu"));
   auto o = st[2].cast<py::tuple>();
   if (o.size() != 11) invalid("_Layer state: bad options");
   const auto L = st[4].cast<std::int64_t>();
@@ -222,7 +226,7 @@ std::shared_ptr<PyLayer> layer_from_state(const py::tuple& st) {
                    o[5].cast<std::int64_t>(), o[6].cast<std::int64_t>(), {}, o[7].cast<std::int64_t>(),
                    o[8].cast<std::vector<std::int64_t>>(), o[9].cast<std::vector<std::vector<std::int64_t>>>(),
                    o[10].cast<std::string>()),
-      st[7].cast<int>(), st[6].cast<bool>(), budget);
+      st[7].cast<int>(), st[6].cast<bool>(), budget, std::move(device));
   if (L < 0) invalid("_Layer state: negative length");
   out->guarded([&] { replay(out->layer(), L, st[9], st[10].cast<py::list>(), st[11].cast<py::list>()); });
   if (R >= 0) out->guarded([&] { out->layer().activate_past_recording(R); });
@@ -305,27 +309,33 @@ void def_layer_whole(LayerClass& c);
 
 void bind_layer(py::module_& m) {
   LayerClass c(m, "_Layer",
-               "One rwd::Layer. Results are views of its storage (torch tensors or numpy arrays, as the first "
-               "input), valid until the next mutation of this layer; a stale view stays readable.");
-  c.def(py::init([](const std::string& kind, const std::string& dtype, std::int64_t batch_size,
-                    std::int64_t num_kv_heads, std::int64_t key_dim, std::int64_t value_dim,
-                    std::int64_t sliding_window, std::int64_t chunk_size, std::int64_t static_capacity,
-                    std::vector<std::int64_t> side_dims, std::int64_t conv_kernel_size,
-                    std::vector<std::int64_t> conv_channels, std::vector<std::vector<std::int64_t>> recurrent_shapes,
-                    const std::string& recurrent_dtype, int index, bool as_torch, std::shared_ptr<Budget> budget) {
-          return std::make_shared<PyLayer>(
-              kind,
-              make_options(dtype, batch_size, num_kv_heads, key_dim, value_dim, sliding_window, chunk_size,
-                           static_capacity, std::move(side_dims), conv_kernel_size, std::move(conv_channels),
-                           std::move(recurrent_shapes), recurrent_dtype),
-              index, as_torch, std::move(budget));
-        }),
-        py::arg("kind"), py::arg("dtype") = "f32", py::arg("batch_size") = 1, py::arg("num_kv_heads") = 0,
-        py::arg("key_dim") = 0, py::arg("value_dim") = 0, py::arg("sliding_window") = 0, py::arg("chunk_size") = 0,
-        py::arg("static_capacity") = 0, py::arg("side_dims") = std::vector<std::int64_t>{},
-        py::arg("conv_kernel_size") = 0, py::arg("conv_channels") = std::vector<std::int64_t>{},
-        py::arg("recurrent_shapes") = std::vector<std::vector<std::int64_t>>{}, py::arg("recurrent_dtype") = "f32",
-        py::arg("index") = -1, py::arg("as_torch") = true, py::arg("budget") = nullptr)
+               "One rwd::Layer on one device (device=: cpu or cuda:N). Results are views of its storage (torch "
+               "tensors or numpy arrays, as the first input, on its device), valid until the next mutation of this "
+               "layer; a stale view stays readable.");
+  c.def(
+       py::init([](const std::string& kind, const std::string& dtype, std::int64_t batch_size,
+                   std::int64_t num_kv_heads, std::int64_t key_dim, std::int64_t value_dim, std::int64_t sliding_window,
+                   std::int64_t chunk_size, std::int64_t static_capacity, std::vector<std::int64_t> side_dims,
+                   std::int64_t conv_kernel_size, std::vector<std::int64_t> conv_channels,
+                   std::vector<std::vector<std::int64_t>> recurrent_shapes, const std::string& recurrent_dtype,
+                   int index, bool as_torch, std::shared_ptr<Budget> budget, py::object device) {
+         std::shared_ptr<PyDevice> dev = resolve_device(device.is_none() ? py::str("cpu") : device);
+         return std::make_shared<PyLayer>(
+             kind,
+             make_options(dtype, batch_size, num_kv_heads, key_dim, value_dim, sliding_window, chunk_size,
+                          static_capacity, std::move(side_dims), conv_kernel_size, std::move(conv_channels),
+                          std::move(recurrent_shapes), recurrent_dtype),
+             index, as_torch, std::move(budget), std::move(dev));
+       }),
+       py::arg("kind"), py::arg("dtype") = "f32", py::arg("batch_size") = 1, py::arg("num_kv_heads") = 0,
+       py::arg("key_dim") = 0, py::arg("value_dim") = 0, py::arg("sliding_window") = 0, py::arg("chunk_size") = 0,
+       py::arg("static_capacity") = 0, py::arg("side_dims") = std::vector<std::int64_t>{},
+       py::arg("conv_kernel_size") = 0, py::arg("conv_channels") = std::vector<std::int64_t>{},
+       py::arg("recurrent_shapes") = std::vector<std::vector<std::int64_t>>{}, py::arg("recurrent_dtype") = "f32",
+       py::arg("index") = -1, py::arg("as_torch") = true, py::arg("budget") = nullptr, py::arg("device") = py::none())
+      .def_property_readonly(
+          "device", [](const PyLayer& l) { return l.device(); },
+          "The _Device its state is on (None given: cpu, host memory); updates must be on it.")
       .def_property_readonly("kind",
                              [](const PyLayer& l) { return std::string(rwd::layer_kind_name(l.layer().kind())); })
       .def_property_readonly("as_torch", &PyLayer::as_torch)
@@ -351,7 +361,7 @@ void def_layer_updates(LayerClass& c) {
   c.def(
        "update",
        [](PyLayer& l, py::object k, py::object v) {
-         rwd::TensorView kv = input_view(k, "key_states"), vv = input_view(v, "value_states");
+         rwd::TensorView kv = l.input(k, "key_states"), vv = l.input(v, "value_states");
          rwd::KeyValueView r = l.guarded([&] { return l.layer().update(kv, vv); });
          return py::make_tuple(l.out(r.keys), l.out(r.values));
        },
@@ -359,7 +369,7 @@ void def_layer_updates(LayerClass& c) {
       .def(
           "update_side",
           [](PyLayer& l, py::object rows, int side) {
-            rwd::TensorView in = input_view(rows, "side rows");
+            rwd::TensorView in = l.input(rows, "side rows");
             return l.out(l.guarded([&] { return l.layer().update_side(in, side); }));
           },
           py::arg("rows"), py::arg("side") = 0)
@@ -378,7 +388,7 @@ void def_layer_updates(LayerClass& c) {
       .def(
           "update_conv_state",
           [](PyLayer& l, py::object x, int state) {
-            rwd::TensorView in = input_view(x, "conv_states");
+            rwd::TensorView in = l.input(x, "conv_states");
             return l.out(l.guarded([&] { return l.layer().update_conv_state(in, state); }));
           },
           py::arg("x"), py::arg("state") = 0)
@@ -404,14 +414,14 @@ void def_layer_updates(LayerClass& c) {
       .def(
           "update_recurrent_state",
           [](PyLayer& l, py::object s, int state) {
-            rwd::TensorView in = input_view(s, "recurrent_states");
+            rwd::TensorView in = l.input(s, "recurrent_states");
             l.guarded([&] { l.layer().update_recurrent_state(in, state); });
           },
           py::arg("new_state"), py::arg("state") = 0)
       .def(
           "update_recurrent_state_final",
           [](PyLayer& l, py::object final_state, std::int64_t q, int state) {
-            rwd::TensorView in = input_view(final_state, "recurrent_states");
+            rwd::TensorView in = l.input(final_state, "recurrent_states");
             l.guarded([&] { l.layer().update_recurrent_state_final(in, q, state); });
           },
           py::arg("final_state"), py::arg("q"), py::arg("state") = 0,
@@ -483,7 +493,7 @@ void def_layer_whole(LayerClass& c) {
           [](const PyLayer& l, py::dict memo) {
             std::shared_ptr<Budget> budget = deepcopied_budget(l.budget(), memo);
             rwd::Layer copy = with_budget(budget, l.layer().index(), [&] { return l.layer().clone(); });
-            return std::make_shared<PyLayer>(std::move(copy), l.as_torch(), std::move(budget));
+            return std::make_shared<PyLayer>(std::move(copy), l.as_torch(), std::move(budget), l.device());
           },
           py::arg("memo"), "An independent copy (rwd::Layer::clone): every part, rollback history and recording.")
       .def(

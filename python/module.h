@@ -26,14 +26,40 @@ namespace py = pybind11;
 // True when `obj` is a torch tensor (false when torch is not installed).
 bool is_torch(const py::handle& obj);
 // A view of a torch tensor or a buffer-protocol object (numpy), in place;
-// argument `what` names it in messages. The caller keeps `obj` alive for as
-// long as the view is used. Throws InvalidArgument for an unsupported dtype,
-// a device tensor or a misaligned array.
+// argument `what` names it in messages. A CUDA tensor gives a view on
+// {Cuda, its index}. The caller keeps `obj` alive for as long as the view is
+// used. Throws InvalidArgument for an unsupported dtype, a tensor on a device
+// other than cpu or cuda, or a misaligned array.
 rwd::TensorView input_view(const py::handle& obj, const char* what);
 // `v` (a view of layer storage) as a torch tensor (as_torch) or a numpy
 // array sharing its memory; a pin keeps that memory allocated while the
-// returned object lives.
+// returned object lives. A CUDA view becomes a torch tensor on that device
+// (numpy is refused); a guarded view is refused.
 py::object output_view(const rwd::TensorView& v, bool as_torch);
+
+// The device a cache's state lives on (devices.cc), fixed once, by device=
+// or by the first tensor it receives, and shared by its layers: the Device,
+// the storage its layers allocate from, and the torch stream a CUDA
+// storage's copies run on (held so that it outlives the layers).
+struct PyDevice {
+  rwd::Device device;
+  std::shared_ptr<rwd::Storage> storage;
+  py::object stream;  // None on the host
+};
+// The device `spec` names (a str, int or torch.device: what torch.device
+// accepts): "cpu" is rwd::host_storage(); "cuda" / "cuda:N" CUDA device N
+// (the current one without N) through a pinning_storage over
+// rwd::cuda_storage(N, torch.cuda.current_stream(N)). Throws InvalidArgument,
+// naming what was asked and what is allowed, for any other device, or cuda
+// without the backend or the device.
+std::shared_ptr<PyDevice> resolve_device(const py::handle& spec);
+// The device of a tensor (`what` in messages): its torch device, cpu for a
+// numpy array. Throws as resolve_device.
+std::shared_ptr<PyDevice> device_of(const py::handle& tensor, const char* what);
+// Throws InvalidArgument, naming both devices, unless `v` is on `device`.
+void check_device(const rwd::TensorView& v, const rwd::Device& device, const char* what);
+// "cpu", "cpu, cuda:0" ...: the devices this build and machine accept.
+std::string allowed_devices();
 // A list, tuple, torch tensor or numpy array of integers as a vector.
 std::vector<std::int64_t> index_list(const py::handle& obj);
 
@@ -67,15 +93,30 @@ decltype(auto) with_budget(const std::shared_ptr<Budget>& budget, int index, Fn&
 // first input it received) and the budget its buffers count against.
 class PyLayer {
  public:
-  PyLayer(const std::string& kind, const rwd::LayerOptions& options, int index, bool as_torch,
-          std::shared_ptr<Budget> budget)
-      : budget_(std::move(budget)),
-        layer_(with_budget(budget_, index, [&] { return rwd::Layer(rwd::parse_layer_kind(kind), options, index); })),
+  // `options.storage` is replaced by the device's.
+  PyLayer(const std::string& kind, rwd::LayerOptions options, int index, bool as_torch, std::shared_ptr<Budget> budget,
+          std::shared_ptr<PyDevice> device)
+      : budget_(std::move(budget)), device_(std::move(device)),
+        layer_(with_budget(budget_, index,
+                           [&] {
+                             options.storage = device_->storage;
+                             return rwd::Layer(rwd::parse_layer_kind(kind), options, index);
+                           })),
         as_torch_(as_torch) {}
 
-  // Takes a ready-made layer (a clone) whose buffers were allocated under `budget`.
-  PyLayer(rwd::Layer&& layer, bool as_torch, std::shared_ptr<Budget> budget)
-      : budget_(std::move(budget)), layer_(std::move(layer)), as_torch_(as_torch) {}
+  // Takes a ready-made layer (a clone) on `device` whose buffers were allocated under `budget`.
+  PyLayer(rwd::Layer&& layer, bool as_torch, std::shared_ptr<Budget> budget, std::shared_ptr<PyDevice> device)
+      : budget_(std::move(budget)), device_(std::move(device)), layer_(std::move(layer)), as_torch_(as_torch) {}
+
+  const std::shared_ptr<PyDevice>& device() const { return device_; }
+  // A view of an input tensor (input_view) that is on this layer's device;
+  // throws InvalidArgument naming both devices otherwise, before anything
+  // changes.
+  rwd::TensorView input(const py::handle& obj, const char* what) const {
+    rwd::TensorView v = input_view(obj, what);
+    check_device(v, device_->device, what);
+    return v;
+  }
 
   // The layer; throws StateError while it is lent to a whole-cache
   // operation (only Python code run in the middle of one, a warning
@@ -117,6 +158,7 @@ class PyLayer {
       throw rwd::StateError("this layer is in the middle of a whole-cache operation of its cache; use it after");
   }
   std::shared_ptr<Budget> budget_;
+  std::shared_ptr<PyDevice> device_;
   rwd::Layer layer_;
   bool as_torch_;
   bool lent_ = false;
@@ -125,6 +167,7 @@ class PyLayer {
 // Registration of each concept on the module (bind_layer.cc, bind_cache.cc,
 // bind_runtime.cc).
 void bind_budget(py::module_& m);
+void bind_devices(py::module_& m);
 void bind_layer(py::module_& m);
 void bind_cache(py::module_& m);
 void bind_runtime(py::module_& m);

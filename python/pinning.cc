@@ -25,6 +25,7 @@
 #include <string>
 
 #include "rewind/error.h"
+#include "rewind/tensor.h"
 
 extern "C" {
 void* __real_aligned_alloc(std::size_t alignment, std::size_t size);
@@ -57,6 +58,7 @@ struct Block {
   std::int64_t pins = 0;
   bool freed = false;              // the library released it while pinned
   std::shared_ptr<Budget> budget;  // counted against, until the library frees it
+  std::shared_ptr<Storage> owner;  // a device block's storage (frees it); null: host, __real_free
 };
 
 // Blocks by start address. Intentionally leaked: frees may arrive during
@@ -79,6 +81,78 @@ void add(Budget* b, std::size_t bytes) {
 void subtract(Budget* b, std::size_t bytes) {
   for (; b != nullptr; b = BudgetAccess::parent(*b)) BudgetAccess::reserved(*b) -= bytes;
 }
+
+// The budget in `budget`'s chain that `size` more bytes would take past its
+// limit, or null. REQUIRES: the registry lock.
+const Budget* refusing_budget(const Budget* budget, std::size_t size) {
+  for (const Budget* b = budget; b != nullptr; b = BudgetAccess::parent(*b)) {
+    const std::size_t limit = BudgetAccess::limit(*b);
+    if (limit != 0 && (size > limit || BudgetAccess::reserved_of(*b) > limit - size)) return b;
+  }
+  return nullptr;
+}
+
+// Frees a block no view pins any more: the device's storage or the system.
+void release_block(void* p, std::size_t size, const std::shared_ptr<Storage>& owner) noexcept {
+  if (owner)
+    owner->deallocate(p, size);
+  else
+    __real_free(p);
+}
+
+// A device Storage whose blocks are in the registry (pinning_storage).
+class PinningStorage final : public Storage {
+ public:
+  explicit PinningStorage(std::shared_ptr<Storage> inner) : inner_(std::move(inner)) {}
+
+  Device device() const override { return inner_->device(); }
+  void* allocate(std::size_t bytes) override {
+    Registry& r = registry();
+    BudgetScope* scope = current_scope;
+    std::shared_ptr<Budget> budget = scope != nullptr ? BudgetAccess::budget(*scope) : nullptr;
+    if (budget) {
+      std::lock_guard lock(r.mutex);
+      if (const Budget* by = refusing_budget(budget.get(), bytes)) {
+        BudgetAccess::refuse(*scope, bytes, by);
+        throw CapacityError("an allocation of " + std::to_string(bytes) + " bytes on " + inner_->device().describe() +
+                            " passes a memory budget; nothing was allocated");
+      }
+    }
+    void* p = inner_->allocate(bytes);  // throws CapacityError, allocating nothing
+    std::lock_guard lock(r.mutex);
+    add(budget.get(), bytes);
+    r.blocks[reinterpret_cast<std::uintptr_t>(p)] = Block{bytes, 0, false, std::move(budget), inner_};
+    return p;
+  }
+  void deallocate(void* p, std::size_t bytes) noexcept override {
+    if (p == nullptr) return;
+    Registry& r = registry();
+    std::shared_ptr<Budget> released;  // destroyed outside the lock
+    {
+      std::lock_guard lock(r.mutex);
+      auto it = r.blocks.find(reinterpret_cast<std::uintptr_t>(p));
+      if (it != r.blocks.end()) {
+        subtract(it->second.budget.get(), it->second.size);
+        released = std::move(it->second.budget);
+        if (it->second.pins > 0) {
+          it->second.freed = true;  // released by unpin() when its last view goes
+          return;
+        }
+        r.blocks.erase(it);
+      }
+    }
+    inner_->deallocate(p, bytes);
+  }
+  void copy(void* dst, bool dst_on_device, const void* src, bool src_on_device, std::size_t bytes) noexcept override {
+    inner_->copy(dst, dst_on_device, src, src_on_device, bytes);
+  }
+  void fill_zero(void* dst, std::size_t bytes) noexcept override { inner_->fill_zero(dst, bytes); }
+  void copy_strided(const TensorView& src, const TensorView& dst) noexcept override { inner_->copy_strided(src, dst); }
+  void synchronize() noexcept override { inner_->synchronize(); }
+
+ private:
+  std::shared_ptr<Storage> inner_;
+};
 
 }  // namespace
 
@@ -132,16 +206,24 @@ void unpin(void* block) noexcept {
   if (block == nullptr) return;
   Registry& r = registry();
   void* release = nullptr;
+  std::size_t size = 0;
+  std::shared_ptr<Storage> owner;
   {
     std::lock_guard lock(r.mutex);
     auto it = r.blocks.find(reinterpret_cast<std::uintptr_t>(block));
     if (it == r.blocks.end()) return;
     if (--it->second.pins == 0 && it->second.freed) {
+      size = it->second.size;
+      owner = std::move(it->second.owner);
       r.blocks.erase(it);
       release = block;
     }
   }
-  if (release != nullptr) __real_free(release);
+  if (release != nullptr) release_block(release, size, owner);
+}
+
+std::shared_ptr<Storage> pinning_storage(std::shared_ptr<Storage> inner) {
+  return std::make_shared<PinningStorage>(std::move(inner));
 }
 
 PinStats pin_stats() {
@@ -168,19 +250,16 @@ extern "C" void* __wrap_aligned_alloc(std::size_t alignment, std::size_t size) {
   std::shared_ptr<rwd::python::Budget> budget = scope != nullptr ? BudgetAccess::budget(*scope) : nullptr;
   if (budget) {
     std::lock_guard lock(r.mutex);
-    for (const rwd::python::Budget* b = budget.get(); b != nullptr; b = BudgetAccess::parent(*b)) {
-      const std::size_t limit = BudgetAccess::limit(*b);
-      if (limit != 0 && (size > limit || BudgetAccess::reserved_of(*b) > limit - size)) {
-        BudgetAccess::refuse(*scope, size, b);
-        return nullptr;  // the library reports a CapacityError and changes nothing
-      }
+    if (const rwd::python::Budget* by = rwd::python::refusing_budget(budget.get(), size)) {
+      BudgetAccess::refuse(*scope, size, by);
+      return nullptr;  // the library reports a CapacityError and changes nothing
     }
   }
   void* p = __real_aligned_alloc(alignment, size);
   if (p != nullptr) {
     std::lock_guard lock(r.mutex);
     rwd::python::add(budget.get(), size);
-    r.blocks[reinterpret_cast<std::uintptr_t>(p)] = rwd::python::Block{size, 0, false, std::move(budget)};
+    r.blocks[reinterpret_cast<std::uintptr_t>(p)] = rwd::python::Block{size, 0, false, std::move(budget), nullptr};
   }
   return p;
 }

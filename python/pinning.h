@@ -1,15 +1,18 @@
-// The module's view of rewind's aligned buffers (see pinning.cc): pins that
-// keep a buffer allocated while a Python tensor views it, and memory budgets
-// counted where the buffers are allocated.
+// The module's view of rewind's buffers (see pinning.cc): pins that keep a
+// buffer allocated while a Python tensor views it, and memory budgets
+// counted where the buffers are allocated. Host buffers are the library's
+// aligned allocations; device buffers are those of a pinning_storage.
 #pragma once
 
 #include <cstddef>
 #include <cstdint>
 #include <memory>
 
+#include "rewind/storage.h"
+
 namespace rwd::python {
 
-// Pins the aligned block that contains `address` and returns its start, to
+// Pins the block (host or device) that contains `address` and returns its start, to
 // pass to unpin(); null when no live block contains it (then nothing is
 // pinned). While pinned, a block the library frees stays allocated.
 void* pin(const void* address);
@@ -23,6 +26,14 @@ struct PinStats {
   std::size_t zombie_bytes = 0;
 };
 PinStats pin_stats();
+
+// `inner` with every allocation recorded here as the library's host buffers
+// are: counted against the current BudgetScope (a refusal throws
+// CapacityError, nothing allocated), pinnable by pin(), and a deallocate of
+// a pinned block deferred to its last unpin(), which calls inner's. For
+// device storage, where the aligned_alloc wrap sees nothing. Never wrap the
+// host storage: its buffers are recorded by the wrap already.
+std::shared_ptr<rwd::Storage> pinning_storage(std::shared_ptr<rwd::Storage> inner);
 
 // Bytes of aligned buffers allocated on behalf of a layer or a cache. A
 // layer's budget has its cache's as parent: an allocation counts in both and

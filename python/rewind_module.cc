@@ -130,6 +130,7 @@ PYBIND11_MODULE(_rewind, mod) {
   bind_errors(m);
   bind_warnings(m);
   rwd::python::bind_budget(m);
+  rwd::python::bind_devices(m);
   rwd::python::bind_layer(m);
   rwd::python::bind_cache(m);
   rwd::python::bind_runtime(m);

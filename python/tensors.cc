@@ -1,8 +1,8 @@
 // Tensors across the Python boundary without copies: inputs read in place
-// from torch tensors (data_ptr / strides) or numpy arrays (buffer protocol);
-// results returned as torch tensors through DLPack or as numpy arrays whose
-// base holds a pin (pinning.cc), so a returned view can go stale but never
-// dangles.
+// from torch tensors (data_ptr / strides, on cpu or cuda) or numpy arrays
+// (buffer protocol); results returned as torch tensors through DLPack (on
+// the view's device) or as numpy arrays whose base holds a pin (pinning.cc),
+// so a returned view can go stale but never dangles.
 #include <pybind11/functional.h>
 #include <pybind11/numpy.h>
 #include <pybind11/pybind11.h>
@@ -48,6 +48,7 @@ struct DLManagedTensor {
   void (*deleter)(DLManagedTensor* self);
 };
 constexpr std::int32_t kDLCPU = 1;
+constexpr std::int32_t kDLCUDA = 2;
 constexpr std::uint8_t kDLFloat = 2;
 constexpr std::uint8_t kDLBfloat = 4;
 
@@ -124,9 +125,13 @@ rwd::TensorView input_view(const py::handle& obj, const char* what) {
   rwd::TensorView v;
   if (is_torch(obj)) {
     Frameworks& fw = frameworks();
-    if (std::string(py::str(obj.attr("device").attr("type"))) != "cpu") {
-      invalid(std::string(what) + ": rewind keeps its state in CPU memory; got a tensor on device " +
-              std::string(py::str(obj.attr("device"))) + " (move it with .cpu())");
+    py::object device = obj.attr("device");
+    const std::string type = py::str(device.attr("type"));
+    if (type == "cuda") {
+      v.device = {rwd::DeviceType::Cuda, device.attr("index").cast<int>()};
+    } else if (type != "cpu") {
+      invalid(std::string(what) + ": a tensor on " + std::string(py::str(device)) +
+              "; rewind keeps cache state on cpu or cuda (allowed: " + allowed_devices() + ")");
     }
     py::object dt = obj.attr("dtype");
     if (dt.is(fw.torch_float32))
@@ -204,11 +209,24 @@ py::object output_view(const rwd::TensorView& v, bool as_torch) {
   std::int64_t numel = 1;
   for (int i = 0; i < v.rank; ++i) numel *= v.shape[static_cast<std::size_t>(i)];
   std::vector<std::int64_t> shape(v.shape.begin(), v.shape.begin() + v.rank);
+  if (v.device.type == rwd::DeviceType::Guarded) {
+    invalid(
+        "a view on the guarded test device cannot be given to Python: its pages are readable only inside "
+        "rewind's copies; allowed: cpu or cuda caches");
+  }
+  const bool cuda = v.device.type == rwd::DeviceType::Cuda;
+  if (cuda && !as_torch) {
+    invalid("this layer's state is on " + v.device.describe() +
+            ": numpy cannot view device memory; pass torch "
+            "tensors (on that device) to read it");
+  }
   if (as_torch) {
     py::object dt = v.dtype == rwd::DType::F32   ? fw.torch_float32
                     : v.dtype == rwd::DType::F16 ? fw.torch_float16
                                                  : fw.torch_bfloat16;
-    if (numel == 0) return fw.torch_empty(py::cast(shape), py::arg("dtype") = dt);
+    if (numel == 0) {
+      return fw.torch_empty(py::cast(shape), py::arg("dtype") = dt, py::arg("device") = v.device.describe());
+    }
     auto view = std::make_unique<ExportedView>();
     view->pinned_block = rwd::python::pin(v.data);
     for (int i = 0; i < v.rank; ++i) {
@@ -217,7 +235,9 @@ py::object output_view(const rwd::TensorView& v, bool as_torch) {
     }
     DLTensor& t = view->managed.dl_tensor;
     t.data = v.data;
-    t.device = {kDLCPU, 0};
+    // A device view is pinned through the pinning_storage its cache's
+    // layers allocate from (devices.cc): the same registry as host buffers.
+    t.device = cuda ? DLDevice{kDLCUDA, v.device.index} : DLDevice{kDLCPU, 0};
     t.ndim = v.rank;
     t.dtype = {v.dtype == rwd::DType::BF16 ? kDLBfloat : kDLFloat,
                static_cast<std::uint8_t>(rwd::dtype_size(v.dtype) * 8), 1};

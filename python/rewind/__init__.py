@@ -17,6 +17,8 @@ from ._rewind import (  # noqa: F401  (the exception hierarchy)
     RollbackError,
     StateError,
     StoreError,
+    cuda_built,
+    cuda_device_count,
     pin_stats,
     reset_one_time_warnings,
     set_warning_handler,
@@ -53,7 +55,7 @@ __all__ = [
     "DynamicLayer", "DynamicSlidingWindowLayer", "DynamicChunkedLayer", "DynamicIndexedLayer",
     "LinearAttentionLayer", "LinearAttentionAndFullAttentionLayer", "LinearAttentionAndSlidingWindowAttentionLayer",
     "StatelessLayer", "LAYER_TYPE_MAPPING", "DEFAULT_MAX_ROLLBACK", "layer_types_and_kwargs",
-    "Model", "ModelCache", "set_num_threads", "get_num_threads", "pin_stats", "set_warning_handler",
+    "Model", "ModelCache", "set_num_threads", "get_num_threads", "pin_stats", "cuda_built", "cuda_device_count", "set_warning_handler",
     "reset_one_time_warnings", "generate", "__version__",
 ]
 

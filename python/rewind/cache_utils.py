@@ -110,14 +110,53 @@ def _with_grad(out: Any, new: Any, dim: int) -> Any:
 
 
 def _zeros_broadcast(like: Any, shape: tuple) -> Any:
-    """A read-only zero tensor of `shape` that costs one element (stride 0)."""
+    """A read-only zero tensor of `shape` on ``like``'s device that costs one element (stride 0)."""
     if _is_torch(like):
         import torch
 
-        return torch.zeros(1, dtype=like.dtype).expand(*shape)
+        return torch.zeros(1, dtype=like.dtype, device=like.device).expand(*shape)
     import numpy as np
 
     return np.broadcast_to(np.zeros(1, dtype=like.dtype), shape)
+
+
+class _DeviceSlot:
+    """The device a layer's (or a whole cache's) parts live on: None until ``device=`` or the first tensor fixes it,
+    then a ``_rw._Device`` that every later part uses and every later tensor must be on. A cache and its layers
+    share one slot."""
+
+    __slots__ = ("dev",)
+
+    def __init__(self, device: Any = None) -> None:
+        self.dev = None if device is None else _rw._Device(device)
+
+    def __deepcopy__(self, memo: dict) -> "_DeviceSlot":
+        out = _DeviceSlot()
+        out.dev = self.dev
+        return out
+
+    def __getstate__(self) -> tuple:
+        return (self.dev,)  # a tuple: pickle skips __setstate__ for a None state
+
+    def __setstate__(self, state: tuple) -> None:
+        self.dev = state[0]
+
+    def for_tensor(self, like: Any, what: str) -> Any:
+        """The device a part created from ``like`` goes on: the fixed one (``like`` must be on it), else
+        ``like``'s. Raises InvalidArgument, changing nothing, for a mismatch or a device rewind cannot use."""
+        if self.dev is not None:
+            self.dev.check(like, what)
+            return self.dev
+        return _rw._Device.of(like, what)
+
+
+def _torch_device(dev: Any) -> Any:
+    """``dev`` (a _Device) as transformers' ``layer.device`` holds it: a torch.device, or its name without torch."""
+    try:
+        import torch
+    except ImportError:
+        return dev.name
+    return torch.device(dev.name)
 
 
 class _RewindLayerBase:
@@ -142,7 +181,10 @@ class _RewindLayerBase:
         linear: bool = False,
         number_of_states: int = 1,
         conv_kernel_size: int | None = None,
+        device: Any = None,
     ) -> None:
+        # Fixed by device= now (a bad one raises before anything is set) or by the first tensor.
+        self._dev_slot = _DeviceSlot(device)
         self._attention = attention
         self._sliding_window = sliding_window
         self._chunk_size = chunk_size
@@ -169,7 +211,7 @@ class _RewindLayerBase:
             self.conv_kernel_size: dict[int, int | None] = dict.fromkeys(range(number_of_states), conv_kernel_size)
         self.is_initialized = False
         self.dtype = None
-        self.device = None
+        self.device = None if self._dev_slot.dev is None else _torch_device(self._dev_slot.dev)
 
     def __repr__(self) -> str:
         return f"{self.__class__.__name__}"
@@ -258,15 +300,36 @@ class _RewindLayerBase:
         """Where, for messages raised while the parts may be out of step (no length read)."""
         return f"[{self._label()}]"
 
-    def _new_part(self, kind: str, like: Any, **options: Any):
+    def _new_part(self, kind: str, like: Any, what: str = "key_states", **options: Any):
+        """A part built from its first tensor ``like``, on the layer's device (the first part fixes it from ``like``
+        unless ``device=`` did). Raises, creating nothing, when ``like`` is on another device."""
+        dev = self._dev_slot.for_tensor(like, what)
         part = _rw._Layer(kind, dtype=_dtype_name(like), index=self._index, as_torch=_is_torch(like),
-                          budget=self._budget, **options)
+                          budget=self._budget, device=dev, **options)
         if self._recording is not None:
             part.activate_past_recording(self._recording)
+        if self._dev_slot.dev is None:
+            self._dev_slot.dev = dev
         if self.dtype is None:
             self.dtype = like.dtype
             self.device = getattr(like, "device", None)
         return part
+
+    def _share_device(self, slot: _DeviceSlot) -> None:
+        """Puts this layer on ``slot`` (its cache's): the cache's device if fixed, else this layer's fixes it.
+        Raises InvalidArgument, changing nothing, when both are fixed and differ."""
+        if slot is self._dev_slot:
+            return
+        mine, theirs = self._dev_slot.dev, slot.dev
+        if mine is not None and theirs is not None and mine.name != theirs.name:
+            raise _rw.InvalidArgument(
+                f"{self._label()} is on {mine.name}, but its cache is on {theirs.name}: a cache keeps one device"
+            )
+        if theirs is None:
+            slot.dev = mine
+        self._dev_slot = slot
+        if self.device is None and slot.dev is not None:
+            self.device = _torch_device(slot.dev)
 
     def _set_index(self, index: int) -> None:
         self._index = index
@@ -511,7 +574,7 @@ class DynamicLayer(CacheLayerMixin):
     _kind_name = "full_attention"
 
     def __init__(self, **kwargs: Any) -> None:
-        self._setup(attention="full")
+        self._setup(attention="full", device=kwargs.get("device"))
 
 
 class DynamicSlidingWindowLayer(DynamicLayer):
@@ -524,7 +587,7 @@ class DynamicSlidingWindowLayer(DynamicLayer):
     def __init__(self, sliding_window: int, **kwargs: Any) -> None:
         if sliding_window is None or int(sliding_window) < 1:
             raise _rw.InvalidArgument(f"DynamicSlidingWindowLayer: sliding_window must be >= 1, got {sliding_window}")
-        self._setup(attention="sliding", sliding_window=int(sliding_window))
+        self._setup(attention="sliding", sliding_window=int(sliding_window), device=kwargs.get("device"))
         self.sliding_window = int(sliding_window)
 
 
@@ -539,7 +602,7 @@ class DynamicChunkedLayer(DynamicLayer):
         size = chunk_size if chunk_size is not None else sliding_window
         if size is None or int(size) < 1:
             raise _rw.InvalidArgument(f"DynamicChunkedLayer: chunk_size must be >= 1, got {size}")
-        self._setup(attention="chunked", chunk_size=int(size))
+        self._setup(attention="chunked", chunk_size=int(size), device=kwargs.get("device"))
         self.chunk_size = int(size)
 
 
@@ -550,7 +613,7 @@ class DynamicIndexedLayer(DynamicLayer):
     _kind_name = "deepseek_sparse_attention"
 
     def __init__(self, **kwargs: Any) -> None:
-        self._setup(attention="full", indexed=True)
+        self._setup(attention="full", indexed=True, device=kwargs.get("device"))
         self.is_indexer_initialized = False
 
     def update_indexer(self, indexer_key_states: Any) -> Any:
@@ -565,7 +628,7 @@ class DynamicIndexedLayer(DynamicLayer):
             # Stored as a one-head attention part whose values take one element
             # per token (fed from a stride-0 zero tensor).
             self._indexer = self._new_part(
-                "full_attention", indexer_key_states, batch_size=b, num_kv_heads=1, key_dim=d, value_dim=1
+                "full_attention", indexer_key_states, "indexer_key_states", batch_size=b, num_kv_heads=1, key_dim=d, value_dim=1
             )
             self.is_indexer_initialized = True
         keys = indexer_key_states.unsqueeze(1) if _is_torch(indexer_key_states) else indexer_key_states[:, None]
@@ -601,7 +664,8 @@ class LinearAttentionCacheLayerMixin(_RewindLayerBase):
             k = conv_kernel_size or self.conv_kernel_size.get(state_idx) or self._default_conv_kernel_size or shape[-1]
             self.conv_kernel_size[state_idx] = int(k)
             self._convs[state_idx] = self._new_part(
-                "conv", conv_states, batch_size=shape[0], conv_kernel_size=int(k), conv_channels=[shape[1]]
+                "conv", conv_states, "conv_states", batch_size=shape[0], conv_kernel_size=int(k),
+                conv_channels=[shape[1]]
             )
         if recurrent_states is not None and state_idx not in self._recs:
             shape = tuple(int(x) for x in recurrent_states.shape)
@@ -609,6 +673,7 @@ class LinearAttentionCacheLayerMixin(_RewindLayerBase):
                 raise _rw.InvalidArgument(
                     f"update_recurrent_state: a state must be [batch, d1 (, d2 (, d3))], got {shape} {self._where()}"
                 )
+            dev = self._dev_slot.for_tensor(recurrent_states, "recurrent_states")
             part = _rw._Layer(
                 "linear_attention",
                 dtype=_dtype_name(recurrent_states),
@@ -618,9 +683,12 @@ class LinearAttentionCacheLayerMixin(_RewindLayerBase):
                 index=self._index,
                 as_torch=_is_torch(recurrent_states),
                 budget=self._budget,
+                device=dev,
             )
             if self._recording is not None:
                 part.activate_past_recording(self._recording)
+            if self._dev_slot.dev is None:
+                self._dev_slot.dev = dev
             if self.dtype is None:
                 self.dtype = recurrent_states.dtype
                 self.device = getattr(recurrent_states, "device", None)
@@ -812,7 +880,8 @@ class LinearAttentionLayer(LinearAttentionCacheLayerMixin):
     _kind_name = "linear_attention"
 
     def __init__(self, number_of_states: int = 1, conv_kernel_size: int | None = None, **kwargs: Any) -> None:
-        self._setup(linear=True, number_of_states=int(number_of_states), conv_kernel_size=conv_kernel_size)
+        self._setup(linear=True, number_of_states=int(number_of_states), conv_kernel_size=conv_kernel_size,
+                    device=kwargs.get("device"))
 
     def get_mask_sizes(self, query_length: Any, *args: Any) -> tuple:
         """Raises StateError: a linear-attention layer has no keys to mask."""
@@ -826,7 +895,7 @@ class LinearAttentionAndFullAttentionLayer(LinearAttentionLayer, DynamicLayer):
 
     def __init__(self, number_of_states: int = 1, conv_kernel_size: int | None = None, **kwargs: Any) -> None:
         self._setup(attention="full", linear=True, number_of_states=int(number_of_states),
-                    conv_kernel_size=conv_kernel_size)
+                    conv_kernel_size=conv_kernel_size, device=kwargs.get("device"))
 
     get_mask_sizes = CacheLayerMixin.get_mask_sizes
     lazy_initialization = LinearAttentionCacheLayerMixin.lazy_initialization
@@ -850,7 +919,8 @@ class LinearAttentionAndSlidingWindowAttentionLayer(LinearAttentionLayer, Dynami
         if sliding_window is None or int(sliding_window) < 1:
             raise _rw.InvalidArgument(f"sliding_window must be >= 1, got {sliding_window}")
         self._setup(attention="sliding", sliding_window=int(sliding_window), linear=True,
-                    number_of_states=int(number_of_states), conv_kernel_size=conv_kernel_size)
+                    number_of_states=int(number_of_states), conv_kernel_size=conv_kernel_size,
+                    device=kwargs.get("device"))
         self.sliding_window = int(sliding_window)
 
     get_mask_sizes = CacheLayerMixin.get_mask_sizes
@@ -866,7 +936,7 @@ class StatelessLayer(_RewindLayerBase):
     supports_early_init = False
 
     def __init__(self, **kwargs: Any) -> None:
-        self._setup()
+        self._setup(device=kwargs.get("device"))
 
     def get_mask_sizes(self, query_length: Any, *args: Any) -> tuple:
         """Raises StateError: a placeholder layer has no keys to mask."""
@@ -950,7 +1020,7 @@ def _build_layer(layer_type: str, kwargs: dict) -> _RewindLayerBase:
         # transformers' DynamicCache runs chunked layers as sliding windows of the chunk size and builds the chunk
         # mask itself, relative to each row's first real token when the batch is left-padded; keeping only the
         # current chunk of absolute positions (DynamicChunkedLayer) would drop keys such a row still attends to.
-        layer = DynamicSlidingWindowLayer(sliding_window=kwargs["chunk_size"])
+        layer = DynamicSlidingWindowLayer(sliding_window=kwargs["chunk_size"], device=kwargs.get("device"))
         layer._kind_name = "chunked_attention"
         return layer
     layer = cls(**kwargs)
@@ -967,7 +1037,7 @@ class Cache:
     every layer as it was."""
 
     def __init__(self, layers: list | None = None, layer_class_to_replicate: type | None = None,
-                 offloading: bool = False, offload_only_non_sliding: bool = True) -> None:
+                 offloading: bool = False, offload_only_non_sliding: bool = True, *, device: Any = None) -> None:
         if layers is not None and layer_class_to_replicate is not None:
             raise _rw.InvalidArgument(
                 "You can construct a Cache either from a list `layers` of all the predefined `CacheLayer`, or from a "
@@ -978,7 +1048,19 @@ class Cache:
             raise _rw.InvalidArgument(
                 "You should provide exactly one of `layers` or `layer_class_to_replicate` to initialize a Cache."
             )
+        # One device for every layer: device= (a bad one raises here, before anything is built), else the first
+        # tensor any layer receives (or a layer given already on one).
+        self._dev_slot = _DeviceSlot(device)
         self.layers = list(layers) if layers is not None else []
+        for layer in self.layers:
+            slot = layer._dev_slot
+            if self._dev_slot.dev is None:
+                self._dev_slot.dev = slot.dev
+            elif slot.dev is not None and slot.dev.name != self._dev_slot.dev.name:
+                raise _rw.InvalidArgument(
+                    f"Cache: a {layer._kind_name} layer is on {slot.dev.name}, but the cache is on "
+                    f"{self._dev_slot.dev.name} (device= or an earlier layer): a cache keeps one device"
+                )
         # Every layer's buffers count in the cache's budget (set_memory_budget).
         self._budget = _rw._Budget()
         for i, layer in enumerate(self.layers):
@@ -1016,8 +1098,15 @@ class Cache:
             yield getattr(layer, "keys", None), getattr(layer, "values", None), window
 
     def _adopt(self, layer: _RewindLayerBase, index: int) -> None:
+        layer._share_device(self._dev_slot)
         layer._set_index(index)
         layer._rehome(self._budget)
+
+    @property
+    def device(self) -> Any:
+        """The device every layer's state is on (a torch.device): ``device=`` or the first tensor's; None before
+        either."""
+        return None if self._dev_slot.dev is None else _torch_device(self._dev_slot.dev)
 
     def _txn(self) -> Any:
         """The C++ cache over every layer's parts (rwd::Cache): one transactional call per whole-cache operation."""
@@ -1038,6 +1127,8 @@ class Cache:
     # ---- per-layer forwards ----
     def update(self, key_states: Any, value_states: Any, layer_idx: int, *args: Any, **kwargs: Any) -> tuple:
         """Appends q tokens to layer ``layer_idx``; returns ``(keys, values)`` the new queries attend to."""
+        if layer_idx >= len(self.layers):
+            self._dev_slot.for_tensor(key_states, "key_states")  # a refused device grows no layer
         layer = self._layer(layer_idx, grow=True)
         if not hasattr(layer, "update"):
             raise _rw.StateError(f"Cannot call `update` on layer {layer_idx}: a {layer._kind_name} layer has no attention")
@@ -1076,8 +1167,16 @@ class Cache:
 
     def early_initialization(self, batch_size: int, num_heads: Any, head_dim: Any, dtype: Any, device: Any = None) -> None:
         """Builds every attention layer's storage ahead of its first update (transformers' name): ``num_heads`` and
-        ``head_dim`` are ints or per-layer lists; ``dtype`` a torch dtype. Linear layers stay lazy."""
+        ``head_dim`` are ints or per-layer lists; ``dtype`` a torch dtype; ``device`` (default: the cache's, else
+        cpu) fixes the cache's device, and must be it when already fixed. Linear layers stay lazy."""
         import torch
+
+        dev = _rw._Device(device) if device is not None else (self._dev_slot.dev or _rw._Device("cpu"))
+        if self._dev_slot.dev is not None and self._dev_slot.dev.name != dev.name:
+            raise _rw.InvalidArgument(
+                f"early_initialization: device={device!r} is {dev.name}, but this cache is on "
+                f"{self._dev_slot.dev.name} (a cache keeps one device); nothing was changed"
+            )
 
         n = len(self.layers)
         heads = [num_heads] * n if isinstance(num_heads, int) else list(num_heads)
@@ -1089,7 +1188,7 @@ class Cache:
             )
         for layer, h, d in zip(self.layers, heads, dims):
             if isinstance(layer, CacheLayerMixin) and layer._kv is None:
-                fake = torch.zeros((batch_size, h, 0, d), dtype=dtype)
+                fake = torch.zeros((batch_size, h, 0, d), dtype=dtype, device=dev.name)
                 CacheLayerMixin.lazy_initialization(layer, fake, fake)
 
     # ---- queries ----
@@ -1313,7 +1412,9 @@ class DynamicCache(Cache):
     def __init__(self, ddp_cache_data: Iterable | None = None, config: Any = None, offloading: bool = False,
                  offload_only_non_sliding: bool = False, *, layer_types: list | None = None,
                  sliding_window: int | None = None, attention_chunk_size: int | None = None,
-                 number_of_states: int = 1, conv_kernel_size: int | None = None) -> None:
+                 number_of_states: int = 1, conv_kernel_size: int | None = None, device: Any = None) -> None:
+        # Resolved first: a bad device raises before any layer is built, and ddp_cache_data goes onto it.
+        dev = None if device is None else _rw._Device(device)
         layers: list = []
         if config is not None and layer_types is not None:
             raise _rw.InvalidArgument("DynamicCache: give `config` or `layer_types`, not both")
@@ -1327,22 +1428,23 @@ class DynamicCache(Cache):
             }
         if config is not None:
             types, kwargs = layer_types_and_kwargs(config)
-            layers = [_build_layer(t, kwargs) for t in types]
+            layers = [_build_layer(t, dict(kwargs, device=dev)) for t in types]
         if ddp_cache_data is not None:
             for layer_idx, data in enumerate(ddp_cache_data):
                 if config is None:
                     window = data[2] if len(data) == 3 else None
                     if window is not None:
                         w = int(window.reshape(-1)[0]) if hasattr(window, "reshape") else int(window)
-                        layers.append(DynamicSlidingWindowLayer(sliding_window=w))
+                        layers.append(DynamicSlidingWindowLayer(sliding_window=w, device=dev))
                     else:
-                        layers.append(DynamicLayer())
+                        layers.append(DynamicLayer(device=dev))
                 layers[layer_idx].update(data[0], data[1])
         if layers:
-            super().__init__(layers=layers, offloading=offloading, offload_only_non_sliding=offload_only_non_sliding)
+            super().__init__(layers=layers, offloading=offloading, offload_only_non_sliding=offload_only_non_sliding,
+                             device=dev)
         else:
             super().__init__(layer_class_to_replicate=DynamicLayer, offloading=offloading,
-                             offload_only_non_sliding=offload_only_non_sliding)
+                             offload_only_non_sliding=offload_only_non_sliding, device=dev)
 
 
 def _from_legacy_cache(cls, past_key_values: Iterable) -> "DynamicCache":
@@ -1366,6 +1468,18 @@ class EncoderDecoderCache(Cache):
                 f"One of the two arguments is not a Cache: {type(caches[0]) = }, {type(caches[1]) = }"
             )
         self.self_attention_cache, self.cross_attention_cache = caches
+        # Both parts on one device: the batch operations run over both in one C++ call.
+        mine, theirs = caches[0]._dev_slot, caches[1]._dev_slot
+        if mine.dev is not None and theirs.dev is not None and mine.dev.name != theirs.dev.name:
+            raise _rw.InvalidArgument(
+                f"EncoderDecoderCache: the self-attention cache is on {mine.dev.name}, the cross-attention cache on "
+                f"{theirs.dev.name}; both must be on one device"
+            )
+        if mine.dev is None:
+            mine.dev = theirs.dev
+        for layer in self.cross_attention_cache.layers:
+            layer._share_device(mine)
+        self.cross_attention_cache._dev_slot = mine
         # One budget for both parts: the batch operations allocate for both in one C++ call.
         for layer in self.cross_attention_cache.layers:
             layer._rehome(self.self_attention_cache._budget)

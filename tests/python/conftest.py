@@ -16,11 +16,25 @@ def pytest_report_header(config):
     return f"rewind module: {rewind.__file__} (python {sys.executable})"
 
 
-def kv(start, n, heads=2, dim=4, batch=1, dtype=torch.float32):
+def _devices():
+    """Every device torch offers that rewind can keep a cache on here."""
+    out = ["cpu"]
+    if torch.cuda.is_available() and rewind.cuda_built() and rewind.cuda_device_count() > 0:
+        out.append("cuda")
+    return out
+
+
+@pytest.fixture(params=_devices())
+def device(request):
+    """Each device the tests run on: cpu, and cuda where torch, rewind's build and the machine all have it."""
+    return request.param
+
+
+def kv(start, n, heads=2, dim=4, batch=1, dtype=torch.float32, device="cpu"):
     """Keys [B, H, n, D] whose every element at token t is the position start + t (plus 1000 * batch row)."""
     pos = torch.arange(start, start + n, dtype=torch.float32).view(1, 1, n, 1)
     rows = (torch.arange(batch, dtype=torch.float32) * 1000).view(batch, 1, 1, 1)
-    return (pos + rows).expand(batch, heads, n, dim).contiguous().to(dtype)
+    return (pos + rows).expand(batch, heads, n, dim).contiguous().to(dtype=dtype, device=device)
 
 
 def positions(t):
@@ -28,10 +42,10 @@ def positions(t):
     return [int(x) for x in t[0, 0, :, 0].float().tolist()]
 
 
-def conv_in(start, n, channels=3, batch=1):
+def conv_in(start, n, channels=3, batch=1, device="cpu"):
     """Conv inputs [B, C, n]: value 1 + position (so the zero padding before position 0 is distinguishable)."""
     pos = torch.arange(start, start + n, dtype=torch.float32).view(1, 1, n) + 1
-    return pos.expand(batch, channels, n).contiguous()
+    return pos.expand(batch, channels, n).contiguous().to(device)
 
 
 def conv_positions(t):

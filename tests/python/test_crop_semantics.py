@@ -43,7 +43,7 @@ def test_worked_example_crop_0():
     assert c.get_seq_length() == 45
 
 
-def test_worked_example_full_rollback():
+def test_worked_example_full_rollback(device):
     c = worked_cache()
     c.crop(-46)
     assert c.get_seq_length() == 0
@@ -53,20 +53,20 @@ def test_worked_example_full_rollback():
     assert conv_positions(c.layers[2].conv_states[0]) == [-1, -1, -1, -1]
     assert c.has_previous_state(2) is False
     # appending afterwards behaves like a new cache
-    k = kv(0, 2)
+    k = kv(0, 2, device=device)
     keys, _ = c.update(k, k, 1)
     assert positions(keys) == [0, 1]
 
 
-def test_sliding_recording_example():
+def test_sliding_recording_example(device):
     layer = rewind.DynamicSlidingWindowLayer(sliding_window=8)
     layer.activate_past_recording(2)
-    k = kv(0, 12)
+    k = kv(0, 12, device=device)
     layer.update(k, k)
     layer.crop(0)
     assert positions(layer.keys) == list(range(5, 12))
     assert layer.get_mask_sizes(4) == (11, 5)
-    keys, values = layer.update(kv(12, 4), kv(12, 4))
+    keys, values = layer.update(kv(12, 4, device=device), kv(12, 4, device=device))
     assert positions(keys) == list(range(5, 16))
     assert positions(values) == list(range(5, 16))
     layer.crop(-2)
@@ -75,14 +75,14 @@ def test_sliding_recording_example():
 
 
 @pytest.mark.parametrize("L,q", [(0, 3), (5, 2), (7, 1), (20, 4)])
-def test_mask_sizes_match_what_update_returns(L, q):
+def test_mask_sizes_match_what_update_returns(L, q, device):
     W, C = 8, 6
     layers = [rewind.DynamicLayer(), rewind.DynamicSlidingWindowLayer(sliding_window=W), rewind.DynamicChunkedLayer(chunk_size=C)]
     for layer in layers:
         if L:
-            layer.update(kv(0, L), kv(0, L))
+            layer.update(kv(0, L, device=device), kv(0, L, device=device))
         kv_length, kv_offset = layer.get_mask_sizes(q)
-        keys, _ = layer.update(kv(L, q), kv(L, q))
+        keys, _ = layer.update(kv(L, q, device=device), kv(L, q, device=device))
         assert positions(keys) == list(range(kv_offset, kv_offset + kv_length))
         assert kv_offset + kv_length == L + q
     # the table of section 5
@@ -92,20 +92,20 @@ def test_mask_sizes_match_what_update_returns(L, q):
     assert layers[2].get_mask_sizes(1) == (n - (n // C) * C + 1, (n // C) * C)
 
 
-def test_full_attention_crop_transformers_bug_47433():
+def test_full_attention_crop_transformers_bug_47433(device):
     # transformers kept the whole cache on crop(0) and 1 stale token on crop(-5) of 3 tokens
     layer = rewind.DynamicLayer()
-    layer.update(kv(0, 3), kv(0, 3))
+    layer.update(kv(0, 3, device=device), kv(0, 3, device=device))
     layer.crop(0)
     assert layer.get_seq_length() == 3
     layer.crop(-5)
     assert layer.get_seq_length() == 0 and layer.keys.shape[-2] == 0
 
 
-def test_positive_crop_keeps_prefix_and_warns_once():
+def test_positive_crop_keeps_prefix_and_warns_once(device):
     rewind.reset_one_time_warnings()
     layer = rewind.DynamicLayer()
-    layer.update(kv(0, 10), kv(0, 10))
+    layer.update(kv(0, 10, device=device), kv(0, 10, device=device))
     with pytest.warns(FutureWarning):
         layer.crop(6)
     assert positions(layer.keys) == list(range(6))
@@ -130,9 +130,9 @@ SLIDING_POSITIVE = (
 )
 
 
-def test_sliding_without_recording_refuses_past_window():
+def test_sliding_without_recording_refuses_past_window(device):
     layer = rewind.DynamicSlidingWindowLayer(sliding_window=8)
-    layer.update(kv(0, 12), kv(0, 12))
+    layer.update(kv(0, 12, device=device), kv(0, 12, device=device))
     for n in (-2, 0, 2):
         with pytest.raises(RuntimeError) as e:
             layer.crop(n)
@@ -141,17 +141,17 @@ def test_sliding_without_recording_refuses_past_window():
     assert layer.get_seq_length() == 12 and positions(layer.keys) == list(range(5, 12))
 
 
-def test_sliding_before_window_crops_without_recording():
+def test_sliding_before_window_crops_without_recording(device):
     layer = rewind.DynamicSlidingWindowLayer(sliding_window=8)
-    layer.update(kv(0, 6), kv(0, 6))
+    layer.update(kv(0, 6, device=device), kv(0, 6, device=device))
     layer.crop(-2)
     assert positions(layer.keys) == [0, 1, 2, 3]
 
 
-def test_sliding_positive_crop_past_window_with_recording():
+def test_sliding_positive_crop_past_window_with_recording(device):
     layer = rewind.DynamicSlidingWindowLayer(sliding_window=8)
     layer.activate_past_recording(4)
-    layer.update(kv(0, 12), kv(0, 12))
+    layer.update(kv(0, 12, device=device), kv(0, 12, device=device))
     with pytest.raises(RuntimeError, match="negative int") as e:
         layer.crop(2)
     assert str(e.value).startswith(SLIDING_POSITIVE)
@@ -160,12 +160,12 @@ def test_sliding_positive_crop_past_window_with_recording():
     assert layer.keys.shape[-2] == 7
 
 
-def test_linear_layer_errors():
+def test_linear_layer_errors(device):
     layer = rewind.LinearAttentionLayer(conv_kernel_size=4)
     with pytest.raises(RuntimeError) as e:
         layer.crop(-1)
     assert str(e.value).startswith(NOT_RECORDING)
-    layer.update_conv_state(conv_in(0, 5))
+    layer.update_conv_state(conv_in(0, 5, device=device))
     with pytest.raises(RuntimeError) as e:
         layer.crop(0)
     assert str(e.value).startswith(NOT_RECORDING)
@@ -175,10 +175,10 @@ def test_linear_layer_errors():
     assert str(e.value).startswith(LINEAR_POSITIVE)
 
 
-def test_cache_method_errors_use_transformers_messages():
+def test_cache_method_errors_use_transformers_messages(device):
     c = rewind.DynamicCache(layer_types=["full_attention", "sliding_attention"], sliding_window=4)
     with pytest.raises(ValueError, match="^Cannot call `update_conv_state` on a non-LinearAttention layer!$"):
-        c.update_conv_state(conv_in(0, 1), 0)
+        c.update_conv_state(conv_in(0, 1, device=device), 0)
     with pytest.raises(ValueError) as e:
         c.has_previous_state()
     assert str(e.value) == (
@@ -187,11 +187,11 @@ def test_cache_method_errors_use_transformers_messages():
     )
 
 
-def test_too_deep_crop_names_layer_and_changes_nothing():
+def test_too_deep_crop_names_layer_and_changes_nothing(device):
     c = rewind.DynamicCache(layer_types=["full_attention", "sliding_attention"], sliding_window=4)
     c.activate_past_recording(2)
     for layer in range(2):
-        c.update(kv(0, 10), kv(0, 10), layer)
+        c.update(kv(0, 10, device=device), kv(0, 10, device=device), layer)
     assert c.max_rollback() == 2
     with pytest.raises(rewind.RollbackError) as e:
         c.crop(-3)
@@ -204,24 +204,24 @@ def test_too_deep_crop_names_layer_and_changes_nothing():
     assert c.get_seq_length(0) == 8 and positions(c.layers[1].keys) == [5, 6, 7]
 
 
-def test_out_of_step_layers_refuse_whole_cache_operations():
+def test_out_of_step_layers_refuse_whole_cache_operations(device):
     c = rewind.DynamicCache(layer_types=["full_attention", "full_attention"])
-    c.update(kv(0, 5), kv(0, 5), 0)
-    c.update(kv(0, 5), kv(0, 5), 1)
-    c.update(kv(5, 1), kv(5, 1), 0)  # a forward that stopped after layer 0
+    c.update(kv(0, 5, device=device), kv(0, 5, device=device), 0)
+    c.update(kv(0, 5, device=device), kv(0, 5, device=device), 1)
+    c.update(kv(5, 1, device=device), kv(5, 1, device=device), 0)  # a forward that stopped after layer 0
     with pytest.raises(rewind.StateError, match=r"out of step \(layer 0: 6, layer 1: 5\)"):
         c.crop(-1)
-    c.update(kv(5, 1), kv(5, 1), 1)
+    c.update(kv(5, 1, device=device), kv(5, 1, device=device), 1)
     c.crop(-1)
     assert c.get_seq_length(1) == 5
 
 
-def test_chunked_layer_keeps_current_chunk():
+def test_chunked_layer_keeps_current_chunk(device):
     layer = rewind.DynamicChunkedLayer(chunk_size=4)
-    keys, _ = layer.update(kv(0, 6), kv(0, 6))
+    keys, _ = layer.update(kv(0, 6, device=device), kv(0, 6, device=device))
     assert positions(keys) == list(range(6))
     assert positions(layer.keys) == [4, 5]
-    keys, _ = layer.update(kv(6, 3), kv(6, 3))
+    keys, _ = layer.update(kv(6, 3, device=device), kv(6, 3, device=device))
     assert positions(keys) == [4, 5, 6, 7, 8]
     assert positions(layer.keys) == [8]
     # without recording it can roll back within its chunk only
@@ -253,23 +253,23 @@ def test_config_object_and_dict_build_the_same_layers():
     assert [x.sliding_window for x in d.layers] == [7, 7, 7]
 
 
-def test_chunked_layers_of_a_config_keep_what_transformers_keeps():
+def test_chunked_layers_of_a_config_keep_what_transformers_keeps(device):
     """transformers' numbers: chunk 4, 8 tokens (a batch row of 7 pads among them): get_mask_sizes(1, 0) is
     (4, 5) and the decode step gets 4 keys, positions 5..8 (the mask, not the cache, applies the chunks)."""
     c = rewind.DynamicCache(config={"layer_types": ["chunked_attention"], "attention_chunk_size": 4})
-    c.update(kv(0, 8, batch=2), kv(0, 8, batch=2), 0)
+    c.update(kv(0, 8, batch=2, device=device), kv(0, 8, batch=2, device=device), 0)
     assert c.get_mask_sizes(1, 0) == (4, 5)
-    keys, _ = c.update(kv(8, 1, batch=2), kv(8, 1, batch=2), 0)
+    keys, _ = c.update(kv(8, 1, batch=2, device=device), kv(8, 1, batch=2, device=device), 0)
     assert tuple(keys.shape)[2] == 4
     assert positions(keys) == [5, 6, 7, 8]
     assert [int(x) for x in keys[1, 0, :, 0].tolist()] == [1005, 1006, 1007, 1008]  # the padded row keeps as many
 
 
-def test_transformers_attributes_with_their_defaults():
+def test_transformers_attributes_with_their_defaults(device):
     c = rewind.DynamicCache(config={"layer_types": ["full_attention", "sliding_attention"], "sliding_window": 5})
     assert c.max_cache_len == 5 and c.max_batch_size == -1
-    c.update(kv(0, 3, batch=2), kv(0, 3, batch=2), 0)
-    c.update(kv(0, 3, batch=2), kv(0, 3, batch=2), 1)
+    c.update(kv(0, 3, batch=2, device=device), kv(0, 3, batch=2, device=device), 0)
+    c.update(kv(0, 3, batch=2, device=device), kv(0, 3, batch=2, device=device), 1)
     assert c.get_query_offset() == 3 and c.max_batch_size == 2
     c.offload(1)
     c.prefetch(1)
@@ -279,12 +279,12 @@ def test_transformers_attributes_with_their_defaults():
     assert rewind.DynamicCache(config={"num_hidden_layers": 2}).max_cache_len == -1
 
 
-def test_default_cache_grows_lazily_and_records():
+def test_default_cache_grows_lazily_and_records(device):
     c = rewind.DynamicCache()
     assert len(c) == 0 and c.get_seq_length() == 0
     assert c.get_mask_sizes(3, 0) == (3, 0)
     c.activate_past_recording()
-    c.update(kv(0, 4), kv(0, 4), 2)
+    c.update(kv(0, 4, device=device), kv(0, 4, device=device), 2)
     assert len(c) == 3 and c.get_seq_length(2) == 4
     assert c.layers[2].is_recording() and c.layers[2].recording_capacity() == rewind.DEFAULT_MAX_ROLLBACK
 
@@ -315,14 +315,14 @@ def test_hybrid_layer_crops_both_parts_together():
     assert layer.get_mask_sizes(1) == (4, 1)
 
 
-def test_encoder_decoder_cache_crops_self_attention_only():
+def test_encoder_decoder_cache_crops_self_attention_only(device):
     self_attn = rewind.DynamicCache(layer_types=["full_attention"])
     cross = rewind.DynamicCache(layer_types=["full_attention"])
     c = rewind.EncoderDecoderCache(self_attn, cross)
     assert c.is_updated == {0: False}
-    cross.update(kv(100, 6, batch=2), kv(100, 6, batch=2), 0)
+    cross.update(kv(100, 6, batch=2, device=device), kv(100, 6, batch=2, device=device), 0)
     c.is_updated[0] = True
-    c.update(kv(0, 5, batch=2), kv(0, 5, batch=2), 0)
+    c.update(kv(0, 5, batch=2, device=device), kv(0, 5, batch=2, device=device), 0)
     c.crop(-2)
     assert c.get_seq_length() == 3 and cross.get_seq_length(0) == 6
     c.reorder_cache([1, 0])
@@ -334,19 +334,19 @@ def test_encoder_decoder_cache_crops_self_attention_only():
     assert c.is_updated == {0: False} and cross.get_seq_length(0) == 0
 
 
-def test_iteration_gives_ddp_data_that_rebuilds_the_cache():
+def test_iteration_gives_ddp_data_that_rebuilds_the_cache(device):
     c = rewind.DynamicCache(layer_types=["full_attention", "sliding_attention"], sliding_window=3)
     for i in range(2):
-        c.update(kv(0, 5), kv(0, 5), i)
+        c.update(kv(0, 5, device=device), kv(0, 5, device=device), i)
     d = rewind.DynamicCache(list(c))
     assert type(d.layers[1]).__name__ == "DynamicSlidingWindowLayer" and d.layers[1].sliding_window == 3
     assert positions(d.layers[0].keys) == list(range(5)) and positions(d.layers[1].keys) == [3, 4]
 
 
-def test_linear_crop_takes_transformers_argument_name():
+def test_linear_crop_takes_transformers_argument_name(device):
     layer = rewind.LinearAttentionLayer(conv_kernel_size=2)
     layer.activate_past_recording(3)
-    layer.update_conv_state(conv_in(0, 4))
+    layer.update_conv_state(conv_in(0, 4, device=device))
     layer.crop(tokens_to_remove=-1)
     assert layer.get_seq_length() == 3 and conv_positions(layer.conv_states[0]) == [1, 2]
 

@@ -28,23 +28,23 @@ def test_returned_tensors_share_the_cache_memory():
     assert got.data_ptr() == rec.recurrent_states[0].data_ptr()
 
 
-def test_crop_moves_no_data():
+def test_crop_moves_no_data(device):
     layer = rewind.DynamicLayer()
-    layer.update(kv(0, 10), kv(0, 10))
+    layer.update(kv(0, 10, device=device), kv(0, 10, device=device))
     before = layer.keys.data_ptr()
     layer.crop(-4)
     assert layer.keys.data_ptr() == before and positions(layer.keys) == list(range(6))
 
 
-def test_old_views_survive_growth_and_stay_readable():
+def test_old_views_survive_growth_and_stay_readable(device):
     gc.collect()
     baseline = rewind.pin_stats()["zombie_blocks"]
     layer = rewind.DynamicLayer()
-    first, _ = layer.update(kv(0, 3), kv(0, 3))
+    first, _ = layer.update(kv(0, 3, device=device), kv(0, 3, device=device))
     expected = first.clone()
     views = [first]
     for step in range(300):  # many reallocations while old views live
-        keys, _ = layer.update(kv(3 + step, 1), kv(3 + step, 1))
+        keys, _ = layer.update(kv(3 + step, 1, device=device), kv(3 + step, 1, device=device))
         if step % 50 == 0:
             views.append(keys)
     stats = rewind.pin_stats()
@@ -57,12 +57,12 @@ def test_old_views_survive_growth_and_stay_readable():
     assert rewind.pin_stats()["zombie_blocks"] <= baseline  # released with the last view
 
 
-def test_view_outlives_its_cache():
+def test_view_outlives_its_cache(device):
     gc.collect()
     baseline = rewind.pin_stats()["zombie_blocks"]
     c = rewind.DynamicCache(layer_types=["full_attention", "conv"], conv_kernel_size=4)
-    keys, values = c.update(kv(0, 8), kv(0, 8), 0)
-    window = c.update_conv_state(conv_in(0, 8), 1)
+    keys, values = c.update(kv(0, 8, device=device), kv(0, 8, device=device), 0)
+    window = c.update_conv_state(conv_in(0, 8, device=device), 1)
     expected = keys.clone(), window.clone()
     del c
     gc.collect()
@@ -88,9 +88,9 @@ def test_numpy_views_pin_too():
     assert rewind.pin_stats()["zombie_blocks"] <= baseline
 
 
-def test_aliasing_input_is_safe():
+def test_aliasing_input_is_safe(device):
     layer = rewind.DynamicLayer()
-    keys, values = layer.update(kv(0, 3), kv(0, 3))
+    keys, values = layer.update(kv(0, 3, device=device), kv(0, 3, device=device))
     for _ in range(6):  # append the cache's own (growing) view back into it
         keys, values = layer.update(keys, values)
     assert layer.get_seq_length() == 3 * 2**6
@@ -107,12 +107,12 @@ def test_recurrent_handle_keeps_its_layer_alive():
     handle.commit()
 
 
-def test_stale_view_after_mutation_reads_old_or_new_values_never_freed_memory():
+def test_stale_view_after_mutation_reads_old_or_new_values_never_freed_memory(device):
     layer = rewind.DynamicSlidingWindowLayer(sliding_window=4)
     layer.activate_past_recording(3)
-    keys, _ = layer.update(kv(0, 4), kv(0, 4))
+    keys, _ = layer.update(kv(0, 4, device=device), kv(0, 4, device=device))
     for t in range(4, 400):
-        layer.update(kv(t, 1), kv(t, 1))
+        layer.update(kv(t, 1, device=device), kv(t, 1, device=device))
         layer.crop(0) if t % 7 == 0 else None
     values = keys.flatten().tolist()  # stale but readable
     assert len(values) == keys.numel()
@@ -154,14 +154,14 @@ def test_memory_budget_refuses_and_changes_nothing():
     c.update(kk, kk, 0)
 
 
-def test_budget_refuses_the_first_update_of_a_layer():
+def test_budget_refuses_the_first_update_of_a_layer(device):
     c = rewind.DynamicCache(layer_types=["full_attention"])
     c.set_memory_budget(64)
     with pytest.raises(rewind.CapacityError, match="memory budget"):
-        c.update(kv(0, 40, dim=16), kv(0, 40, dim=16), 0)
+        c.update(kv(0, 40, dim=16, device=device), kv(0, 40, dim=16, device=device), 0)
     assert c.get_seq_length() == 0 and c.layers[0].keys.shape[-2] == 0
     c.set_memory_budget(0)
-    c.update(kv(0, 40, dim=16), kv(0, 40, dim=16), 0)
+    c.update(kv(0, 40, dim=16, device=device), kv(0, 40, dim=16, device=device), 0)
     assert positions(c.layers[0].keys) == list(range(40))
 
 
