@@ -21,6 +21,13 @@ def _devices():
     out = ["cpu"]
     if torch.cuda.is_available() and rewind.cuda_built() and rewind.cuda_device_count() > 0:
         out.append("cuda")
+    # The device check (scripts/device_check.sh) sets REWIND_REQUIRE_DEVICE=cuda: a machine that was meant to
+    # run the cuda cases and cannot is a failure, not a run of the cpu cases alone.
+    required = os.environ.get("REWIND_REQUIRE_DEVICE")
+    if required and required not in out:
+        raise RuntimeError(f"REWIND_REQUIRE_DEVICE={required}, but the tests can run on {out} only (torch cuda: "
+                           f"{torch.cuda.is_available()}, rewind.cuda_built(): {rewind.cuda_built()}, "
+                           f"rewind.cuda_device_count(): {rewind.cuda_device_count()})")
     return out
 
 
