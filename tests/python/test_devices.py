@@ -16,10 +16,12 @@ def _module_build_has_cuda():
     """Whether the build the imported module came from compiled the CUDA backend (its build files say so), or None
     when the module does not sit in a build tree."""
     build = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(rewind.__file__))))
-    ninja = os.path.join(build, "build.ninja")
-    if not os.path.exists(ninja):
+    # Ninja keeps every compile line in build.ninja; Makefiles keep the library's in its flags.make.
+    files = [os.path.join(build, "build.ninja"), os.path.join(build, "CMakeFiles", "rewind.dir", "flags.make")]
+    present = [f for f in files if os.path.exists(f)]
+    if not present:
         return None
-    with open(ninja, encoding="utf-8", errors="replace") as f:
+    with open(present[0], encoding="utf-8", errors="replace") as f:
         return "-DREWIND_WITH_CUDA" in f.read()
 
 
