@@ -11,9 +11,11 @@
 #include <cstdint>
 #include <cstdio>
 #include <cstring>
+#include <map>
 #include <memory>
 #include <optional>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "module.h"
@@ -22,6 +24,10 @@ namespace rwd::python {
 namespace {
 
 // A zero-copy recurrent update (rwd::RecurrentUpdate) that keeps its layer alive.
+// On the guarded test storage a slot cannot be handed out as a view (the host
+// cannot write those pages): next(t) is then a host copy, kept, and written
+// into its slot at commit, in order of t, which is what writing the views in
+// place would have left (slots may coincide when not recording).
 class PyRecurrentUpdate {
  public:
   PyRecurrentUpdate(py::object owner, PyLayer& layer, std::int64_t q, int state)
@@ -29,15 +35,27 @@ class PyRecurrentUpdate {
         update_(layer.guarded([&] { return layer.layer().begin_recurrent_update(q, state); })) {}
   std::int64_t num_tokens() const { return update_.num_tokens(); }
   py::object previous() const { return layer_->out(update_.previous()); }
-  py::object next(std::int64_t t) const { return layer_->out(update_.next(t)); }
+  py::object next(std::int64_t t) {
+    const rwd::TensorView slot = update_.next(t);
+    if (slot.device.type != rwd::DeviceType::Guarded) return layer_->out(slot);
+    auto it = staged_.find(t);
+    if (it == staged_.end()) it = staged_.emplace(t, layer_->out(slot)).first;
+    return it->second;
+  }
   void commit() {
+    // Read every staged copy before writing any slot, so that a refused one changes nothing.
+    std::vector<std::pair<std::int64_t, rwd::TensorView>> staged;
+    for (const auto& [t, obj] : staged_) staged.emplace_back(t, input_view(obj, "a recurrent update's slot"));
+    for (const auto& [t, v] : staged) rwd::copy_tensor(v, update_.next(t));
     layer_->guarded([&] { update_.commit(); });
+    staged_.clear();
   }
 
  private:
   py::object owner_;  // the Python _Layer: the handle must not outlive it
   PyLayer* layer_;
   rwd::RecurrentUpdate update_;
+  std::map<std::int64_t, py::object> staged_;  // guarded storage only
 };
 
 rwd::LayerOptions make_options(const std::string& dtype, std::int64_t batch_size, std::int64_t num_kv_heads,
@@ -155,8 +173,7 @@ py::tuple layer_state(const PyLayer& l) {
   py::object budget = l.budget() ? py::cast(l.budget()) : py::none();
   return py::make_tuple(1, std::string(rwd::layer_kind_name(layer.kind())), options, layer.batch_size(),
                         layer.get_seq_length(), layer.is_recording() ? layer.recording_capacity() : std::int64_t{-1},
-                        l.as_torch(), layer.index(), budget, attention, convs, recurrents,
-                        l.device()->device.describe());
+                        l.as_torch(), layer.index(), budget, attention, convs, recurrents, l.device()->name);
 }
 
 // Feeds `layer`, new and not recording, up to length L with the values of

@@ -3,12 +3,14 @@
 // check that an update's tensors are on the cache's device.
 //
 // "cpu" is rwd::host_storage(), whatever the build's default_storage() is
-// (a guarded test build must not change what Python gets). CUDA device N is
+// (a guarded test build must not change what Python gets), unless the tests
+// asked for the guarded storage (set_cpu_storage_guarded). CUDA device N is
 // rwd::cuda_storage(N, stream) with stream = torch's current stream on N when
 // the device is fixed, wrapped in a pinning_storage (pinning.cc) so that a
 // returned tensor keeps the device buffer it views allocated.
 #include <pybind11/pybind11.h>
 
+#include <atomic>
 #include <cstdint>
 #include <memory>
 #include <string>
@@ -18,6 +20,8 @@
 
 namespace rwd::python {
 namespace {
+
+std::atomic<bool> cpu_guarded{false};
 
 bool has_torch() {
   static const bool present = [] {
@@ -71,8 +75,15 @@ std::shared_ptr<PyDevice> make_device(const std::string& type, int index, const 
   auto out = std::make_shared<PyDevice>();
   out->stream = py::none();
   if (type == "cpu") {
-    out->device = {};
-    out->storage = rwd::host_storage();
+    out->name = "cpu";
+    if (cpu_guarded.load()) {
+      // Not the host storage, so its allocations are counted and pinnable only through the wrap.
+      out->storage = pinning_storage(rwd::guarded_storage());
+      out->device = out->storage->device();
+    } else {
+      out->device = {};
+      out->storage = rwd::host_storage();
+    }
     return out;
   }
   if (type != "cuda") {
@@ -104,6 +115,7 @@ std::shared_ptr<PyDevice> make_device(const std::string& type, int index, const 
   }
   out->storage = pinning_storage(rwd::cuda_storage(index, stream));
   out->device = out->storage->device();
+  out->name = out->device.describe();
   return out;
 }
 
@@ -129,15 +141,28 @@ std::shared_ptr<PyDevice> device_of(const py::handle& tensor, const char* what) 
                      std::string(what) + " (a tensor on " + std::string(py::str(d)) + ")");
 }
 
-void check_device(const rwd::TensorView& v, const rwd::Device& device, const char* what) {
-  if (v.device == device) return;
-  invalid(std::string(what) + " is on " + v.device.describe() + ", but this cache is on " + device.describe() +
-          " (fixed by its device= or its first update; a cache keeps one device); move it with .to(\"" +
-          device.describe() + "\") or use a cache on " + v.device.describe() + "; nothing was changed");
+void set_cpu_storage_guarded(bool guarded) { cpu_guarded.store(guarded); }
+
+void check_device(const rwd::TensorView& v, const PyDevice& device, const char* what) {
+  if (device.accepts(v)) return;
+  const std::string on = v.device.is_host() ? std::string("cpu") : v.device.describe();
+  invalid(std::string(what) + " is on " + on + ", but this cache is on " + device.name +
+          " (fixed by its device= or its first update; a cache keeps one device); move it with .to(\"" + device.name +
+          "\") or use a cache on " + on + "; nothing was changed");
 }
 
 void bind_devices(py::module_& m) {
   m.def("cuda_built", &rwd::cuda_built, "True when this build of rewind has the CUDA storage backend.");
+  m.def(
+      "_set_cpu_storage",
+      [](const std::string& kind) {
+        if (kind != "host" && kind != "guarded") invalid("_set_cpu_storage(\"" + kind + "\"): allowed: host, guarded");
+        set_cpu_storage_guarded(kind == "guarded");
+      },
+      py::arg("kind"),
+      "For the tests: cpu caches made from now on keep their state on the host (\"host\", the default) or on the "
+      "guarded test storage (\"guarded\": pages the host cannot touch outside rewind's copies; results are host "
+      "copies instead of views). Caches made before keep theirs.");
   m.def("cuda_device_count", &rwd::cuda_device_count,
         "CUDA devices rewind's CUDA runtime sees (0 without the backend, a driver or a GPU).");
   py::class_<PyDevice, std::shared_ptr<PyDevice>>(
@@ -149,21 +174,25 @@ void bind_devices(py::module_& m) {
       .def_static(
           "of", [](py::object t, const std::string& what) { return device_of(t, what.c_str()); }, py::arg("tensor"),
           py::arg("what") = "tensor", "The device of a tensor (cpu for a numpy array).")
-      .def_property_readonly("name", [](const PyDevice& d) { return d.device.describe(); })
-      .def_property_readonly("type", [](const PyDevice& d) { return d.device.is_host() ? "cpu" : "cuda"; })
+      .def_property_readonly("name", [](const PyDevice& d) { return d.name; })
+      .def_property_readonly("type",
+                             [](const PyDevice& d) { return d.device.type == rwd::DeviceType::Cuda ? "cuda" : "cpu"; })
       .def_property_readonly("index", [](const PyDevice& d) { return d.device.index; })
+      .def_property_readonly(
+          "storage", [](const PyDevice& d) { return d.device.type == rwd::DeviceType::Guarded ? "guarded" : d.name; },
+          "Where the state is: the device's name, or \"guarded\" for a cpu device on the guarded test storage.")
       .def(
           "check",
           [](const PyDevice& d, py::object t, const std::string& what) {
-            check_device(input_view(t, what.c_str()), d.device, what.c_str());
+            check_device(input_view(t, what.c_str()), d, what.c_str());
           },
           py::arg("tensor"), py::arg("what") = "tensor",
           "Raises InvalidArgument naming both devices unless `tensor` is on this device.")
-      .def("__repr__", [](const PyDevice& d) { return "rewind._Device('" + d.device.describe() + "')"; })
+      .def("__repr__", [](const PyDevice& d) { return "rewind._Device('" + d.name + "')"; })
       .def(
           "__deepcopy__", [](std::shared_ptr<PyDevice> d, py::dict) { return d; }, py::arg("memo"),
           "The same device (immutable; its storage is shared).")
-      .def(py::pickle([](const PyDevice& d) { return py::make_tuple(d.device.describe()); },
+      .def(py::pickle([](const PyDevice& d) { return py::make_tuple(d.name); },
                       [](const py::tuple& t) {
                         if (t.size() != 1) invalid("_Device state: expected (name,)");
                         return resolve_device(t[0]);

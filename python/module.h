@@ -34,7 +34,9 @@ rwd::TensorView input_view(const py::handle& obj, const char* what);
 // `v` (a view of layer storage) as a torch tensor (as_torch) or a numpy
 // array sharing its memory; a pin keeps that memory allocated while the
 // returned object lives. A CUDA view becomes a torch tensor on that device
-// (numpy is refused); a guarded view is refused.
+// (numpy is refused). A view on the guarded test storage, which the host
+// cannot read, becomes a host copy (read through the storage): the one
+// result that is not zero-copy.
 py::object output_view(const rwd::TensorView& v, bool as_torch);
 
 // The device a cache's state lives on (devices.cc), fixed once, by device=
@@ -42,10 +44,24 @@ py::object output_view(const rwd::TensorView& v, bool as_torch);
 // the storage its layers allocate from, and the torch stream a CUDA
 // storage's copies run on (held so that it outlives the layers).
 struct PyDevice {
-  rwd::Device device;
+  rwd::Device device;  // where the storage's memory is
   std::shared_ptr<rwd::Storage> storage;
   py::object stream;  // None on the host
+  // The torch device of its tensors ("cpu", "cuda:1"): for the guarded test
+  // storage (set_cpu_storage), "cpu", whose tensors it takes and returns.
+  std::string name;
+  // True when `v`, an input, may go into this device's caches: on it, or
+  // host memory for a cpu device kept on the guarded storage.
+  bool accepts(const rwd::TensorView& v) const {
+    return v.device == device || (v.device.is_host() && device.type == rwd::DeviceType::Guarded);
+  }
 };
+// Which storage "cpu" caches made from now on allocate from: the host's (the
+// default) or, for the Python tests under the guarded test storage
+// (`_set_cpu_storage("guarded")`), rwd::guarded_storage() through a
+// pinning_storage, so that a code path that touches state memory outside the
+// storage faults. Caches made before keep theirs.
+void set_cpu_storage_guarded(bool guarded);
 // The device `spec` names (a str, int or torch.device: what torch.device
 // accepts): "cpu" is rwd::host_storage(); "cuda" / "cuda:N" CUDA device N
 // (the current one without N) through a pinning_storage over
@@ -56,8 +72,8 @@ std::shared_ptr<PyDevice> resolve_device(const py::handle& spec);
 // The device of a tensor (`what` in messages): its torch device, cpu for a
 // numpy array. Throws as resolve_device.
 std::shared_ptr<PyDevice> device_of(const py::handle& tensor, const char* what);
-// Throws InvalidArgument, naming both devices, unless `v` is on `device`.
-void check_device(const rwd::TensorView& v, const rwd::Device& device, const char* what);
+// Throws InvalidArgument, naming both devices, unless `device` accepts `v`.
+void check_device(const rwd::TensorView& v, const PyDevice& device, const char* what);
 // "cpu", "cpu, cuda:0" ...: the devices this build and machine accept.
 std::string allowed_devices();
 // A list, tuple, torch tensor or numpy array of integers as a vector.
@@ -114,7 +130,7 @@ class PyLayer {
   // changes.
   rwd::TensorView input(const py::handle& obj, const char* what) const {
     rwd::TensorView v = input_view(obj, what);
-    check_device(v, device_->device, what);
+    check_device(v, *device_, what);
     return v;
   }
 

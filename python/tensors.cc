@@ -201,6 +201,47 @@ rwd::TensorView input_view(const py::handle& obj, const char* what) {
   return v;
 }
 
+namespace {
+
+// A fresh contiguous host tensor or array holding `v`'s values, read through
+// its storage: what a guarded view (the test storage, pages the host cannot
+// read) is returned as.
+py::object host_copy(const rwd::TensorView& v, bool as_torch, const std::vector<std::int64_t>& shape) {
+  Frameworks& fw = frameworks();
+  py::object out;
+  void* data = nullptr;
+  if (as_torch) {
+    py::object dt = v.dtype == rwd::DType::F32   ? fw.torch_float32
+                    : v.dtype == rwd::DType::F16 ? fw.torch_float16
+                                                 : fw.torch_bfloat16;
+    out = fw.torch_empty(py::cast(shape), py::arg("dtype") = dt);
+    data = reinterpret_cast<void*>(out.attr("data_ptr")().cast<std::uintptr_t>());
+  } else {
+    if (v.dtype == rwd::DType::BF16) {
+      invalid("numpy has no bfloat16: this layer holds bfloat16 values, pass torch tensors to read them");
+    }
+    py::array a(v.dtype == rwd::DType::F32 ? py::dtype("float32") : py::dtype("float16"), shape);
+    data = a.mutable_data();
+    out = std::move(a);
+  }
+  rwd::TensorView dst;
+  dst.dtype = v.dtype;
+  dst.rank = v.rank;
+  dst.data = data;
+  std::int64_t numel = 1;
+  for (int i = rwd::kMaxRank - 1; i >= 0; --i) {
+    const auto u = static_cast<std::size_t>(i);
+    const bool used = i < v.rank;
+    dst.shape[u] = used ? v.shape[u] : 1;
+    dst.strides[u] = used ? numel : 0;
+    if (used) numel *= v.shape[u];
+  }
+  if (numel > 0) rwd::copy_tensor(v, dst);
+  return out;
+}
+
+}  // namespace
+
 // Returns `v` (a view of layer storage) as a torch tensor (as_torch) or a
 // numpy array, sharing its memory. The pin keeps that memory allocated for
 // as long as the returned object lives.
@@ -209,11 +250,7 @@ py::object output_view(const rwd::TensorView& v, bool as_torch) {
   std::int64_t numel = 1;
   for (int i = 0; i < v.rank; ++i) numel *= v.shape[static_cast<std::size_t>(i)];
   std::vector<std::int64_t> shape(v.shape.begin(), v.shape.begin() + v.rank);
-  if (v.device.type == rwd::DeviceType::Guarded) {
-    invalid(
-        "a view on the guarded test device cannot be given to Python: its pages are readable only inside "
-        "rewind's copies; allowed: cpu or cuda caches");
-  }
+  if (v.device.type == rwd::DeviceType::Guarded) return host_copy(v, as_torch, shape);
   const bool cuda = v.device.type == rwd::DeviceType::Cuda;
   if (cuda && !as_torch) {
     invalid("this layer's state is on " + v.device.describe() +

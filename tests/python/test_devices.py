@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import rewind
-from conftest import kv, positions
+from conftest import STORAGE, kv, positions
 
 
 def _module_build_has_cuda():
@@ -37,6 +37,7 @@ def test_cuda_built_matches_the_build():
         assert rewind.cuda_device_count() == 0
 
 
+@pytest.mark.zero_copy
 def test_cpu_device_gives_views_of_the_cache():
     cache = rewind.DynamicCache(device="cpu")
     assert cache.device == torch.device("cpu")
@@ -185,3 +186,28 @@ def test_cuda_view_outlives_the_buffer():
     assert keys.data_ptr() == ptr and positions(keys.cpu()) == [0, 1]
     del keys
     assert rewind.pin_stats()["zombie_blocks"] == 0
+
+
+def test_cpu_storage_for_the_tests_applies_to_caches_made_after():
+    """`_set_cpu_storage` (make test-python-guarded) puts new cpu caches on the guarded storage, results as copies."""
+    with pytest.raises(ValueError, match=r"_set_cpu_storage\(\"pinned\"\): allowed: host, guarded"):
+        rewind._rewind._set_cpu_storage("pinned")
+    try:
+        rewind._rewind._set_cpu_storage("host")
+        on_host = rewind.DynamicLayer()
+        on_host.update(kv(0, 2), kv(0, 2))
+        rewind._rewind._set_cpu_storage("guarded")
+        guarded = rewind.DynamicLayer()
+        keys, _ = guarded.update(kv(0, 2), kv(0, 2))
+        assert rewind._rewind._Device("cpu").storage == "guarded"
+        assert guarded._kv.device.storage == "guarded" and guarded._kv.device.name == "cpu"
+        assert on_host._kv.device.storage == "cpu"  # made before: unchanged
+        assert keys.device == torch.device("cpu") and positions(keys) == [0, 1]
+        keys[0, 0, 0, 0] = 99.0  # a copy: the cache does not see it
+        assert positions(guarded.keys) == [0, 1]
+        keys, _ = guarded.update(kv(2, 1), kv(2, 1))
+        assert positions(keys) == [0, 1, 2]
+        on_host.update(kv(2, 1), kv(2, 1))
+        assert positions(on_host.keys) == [0, 1, 2]
+    finally:
+        rewind._rewind._set_cpu_storage(STORAGE)

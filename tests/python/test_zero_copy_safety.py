@@ -11,6 +11,7 @@ import rewind
 from conftest import conv_in, kv, positions
 
 
+@pytest.mark.zero_copy
 def test_returned_tensors_share_the_cache_memory():
     layer = rewind.DynamicLayer()
     keys, values = layer.update(kv(0, 4), kv(0, 4))
@@ -28,6 +29,7 @@ def test_returned_tensors_share_the_cache_memory():
     assert got.data_ptr() == rec.recurrent_states[0].data_ptr()
 
 
+@pytest.mark.zero_copy
 def test_crop_moves_no_data(device):
     layer = rewind.DynamicLayer()
     layer.update(kv(0, 10, device=device), kv(0, 10, device=device))
@@ -36,6 +38,7 @@ def test_crop_moves_no_data(device):
     assert layer.keys.data_ptr() == before and positions(layer.keys) == list(range(6))
 
 
+@pytest.mark.zero_copy
 def test_old_views_survive_growth_and_stay_readable(device):
     gc.collect()
     baseline = rewind.pin_stats()["zombie_blocks"]
@@ -57,6 +60,7 @@ def test_old_views_survive_growth_and_stay_readable(device):
     assert rewind.pin_stats()["zombie_blocks"] <= baseline  # released with the last view
 
 
+@pytest.mark.zero_copy
 def test_view_outlives_its_cache(device):
     gc.collect()
     baseline = rewind.pin_stats()["zombie_blocks"]
@@ -73,6 +77,7 @@ def test_view_outlives_its_cache(device):
     assert rewind.pin_stats()["zombie_blocks"] <= baseline
 
 
+@pytest.mark.zero_copy
 def test_numpy_views_pin_too():
     gc.collect()
     baseline = rewind.pin_stats()["zombie_blocks"]
