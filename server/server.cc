@@ -10,6 +10,7 @@
 #include <ctime>
 #include <deque>
 #include <filesystem>
+#include <functional>
 #include <mutex>
 #include <optional>
 #include <random>
@@ -32,6 +33,7 @@
 #include "runtime/model.h"
 #include "runtime/tokenizer.h"
 #include "server/chat_output.h"
+#include "server/connection.h"
 #include "server/stop_strings.h"
 
 namespace rwd::server {
@@ -47,6 +49,12 @@ namespace {
 
 // How long stop() lets open streams finish writing before it cuts them.
 constexpr std::chrono::seconds kStreamDrainLimit{30};
+// How often a request that writes nothing (queued, prefilling, or waiting
+// for its whole answer) asks whether its client is still there.
+constexpr std::chrono::milliseconds kClientPoll{100};
+
+// Thrown by Completion::next when the request's client has left.
+struct ClientGone {};
 
 // A request refused with an OpenAI-style error body:
 // {"error": {"message", "type", "param", "code"}}.
@@ -763,6 +771,13 @@ struct Server::Impl {
     cv.wait(lock, [&] { return !waiting.empty() || !active.empty() || quit; });
     if (waiting.empty() && active.empty()) return false;  // quit, and drained
     joining.clear();
+    // A request whose client left while it waited leaves the queue at once,
+    // wherever it is, so that it holds no place in the queue's limit.
+    std::erase_if(waiting, [](const std::shared_ptr<Job>& job) {
+      if (job->cancel) finish(*job, "cancelled");
+      return job->cancel.load();
+    });
+    counters.waiting = static_cast<std::int64_t>(waiting.size());
     // A request takes a place per choice, the ones not forked yet included;
     // the queue's head waits until all of its places are free.
     std::int64_t places = 0;
@@ -774,7 +789,7 @@ struct Server::Impl {
       // reader (/metrics, a test waiting for a queued request) must not
       // count an admitted request as waiting.
       counters.waiting = static_cast<std::int64_t>(waiting.size());
-      if (job->cancel) {
+      if (job->cancel) {  // cancelled since the sweep above
         finish(*job, "cancelled");
         continue;
       }
@@ -1053,7 +1068,8 @@ struct Server::Impl {
       std::string reasoning;
       std::vector<ToolCall> tool_calls;
     };
-    std::mt19937_64 ids{std::random_device{}()};  // tool call ids
+    std::mt19937_64 ids{std::random_device{}()};        // tool call ids
+    std::chrono::steady_clock::time_point last_poll{};  // next(): when `gone` was last asked
 
     // A fresh tool call id: "call_" and 24 hexadecimal digits.
     std::string call_id() {
@@ -1072,8 +1088,10 @@ struct Server::Impl {
 
     // REQUIRES: !all_reported(). Waits until a choice has news (tokens or
     // its end) and returns each such choice's event, in index order.
-    // Throws ApiError(500) when the decode loop failed a choice.
-    std::vector<Event> next() {
+    // Throws ApiError(500) when the decode loop failed a choice, and
+    // ClientGone when `gone` (asked every kClientPoll, waiting or not)
+    // says the client left.
+    std::vector<Event> next(const std::function<bool()>& gone = {}) {
       std::vector<Event> out;
       for (std::size_t i = 0; i < choices.size(); ++i) {
         if (choices[i].finished && !choices[i].reported) {  // max_tokens 0: ended before it began
@@ -1088,11 +1106,24 @@ struct Server::Impl {
         std::string reason, error;
       };
       std::vector<News> news(choices.size());
+      const auto left = [&] {
+        const auto now = std::chrono::steady_clock::now();
+        if (!gone || now - last_poll < kClientPoll) return false;
+        last_poll = now;
+        return gone();
+      };
+      if (left()) throw ClientGone{};
       {
         std::unique_lock<std::mutex> lock(channel->mu);
-        channel->cv.wait(lock, [&] {
+        const auto any_ready = [&] {
           return std::any_of(choices.begin(), choices.end(), [](const Choice& c) { return c.ready(); });
-        });
+        };
+        while (!channel->cv.wait_for(lock, kClientPoll, any_ready)) {
+          lock.unlock();  // the decode loop publishes under this lock; a poll need not hold it
+          const bool away = left();
+          lock.lock();
+          if (away) throw ClientGone{};
+        }
         for (std::size_t i = 0; i < choices.size(); ++i) {
           Choice& c = choices[i];
           if (!c.ready()) continue;
@@ -1166,18 +1197,29 @@ struct Server::Impl {
   void completions(const httplib::Request& req, httplib::Response& res) {
     const json body = parse_body(req);
     check_model(body, name);
-    respond(parse_completion(body, tokenizer, model.vocab_size(), context, options.max_batch), false, res);
+    respond(req, parse_completion(body, tokenizer, model.vocab_size(), context, options.max_batch), false, res);
   }
 
-  // Waits for every choice of `c` and answers with one JSON object.
-  void answer_whole(Completion& c, httplib::Response& res) const {
+  // Waits for every choice of `c` and answers with one JSON object. A
+  // client that leaves meanwhile (`client`) has its choices dropped within
+  // a round, queued or running, and gets no answer.
+  void answer_whole(Completion& c, const ClientConnection& client, httplib::Response& res) {
     std::vector<ChatOutput> parts(c.choices.size());
     try {
       while (!c.all_reported()) {
-        for (Completion::Event& e : c.next()) {
+        for (Completion::Event& e : c.next([&] { return client.gone(); })) {
           parts[e.index].append({std::move(e.reasoning), std::move(e.text), std::move(e.tool_calls)});
         }
       }
+    } catch (const ClientGone&) {
+      c.cancel_all();
+      {
+        std::lock_guard<std::mutex> lock(mu);
+        ++counters.cancelled;
+      }
+      // Nobody reads it: nginx's "client closed request", for httplib's logger.
+      send_json(res, 499, ApiError(499, "the client closed the connection", {}, "client_closed").body());
+      return;
     } catch (...) {
       c.cancel_all();
       throw;
@@ -1228,7 +1270,11 @@ struct Server::Impl {
     }
     std::vector<Completion::Event> events;
     try {
-      events = c.next();
+      // A stream writes nothing while queued or prefilling: asking the
+      // socket finds a client that left then (the end callback drops it).
+      events = c.next([&] { return !sink.is_writable(); });
+    } catch (const ClientGone&) {
+      return false;
     } catch (const ApiError& e) {
       // Headers are out: the error goes as an event, then the end.
       c.cancel_all();
@@ -1280,7 +1326,8 @@ struct Server::Impl {
   // runtime::generate_batch seeds its sequence i; the decode loop forks
   // choices 1..n-1 from choice 0 once the prompt is in (Job::forks).
   // `syntax`: what a chat turn's text is split by (ChatSyntax{}: nothing).
-  void respond(const CompletionRequest& r, bool chat, httplib::Response& res, ChatSyntax syntax = {}) {
+  void respond(const httplib::Request& req, const CompletionRequest& r, bool chat, httplib::Response& res,
+               ChatSyntax syntax = {}) {
     auto c = std::make_shared<Completion>();
     c->channel = std::make_shared<Channel>();
     std::shared_ptr<Job> first;
@@ -1313,7 +1360,8 @@ struct Server::Impl {
       submit(first);
     }
     if (!r.stream) {
-      answer_whole(*c, res);
+      const ClientConnection client(req.remote_addr, req.remote_port, req.local_port);
+      answer_whole(*c, client, res);
       return;
     }
     res.status = 200;
@@ -1394,7 +1442,7 @@ struct Server::Impl {
     }
     check_context(r, context);
     // Stop strings cut the model's text first; the parser splits what is left.
-    respond(r, true, res, chat_syntax(chat_template->source(), text));
+    respond(req, r, true, res, chat_syntax(chat_template->source(), text));
   }
 
   std::string metrics() const {
@@ -1406,7 +1454,8 @@ struct Server::Impl {
     };
     add("rewind_http_requests_total", "counter", "HTTP requests answered.", c.requests);
     add("rewind_completions_total", "counter", "Generation requests finished.", c.completions);
-    add("rewind_cancelled_total", "counter", "Streams whose client went away before the end.", c.cancelled);
+    add("rewind_cancelled_total", "counter",
+        "Generation requests whose client went away before the end (queued, running or streaming).", c.cancelled);
     add("rewind_prompt_tokens_total", "counter", "Prompt tokens of admitted requests.", c.prompt_tokens);
     add("rewind_generated_tokens_total", "counter", "Tokens generated.", c.generated_tokens);
     add("rewind_forwards_total", "counter", "Batched forwards of the decode loop.", c.forwards);

@@ -17,6 +17,9 @@
 #include <thread>
 #include <vector>
 
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
 #include <unistd.h>
 
 #include <nlohmann/json.hpp>
@@ -641,19 +644,25 @@ TEST(ServerLifecycle, StopDrainsTheStreamUnderWay) {
   EXPECT_EQ(server.counters().live_sequences, 0);
 }
 
-// A full queue refuses with 429 and changes nothing: with one sequence
-// decoding (a stream held open) and one request waiting, a third is refused;
-// the waiting one then runs as it would alone.
-TEST(ServerLifecycle, FullQueueGets429) {
+// The shipped model on a free port, one sequence in the batch at a time and
+// `queue_limit` requests waiting, one OpenMP thread.
+ServerOptions one_at_a_time(std::int64_t queue_limit) {
   omp_set_num_threads(1);
   ServerOptions o;
   o.model_dir = model_dir();
   o.port = 0;
   o.threads = 1;
   o.max_batch = 1;
-  o.queue_limit = 1;
+  o.queue_limit = queue_limit;
   o.context = 1 << 14;
-  Server server(o);
+  return o;
+}
+
+// A full queue refuses with 429 and changes nothing: with one sequence
+// decoding (a stream held open) and one request waiting, a third is refused;
+// the waiting one then runs as it would alone.
+TEST(ServerLifecycle, FullQueueGets429) {
+  Server server(one_at_a_time(1));
   const int port = server.start();
   const Model model = Model::load(model_dir());
   const Tokenizer tokenizer = rwd::runtime::tokenizer_for_model(model_dir(), model.config());
@@ -707,6 +716,76 @@ TEST(ServerLifecycle, FullQueueGets429) {
   holder.join();
   waiter.join();
   EXPECT_EQ(waiting_text, expected);
+}
+
+// POSTs `body` to /v1/completions on a socket of its own and returns it
+// open, unread, for the test to close: httplib's client cannot leave while
+// it waits for a whole answer.
+int post_raw(int port, const json& body) {
+  const int fd = socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  a.sin_port = htons(static_cast<std::uint16_t>(port));
+  EXPECT_EQ(connect(fd, reinterpret_cast<sockaddr*>(&a), sizeof a), 0);
+  const std::string b = body.dump();
+  const std::string req =
+      "POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+      "Content-Length: " +
+      std::to_string(b.size()) + "\r\n\r\n" + b;
+  EXPECT_EQ(write(fd, req.data(), req.size()), static_cast<ssize_t>(req.size()));
+  return fd;
+}
+
+// Clients that leave while their request waits in the queue (streaming or
+// not) or while a whole answer is being generated are noticed without a
+// write: their requests leave the queue or the batch, counted as cancelled,
+// and the others go on.
+TEST(ServerLifecycle, ClientsThatLeaveBeforeTheirAnswerAreDropped) {
+  Server server(one_at_a_time(2));
+  const int port = server.start();
+  const ServerCounters before = server.counters();
+  const auto wait_until = [&](const auto& done) {
+    ServerCounters now = server.counters();
+    for (int i = 0; i < 60000 && !done(now); ++i) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(1));
+      now = server.counters();
+    }
+    return now;
+  };
+
+  const int whole = post_raw(port, {{"prompt", kPrompts[0]}, {"max_tokens", 16000}, {"temperature", 0}});
+  const ServerCounters running = wait_until(
+      [&](const ServerCounters& c) { return c.running == 1 && c.generated_tokens > before.generated_tokens; });
+  ASSERT_EQ(running.running, 1) << "the whole-answer request never ran";
+  const int queued_stream = post_raw(port, {{"prompt", kPrompts[1]}, {"max_tokens", 8}, {"stream", true}});
+  const int queued_whole = post_raw(port, {{"prompt", kPrompts[2]}, {"max_tokens", 8}});
+  ASSERT_EQ(wait_until([](const ServerCounters& c) { return c.waiting == 2; }).waiting, 2);
+  close(queued_stream);
+  close(queued_whole);
+  const ServerCounters left_queue = wait_until(
+      [&](const ServerCounters& c) { return c.waiting == 0 && c.cancelled == before.cancelled + 2; });
+  EXPECT_EQ(left_queue.waiting, 0);
+  EXPECT_EQ(left_queue.cancelled - before.cancelled, 2);
+  EXPECT_EQ(left_queue.running, 1) << "the running request went with the queued ones";
+  EXPECT_EQ(left_queue.prompt_tokens, running.prompt_tokens) << "a request whose client left was admitted";
+
+  close(whole);
+  const ServerCounters after = wait_until([&](const ServerCounters& c) {
+    return c.cancelled == before.cancelled + 3 && c.running == 0 && c.live_sequences == 0;
+  });
+  EXPECT_EQ(after.cancelled - before.cancelled, 3);
+  EXPECT_EQ(after.running, 0);
+  EXPECT_EQ(after.live_sequences, 0);
+  EXPECT_LT(after.generated_tokens - before.generated_tokens, 16000) << "the whole answer ran to its end";
+
+  httplib::Client client("127.0.0.1", port);
+  client.set_read_timeout(120, 0);
+  const auto res = client.Post("/v1/completions", json{{"prompt", kPrompts[2]}, {"max_tokens", 4}}.dump(),
+                               "application/json");
+  ASSERT_TRUE(res);
+  EXPECT_EQ(res->status, 200) << res->body;
+  EXPECT_EQ(server.counters().cancelled, after.cancelled);
 }
 
 TEST(ServerLifecycle, BadOptionsAreRefused) {

@@ -95,7 +95,7 @@ inline constexpr std::int64_t kDefaultContext = 4096;
 struct ServerCounters {
   std::int64_t requests = 0;          // HTTP requests answered (any status)
   std::int64_t completions = 0;       // POST /v1/completions answered (any status)
-  std::int64_t cancelled = 0;         // generation requests whose client went away mid-stream
+  std::int64_t cancelled = 0;         // generation requests whose client went away before the end
   std::int64_t prompt_tokens = 0;     // prompt tokens of admitted requests
   std::int64_t generated_tokens = 0;  // tokens the decode loop emitted
   std::int64_t forwards = 0;          // batched forwards
