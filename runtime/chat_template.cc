@@ -1700,7 +1700,7 @@ class Renderer {
   }
 
   // The string filters (trim, upper, lower, capitalize, title, replace,
-  // string) of `v`; nullopt for another filter.
+  // string, safe) of `v`; nullopt for another filter.
   std::optional<Value> text_filter(const Expr& e, const Value& v, const std::vector<Value>& args) {
     const std::string& f = e.s;
     const auto need = [&](bool ok, const char* what) {
@@ -1730,6 +1730,9 @@ class Renderer {
           Json(replace_all(v.str(), string_arg(args, 0, e, "replace"), string_arg(args, 1, e, "replace"), count)));
     }
     if (f == "string") return Value::of(Json(render_value(v)));
+    // Without autoescaping (transformers renders with none) "safe" changes
+    // nothing; Qwen3-Coder's template writes `tojson | safe`.
+    if (f == "safe") return v;
     return std::nullopt;
   }
 

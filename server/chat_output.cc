@@ -33,9 +33,81 @@ std::size_t incomplete_utf8(const std::string& s, std::size_t end) {
   return 0;
 }
 
+// `text` as the JSON value a parameter of schema type `type` takes, or as
+// the string when it is not one (ChatSyntax::parameter_types).
+nlohmann::ordered_json typed_argument(const std::string& text, const std::string* type) {
+  if (type == nullptr || *type == "string") return text;
+  std::size_t b = 0, e = text.size();
+  while (b < e && is_space(text[b])) ++b;
+  while (e > b && is_space(text[e - 1])) --e;
+  const std::string_view t = std::string_view(text).substr(b, e - b);
+  if (t == "null") return nullptr;
+  const nlohmann::ordered_json j = nlohmann::ordered_json::parse(t, nullptr, false);
+  if (j.is_discarded()) return text;
+  const bool fits = (*type == "integer" && (j.is_number_integer() || j.is_number_unsigned())) ||
+                    (*type == "number" && j.is_number()) || (*type == "boolean" && j.is_boolean()) ||
+                    (*type == "object" && j.is_object()) || (*type == "array" && j.is_array());
+  return fits ? j : nlohmann::ordered_json(text);
+}
+
+// Skips whitespace, then `tag` if it comes next.
+bool take(std::string_view& s, std::string_view tag) {
+  while (!s.empty() && is_space(s.front())) s.remove_prefix(1);
+  if (!s.starts_with(tag)) return false;
+  s.remove_prefix(tag.size());
+  return true;
+}
+
+// The NAME of `<tag=NAME>` at the front of `s` (after whitespace), which
+// is then consumed; empty when `s` does not start so.
+std::string take_named(std::string_view& s, std::string_view tag) {
+  std::string_view rest = s;
+  if (!take(rest, tag)) return {};
+  const std::size_t close = rest.find('>');
+  if (close == std::string_view::npos || close == 0) return {};
+  const std::string_view name = rest.substr(0, close);
+  if (name.find_first_of("<\n") != std::string_view::npos) return {};
+  s = rest.substr(close + 1);
+  return std::string(name);
+}
+
+// Qwen3-Coder's XML body: <function=NAME> (<parameter=KEY>\nVALUE\n
+// </parameter>)* </function>, whitespace around the tags; the model's
+// parameter order kept.
+bool parse_xml_tool_call(std::string_view body, const ToolParameterTypes& types, ToolCall& call) {
+  const std::string name = take_named(body, "<function=");
+  if (name.empty()) return false;
+  const auto fn = types.find(name);
+  nlohmann::ordered_json args = nlohmann::ordered_json::object();
+  for (;;) {
+    if (take(body, "</function>")) break;
+    const std::string key = take_named(body, "<parameter=");
+    if (key.empty() || args.contains(key)) return false;
+    const std::size_t end = body.find("</parameter>");
+    if (end == std::string_view::npos) return false;
+    std::string_view value = body.substr(0, end);
+    if (value.starts_with('\n')) value.remove_prefix(1);
+    if (value.ends_with('\n')) value.remove_suffix(1);
+    body.remove_prefix(end + std::string_view("</parameter>").size());
+    const std::string* type = nullptr;
+    if (fn != types.end()) {
+      const auto t = fn->second.find(key);
+      if (t != fn->second.end()) type = &t->second;
+    }
+    args[key] = typed_argument(std::string(value), type);
+  }
+  while (!body.empty() && is_space(body.front())) body.remove_prefix(1);
+  if (!body.empty()) return false;
+  call.name = name;
+  call.arguments = args.dump();
+  return true;
+}
+
 // A tool call's body when it is {"name": string, "arguments": object or
-// string (optional)}; the model's key order kept in the arguments.
-bool parse_tool_call(std::string_view body, ToolCall& call) {
+// string (optional)}, or the XML form; the model's key order kept in the
+// arguments.
+bool parse_tool_call(std::string_view body, const ToolParameterTypes& types, ToolCall& call) {
+  if (std::string_view rest = body; take(rest, "<function=")) return parse_xml_tool_call(body, types, call);
   const nlohmann::ordered_json j = nlohmann::ordered_json::parse(body, nullptr, false);
   if (j.is_discarded() || !j.is_object()) return false;
   const auto name = j.find("name");
@@ -55,6 +127,39 @@ bool parse_tool_call(std::string_view body, ToolCall& call) {
 }
 
 }  // namespace
+
+ToolParameterTypes tool_parameter_types(const nlohmann::json& tools) {
+  ToolParameterTypes out;
+  if (!tools.is_array()) return out;
+  for (const nlohmann::json& tool : tools) {
+    if (!tool.is_object()) continue;
+    const auto fn = tool.find("function");
+    if (fn == tool.end() || !fn->is_object()) continue;
+    const auto name = fn->find("name");
+    const auto params = fn->find("parameters");
+    if (name == fn->end() || !name->is_string() || params == fn->end() || !params->is_object()) continue;
+    const auto props = params->find("properties");
+    if (props == params->end() || !props->is_object()) continue;
+    auto& types = out[name->get<std::string>()];
+    for (const auto& [key, schema] : props->items()) {
+      if (!schema.is_object()) continue;
+      const auto type = schema.find("type");
+      if (type == schema.end()) continue;
+      if (type->is_string()) {
+        types[key] = type->get<std::string>();
+        continue;
+      }
+      if (!type->is_array()) continue;
+      for (const nlohmann::json& t : *type) {
+        if (t.is_string() && t.get_ref<const std::string&>() != "null") {
+          types[key] = t.get<std::string>();
+          break;
+        }
+      }
+    }
+  }
+  return out;
+}
 
 ChatSyntax chat_syntax(std::string_view template_source, std::string_view prompt) {
   ChatSyntax s;
@@ -198,7 +303,7 @@ void ChatOutputParser::drain(bool final, ChatOutput& out) {
           continue;
         }
         ToolCall call;
-        if (parse_tool_call(std::string_view(held_).substr(0, at), call)) {
+        if (parse_tool_call(std::string_view(held_).substr(0, at), syntax_.parameter_types, call)) {
           out.tool_calls.push_back(std::move(call));
           ++tool_calls_;
           space_.clear();

@@ -1442,7 +1442,10 @@ struct Server::Impl {
     }
     check_context(r, context);
     // Stop strings cut the model's text first; the parser splits what is left.
-    respond(req, r, true, res, chat_syntax(chat_template->source(), text));
+    ChatSyntax syntax = chat_syntax(chat_template->source(), text);
+    if (const auto tools = body.find("tools"); tools != body.end())
+      syntax.parameter_types = tool_parameter_types(*tools);
+    respond(req, r, true, res, std::move(syntax));
   }
 
   std::string metrics() const {

@@ -118,6 +118,7 @@ TEST(ChatTemplate, HandWorkedOutputs) {
   EXPECT_EQ(render("{{ ' t '|trim|upper }}{{ [1, 2]|length }}{{ u|default('d') }}{{ ['a', 'b']|join('+') }}"),
             "T2da+b");
   EXPECT_EQ(render("{% for k, v in d|items %}{{ k }}{{ v }}{% endfor %}", {{"d", {{"b", 2}, {"a", 1}}}}), "b2a1");
+  EXPECT_EQ(render("{{ d|tojson|safe }}|{{ '<b>'|safe }}", {{"d", {{"a", 1}}}}), "{\"a\": 1}|<b>");
   EXPECT_EQ(render("text\n"), "text");  // one trailing newline dropped
   EXPECT_EQ(render("{% macro li(x, tag='li') %}<{{ tag }}>{{ x }}</{{ tag }}>{% endmacro %}"
                    "{% for i in xs %}{{ li(i) }}{% endfor %}{{ li('z', tag='b') }}",

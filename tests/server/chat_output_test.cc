@@ -5,6 +5,7 @@
 #include <gtest/gtest.h>
 
 #include <string>
+#include <utility>
 #include <vector>
 
 #include <nlohmann/json.hpp>
@@ -17,9 +18,11 @@ using rwd::server::ChatOutput;
 using rwd::server::ChatOutputParser;
 using rwd::server::ChatSyntax;
 using rwd::server::tool_call_json;
+using rwd::server::tool_parameter_types;
 using rwd::server::ToolCall;
+using rwd::server::ToolParameterTypes;
 
-const ChatSyntax kQwen{true, true, false};
+const ChatSyntax kQwen{true, true, false, {}};
 
 ChatOutput whole(const std::string& text, ChatSyntax syntax = kQwen) {
   ChatOutputParser p(syntax);
@@ -72,6 +75,17 @@ void expect_split_invariant(const std::string& text, ChatSyntax syntax = kQwen) 
   }
 }
 
+// Each block, between two lines of text, is no tool call: the whole text is content as written.
+void expect_all_stay_content(const std::vector<std::string>& blocks) {
+  for (const std::string& block : blocks) {
+    const std::string text = "Trying.\n" + block + "\nDone.";
+    const ChatOutput out = whole(text);
+    EXPECT_TRUE(out.tool_calls.empty()) << block;
+    EXPECT_EQ(out.content, text) << block;
+    expect_split_invariant(text);
+  }
+}
+
 TEST(ChatOutput, ThinkThenContent) {
   const std::string text = "<think>\nThe user greets me.\n\nI greet back.\n</think>\n\nHello, friend.";
   const ChatOutput out = whole(text);
@@ -116,13 +130,7 @@ TEST(ChatOutput, MalformedToolCallsStayContent) {
       "<tool_call>\n{\"name\": \"f\", \"arguments\": 3}\n</tool_call>",          // arguments a number
       "<tool_call>\n[1, 2]\n</tool_call>",                                       // not an object
   };
-  for (const std::string& block : bad) {
-    const std::string text = "Trying.\n" + block + "\nDone.";
-    const ChatOutput out = whole(text);
-    EXPECT_TRUE(out.tool_calls.empty()) << block;
-    EXPECT_EQ(out.content, text) << block;
-    expect_split_invariant(text);
-  }
+  expect_all_stay_content(bad);
   // A good call beside a bad one: the good one is parsed, the bad kept.
   const std::string mixed = "<tool_call>\n{\"name\": \"f\"}\n</tool_call>\n<tool_call>\nnot json\n</tool_call>";
   const ChatOutput out = whole(mixed);
@@ -143,6 +151,107 @@ TEST(ChatOutput, ArgumentsGivenAsAStringStayThatString) {
   const ChatOutput out = whole("<tool_call>{\"name\": \"f\", \"arguments\": \"{\\\"x\\\": 1}\"}</tool_call>");
   ASSERT_EQ(out.tool_calls.size(), 1u);
   EXPECT_EQ(out.tool_calls[0].arguments, R"({"x": 1})");
+}
+
+// Qwen3-Coder's XML form inside <tool_call>, as its chat template writes a
+// call: one parameter per block, the value on its own lines.
+std::string xml_call(const std::string& name, const std::vector<std::pair<std::string, std::string>>& params) {
+  std::string s = "<tool_call>\n<function=" + name + ">\n";
+  for (const auto& [key, value] : params) s += "<parameter=" + key + ">\n" + value + "\n</parameter>\n";
+  return s + "</function>\n</tool_call>";
+}
+
+TEST(ChatOutput, XmlToolCallsTakeTheDeclaredTypes) {
+  ChatSyntax syntax = kQwen;
+  syntax.parameter_types = {{"get_weather",
+                             {{"location", "string"},
+                              {"days", "integer"},
+                              {"metric", "boolean"},
+                              {"ratio", "number"},
+                              {"opts", "object"},
+                              {"tags", "array"},
+                              {"code", "string"},
+                              {"limit", "integer"}}}};
+  const std::string text = "Let me check.\n" +
+                           xml_call("get_weather", {{"location", "San Francisco, CA"},
+                                                    {"days", "3"},
+                                                    {"metric", "true"},
+                                                    {"ratio", "0.5"},
+                                                    {"opts", "{\"a\": [1, 2]}"},
+                                                    {"tags", "[\"x\", \"y\"]"},
+                                                    {"code", "null"},
+                                                    {"limit", "null"},
+                                                    {"unit", "7"}}) +
+                           "\n" + xml_call("get_time", {{"zone", "CET"}, {"days", "2"}});
+  const ChatOutput out = whole(text, syntax);
+  EXPECT_EQ(out.content, "Let me check.");
+  ASSERT_EQ(out.tool_calls.size(), 2u);
+  EXPECT_EQ(out.tool_calls[0].name, "get_weather");
+  // Declared types as JSON values, "null" as null but for a string, an undeclared parameter as a string; the
+  // model's order.
+  EXPECT_EQ(out.tool_calls[0].arguments,
+            R"({"location":"San Francisco, CA","days":3,"metric":true,"ratio":0.5,"opts":{"a":[1,2]},)"
+            R"("tags":["x","y"],"code":"null","limit":null,"unit":"7"})");
+  EXPECT_EQ(out.tool_calls[1].name, "get_time");
+  EXPECT_EQ(out.tool_calls[1].arguments, R"({"zone":"CET","days":"2"})") << "another function's types apply";
+  expect_split_invariant(text, syntax);
+  // Without the request's tools every value is its text.
+  const ChatOutput untyped = whole(text);
+  ASSERT_EQ(untyped.tool_calls.size(), 2u);
+  EXPECT_EQ(untyped.tool_calls[0].arguments,
+            R"({"location":"San Francisco, CA","days":"3","metric":"true","ratio":"0.5","opts":"{\"a\": [1, 2]}",)"
+            R"("tags":"[\"x\", \"y\"]","code":"null","limit":"null","unit":"7"})");
+}
+
+TEST(ChatOutput, XmlValuesKeepTheirTextButOneNewlineEachSide) {
+  ChatSyntax syntax = kQwen;
+  syntax.parameter_types = {{"f", {{"n", "integer"}, {"flag", "boolean"}, {"x", "number"}}}};
+  const ChatOutput out = whole(xml_call("f", {{"body", "line 1\n\n  line 3\n"},  // inner and one extra trailing newline
+                                              {"n", "three"},                    // not an integer: its text
+                                              {"flag", " false "},               // spaces around a typed value
+                                              {"x", "2"},                        // an integer is a number
+                                              {"empty", ""}}),
+                               syntax);
+  ASSERT_EQ(out.tool_calls.size(), 1u);
+  EXPECT_EQ(out.tool_calls[0].arguments,
+            R"({"body":"line 1\n\n  line 3\n","n":"three","flag":false,"x":2,"empty":""})");
+  EXPECT_EQ(whole("<tool_call><function=g></function></tool_call>").tool_calls.at(0).arguments, "{}");
+  // A call written on one line, the Hermes-style layout's whitespace elsewhere.
+  const ChatOutput tight = whole("<tool_call><function=g><parameter=a>1</parameter></function></tool_call>");
+  ASSERT_EQ(tight.tool_calls.size(), 1u);
+  EXPECT_EQ(tight.tool_calls[0].arguments, R"({"a":"1"})");
+}
+
+TEST(ChatOutput, MalformedXmlToolCallsStayContent) {
+  const std::vector<std::string> bad = {
+      "<tool_call>\n<function=f>\n<parameter=a>\n1\n</parameter>\n</tool_call>",  // no </function>
+      "<tool_call>\n<function=>\n</function>\n</tool_call>",                      // no name
+      "<tool_call>\n<function=f\n</function>\n</tool_call>",                      // name not closed
+      "<tool_call>\n<function=f>\n<parameter=a>\n1\n</function>\n</tool_call>",   // parameter not closed
+      "<tool_call>\n<function=f>\n<parameter=a>\n1\n</parameter>\n<parameter=a>\n2\n</parameter>\n</function>\n"
+      "</tool_call>",                                                                         // a parameter twice
+      "<tool_call>\n<function=f>\nstray text\n</function>\n</tool_call>",                     // text between the tags
+      "<tool_call>\n<function=f>\n</function>\ntrailing\n</tool_call>",                       // text after </function>
+      "<tool_call>\n<function=f>\n<parameter=>\n1\n</parameter>\n</function>\n</tool_call>",  // no key
+  };
+  expect_all_stay_content(bad);
+}
+
+TEST(ChatOutput, ParameterTypesComeFromTheRequestsTools) {
+  const nlohmann::json tools = nlohmann::json::parse(R"([
+    {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object", "properties": {
+      "city": {"type": "string"}, "days": {"type": "integer"}, "unit": {"enum": ["c", "f"]},
+      "limit": {"type": ["null", "integer"]}, "odd": {"type": [7]}}}}},
+    {"type": "function", "function": {"name": "now"}},
+    {"type": "function", "function": {"name": "bad", "parameters": {"properties": []}}},
+    {"type": "function", "function": {"parameters": {"properties": {"x": {"type": "integer"}}}}},
+    "not a tool", 7
+  ])");
+  const ToolParameterTypes expected = {
+      {"get_weather", {{"city", "string"}, {"days", "integer"}, {"limit", "integer"}}}};
+  EXPECT_EQ(tool_parameter_types(tools), expected);
+  EXPECT_TRUE(tool_parameter_types(nlohmann::json::object()).empty());
+  EXPECT_TRUE(tool_parameter_types(nlohmann::json()).empty());
 }
 
 TEST(ChatOutput, WithoutTagsTheTextPassesThroughUnchanged) {
@@ -202,6 +311,18 @@ TEST(ChatOutput, SyntaxFollowsTheQwen3Template) {
       "%}";
   const ChatSyntax s = chat_syntax(qwen3, "<|im_start|>assistant\n");
   EXPECT_TRUE(s.think);
+  EXPECT_TRUE(s.tool_calls);
+  EXPECT_FALSE(s.in_reasoning);
+}
+
+TEST(ChatOutput, SyntaxFollowsTheQwen3CoderTemplate) {
+  // What Qwen3-Coder's template writes about its calls: the XML form in the Hermes tags, no <think>.
+  const std::string coder =
+      "{{- '\\n\\nIf you choose to call a function ONLY reply in the following format:\\n<tool_call>\\n"
+      "<function=example_function_name>\\n<parameter=example_parameter_1>\\nvalue_1\\n</parameter>\\n"
+      "</function>\\n</tool_call>' }}";
+  const ChatSyntax s = chat_syntax(coder, "<|im_start|>assistant\n");
+  EXPECT_FALSE(s.think);
   EXPECT_TRUE(s.tool_calls);
   EXPECT_FALSE(s.in_reasoning);
 }

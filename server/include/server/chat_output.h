@@ -4,12 +4,15 @@
 // Reasoning is `<think>...</think>` at the start of the turn (or everything
 // up to `</think>` when the generation prompt already opened `<think>`);
 // a tool call is a `<tool_call>\n{"name": ..., "arguments": {...}}\n
-// </tool_call>` block (the Hermes format). Text arrives in pieces split
+// </tool_call>` block (the Hermes format), or the same block around
+// Qwen3-Coder's XML form, `<function=NAME>` then per argument
+// `<parameter=KEY>\nVALUE\n</parameter>`, then `</function>`. Text arrives in pieces split
 // anywhere, even inside a tag or a UTF-8 sequence: ChatOutputParser emits
 // only what can no longer belong to a tag, holds back the rest, and the
 // pieces it returns add up to the same result however the text was split.
 #pragma once
 
+#include <map>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -18,11 +21,28 @@
 
 namespace rwd::server {
 
+// Per function name, per parameter name: the JSON Schema type the request
+// declared for it ("integer", "number", "boolean", "object", "array",
+// "string", ...).
+using ToolParameterTypes = std::map<std::string, std::map<std::string, std::string>>;
+
+// The parameter types that a request's `tools` (OpenAI's
+// [{"type": "function", "function": {"name", "parameters": {"properties":
+// {KEY: {"type": ...}}}}}]) declare. Entries of another shape are skipped
+// (the template saw them as sent); a type given as a list counts by its
+// first entry other than "null".
+ToolParameterTypes tool_parameter_types(const nlohmann::json& tools);
+
 // Which of the tags a model's turns use.
 struct ChatSyntax {
   bool think = false;         // <think>...</think> at the start of the turn
   bool tool_calls = false;    // <tool_call>...</tool_call> blocks
   bool in_reasoning = false;  // the generation prompt ended inside <think>
+  // What an XML-form argument's text is read as: a declared integer,
+  // number, boolean, object or array as that JSON value when the text is
+  // one ("null" as null), anything else (a string, undeclared, or text that
+  // is not such a value) as the string.
+  ToolParameterTypes parameter_types;
 
   bool any() const { return think || tool_calls; }
 };
@@ -57,9 +77,11 @@ class ChatOutputParser {
   // Appends `text`; returns what is now known. Reasoning drops the newlines
   // next to its tags, content the newlines right after </think> (as the
   // templates' own strip('\n') does when the turn is sent back). A
-  // <tool_call> block whose body is not a JSON object with a string "name"
-  // (and, if present, "arguments" an object or a string) stays content,
-  // tags and all. Whitespace next to a tool call is the template's layout,
+  // <tool_call> block whose body is neither a JSON object with a string
+  // "name" (and, if present, "arguments" an object or a string) nor the
+  // whole XML form (a name, each parameter once, one newline next to each
+  // value dropped, nothing else but whitespace between the tags) stays
+  // content, tags and all. Whitespace next to a tool call is the template's layout,
   // not content: it is dropped, except one run between text before and
   // text after a call.
   ChatOutput push(std::string_view text);
