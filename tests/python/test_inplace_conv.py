@@ -63,7 +63,7 @@ class Attention(torch.nn.Module):
             ks, vs = cache.update(ks, vs, self.layer_idx)
         scores = qs @ ks.transpose(-1, -2) / HD ** 0.5  # [B, H, q, L]
         L = ks.shape[-2]
-        causal = torch.arange(L)[None, :] <= (start + torch.arange(q))[:, None]
+        causal = torch.arange(L, device=h.device)[None, :] <= (start + torch.arange(q, device=h.device))[:, None]
         # Future keys get -inf, pads a large negative number: a pad query still sees itself, in both runs.
         scores = scores.masked_fill(key_mask[:, None, None, :L] == 0, -1e9).masked_fill(~causal, float("-inf"))
         out = (scores.softmax(-1) @ vs).transpose(1, 2).reshape(bsz, q, H * HD)
@@ -94,20 +94,23 @@ class TinyHybrid(torch.nn.Module):
         return self.head(h)
 
 
-@pytest.fixture(scope="module")
-def model():
+@pytest.fixture
+def model(device):
+    """The model on each device the tests run on (conftest.py's `device`): its cache takes the device from the first
+    update, and the in-place write goes into state on that device."""
     with torch.no_grad():
-        yield TinyHybrid().eval()
+        yield TinyHybrid().eval().to(device)
 
 
-def batch(pads=(0, 3), length=12):
+def batch(model, pads=(0, 3), length=12):
     torch.manual_seed(3)
     ids = torch.randint(1, V, (len(pads), length))
     mask = torch.ones(len(pads), length, dtype=torch.long)
     for r, p in enumerate(pads):
         ids[r, :p] = 0
         mask[r, :p] = 0
-    return ids, mask
+    device = model.head.weight.device
+    return ids.to(device), mask.to(device)
 
 
 def lengths(cache):
@@ -116,7 +119,7 @@ def lengths(cache):
 
 @torch.no_grad()
 def test_one_token_steps_written_in_place_decode_exactly(model):
-    ids, mask = batch()
+    ids, mask = batch(model)
     reference = model(ids, mask)
     cache = rewind.DynamicCache(config=model.config)
     prompt = 5
@@ -130,17 +133,17 @@ def test_one_token_steps_written_in_place_decode_exactly(model):
 
 @torch.no_grad()
 def test_reorder_and_select_after_in_place_steps(model):
-    ids, mask = batch(pads=(0, 3, 1))
+    ids, mask = batch(model, pads=(0, 3, 1))
     reference = model(ids, mask)
     cache = rewind.DynamicCache(config=model.config)
     model(ids[:, :6], mask, 0, cache)
     for t in range(6, 9):
         model(ids[:, t:t + 1], mask, t, cache)
-    order = torch.tensor([2, 0, 1])
+    order = torch.tensor([2, 0, 1], device=ids.device)
     cache.reorder_cache(order)  # refused before: the conv layers were behind the attention ones
     got = [model(ids[order, t:t + 1], mask[order], t, cache) for t in range(9, 11)]
     torch.testing.assert_close(torch.cat(got, dim=1), reference[order, 9:11], rtol=0, atol=1e-5)
-    cache.batch_select_indices(torch.tensor([1]))
+    cache.batch_select_indices(torch.tensor([1], device=ids.device))
     last = model(ids[order[1:2], 11:12], mask[order[1:2]], 11, cache)
     torch.testing.assert_close(last, reference[order[1:2], 11:12], rtol=0, atol=1e-5)
 
@@ -148,7 +151,7 @@ def test_reorder_and_select_after_in_place_steps(model):
 @torch.no_grad()
 def test_assisted_rounds_after_in_place_steps_roll_back_exactly(model):
     """Plain steps (in place), then transformers' assisted loop: record, verify several tokens, crop(-rejected)."""
-    ids, mask = batch(pads=(0,), length=16)
+    ids, mask = batch(model, pads=(0,), length=16)
     reference = model(ids, mask)
     cache = rewind.DynamicCache(config=model.config)
     model(ids[:, :4], mask, 0, cache)
@@ -169,7 +172,7 @@ def test_assisted_rounds_after_in_place_steps_roll_back_exactly(model):
 
 @torch.no_grad()
 def test_a_write_that_is_not_a_one_token_shift_is_refused_and_changes_nothing(model):
-    ids, mask = batch(pads=(0,))
+    ids, mask = batch(model, pads=(0,))
     cache = rewind.DynamicCache(config=model.config)
     model(ids[:, :5], mask, 0, cache)
     before = cache.layers[0].conv_states[0].clone()

@@ -85,7 +85,7 @@ class GatedDelta(torch.nn.Module):
         if has_previous:
             state = cache.layers[self.layer_idx].recurrent_states[0].clone()
         else:
-            state = torch.zeros(bsz, GDN_HEADS, GDN_DIM, GDN_DIM)
+            state = torch.zeros(bsz, GDN_HEADS, GDN_DIM, GDN_DIM, device=h.device)
         outs = []
         for t in range(q):
             state = g[:, t, :, None, None] * state + ks[:, t, :, :, None] * vs[:, t, :, None, :]
@@ -111,8 +111,8 @@ class Attention(torch.nn.Module):
             kv_length, offset = cache.get_mask_sizes(q, self.layer_idx)
             ks, vs = cache.update(ks, vs, self.layer_idx)
             assert ks.shape[-2] == kv_length
-        key_pos = offset + torch.arange(ks.shape[-2])
-        query_pos = start + torch.arange(q)
+        key_pos = offset + torch.arange(ks.shape[-2], device=h.device)
+        query_pos = start + torch.arange(q, device=h.device)
         allowed = key_pos[None, None, :] <= query_pos[None, :, None]  # [1, q, n]
         if self.chunked:
             # Chunks count from each row's first real token, as transformers' chunked masks do.
@@ -158,14 +158,19 @@ FAMILIES = {
 }
 
 
-def batch(pads, length, seed=3):
+def tiny(kinds, device):
+    """The model on `device` (conftest.py's fixture): its cache takes that device from the first update."""
+    return Tiny(kinds).eval().to(device)
+
+
+def batch(pads, length, seed=3, device="cpu"):
     torch.manual_seed(seed)
     ids = torch.randint(1, V, (len(pads), length))
     mask = torch.ones(len(pads), length, dtype=torch.long)
     for r, p in enumerate(pads):
         ids[r, :p] = 0
         mask[r, :p] = 0
-    return ids, mask
+    return ids.to(device), mask.to(device)
 
 
 def decode(model, ids, mask, prompt, cache, stop=None):
@@ -183,9 +188,9 @@ def lengths(cache):
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 @pytest.mark.parametrize("pads", [(0,), (0, 3), (7, 0)])
 @torch.no_grad()
-def test_plain_and_left_padded_decoding_is_exact(family, pads):
-    model = Tiny(FAMILIES[family]).eval()
-    ids, mask = batch(pads, 11)
+def test_plain_and_left_padded_decoding_is_exact(family, pads, device):
+    model = tiny(FAMILIES[family], device)
+    ids, mask = batch(pads, 11, device=device)
     reference = model(ids, mask)
     cache = rewind.DynamicCache(config=model.config)
     got = decode(model, ids, mask, 4, cache)
@@ -196,10 +201,10 @@ def test_plain_and_left_padded_decoding_is_exact(family, pads):
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 @torch.no_grad()
-def test_beam_operations_after_decoding_are_exact(family):
+def test_beam_operations_after_decoding_are_exact(family, device):
     """Beam-style: repeat the rows, reorder each step, then keep some; every later operation works."""
-    model = Tiny(FAMILIES[family]).eval()
-    ids, mask = batch((0, 2), 12)
+    model = tiny(FAMILIES[family], device)
+    ids, mask = batch((0, 2), 12, device=device)
     cache = rewind.DynamicCache(config=model.config)
     decode(model, ids, mask, 5, cache, stop=7)
     cache.batch_repeat_interleave(2)  # rows 0, 0, 1, 1
@@ -219,13 +224,13 @@ def test_beam_operations_after_decoding_are_exact(family):
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 @torch.no_grad()
-def test_assisted_rounds_roll_back_exactly(family):
+def test_assisted_rounds_roll_back_exactly(family, device):
     """transformers' assisted loop after plain (in-place) steps: record, verify K + 1 tokens, crop(-rejected).
 
     Gated DeltaNet layers give only the final state of a multi-token forward: there a crop inside the verified
     tokens is refused (RollbackError, nothing changed); rewind.generate passes the per-token states instead."""
-    model = Tiny(FAMILIES[family]).eval()
-    ids, mask = batch((0,), 16)
+    model = tiny(FAMILIES[family], device)
+    ids, mask = batch((0,), 16, device=device)
     reference = model(ids, mask)
     cache = rewind.DynamicCache(config=model.config)
     decode(model, ids, mask, 4, cache, stop=7)
@@ -249,10 +254,10 @@ def test_assisted_rounds_roll_back_exactly(family):
 
 
 @torch.no_grad()
-def test_gated_delta_one_token_rounds_roll_back_exactly():
+def test_gated_delta_one_token_rounds_roll_back_exactly(device):
     """With recording on, one-token steps give every state: a later crop lands on a state the cache holds."""
-    model = Tiny(FAMILIES["qwen3_next"]).eval()
-    ids, mask = batch((0,), 12)
+    model = tiny(FAMILIES["qwen3_next"], device)
+    ids, mask = batch((0,), 12, device=device)
     reference = model(ids, mask)
     cache = rewind.DynamicCache(config=model.config)
     cache.activate_past_recording(4)
@@ -266,14 +271,14 @@ def test_gated_delta_one_token_rounds_roll_back_exactly():
 
 
 @torch.no_grad()
-def test_chunked_attention_with_left_padding_keeps_the_keys_transformers_keeps():
+def test_chunked_attention_with_left_padding_keeps_the_keys_transformers_keeps(device):
     """Chunk 4, 8 tokens, a row of 7 pads: transformers' cache gives get_mask_sizes(1, 0) == (4, 5) and 4 keys."""
-    model = Tiny(["chunk"]).eval()
-    ids, mask = batch((7, 0), 12)
+    model = tiny(["chunk"], device)
+    ids, mask = batch((7, 0), 12, device=device)
     cache = rewind.DynamicCache(config=model.config)
     model(ids[:, :8], mask, 0, cache)
     assert cache.get_mask_sizes(1, 0) == (4, 5)
-    k = torch.zeros(2, H, 1, HD)
+    k = torch.zeros(2, H, 1, HD, device=device)
     keys, _ = copy.deepcopy(cache).update(k, k, 0)
     assert keys.shape[-2] == 4
     got = torch.cat([model(ids[:, t:t + 1], mask, t, cache) for t in range(8, 12)], dim=1)
@@ -282,10 +287,10 @@ def test_chunked_attention_with_left_padding_keeps_the_keys_transformers_keeps()
 
 @pytest.mark.parametrize("family", ["lfm2", "qwen3_next"])
 @torch.no_grad()
-def test_deepcopy_is_deep_and_independent(family):
+def test_deepcopy_is_deep_and_independent(family, device):
     """transformers' way to reuse a prompt cache, taken right after an in-place conv step."""
-    model = Tiny(FAMILIES[family]).eval()
-    ids, mask = batch((0, 2), 12)
+    model = tiny(FAMILIES[family], device)
+    ids, mask = batch((0, 2), 12, device=device)
     reference = model(ids, mask)
     cache = rewind.DynamicCache(config=model.config)
     cache.activate_past_recording(3)
@@ -306,9 +311,9 @@ def test_deepcopy_is_deep_and_independent(family):
 
 
 @torch.no_grad()
-def test_deepcopy_keeps_rollback_history():
-    model = Tiny(FAMILIES["lfm2"]).eval()
-    ids, mask = batch((0,), 12)
+def test_deepcopy_keeps_rollback_history(device):
+    model = tiny(FAMILIES["lfm2"], device)
+    ids, mask = batch((0,), 12, device=device)
     cache = rewind.DynamicCache(config=model.config)
     cache.activate_past_recording(4)
     decode(model, ids, mask, 4, cache, stop=8)
@@ -322,9 +327,9 @@ def test_deepcopy_keeps_rollback_history():
 @pytest.mark.parametrize("how", ["pickle", "torch.save"])
 @pytest.mark.parametrize("family", ["lfm2", "qwen3_next", "chunked"])
 @torch.no_grad()
-def test_pickle_and_torch_save_round_trip(family, how):
-    model = Tiny(FAMILIES[family]).eval()
-    ids, mask = batch((0, 3), 12)
+def test_pickle_and_torch_save_round_trip(family, how, device):
+    model = tiny(FAMILIES[family], device)
+    ids, mask = batch((0, 3), 12, device=device)
     reference = model(ids, mask)
     cache = rewind.DynamicCache(config=model.config)
     decode(model, ids, mask, 4, cache, stop=7)
