@@ -18,7 +18,7 @@ engine in turn at each thread count (so that drift on a shared machine hits both
 - decode: rewind `generate --stats -n 65` from a 4-token prompt, decode_tokens_per_second (64 tokens);
   llama-bench `-p 0 -n 64`;
 - load: the wall time of one process that loads the model and computes one token from a one-token prompt
-  (rewind generate; llama-completion --no-warmup), warm page cache.
+  (rewind generate; llama-completion -c 1024 --no-warmup), warm page cache.
 
 rewind's weights: as stored (bf16) and `--weights q8`; llama.cpp's: bf16, f16 and Q8_0. Every figure goes to
 OUT/results.jsonl as it is measured; the end prints medians with [min-max] per engine, dtype and threads.
@@ -195,8 +195,10 @@ def main():
                            value=llama_bench(tools, g, threads, n_prompt, 0), run=r)
                     record(model=name, engine="llama.cpp", weights=weights, threads=threads, what="decode_tok_s",
                            value=llama_bench(tools, g, threads, 0, 64), run=r)
+                    # -c: llama.cpp allocates the whole context's KV cache up front (the model's 40,960
+                    # tokens by default: gigabytes), rewind as tokens come.
                     cmd = [tools["llama-completion"], "-m", g, "-f", one_prompt, "-n", "1", "-t", str(threads),
-                           "--no-warmup", "-no-cnv", "--temp", "0"]
+                           "-c", "1024", "--no-warmup", "-no-cnv", "--temp", "0"]
                     record(model=name, engine="llama.cpp", weights=weights, threads=threads, what="load_s",
                            value=wall(cmd, threads), run=r)
 
