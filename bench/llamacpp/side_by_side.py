@@ -99,7 +99,8 @@ def prepare(name, args, tools):
         run([args.rewind, "init-random", "--config", os.path.join(CONFIGS, name + ".json"), "--out", d, "--seed", "1",
              "--dtype", "bf16", "--force"])
     with open(os.path.join(d, "config.json")) as f:
-        vocab_size = json.load(f)["vocab_size"]
+        cfg = json.load(f)
+    vocab_size = cfg.get("vocab_size") or cfg["text_config"]["vocab_size"]  # Qwen3.5: its text model's
     with open(os.path.join(d, "tokenizer.json"), "w", encoding="utf-8") as f:
         json.dump(byte_tokenizer(vocab_size), f, ensure_ascii=False)
     ggufs = {}

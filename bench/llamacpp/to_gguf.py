@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Writes a GGUF file of a Qwen3, Llama or LFM2 checkpoint for llama.cpp, for the side-by-side benchmark.
+"""Writes a GGUF file of a Qwen3, Llama, LFM2 or Qwen3.5 (dense) checkpoint for llama.cpp, for the side by side.
 
 llama.cpp's own converter (convert_hf_to_gguf.py) needs transformers and a recent torch, which this project's
 machines do not have; this one needs numpy and the `gguf` package of the llama.cpp snapshot being measured
@@ -11,7 +11,11 @@ bf16), f16 or f32. Quantize the result with llama.cpp's llama-quantize for Q8_0.
 What it writes follows the GGUF format and llama.cpp's published conventions: the hyperparameters under
 "<arch>.", the tokenizer as "gpt2" (byte-level BPE) with its pre-tokenizer name, for Llama the q / k rows
 reordered from transformers' half-split RoPE to llama.cpp's interleaved one, for LFM2 the key-value head count
-per layer (0 for a conv layer) and the conv weights [C, 1, K] as [C, K].
+per layer (0 for a conv layer) and the conv weights [C, 1, K] as [C, K]; for Qwen3.5 what llama.cpp's
+qwen35 graph takes: A as -exp(A_log), dt_bias as the dt projection's bias, the norms' (1 + w) folded into w
+(not the gated norm's), the conv taps [C, K], V heads reordered from grouped-by-K-head to tiled order
+(qkv rows, z rows, a / b rows, A, dt, conv channels, out_proj columns), the Gated DeltaNet sizes, and the
+interleaved MRoPE sections of text-only positions.
 """
 
 import argparse
@@ -23,7 +27,8 @@ import sys
 import numpy as np
 
 # config.json's model_type (transformers' name, what `rewind init-random` writes) -> (gguf arch, pre-tokenizer).
-SUPPORTED = {"qwen3": ("QWEN3", "qwen2"), "llama": ("LLAMA", "llama-bpe"), "lfm2": ("LFM2", "lfm2")}
+SUPPORTED = {"qwen3": ("QWEN3", "qwen2"), "llama": ("LLAMA", "llama-bpe"), "lfm2": ("LFM2", "lfm2"),
+             "qwen3_5": ("QWEN35", "qwen35")}
 
 
 def read_safetensors(path):
@@ -54,6 +59,16 @@ def load_tensors(model_dir):
     return tensors
 
 
+def f32_as(f32, outtype):
+    """An f32 array in `outtype`: bf16 as uint16 bit patterns (round to nearest even), f16 / f32 as floats."""
+    if outtype == "f32":
+        return np.ascontiguousarray(f32, dtype=np.float32)
+    if outtype == "f16":
+        return f32.astype(np.float16)
+    u = np.ascontiguousarray(f32, dtype=np.float32).view(np.uint32)
+    return ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).astype(np.uint16)
+
+
 def as_array(dtype, shape, raw, outtype):
     """The tensor in `outtype`: bf16 as uint16 bit patterns, f16 / f32 as numpy floats."""
     if dtype == "BF16":
@@ -67,13 +82,46 @@ def as_array(dtype, shape, raw, outtype):
         f32 = raw.view(np.float32).reshape(shape)
     else:
         sys.exit(f"to_gguf: tensor dtype {dtype} is not supported (BF16, F16, F32)")
-    if outtype == "f32":
-        return np.ascontiguousarray(f32)
-    if outtype == "f16":
-        return f32.astype(np.float16)
-    # f32 -> bf16, round to nearest even (what torch's .to(torch.bfloat16) does)
-    u = np.ascontiguousarray(f32).view(np.uint32)
-    return ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).astype(np.uint16)
+    return f32_as(f32, outtype)
+
+
+def tiled_v_heads(a, axis, k_heads, v_per_k, head_dim):
+    """V heads stored grouped by K head ([G0 v0..v(r-1), G1 ...]) in tiled order ([G0 v0, G1 v0, ..., G0 v1, ...]),
+    along `axis`."""
+    shape = list(a.shape)
+    a = a.reshape(shape[:axis] + [k_heads, v_per_k, head_dim] + shape[axis + 1:])
+    return np.ascontiguousarray(np.swapaxes(a, axis, axis + 1)).reshape(shape)
+
+
+def qwen35_tensor(name, a, cfg):
+    """(GGUF-side HF name, f32 array) of a Qwen3.5 text tensor, as llama.cpp's qwen35 graph takes it."""
+    kh, vh = cfg["linear_num_key_heads"], cfg["linear_num_value_heads"]
+    kd, vd = cfg["linear_key_head_dim"], cfg["linear_value_head_dim"]
+    r = vh // kh
+    if name.endswith(".A_log"):
+        a = -np.exp(a)
+    elif name.endswith(".dt_bias"):
+        name = name[: -len(".dt_bias")] + ".dt_proj.bias"
+    elif name.endswith("conv1d.weight"):
+        a = a.reshape(a.shape[0], a.shape[-1])
+    elif name.endswith("norm.weight") and not name.endswith("linear_attn.norm.weight"):
+        a = a + 1.0
+    if r > 1 and ".linear_attn." in name:
+        if ".in_proj_qkv." in name:
+            qk = 2 * kh * kd
+            a = np.concatenate([a[:qk], tiled_v_heads(a[qk:], 0, kh, r, vd)], axis=0)
+        elif ".in_proj_z." in name:
+            a = tiled_v_heads(a, 0, kh, r, vd)
+        elif ".in_proj_a." in name or ".in_proj_b." in name:
+            a = tiled_v_heads(a, 0, kh, r, 1)
+        elif name.endswith((".A_log", ".dt_proj.bias")):
+            a = tiled_v_heads(a.reshape(-1, 1), 0, kh, r, 1).reshape(-1)
+        elif "conv1d" in name:
+            qk = 2 * kh * kd
+            a = np.concatenate([a[:qk], tiled_v_heads(a[qk:], 0, kh, r, vd)], axis=0)
+        elif ".out_proj." in name:
+            a = tiled_v_heads(a, 1, kh, r, vd)
+    return name, a
 
 
 def interleave_rope_rows(w, heads):
@@ -131,6 +179,9 @@ def main():
     with open(os.path.join(args.model_dir, "config.json")) as f:
         cfg = json.load(f)
     kind = cfg.get("model_type")
+    if "text_config" in cfg:  # Qwen3.5: the language model's fields
+        cfg = dict(cfg["text_config"], tie_word_embeddings=cfg.get("tie_word_embeddings",
+                                                                   cfg["text_config"].get("tie_word_embeddings")))
     if kind not in SUPPORTED:
         sys.exit(f"to_gguf: model_type {kind!r} is not supported (supported: {', '.join(sorted(SUPPORTED))})")
     arch_name, pre = SUPPORTED[kind]
@@ -158,13 +209,30 @@ def main():
         w.add_head_count_kv(kv_heads)
     w.add_key_length(head_dim)
     w.add_value_length(head_dim)
-    w.add_rope_dimension_count(head_dim)
     w.add_rope_freq_base(theta)
     w.add_layer_norm_rms_eps(cfg.get("rms_norm_eps", cfg.get("norm_eps", 1e-6)))
     w.add_file_type({"bf16": gguf.LlamaFileType.MOSTLY_BF16, "f16": gguf.LlamaFileType.MOSTLY_F16,
                      "f32": gguf.LlamaFileType.ALL_F32}[args.outtype])
     if rope.get("rope_type", rope.get("type")) not in (None, "default"):
         sys.exit(f"to_gguf: RoPE {rope} is not supported here (plain RoPE only)")
+    rope_dim = head_dim
+    if arch_name == "QWEN35":
+        rope_dim = int(head_dim * rope.get("partial_rotary_factor", 0.25))
+        types = cfg["layer_types"]
+        interval = types.index("full_attention") + 1
+        if any((t == "full_attention") != ((i + 1) % interval == 0) for i, t in enumerate(types)):
+            sys.exit(f"to_gguf: layer_types {types} are not every {interval}th layer full attention, which "
+                     "llama.cpp's qwen35 reads from one interval")
+        w.add_ssm_conv_kernel(cfg["linear_conv_kernel_dim"])
+        w.add_ssm_state_size(cfg["linear_key_head_dim"])
+        w.add_ssm_group_count(cfg["linear_num_key_heads"])
+        w.add_ssm_time_step_rank(cfg["linear_num_value_heads"])
+        w.add_ssm_inner_size(cfg["linear_value_head_dim"] * cfg["linear_num_value_heads"])
+        w.add_full_attention_interval(interval)
+        # Text positions are the same in every MRoPE section, so the sections only have to cover the pairs.
+        pairs = rope_dim // 2
+        w.add_rope_dimension_sections([pairs - 2 * (pairs // 3), pairs // 3, pairs // 3, 0])
+    w.add_rope_dimension_count(rope_dim)
 
     tokens, types, merges, adds_bos = byte_level_vocab(args.tokenizer or os.path.join(args.model_dir, "tokenizer.json"),
                                              cfg["vocab_size"])
@@ -185,14 +253,22 @@ def main():
     tied = "lm_head.weight" not in tensors
     for name in sorted(tensors):
         dtype, shape, raw = tensors[name]
+        qwen35 = None
+        if arch_name == "QWEN35":
+            if not name.startswith(("model.language_model.", "lm_head.")):
+                continue  # vision tower, multi-token-prediction head: not the text model
+            hf = name.replace("model.language_model.", "model.")
+            hf, qwen35 = qwen35_tensor(hf, as_array(dtype, shape, raw, "f32"), cfg)
+            name, shape = hf, list(qwen35.shape)
         gguf_name = names.get_name(name, try_suffixes=(".weight", ".bias"))
         if gguf_name is None:
             sys.exit(f"to_gguf: no GGUF name for tensor {name}")
         # Norm weights, 1-D tensors and the short-conv taps in f32, as llama.cpp's converter keeps them (its CPU
         # kernels for those take f32 only).
-        f32 = len(shape) <= 1 or gguf_name.endswith("_norm.weight") or ".shortconv.conv." in gguf_name
+        f32 = (len(shape) <= 1 or gguf_name.endswith("_norm.weight") or ".shortconv.conv." in gguf_name
+               or ".ssm_conv1d." in gguf_name or gguf_name.endswith((".ssm_a", ".ssm_norm.weight")))
         out = "f32" if f32 else args.outtype
-        a = as_array(dtype, shape, raw, out)
+        a = as_array(dtype, shape, raw, out) if qwen35 is None else f32_as(qwen35, out)
         if arch_name == "LFM2" and name.endswith("conv.conv.weight"):
             a = a.reshape(shape[0], shape[-1])
         if arch_name == "LLAMA" and name.endswith(("self_attn.q_proj.weight", "self_attn.k_proj.weight")):
