@@ -203,41 +203,17 @@ rwd::TensorView input_view(const py::handle& obj, const char* what) {
 
 namespace {
 
-// A fresh contiguous host tensor or array holding `v`'s values, read through
-// its storage: what a guarded view (the test storage, pages the host cannot
-// read) is returned as.
-py::object host_copy(const rwd::TensorView& v, bool as_torch, const std::vector<std::int64_t>& shape) {
-  Frameworks& fw = frameworks();
-  py::object out;
-  void* data = nullptr;
-  if (as_torch) {
-    py::object dt = v.dtype == rwd::DType::F32   ? fw.torch_float32
-                    : v.dtype == rwd::DType::F16 ? fw.torch_float16
-                                                 : fw.torch_bfloat16;
-    out = fw.torch_empty(py::cast(shape), py::arg("dtype") = dt);
-    data = reinterpret_cast<void*>(out.attr("data_ptr")().cast<std::uintptr_t>());
-  } else {
-    if (v.dtype == rwd::DType::BF16) {
-      invalid("numpy has no bfloat16: this layer holds bfloat16 values, pass torch tensors to read them");
-    }
-    py::array a(v.dtype == rwd::DType::F32 ? py::dtype("float32") : py::dtype("float16"), shape);
-    data = a.mutable_data();
-    out = std::move(a);
+// The torch dtype of `dtype`.
+py::object torch_dtype(const Frameworks& fw, rwd::DType dtype) {
+  return dtype == rwd::DType::F32 ? fw.torch_float32 : dtype == rwd::DType::F16 ? fw.torch_float16 : fw.torch_bfloat16;
+}
+
+// The numpy dtype of `dtype`; numpy has no bfloat16.
+py::dtype numpy_dtype(rwd::DType dtype) {
+  if (dtype == rwd::DType::BF16) {
+    invalid("numpy has no bfloat16: this layer holds bfloat16 values, pass torch tensors to read them");
   }
-  rwd::TensorView dst;
-  dst.dtype = v.dtype;
-  dst.rank = v.rank;
-  dst.data = data;
-  std::int64_t numel = 1;
-  for (int i = rwd::kMaxRank - 1; i >= 0; --i) {
-    const auto u = static_cast<std::size_t>(i);
-    const bool used = i < v.rank;
-    dst.shape[u] = used ? v.shape[u] : 1;
-    dst.strides[u] = used ? numel : 0;
-    if (used) numel *= v.shape[u];
-  }
-  if (numel > 0) rwd::copy_tensor(v, dst);
-  return out;
+  return dtype == rwd::DType::F32 ? py::dtype("float32") : py::dtype("float16");
 }
 
 }  // namespace
@@ -250,7 +226,13 @@ py::object output_view(const rwd::TensorView& v, bool as_torch) {
   std::int64_t numel = 1;
   for (int i = 0; i < v.rank; ++i) numel *= v.shape[static_cast<std::size_t>(i)];
   std::vector<std::int64_t> shape(v.shape.begin(), v.shape.begin() + v.rank);
-  if (v.device.type == rwd::DeviceType::Guarded) return host_copy(v, as_torch, shape);
+  if (v.device.type == rwd::DeviceType::Guarded) {
+    // The host cannot read these pages: a fresh host tensor or array, filled through the storage.
+    py::object out = as_torch ? fw.torch_empty(py::cast(shape), py::arg("dtype") = torch_dtype(fw, v.dtype))
+                              : py::object(py::array(numpy_dtype(v.dtype), shape));
+    if (numel > 0) rwd::copy_tensor(v, input_view(out, "a host copy of guarded state"));
+    return out;
+  }
   const bool cuda = v.device.type == rwd::DeviceType::Cuda;
   if (cuda && !as_torch) {
     invalid("this layer's state is on " + v.device.describe() +
@@ -258,9 +240,7 @@ py::object output_view(const rwd::TensorView& v, bool as_torch) {
             "tensors (on that device) to read it");
   }
   if (as_torch) {
-    py::object dt = v.dtype == rwd::DType::F32   ? fw.torch_float32
-                    : v.dtype == rwd::DType::F16 ? fw.torch_float16
-                                                 : fw.torch_bfloat16;
+    py::object dt = torch_dtype(fw, v.dtype);
     if (numel == 0) {
       return fw.torch_empty(py::cast(shape), py::arg("dtype") = dt, py::arg("device") = v.device.describe());
     }
@@ -300,10 +280,7 @@ py::object output_view(const rwd::TensorView& v, bool as_torch) {
     py::object cap = py::reinterpret_steal<py::object>(capsule);
     return fw.from_dlpack(cap);
   }
-  if (v.dtype == rwd::DType::BF16) {
-    invalid("numpy has no bfloat16: this layer holds bfloat16 values, pass torch tensors to read them");
-  }
-  py::dtype dt = v.dtype == rwd::DType::F32 ? py::dtype("float32") : py::dtype("float16");
+  py::dtype dt = numpy_dtype(v.dtype);
   std::vector<std::int64_t> byte_strides;
   for (int i = 0; i < v.rank; ++i) {
     byte_strides.push_back(v.strides[static_cast<std::size_t>(i)] *
