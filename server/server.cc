@@ -774,8 +774,9 @@ struct Server::Impl {
     // A request whose client left while it waited leaves the queue at once,
     // wherever it is, so that it holds no place in the queue's limit.
     std::erase_if(waiting, [](const std::shared_ptr<Job>& job) {
-      if (job->cancel) finish(*job, "cancelled");
-      return job->cancel.load();
+      const bool cancelled = job->cancel.load();  // read once: a job erased is a job finished
+      if (cancelled) finish(*job, "cancelled");
+      return cancelled;
     });
     counters.waiting = static_cast<std::int64_t>(waiting.size());
     // A request takes a place per choice, the ones not forked yet included;
@@ -1360,7 +1361,7 @@ struct Server::Impl {
       submit(first);
     }
     if (!r.stream) {
-      const ClientConnection client(req.remote_addr, req.remote_port, req.local_port);
+      const ClientConnection client(req.remote_addr, req.remote_port, req.local_addr, req.local_port);
       answer_whole(*c, client, res);
       return;
     }
