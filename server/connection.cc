@@ -30,7 +30,8 @@ bool numeric(const sockaddr_storage& addr, socklen_t len, std::string& host, int
 
 }  // namespace
 
-ClientConnection::ClientConnection(const std::string& remote_addr, int remote_port, int local_port) {
+ClientConnection::ClientConnection(const std::string& remote_addr, int remote_port, const std::string& local_addr,
+                                   int local_port) {
   if (remote_port < 0 || local_port < 0) return;
   std::error_code ec;
   for (std::filesystem::directory_iterator it("/proc/self/fd", ec), end; !ec && it != end; it.increment(ec)) {
@@ -48,7 +49,7 @@ ClientConnection::ClientConnection(const std::string& remote_addr, int remote_po
     std::string peer_host, local_host;
     int peer_port = -1, port = -1;
     if (!numeric(peer, peer_len, peer_host, peer_port) || !numeric(local, local_len, local_host, port)) continue;
-    if (peer_host == remote_addr && peer_port == remote_port && port == local_port) {
+    if (peer_host == remote_addr && peer_port == remote_port && local_host == local_addr && port == local_port) {
       fd_ = static_cast<int>(fd);
       return;
     }

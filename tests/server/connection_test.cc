@@ -44,7 +44,7 @@ struct Pair {
       if (fd >= 0) close(fd);
   }
   ClientConnection find() const {
-    return ClientConnection("127.0.0.1", port_of(client, false), port_of(listener, false));
+    return ClientConnection("127.0.0.1", port_of(client, false), "127.0.0.1", port_of(listener, false));
   }
 };
 
@@ -79,9 +79,10 @@ TEST(ClientConnection, SeesAReset) {
 TEST(ClientConnection, AnotherAddressFindsNothingAndIsNeverGone) {
   Pair p;
   const int client_port = port_of(p.client, false), local_port = port_of(p.listener, false);
-  for (const ClientConnection& c :
-       {ClientConnection("127.0.0.2", client_port, local_port),
-        ClientConnection("127.0.0.1", client_port, local_port + 1), ClientConnection("127.0.0.1", -1, local_port)}) {
+  for (const ClientConnection& c : {ClientConnection("127.0.0.2", client_port, "127.0.0.1", local_port),
+                                    ClientConnection("127.0.0.1", client_port, "127.0.0.2", local_port),
+                                    ClientConnection("127.0.0.1", client_port, "127.0.0.1", local_port + 1),
+                                    ClientConnection("127.0.0.1", -1, "127.0.0.1", local_port)}) {
     EXPECT_FALSE(c.found());
     EXPECT_FALSE(c.gone());
   }

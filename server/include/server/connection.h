@@ -12,10 +12,10 @@ namespace rwd::server {
 
 class ClientConnection {
  public:
-  // The connection from `remote_addr`:`remote_port` (numeric, as httplib's
-  // Request holds them) to this process's `local_port`. Not found (a
-  // request not from a socket): gone() is always false.
-  ClientConnection(const std::string& remote_addr, int remote_port, int local_port);
+  // The connection from `remote_addr`:`remote_port` to this process's
+  // `local_addr`:`local_port` (numeric, as httplib's Request holds them).
+  // Not found (a request not from a socket): gone() is always false.
+  ClientConnection(const std::string& remote_addr, int remote_port, const std::string& local_addr, int local_port);
   ClientConnection(const ClientConnection&) = delete;
   ClientConnection& operator=(const ClientConnection&) = delete;
 
