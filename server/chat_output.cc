@@ -99,7 +99,9 @@ bool parse_xml_tool_call(std::string_view body, const ToolParameterTypes& types,
   while (!body.empty() && is_space(body.front())) body.remove_prefix(1);
   if (!body.empty()) return false;
   call.name = name;
-  call.arguments = args.dump();
+  // A byte-level model can write bytes that are not UTF-8; JSON text cannot
+  // hold them, so they become U+FFFD, as the server writes content.
+  call.arguments = args.dump(-1, ' ', false, nlohmann::ordered_json::error_handler_t::replace);
   return true;
 }
 

@@ -222,6 +222,22 @@ TEST(ChatOutput, XmlValuesKeepTheirTextButOneNewlineEachSide) {
   EXPECT_EQ(tight.tool_calls[0].arguments, R"({"a":"1"})");
 }
 
+// A byte-level model can write any bytes: arguments stay JSON text, the
+// bytes that are not UTF-8 replaced by U+FFFD (found by fuzz_chat_output:
+// the JSON serializer threw on them, inside the decode loop).
+TEST(ChatOutput, XmlValuesThatAreNotUtf8BecomeReplacementCharacters) {
+  ChatSyntax syntax = kQwen;
+  syntax.parameter_types = {{"f", {{"b", "boolean"}, {"o", "object"}}}};
+  const std::string text = xml_call("f", {{"b", "tr\xF5e"}, {"o", "{\"k\": \"\xC3\"}"}, {"s\xFFk", "ok"}});
+  const ChatOutput out = whole(text, syntax);
+  ASSERT_EQ(out.tool_calls.size(), 1u);
+  EXPECT_EQ(out.tool_calls[0].arguments,
+            "{\"b\":\"tr\xEF\xBF\xBD"
+            "e\",\"o\":\"{\\\"k\\\": \\\"\xEF\xBF\xBD\\\"}\",\"s\xEF\xBF\xBDk\":\"ok\"}");
+  EXPECT_FALSE(nlohmann::json::parse(out.tool_calls[0].arguments, nullptr, false).is_discarded());
+  expect_split_invariant(text, syntax);
+}
+
 TEST(ChatOutput, MalformedXmlToolCallsStayContent) {
   const std::vector<std::string> bad = {
       "<tool_call>\n<function=f>\n<parameter=a>\n1\n</parameter>\n</tool_call>",  // no </function>

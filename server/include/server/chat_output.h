@@ -55,7 +55,10 @@ ChatSyntax chat_syntax(std::string_view template_source, std::string_view prompt
 
 struct ToolCall {
   std::string name;
-  std::string arguments;  // JSON text, as OpenAI's function.arguments
+  // JSON text, as OpenAI's function.arguments (an XML-form value's bytes
+  // that are not UTF-8 become U+FFFD there); a Hermes call's string
+  // arguments as the model wrote them.
+  std::string arguments;
 };
 
 // Parts of an assistant turn, in the order each kind arrived.
