@@ -49,11 +49,12 @@ def percentile(values, q):
     return v[lo] + (v[hi] - v[lo]) * (k - lo)
 
 
-def stream_one(port, prompt, max_tokens):
-    """One streamed completion: (text, completion tokens, seconds to first text)."""
+def stream_one(port, prompt, max_tokens, extra=None):
+    """One streamed greedy completion (more request fields in `extra`): (text, completion tokens, seconds to
+    first text)."""
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=600)
     body = json.dumps({"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True,
-                       "stream_options": {"include_usage": True}})
+                       "stream_options": {"include_usage": True}, **(extra or {})})
     t0 = time.perf_counter()
     conn.request("POST", "/v1/completions", body, {"Content-Type": "application/json"})
     res = conn.getresponse()
@@ -68,8 +69,8 @@ def stream_one(port, prompt, max_tokens):
         buf += chunk
         while b"\n\n" in buf:
             event, buf = buf.split(b"\n\n", 1)
-            data = event.decode()[len("data: "):]
-            if data == "[DONE]":
+            data = event.decode().strip()[len("data: "):]
+            if not data or data == "[DONE]":
                 continue
             j = json.loads(data)
             if j.get("usage"):
@@ -83,8 +84,11 @@ def stream_one(port, prompt, max_tokens):
     return text, tokens, first if first is not None else time.perf_counter() - t0
 
 
-def run_clients(port, prompts, clients, max_tokens):
-    total = max(2 * clients, 32)
+def run_clients(port, prompts, clients, max_tokens, total=None, one=None):
+    """`total` requests (default max(2 clients, 32)), prompts cycled, from `clients` concurrent clients, each
+    made by `one(port, prompt, max_tokens)` -> (text, tokens, ttft) (default stream_one): (figures, results)."""
+    total = total if total is not None else max(2 * clients, 32)
+    one = one or stream_one
     lock = threading.Lock()
     next_request = [0]
     results = []  # (prompt index, text, tokens, ttft)
@@ -99,7 +103,7 @@ def run_clients(port, prompts, clients, max_tokens):
                 next_request[0] += 1
             p = i % len(prompts)
             try:
-                text, tokens, ttft = stream_one(port, prompts[p], max_tokens)
+                text, tokens, ttft = one(port, prompts[p], max_tokens)
             except Exception as e:  # noqa: BLE001 - reported below
                 with lock:
                     errors.append(repr(e))

@@ -6,10 +6,11 @@
 
 --llama-src is a snapshot of llama.cpp's source kept outside this tree (never committed here); it is built
 once, CPU only, native, OpenMP, into LLAMA_SRC/build-rewind-sbs (llama-bench, llama-quantize,
-llama-completion). Each model of bench/llamacpp/configs/ is written by `rewind init-random --dtype bf16`
-(seed 1) beside a byte-level tokenizer.json of its vocabulary size (the 256 bytes, unused tokens, two special
-ones last: both engines read a prompt as its bytes, so they see the same tokens), converted by to_gguf.py to
-bf16 and f16 GGUF files and quantized to Q8_0 by llama-quantize. Then, --runs times, each
+llama-completion, and llama-server for serve_side_by_side.py; no web UI). Each model of
+bench/llamacpp/configs/ is written by `rewind init-random --dtype bf16` (seed 1) beside a byte-level
+tokenizer.json of its vocabulary size (the 256 bytes, unused tokens, two special ones last: both engines read a
+prompt as its bytes, so they see the same tokens), converted by to_gguf.py to bf16 and f16 GGUF files and
+quantized to Q8_0 by llama-quantize. Then, --runs times, each
 engine in turn at each thread count (so that drift on a shared machine hits both alike):
 
 - prefill: rewind `generate --stats -n 1` on a prompt of N tokens (the first 512 bytes of
@@ -50,13 +51,15 @@ def run(cmd, **kw):
 
 def build_llama(src, jobs):
     build = os.path.join(src, "build-rewind-sbs")
-    tools = {t: os.path.join(build, "bin", t) for t in ("llama-bench", "llama-quantize", "llama-completion")}
+    tools = {t: os.path.join(build, "bin", t) for t in ("llama-bench", "llama-quantize", "llama-completion",
+                                                               "llama-server")}
     if all(os.path.exists(p) for p in tools.values()):
         return tools
     log(f"building llama.cpp in {build} (CPU, native, OpenMP; a few minutes)")
     run(["cmake", "-S", src, "-B", build, "-DCMAKE_BUILD_TYPE=Release", "-DGGML_NATIVE=ON", "-DGGML_OPENMP=ON",
-         "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF", "-DLLAMA_BUILD_SERVER=OFF", "-DLLAMA_BUILD_APP=OFF",
-         "-DLLAMA_BUILD_UI=OFF", "-DLLAMA_OPENSSL=OFF", "-DLLAMA_CURL=OFF", "-DLLAMA_BUILD_TOOLS=ON"])
+         "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF", "-DLLAMA_BUILD_SERVER=ON", "-DLLAMA_BUILD_APP=OFF",
+         "-DLLAMA_BUILD_UI=OFF", "-DLLAMA_USE_PREBUILT_UI=OFF", "-DLLAMA_OPENSSL=OFF", "-DLLAMA_CURL=OFF",
+         "-DLLAMA_BUILD_TOOLS=ON"])
     run(["cmake", "--build", build, "-j", str(jobs), "--target", *tools])
     return tools
 
