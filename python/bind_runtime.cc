@@ -265,26 +265,45 @@ void bind_model_cache(py::module_& m) {
           "and changes nothing.");
 }
 
+// Model.load: the weights and the tokenizer read without the GIL.
+std::shared_ptr<PyModel> load_model(const std::string& dir, const std::optional<std::string>& weights) {
+  rwd::runtime::LoadOptions options;
+  if (weights) options.weights = rwd::runtime::weight_format_from_name(*weights, "Model.load: weights");
+  std::shared_ptr<PyModel> loaded;
+  {
+    py::gil_scoped_release nogil;
+    rwd::runtime::Model model = rwd::runtime::Model::load(dir, options);
+    rwd::runtime::Tokenizer tokenizer = rwd::runtime::tokenizer_for_model(dir, model.config());
+    loaded = std::make_shared<PyModel>(PyModel{std::move(model), std::move(tokenizer)});
+  }
+  return loaded;
+}
+
+// Model.forward: the cache is marked busy while the GIL is released, so
+// another thread cannot use it meanwhile.
+py::array_t<float> forward_tokens(const PyModel& self, py::object tokens, PyModelCache& cache, bool all_logits) {
+  if (cache.model.get() != &self) invalid("forward: the cache was made by another model");
+  auto t = tokens_of(tokens, "forward: tokens");
+  std::vector<float> logits;
+  rwd::Cache& c = cache.use();
+  cache.busy = true;
+  try {
+    py::gil_scoped_release nogil;
+    self.model.forward(t, c, logits, all_logits);
+  } catch (...) {
+    cache.busy = false;
+    throw;
+  }
+  cache.busy = false;
+  return logits_array(std::move(logits), static_cast<std::int64_t>(t.size()), self.model.vocab_size(), all_logits);
+}
+
 void bind_model(py::module_& m) {
   py::class_<PyModel, std::shared_ptr<PyModel>>(m, "Model", "The reference runtime's hybrid decoder (runtime/model.h).")
-      .def_static(
-          "load",
-          [](const std::string& dir, const std::optional<std::string>& weights) {
-            rwd::runtime::LoadOptions options;
-            if (weights) options.weights = rwd::runtime::weight_format_from_name(*weights, "Model.load: weights");
-            std::shared_ptr<PyModel> loaded;
-            {
-              py::gil_scoped_release nogil;
-              rwd::runtime::Model model = rwd::runtime::Model::load(dir, options);
-              rwd::runtime::Tokenizer tokenizer = rwd::runtime::tokenizer_for_model(dir, model.config());
-              loaded = std::make_shared<PyModel>(PyModel{std::move(model), std::move(tokenizer)});
-            }
-            return loaded;
-          },
-          py::arg("directory"), py::arg("weights") = py::none(),
-          "Loads DIR/config.json, DIR/model.safetensors (or its shards) and DIR/tokenizer.json when present; "
-          "weights='q8' quantizes the linear weights at load, a Q8 checkpoint (rewind quantize) loads as q8 by "
-          "itself and refuses weights='as-stored' (docs/quantization.md).")
+      .def_static("load", &load_model, py::arg("directory"), py::arg("weights") = py::none(),
+                  "Loads DIR/config.json, DIR/model.safetensors (or its shards) and DIR/tokenizer.json when present; "
+                  "weights='q8' quantizes the linear weights at load, a Q8 checkpoint (rewind quantize) loads as q8 by "
+                  "itself and refuses weights='as-stored' (docs/quantization.md).")
       .def_property_readonly(
           "weights",
           [](const PyModel& self) { return std::string(rwd::runtime::weight_format_name(self.model.weight_format())); })
@@ -315,28 +334,9 @@ void bind_model(py::module_& m) {
             return py::bytes(self.tokenizer.decode(t, true));
           },
           py::arg("tokens"), "The bytes of the tokens with the model's tokenizer (special tokens skipped).")
-      .def(
-          "forward",
-          [](const PyModel& self, py::object tokens, PyModelCache& cache, bool all_logits) {
-            if (cache.model.get() != &self) invalid("forward: the cache was made by another model");
-            auto t = tokens_of(tokens, "forward: tokens");
-            std::vector<float> logits;
-            rwd::Cache& c = cache.use();
-            cache.busy = true;
-            try {
-              py::gil_scoped_release nogil;
-              self.model.forward(t, c, logits, all_logits);
-            } catch (...) {
-              cache.busy = false;
-              throw;
-            }
-            cache.busy = false;
-            return logits_array(std::move(logits), static_cast<std::int64_t>(t.size()), self.model.vocab_size(),
-                                all_logits);
-          },
-          py::arg("tokens"), py::arg("cache"), py::arg("all_logits") = true,
-          "Runs tokens at positions [L, L+n), appends them to `cache`, returns float32 logits [n, vocab] "
-          "(or [vocab] for the last token when all_logits is False).")
+      .def("forward", &forward_tokens, py::arg("tokens"), py::arg("cache"), py::arg("all_logits") = true,
+           "Runs tokens at positions [L, L+n), appends them to `cache`, returns float32 logits [n, vocab] "
+           "(or [vocab] for the last token when all_logits is False).")
       .def("generate", &generate_one, py::arg("prompt"), py::arg("max_new_tokens") = 128, py::arg("temperature") = 0.0f,
            py::arg("top_k") = 0, py::arg("top_p") = 1.0f, py::arg("seed") = 0, py::arg("stop_at_eos") = true,
            py::arg("draft") = nullptr, py::arg("num_draft") = 4, py::arg("lookup") = 0, py::arg("adaptive") = false,

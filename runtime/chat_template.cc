@@ -707,119 +707,130 @@ class Parser {
     const Token kw = next();
     Node n{};
     n.pos = kw.pos;
-    if (kw.s == "if") {
-      n.k = Node::K::If;
-      ExprP cond = parse_expr();
-      expect_close_stmt();
-      while (true) {
-        std::string stop;
-        Body b = parse_body({"elif", "else", "endif"}, stop);
-        n.branches.emplace_back(std::move(cond), std::move(b));
-        if (stop == "elif") {
-          cond = parse_expr();
-          expect_close_stmt();
-          continue;
-        }
-        if (stop == "else") {
-          expect_close_stmt();
-          std::string end;
-          n.else_body = parse_body({"endif"}, end);
-        }
-        expect_close_stmt();
-        return n;
-      }
-    }
-    if (kw.s == "for") {
-      n.k = Node::K::For;
-      n.targets.push_back(expect_name());
-      while (is_op(",")) {
-        ++i_;
-        n.targets.push_back(expect_name());
-      }
-      if (!is_name("in")) unexpected("'in'");
-      ++i_;
-      n.e = parse_or_level();  // `if` after the iterable filters it
-      if (is_name("if")) {
-        ++i_;
-        n.filter = parse_or_level();
-      }
-      expect_close_stmt();
-      std::string stop;
-      n.body = parse_body({"else", "endfor"}, stop);
-      if (stop == "else") {
-        expect_close_stmt();
-        n.else_body = parse_body({"endfor"}, stop);
-      }
-      expect_close_stmt();
-      return n;
-    }
-    if (kw.s == "set") {
-      n.targets.push_back(expect_name());
-      if (is_op(".")) {
-        ++i_;
-        n.attr = expect_name();
-      } else {
-        while (is_op(",")) {
-          ++i_;
-          n.targets.push_back(expect_name());
-        }
-      }
-      if (is_op("=")) {
-        ++i_;
-        n.k = Node::K::Set;
-        n.e = parse_expr_or_tuple();
-        expect_close_stmt();
-        return n;
-      }
-      if (n.targets.size() != 1 || !n.attr.empty()) unexpected("'='");
-      expect_close_stmt();
-      n.k = Node::K::SetBlock;
-      std::string stop;
-      n.body = parse_body({"endset"}, stop);
-      expect_close_stmt();
-      return n;
-    }
+    if (kw.s == "if") return parse_if(std::move(n));
+    if (kw.s == "for") return parse_for(std::move(n));
+    if (kw.s == "set") return parse_set(std::move(n));
     if (kw.s == "break" || kw.s == "continue") {
       n.k = kw.s == "break" ? Node::K::Break : Node::K::Continue;
       expect_close_stmt();
       return n;
     }
     if (kw.s == "generation") {  // transformers' assistant-mask marker: renders its body
-      expect_close_stmt();
-      std::string stop;
       n.k = Node::K::If;
-      n.branches.emplace_back(literal(Json(true), kw.pos), parse_body({"endgeneration"}, stop));
-      expect_close_stmt();
+      n.branches.emplace_back(literal(Json(true), kw.pos), parse_block("endgeneration"));
       return n;
     }
-    if (kw.s == "macro") {
-      n.k = Node::K::Macro;
-      n.targets.push_back(expect_name());
-      expect_op("(");
-      while (!is_op(")")) {
-        std::string param = expect_name();
-        ExprP dflt;
-        if (is_op("=")) {
-          ++i_;
-          dflt = parse_expr();
-        }
-        n.params.emplace_back(std::move(param), std::move(dflt));
-        if (is_op(",")) {
-          ++i_;
-        } else if (!is_op(")")) {
-          unexpected("',' or ')'");
-        }
-      }
-      ++i_;
-      expect_close_stmt();
-      std::string stop;
-      n.body = parse_body({"endmacro"}, stop);
-      expect_close_stmt();
-      return n;
-    }
+    if (kw.s == "macro") return parse_macro(std::move(n));
     fail(kw.pos, "unsupported statement {% " + kw.s +
                      " %} (supported: if, elif, else, endif, for, endfor, set, endset, macro, endmacro, break, "
                      "continue)");
+  }
+
+  // The body of a statement whose tag is parsed up to its '%}', through its
+  // {% end %} tag.
+  Body parse_block(const char* end) {
+    expect_close_stmt();
+    std::string stop;
+    Body body = parse_body({end}, stop);
+    expect_close_stmt();
+    return body;
+  }
+
+  // The parse_* statement helpers start after the keyword and end after the
+  // statement's closing tag.
+  Node parse_if(Node n) {
+    n.k = Node::K::If;
+    ExprP cond = parse_expr();
+    expect_close_stmt();
+    while (true) {
+      std::string stop;
+      Body b = parse_body({"elif", "else", "endif"}, stop);
+      n.branches.emplace_back(std::move(cond), std::move(b));
+      if (stop == "elif") {
+        cond = parse_expr();
+        expect_close_stmt();
+        continue;
+      }
+      if (stop == "else") {
+        expect_close_stmt();
+        std::string end;
+        n.else_body = parse_body({"endif"}, end);
+      }
+      expect_close_stmt();
+      return n;
+    }
+  }
+
+  Node parse_for(Node n) {
+    n.k = Node::K::For;
+    n.targets.push_back(expect_name());
+    while (is_op(",")) {
+      ++i_;
+      n.targets.push_back(expect_name());
+    }
+    if (!is_name("in")) unexpected("'in'");
+    ++i_;
+    n.e = parse_or_level();  // `if` after the iterable filters it
+    if (is_name("if")) {
+      ++i_;
+      n.filter = parse_or_level();
+    }
+    expect_close_stmt();
+    std::string stop;
+    n.body = parse_body({"else", "endfor"}, stop);
+    if (stop == "else") {
+      expect_close_stmt();
+      n.else_body = parse_body({"endfor"}, stop);
+    }
+    expect_close_stmt();
+    return n;
+  }
+
+  Node parse_set(Node n) {
+    n.targets.push_back(expect_name());
+    if (is_op(".")) {
+      ++i_;
+      n.attr = expect_name();
+    } else {
+      while (is_op(",")) {
+        ++i_;
+        n.targets.push_back(expect_name());
+      }
+    }
+    if (is_op("=")) {
+      ++i_;
+      n.k = Node::K::Set;
+      n.e = parse_expr_or_tuple();
+      expect_close_stmt();
+      return n;
+    }
+    if (n.targets.size() != 1 || !n.attr.empty()) unexpected("'='");
+    n.k = Node::K::SetBlock;
+    n.body = parse_block("endset");
+    return n;
+  }
+
+  Node parse_macro(Node n) {
+    n.k = Node::K::Macro;
+    n.targets.push_back(expect_name());
+    expect_op("(");
+    while (!is_op(")")) {
+      std::string param = expect_name();
+      ExprP dflt;
+      if (is_op("=")) {
+        ++i_;
+        dflt = parse_expr();
+      }
+      n.params.emplace_back(std::move(param), std::move(dflt));
+      if (is_op(",")) {
+        ++i_;
+      } else if (!is_op(")")) {
+        unexpected("',' or ')'");
+      }
+    }
+    ++i_;
+    n.body = parse_block("endmacro");
+    return n;
   }
 
   static ExprP make(Expr::K k, Pos p, std::string s = {}) {

@@ -514,10 +514,11 @@ void write_random_model(const ModelConfig& config, const std::string& out_dir, s
   write_text_file_atomically((fs::path(out_dir) / "config.json").string(), to_json(stored));
 }
 
-QuantizeResult write_q8_checkpoint(const std::string& in_dir, const std::string& out_dir,
-                                   const QuantizeProgress& progress) {
-  fs::path out = fs::path(out_dir).lexically_normal();
-  if (out.filename().empty()) out = out.parent_path();  // "DIR/": the directory itself
+namespace {
+
+// quantize writes only into a new directory or an empty one; checked before
+// the input is read.
+void check_quantize_output(const fs::path& out, const std::string& out_dir) {
   std::error_code ec;
   const fs::file_status st = fs::status(out, ec);
   if (fs::exists(st)) {
@@ -530,6 +531,80 @@ QuantizeResult write_q8_checkpoint(const std::string& in_dir, const std::string&
                             "' is not empty; allowed: a new directory or an empty one (nothing was written)");
     }
   }
+}
+
+// The Q8 copy of one matmul weight: W.q8 (int8) and W.q8_scale (bf16 per
+// block), their bytes owned by `buffers`.
+void quantize_matmul(const WeightSpec& spec, const Tensor& t, std::vector<std::vector<std::byte>>& buffers,
+                     std::vector<TensorToWrite>& tensors) {
+  const std::int64_t rows = spec.shape[0], in = spec.shape[1], blocks = q8_blocks(in);
+  const DType dtype = t.view().dtype;
+  const auto source = dtype == DType::BF16  ? kernels::PackedMatrix::Element::BF16
+                      : dtype == DType::F16 ? kernels::PackedMatrix::Element::F16
+                                            : kernels::PackedMatrix::Element::F32;
+  std::int64_t bad = -1;
+  const kernels::PackedMatrix m = kernels::PackedMatrix::from_q8(t.data<std::byte>(), source, rows, in, &bad);
+  if (bad >= 0) {
+    throw FormatError("quantize: tensor '" + spec.name + "' holds a non-finite value at [" + std::to_string(bad / in) +
+                      ", " + std::to_string(bad % in) + "]; Q8 blocks hold finite weights only (nothing was written)");
+  }
+  std::vector<std::byte>& q = buffers.emplace_back(static_cast<std::size_t>(rows * in));
+  std::vector<std::byte>& scales = buffers.emplace_back(static_cast<std::size_t>(rows * blocks) * 2);
+  std::vector<std::uint16_t> row_scales(static_cast<std::size_t>(blocks));
+  for (std::int64_t o = 0; o < rows; ++o) {
+    m.q8_row(o, static_cast<std::int8_t*>(static_cast<void*>(q.data() + o * in)), row_scales.data());
+    std::memcpy(scales.data() + static_cast<std::size_t>(o * blocks) * 2, row_scales.data(), row_scales.size() * 2);
+  }
+  tensors.push_back({spec.name + ".q8", DType::F32, spec.shape, q, /*i8=*/true});
+  tensors.push_back({spec.name + ".q8_scale", DType::BF16, {rows, blocks}, scales});
+}
+
+// Writes the Q8 checkpoint into a hidden directory beside `out` and renames
+// it into place: `out` appears whole or not at all. Returns the size of its
+// model.safetensors.
+std::uint64_t write_q8_directory(const std::string& in_dir, const fs::path& out, const std::string& out_dir,
+                                 const std::vector<TensorToWrite>& tensors) {
+  std::error_code ec;
+  const fs::path parent = out.has_parent_path() ? out.parent_path() : fs::path(".");
+  const fs::path tmp = parent / ("." + out.filename().string() + ".tmp-" + std::to_string(::getpid()));
+  fs::remove_all(tmp, ec);
+  if (!fs::create_directories(tmp, ec) || ec) {
+    throw Error("quantize: cannot create " + tmp.string() + ": " + ec.message());
+  }
+  try {
+    const std::map<std::string, std::string> metadata = {{"format", "pt"},
+                                                         {kQ8FormatKey, kQ8FormatValue},
+                                                         {kQ8VersionKey, kQ8Version},
+                                                         {kQ8BlockKey, std::to_string(kQ8Block)}};
+    write_safetensors((tmp / "model.safetensors").string(), tensors, metadata);
+    // Everything but the weights: config.json, tokenizer files, the model card.
+    for (const fs::directory_entry& e : fs::directory_iterator(in_dir)) {
+      const std::string name = e.path().filename().string();
+      if (!e.is_regular_file() || name.ends_with(".safetensors") || name == "model.safetensors.index.json") {
+        continue;
+      }
+      fs::copy_file(e.path(), tmp / name);
+    }
+    const std::uint64_t file_bytes = fs::file_size(tmp / "model.safetensors");
+    if (fs::exists(out)) fs::remove(out);  // the empty directory check_quantize_output allowed
+    fs::rename(tmp, out);
+    return file_bytes;
+  } catch (const fs::filesystem_error& e) {
+    fs::remove_all(tmp, ec);
+    throw Error("quantize: cannot write " + out_dir + ": " + e.what());
+  } catch (...) {
+    fs::remove_all(tmp, ec);
+    throw;
+  }
+}
+
+}  // namespace
+
+QuantizeResult write_q8_checkpoint(const std::string& in_dir, const std::string& out_dir,
+                                   const QuantizeProgress& progress) {
+  fs::path out = fs::path(out_dir).lexically_normal();
+  if (out.filename().empty()) out = out.parent_path();  // "DIR/": the directory itself
+  check_quantize_output(out, out_dir);
   ModelWeights w = ModelWeights::load(in_dir);
   if (w.q8()) {
     throw InvalidArgument("quantize: '" + in_dir +
@@ -563,64 +638,12 @@ QuantizeResult write_q8_checkpoint(const std::string& in_dir, const std::string&
       ++result.kept;
       continue;
     }
-    const std::int64_t rows = spec.shape[0], in = spec.shape[1], blocks = q8_blocks(in);
-    const DType dtype = t.view().dtype;
-    const auto source = dtype == DType::BF16  ? kernels::PackedMatrix::Element::BF16
-                        : dtype == DType::F16 ? kernels::PackedMatrix::Element::F16
-                                              : kernels::PackedMatrix::Element::F32;
-    std::int64_t bad = -1;
-    const kernels::PackedMatrix m = kernels::PackedMatrix::from_q8(t.data<std::byte>(), source, rows, in, &bad);
-    if (bad >= 0) {
-      throw FormatError("quantize: tensor '" + spec.name + "' holds a non-finite value at [" +
-                        std::to_string(bad / in) + ", " + std::to_string(bad % in) +
-                        "]; Q8 blocks hold finite weights only (nothing was written)");
-    }
-    std::vector<std::byte>& q = buffers.emplace_back(static_cast<std::size_t>(rows * in));
-    std::vector<std::byte>& scales = buffers.emplace_back(static_cast<std::size_t>(rows * blocks) * 2);
-    std::vector<std::uint16_t> row_scales(static_cast<std::size_t>(blocks));
-    for (std::int64_t o = 0; o < rows; ++o) {
-      m.q8_row(o, static_cast<std::int8_t*>(static_cast<void*>(q.data() + o * in)), row_scales.data());
-      std::memcpy(scales.data() + static_cast<std::size_t>(o * blocks) * 2, row_scales.data(), row_scales.size() * 2);
-    }
-    tensors.push_back({spec.name + ".q8", DType::F32, spec.shape, q, /*i8=*/true});
-    tensors.push_back({spec.name + ".q8_scale", DType::BF16, {rows, blocks}, scales});
+    quantize_matmul(spec, t, buffers, tensors);
     ++result.quantized;
     w.release(spec.name);
   }
   finish_group();
-
-  // Written into a hidden directory beside `out` and renamed into place:
-  // `out` appears whole or not at all.
-  const fs::path parent = out.has_parent_path() ? out.parent_path() : fs::path(".");
-  const fs::path tmp = parent / ("." + out.filename().string() + ".tmp-" + std::to_string(::getpid()));
-  fs::remove_all(tmp, ec);
-  if (!fs::create_directories(tmp, ec) || ec) {
-    throw Error("quantize: cannot create " + tmp.string() + ": " + ec.message());
-  }
-  try {
-    const std::map<std::string, std::string> metadata = {{"format", "pt"},
-                                                         {kQ8FormatKey, kQ8FormatValue},
-                                                         {kQ8VersionKey, kQ8Version},
-                                                         {kQ8BlockKey, std::to_string(kQ8Block)}};
-    write_safetensors((tmp / "model.safetensors").string(), tensors, metadata);
-    // Everything but the weights: config.json, tokenizer files, the model card.
-    for (const fs::directory_entry& e : fs::directory_iterator(in_dir)) {
-      const std::string name = e.path().filename().string();
-      if (!e.is_regular_file() || name.ends_with(".safetensors") || name == "model.safetensors.index.json") {
-        continue;
-      }
-      fs::copy_file(e.path(), tmp / name);
-    }
-    result.file_bytes = fs::file_size(tmp / "model.safetensors");
-    if (fs::exists(out)) fs::remove(out);  // the empty directory checked above
-    fs::rename(tmp, out);
-  } catch (const fs::filesystem_error& e) {
-    fs::remove_all(tmp, ec);
-    throw Error("quantize: cannot write " + out_dir + ": " + e.what());
-  } catch (...) {
-    fs::remove_all(tmp, ec);
-    throw;
-  }
+  result.file_bytes = write_q8_directory(in_dir, out, out_dir, tensors);
   return result;
 }
 

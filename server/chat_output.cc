@@ -204,118 +204,128 @@ ChatOutput ChatOutputParser::finish() {
   return out;
 }
 
+void ChatOutputParser::emit_reasoning(std::string_view s, ChatOutput& out) {
+  if (!reasoning_started_) {
+    while (!s.empty() && s.front() == '\n') s.remove_prefix(1);
+    if (!s.empty()) reasoning_started_ = true;
+  }
+  out.reasoning += s;
+}
+
+// Content, less the whitespace next to a tool call: a whitespace tail is
+// held in space_, dropped if a tool call follows it, emitted with the next
+// content otherwise (so text on both sides of a call keeps its separator);
+// whitespace after a call that no content preceded is dropped.
+void ChatOutputParser::emit_content(std::string_view s, ChatOutput& out) {
+  if (!syntax_.tool_calls) {
+    out.content += s;
+    return;
+  }
+  if (tool_calls_ > 0 && !content_started_) {
+    while (!s.empty() && is_space(s.front())) s.remove_prefix(1);
+  }
+  std::size_t last = s.size();
+  while (last > 0 && is_space(s[last - 1])) --last;
+  if (last == 0) {
+    space_ += s;
+    return;
+  }
+  out.content += space_;
+  out.content += s.substr(0, last);
+  space_.assign(s.substr(last));
+  content_started_ = true;
+}
+
+bool ChatOutputParser::drain_start(bool final) {
+  std::size_t i = 0;
+  while (i < held_.size() && is_space(held_[i])) ++i;
+  const std::string_view rest = std::string_view(held_).substr(i);
+  if (rest.starts_with(kThink)) {
+    held_.erase(0, i + kThink.size());
+    state_ = State::kReasoning;
+    return true;
+  }
+  if (!final && kThink.starts_with(rest)) return false;  // may still become <think>
+  state_ = State::kContent;
+  return true;
+}
+
+bool ChatOutputParser::drain_reasoning(bool final, ChatOutput& out) {
+  const std::size_t at = held_.find(kEndThink);
+  std::size_t end = at != std::string::npos ? at
+                    : final                 ? held_.size()
+                                            : held_.size() - tag_prefix_tail(held_, kEndThink);
+  while (end > 0 && held_[end - 1] == '\n') --end;
+  if (at == std::string::npos && !final) end -= incomplete_utf8(held_, end);
+  emit_reasoning(std::string_view(held_).substr(0, end), out);
+  if (at != std::string::npos) {
+    held_.erase(0, at + kEndThink.size());
+    state_ = State::kContent;
+    after_think_ = true;
+    return true;
+  }
+  held_.erase(0, final ? held_.size() : end);
+  return false;
+}
+
+bool ChatOutputParser::drain_content(bool final, ChatOutput& out) {
+  if (after_think_) {
+    std::size_t i = 0;
+    while (i < held_.size() && held_[i] == '\n') ++i;
+    held_.erase(0, i);
+    if (held_.empty() && !final) return false;
+    after_think_ = false;
+  }
+  const std::size_t at = syntax_.tool_calls ? held_.find(kToolCall) : std::string::npos;
+  if (at != std::string::npos) {
+    emit_content(std::string_view(held_).substr(0, at), out);
+    held_.erase(0, at + kToolCall.size());
+    state_ = State::kToolCall;
+    return true;
+  }
+  if (final) {
+    emit_content(held_, out);
+    held_.clear();
+    if (tool_calls_ == 0) out.content += space_;
+    space_.clear();
+    return false;
+  }
+  std::size_t end = held_.size() - (syntax_.tool_calls ? tag_prefix_tail(held_, kToolCall) : 0);
+  end -= incomplete_utf8(held_, end);
+  emit_content(std::string_view(held_).substr(0, end), out);
+  held_.erase(0, end);
+  return false;
+}
+
+bool ChatOutputParser::drain_tool_call(bool final, ChatOutput& out) {
+  const std::size_t at = held_.find(kEndToolCall);
+  if (at == std::string::npos) {
+    if (!final) return false;
+    emit_content(std::string(kToolCall) + held_, out);  // unterminated: the model's text as it is
+    held_.clear();
+    state_ = State::kContent;
+    return true;
+  }
+  ToolCall call;
+  if (parse_tool_call(std::string_view(held_).substr(0, at), syntax_.parameter_types, call)) {
+    out.tool_calls.push_back(std::move(call));
+    ++tool_calls_;
+    space_.clear();
+  } else {
+    emit_content(std::string(kToolCall) + held_.substr(0, at + kEndToolCall.size()), out);
+  }
+  held_.erase(0, at + kEndToolCall.size());
+  state_ = State::kContent;
+  return true;
+}
+
 void ChatOutputParser::drain(bool final, ChatOutput& out) {
-  const auto reasoning = [&](std::string_view s) {
-    if (!reasoning_started_) {
-      while (!s.empty() && s.front() == '\n') s.remove_prefix(1);
-      if (!s.empty()) reasoning_started_ = true;
-    }
-    out.reasoning += s;
-  };
-  // Content, less the whitespace next to a tool call: a whitespace tail is
-  // held in space_, dropped if a tool call follows it, emitted with the
-  // next content otherwise (so text on both sides of a call keeps its
-  // separator); whitespace after a call that no content preceded is dropped.
-  const auto content = [&](std::string_view s) {
-    if (!syntax_.tool_calls) {
-      out.content += s;
-      return;
-    }
-    if (tool_calls_ > 0 && !content_started_) {
-      while (!s.empty() && is_space(s.front())) s.remove_prefix(1);
-    }
-    std::size_t last = s.size();
-    while (last > 0 && is_space(s[last - 1])) --last;
-    if (last == 0) {
-      space_ += s;
-      return;
-    }
-    out.content += space_;
-    out.content += s.substr(0, last);
-    space_.assign(s.substr(last));
-    content_started_ = true;
-  };
-  for (;;) {
+  for (bool more = true; more;) {
     switch (state_) {
-      case State::kStart: {
-        std::size_t i = 0;
-        while (i < held_.size() && is_space(held_[i])) ++i;
-        const std::string_view rest = std::string_view(held_).substr(i);
-        if (rest.starts_with(kThink)) {
-          held_.erase(0, i + kThink.size());
-          state_ = State::kReasoning;
-          continue;
-        }
-        if (!final && kThink.starts_with(rest)) return;  // may still become <think>
-        state_ = State::kContent;
-        continue;
-      }
-      case State::kReasoning: {
-        const std::size_t at = held_.find(kEndThink);
-        std::size_t end = at != std::string::npos ? at
-                          : final                 ? held_.size()
-                                                  : held_.size() - tag_prefix_tail(held_, kEndThink);
-        while (end > 0 && held_[end - 1] == '\n') --end;
-        if (at == std::string::npos && !final) end -= incomplete_utf8(held_, end);
-        reasoning(std::string_view(held_).substr(0, end));
-        if (at != std::string::npos) {
-          held_.erase(0, at + kEndThink.size());
-          state_ = State::kContent;
-          after_think_ = true;
-          continue;
-        }
-        held_.erase(0, final ? held_.size() : end);
-        return;
-      }
-      case State::kContent: {
-        if (after_think_) {
-          std::size_t i = 0;
-          while (i < held_.size() && held_[i] == '\n') ++i;
-          held_.erase(0, i);
-          if (held_.empty() && !final) return;
-          after_think_ = false;
-        }
-        const std::size_t at = syntax_.tool_calls ? held_.find(kToolCall) : std::string::npos;
-        if (at != std::string::npos) {
-          content(std::string_view(held_).substr(0, at));
-          held_.erase(0, at + kToolCall.size());
-          state_ = State::kToolCall;
-          continue;
-        }
-        if (final) {
-          content(held_);
-          held_.clear();
-          if (tool_calls_ == 0) out.content += space_;
-          space_.clear();
-          return;
-        }
-        std::size_t end = held_.size() - (syntax_.tool_calls ? tag_prefix_tail(held_, kToolCall) : 0);
-        end -= incomplete_utf8(held_, end);
-        content(std::string_view(held_).substr(0, end));
-        held_.erase(0, end);
-        return;
-      }
-      case State::kToolCall: {
-        const std::size_t at = held_.find(kEndToolCall);
-        if (at == std::string::npos) {
-          if (!final) return;
-          content(std::string(kToolCall) + held_);  // unterminated: the model's text as it is
-          held_.clear();
-          state_ = State::kContent;
-          continue;
-        }
-        ToolCall call;
-        if (parse_tool_call(std::string_view(held_).substr(0, at), syntax_.parameter_types, call)) {
-          out.tool_calls.push_back(std::move(call));
-          ++tool_calls_;
-          space_.clear();
-        } else {
-          content(std::string(kToolCall) + held_.substr(0, at + kEndToolCall.size()));
-        }
-        held_.erase(0, at + kEndToolCall.size());
-        state_ = State::kContent;
-        continue;
-      }
+      case State::kStart: more = drain_start(final); break;
+      case State::kReasoning: more = drain_reasoning(final, out); break;
+      case State::kContent: more = drain_content(final, out); break;
+      case State::kToolCall: more = drain_tool_call(final, out); break;
     }
   }
 }

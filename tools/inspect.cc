@@ -27,6 +27,76 @@ std::string human_bytes(double b) {
   return buf;
 }
 
+// "family: ... ; layers: ...": the family, how many layers of each kind
+// and the variants of the architecture the config turns on.
+void print_family(const ModelConfig& c) {
+  std::map<std::string, int> mix;
+  for (const LayerKind kind : c.layer_types) ++mix[std::string(layer_kind_name(kind))];
+  std::string mix_text;
+  for (const auto& [kind, count] : mix) mix_text += (mix_text.empty() ? "" : ", ") + std::to_string(count) + " " + kind;
+  std::string variants;
+  auto add = [&variants](bool on, const std::string& what) {
+    if (on) variants += (variants.empty() ? "" : ", ") + what;
+  };
+  add(c.norm_plus_one, "(1 + w) RMSNorm");
+  add(c.qk_norm, "q/k norm");
+  add(c.attn_output_gate, "attention output gate");
+  add(c.rope_dim() != c.head_dim, "partial RoPE " + std::to_string(c.rope_dim()) + "/" + std::to_string(c.head_dim));
+  {
+    const ModelConfig::Llama3Rope& r = c.llama3_rope;
+    char scaling[160];
+    std::snprintf(scaling, sizeof scaling,
+                  "llama3 RoPE scaling (factor %g, low_freq_factor %g, high_freq_factor %g, original context %lld)",
+                  r.factor, r.low_freq_factor, r.high_freq_factor, static_cast<long long>(r.original_max_positions));
+    add(r.factor > 0.0, scaling);
+  }
+  add(c.fused_gdn_projections, "fused in_proj_qkvz / in_proj_ba");
+  add(c.tie_word_embeddings, "tied embeddings");
+  std::printf("family: %s (model_type %s); layers: %s%s%s\n", model_family_name(c.family), c.model_type.c_str(),
+              mix_text.c_str(), variants.empty() ? "" : "; ", variants.c_str());
+}
+
+// The shape of one layer of kind `kind`, for its line of the layer list.
+std::string layer_detail(const ModelConfig& c, LayerKind kind) {
+  std::string detail;
+  switch (kind) {
+    case LayerKind::FullAttention:
+    case LayerKind::SlidingAttention:
+      detail = std::to_string(c.num_attention_heads) + " heads / " + std::to_string(c.num_key_value_heads) +
+               " kv heads x " + std::to_string(c.head_dim);
+      if (kind == LayerKind::SlidingAttention) detail += ", window " + std::to_string(c.sliding_window);
+      break;
+    case LayerKind::LinearAttention:
+      detail = "Gated DeltaNet, conv " + std::to_string(c.linear_conv_dim()) +
+               " x K=" + std::to_string(c.linear_conv_kernel_dim) + ", state [" +
+               std::to_string(c.linear_num_value_heads) + ", " + std::to_string(c.linear_key_head_dim) + ", " +
+               std::to_string(c.linear_value_head_dim) + "]";
+      break;
+    case LayerKind::Conv:
+      detail = "short conv, " + std::to_string(c.hidden_size) + " channels x K=" + std::to_string(c.conv_L_cache);
+      break;
+    case LayerKind::ChunkedAttention:
+    case LayerKind::Hybrid:
+    case LayerKind::HybridSliding:
+    case LayerKind::SparseAttention:
+    case LayerKind::Moe:
+    case LayerKind::Mlp: break;  // a ModelConfig never holds them
+  }
+  return detail;
+}
+
+// VmHWM: the peak resident memory of this process so far, i.e. what loading
+// the model cost on top of the CLI itself.
+std::string peak_resident_memory() {
+  std::ifstream status("/proc/self/status");
+  std::string line, peak = "unknown";
+  while (std::getline(status, line)) {
+    if (line.rfind("VmHWM:", 0) == 0) peak = line.substr(6);
+  }
+  peak.erase(0, peak.find_first_not_of(" \t"));
+  return peak;
+}
+
 int run_inspect(const std::string& model_dir, std::int64_t rollback) {
   const Model model = Model::load(model_dir);
   const ModelConfig& c = model.config();
@@ -49,75 +119,17 @@ int run_inspect(const std::string& model_dir, std::int64_t rollback) {
               static_cast<long long>(c.vocab_size), stored.c_str());
   std::printf("tokenizer: %s\n", load_tokenizer(model_dir, model).describe().c_str());
   std::printf("parameters: %lld\n", static_cast<long long>(model.parameter_count()));
-  {
-    std::map<std::string, int> mix;
-    for (const LayerKind kind : c.layer_types) ++mix[std::string(layer_kind_name(kind))];
-    std::string mix_text;
-    for (const auto& [kind, count] : mix)
-      mix_text += (mix_text.empty() ? "" : ", ") + std::to_string(count) + " " + kind;
-    std::string variants;
-    auto add = [&variants](bool on, const std::string& what) {
-      if (on) variants += (variants.empty() ? "" : ", ") + what;
-    };
-    add(c.norm_plus_one, "(1 + w) RMSNorm");
-    add(c.qk_norm, "q/k norm");
-    add(c.attn_output_gate, "attention output gate");
-    add(c.rope_dim() != c.head_dim, "partial RoPE " + std::to_string(c.rope_dim()) + "/" + std::to_string(c.head_dim));
-    {
-      const ModelConfig::Llama3Rope& r = c.llama3_rope;
-      char scaling[160];
-      std::snprintf(scaling, sizeof scaling,
-                    "llama3 RoPE scaling (factor %g, low_freq_factor %g, high_freq_factor %g, original context %lld)",
-                    r.factor, r.low_freq_factor, r.high_freq_factor, static_cast<long long>(r.original_max_positions));
-      add(r.factor > 0.0, scaling);
-    }
-    add(c.fused_gdn_projections, "fused in_proj_qkvz / in_proj_ba");
-    add(c.tie_word_embeddings, "tied embeddings");
-    std::printf("family: %s (model_type %s); layers: %s%s%s\n", model_family_name(c.family), c.model_type.c_str(),
-                mix_text.c_str(), variants.empty() ? "" : "; ", variants.c_str());
-  }
+  print_family(c);
   for (std::size_t i = 0; i < c.layer_types.size(); ++i) {
     const LayerKind kind = c.layer_types[i];
-    std::string detail;
-    switch (kind) {
-      case LayerKind::FullAttention:
-      case LayerKind::SlidingAttention:
-        detail = std::to_string(c.num_attention_heads) + " heads / " + std::to_string(c.num_key_value_heads) +
-                 " kv heads x " + std::to_string(c.head_dim);
-        if (kind == LayerKind::SlidingAttention) detail += ", window " + std::to_string(c.sliding_window);
-        break;
-      case LayerKind::LinearAttention:
-        detail = "Gated DeltaNet, conv " + std::to_string(c.linear_conv_dim()) +
-                 " x K=" + std::to_string(c.linear_conv_kernel_dim) + ", state [" +
-                 std::to_string(c.linear_num_value_heads) + ", " + std::to_string(c.linear_key_head_dim) + ", " +
-                 std::to_string(c.linear_value_head_dim) + "]";
-        break;
-      case LayerKind::Conv:
-        detail = "short conv, " + std::to_string(c.hidden_size) + " channels x K=" + std::to_string(c.conv_L_cache);
-        break;
-      case LayerKind::ChunkedAttention:
-      case LayerKind::Hybrid:
-      case LayerKind::HybridSliding:
-      case LayerKind::SparseAttention:
-      case LayerKind::Moe:
-      case LayerKind::Mlp: break;  // a ModelConfig never holds them
-    }
+    const std::string detail = layer_detail(c, kind);
     const std::string t(layer_kind_name(kind));
     std::printf("  layer %2zu  %-18s %s\n", i, t.c_str(), detail.c_str());
   }
-  {
-    // VmHWM: the peak resident memory of this process so far, i.e. what
-    // loading the model cost on top of the CLI itself.
-    std::ifstream status("/proc/self/status");
-    std::string line, peak = "unknown";
-    while (std::getline(status, line)) {
-      if (line.rfind("VmHWM:", 0) == 0) peak = line.substr(6);
-    }
-    peak.erase(0, peak.find_first_not_of(" \t"));
-    std::printf("weights in memory: %s (%s); peak resident memory of this process: %s\n",
-                human_bytes(static_cast<double>(model.weight_bytes())).c_str(),
-                q8 ? "matmul weights as q8" : "in the stored dtype", peak.c_str());
-  }
+  const std::string peak = peak_resident_memory();
+  std::printf("weights in memory: %s (%s); peak resident memory of this process: %s\n",
+              human_bytes(static_cast<double>(model.weight_bytes())).c_str(),
+              q8 ? "matmul weights as q8" : "in the stored dtype", peak.c_str());
   std::printf("KV bytes per token (full-attention layers, f32): %s\n",
               human_bytes(static_cast<double>(model.kv_bytes_per_token())).c_str());
   std::printf("fixed state bytes per sequence (sliding windows + conv + recurrent states): %s\n",

@@ -143,6 +143,68 @@ void finish_round(SpecSequence& s, const Model& target, const GenerationOptions&
   }
 }
 
+// A sequence joining the batch gets a cache sequence that records its past
+// for rollbacks; with a prefix cache its prompt but the pending token is fed
+// at once. Returns whether it is prefilled.
+bool join_batch(const Model& target, SequenceCache& cache, SeqId& id, std::span<const std::int32_t> prompt,
+                const GenerationOptions& options, SpecSequence& s) {
+  const SpeculativeOptions& spec = options.speculation;
+  id = cache.add_sequence();
+  cache.activate_past_recording(id, spec.num_draft);  // a round rolls back at most K tokens
+  if (prompt.size() < 2) return true;
+  if (!options.prefix_cache) return false;
+  id = prefill_sequence(target, cache, id, prompt.first(prompt.size() - 1), *options.prefix_cache, spec.num_draft,
+                        options.max_prefill_rows, s.stats);
+  return true;
+}
+
+// Every prefilled sequence plans its round; one propose call drafts for all
+// of them (one request each).
+void propose_round(BatchDraftSource& drafts, std::span<const std::size_t> active, const std::vector<bool>& prefilled,
+                   std::vector<SpecSequence>& seqs, const GenerationOptions& options) {
+  std::vector<BatchDraftSource::Request> requests;
+  for (std::size_t i : active) {
+    if (!prefilled[i]) continue;
+    SpecSequence& s = seqs[i];
+    plan_round(s, options);
+    if (s.k > 0) requests.push_back({i, s.sequence, s.k, &s.drafts, options.sampling.greedy() ? nullptr : &s.q});
+  }
+  if (!requests.empty()) drafts.propose(requests);
+}
+
+// The next piece of a joining sequence's prompt (the pending last token
+// excluded) after the `fed` tokens already in, at most `prompt_rows`, which
+// it uses up.
+void next_prompt_piece(std::span<const std::int32_t> prompt, std::size_t fed, std::int64_t& prompt_rows,
+                       std::vector<std::int32_t>& piece) {
+  const std::size_t rest = prompt.size() - 1 - fed;
+  const auto take = static_cast<std::size_t>(std::min<std::int64_t>(static_cast<std::int64_t>(rest), prompt_rows));
+  prompt_rows -= static_cast<std::int64_t>(take);
+  const auto from = prompt.begin() + static_cast<std::ptrdiff_t>(fed);
+  piece.assign(from, from + static_cast<std::ptrdiff_t>(take));
+}
+
+// After the verify forward, for sequence i of the batch: accepts from its
+// rows of logits, crops the rejected drafts from its cache sequence only and
+// emits. Returns whether it runs on; one that stops leaves the cache and the
+// draft source.
+bool settle_round(SpecSequence& s, std::size_t i, SeqId id, std::span<const float> rows, std::int64_t V,
+                  const Model& target, SequenceCache& cache, BatchDraftSource& drafts, const GenerationOptions& options,
+                  Clock::time_point t0) {
+  std::int64_t accepted = 0;
+  const std::vector<std::int32_t> emitted = accept_round(s, rows, V, options.sampling, accepted);
+  const auto tc = Clock::now();
+  cache.crop(id, -(static_cast<std::int64_t>(s.drafts.size()) - accepted));
+  s.stats.cache_seconds += seconds_since(tc);
+  if (s.k > 0) drafts.accept(i, static_cast<std::int64_t>(s.drafts.size()), accepted);
+  finish_round(s, target, options, options.speculation, accepted, emitted, t0);
+  if (s.running) return true;
+  s.stats.seconds = seconds_since(t0);
+  cache.seq_rm(id);
+  drafts.finish(i);
+  return false;
+}
+
 }  // namespace
 
 std::vector<std::int32_t> speculative_generate(const Model& target, DraftSource& draft,
@@ -219,40 +281,20 @@ std::vector<std::vector<std::int32_t>> speculative_generate_batch(const Model& t
   std::vector<std::size_t> active;
   while (true) {
     for (std::size_t i : admission.admit(active.size())) {
-      ids[i] = cache.add_sequence();
-      cache.activate_past_recording(ids[i], spec.num_draft);  // a round rolls back at most K tokens
-      prefilled[i] = prompts[i].size() < 2;
-      if (options.prefix_cache && !prefilled[i]) {
-        ids[i] = prefill_sequence(target, cache, ids[i], std::span(prompts[i]).first(prompts[i].size() - 1),
-                                  *options.prefix_cache, spec.num_draft, options.max_prefill_rows, seqs[i].stats);
-        prefilled[i] = true;
-      }
+      prefilled[i] = join_batch(target, cache, ids[i], prompts[i], options, seqs[i]);
       active.push_back(i);
     }
     if (active.empty()) break;
     local.peak_batch = std::max(local.peak_batch, static_cast<std::int64_t>(active.size()));
-    // Every prefilled sequence's drafts (one request each), then one forward
-    // verifies them all.
-    std::vector<BatchDraftSource::Request> requests;
-    for (std::size_t i : active) {
-      if (!prefilled[i]) continue;
-      SpecSequence& s = seqs[i];
-      plan_round(s, quiet);
-      if (s.k > 0) requests.push_back({i, s.sequence, s.k, &s.drafts, options.sampling.greedy() ? nullptr : &s.q});
-    }
-    if (!requests.empty()) drafts.propose(requests);
+    // Every prefilled sequence's drafts, then one forward verifies them all.
+    propose_round(drafts, active, prefilled, seqs, quiet);
     batch.clear();
     std::int64_t prompt_rows = options.max_prefill_rows;
     for (std::size_t i : active) {
       if (prefilled[i]) {
         verify[i] = verify_tokens(seqs[i]);
       } else {
-        const std::size_t rest = prompts[i].size() - 1 - prompt_fed[i];
-        const auto take = static_cast<std::size_t>(
-            std::min<std::int64_t>(static_cast<std::int64_t>(rest), prompt_rows));
-        prompt_rows -= static_cast<std::int64_t>(take);
-        const auto from = prompts[i].begin() + static_cast<std::ptrdiff_t>(prompt_fed[i]);
-        verify[i].assign(from, from + static_cast<std::ptrdiff_t>(take));
+        next_prompt_piece(prompts[i], prompt_fed[i], prompt_rows, verify[i]);
       }
       // A prompt's logits are not read: its pending token verifies next round.
       batch.push_back({ids[i], verify[i], prefilled[i] ? LogitRows::kAll : LogitRows::kNone});
@@ -263,7 +305,6 @@ std::vector<std::vector<std::int32_t>> speculative_generate_batch(const Model& t
     std::size_t row = 0;
     std::vector<std::size_t> still;
     for (std::size_t i : active) {
-      SpecSequence& s = seqs[i];
       if (!prefilled[i]) {  // no rows of logits
         prompt_fed[i] += verify[i].size();
         prefilled[i] = prompt_fed[i] == prompts[i].size() - 1;
@@ -273,20 +314,7 @@ std::vector<std::vector<std::int32_t>> speculative_generate_batch(const Model& t
       const std::span<const float> rows(logits.data() + row * static_cast<std::size_t>(V),
                                         verify[i].size() * static_cast<std::size_t>(V));
       row += verify[i].size();
-      std::int64_t accepted = 0;
-      const std::vector<std::int32_t> emitted = accept_round(s, rows, V, options.sampling, accepted);
-      const auto tc = Clock::now();
-      cache.crop(ids[i], -(static_cast<std::int64_t>(s.drafts.size()) - accepted));  // this sequence only
-      s.stats.cache_seconds += seconds_since(tc);
-      if (s.k > 0) drafts.accept(i, static_cast<std::int64_t>(s.drafts.size()), accepted);
-      finish_round(s, target, quiet, spec, accepted, emitted, t0);
-      if (s.running) {
-        still.push_back(i);
-      } else {
-        s.stats.seconds = seconds_since(t0);
-        cache.seq_rm(ids[i]);
-        drafts.finish(i);
-      }
+      if (settle_round(seqs[i], i, ids[i], rows, V, target, cache, drafts, quiet, t0)) still.push_back(i);
     }
     active = std::move(still);
   }

@@ -146,6 +146,76 @@ void ModelTreeDraft::propose(std::span<const std::int32_t> s, const TreeOptions&
   }
 }
 
+namespace {
+
+// Greedy: the target's argmax at `node`, and the child holding it (-1: none).
+std::int64_t greedy_child(std::span<const float> row, std::int64_t V, std::int64_t node,
+                          const std::vector<std::int64_t>& parents, const std::vector<std::int32_t>& tokens,
+                          std::int32_t& t) {
+  const auto n = static_cast<std::int64_t>(parents.size());
+  std::int64_t next = -1;
+  t = static_cast<std::int32_t>(kernels::argmax(row.data(), V));
+  for (std::int64_t c = node + 1; c < n && next < 0; ++c)
+    if (parents[static_cast<std::size_t>(c)] == node && tokens[static_cast<std::size_t>(c)] == t) next = c;
+  return next;
+}
+
+// Sampling (see follow_target): the token in t, and the child kept (-1: none).
+std::int64_t sampled_child(std::span<const float> row, std::int64_t node, const std::vector<std::int64_t>& parents,
+                           const std::vector<std::int32_t>& tokens, const SamplingParams& sampling,
+                           std::mt19937_64& rng, std::int32_t& t) {
+  const auto n = static_cast<std::int64_t>(parents.size());
+  std::int64_t next = -1;
+  std::vector<float> p = sampling_distribution(row, sampling);
+  double mass = 1.0;
+  for (std::int64_t c = node + 1; c < n && next < 0; ++c) {
+    if (parents[static_cast<std::size_t>(c)] != node) continue;
+    const auto x = static_cast<std::size_t>(tokens[static_cast<std::size_t>(c)]);
+    const double px = mass > 0.0 ? static_cast<double>(p[x]) / mass : 0.0;
+    if (std::generate_canonical<double, 64>(rng) < px) {
+      next = c;
+      t = static_cast<std::int32_t>(x);
+    } else {
+      mass -= static_cast<double>(p[x]);
+      p[x] = 0.0f;
+    }
+  }
+  if (next < 0) {
+    if (mass <= 0.0) {  // every token the target allows was a rejected child: cannot happen but by rounding
+      p = sampling_distribution(row, sampling);
+    }
+    double total = 0.0;
+    for (float v : p) total += v;
+    for (float& v : p) v = static_cast<float>(v / total);
+    t = sample_from(p, rng);
+  }
+  return next;
+}
+
+// Follow the target down the tree from the root, appending what it emits;
+// returns the last node accepted. Greedy, its argmax; sampling, the children
+// tried in order as one-hot proposals (each kept with the target's
+// probability of its token, else that token's mass removed and the rest
+// renormalised), the round ending with a draw from what is left: exactly a
+// draw from the target's distribution at each step, whatever the tree (its
+// tokens are distinct siblings).
+std::int64_t follow_target(std::span<const float> logits, std::int64_t V, const std::vector<std::int64_t>& parents,
+                           const std::vector<std::int32_t>& tokens, const SamplingParams& sampling,
+                           std::mt19937_64& rng, std::vector<std::int32_t>& emitted) {
+  std::int64_t node = 0;
+  while (true) {
+    const std::span<const float> row(logits.data() + node * V, static_cast<std::size_t>(V));
+    std::int32_t t = 0;
+    const std::int64_t next = sampling.greedy() ? greedy_child(row, V, node, parents, tokens, t)
+                                                : sampled_child(row, node, parents, tokens, sampling, rng, t);
+    emitted.push_back(t);
+    if (next < 0) return node;
+    node = next;
+  }
+}
+
+}  // namespace
+
 std::vector<std::int32_t> tree_speculative_generate(const Model& target, TreeDraftSource& draft,
                                                     std::span<const std::int32_t> prompt,
                                                     const GenerationOptions& options, GenerationStats* stats) {
@@ -177,56 +247,13 @@ std::vector<std::int32_t> tree_speculative_generate(const Model& target, TreeDra
     }
     const auto n = static_cast<std::int64_t>(parents.size());
     std::vector<std::int32_t> emitted;
-    std::int64_t node = 0;
     {
       const auto tc = Clock::now();
       TreeForward tree = cache.begin_tree(parents);
       local.cache_seconds += seconds_since(tc);
       target.forward_tree(tokens, tree, cache, logits, &local.cache_seconds);
       ++local.forwards;
-      // Follow the target down the tree: greedy, its argmax; sampling, the
-      // children tried in order as one-hot proposals (each kept with the
-      // target's probability of its token, else that token's mass removed
-      // and the rest renormalised), the round ending with a draw from what
-      // is left: exactly a draw from the target's distribution at each step,
-      // whatever the tree (its tokens are distinct siblings).
-      while (true) {
-        const std::span<const float> row(logits.data() + node * V, static_cast<std::size_t>(V));
-        std::int64_t next = -1;
-        std::int32_t t = 0;
-        if (options.sampling.greedy()) {
-          t = static_cast<std::int32_t>(kernels::argmax(row.data(), V));
-          for (std::int64_t c = node + 1; c < n && next < 0; ++c)
-            if (parents[static_cast<std::size_t>(c)] == node && tokens[static_cast<std::size_t>(c)] == t) next = c;
-        } else {
-          std::vector<float> p = sampling_distribution(row, options.sampling);
-          double mass = 1.0;
-          for (std::int64_t c = node + 1; c < n && next < 0; ++c) {
-            if (parents[static_cast<std::size_t>(c)] != node) continue;
-            const auto x = static_cast<std::size_t>(tokens[static_cast<std::size_t>(c)]);
-            const double px = mass > 0.0 ? static_cast<double>(p[x]) / mass : 0.0;
-            if (std::generate_canonical<double, 64>(rng) < px) {
-              next = c;
-              t = static_cast<std::int32_t>(x);
-            } else {
-              mass -= static_cast<double>(p[x]);
-              p[x] = 0.0f;
-            }
-          }
-          if (next < 0) {
-            if (mass <= 0.0) {  // every token the target allows was a rejected child: cannot happen but by rounding
-              p = sampling_distribution(row, options.sampling);
-            }
-            double total = 0.0;
-            for (float v : p) total += v;
-            for (float& v : p) v = static_cast<float>(v / total);
-            t = sample_from(p, rng);
-          }
-        }
-        emitted.push_back(t);
-        if (next < 0) break;
-        node = next;
-      }
+      const std::int64_t node = follow_target(logits, V, parents, tokens, options.sampling, rng, emitted);
       const auto tc2 = Clock::now();
       tree.commit(node);
       local.cache_seconds += seconds_since(tc2);

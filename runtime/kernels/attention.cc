@@ -533,6 +533,34 @@ void attend_units(QueryUnit* units, int64_t num_units, const KVSegment* segments
   }
 }
 
+// The query at position p's own key range [lo, hi] (empty when hi < lo),
+// whatever range was passed in: this is what makes the result batch
+// invariant.
+inline std::pair<int64_t, int64_t> key_range(int64_t p, int64_t kv_offset, int64_t kv_last, AttentionMask mask) {
+  int64_t lo = kv_offset;
+  if (mask.window > 0) lo = std::max(lo, p - mask.window + 1);
+  if (mask.chunk > 0) lo = std::max(lo, p - p % mask.chunk);
+  return {lo, std::min(p, kv_last)};
+}
+
+// The runs' parts that cover positions [first, last] of one KV head, in
+// order; the runs start at position kv_offset.
+inline void gather_segments(std::span<const KVRun> runs, int64_t kv_offset, int64_t first, int64_t last,
+                            int64_t kv_head, const StridedKV& ks, const StridedKV& vs,
+                            std::vector<KVSegment>& segments) {
+  segments.clear();
+  int64_t run_first = kv_offset;  // position of the current run's first row
+  for (const KVRun& run : runs) {
+    const int64_t a = std::max(first, run_first), b = std::min(last + 1, run_first + run.count);
+    if (a < b) {
+      segments.push_back({run.k + (a - run_first) * ks.pos_stride + kv_head * ks.head_stride,
+                          run.v + (a - run_first) * vs.pos_stride + kv_head * vs.head_stride, b - a});
+    }
+    run_first += run.count;
+    if (run_first > last) break;
+  }
+}
+
 }  // namespace
 
 void attention_paged(const float* q, int64_t q_len, int64_t pos0, int64_t num_heads, int64_t num_kv_heads,
@@ -567,19 +595,10 @@ void attention_paged(const float* q, int64_t q_len, int64_t pos0, int64_t num_he
     const int64_t row_end = std::min(q_len, row_begin + rows_per_task);
     const int64_t pair_begin = task % pair_blocks * pairs_per_task;
     const int64_t pair_end = std::min(pairs, pair_begin + pairs_per_task);
-    // [lo, hi] is each query's own key range, whatever range was passed in:
-    // this is what makes the result batch invariant. `first` / `last`:
-    // the rows' union.
-    const auto key_range = [&](int64_t row) {
-      const int64_t p = pos0 + row;
-      int64_t lo = kv_offset;
-      if (mask.window > 0) lo = std::max(lo, p - mask.window + 1);
-      if (mask.chunk > 0) lo = std::max(lo, p - p % mask.chunk);
-      return std::pair<int64_t, int64_t>{lo, std::min(p, kv_last)};
-    };
+    // `first` / `last`: the union of the rows' key ranges.
     int64_t first = std::numeric_limits<int64_t>::max(), last = -1;
     for (int64_t row = row_begin; row < row_end; ++row) {
-      const auto [lo, hi] = key_range(row);
+      const auto [lo, hi] = key_range(pos0 + row, kv_offset, kv_last, mask);
       if (hi < lo) continue;
       first = std::min(first, lo);
       last = std::max(last, hi);
@@ -589,7 +608,7 @@ void attention_paged(const float* q, int64_t q_len, int64_t pos0, int64_t num_he
     int64_t num_units = 0;
     weights.resize(static_cast<std::size_t>(2 * (row_end - row_begin) * (pair_end - pair_begin) * n));
     for (int64_t row = row_begin; row < row_end; ++row) {
-      const auto [lo, hi] = key_range(row);
+      const auto [lo, hi] = key_range(pos0 + row, kv_offset, kv_last, mask);
       for (int64_t pair = pair_begin; pair < pair_end; ++pair) {
         const int64_t head = kv_head * group + 2 * pair;
         QueryUnit& unit = units[num_units];
@@ -610,18 +629,7 @@ void attention_paged(const float* q, int64_t q_len, int64_t pos0, int64_t num_he
       }
     }
     if (num_units == 0) return;
-    // The runs' parts that cover [first, last], in order.
-    segments.clear();
-    int64_t run_first = kv_offset;  // position of the current run's first row
-    for (const KVRun& run : runs) {
-      const int64_t a = std::max(first, run_first), b = std::min(last + 1, run_first + run.count);
-      if (a < b) {
-        segments.push_back({run.k + (a - run_first) * ks.pos_stride + kv_head * ks.head_stride,
-                            run.v + (a - run_first) * vs.pos_stride + kv_head * vs.head_stride, b - a});
-      }
-      run_first += run.count;
-      if (run_first > last) break;
-    }
+    gather_segments(runs, kv_offset, first, last, kv_head, ks, vs, segments);
     // One row alone needs no blocks (each block's pass would store and
     // reload its sums for nothing).
     const int64_t key_block = row_end - row_begin > 1 ? kKeyBlock : n;

@@ -98,6 +98,14 @@ class ChatOutputParser {
  private:
   enum class State { kStart, kReasoning, kContent, kToolCall };
   void drain(bool final, ChatOutput& out);
+  // drain's work in each state; false when it waits for more text (or, at
+  // the end of the turn, is done).
+  bool drain_start(bool final);
+  bool drain_reasoning(bool final, ChatOutput& out);
+  bool drain_content(bool final, ChatOutput& out);
+  bool drain_tool_call(bool final, ChatOutput& out);
+  void emit_reasoning(std::string_view s, ChatOutput& out);
+  void emit_content(std::string_view s, ChatOutput& out);
 
   ChatSyntax syntax_;
   State state_;
