@@ -228,12 +228,11 @@ TEST(ChatOutput, XmlValuesKeepTheirTextButOneNewlineEachSide) {
 TEST(ChatOutput, XmlValuesThatAreNotUtf8BecomeReplacementCharacters) {
   ChatSyntax syntax = kQwen;
   syntax.parameter_types = {{"f", {{"b", "boolean"}, {"o", "object"}}}};
-  const std::string text = xml_call("f", {{"b", "tr\xF5e"}, {"o", "{\"k\": \"\xC3\"}"}, {"s\xFFk", "ok"}});
+  const std::string text = xml_call("f", {{"b", "tr\xF5\x65"}, {"o", "{\"k\": \"\xC3\"}"}, {"s\xFFk", "ok"}});
   const ChatOutput out = whole(text, syntax);
   ASSERT_EQ(out.tool_calls.size(), 1u);
   EXPECT_EQ(out.tool_calls[0].arguments,
-            "{\"b\":\"tr\xEF\xBF\xBD"
-            "e\",\"o\":\"{\\\"k\\\": \\\"\xEF\xBF\xBD\\\"}\",\"s\xEF\xBF\xBDk\":\"ok\"}");
+            "{\"b\":\"tr\xEF\xBF\xBD\x65\",\"o\":\"{\\\"k\\\": \\\"\xEF\xBF\xBD\\\"}\",\"s\xEF\xBF\xBDk\":\"ok\"}");
   EXPECT_FALSE(nlohmann::json::parse(out.tool_calls[0].arguments, nullptr, false).is_discarded());
   expect_split_invariant(text, syntax);
 }
