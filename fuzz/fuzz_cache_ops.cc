@@ -992,78 +992,100 @@ class Fuzzer {
   // layer's q already in this part.
   Chunk run_chunk(Run& run, int i, const RefLayer& rl, const Part& p, i64 Lc, i64 done, i64 qc, bool copy_rec,
                   StepData& st, std::vector<Returned>& rets) {
-    const std::size_t es = rl.esize();
-    const auto s = static_cast<std::size_t>(p.s);
     switch (p.kind) {
-      case PartKind::KV: {
-        const MaskSizes want = mask_at(rl, Lc, qc);
-        const MaskSizes got = cache().get_mask_sizes(qc, i);
-        if (got.kv_length != want.kv_length || got.kv_offset != want.kv_offset)
-          fail("layer " + num(i) + ": get_mask_sizes(" + num(qc) + ") at L=" + num(Lc) + " = (" + num(got.kv_length) +
-               ", " + num(got.kv_offset) + "), expected (" + num(want.kv_length) + ", " + num(want.kv_offset) + ")");
-        const std::vector<i64> ks{rl.B, rl.H, qc, rl.Dk}, vs{rl.B, rl.H, qc, rl.Dv};
-        const Input k = make_input(ks, 2, kPartKeys, i);
-        const Input v = make_input(vs, 2, kPartValues, i);
-        const Bytes kb = gather(k.view), vb = gather(v.view);
-        note("layer " + num(i) + " update(" + num(qc) + "): keys " + k.how + ", values " + v.how);
-        rwd::KeyValueView kv;
-        if (!attempt(i, "update", run, [&] { kv = cache().update(k.view, v.view, i); })) return Chunk::Refused;
-        const std::vector<Bytes> krows = token_rows(kb, ks, 2, es), vrows = token_rows(vb, vs, 2, es);
-        for (i64 t = 0; t < qc; ++t) {
-          st.keys[static_cast<std::size_t>(done + t)] = krows[static_cast<std::size_t>(t)];
-          st.values[static_cast<std::size_t>(done + t)] = vrows[static_cast<std::size_t>(t)];
-        }
-        rets.push_back({"update keys", PartKind::KV, 0, true, want.kv_offset, Lc + qc, shape_of(kv.keys), kv.keys.dtype,
-                        gather(kv.keys)});
-        rets.push_back({"update values", PartKind::KV, 0, false, want.kv_offset, Lc + qc, shape_of(kv.values),
-                        kv.values.dtype, gather(kv.values)});
-        hold(kv.keys, i, "layer " + num(i) + " update keys", true);
-        hold(kv.values, i, "layer " + num(i) + " update values", true);
-        return Chunk::Done;
-      }
-      case PartKind::Side: {
-        const std::vector<i64> shape{rl.B, qc, rl.side_dims[s]};
-        const Input r = make_input(shape, 1, kPartSide + s, i);
-        const Bytes rb = gather(r.view);
-        note("layer " + num(i) + " update_side(" + num(qc) + ", side " + num(p.s) + "): " + r.how);
-        TensorView out;
-        if (!attempt(i, "update_side", run, [&] { out = cache().update_side(r.view, i, p.s); })) return Chunk::Refused;
-        const std::vector<Bytes> rows = token_rows(rb, shape, 1, es);
-        for (i64 t = 0; t < qc; ++t)
-          st.sides[s][static_cast<std::size_t>(done + t)] = rows[static_cast<std::size_t>(t)];
-        rets.push_back({"update_side " + num(p.s), PartKind::Side, s, false, mask_at(rl, Lc, qc).kv_offset, Lc + qc,
-                        shape_of(out), out.dtype, gather(out)});
-        hold(out, i, "layer " + num(i) + " update_side " + num(p.s), true);
-        return Chunk::Done;
-      }
-      case PartKind::Conv: {
-        const std::vector<i64> shape{rl.B, rl.conv_ch[s], qc};
-        const Input x = make_input(shape, 2, kPartConv + s, i);
-        const Bytes xb = gather(x.view);
-        note("layer " + num(i) + " update_conv_state(" + num(qc) + ", state " + num(p.s) + "): " + x.how);
-        TensorView out;
-        if (!attempt(i, "update_conv_state", run, [&] { out = cache().update_conv_state(x.view, i, p.s); }))
-          return Chunk::Refused;
-        const std::vector<Bytes> rows = token_rows(xb, shape, 2, es);
-        for (i64 t = 0; t < qc; ++t) st.conv[s][static_cast<std::size_t>(done + t)] = rows[static_cast<std::size_t>(t)];
-        rets.push_back({"update_conv_state " + num(p.s), PartKind::Conv, s, false, Lc - rl.K + 1, Lc + qc,
-                        shape_of(out), out.dtype, gather(out)});
-        hold(out, i, "layer " + num(i) + " conv window " + num(p.s), true);
-        return Chunk::Done;
-      }
+      case PartKind::KV: return chunk_kv(run, i, rl, Lc, done, qc, st, rets);
+      case PartKind::Side: return chunk_side(run, i, rl, p, Lc, done, qc, st, rets);
+      case PartKind::Conv: return chunk_conv(run, i, rl, p, Lc, done, qc, st, rets);
       case PartKind::Rec: break;
     }
+    if (copy_rec) return chunk_rec_copy(run, i, rl, p, done, st);
+    return chunk_rec_update(run, i, rl, p, Lc, done, qc, st);
+  }
+
+  Chunk chunk_kv(Run& run, int i, const RefLayer& rl, i64 Lc, i64 done, i64 qc, StepData& st,
+                 std::vector<Returned>& rets) {
+    const std::size_t es = rl.esize();
+    const MaskSizes want = mask_at(rl, Lc, qc);
+    const MaskSizes got = cache().get_mask_sizes(qc, i);
+    if (got.kv_length != want.kv_length || got.kv_offset != want.kv_offset)
+      fail("layer " + num(i) + ": get_mask_sizes(" + num(qc) + ") at L=" + num(Lc) + " = (" + num(got.kv_length) +
+           ", " + num(got.kv_offset) + "), expected (" + num(want.kv_length) + ", " + num(want.kv_offset) + ")");
+    const std::vector<i64> ks{rl.B, rl.H, qc, rl.Dk}, vs{rl.B, rl.H, qc, rl.Dv};
+    const Input k = make_input(ks, 2, kPartKeys, i);
+    const Input v = make_input(vs, 2, kPartValues, i);
+    const Bytes kb = gather(k.view), vb = gather(v.view);
+    note("layer " + num(i) + " update(" + num(qc) + "): keys " + k.how + ", values " + v.how);
+    rwd::KeyValueView kv;
+    if (!attempt(i, "update", run, [&] { kv = cache().update(k.view, v.view, i); })) return Chunk::Refused;
+    const std::vector<Bytes> krows = token_rows(kb, ks, 2, es), vrows = token_rows(vb, vs, 2, es);
+    for (i64 t = 0; t < qc; ++t) {
+      st.keys[static_cast<std::size_t>(done + t)] = krows[static_cast<std::size_t>(t)];
+      st.values[static_cast<std::size_t>(done + t)] = vrows[static_cast<std::size_t>(t)];
+    }
+    rets.push_back({"update keys", PartKind::KV, 0, true, want.kv_offset, Lc + qc, shape_of(kv.keys), kv.keys.dtype,
+                    gather(kv.keys)});
+    rets.push_back({"update values", PartKind::KV, 0, false, want.kv_offset, Lc + qc, shape_of(kv.values),
+                    kv.values.dtype, gather(kv.values)});
+    hold(kv.keys, i, "layer " + num(i) + " update keys", true);
+    hold(kv.values, i, "layer " + num(i) + " update values", true);
+    return Chunk::Done;
+  }
+
+  Chunk chunk_side(Run& run, int i, const RefLayer& rl, const Part& p, i64 Lc, i64 done, i64 qc, StepData& st,
+                   std::vector<Returned>& rets) {
+    const std::size_t es = rl.esize();
+    const auto s = static_cast<std::size_t>(p.s);
+    const std::vector<i64> shape{rl.B, qc, rl.side_dims[s]};
+    const Input r = make_input(shape, 1, kPartSide + s, i);
+    const Bytes rb = gather(r.view);
+    note("layer " + num(i) + " update_side(" + num(qc) + ", side " + num(p.s) + "): " + r.how);
+    TensorView out;
+    if (!attempt(i, "update_side", run, [&] { out = cache().update_side(r.view, i, p.s); })) return Chunk::Refused;
+    const std::vector<Bytes> rows = token_rows(rb, shape, 1, es);
+    for (i64 t = 0; t < qc; ++t) st.sides[s][static_cast<std::size_t>(done + t)] = rows[static_cast<std::size_t>(t)];
+    rets.push_back({"update_side " + num(p.s), PartKind::Side, s, false, mask_at(rl, Lc, qc).kv_offset, Lc + qc,
+                    shape_of(out), out.dtype, gather(out)});
+    hold(out, i, "layer " + num(i) + " update_side " + num(p.s), true);
+    return Chunk::Done;
+  }
+
+  Chunk chunk_conv(Run& run, int i, const RefLayer& rl, const Part& p, i64 Lc, i64 done, i64 qc, StepData& st,
+                   std::vector<Returned>& rets) {
+    const std::size_t es = rl.esize();
+    const auto s = static_cast<std::size_t>(p.s);
+    const std::vector<i64> shape{rl.B, rl.conv_ch[s], qc};
+    const Input x = make_input(shape, 2, kPartConv + s, i);
+    const Bytes xb = gather(x.view);
+    note("layer " + num(i) + " update_conv_state(" + num(qc) + ", state " + num(p.s) + "): " + x.how);
+    TensorView out;
+    if (!attempt(i, "update_conv_state", run, [&] { out = cache().update_conv_state(x.view, i, p.s); }))
+      return Chunk::Refused;
+    const std::vector<Bytes> rows = token_rows(xb, shape, 2, es);
+    for (i64 t = 0; t < qc; ++t) st.conv[s][static_cast<std::size_t>(done + t)] = rows[static_cast<std::size_t>(t)];
+    rets.push_back({"update_conv_state " + num(p.s), PartKind::Conv, s, false, Lc - rl.K + 1, Lc + qc, shape_of(out),
+                    out.dtype, gather(out)});
+    hold(out, i, "layer " + num(i) + " conv window " + num(p.s), true);
+    return Chunk::Done;
+  }
+
+  // update_recurrent_state: one token's state copied in.
+  Chunk chunk_rec_copy(Run& run, int i, const RefLayer& rl, const Part& p, i64 done, StepData& st) {
+    const auto s = static_cast<std::size_t>(p.s);
+    const Input x = make_input(rl.rec_state_shape(s), -1, kPartRec + s, i);
+    const Bytes xb = gather(x.view);
+    note("layer " + num(i) + " update_recurrent_state(state " + num(p.s) + "): " + x.how);
+    if (!attempt(i, "update_recurrent_state", run, [&] { cache().update_recurrent_state(x.view, i, p.s); }))
+      return Chunk::Refused;
+    st.rec[s][static_cast<std::size_t>(done)] = xb;
+    return Chunk::Done;
+  }
+
+  // begin_recurrent_update for qc tokens, sometimes dropped once uncommitted
+  // first; previous() must read S(L) before and after the slots are written.
+  Chunk chunk_rec_update(Run& run, int i, const RefLayer& rl, const Part& p, i64 Lc, i64 done, i64 qc, StepData& st) {
+    const auto s = static_cast<std::size_t>(p.s);
     const std::vector<i64> shape = rl.rec_state_shape(s);
     const Bytes& prev_want = done == 0 ? rl.expect_rec(s, Lc) : st.rec[s][static_cast<std::size_t>(done - 1)];
-    if (copy_rec) {  // update_recurrent_state, one token
-      const Input x = make_input(shape, -1, kPartRec + s, i);
-      const Bytes xb = gather(x.view);
-      note("layer " + num(i) + " update_recurrent_state(state " + num(p.s) + "): " + x.how);
-      if (!attempt(i, "update_recurrent_state", run, [&] { cache().update_recurrent_state(x.view, i, p.s); }))
-        return Chunk::Refused;
-      st.rec[s][static_cast<std::size_t>(done)] = xb;
-      return Chunk::Done;
-    }
     note("layer " + num(i) + " begin_recurrent_update(" + num(qc) + ", state " + num(p.s) + ")");
     std::optional<rwd::RecurrentUpdate> u;
     const bool drop_first = in_.one_in(8);
@@ -1085,16 +1107,40 @@ class Fuzzer {
                                    shape, prev_want);
         !e.empty())
       fail(e);
+    write_rec_slots(*u, rl, s, Lc, done, qc, st);
+    if (std::string e = check_view("layer " + num(i) + " recurrent previous() after writing next(t)", u->previous(),
+                                   rl.rdtype(), shape, prev_want);
+        !e.empty())
+      fail(e);
+    if (run.forward && in_.one_in(24)) {  // abandon with the update in flight: the handle goes stale
+      count(kAbandonInFlight);
+      abandon(run, "with a recurrent update of layer " + num(i) + " in flight");
+      if (std::string e = expect_kinds([&] { u->commit(); }, {Err::State}); !e.empty())
+        fail("RecurrentUpdate::commit after its forward was abandoned: " + e);
+      return Chunk::Abandoned;
+    }
+    u->commit();
+    bump(i);
+    if (std::string e = expect_kinds([&] { u->commit(); }, {Err::State}); !e.empty())
+      fail("RecurrentUpdate::commit called twice: " + e);
+    return Chunk::Done;
+  }
+
+  // Slots next(1..qc) of recurrent state s, each written from S(L), the slot
+  // before, a view of the cache's storage or fresh bytes; recorded in st.
+  void write_rec_slots(rwd::RecurrentUpdate& u, const RefLayer& rl, std::size_t s, i64 Lc, i64 done, i64 qc,
+                       StepData& st) {
+    const std::vector<i64> shape = rl.rec_state_shape(s);
     for (i64 t = 1; t <= qc; ++t) {
-      const TensorView slot = u->next(t);
+      const TensorView slot = u.next(t);
       if (shape_of(slot) != shape || slot.dtype != rl.rdtype()) fail("RecurrentUpdate::next has the wrong shape");
       const int how = next() % 4;
       bool written = false;
       if (how == 1) {  // the kernel starts from S(L)
-        rwd::copy_tensor(u->previous(), slot);
+        rwd::copy_tensor(u.previous(), slot);
         written = true;
       } else if (how == 2 && t > 1) {  // from the slot of the token before, when it is another slot
-        const TensorView before_slot = u->next(t - 1);
+        const TensorView before_slot = u.next(t - 1);
         if (before_slot.data != slot.data) {
           rwd::copy_tensor(before_slot, slot);
           written = true;
@@ -1113,22 +1159,6 @@ class Fuzzer {
       if (!written) scatter(make_row(++salt_, kPartRec + s, Lc + t, rl.B, rl.rec_numel[s], rl.rdtype()), slot);
       st.rec[s][static_cast<std::size_t>(done + t - 1)] = gather(slot);
     }
-    if (std::string e = check_view("layer " + num(i) + " recurrent previous() after writing next(t)", u->previous(),
-                                   rl.rdtype(), shape, prev_want);
-        !e.empty())
-      fail(e);
-    if (run.forward && in_.one_in(24)) {  // abandon with the update in flight: the handle goes stale
-      count(kAbandonInFlight);
-      abandon(run, "with a recurrent update of layer " + num(i) + " in flight");
-      if (std::string e = expect_kinds([&] { u->commit(); }, {Err::State}); !e.empty())
-        fail("RecurrentUpdate::commit after its forward was abandoned: " + e);
-      return Chunk::Abandoned;
-    }
-    u->commit();
-    bump(i);
-    if (std::string e = expect_kinds([&] { u->commit(); }, {Err::State}); !e.empty())
-      fail("RecurrentUpdate::commit called twice: " + e);
-    return Chunk::Done;
   }
 
   std::string check_returned(const Returned& r, const RefLayer& ref_layer) {
@@ -1208,17 +1238,10 @@ class Fuzzer {
     return true;
   }
 
-  void op_forward() {
-    const i64 q = in_.range(1, 8);
-    const int mode = next() % 8;
-    Run run;
-    run.q = q;
-    run.forward = mode == 2 || mode == 3 || mode >= 6;
-    const bool budget = mode >= 4;
-    count(run.forward ? (budget ? kForwardOpenBudget : kForwardOpen) : (budget ? kForwardBudget : kForwardPlain));
-    note("forward(q=" + num(q) + (run.forward ? ", begin_forward" : "") + (budget ? ", memory budget" : "") + ")");
-
-    // A static layer that cannot take q more tokens refuses the forward.
+  // A static layer that cannot take run.q more tokens refuses the forward
+  // (begin_forward, or its update), changing nothing.
+  bool refused_by_a_full_static_layer(const Run& run) {
+    const i64 q = run.q;
     for (int i = 0; i < num_layers(); ++i) {
       const RefLayer& rl = ref().layers[static_cast<std::size_t>(i)];
       if (rl.stateless()) continue;
@@ -1236,54 +1259,79 @@ class Fuzzer {
         same(before, "refused update");
         same_memory(memory, "refused update");
       }
-      return;
+      return true;
     }
+    return false;
+  }
 
-    if (budget) {
-      const std::size_t reserved = cache().memory().bytes_reserved;
-      if (reserved > 1 && in_.one_in(3)) {  // below what is reserved: refused, the old cap kept
-        const std::size_t old = cache().memory_budget();
-        const std::size_t below = std::max<std::size_t>(
-            1, reserved - 1 - next() % std::min<std::size_t>(reserved - 1, 64));
-        note("set_memory_budget(" + std::to_string(below) + ") below the reservation");
-        check(expect_kinds([&] { cache().set_memory_budget(below); }, {Err::Capacity}));
-        if (cache().memory_budget() != old) fail("a refused set_memory_budget changed the budget");
-      }
-      run.cap = reserved + static_cast<std::size_t>(next()) * 24;
-      note("set_memory_budget(" + std::to_string(run.cap) + "), " + std::to_string(reserved) + " reserved");
-      set_budget(run.cap);
-      run.budget = true;
+  // A cap a little above what is reserved for the forward, after (sometimes)
+  // one below it that must be refused with the old cap kept.
+  void set_forward_budget(Run& run) {
+    const std::size_t reserved = cache().memory().bytes_reserved;
+    if (reserved > 1 && in_.one_in(3)) {
+      const std::size_t old = cache().memory_budget();
+      const std::size_t below = std::max<std::size_t>(1,
+                                                      reserved - 1 - next() % std::min<std::size_t>(reserved - 1, 64));
+      note("set_memory_budget(" + std::to_string(below) + ") below the reservation");
+      check(expect_kinds([&] { cache().set_memory_budget(below); }, {Err::Capacity}));
+      if (cache().memory_budget() != old) fail("a refused set_memory_budget changed the budget");
     }
+    run.cap = reserved + static_cast<std::size_t>(next()) * 24;
+    note("set_memory_budget(" + std::to_string(run.cap) + "), " + std::to_string(reserved) + " reserved");
+    set_budget(run.cap);
+    run.budget = true;
+  }
+
+  // begin_forward(run.q) into handle, run pointing at it. false: refused
+  // (out of step, or by the budget), nothing changed, the budget lifted.
+  bool open_forward(Run& run, std::optional<Forward>& handle, std::vector<Bytes>& before_forward) {
+    const i64 q = run.q;
+    before_forward = fingerprint(cache());
+    const std::string memory = memory_str(cache().memory());
+    note("begin_forward(" + num(q) + ")");
+    const i64 L = cache().get_seq_length();
+    try {
+      handle.emplace(cache().begin_forward(q));
+    } catch (const rwd::Error& e) {
+      const Err k = classify(e);
+      if (!(k == Err::State && !ref().in_step()) && !(k == Err::Capacity && run.budget))
+        fail("begin_forward(" + num(q) + "): unexpected " + err_name(k) + ": " + e.what());
+      same(before_forward, "refused begin_forward");
+      same_memory(memory, "refused begin_forward");
+      if (k == Err::Capacity) count(kBeginRefused);
+      lift_budget(run);
+      check(verify(cache(), ref()));
+      return false;
+    } catch (const std::exception& e) {
+      fail(std::string("begin_forward: non-rewind exception: ") + e.what());
+    }
+    if (!ref().in_step()) fail("begin_forward opened a forward on out-of-step layers");
+    bump_all();
+    if (!handle->is_open() || !cache().forward_open() || handle->num_tokens() != q || handle->start_length() != L)
+      fail("begin_forward returned a handle that is not open, or with the wrong q / start length");
+    run.handle = &handle;
+    run.before = &before_forward;
+    return true;
+  }
+
+  void op_forward() {
+    const i64 q = in_.range(1, 8);
+    const int mode = next() % 8;
+    Run run;
+    run.q = q;
+    run.forward = mode == 2 || mode == 3 || mode >= 6;
+    const bool budget = mode >= 4;
+    count(run.forward ? (budget ? kForwardOpenBudget : kForwardOpen) : (budget ? kForwardBudget : kForwardPlain));
+    note("forward(q=" + num(q) + (run.forward ? ", begin_forward" : "") + (budget ? ", memory budget" : "") + ")");
+
+    if (refused_by_a_full_static_layer(run)) return;
+    if (budget) set_forward_budget(run);
 
     std::optional<Forward> handle;
     std::vector<Bytes> before_forward;
     RefCache pending;
     if (run.forward) {
-      before_forward = fingerprint(cache());
-      const std::string memory = memory_str(cache().memory());
-      note("begin_forward(" + num(q) + ")");
-      const i64 L = cache().get_seq_length();
-      try {
-        handle.emplace(cache().begin_forward(q));
-      } catch (const rwd::Error& e) {
-        const Err k = classify(e);
-        if (!(k == Err::State && !ref().in_step()) && !(k == Err::Capacity && run.budget))
-          fail("begin_forward(" + num(q) + "): unexpected " + err_name(k) + ": " + e.what());
-        same(before_forward, "refused begin_forward");
-        same_memory(memory, "refused begin_forward");
-        if (k == Err::Capacity) count(kBeginRefused);
-        lift_budget(run);
-        check(verify(cache(), ref()));
-        return;
-      } catch (const std::exception& e) {
-        fail(std::string("begin_forward: non-rewind exception: ") + e.what());
-      }
-      if (!ref().in_step()) fail("begin_forward opened a forward on out-of-step layers");
-      bump_all();
-      if (!handle->is_open() || !cache().forward_open() || handle->num_tokens() != q || handle->start_length() != L)
-        fail("begin_forward returned a handle that is not open, or with the wrong q / start length");
-      run.handle = &handle;
-      run.before = &before_forward;
+      if (!open_forward(run, handle, before_forward)) return;
       pending = ref();
     }
     RefCache& target = run.forward ? pending : ref();
@@ -1398,7 +1446,12 @@ class Fuzzer {
     if (!rl.conv_ch.empty())
       check(expect_kinds([&] { (void)cache().get_conv_state(i, static_cast<int>(rl.conv_ch.size())); }, {Err::Index}));
     if (!rl.rec_shapes.empty()) check(expect_kinds([&] { (void)l.recurrent_snapshot(0, rl.L + 1); }, {Err::Index}));
-    // Keep a view for later: it must read the same bytes until layer i is mutated.
+    hold_one_view(i, l, rl);
+  }
+
+  // Keeps one view of layer i for later: it must read the same bytes until
+  // layer i is mutated.
+  void hold_one_view(int i, const Layer& l, const RefLayer& rl) {
     std::vector<Source> mine;
     if (rl.has_attention()) {
       mine.push_back({l.keys_values().keys, "keys_values().keys"});
@@ -1448,10 +1501,22 @@ class Fuzzer {
     count(kHuge);
     const i64 huge = in_.pick(kHugeTokens);
     const bool near = in_.one_in(6);
+    HostTensor a, b2;  // the huge views' bytes, alive until the cache is verified
+    if (which >= 4 && which <= 7)
+      huge_cache_call(which, huge);
+    else if (which == 9)
+      huge_views();
+    else
+      huge_layer_update(which, huge, near, a, b2);
+    check(verify(cache(), ref()));
+  }
+
+  // A layer's update (or recurrent state) of Q tokens, broadcast from one
+  // token of a or b2: refused.
+  void huge_layer_update(int which, i64 huge, bool near, HostTensor& a, HostTensor& b2) {
     // Q tokens for layer i: a huge count, or just past 2^40 tokens for that layer.
     auto tokens = [&](int i) { return near ? kTokenLimit + 1 - ref().layers[static_cast<std::size_t>(i)].L : huge; };
     i64 Q = huge;
-    HostTensor a, b2;
     switch (which) {
       case 0: {  // update with a broadcast of Q tokens as keys, values or both
         const int i = pick_layer([](const RefLayer& r) { return r.has_attention(); });
@@ -1494,32 +1559,6 @@ class Fuzzer {
                 {Q < 1 ? Err::Invalid : Err::Capacity, Q < 1 ? Err::Invalid : Err::Invalid});
         break;
       }
-      case 4:
-        refused("begin_forward(" + num(Q) + ")", [&] { Forward f = cache().begin_forward(Q); }, {Err::Invalid});
-        break;
-      case 5: {
-        const int i = static_cast<int>(next() % static_cast<unsigned>(num_layers()));
-        const bool attention = ref().layers[static_cast<std::size_t>(i)].has_attention();
-        refused("get_mask_sizes(" + num(Q) + ", " + num(i) + ")", [&] { (void)cache().get_mask_sizes(Q, i); },
-                {attention ? Err::Invalid : Err::State});
-        break;
-      }
-      case 6: {
-        const std::array<i64, 6> rs{-1, kTokenLimit + 1, i64{1} << 62, kI64Max, kI64Min, -(i64{1} << 40)};
-        const i64 R = in_.pick(rs);
-        refused("activate_past_recording(" + num(R) + ")", [&] { cache().activate_past_recording(R); },
-                {ref().in_step() ? Err::Invalid : Err::State, ref().in_step() ? Err::Invalid : Err::Invalid});
-        break;
-      }
-      case 7: {  // repeats whose batch would need more than 2^48 bytes
-        const std::array<i64, 6> rs{i64{1} << 62, kI64Max, i64{1} << 40, i64{1} << 47, 0, -1};
-        i64 r = in_.pick(rs);
-        // Out of step, which of the two refusals comes first is not specified.
-        refused("batch_repeat_interleave(" + num(r) + ")", [&] { cache().batch_repeat_interleave(r); },
-                {ref().in_step() ? (r < 1 ? Err::Invalid : Err::Capacity) : Err::State,
-                 ref().in_step() || r >= 1 ? Err::State : Err::Invalid});
-        break;
-      }
       case 8: {  // a recurrent state of the wrong shape (huge, broadcast)
         const int i = pick_layer([](const RefLayer& r) { return !r.rec_shapes.empty(); });
         const RefLayer& rl = ref().layers[static_cast<std::size_t>(i)];
@@ -1528,22 +1567,6 @@ class Fuzzer {
         const TensorView v = huge_view(a, shape, d, Q);
         refused("layer " + num(i) + " update_recurrent_state of shape with extent " + num(Q),
                 [&] { cache().update_recurrent_state(v, i, 0); }, {Err::Invalid});
-        break;
-      }
-      case 9: {  // views: more than 2^62 elements, negative extents, slices out of range
-        float one = 1.0f;
-        check(expect_kinds(
-            [&] {
-              (void)TensorView::contiguous(&one, DType::F32, {i64{1} << 40, i64{1} << 40, 1 << 20});
-            },
-            {Err::Invalid}));
-        check(expect_kinds([&] { (void)TensorView::strided(&one, DType::F32, {2, -3}, {0, 0}); }, {Err::Invalid}));
-        check(expect_kinds([&] { (void)TensorView::strided(&one, DType::F32, {2, 3}, {0}); }, {Err::Invalid}));
-        const TensorView big = TensorView::strided(&one, DType::F32, {i64{1} << 40, i64{1} << 40, 1 << 20}, {0, 0, 0});
-        check(expect_kinds([&] { (void)big.numel(); }, {Err::Invalid}));
-        check(expect_kinds([&] { (void)big.slice(1, (i64{1} << 40) - 1, 2); }, {Err::Index}));
-        check(expect_kinds([&] { (void)big.slice(4, 0, 1); }, {Err::Index}));
-        if (big.slice(0, kTokenLimit - 1, 1).size(0) != 1) fail("TensorView::slice: wrong extent");
         break;
       }
       default: {  // zero and negative token counts, as raw views
@@ -1559,14 +1582,68 @@ class Fuzzer {
         break;
       }
     }
-    check(verify(cache(), ref()));
+  }
+
+  // Whole-cache calls with a huge count: refused.
+  void huge_cache_call(int which, i64 huge) {
+    switch (which) {
+      case 4:
+        refused("begin_forward(" + num(huge) + ")", [&] { Forward f = cache().begin_forward(huge); }, {Err::Invalid});
+        break;
+      case 5: {
+        const int i = static_cast<int>(next() % static_cast<unsigned>(num_layers()));
+        const bool attention = ref().layers[static_cast<std::size_t>(i)].has_attention();
+        refused("get_mask_sizes(" + num(huge) + ", " + num(i) + ")", [&] { (void)cache().get_mask_sizes(huge, i); },
+                {attention ? Err::Invalid : Err::State});
+        break;
+      }
+      case 6: {
+        const std::array<i64, 6> rs{-1, kTokenLimit + 1, i64{1} << 62, kI64Max, kI64Min, -(i64{1} << 40)};
+        const i64 R = in_.pick(rs);
+        refused("activate_past_recording(" + num(R) + ")", [&] { cache().activate_past_recording(R); },
+                {ref().in_step() ? Err::Invalid : Err::State, ref().in_step() ? Err::Invalid : Err::Invalid});
+        break;
+      }
+      default: {  // repeats whose batch would need more than 2^48 bytes
+        const std::array<i64, 6> rs{i64{1} << 62, kI64Max, i64{1} << 40, i64{1} << 47, 0, -1};
+        i64 r = in_.pick(rs);
+        // Out of step, which of the two refusals comes first is not specified.
+        refused("batch_repeat_interleave(" + num(r) + ")", [&] { cache().batch_repeat_interleave(r); },
+                {ref().in_step() ? (r < 1 ? Err::Invalid : Err::Capacity) : Err::State,
+                 ref().in_step() || r >= 1 ? Err::State : Err::Invalid});
+        break;
+      }
+    }
+  }
+
+  // Views: more than 2^62 elements, negative extents, slices out of range.
+  void huge_views() {
+    float one = 1.0f;
+    check(expect_kinds(
+        [&] {
+          (void)TensorView::contiguous(&one, DType::F32, {i64{1} << 40, i64{1} << 40, 1 << 20});
+        },
+        {Err::Invalid}));
+    check(expect_kinds([&] { (void)TensorView::strided(&one, DType::F32, {2, -3}, {0, 0}); }, {Err::Invalid}));
+    check(expect_kinds([&] { (void)TensorView::strided(&one, DType::F32, {2, 3}, {0}); }, {Err::Invalid}));
+    const TensorView big = TensorView::strided(&one, DType::F32, {i64{1} << 40, i64{1} << 40, 1 << 20}, {0, 0, 0});
+    check(expect_kinds([&] { (void)big.numel(); }, {Err::Invalid}));
+    check(expect_kinds([&] { (void)big.slice(1, (i64{1} << 40) - 1, 2); }, {Err::Index}));
+    check(expect_kinds([&] { (void)big.slice(4, 0, 1); }, {Err::Index}));
+    if (big.slice(0, kTokenLimit - 1, 1).size(0) != 1) fail("TensorView::slice: wrong extent");
   }
 
   // ---- fresh layers and caches with huge options ---------------------------------
 
-  void op_huge_layer() {
-    const LayerKind kind = kEveryLayerKind[next() % kEveryLayerKind.size()];
-    LayerOptions o = small_options(kind, dt_, false, in_.range(1, 2));
+  struct HugeField {
+    std::string what;
+    bool used = false;   // the kind has a buffer that grows with the field
+    bool maybe = false;  // the kind may or may not use it
+  };
+
+  // Sets option `field` of o to the huge extent v (fields 9 to 11 pick their
+  // own huge values).
+  HugeField set_huge_field(int field, i64 v, LayerKind kind, int path, LayerOptions& o) {
     const bool attention = kind == LayerKind::FullAttention || kind == LayerKind::SlidingAttention ||
                            kind == LayerKind::ChunkedAttention || kind == LayerKind::Hybrid ||
                            kind == LayerKind::HybridSliding || kind == LayerKind::SparseAttention;
@@ -1574,88 +1651,83 @@ class Fuzzer {
                       kind == LayerKind::HybridSliding;
     const bool rec = conv && kind != LayerKind::Conv;
     const bool stateful = attention || conv;
-    const int field = next() % 12;
-    const int path = next() % 3;             // Layer, Cache of one type, Cache of several types
-    if (path == 2 && o.num_kv_heads == 0) {  // the cache adds a full-attention layer
-      o.num_kv_heads = 2;
-      o.key_dim = 3;
-    }
-    const i64 v = in_.pick(kHugeExtents);
     const bool any_attention = attention || path == 2;  // path 2 adds a full-attention layer
-    bool used = false;                                  // the kind has a buffer that grows with the field
-    bool maybe = false;                                 // the kind may or may not use it
-    std::string what;
+    HugeField f;
     switch (field) {
       case 0:
         o.num_kv_heads = v;
-        used = any_attention;
-        what = "num_kv_heads";
+        f.used = any_attention;
+        f.what = "num_kv_heads";
         break;
       case 1:
         o.key_dim = v;
-        used = any_attention;
-        what = "key_dim";
+        f.used = any_attention;
+        f.what = "key_dim";
         break;
       case 2:
         o.value_dim = v;
-        used = any_attention;
-        what = "value_dim";
+        f.used = any_attention;
+        f.what = "value_dim";
         break;
       case 3:
         o.side_dims = in_.one_in(2) ? std::vector<i64>{v} : std::vector<i64>{4, v};
-        used = kind == LayerKind::SparseAttention;
-        maybe = attention && path == 0;  // a Layer of another attention kind may carry side tensors
-        what = "side_dims";
+        f.used = kind == LayerKind::SparseAttention;
+        f.maybe = attention && path == 0;  // a Layer of another attention kind may carry side tensors
+        f.what = "side_dims";
         break;
       case 4:
         o.conv_channels = {3, v};
-        used = conv;
-        what = "conv_channels";
+        f.used = conv;
+        f.what = "conv_channels";
         break;
       case 5:
         o.conv_kernel_size = v;
-        used = conv;
-        what = "conv_kernel_size";
+        f.used = conv;
+        f.what = "conv_kernel_size";
         break;
       case 6: {
         const int shape = next() % 3;
         o.recurrent_shapes = shape == 0   ? std::vector<std::vector<i64>>{{v}}
                              : shape == 1 ? std::vector<std::vector<i64>>{{2, 3}, {2, v}}
                                           : std::vector<std::vector<i64>>{{v, v, v}};
-        used = rec;
-        what = "recurrent_shapes";
+        f.used = rec;
+        f.what = "recurrent_shapes";
         break;
       }
       case 7:
         o.static_capacity = v;
-        used = any_attention;
-        what = "static_capacity";
+        f.used = any_attention;
+        f.what = "static_capacity";
         break;
       case 8:
         o.batch_size = v;
-        used = stateful || path == 2;
-        what = "batch_size";
+        f.used = stateful || path == 2;
+        f.what = "batch_size";
         break;
       case 9: {  // two factors, each modest, whose product passes 2^48 bytes
         const std::array<i64, 5> fs{i64{1} << 24, (i64{1} << 24) + 3, i64{1} << 31, i64{1} << 32, i64{1} << 40};
         o.num_kv_heads = in_.pick(fs);
         o.key_dim = in_.pick(fs);
-        used = any_attention;
-        what = "num_kv_heads x key_dim";
+        f.used = any_attention;
+        f.what = "num_kv_heads x key_dim";
         break;
       }
       case 10:
         o.sliding_window = in_.pick(kHugeSpans);
-        what = "sliding_window";
+        f.what = "sliding_window";
         break;
       default:
         o.chunk_size = in_.pick(kHugeSpans);
-        what = "chunk_size";
+        f.what = "chunk_size";
         break;
     }
-    note("fresh " + std::string(rwd::layer_kind_name(kind)) + (path == 0 ? " Layer" : " Cache") + " with huge " + what);
-    std::optional<Layer> layer;
-    std::optional<Cache> built;
+    return f;
+  }
+
+  // A fresh Layer (path 0) or Cache (path 1: of kind alone, 2: beside moe and
+  // full attention) with options o. false: refused, as a huge `what` may be.
+  bool build_huge(LayerKind kind, int path, const LayerOptions& o, const std::string& what, std::optional<Layer>& layer,
+                  std::optional<Cache>& built) {
     try {
       if (path == 0) {
         layer.emplace(kind, o);
@@ -1666,18 +1738,37 @@ class Fuzzer {
       }
     } catch (const rwd::CapacityError&) {
       count(kHugeLayerRefused);
-      return;
+      return false;
     } catch (const rwd::InvalidArgument&) {
       count(kHugeLayerRefused);
-      return;
+      return false;
     } catch (const rwd::Error& e) {
       fail("huge " + what + ": unexpected " + err_name(classify(e)) + ": " + e.what());
     } catch (const std::exception& e) {
       fail("huge " + what + ": non-rewind exception: " + e.what());
     }
+    return true;
+  }
+
+  void op_huge_layer() {
+    const LayerKind kind = kEveryLayerKind[next() % kEveryLayerKind.size()];
+    LayerOptions o = small_options(kind, dt_, false, in_.range(1, 2));
+    const int field = next() % 12;
+    const int path = next() % 3;             // Layer, Cache of one type, Cache of several types
+    if (path == 2 && o.num_kv_heads == 0) {  // the cache adds a full-attention layer
+      o.num_kv_heads = 2;
+      o.key_dim = 3;
+    }
+    const i64 v = in_.pick(kHugeExtents);
+    const HugeField f = set_huge_field(field, v, kind, path, o);
+    note("fresh " + std::string(rwd::layer_kind_name(kind)) + (path == 0 ? " Layer" : " Cache") + " with huge " +
+         f.what);
+    std::optional<Layer> layer;
+    std::optional<Cache> built;
+    if (!build_huge(kind, path, o, f.what, layer, built)) return;
     count(kHugeLayerBuilt);
-    if (used && !maybe && field != 10 && field != 11)
-      fail("a " + std::string(rwd::layer_kind_name(kind)) + " layer with " + what +
+    if (f.used && !f.maybe && field != 10 && field != 11)
+      fail("a " + std::string(rwd::layer_kind_name(kind)) + " layer with " + f.what +
            " in the 2^48..2^63 range was built: its buffers need more than 2^48 bytes");
     if (layer &&
         ((field == 10 && kind == LayerKind::SlidingAttention) || (field == 11 && kind == LayerKind::ChunkedAttention)))

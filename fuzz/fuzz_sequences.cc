@@ -503,6 +503,31 @@ class Fuzzer {
     }
   }
 
+  // One whole-state call on sequence id, refused while a batch is open.
+  std::string probe_whole_state_call(SeqId id, const std::string& at) {
+    std::string e;
+    auto refuse = [&](const std::string& what, auto&& f) {
+      if (e.empty()) e = m_.refused(what + at, f, {Err::State}, false);
+    };
+    switch (next() % 10) {
+      case 0: refuse("crop(0)", [&] { cache().crop(id, 0); }); break;
+      case 1: refuse("add_sequence", [&] { (void)cache().add_sequence(); }); break;
+      case 2: refuse("fork", [&] { (void)cache().fork(id); }); break;
+      case 3: refuse("seq_rm", [&] { (void)cache().seq_rm(id); }); break;
+      case 4: refuse("seq_keep", [&] { cache().seq_keep(id); }); break;
+      case 5: refuse("activate_past_recording", [&] { cache().activate_past_recording(id, 3); }); break;
+      case 6: refuse("set_memory_budget", [&] { cache().set_memory_budget(1); }); break;
+      case 7: refuse("shrink_to_fit", [&] { cache().shrink_to_fit(); }); break;
+      case 8: refuse("deactivate_past_recording", [&] { cache().deactivate_past_recording(id); }); break;
+      default:
+        refuse("begin_batch", [&] {
+          const BatchEntry en[1] = {{id, 1}};
+          SequenceBatch other = cache().begin_batch(en);
+        });
+    }
+    return e;
+  }
+
   // Calls that must be refused inside the open batch, changing nothing.
   std::string probe(int layer, SequenceBatch& b) {
     if (next() % 2 != 0) return "";
@@ -547,29 +572,7 @@ class Fuzzer {
             "update_conv_state with 7 channels" + at, [&] { (void)cache().update_conv_state(x, layer, 0); },
             rl.conv_ch.empty() ? std::vector<Err>{Err::State} : std::vector<Err>{Err::Invalid}, false);
       }
-      case 4: {  // whole-state calls
-        std::string e;
-        auto refuse = [&](const std::string& what, auto&& f) {
-          if (e.empty()) e = m_.refused(what + at, f, {Err::State}, false);
-        };
-        switch (next() % 10) {
-          case 0: refuse("crop(0)", [&] { cache().crop(id, 0); }); break;
-          case 1: refuse("add_sequence", [&] { (void)cache().add_sequence(); }); break;
-          case 2: refuse("fork", [&] { (void)cache().fork(id); }); break;
-          case 3: refuse("seq_rm", [&] { (void)cache().seq_rm(id); }); break;
-          case 4: refuse("seq_keep", [&] { cache().seq_keep(id); }); break;
-          case 5: refuse("activate_past_recording", [&] { cache().activate_past_recording(id, 3); }); break;
-          case 6: refuse("set_memory_budget", [&] { cache().set_memory_budget(1); }); break;
-          case 7: refuse("shrink_to_fit", [&] { cache().shrink_to_fit(); }); break;
-          case 8: refuse("deactivate_past_recording", [&] { cache().deactivate_past_recording(id); }); break;
-          default:
-            refuse("begin_batch", [&] {
-              const BatchEntry en[1] = {{id, 1}};
-              SequenceBatch other = cache().begin_batch(en);
-            });
-        }
-        return e;
-      }
+      case 4: return probe_whole_state_call(id, at);
       case 5:  // commit before this layer got its tokens
         if (std::string e = m_.refused(
                 "commit" + at, [&] { b.commit(); }, {Err::State}, false);

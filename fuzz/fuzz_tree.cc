@@ -82,6 +82,40 @@ void check_stale(std::vector<rwd::TreeRecurrentSlots>& stale) {
   if (stale.size() > 12) stale.erase(stale.begin(), stale.end() - 12);
 }
 
+// Calls the open tree of parents.size() nodes must refuse, changing nothing.
+void refuse_calls_inside_a_tree(Built& b, rwd::TreeForward& tree, const std::vector<std::int64_t>& parents, DType dt) {
+  const auto n = static_cast<i64>(parents.size());
+  refused(
+      "crop inside a tree", [&] { b.cache.crop(-1); }, b.cache);
+  refused(
+      "begin_forward inside a tree", [&] { (void)b.cache.begin_forward(1); }, b.cache);
+  refused(
+      "begin_tree inside a tree", [&] { (void)b.cache.begin_tree(parents); }, b.cache);
+  refused(
+      "commit of an incomplete tree", [&] { tree.commit(0); }, b.cache);
+  HostTensor k(dt, {1, 2, n + 1, 3}), v(dt, {1, 2, n + 1, 2});
+  refused(
+      "TreeForward::update of N + 1 rows", [&] { (void)tree.update(k.view(), v.view(), 0); }, b.cache);
+}
+
+// The tree abandoned by destroying its handle, before any layer or after the
+// first took its update: the cache is as before_all saw it.
+void abandon_by_destruction(ByteReader& in, Built& b, std::optional<rwd::TreeForward>& tree,
+                            const std::vector<StepData>& data, std::uint64_t salt,
+                            std::vector<rwd::TreeRecurrentSlots>& stale, const Before& before_all) {
+  if (in.one_in(2)) {
+    const RefLayer& rl = b.ref.layers[0];
+    const HostTensor k = rl.kv_input(data[0], true, false), v = rl.kv_input(data[0], false, false);
+    (void)tree->update(k.view(), v.view(), 0);
+  }
+  // Layer 3 (linear attention) hands out its slots before the abandon on
+  // every other tree (no input byte read, so older seeds keep their paths).
+  if (salt % 2 == 0) stale.push_back(tree->recurrent_slots(3, 0));
+  tree.reset();
+  if (std::string d = before_all.changed(b.cache); !d.empty()) die("abandoned tree changed " + d);
+  check(verify(b.cache, b.ref));
+}
+
 // One tree round of run(): a random tree, hostile calls inside it, every
 // node's update checked, then an abandon (explicit or by the handle's
 // destruction) or a commit (refused or not) checked against the reference.
@@ -107,34 +141,12 @@ void tree_round(ByteReader& in, Built& b, DType dt, std::uint64_t& salt, std::ve
   }
   check_stale(stale);  // a new tree open does not revive old slots
   // Hostile calls inside the tree: refused, nothing changes.
-  if (in.one_in(3)) {
-    refused(
-        "crop inside a tree", [&] { b.cache.crop(-1); }, b.cache);
-    refused(
-        "begin_forward inside a tree", [&] { (void)b.cache.begin_forward(1); }, b.cache);
-    refused(
-        "begin_tree inside a tree", [&] { (void)b.cache.begin_tree(parents); }, b.cache);
-    refused(
-        "commit of an incomplete tree", [&] { tree->commit(0); }, b.cache);
-    HostTensor k(dt, {1, 2, n + 1, 3}), v(dt, {1, 2, n + 1, 2});
-    refused(
-        "TreeForward::update of N + 1 rows", [&] { (void)tree->update(k.view(), v.view(), 0); }, b.cache);
-  }
+  if (in.one_in(3)) refuse_calls_inside_a_tree(b, *tree, parents, dt);
   std::vector<StepData> data;
   for (const RefLayer& rl : b.ref.layers) data.push_back(rl.make_step(n, ++salt));
   const int how = in.next() % 6;
-  if (how == 0) {  // abandoned by destroying the handle, before any layer or after the first took its update
-    if (in.one_in(2)) {
-      const RefLayer& rl = b.ref.layers[0];
-      const HostTensor k = rl.kv_input(data[0], true, false), v = rl.kv_input(data[0], false, false);
-      (void)tree->update(k.view(), v.view(), 0);
-    }
-    // Layer 3 (linear attention) hands out its slots before the abandon on
-    // every other tree (no input byte read, so older seeds keep their paths).
-    if (salt % 2 == 0) stale.push_back(tree->recurrent_slots(3, 0));
-    tree.reset();
-    if (std::string d = before_all.changed(b.cache); !d.empty()) die("abandoned tree changed " + d);
-    check(verify(b.cache, b.ref));
+  if (how == 0) {
+    abandon_by_destruction(in, b, tree, data, salt, stale, before_all);
     return;
   }
   std::vector<rwd::TreeRecurrentSlots> kept;

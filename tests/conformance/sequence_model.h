@@ -250,6 +250,37 @@ class SeqModel {
     return "";
   }
 
+  // block_spans: exactly the retained positions, each row where the
+  // header's addressing rule puts it (read with BlockLayout::rows).
+  std::string verify_block_spans(SeqId id, int i, const RefLayer& rl) const {
+    auto n = [](i64 v) { return std::to_string(v); };
+    const BlockLayout& bl = cache.block_layout(i);
+    const i64 bs = cache.block_size();
+    i64 pos = rl.first;
+    for (const BlockSpan& sp : cache.block_spans(id, i)) {
+      if (sp.num_tokens == 0) continue;
+      if (sp.position != pos || sp.num_tokens < 0 || sp.blocks == nullptr)
+        return "block_spans: a span covers [" + n(sp.position) + ", " + n(sp.position + sp.num_tokens) +
+               ") where position " + n(pos) + " was expected (stored [" + n(rl.first) + ", " + n(rl.L) + "))";
+      for (i64 p = sp.position; p < sp.position + sp.num_tokens; ++p) {
+        if (p >= rl.L) return "block_spans cover position " + n(p) + " >= L = " + n(rl.L);
+        const std::byte* block = sp.blocks[p / bs - sp.position / bs];
+        const i64 row = p % bs;
+        if (!view_equals(bl.rows(block, 0, row, 1), rl.keys[static_cast<std::size_t>(p)]))
+          return "block_spans: keys row of position " + n(p) + " differs";
+        if (!view_equals(bl.rows(block, 1, row, 1), rl.values[static_cast<std::size_t>(p)]))
+          return "block_spans: values row of position " + n(p) + " differs";
+        for (std::size_t s = 0; s < rl.side_dims.size(); ++s)
+          if (!view_equals(bl.rows(block, 2 + static_cast<int>(s), row, 1), rl.sides[s][static_cast<std::size_t>(p)]))
+            return "block_spans: side " + n(static_cast<i64>(s)) + " row of position " + n(p) + " differs";
+      }
+      pos += sp.num_tokens;
+    }
+    if (pos != rl.L)
+      return "block_spans cover [" + n(rl.first) + ", " + n(pos) + "), expected [" + n(rl.first) + ", " + n(rl.L) + ")";
+    return "";
+  }
+
   std::string verify_layer(SeqId id, int i, const RefLayer& rl) const {
     auto n = [](i64 v) { return std::to_string(v); };
     if (rl.has_attention()) {
@@ -268,33 +299,8 @@ class SeqModel {
                        rl.dtype(), {1, kept, rl.side_dims[s]}, rl.expect_side(s, rl.first, rl.L));
         if (!e.empty()) return e;
       }
-      // block_spans: exactly the retained positions, each row where the
-      // header's addressing rule puts it (read with BlockLayout::rows).
-      const BlockLayout& bl = cache.block_layout(i);
-      const i64 bs = cache.block_size();
-      i64 pos = rl.first;
-      for (const BlockSpan& sp : cache.block_spans(id, i)) {
-        if (sp.num_tokens == 0) continue;
-        if (sp.position != pos || sp.num_tokens < 0 || sp.blocks == nullptr)
-          return "block_spans: a span covers [" + n(sp.position) + ", " + n(sp.position + sp.num_tokens) +
-                 ") where position " + n(pos) + " was expected (stored [" + n(rl.first) + ", " + n(rl.L) + "))";
-        for (i64 p = sp.position; p < sp.position + sp.num_tokens; ++p) {
-          if (p >= rl.L) return "block_spans cover position " + n(p) + " >= L = " + n(rl.L);
-          const std::byte* block = sp.blocks[p / bs - sp.position / bs];
-          const i64 row = p % bs;
-          if (!view_equals(bl.rows(block, 0, row, 1), rl.keys[static_cast<std::size_t>(p)]))
-            return "block_spans: keys row of position " + n(p) + " differs";
-          if (!view_equals(bl.rows(block, 1, row, 1), rl.values[static_cast<std::size_t>(p)]))
-            return "block_spans: values row of position " + n(p) + " differs";
-          for (std::size_t s = 0; s < rl.side_dims.size(); ++s)
-            if (!view_equals(bl.rows(block, 2 + static_cast<int>(s), row, 1), rl.sides[s][static_cast<std::size_t>(p)]))
-              return "block_spans: side " + n(static_cast<i64>(s)) + " row of position " + n(p) + " differs";
-        }
-        pos += sp.num_tokens;
-      }
-      if (pos != rl.L)
-        return "block_spans cover [" + n(rl.first) + ", " + n(pos) + "), expected [" + n(rl.first) + ", " + n(rl.L) +
-               ")";
+      e = verify_block_spans(id, i, rl);
+      if (!e.empty()) return e;
       for (i64 q : {i64{1}, i64{3}, i64{9}}) {
         const MaskSizes got = cache.get_mask_sizes(id, q, i), want = rl.mask_sizes(q);
         if (got.kv_length != want.kv_length || got.kv_offset != want.kv_offset)

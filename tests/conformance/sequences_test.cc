@@ -675,48 +675,55 @@ TEST(SequenceErrors, BlockLayoutGeometry) {
   EXPECT_EQ(c.layer_kind(1), LayerKind::LinearAttention);
 }
 
-TEST(SequenceErrors, CallsOutsideAndInsideABatch) {
-  SequenceCache c({"full_attention", "linear_attention", "deepseek_sparse_attention"}, seq_options(kMixedF32), {2});
-  const SeqId s = c.add_sequence();
-  const SeqId t = c.add_sequence();
-  const i64 q = 2;
-  // Inputs: keys [1, 2, q, 3], values [1, 2, q, 2], side rows [1, q, 4] and [1, q, 1], conv [1, 3, q] and [1, 2, q].
-  std::vector<float> kb(2 * q * 3), vb(2 * q * 2), s0(q * 4), s1(q * 1), c0(3 * q), c1(2 * q);
-  for (std::size_t i = 0; i < kb.size(); ++i) kb[i] = static_cast<float>(i) + 0.5f;
-  for (std::size_t i = 0; i < vb.size(); ++i) vb[i] = -static_cast<float>(i) - 0.25f;
-  for (std::size_t i = 0; i < s0.size(); ++i) s0[i] = static_cast<float>(i) + 10.f;
-  s1 = {20.f, 21.f};
-  for (std::size_t i = 0; i < c0.size(); ++i) c0[i] = static_cast<float>(i) + 30.f;
-  for (std::size_t i = 0; i < c1.size(); ++i) c1[i] = static_cast<float>(i) + 40.f;
-  const TensorView keys = TensorView::contiguous(kb.data(), DType::F32, {1, 2, q, 3});
-  const TensorView values = TensorView::contiguous(vb.data(), DType::F32, {1, 2, q, 2});
-  const TensorView side0 = TensorView::contiguous(s0.data(), DType::F32, {1, q, 4});
-  const TensorView side1 = TensorView::contiguous(s1.data(), DType::F32, {1, q, 1});
-  const TensorView conv0 = TensorView::contiguous(c0.data(), DType::F32, {1, 3, q});
-  const TensorView conv1 = TensorView::contiguous(c1.data(), DType::F32, {1, 2, q});
+// Inputs for one batch over a SequenceCache of full_attention,
+// linear_attention and deepseek_sparse_attention (kMixedF32, q tokens for the
+// first entry): keys [1, 2, q, 3], values [1, 2, q, 2], side rows [1, q, 4] and
+// [1, q, 1], conv [1, 3, q] and [1, 2, q].
+struct MixedBatchInputs {
+  static constexpr i64 q = 2;
+  std::vector<float> kb = std::vector<float>(2 * q * 3), vb = std::vector<float>(2 * q * 2),
+                     s0 = std::vector<float>(q * 4), s1 = {20.f, 21.f}, c0 = std::vector<float>(3 * q),
+                     c1 = std::vector<float>(2 * q);
+  TensorView keys, values, side0, side1, conv0, conv1;
 
-  // Outside a batch.
-  EXPECT_THROW((void)c.update(keys, values, 0), StateError);
-  EXPECT_THROW((void)c.update_side(side0, 2, 0), StateError);
-  EXPECT_THROW((void)c.update_conv_state(conv0, 1, 0), StateError);
+  MixedBatchInputs() {
+    for (std::size_t i = 0; i < kb.size(); ++i) kb[i] = static_cast<float>(i) + 0.5f;
+    for (std::size_t i = 0; i < vb.size(); ++i) vb[i] = -static_cast<float>(i) - 0.25f;
+    for (std::size_t i = 0; i < s0.size(); ++i) s0[i] = static_cast<float>(i) + 10.f;
+    for (std::size_t i = 0; i < c0.size(); ++i) c0[i] = static_cast<float>(i) + 30.f;
+    for (std::size_t i = 0; i < c1.size(); ++i) c1[i] = static_cast<float>(i) + 40.f;
+    keys = TensorView::contiguous(kb.data(), DType::F32, {1, 2, q, 3});
+    values = TensorView::contiguous(vb.data(), DType::F32, {1, 2, q, 2});
+    side0 = TensorView::contiguous(s0.data(), DType::F32, {1, q, 4});
+    side1 = TensorView::contiguous(s1.data(), DType::F32, {1, q, 1});
+    conv0 = TensorView::contiguous(c0.data(), DType::F32, {1, 3, q});
+    conv1 = TensorView::contiguous(c1.data(), DType::F32, {1, 2, q});
+  }
+  MixedBatchInputs(const MixedBatchInputs&) = delete;  // the views point into this object's vectors
+  MixedBatchInputs& operator=(const MixedBatchInputs&) = delete;
+};
+
+void expect_refused_outside_a_batch(SequenceCache& c, SeqId s, SeqId t, const MixedBatchInputs& in) {
+  EXPECT_THROW((void)c.update(in.keys, in.values, 0), StateError);
+  EXPECT_THROW((void)c.update_side(in.side0, 2, 0), StateError);
+  EXPECT_THROW((void)c.update_conv_state(in.conv0, 1, 0), StateError);
   EXPECT_THROW((void)c.begin_recurrent_update(1, 0), StateError);
   EXPECT_FALSE(c.batch_open());
 
   // Refused batches.
-  {
-    std::vector<BatchEntry> none;
-    EXPECT_THROW((void)c.begin_batch(none), InvalidArgument);
-    const BatchEntry twice[2] = {{s, 1}, {s, 1}};
-    EXPECT_THROW((void)c.begin_batch(twice), InvalidArgument);
-    const BatchEntry negative[2] = {{s, 1}, {t, -1}};
-    EXPECT_THROW((void)c.begin_batch(negative), InvalidArgument);
-    const BatchEntry zero[2] = {{s, 0}, {t, 0}};
-    EXPECT_THROW((void)c.begin_batch(zero), InvalidArgument);
-    const BatchEntry huge[1] = {{s, kTokenLimit + 1}};
-    EXPECT_THROW((void)c.begin_batch(huge), CapacityError);
-    EXPECT_FALSE(c.batch_open());
-    EXPECT_EQ(c.memory().blocks_in_use, 0);
-  }
+  std::vector<BatchEntry> none;
+  EXPECT_THROW((void)c.begin_batch(none), InvalidArgument);
+  const BatchEntry twice[2] = {{s, 1}, {s, 1}};
+  EXPECT_THROW((void)c.begin_batch(twice), InvalidArgument);
+  const BatchEntry negative[2] = {{s, 1}, {t, -1}};
+  EXPECT_THROW((void)c.begin_batch(negative), InvalidArgument);
+  const BatchEntry zero[2] = {{s, 0}, {t, 0}};
+  EXPECT_THROW((void)c.begin_batch(zero), InvalidArgument);
+  const BatchEntry huge[1] = {{s, kTokenLimit + 1}};
+  EXPECT_THROW((void)c.begin_batch(huge), CapacityError);
+  EXPECT_FALSE(c.batch_open());
+  EXPECT_EQ(c.memory().blocks_in_use, 0);
+
   // Queries.
   EXPECT_THROW((void)c.get_mask_sizes(s, 0, 0), InvalidArgument);
   EXPECT_THROW((void)c.get_mask_sizes(s, kTokenLimit + 1, 0), InvalidArgument);
@@ -728,15 +735,10 @@ TEST(SequenceErrors, CallsOutsideAndInsideABatch) {
   EXPECT_THROW((void)c.keys(s, 1), StateError);
   EXPECT_THROW((void)c.stored_range(s, 1), StateError);
   EXPECT_EQ(expect_kinds([&] { (void)c.get_recurrent_state(s, 0, 0); }, {Err::State, Err::Index}), "");
+}
 
-  const BatchEntry en[2] = {{s, q}, {t, 0}};
-  SequenceBatch b = c.begin_batch(en);
-  ASSERT_TRUE(b.is_open());
-  EXPECT_TRUE(c.batch_open());
-  EXPECT_EQ(b.num_tokens(), q);
-  EXPECT_EQ(b.offset(0), 0);
-  EXPECT_EQ(b.offset(1), q);
-  // Whole-state operations refuse while the batch is open.
+// Whole-state operations, and wrong calls for the open batch.
+void expect_refused_inside_a_batch(SequenceCache& c, SeqId s, SeqId t, const MixedBatchInputs& in) {
   EXPECT_THROW(c.crop(s, 0), StateError);
   EXPECT_THROW(c.crop(t, -1), StateError);
   EXPECT_THROW((void)c.add_sequence(), StateError);
@@ -747,44 +749,24 @@ TEST(SequenceErrors, CallsOutsideAndInsideABatch) {
   EXPECT_THROW(c.deactivate_past_recording(s), StateError);
   EXPECT_THROW(c.set_memory_budget(1 << 30), StateError);
   EXPECT_THROW(c.shrink_to_fit(), StateError);
-  {
-    const BatchEntry other[1] = {{t, 1}};
-    EXPECT_THROW((void)c.begin_batch(other), StateError);
-  }
+  const BatchEntry other[1] = {{t, 1}};
+  EXPECT_THROW((void)c.begin_batch(other), StateError);
   EXPECT_EQ(c.num_sequences(), 2);
-  // Wrong calls inside the batch.
-  EXPECT_THROW((void)c.update(keys.slice(2, 0, 1), values.slice(2, 0, 1), 0), InvalidArgument);  // T = 1, not 2
-  {
-    std::vector<std::uint16_t> h(kb.size());
-    const TensorView f16 = TensorView::contiguous(h.data(), DType::F16, {1, 2, q, 3});
-    EXPECT_THROW((void)c.update(f16, values, 0), InvalidArgument);
-  }
-  EXPECT_THROW((void)c.update(keys, values, 1), StateError);  // no attention
-  EXPECT_THROW((void)c.update(keys, values, 3), IndexError);
-  EXPECT_THROW((void)c.update_conv_state(conv0, 0, 0), StateError);
-  EXPECT_THROW((void)c.update_conv_state(conv0, 1, 5), IndexError);
-  EXPECT_THROW((void)c.update_side(side0, 2, 5), IndexError);
 
-  const std::span<const PagedKeyValues> kv = c.update(keys, values, 0);
-  ASSERT_EQ(kv.size(), 2u);
-  EXPECT_EQ(kv[0].kv_offset, 0);
-  EXPECT_EQ(kv[0].kv_length, q);
-  EXPECT_EQ(kv[1].kv_length, 0);
-  EXPECT_TRUE(kv[1].spans.empty());
-  EXPECT_THROW((void)c.update(keys, values, 0), StateError);  // layer 0 twice
-  // Layers 1 and 2 missing: the commit is refused, the batch stays open.
-  try {
-    b.commit();
-    ADD_FAILURE() << "commit with layers missing did not throw";
-  } catch (const StateError& e) {
-    EXPECT_NE(std::string(e.what()).find("layer 1"), std::string::npos) << e.what();
-  }
-  EXPECT_TRUE(b.is_open());
-  EXPECT_TRUE(c.batch_open());
-  (void)c.update_conv_state(conv0, 1, 0);
-  EXPECT_THROW(b.commit(), StateError);  // conv state 1 and the recurrent states still missing
-  EXPECT_TRUE(b.is_open());
-  (void)c.update_conv_state(conv1, 1, 1);
+  EXPECT_THROW((void)c.update(in.keys.slice(2, 0, 1), in.values.slice(2, 0, 1), 0), InvalidArgument);  // T = 1, not 2
+  std::vector<std::uint16_t> h(in.kb.size());
+  const TensorView f16 = TensorView::contiguous(h.data(), DType::F16, {1, 2, MixedBatchInputs::q, 3});
+  EXPECT_THROW((void)c.update(f16, in.values, 0), InvalidArgument);
+  EXPECT_THROW((void)c.update(in.keys, in.values, 1), StateError);  // no attention
+  EXPECT_THROW((void)c.update(in.keys, in.values, 3), IndexError);
+  EXPECT_THROW((void)c.update_conv_state(in.conv0, 0, 0), StateError);
+  EXPECT_THROW((void)c.update_conv_state(in.conv0, 1, 5), IndexError);
+  EXPECT_THROW((void)c.update_side(in.side0, 2, 5), IndexError);
+}
+
+// Both recurrent states of layer 1 for a batch of {q tokens, 0 tokens}: slot
+// j of state st holds 100 st + 10 j + e at element e.
+void write_recurrent_states(SequenceCache& c, i64 q) {
   for (int st = 0; st < 2; ++st) {
     BatchRecurrentUpdate u = c.begin_recurrent_update(1, st);
     ASSERT_EQ(u.num_entries(), 2u);  // every entry of the batch, the one of 0 tokens included
@@ -805,35 +787,80 @@ TEST(SequenceErrors, CallsOutsideAndInsideABatch) {
     u.commit();
     EXPECT_THROW(u.commit(), StateError);
   }
-  EXPECT_THROW(b.commit(), StateError);  // layer 2 (side tensors included) still missing
-  (void)c.update(keys, values, 2);
-  EXPECT_THROW(b.commit(), StateError);  // its side tensors still missing
-  (void)c.update_side(side0, 2, 0);
-  (void)c.update_side(side1, 2, 1);
-  b.commit();
-  EXPECT_FALSE(b.is_open());
-  EXPECT_FALSE(c.batch_open());
-  EXPECT_THROW(b.commit(), StateError);
+}
 
-  // What the batch wrote, read back.
+// What the committed batch wrote for s (q tokens) and t (none), read back.
+void expect_batch_read_back(SequenceCache& c, SeqId s, SeqId t, const MixedBatchInputs& in) {
+  const i64 q = MixedBatchInputs::q;
   EXPECT_EQ(c.seq_length(s), q);
   EXPECT_EQ(c.seq_length(t), 0);
-  EXPECT_TRUE(rwd::bitwise_equal(c.keys(s, 0).view(), keys));
-  EXPECT_TRUE(rwd::bitwise_equal(c.values(s, 2).view(), values));
-  EXPECT_TRUE(rwd::bitwise_equal(c.side(s, 2, 0).view(), side0));
-  EXPECT_TRUE(rwd::bitwise_equal(c.side(s, 2, 1).view(), side1));
+  EXPECT_TRUE(rwd::bitwise_equal(c.keys(s, 0).view(), in.keys));
+  EXPECT_TRUE(rwd::bitwise_equal(c.values(s, 2).view(), in.values));
+  EXPECT_TRUE(rwd::bitwise_equal(c.side(s, 2, 0).view(), in.side0));
+  EXPECT_TRUE(rwd::bitwise_equal(c.side(s, 2, 1).view(), in.side1));
   const TensorView conv_state = c.get_conv_state(s, 1, 0);  // [1, 3, K = 3]: one zero, then the 2 inputs
   ASSERT_EQ(shape_of(conv_state), (std::vector<i64>{1, 3, 3}));
   for (i64 ch = 0; ch < 3; ++ch) {
     EXPECT_EQ(conv_state.get(0, ch, 0), 0.f);
-    EXPECT_EQ(conv_state.get(0, ch, 1), c0[static_cast<std::size_t>(ch * q)]);
-    EXPECT_EQ(conv_state.get(0, ch, 2), c0[static_cast<std::size_t>(ch * q + 1)]);
+    EXPECT_EQ(conv_state.get(0, ch, 1), in.c0[static_cast<std::size_t>(ch * q)]);
+    EXPECT_EQ(conv_state.get(0, ch, 2), in.c0[static_cast<std::size_t>(ch * q + 1)]);
   }
   const TensorView rec = c.get_recurrent_state(s, 1, 1);  // S(2) of state 1: [1, 4]
   ASSERT_EQ(shape_of(rec), (std::vector<i64>{1, 4}));
   for (i64 e = 0; e < 4; ++e) EXPECT_EQ(rec.get(0, e), static_cast<float>(100 + 20 + e));
   const TensorView rec0 = c.get_recurrent_state(t, 1, 0);
   for (i64 e = 0; e < 6; ++e) EXPECT_EQ(rec0.get(0, e / 3, e % 3), 0.f);
+}
+
+TEST(SequenceErrors, CallsOutsideAndInsideABatch) {
+  SequenceCache c({"full_attention", "linear_attention", "deepseek_sparse_attention"}, seq_options(kMixedF32), {2});
+  const SeqId s = c.add_sequence();
+  const SeqId t = c.add_sequence();
+  const MixedBatchInputs in;
+  const i64 q = MixedBatchInputs::q;
+  expect_refused_outside_a_batch(c, s, t, in);
+
+  const BatchEntry en[2] = {{s, q}, {t, 0}};
+  SequenceBatch b = c.begin_batch(en);
+  ASSERT_TRUE(b.is_open());
+  EXPECT_TRUE(c.batch_open());
+  EXPECT_EQ(b.num_tokens(), q);
+  EXPECT_EQ(b.offset(0), 0);
+  EXPECT_EQ(b.offset(1), q);
+  expect_refused_inside_a_batch(c, s, t, in);
+
+  const std::span<const PagedKeyValues> kv = c.update(in.keys, in.values, 0);
+  ASSERT_EQ(kv.size(), 2u);
+  EXPECT_EQ(kv[0].kv_offset, 0);
+  EXPECT_EQ(kv[0].kv_length, q);
+  EXPECT_EQ(kv[1].kv_length, 0);
+  EXPECT_TRUE(kv[1].spans.empty());
+  EXPECT_THROW((void)c.update(in.keys, in.values, 0), StateError);  // layer 0 twice
+  // Layers 1 and 2 missing: the commit is refused, the batch stays open.
+  try {
+    b.commit();
+    ADD_FAILURE() << "commit with layers missing did not throw";
+  } catch (const StateError& e) {
+    EXPECT_NE(std::string(e.what()).find("layer 1"), std::string::npos) << e.what();
+  }
+  EXPECT_TRUE(b.is_open());
+  EXPECT_TRUE(c.batch_open());
+  (void)c.update_conv_state(in.conv0, 1, 0);
+  EXPECT_THROW(b.commit(), StateError);  // conv state 1 and the recurrent states still missing
+  EXPECT_TRUE(b.is_open());
+  (void)c.update_conv_state(in.conv1, 1, 1);
+  ASSERT_NO_FATAL_FAILURE(write_recurrent_states(c, q));
+  EXPECT_THROW(b.commit(), StateError);  // layer 2 (side tensors included) still missing
+  (void)c.update(in.keys, in.values, 2);
+  EXPECT_THROW(b.commit(), StateError);  // its side tensors still missing
+  (void)c.update_side(in.side0, 2, 0);
+  (void)c.update_side(in.side1, 2, 1);
+  b.commit();
+  EXPECT_FALSE(b.is_open());
+  EXPECT_FALSE(c.batch_open());
+  EXPECT_THROW(b.commit(), StateError);
+
+  ASSERT_NO_FATAL_FAILURE(expect_batch_read_back(c, s, t, in));
   // Crops are allowed again: a linear layer that does not record refuses
   // every crop (crop(0) included); recording from L = 2 on, S(1) is not
   // held, so only a full rollback is exact.

@@ -122,6 +122,43 @@ TEST(CacheSnapshot, EveryKindRestoresAndContinuesExactly) {
   }
 }
 
+// A snapshot with its own tensors, for the tests to damage one field of.
+Snapshot deep_copy(const Snapshot& s) {
+  auto dup = [](const rwd::Tensor& t) {
+    if (!t.view().data && t.view().rank == 0) return rwd::Tensor();
+    rwd::Tensor d(t.view().dtype, t.view().shape.data(), t.view().rank);
+    rwd::copy_tensor(t, d.view());
+    return d;
+  };
+  Snapshot out;
+  out.length = s.length;
+  for (const auto& l : s.layers) {
+    rwd::LayerSnapshot c;
+    c.kind = l.kind;
+    c.first = l.first;
+    c.keys = dup(l.keys);
+    c.values = dup(l.values);
+    for (const auto& t : l.sides) c.sides.push_back(dup(t));
+    for (const auto& t : l.conv_states) c.conv_states.push_back(dup(t));
+    for (const auto& t : l.recurrent_states) c.recurrent_states.push_back(dup(t));
+    out.layers.push_back(std::move(c));
+  }
+  return out;
+}
+
+// "" when restoring s into cache throws InvalidArgument whose message holds
+// fragment and leaves the cache as `before` observed it.
+std::string refused_restore(Cache& cache, const Observed& before, const Snapshot& s, const std::string& fragment) {
+  try {
+    cache.restore(s);
+    return std::string("restore did not throw (wanted: ") + fragment + ")";
+  } catch (const rwd::InvalidArgument& e) {
+    if (std::string(e.what()).find(fragment) == std::string::npos)
+      return "message \"" + std::string(e.what()) + "\" lacks \"" + fragment + "\"";
+  }
+  return diff(before, observe(cache));
+}
+
 TEST(CacheSnapshot, RestoreRefusesWhatDoesNotFitAndChangesNothing) {
   Built a = build_cache(every_kind(DType::F32, false));
   for (int i = 0; i < 3; ++i) ASSERT_EQ(cache_step(a.cache, a.ref, 4, 10 + static_cast<std::uint64_t>(i)), "");
@@ -131,49 +168,20 @@ TEST(CacheSnapshot, RestoreRefusesWhatDoesNotFitAndChangesNothing) {
   ASSERT_EQ(cache_step(b.cache, b.ref, 3, 99), "");
   const Observed before = observe(b.cache);
   auto refused = [&](const Snapshot& s, const std::string& fragment) {
-    try {
-      b.cache.restore(s);
-      return std::string("restore did not throw (wanted: ") + fragment + ")";
-    } catch (const rwd::InvalidArgument& e) {
-      if (std::string(e.what()).find(fragment) == std::string::npos)
-        return "message \"" + std::string(e.what()) + "\" lacks \"" + fragment + "\"";
-    }
-    return diff(before, observe(b.cache));
-  };
-  auto copy = [](const Snapshot& s) {
-    Snapshot out;
-    out.length = s.length;
-    for (const auto& l : s.layers) {
-      rwd::LayerSnapshot c;
-      c.kind = l.kind;
-      c.first = l.first;
-      auto dup = [](const rwd::Tensor& t) {
-        if (!t.view().data && t.view().rank == 0) return rwd::Tensor();
-        rwd::Tensor d(t.view().dtype, t.view().shape.data(), t.view().rank);
-        rwd::copy_tensor(t, d.view());
-        return d;
-      };
-      c.keys = dup(l.keys);
-      c.values = dup(l.values);
-      for (const auto& t : l.sides) c.sides.push_back(dup(t));
-      for (const auto& t : l.conv_states) c.conv_states.push_back(dup(t));
-      for (const auto& t : l.recurrent_states) c.recurrent_states.push_back(dup(t));
-      out.layers.push_back(std::move(c));
-    }
-    return out;
+    return refused_restore(b.cache, before, s, fragment);
   };
   {
-    Snapshot s = copy(good);
+    Snapshot s = deep_copy(good);
     s.layers.pop_back();
     EXPECT_EQ(refused(s, "the snapshot has 9 layers, this cache 10"), "");
   }
   {
-    Snapshot s = copy(good);
+    Snapshot s = deep_copy(good);
     s.layers[1].kind = LayerKind::FullAttention;
     EXPECT_EQ(refused(s, "layer 1 (sliding_attention): the snapshot holds a full_attention layer"), "");
   }
   {
-    Snapshot s = copy(good);
+    Snapshot s = deep_copy(good);
     s.layers[0].keys = rwd::Tensor(DType::F32, {1, 2, 12, 5});
     EXPECT_EQ(
         refused(
@@ -182,29 +190,29 @@ TEST(CacheSnapshot, RestoreRefusesWhatDoesNotFitAndChangesNothing) {
         "");
   }
   {
-    Snapshot s = copy(good);  // a full layer needs positions from 0
+    Snapshot s = deep_copy(good);  // a full layer needs positions from 0
     s.layers[0].first = 2;
     s.layers[0].keys = rwd::Tensor(DType::F32, {1, 2, 10, 3});
     s.layers[0].values = rwd::Tensor(DType::F32, {1, 2, 10, 2});
     EXPECT_EQ(refused(s, "holds positions [2, 12) of its attention, but restoring length 12 needs [0, 12)"), "");
   }
   {
-    Snapshot s = copy(good);
+    Snapshot s = deep_copy(good);
     s.layers[3].recurrent_states[1] = rwd::Tensor(DType::F16, {1, 4});
     EXPECT_EQ(refused(s, "recurrent state 1 is [1, 4] f16, this layer needs [1, 4] f32"), "");
   }
   {
-    Snapshot s = copy(good);
+    Snapshot s = deep_copy(good);
     s.layers[4].recurrent_states.push_back(rwd::Tensor(DType::F32, {1, 4}));  // conv layers have none
     EXPECT_EQ(refused(s, "holds 2 conv and 1 recurrent states, this layer has 2 and 0"), "");
   }
   {
-    Snapshot s = copy(good);
+    Snapshot s = deep_copy(good);
     s.length = 13;  // rows no longer match the length
     EXPECT_EQ(refused(s, "layer 0 (full_attention)"), "");
   }
   {
-    Snapshot s = copy(good);
+    Snapshot s = deep_copy(good);
     s.length = -1;
     EXPECT_EQ(refused(s, "outside [0, 2^40]"), "");
   }
@@ -215,34 +223,13 @@ TEST(CacheSnapshot, RestoreRefusesWhatDoesNotFitAndChangesNothing) {
     f.abandon();
     EXPECT_EQ(diff(before, observe(b.cache)), "");
   }
-  // A static full layer too small for the snapshot: CapacityError, nothing changes.
-  {
-    std::vector<std::pair<LayerKind, LayerOptions>> spec{
-        {LayerKind::FullAttention, small_options(LayerKind::FullAttention, DType::F32, false, 1)}};
-    spec[0].second.static_capacity = 8;
-    Built small = build_cache(spec);
-    Built big = build_cache(
-        {{LayerKind::FullAttention, small_options(LayerKind::FullAttention, DType::F32, false, 1)}});
-    ASSERT_EQ(cache_step(big.cache, big.ref, 12, 5), "");
-    ASSERT_EQ(cache_step(small.cache, small.ref, 2, 6), "");
-    const Observed small_before = observe(small.cache);
-    EXPECT_THROW(small.cache.restore(big.cache.snapshot()), rwd::CapacityError);
-    EXPECT_EQ(diff(small_before, observe(small.cache)), "");
-    EXPECT_EQ(verify(small.cache, small.ref), "");
-  }
   // First positions outside [0, L], near 2^63 included, are refused.
   for (const i64 from : {i64{-1}, i64{13}, std::numeric_limits<i64>::max(), std::numeric_limits<i64>::min()})
     EXPECT_THROW((void)a.cache.snapshot(from), rwd::InvalidArgument) << from;
   {
-    Snapshot s = copy(good);
+    Snapshot s = deep_copy(good);
     s.length = std::numeric_limits<i64>::max();
     EXPECT_EQ(refused(s, "outside [0, 2^40]"), "");
-  }
-  // Batch rows other than 1 are refused by snapshot().
-  {
-    Built wide = build_cache(
-        {{LayerKind::FullAttention, small_options(LayerKind::FullAttention, DType::F32, false, 2)}});
-    EXPECT_THROW((void)wide.cache.snapshot(), rwd::InvalidArgument);
   }
   // Restoring works on layers out of step (the way back, like reset).
   {
@@ -254,6 +241,25 @@ TEST(CacheSnapshot, RestoreRefusesWhatDoesNotFitAndChangesNothing) {
     want.deactivate();
     EXPECT_EQ(verify(c.cache, want), "");
   }
+}
+
+TEST(CacheSnapshot, RestoreRefusesASnapshotTooLargeForAStaticLayerAndChangesNothing) {
+  std::vector<std::pair<LayerKind, LayerOptions>> spec{
+      {LayerKind::FullAttention, small_options(LayerKind::FullAttention, DType::F32, false, 1)}};
+  spec[0].second.static_capacity = 8;
+  Built small = build_cache(spec);
+  Built big = build_cache({{LayerKind::FullAttention, small_options(LayerKind::FullAttention, DType::F32, false, 1)}});
+  ASSERT_EQ(cache_step(big.cache, big.ref, 12, 5), "");
+  ASSERT_EQ(cache_step(small.cache, small.ref, 2, 6), "");
+  const Observed small_before = observe(small.cache);
+  EXPECT_THROW(small.cache.restore(big.cache.snapshot()), rwd::CapacityError);
+  EXPECT_EQ(diff(small_before, observe(small.cache)), "");
+  EXPECT_EQ(verify(small.cache, small.ref), "");
+}
+
+TEST(CacheSnapshot, SnapshotRefusesBatchRowsOtherThanOne) {
+  Built wide = build_cache({{LayerKind::FullAttention, small_options(LayerKind::FullAttention, DType::F32, false, 2)}});
+  EXPECT_THROW((void)wide.cache.snapshot(), rwd::InvalidArgument);
 }
 
 // ---- SequenceCache -----------------------------------------------------------------

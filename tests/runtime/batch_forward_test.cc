@@ -260,6 +260,27 @@ TEST(GenerateBatch, EverySequenceEqualsGenerateAlone) {
   EXPECT_THROW(generate_batch(model, std::vector<Tokens>{Tokens{1}, Tokens{}}, options), InvalidArgument);
 }
 
+// speculative_generate_batch with prompt lookup, then with the model as its
+// own draft, one draft source per sequence: each output is alone[i].
+void expect_speculative_batch_gives(const Model& model, const std::vector<Tokens>& prompts,
+                                    const GenerationOptions& options, const std::vector<Tokens>& alone) {
+  for (int source = 0; source < 2; ++source) {
+    std::vector<std::unique_ptr<DraftSource>> each;
+    for (std::size_t i = 0; i < prompts.size(); ++i) {
+      if (source == 0)
+        each.push_back(std::make_unique<LookupDraft>(3));
+      else
+        each.push_back(std::make_unique<ModelDraft>(model, options.sampling, 3));
+    }
+    PerSequenceDrafts drafts(std::move(each));
+    const auto spec = speculative_generate_batch(model, drafts, prompts, with_chain(options, {3, false}));
+    for (std::size_t i = 0; i < prompts.size(); ++i) {
+      EXPECT_EQ(spec[i], alone[i]) << "speculative, source " << source << ", max_prefill_rows "
+                                   << options.max_prefill_rows << ", prompt " << i;
+    }
+  }
+}
+
 // max_prefill_rows: prompts go in forwards of at most that many prompt
 // tokens (all joining prompts together), decoding rows whole; every output
 // stays the one of a single prefill (generate alone with the default), the
@@ -302,21 +323,7 @@ TEST(GenerateBatch, PromptsGoInPiecesOfAtMostMaxPrefillRows) {
     EXPECT_GE(stats.forwards, std::max<std::int64_t>(prefill_forwards, plain.max_new_tokens)) << rows;
     EXPECT_LE(stats.forwards, prefill_forwards + plain.max_new_tokens) << rows;
 
-    for (int source = 0; source < 2; ++source) {
-      std::vector<std::unique_ptr<DraftSource>> each;
-      for (std::size_t i = 0; i < prompts.size(); ++i) {
-        if (source == 0)
-          each.push_back(std::make_unique<LookupDraft>(3));
-        else
-          each.push_back(std::make_unique<ModelDraft>(model, options.sampling, 3));
-      }
-      PerSequenceDrafts drafts(std::move(each));
-      const auto spec = speculative_generate_batch(model, drafts, prompts, with_chain(options, {3, false}));
-      for (std::size_t i = 0; i < prompts.size(); ++i) {
-        EXPECT_EQ(spec[i], alone[i]) << "speculative, source " << source << ", max_prefill_rows " << rows << ", prompt "
-                                     << i;
-      }
-    }
+    expect_speculative_batch_gives(model, prompts, options, alone);
   }
   // on_prefill: after each piece, the tokens in so far and the total.
   {

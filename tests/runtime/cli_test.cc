@@ -280,6 +280,59 @@ TEST_F(Cli, PromptFileTakesA140KBPromptFromAFileOrStandardInput) {
   EXPECT_EQ(a.out, b.out);
 }
 
+// generate --prompts: line i of its output holds index i and, unless the
+// prompt is empty, the text generate --prompt gives for that prompt alone.
+void expect_lines_as_generated_alone(const std::vector<nlohmann::json>& json, const std::vector<std::string>& lines,
+                                     const std::string& model_flag) {
+  for (std::size_t i = 0; i < lines.size(); ++i) {
+    EXPECT_EQ(json[i].at("index").get<std::size_t>(), i);
+    if (lines[i].empty()) continue;  // --prompt refuses an empty text
+    const CliResult alone = run_cli("generate" + model_flag + " --prompt " + quote(lines[i]) + " --max-new-tokens 12");
+    ASSERT_EQ(alone.status, 0) << alone.err;
+    // JSON holds Unicode: bytes that are not UTF-8 (a random model emits
+    // them) become U+FFFD, as the same text dumped with that rule.
+    const std::string alone_text = alone.out.substr(0, alone.out.size() - 1);
+    const std::string expected = nlohmann::json::parse(
+        nlohmann::json(alone_text).dump(-1, ' ', false, nlohmann::json::error_handler_t::replace));
+    EXPECT_EQ(json[i].at("text").get<std::string>(), expected) << "prompt " << i;
+  }
+}
+
+// Decoding alone: the tokens after each sequence's first over the time
+// after the last first token (all prompts prefill in one forward here).
+void expect_decode_rate_after_first_tokens(const nlohmann::json& stats) {
+  double last_first = 0.0, after_first = 0.0;
+  for (const nlohmann::json& s : stats.at("per_sequence")) {
+    if (s.at("new_tokens").get<double>() < 1) continue;
+    last_first = std::max(last_first, s.at("time_to_first_token_s").get<double>());
+    after_first += s.at("new_tokens").get<double>() - 1;
+  }
+  const double decode = stats.at("decode_tokens_per_second");
+  ASSERT_GT(after_first, 0.0);
+  EXPECT_NEAR(decode, after_first / (stats.at("seconds").get<double>() - last_first), 1e-6 * decode) << stats.dump();
+}
+
+// --prompts with --prompt or a missing file, no prefill rows, a directory
+// for a prompt file: exit status 2 with a message.
+void expect_prompts_misuse_refused(const std::string& model_flag, const fs::path& file) {
+  for (const std::string& misuse : {std::string(" --prompts ") + quote(file.string()) + " --prompt x",
+                                    std::string(" --prompts ") + quote((scratch_dir() / "missing.txt").string())}) {
+    const CliResult bad = run_cli("generate" + model_flag + misuse);
+    EXPECT_EQ(bad.status, 2) << misuse << ": " << bad.all();
+    EXPECT_FALSE(bad.err.empty()) << misuse;
+  }
+  const CliResult zero_rows = run_cli("generate" + model_flag + " --prompt x --max-prefill-rows 0");
+  EXPECT_EQ(zero_rows.status, 2) << zero_rows.all();
+  // A directory opens as a stream and fails on the first read: named as such.
+  for (const std::string flag : {"--prompts", "--prompt-file"}) {
+    const CliResult dir = run_cli("generate" + model_flag + " " + flag + " " + quote(scratch_dir().string()));
+    EXPECT_EQ(dir.status, 2) << dir.all();
+    EXPECT_NE(dir.err.find(flag + " " + scratch_dir().string() + ": is a directory; give a file"), std::string::npos)
+        << dir.all();
+    EXPECT_TRUE(dir.out.empty()) << dir.all();
+  }
+}
+
 // generate --prompts: one JSON line per prompt, in input order, each text
 // what generate --prompt gives for that line alone; standard input works;
 // misuse exits 2.
@@ -296,36 +349,12 @@ TEST_F(Cli, GeneratePromptsDecodesEveryLineAsOneBatch) {
   std::vector<nlohmann::json> json;
   for (std::string line; std::getline(out, line);) json.push_back(nlohmann::json::parse(line));
   ASSERT_EQ(json.size(), lines.size() + 1) << r.out;
-  for (std::size_t i = 0; i < lines.size(); ++i) {
-    EXPECT_EQ(json[i].at("index").get<std::size_t>(), i);
-    if (lines[i].empty()) continue;  // --prompt refuses an empty text
-    const CliResult alone = run_cli("generate" + model("target") + " --prompt " + quote(lines[i]) +
-                                    " --max-new-tokens 12");
-    ASSERT_EQ(alone.status, 0) << alone.err;
-    // JSON holds Unicode: bytes that are not UTF-8 (a random model emits
-    // them) become U+FFFD, as the same text dumped with that rule.
-    const std::string alone_text = alone.out.substr(0, alone.out.size() - 1);
-    const std::string expected = nlohmann::json::parse(
-        nlohmann::json(alone_text).dump(-1, ' ', false, nlohmann::json::error_handler_t::replace));
-    EXPECT_EQ(json[i].at("text").get<std::string>(), expected) << "prompt " << i;
-  }
+  ASSERT_NO_FATAL_FAILURE(expect_lines_as_generated_alone(json, lines, model("target")));
   const nlohmann::json& stats = json.back();
   EXPECT_EQ(stats.at("sequences").get<std::size_t>(), lines.size());
   EXPECT_EQ(stats.at("per_sequence").size(), lines.size());
   EXPECT_GT(stats.at("tokens_per_second").get<double>(), 0.0);
-  // Decoding alone: the tokens after each sequence's first over the time
-  // after the last first token (all prompts prefill in one forward here).
-  {
-    double last_first = 0.0, after_first = 0.0;
-    for (const nlohmann::json& s : stats.at("per_sequence")) {
-      if (s.at("new_tokens").get<double>() < 1) continue;
-      last_first = std::max(last_first, s.at("time_to_first_token_s").get<double>());
-      after_first += s.at("new_tokens").get<double>() - 1;
-    }
-    const double decode = stats.at("decode_tokens_per_second");
-    ASSERT_GT(after_first, 0.0);
-    EXPECT_NEAR(decode, after_first / (stats.at("seconds").get<double>() - last_first), 1e-6 * decode) << stats.dump();
-  }
+  ASSERT_NO_FATAL_FAILURE(expect_decode_rate_after_first_tokens(stats));
 
   const CliResult from_stdin = run_cli("generate" + model("target") + " --prompts - --max-new-tokens 12",
                                        file.string());
@@ -345,22 +374,7 @@ TEST_F(Cli, GeneratePromptsDecodesEveryLineAsOneBatch) {
     EXPECT_NE(verify.out.find("IDENTICAL: 4 prompts"), std::string::npos) << verify.all();
   }
 
-  for (const std::string& misuse : {std::string(" --prompts ") + quote(file.string()) + " --prompt x",
-                                    std::string(" --prompts ") + quote((scratch_dir() / "missing.txt").string())}) {
-    const CliResult bad = run_cli("generate" + model("target") + misuse);
-    EXPECT_EQ(bad.status, 2) << misuse << ": " << bad.all();
-    EXPECT_FALSE(bad.err.empty()) << misuse;
-  }
-  const CliResult zero_rows = run_cli("generate" + model("target") + " --prompt x --max-prefill-rows 0");
-  EXPECT_EQ(zero_rows.status, 2) << zero_rows.all();
-  // A directory opens as a stream and fails on the first read: named as such.
-  for (const std::string flag : {"--prompts", "--prompt-file"}) {
-    const CliResult dir = run_cli("generate" + model("target") + " " + flag + " " + quote(scratch_dir().string()));
-    EXPECT_EQ(dir.status, 2) << dir.all();
-    EXPECT_NE(dir.err.find(flag + " " + scratch_dir().string() + ": is a directory; give a file"), std::string::npos)
-        << dir.all();
-    EXPECT_TRUE(dir.out.empty()) << dir.all();
-  }
+  expect_prompts_misuse_refused(model("target"), file);
   // Two sequences at a time, the others joining as they finish: same lines.
   const CliResult waves = run_cli("verify" + model("target") + " --prompts " + quote(file.string()) +
                                   " --max-new-tokens 30 --lookup 2 --max-batch 2");

@@ -9,6 +9,7 @@
 #include <memory>
 #include <numeric>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include <nlohmann/json.hpp>
@@ -522,17 +523,20 @@ TEST(Sampling, AcceptDraftsKeepsTheAgreeingPrefix) {
                InvalidArgument);
 }
 
-TEST(Sampling, SpeculativeSamplingPreservesTheTargetDistribution) {
-  // Exact marginals of the first two sampled tokens are computed from the
-  // target's logits; speculative sampling with a different model as draft
-  // (so drafts are often rejected) and with prompt lookup must match them.
-  const Model target = random_model(hybrid(kEveryKind, 16), 21);
-  const Model draft = random_model(hybrid({"conv", "full_attention"}, 16), 22);
-  SamplingParams params;
-  params.temperature = 1.5f;
-  params.top_k = 6;
-  const std::vector<std::int32_t> prompt = prompt_tokens(target, "ab ab a");
+GenerationOptions two_sampled_tokens(const SamplingParams& params, std::uint64_t seed) {
+  GenerationOptions o;
+  o.max_new_tokens = 2;
+  o.stop_at_eos = false;
+  o.sampling = params;
+  o.sampling.seed = seed;
+  return o;
+}
 
+// The exact marginals of the first and second token sampled after prompt,
+// from the target's logits alone.
+std::pair<std::vector<double>, std::vector<double>> two_token_marginals(const Model& target,
+                                                                        const std::vector<std::int32_t>& prompt,
+                                                                        const SamplingParams& params) {
   std::vector<float> logits;
   Cache cache = target.make_cache();
   target.forward(prompt, cache, logits, false);
@@ -549,6 +553,74 @@ TEST(Sampling, SpeculativeSamplingPreservesTheTargetDistribution) {
     const std::vector<float> p2 = sampling_distribution(logits, params);
     for (std::size_t u = 0; u < V; ++u) second[u] += static_cast<double>(p1[t]) * p2[u];
   }
+  return {first, second};
+}
+
+// One two-token generation by source 0..3 or 5..7 (numbered as in
+// SpeculativeSamplingPreservesTheTargetDistribution).
+std::vector<std::int32_t> draw_two_tokens(int source, const Model& target, const Model& draft,
+                                          const std::vector<std::int32_t>& prompt, const GenerationOptions& o) {
+  if (source == 5 || source == 6) {
+    ModelTreeDraft d(source == 5 ? draft : target);
+    return tree_speculative_generate(target, d, prompt, with_tree(o, {3, 8, 2}));
+  }
+  if (source == 7) {
+    LookupTreeDraft d(2);
+    return tree_speculative_generate(target, d, prompt, with_tree(o, {3, 8, 2}));
+  }
+  if (source == 0) return generate(target, prompt, o);
+  if (source == 1) {
+    ModelDraft d(draft, o.sampling, 2);
+    return speculative_generate(target, d, prompt, with_chain(o, {2, false}));
+  }
+  if (source == 2) {
+    SamplingParams flatter = o.sampling;
+    flatter.temperature = 3.0f;
+    ModelDraft d(target, flatter, 2);
+    return speculative_generate(target, d, prompt, with_chain(o, {2, false}));
+  }
+  LookupDraft d(2);
+  return speculative_generate(target, d, prompt, with_chain(o, {2, false}));
+}
+
+// Counts the first and second tokens of `trials` generations by source.
+void count_two_token_draws(int source, int trials, const Model& target, const Model& draft,
+                           const std::vector<std::int32_t>& prompt, const SamplingParams& params,
+                           std::map<std::int32_t, int>& c1, std::map<std::int32_t, int>& c2) {
+  if (source == 4) {
+    for (int i = 0; i < trials / 3; ++i) {
+      const GenerationOptions o = two_sampled_tokens(params, 5000 + 3 * static_cast<std::uint64_t>(i));
+      BatchedModelDraft d(draft, o.sampling, 2);
+      const std::vector<std::vector<std::int32_t>> three(3, prompt);
+      for (const auto& out : speculative_generate_batch(target, d, three, with_chain(o, {2, false}))) {
+        ASSERT_EQ(out.size(), 2u);
+        ++c1[out[0]];
+        ++c2[out[1]];
+      }
+    }
+    return;
+  }
+  for (int i = 0; i < trials; ++i) {
+    const std::uint64_t seed = (source >= 5 ? 9000 : 1000) + static_cast<std::uint64_t>(i);
+    const std::vector<std::int32_t> out = draw_two_tokens(source, target, draft, prompt,
+                                                          two_sampled_tokens(params, seed));
+    ASSERT_EQ(out.size(), 2u);
+    ++c1[out[0]];
+    ++c2[out[1]];
+  }
+}
+
+TEST(Sampling, SpeculativeSamplingPreservesTheTargetDistribution) {
+  // Exact marginals of the first two sampled tokens are computed from the
+  // target's logits; speculative sampling with a different model as draft
+  // (so drafts are often rejected) and with prompt lookup must match them.
+  const Model target = random_model(hybrid(kEveryKind, 16), 21);
+  const Model draft = random_model(hybrid({"conv", "full_attention"}, 16), 22);
+  SamplingParams params;
+  params.temperature = 1.5f;
+  params.top_k = 6;
+  const std::vector<std::int32_t> prompt = prompt_tokens(target, "ab ab a");
+  const auto [first, second] = two_token_marginals(target, prompt, params);
 
   // Sources: 0 plain sampling; 1 a different model as draft (disjoint top-k:
   // mostly rejections); 2 the target itself drafting at a flatter
@@ -564,65 +636,7 @@ TEST(Sampling, SpeculativeSamplingPreservesTheTargetDistribution) {
   const int trials = 1500;
   for (int source = 0; source < 8; ++source) {
     std::map<std::int32_t, int> c1, c2;
-    if (source == 4) {
-      for (int i = 0; i < trials / 3; ++i) {
-        GenerationOptions o;
-        o.max_new_tokens = 2;
-        o.stop_at_eos = false;
-        o.sampling = params;
-        o.sampling.seed = 5000 + 3 * static_cast<std::uint64_t>(i);
-        BatchedModelDraft d(draft, o.sampling, 2);
-        const std::vector<std::vector<std::int32_t>> three(3, prompt);
-        for (const auto& out : speculative_generate_batch(target, d, three, with_chain(o, {2, false}))) {
-          ASSERT_EQ(out.size(), 2u);
-          ++c1[out[0]];
-          ++c2[out[1]];
-        }
-      }
-    }
-    for (int i = 0; i < trials && source >= 5; ++i) {
-      GenerationOptions o;
-      o.max_new_tokens = 2;
-      o.stop_at_eos = false;
-      o.sampling = params;
-      o.sampling.seed = 9000 + static_cast<std::uint64_t>(i);
-      std::vector<std::int32_t> out;
-      if (source == 5 || source == 6) {
-        ModelTreeDraft d(source == 5 ? draft : target);
-        out = tree_speculative_generate(target, d, prompt, with_tree(o, {3, 8, 2}));
-      } else {
-        LookupTreeDraft d(2);
-        out = tree_speculative_generate(target, d, prompt, with_tree(o, {3, 8, 2}));
-      }
-      ASSERT_EQ(out.size(), 2u);
-      ++c1[out[0]];
-      ++c2[out[1]];
-    }
-    for (int i = 0; i < trials && source < 4; ++i) {
-      GenerationOptions o;
-      o.max_new_tokens = 2;
-      o.stop_at_eos = false;
-      o.sampling = params;
-      o.sampling.seed = 1000 + static_cast<std::uint64_t>(i);
-      std::vector<std::int32_t> out;
-      if (source == 0) {
-        out = generate(target, prompt, o);
-      } else if (source == 1) {
-        ModelDraft d(draft, o.sampling, 2);
-        out = speculative_generate(target, d, prompt, with_chain(o, {2, false}));
-      } else if (source == 2) {
-        SamplingParams flatter = o.sampling;
-        flatter.temperature = 3.0f;
-        ModelDraft d(target, flatter, 2);
-        out = speculative_generate(target, d, prompt, with_chain(o, {2, false}));
-      } else {
-        LookupDraft d(2);
-        out = speculative_generate(target, d, prompt, with_chain(o, {2, false}));
-      }
-      ASSERT_EQ(out.size(), 2u);
-      ++c1[out[0]];
-      ++c2[out[1]];
-    }
+    ASSERT_NO_FATAL_FAILURE(count_two_token_draws(source, trials, target, draft, prompt, params, c1, c2));
     int dof1 = 0, dof2 = 0;
     const double x1 = chi_square(c1, first, trials, &dof1);
     const double x2 = chi_square(c2, second, trials, &dof2);

@@ -12,6 +12,7 @@
 #include <functional>
 #include <limits>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "rewind/error.h"
@@ -256,8 +257,9 @@ std::string entry(const std::string& dtype, const std::string& shape, const std:
   return R"({"dtype":")" + dtype + R"(","shape":)" + shape + R"(,"data_offsets":)" + offsets + "}";
 }
 
-TEST_F(SafetensorsTest, MalformedFilesThrowFormatError) {
-  const std::vector<MalformedCase> cases = {
+// Files whose framing or header JSON is not a tensor table.
+std::vector<MalformedCase> malformed_header_cases() {
+  return {
       {"empty file", [] { return std::string(); }, "shorter than the 8-byte header length"},
       {"truncated length field", [] { return std::string("\x10\0\0", 3); }, "shorter than the 8-byte header length"},
       {"header length beyond the file", [] { return le64(1000) + "{}"; },
@@ -269,6 +271,13 @@ TEST_F(SafetensorsTest, MalformedFilesThrowFormatError) {
       {"empty header", [] { return file_with_header("", 0); }, "header is not valid JSON"},
       {"trailing garbage", [] { return file_with_header("{} x", 0); }, "header is not valid JSON"},
       {"not an object", [] { return file_with_header("[1, 2]", 0); }, "header is not a JSON object"},
+  };
+}
+
+// Tensor entries with a missing or wrong field, tensors that overlap or share
+// a name, names that are not UTF-8, metadata that is not strings.
+std::vector<MalformedCase> malformed_entry_cases() {
+  return {
       {"entry not an object", [] { return file_with_header(R"({"a": 5})", 0); },
        "tensor 'a': entry is not a JSON object"},
       {"missing dtype", [] { return file_with_header(R"({"a":{"shape":[1],"data_offsets":[0,4]}})", 4); },
@@ -341,6 +350,11 @@ TEST_F(SafetensorsTest, MalformedFilesThrowFormatError) {
       {"metadata value not a string", [] { return file_with_header(R"({"__metadata__":{"k":1}})", 0); },
        "__metadata__ value of 'k' is not a string"},
   };
+}
+
+TEST_F(SafetensorsTest, MalformedFilesThrowFormatError) {
+  std::vector<MalformedCase> cases = malformed_header_cases();
+  for (MalformedCase& c : malformed_entry_cases()) cases.push_back(std::move(c));
   for (std::size_t i = 0; i < cases.size(); ++i) {
     SCOPED_TRACE(cases[i].label);
     const std::string p = path("bad_" + std::to_string(i) + ".safetensors");

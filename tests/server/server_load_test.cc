@@ -122,11 +122,11 @@ ServerCounters idle_counters(const Server& server, std::int64_t completions) {
   return c;
 }
 
-TEST(ServerLoad, EveryResponseEqualsSoloDecodingAndMemoryComesBack) {
-  omp_set_num_threads(1);
-  const Model model = Model::load(model_dir());
-  const Tokenizer tokenizer = rwd::runtime::tokenizer_for_model(model_dir(), model.config());
-  std::map<std::pair<int, std::int64_t>, std::string> expected;
+// What generate gives alone for each prompt and max_new_tokens.
+using SoloTexts = std::map<std::pair<int, std::int64_t>, std::string>;
+
+SoloTexts solo_decodings(const Model& model, const Tokenizer& tokenizer) {
+  SoloTexts expected;
   for (int p = 0; p < static_cast<int>(std::size(kPrompts)); ++p) {
     for (const std::int64_t n : kMaxTokens) {
       GenerationOptions g;
@@ -134,6 +134,45 @@ TEST(ServerLoad, EveryResponseEqualsSoloDecodingAndMemoryComesBack) {
       expected[{p, n}] = tokenizer.decode(rwd::runtime::generate(model, tokenizer.encode(kPrompts[p], true), g), true);
     }
   }
+  return expected;
+}
+
+int longest_prompt(const Tokenizer& tokenizer) {
+  int longest = 0;
+  for (int p = 1; p < static_cast<int>(std::size(kPrompts)); ++p) {
+    if (tokenizer.encode(kPrompts[p], true).size() > tokenizer.encode(kPrompts[longest], true).size()) longest = p;
+  }
+  return longest;
+}
+
+// kClients clients at once, kRequestsPerClient requests each, streaming
+// three in four; the number of responses that differ from solo decoding.
+int run_load(int port, const SoloTexts& expected) {
+  std::atomic<int> mismatches{0};
+  std::vector<std::thread> clients;
+  for (int c = 0; c < kClients; ++c) {
+    clients.emplace_back([&, c] {
+      for (int r = 0; r < kRequestsPerClient; ++r) {
+        const int p = (c + r) % static_cast<int>(std::size(kPrompts));
+        const std::int64_t n = kMaxTokens[(c * 3 + r) % std::size(kMaxTokens)];
+        const std::string got = complete(port, kPrompts[p], n, (c + r) % 4 != 0);
+        if (got != expected.at({p, n})) {
+          ++mismatches;
+          ADD_FAILURE() << "client " << c << " request " << r << " (prompt " << p << ", " << n << " tokens): got '"
+                        << got << "', solo decoding gives '" << expected.at({p, n}) << "'";
+        }
+      }
+    });
+  }
+  for (std::thread& t : clients) t.join();
+  return mismatches.load();
+}
+
+TEST(ServerLoad, EveryResponseEqualsSoloDecodingAndMemoryComesBack) {
+  omp_set_num_threads(1);
+  const Model model = Model::load(model_dir());
+  const Tokenizer tokenizer = rwd::runtime::tokenizer_for_model(model_dir(), model.config());
+  const SoloTexts expected = solo_decodings(model, tokenizer);
 
   ServerOptions o;
   o.model_dir = model_dir();
@@ -145,35 +184,13 @@ TEST(ServerLoad, EveryResponseEqualsSoloDecodingAndMemoryComesBack) {
   Server server(o);
   const int port = server.start();
 
-  const auto load = [&] {
-    std::atomic<int> mismatches{0};
-    std::vector<std::thread> clients;
-    for (int c = 0; c < kClients; ++c) {
-      clients.emplace_back([&, c] {
-        for (int r = 0; r < kRequestsPerClient; ++r) {
-          const int p = (c + r) % static_cast<int>(std::size(kPrompts));
-          const std::int64_t n = kMaxTokens[(c * 3 + r) % std::size(kMaxTokens)];
-          const std::string got = complete(port, kPrompts[p], n, (c + r) % 4 != 0);
-          if (got != expected.at({p, n})) {
-            ++mismatches;
-            ADD_FAILURE() << "client " << c << " request " << r << " (prompt " << p << ", " << n << " tokens): got '"
-                          << got << "', solo decoding gives '" << expected.at({p, n}) << "'";
-          }
-        }
-      });
-    }
-    for (std::thread& t : clients) t.join();
-    return mismatches.load();
-  };
+  const auto load = [&] { return run_load(port, expected); };
 
   const ServerCounters before = idle_counters(server, 0);
   // The memory of the longest request alone: the pool allocates block by
   // block and keeps freed blocks, so no load of at most kMaxBatch sequences
   // at once can need more than kMaxBatch times it.
-  int longest = 0;
-  for (int p = 1; p < static_cast<int>(std::size(kPrompts)); ++p) {
-    if (tokenizer.encode(kPrompts[p], true).size() > tokenizer.encode(kPrompts[longest], true).size()) longest = p;
-  }
+  const int longest = longest_prompt(tokenizer);
   const std::int64_t most = kMaxTokens[std::size(kMaxTokens) - 1];
   EXPECT_EQ(complete(port, kPrompts[longest], most, true), expected.at({longest, most}));
   const std::size_t alone = idle_counters(server, before.completions + 1).cache_bytes_reserved;

@@ -748,114 +748,126 @@ TEST(SnapshotFormat, HostileTrailer) {
 
 // ---- refused serializations -------------------------------------------------------
 
-TEST(SnapshotFormat, SerializeRefusesInconsistentSnapshots) {
-  auto expect = [](const Snapshot& s, const std::string& expected, std::string_view fingerprint = "fp") {
-    const std::string message = invalid_argument(s, fingerprint);
-    EXPECT_NE(message.find(expected), std::string::npos) << message << "\nexpected: " << expected;
-    EXPECT_EQ(message.rfind("serialize_snapshot: ", 0), 0u) << message;
-  };
-  auto base = [] { return sample_snapshot(DType::F32); };
-  const std::size_t sliding = 1;  // kAllKinds order; first = 1, n = 5
+void expect_serialize_refused(const Snapshot& s, const std::string& expected, std::string_view fingerprint = "fp") {
+  const std::string message = invalid_argument(s, fingerprint);
+  EXPECT_NE(message.find(expected), std::string::npos) << message << "\nexpected: " << expected;
+  EXPECT_EQ(message.rfind("serialize_snapshot: ", 0), 0u) << message;
+}
 
-  expect(base(), "model fingerprint of 1025 bytes, at most 1024 allowed", std::string(1025, 'x'));
-  Snapshot s = base();
+Snapshot consistent_f32_snapshot() { return sample_snapshot(DType::F32); }
+
+constexpr std::size_t kSlidingLayer = 1;  // kAllKinds order; first = 1, n = 5
+
+TEST(SnapshotFormat, SerializeRefusesInconsistentSnapshots) {
+  expect_serialize_refused(consistent_f32_snapshot(), "model fingerprint of 1025 bytes, at most 1024 allowed",
+                           std::string(1025, 'x'));
+  Snapshot s = consistent_f32_snapshot();
   s.length = -1;
-  expect(s, "length -1 is outside [0, 2^40]");
-  s = base();
+  expect_serialize_refused(s, "length -1 is outside [0, 2^40]");
+  s = consistent_f32_snapshot();
   s.length = (std::int64_t{1} << 40) + 1;
-  expect(s, "length 1099511627777 is outside [0, 2^40]");
-  s = base();
-  s.layers[sliding].first = 7;
-  expect(s, "layer 1 (sliding_attention): first 7 is outside [0, length = 6]");
-  s = base();
-  s.layers[sliding].first = -1;
-  expect(s, "layer 1 (sliding_attention): first -1 is outside");
-  s = base();
-  s.layers[sliding].keys = make(DType::F32, {1, 2, 4, 3}, 1);
-  expect(s,
-         "layer 1 (sliding_attention) keys: shape [1, 2, 4, 3] must be [1, H, n, key_dim] with n = length - first = 5");
-  s = base();
-  s.layers[sliding].values = make(DType::F32, {1, 3, 5, 4}, 1);
-  expect(s, "layer 1 (sliding_attention) values: shape [1, 3, 5, 4] must have the keys' 2 heads");
-  s = base();
-  s.layers[sliding].keys = make(DType::F32, {2, 2, 5, 3}, 1);
-  expect(s, "keys: shape [2, 2, 5, 3] must be [1, H, n, key_dim]: the batch extent must be 1");
-  s = base();
-  s.layers[sliding].sides[0] = make(DType::F32, {1, 4, 5}, 1);
-  expect(s, "layer 1 (sliding_attention) side 0: shape [1, 4, 5] must be [1, n, D] with n = length - first = 5");
-  s = base();
-  s.layers[sliding].keys = Tensor();
-  expect(s, "layer 1 (sliding_attention) keys: rank 0, expected 4");
-  s = base();
-  s.layers[sliding].keys = Tensor();
-  s.layers[sliding].values = Tensor();
-  expect(s, "layer 1 (sliding_attention): sliding_attention needs keys and values");
-  s = base();
-  s.layers[4].conv_states[1] = make(DType::F32, {1, 2}, 1);
-  expect(s, "layer 4 (conv) conv state 1: rank 2, expected 3");
-  s = base();
-  s.layers[3].recurrent_states[1] = make(DType::F32, {7}, 1);
-  expect(s, "layer 3 (linear_attention) recurrent state 1: rank 1, expected 2 to 4");
-  s = base();
-  s.layers[3].recurrent_states[1] = make(DType::F32, {1, 0}, 1);
-  expect(s, "recurrent state 1: shape [1, 0] must be [1, shape...] with every extent but n >= 1");
-  s = base();
-  s.layers[4].recurrent_states.push_back(make(DType::F32, {1, 2}, 1));
-  expect(s, "layer 4 (conv): conv has no recurrent state, but 1 were given");
-  s = base();
-  s.layers[4].conv_states.clear();
-  expect(s, "layer 4 (conv): conv needs at least one conv state");
-  s = base();
-  s.layers[7].sides.clear();
-  expect(s, "layer 7 (deepseek_sparse_attention): deepseek_sparse_attention needs at least one side tensor");
-  s = base();
-  s.layers[3].conv_states.clear();
-  s.layers[3].recurrent_states.clear();
-  expect(s, "layer 3 (linear_attention): linear_attention needs at least one conv or recurrent state");
-  s = base();
-  s.layers[9].keys = make(DType::F32, {1, 1, 1, 1}, 1);
-  expect(s, "layer 9 (mlp): mlp has no attention, but keys / values were given");
-  s = base();
-  s.layers[9].keys = Tensor(DType::F32, {});  // rank 0 but a scalar's data: not "empty"
-  expect(s, "mlp has no attention");
-  s = base();
-  s.layers[8].sides.push_back(make(DType::F32, {1, 6, 1}, 1));
-  expect(s, "layer 8 (moe): moe has no attention, but 1 side tensors were given");
-  s = base();
-  s.layers[0].conv_states.push_back(make(DType::F32, {1, 1, 1}, 1));
-  expect(s, "layer 0 (full_attention): full_attention has no conv state, but 1 were given");
-  s = base();
-  s.layers[0].kind = static_cast<LayerKind>(42);
-  expect(s, "layer 0: unknown kind 42");
-  s = base();
-  s.tokens.assign(7, 1);
-  expect(s, "7 tokens, more than the length 6");
-  s = base();
-  s.parent = "a/b";
-  expect(s, "parent key \"a/b\" has character 47 at index 1; allowed are [A-Za-z0-9._:-]");
-  s = base();
-  s.parent = std::string(257, 'a');
-  expect(s, "parent key of 257 characters, at most 256 allowed");
-  s = base();
-  s.logits = make(DType::F16, {9}, 1);
-  expect(s, "logits [9] f16 must be [V] f32 with 1 <= V <= 2^40, or an empty Tensor for none");
-  s = base();
-  s.logits = make(DType::F32, {1, 9}, 1);
-  expect(s, "logits [1, 9] f32 must be [V] f32");
-  s = base();
-  s.logits = Tensor(DType::F32, {0});
-  expect(s, "logits [0] f32 must be [V] f32 with 1 <= V");
-  s = base();
-  s.logits = Tensor(DType::F32, {});
-  expect(s, "logits [] f32 must be [V] f32");
+  expect_serialize_refused(s, "length 1099511627777 is outside [0, 2^40]");
+  s = consistent_f32_snapshot();
+  s.layers[kSlidingLayer].first = 7;
+  expect_serialize_refused(s, "layer 1 (sliding_attention): first 7 is outside [0, length = 6]");
+  s = consistent_f32_snapshot();
+  s.layers[kSlidingLayer].first = -1;
+  expect_serialize_refused(s, "layer 1 (sliding_attention): first -1 is outside");
+  s = consistent_f32_snapshot();
+  s.layers[kSlidingLayer].keys = make(DType::F32, {1, 2, 4, 3}, 1);
+  expect_serialize_refused(
+      s, "layer 1 (sliding_attention) keys: shape [1, 2, 4, 3] must be [1, H, n, key_dim] with n = length - first = 5");
+  s = consistent_f32_snapshot();
+  s.layers[kSlidingLayer].values = make(DType::F32, {1, 3, 5, 4}, 1);
+  expect_serialize_refused(s, "layer 1 (sliding_attention) values: shape [1, 3, 5, 4] must have the keys' 2 heads");
+  s = consistent_f32_snapshot();
+  s.layers[kSlidingLayer].keys = make(DType::F32, {2, 2, 5, 3}, 1);
+  expect_serialize_refused(s, "keys: shape [2, 2, 5, 3] must be [1, H, n, key_dim]: the batch extent must be 1");
+  s = consistent_f32_snapshot();
+  s.layers[kSlidingLayer].sides[0] = make(DType::F32, {1, 4, 5}, 1);
+  expect_serialize_refused(
+      s, "layer 1 (sliding_attention) side 0: shape [1, 4, 5] must be [1, n, D] with n = length - first = 5");
+  s = consistent_f32_snapshot();
+  s.layers[kSlidingLayer].keys = Tensor();
+  expect_serialize_refused(s, "layer 1 (sliding_attention) keys: rank 0, expected 4");
+  s = consistent_f32_snapshot();
+  s.layers[kSlidingLayer].keys = Tensor();
+  s.layers[kSlidingLayer].values = Tensor();
+  expect_serialize_refused(s, "layer 1 (sliding_attention): sliding_attention needs keys and values");
   // A zero-row tensor whose other extents multiply past 2^62: a Tensor can
   // hold it (it has no bytes), the format cannot describe it canonically.
-  s = base();
-  s.layers[sliding].first = 6;
-  s.layers[sliding].keys = Tensor(DType::F32, {1, std::int64_t{1} << 40, 0, std::int64_t{1} << 40});
-  s.layers[sliding].values = Tensor(DType::F32, {1, std::int64_t{1} << 40, 0, 1});
-  s.layers[sliding].sides.clear();
-  expect(s, "keys: shape [1, 1099511627776, 0, 1099511627776] has more than 2^62 elements");
+  s = consistent_f32_snapshot();
+  s.layers[kSlidingLayer].first = 6;
+  s.layers[kSlidingLayer].keys = Tensor(DType::F32, {1, std::int64_t{1} << 40, 0, std::int64_t{1} << 40});
+  s.layers[kSlidingLayer].values = Tensor(DType::F32, {1, std::int64_t{1} << 40, 0, 1});
+  s.layers[kSlidingLayer].sides.clear();
+  expect_serialize_refused(s, "keys: shape [1, 1099511627776, 0, 1099511627776] has more than 2^62 elements");
+}
+
+TEST(SnapshotFormat, SerializeRefusesPartsALayerKindCannotHold) {
+  Snapshot s = consistent_f32_snapshot();
+  s.layers[4].conv_states[1] = make(DType::F32, {1, 2}, 1);
+  expect_serialize_refused(s, "layer 4 (conv) conv state 1: rank 2, expected 3");
+  s = consistent_f32_snapshot();
+  s.layers[3].recurrent_states[1] = make(DType::F32, {7}, 1);
+  expect_serialize_refused(s, "layer 3 (linear_attention) recurrent state 1: rank 1, expected 2 to 4");
+  s = consistent_f32_snapshot();
+  s.layers[3].recurrent_states[1] = make(DType::F32, {1, 0}, 1);
+  expect_serialize_refused(s, "recurrent state 1: shape [1, 0] must be [1, shape...] with every extent but n >= 1");
+  s = consistent_f32_snapshot();
+  s.layers[4].recurrent_states.push_back(make(DType::F32, {1, 2}, 1));
+  expect_serialize_refused(s, "layer 4 (conv): conv has no recurrent state, but 1 were given");
+  s = consistent_f32_snapshot();
+  s.layers[4].conv_states.clear();
+  expect_serialize_refused(s, "layer 4 (conv): conv needs at least one conv state");
+  s = consistent_f32_snapshot();
+  s.layers[7].sides.clear();
+  expect_serialize_refused(
+      s, "layer 7 (deepseek_sparse_attention): deepseek_sparse_attention needs at least one side tensor");
+  s = consistent_f32_snapshot();
+  s.layers[3].conv_states.clear();
+  s.layers[3].recurrent_states.clear();
+  expect_serialize_refused(s,
+                           "layer 3 (linear_attention): linear_attention needs at least one conv or recurrent state");
+  s = consistent_f32_snapshot();
+  s.layers[9].keys = make(DType::F32, {1, 1, 1, 1}, 1);
+  expect_serialize_refused(s, "layer 9 (mlp): mlp has no attention, but keys / values were given");
+  s = consistent_f32_snapshot();
+  s.layers[9].keys = Tensor(DType::F32, {});  // rank 0 but a scalar's data: not "empty"
+  expect_serialize_refused(s, "mlp has no attention");
+  s = consistent_f32_snapshot();
+  s.layers[8].sides.push_back(make(DType::F32, {1, 6, 1}, 1));
+  expect_serialize_refused(s, "layer 8 (moe): moe has no attention, but 1 side tensors were given");
+  s = consistent_f32_snapshot();
+  s.layers[0].conv_states.push_back(make(DType::F32, {1, 1, 1}, 1));
+  expect_serialize_refused(s, "layer 0 (full_attention): full_attention has no conv state, but 1 were given");
+  s = consistent_f32_snapshot();
+  s.layers[0].kind = static_cast<LayerKind>(42);
+  expect_serialize_refused(s, "layer 0: unknown kind 42");
+}
+
+TEST(SnapshotFormat, SerializeRefusesInconsistentTrailers) {
+  Snapshot s = consistent_f32_snapshot();
+  s.tokens.assign(7, 1);
+  expect_serialize_refused(s, "7 tokens, more than the length 6");
+  s = consistent_f32_snapshot();
+  s.parent = "a/b";
+  expect_serialize_refused(s, "parent key \"a/b\" has character 47 at index 1; allowed are [A-Za-z0-9._:-]");
+  s = consistent_f32_snapshot();
+  s.parent = std::string(257, 'a');
+  expect_serialize_refused(s, "parent key of 257 characters, at most 256 allowed");
+  s = consistent_f32_snapshot();
+  s.logits = make(DType::F16, {9}, 1);
+  expect_serialize_refused(s, "logits [9] f16 must be [V] f32 with 1 <= V <= 2^40, or an empty Tensor for none");
+  s = consistent_f32_snapshot();
+  s.logits = make(DType::F32, {1, 9}, 1);
+  expect_serialize_refused(s, "logits [1, 9] f32 must be [V] f32");
+  s = consistent_f32_snapshot();
+  s.logits = Tensor(DType::F32, {0});
+  expect_serialize_refused(s, "logits [0] f32 must be [V] f32 with 1 <= V");
+  s = consistent_f32_snapshot();
+  s.logits = Tensor(DType::F32, {});
+  expect_serialize_refused(s, "logits [] f32 must be [V] f32");
 }
 
 // ---- read_snapshot_header -------------------------------------------------------------
