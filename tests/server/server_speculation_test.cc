@@ -131,13 +131,9 @@ class ServerSpeculationTest : public ::testing::Test {
  public:
   static void SetUpTestSuite() {
     omp_set_num_threads(1);  // the test's own decoding beside the server's (as server_test.cc)
-    model_ = new Model(Model::load(target_dir()));
-    tokenizer_ = new Tokenizer(rwd::runtime::tokenizer_for_model(target_dir(), model_->config()));
+    load_model(target_dir(), model_, tokenizer_);
   }
-  static void TearDownTestSuite() {
-    delete tokenizer_;
-    delete model_;
-  }
+  static void TearDownTestSuite() { unload_model(model_, tokenizer_); }
 
   std::vector<std::int32_t> encode(const std::string& text) { return tokenizer_->encode(text, true); }
 

@@ -49,8 +49,7 @@ class ServerTest : public ::testing::Test {
     // teams spinning at their barriers on a loaded machine take turns for
     // each core (correctness does not depend on it: batch invariance).
     omp_set_num_threads(1);
-    model_ = new Model(Model::load(model_dir()));
-    tokenizer_ = new Tokenizer(rwd::runtime::tokenizer_for_model(model_dir(), model_->config()));
+    load_model(model_dir(), model_, tokenizer_);
     ServerOptions o;
     o.model_dir = model_dir();
     o.port = 0;
@@ -58,13 +57,11 @@ class ServerTest : public ::testing::Test {
     o.max_body_bytes = 256 * 1024;
     o.max_prefill_rows = 16;  // long prompts go in several rounds, beside decoding sequences
     o.threads = 1;
-    server_ = new Server(o);
-    port_ = server_->start();
+    port_ = start_server(o, server_);
   }
   static void TearDownTestSuite() {
     delete server_;
-    delete tokenizer_;
-    delete model_;
+    unload_model(model_, tokenizer_);
   }
 
   static Solo solo(const std::string& text, std::int64_t max_tokens, float temperature = 0.0f, std::uint64_t seed = 0) {
@@ -400,21 +397,18 @@ class ChatServerTest : public ::testing::Test {
     omp_set_num_threads(1);
     dir_ = std::filesystem::temp_directory_path() / ("rwd_chat_server_" + std::to_string(::getpid()));
     rwt::server::make_chat_model(dir_, kChatTemplate);
-    model_ = new Model(Model::load(model_dir()));
-    tokenizer_ = new Tokenizer(rwd::runtime::tokenizer_for_model(model_dir(), model_->config()));
+    load_model(model_dir(), model_, tokenizer_);
     ServerOptions o;
     o.model_dir = dir_.string();
     o.model_name = "kjv-chat";
     o.port = 0;
     o.max_batch = 4;
     o.threads = 1;
-    server_ = new Server(o);
-    port_ = server_->start();
+    port_ = start_server(o, server_);
   }
   static void TearDownTestSuite() {
     delete server_;
-    delete tokenizer_;
-    delete model_;
+    unload_model(model_, tokenizer_);
     std::filesystem::remove_all(dir_);
   }
 

@@ -41,6 +41,23 @@ inline void make_chat_model(const std::filesystem::path& dir, const std::string&
   std::ofstream(dir / "tokenizer_config.json") << json{{"chat_template", chat_template}}.dump();
 }
 
+// The model of `dir` and its tokenizer, as a suite's reference decoding
+// holds them from SetUpTestSuite to unload_model (which deletes them).
+inline void load_model(const std::string& dir, Model*& model, Tokenizer*& tokenizer) {
+  model = new Model(Model::load(dir));
+  tokenizer = new Tokenizer(rwd::runtime::tokenizer_for_model(dir, model->config()));
+}
+inline void unload_model(Model* model, Tokenizer* tokenizer) {
+  delete tokenizer;
+  delete model;
+}
+
+// A suite's server, started with `options`; returns its port.
+inline int start_server(const ServerOptions& options, Server*& server) {
+  server = new Server(options);
+  return server->start();
+}
+
 // The data lines of an SSE body, without "data: ", each checked to be one.
 inline std::vector<std::string> sse_data(const std::string& body) {
   std::vector<std::string> out;
