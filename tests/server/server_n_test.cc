@@ -391,11 +391,8 @@ TEST_F(ServerNTest, ConcurrentRequestsWithForksStayWithinMaxBatch) {
 TEST_F(ServerNTest, AClientThatLeavesCancelsEveryChoice) {
   const ServerCounters before = server_->counters();
   httplib::Client client("127.0.0.1", port_);
-  httplib::Request req;
-  req.method = "POST";
-  req.path = "/v1/completions";
-  req.set_header("Content-Type", "application/json");
-  req.body = json{{"prompt", kPrompt}, {"max_tokens", 3000}, {"temperature", 0}, {"n", 3}, {"stream", true}}.dump();
+  httplib::Request req = completion_request(
+      json{{"prompt", kPrompt}, {"max_tokens", 3000}, {"temperature", 0}, {"n", 3}, {"stream", true}});
   int chunks = 0;
   req.content_receiver = [&](const char*, std::size_t, std::uint64_t, std::uint64_t) { return ++chunks < 2; };
   client.send(req);  // the receiver's false closes the connection

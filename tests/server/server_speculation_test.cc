@@ -402,11 +402,8 @@ TEST_F(ServerSpeculationTest, StopStringsAndCancellationStillWork) {
   EXPECT_EQ(a.finish_reason, "stop");
   // A client that leaves mid-stream: its sequence (and its draft state) goes.
   httplib::Client client("127.0.0.1", s.port);
-  httplib::Request req;
-  req.method = "POST";
-  req.path = "/v1/completions";
-  req.set_header("Content-Type", "application/json");
-  req.body = json{{"prompt", kPrompts[2]}, {"max_tokens", 3000}, {"temperature", 0}, {"stream", true}}.dump();
+  httplib::Request req = completion_request(
+      json{{"prompt", kPrompts[2]}, {"max_tokens", 3000}, {"temperature", 0}, {"stream", true}});
   int chunks = 0;
   req.content_receiver = [&](const char*, std::size_t, std::uint64_t, std::uint64_t) { return ++chunks < 2; };
   client.send(req);

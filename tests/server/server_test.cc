@@ -274,11 +274,8 @@ TEST_F(ServerTest, ConcurrentRequestsEachEqualTheirSoloDecoding) {
 TEST_F(ServerTest, ClientThatLeavesMidStreamHasItsSequenceRemoved) {
   const rwd::server::ServerCounters before = server_->counters();
   httplib::Client client("127.0.0.1", port_);
-  httplib::Request req;
-  req.method = "POST";
-  req.path = "/v1/completions";
-  req.set_header("Content-Type", "application/json");
-  req.body = json{{"prompt", kPrompts[0]}, {"max_tokens", 3000}, {"temperature", 0}, {"stream", true}}.dump();
+  httplib::Request req = completion_request(
+      json{{"prompt", kPrompts[0]}, {"max_tokens", 3000}, {"temperature", 0}, {"stream", true}});
   int chunks = 0;
   req.content_receiver = [&](const char*, std::size_t, std::uint64_t, std::uint64_t) { return ++chunks < 2; };
   client.send(req);  // the receiver's false closes the connection
@@ -601,11 +598,8 @@ TEST(ServerLifecycle, StopDrainsTheStreamUnderWay) {
   std::thread client_thread([&] {
     httplib::Client client("127.0.0.1", port);
     client.set_read_timeout(120, 0);
-    httplib::Request req;
-    req.method = "POST";
-    req.path = "/v1/completions";
-    req.set_header("Content-Type", "application/json");
-    req.body = json{{"prompt", kPrompts[0]}, {"max_tokens", 200}, {"temperature", 0}, {"stream", true}}.dump();
+    httplib::Request req = completion_request(
+        json{{"prompt", kPrompts[0]}, {"max_tokens", 200}, {"temperature", 0}, {"stream", true}});
     req.content_receiver = [&](const char* data, std::size_t n, std::uint64_t, std::uint64_t) {
       body.append(data, n);
       first_chunk = true;
@@ -677,11 +671,8 @@ TEST(ServerLifecycle, FullQueueGets429) {
     // machine before its first token, leaving its job queued: the wait for
     // `waiting == 1` below would then see the holder, not the waiter.
     client.set_read_timeout(120, 0);
-    httplib::Request req;
-    req.method = "POST";
-    req.path = "/v1/completions";
-    req.set_header("Content-Type", "application/json");
-    req.body = json{{"prompt", kPrompts[0]}, {"max_tokens", 16000}, {"temperature", 0}, {"stream", true}}.dump();
+    httplib::Request req = completion_request(
+        json{{"prompt", kPrompts[0]}, {"max_tokens", 16000}, {"temperature", 0}, {"stream", true}});
     req.content_receiver = [&](const char*, std::size_t, std::uint64_t, std::uint64_t) {
       streaming = true;
       return !release;

@@ -4,6 +4,7 @@
 #pragma once
 
 #include <gtest/gtest.h>
+#include <httplib.h>
 
 #include <filesystem>
 #include <fstream>
@@ -56,6 +57,17 @@ inline void unload_model(Model* model, Tokenizer* tokenizer) {
 inline int start_server(const ServerOptions& options, Server*& server) {
   server = new Server(options);
   return server->start();
+}
+
+// A POST of `body` to /v1/completions, for a test that reads the response
+// as it comes (its content_receiver).
+inline httplib::Request completion_request(const json& body) {
+  httplib::Request req;
+  req.method = "POST";
+  req.path = "/v1/completions";
+  req.set_header("Content-Type", "application/json");
+  req.body = body.dump();
+  return req;
 }
 
 // The data lines of an SSE body, without "data: ", each checked to be one.
