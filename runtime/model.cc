@@ -321,30 +321,22 @@ Model::LayerWeights Model::Packer::layer(std::int64_t i) {
   w.gate = linear(i, WeightRole::MlpGate);
   w.up = linear(i, WeightRole::MlpUp);
   w.down = linear(i, WeightRole::MlpDown);
-  switch (kind) {
-    case LayerKind::FullAttention:
-    case LayerKind::SlidingAttention:
+  switch (runtime_layer_kind(kind, i)) {
+    case RuntimeLayerKind::FullAttention:
+    case RuntimeLayerKind::SlidingAttention:
       w.kind = kind == LayerKind::FullAttention ? LayerWeights::Kind::Attention : LayerWeights::Kind::Sliding;
       attention(i, w);
       break;
-    case LayerKind::LinearAttention:
+    case RuntimeLayerKind::LinearAttention:
       w.kind = LayerWeights::Kind::GatedDeltaNet;
       gated_deltanet(i, w);
       break;
-    case LayerKind::Conv:
+    case RuntimeLayerKind::Conv:
       w.kind = LayerWeights::Kind::ShortConv;
       w.in_bcx = linear(i, WeightRole::ConvIn);
       w.conv = conv_taps(i, WeightRole::ConvConv, c_.conv_L_cache);
       w.out = linear(i, WeightRole::ConvOut);
       break;
-    case LayerKind::ChunkedAttention:
-    case LayerKind::Hybrid:
-    case LayerKind::HybridSliding:
-    case LayerKind::SparseAttention:
-    case LayerKind::Moe:
-    case LayerKind::Mlp:
-      throw FormatError("config.json: layer type '" + std::string(layer_kind_name(kind)) + "' of layer " +
-                        std::to_string(i) + " is not implemented by the runtime");
   }
   for (const auto& n : fused_) m_.weights_.release(n);
   fused_.clear();
@@ -439,28 +431,22 @@ Cache Model::make_cache() const {
     o.dtype = DType::F32;
     o.batch_size = 1;
     o.storage = rwd::host_storage();  // the kernels read the rows in place
-    switch (kind) {
-      case LayerKind::FullAttention:
-      case LayerKind::SlidingAttention:
+    switch (runtime_layer_kind(kind, i)) {
+      case RuntimeLayerKind::FullAttention:
+      case RuntimeLayerKind::SlidingAttention:
         o.num_kv_heads = c.num_key_value_heads;
         o.key_dim = c.head_dim;
         o.sliding_window = c.sliding_window;
         break;
-      case LayerKind::LinearAttention:
+      case RuntimeLayerKind::LinearAttention:
         o.conv_kernel_size = c.linear_conv_kernel_dim;
         o.conv_channels = {c.linear_conv_dim()};
         o.recurrent_shapes = {{c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim}};
         break;
-      case LayerKind::Conv:
+      case RuntimeLayerKind::Conv:
         o.conv_kernel_size = c.conv_L_cache;
         o.conv_channels = {c.hidden_size};
         break;
-      case LayerKind::ChunkedAttention:
-      case LayerKind::Hybrid:
-      case LayerKind::HybridSliding:
-      case LayerKind::SparseAttention:
-      case LayerKind::Moe:
-      case LayerKind::Mlp: break;  // the constructor refused them
     }
     layers.emplace_back(kind, o, static_cast<int>(i));
   }

@@ -192,6 +192,23 @@ const std::vector<LayerKind>& supported_layer_kinds() {
   return kKinds;
 }
 
+RuntimeLayerKind runtime_layer_kind(LayerKind kind, std::int64_t layer) {
+  switch (kind) {
+    case LayerKind::FullAttention: return RuntimeLayerKind::FullAttention;
+    case LayerKind::SlidingAttention: return RuntimeLayerKind::SlidingAttention;
+    case LayerKind::LinearAttention: return RuntimeLayerKind::LinearAttention;
+    case LayerKind::Conv: return RuntimeLayerKind::Conv;
+    case LayerKind::ChunkedAttention:
+    case LayerKind::Hybrid:
+    case LayerKind::HybridSliding:
+    case LayerKind::SparseAttention:
+    case LayerKind::Moe:
+    case LayerKind::Mlp: break;
+  }
+  throw FormatError("config.json: layer type '" + std::string(layer_kind_name(kind)) + "' of layer " +
+                    std::to_string(layer) + " is not implemented by the runtime");
+}
+
 const char* model_family_name(ModelFamily family) {
   switch (family) {
     case ModelFamily::RewindHybrid: return "rewind_hybrid";
@@ -481,6 +498,18 @@ void read_listed_special_tokens(const ConfigKeys& k, ModelConfig& c) {
   c.add_bos = false;
 }
 
+// The special tokens of a family that, like Lfm2Config and LlamaConfig,
+// falls back on BOS 1 and EOS 2 when the config names none, and whose
+// prompts start with BOS.
+void read_special_tokens_bos1_eos2(const ConfigKeys& k, ModelConfig& c) {
+  const KeyReader& r = k.text;
+  read_listed_special_tokens(k, c);
+  if (c.bos_token_id < 0) c.bos_token_id = r.token_id("bos_token_id", 1, c.vocab_size);
+  if (c.eos_token_ids.empty()) c.eos_token_ids = {r.token_id("eos_token_id", 2, c.vocab_size)};
+  c.eos_token_id = c.eos_token_ids.front();
+  c.add_bos = true;
+}
+
 // transformers >= 4.56 writes "dtype"; older versions "torch_dtype". The
 // language model's keys are read first, then a nesting config's.
 void read_torch_dtype(const ConfigKeys& k, ModelConfig& c) {
@@ -580,11 +609,7 @@ void read_lfm2(const ConfigKeys& k, ModelConfig& c) {
   if (r.boolean("conv_bias", false)) r.fail(r.q("conv_bias") + " is true: biased LFM2 convolutions are not supported");
   // Lfm2Config's BOS 1 and EOS 2 when the config names none; a prompt starts
   // with BOS.
-  read_listed_special_tokens(k, c);
-  if (c.bos_token_id < 0) c.bos_token_id = r.token_id("bos_token_id", 1, c.vocab_size);
-  if (c.eos_token_ids.empty()) c.eos_token_ids = {r.token_id("eos_token_id", 2, c.vocab_size)};
-  c.eos_token_id = c.eos_token_ids.front();
-  c.add_bos = true;
+  read_special_tokens_bos1_eos2(k, c);
   read_torch_dtype(k, c);
   c.qk_norm = true;
 }
@@ -743,11 +768,7 @@ void read_llama(const ConfigKeys& k, ModelConfig& c) {
   read_norm_eps(r, c, "rms_norm_eps");
   c.tie_word_embeddings = r.boolean("tie_word_embeddings", false);
   refuse_dense_options(r, c, true);
-  read_listed_special_tokens(k, c);
-  if (c.bos_token_id < 0) c.bos_token_id = r.token_id("bos_token_id", 1, c.vocab_size);
-  if (c.eos_token_ids.empty()) c.eos_token_ids = {r.token_id("eos_token_id", 2, c.vocab_size)};
-  c.eos_token_id = c.eos_token_ids.front();
-  c.add_bos = true;
+  read_special_tokens_bos1_eos2(k, c);
   read_torch_dtype(k, c);
 }
 
@@ -1108,9 +1129,9 @@ std::vector<WeightSpec> expected_weights(const ModelConfig& c) {
       w.push_back({weight_name(c, i, role), std::move(shape), true});
     };
     add(WeightRole::InputNorm, {d});
-    switch (c.layer_types[li]) {
-      case LayerKind::FullAttention:
-      case LayerKind::SlidingAttention: {
+    switch (runtime_layer_kind(c.layer_types[li], i)) {
+      case RuntimeLayerKind::FullAttention:
+      case RuntimeLayerKind::SlidingAttention: {
         const std::int64_t q = c.num_attention_heads * c.head_dim;
         const std::int64_t kv = c.num_key_value_heads * c.head_dim;
         linear(WeightRole::AttnQ, {c.attn_output_gate ? 2 * q : q, d});
@@ -1123,7 +1144,7 @@ std::vector<WeightSpec> expected_weights(const ModelConfig& c) {
         }
         break;
       }
-      case LayerKind::LinearAttention: {
+      case RuntimeLayerKind::LinearAttention: {
         const std::int64_t lnv = c.linear_num_value_heads;
         const std::int64_t value = lnv * c.linear_value_head_dim;
         const std::int64_t conv_dim = c.linear_conv_dim();
@@ -1143,17 +1164,11 @@ std::vector<WeightSpec> expected_weights(const ModelConfig& c) {
         linear(WeightRole::GdnOut, {d, value});
         break;
       }
-      case LayerKind::Conv:
+      case RuntimeLayerKind::Conv:
         linear(WeightRole::ConvIn, {3 * d, d});
         add(WeightRole::ConvConv, {d, 1, c.conv_L_cache});
         linear(WeightRole::ConvOut, {d, d});
         break;
-      case LayerKind::ChunkedAttention:
-      case LayerKind::Hybrid:
-      case LayerKind::HybridSliding:
-      case LayerKind::SparseAttention:
-      case LayerKind::Moe:
-      case LayerKind::Mlp: break;  // refused by parse_model_config
     }
     add(WeightRole::PostNorm, {d});
     linear(WeightRole::MlpGate, {ff, d});

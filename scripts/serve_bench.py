@@ -39,6 +39,25 @@ def free_port():
         return s.getsockname()[1]
 
 
+# `rewind serve` on a free port of 127.0.0.1 with -t THREADS and `extra`
+# arguments, once /health answers: (process, port). Its stderr stays a pipe,
+# read for the message when it does not start.
+def start_server(cli, model, threads, extra):
+    port = free_port()
+    proc = subprocess.Popen([cli, "serve", "--model", model, "--port", str(port), "-t", str(threads)] + extra,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    for _ in range(600):
+        try:
+            c = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
+            c.request("GET", "/health")
+            if c.getresponse().status == 200:
+                return proc, port
+        except OSError:
+            time.sleep(0.05)
+    proc.kill()
+    raise RuntimeError("rewind serve did not start: " + proc.stderr.read())
+
+
 def percentile(values, q):
     """The q-th percentile (0..100) by linear interpolation between ranks."""
     v = sorted(values)

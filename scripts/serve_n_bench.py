@@ -13,38 +13,15 @@ usage: scripts/serve_n_bench.py CLI MODEL [PROMPT_TOKENS] [N] [REPEATS] [MAX_TOK
 """
 import http.client
 import json
-import socket
 import statistics
-import subprocess
 import sys
 import threading
 import time
 
+from serve_bench import start_server
+
 TEXT = ("In the beginning God created the heaven and the earth. And the earth was without form, and void; "
         "and darkness was upon the face of the deep. And the Spirit of God moved upon the face of the waters. ")
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def start_server(cli, model, threads, max_batch):
-    port = free_port()
-    proc = subprocess.Popen([cli, "serve", "--model", model, "--port", str(port), "-t", str(threads),
-                             "--max-batch", str(max_batch), "--no-prefix-cache"],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    for _ in range(600):
-        try:
-            c = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
-            c.request("GET", "/health")
-            if c.getresponse().status == 200:
-                return proc, port
-        except OSError:
-            time.sleep(0.05)
-    proc.kill()
-    raise RuntimeError("rewind serve did not start: " + proc.stderr.read())
 
 
 def post(port, body):
@@ -78,7 +55,7 @@ def main():
     threads = int(sys.argv[7]) if len(sys.argv) > 7 else 1
     # The shipped models are byte level: a byte is a token (BOS added).
     prompt = (TEXT * (prompt_tokens // len(TEXT) + 1))[:prompt_tokens - 1]
-    proc, port = start_server(cli, model, threads, n)
+    proc, port = start_server(cli, model, threads, ["--max-batch", str(n), "--no-prefix-cache"])
     body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0}
     texts = set()
     times = {"forked": [], "separate": []}

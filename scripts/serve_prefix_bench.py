@@ -16,34 +16,13 @@ import http.client
 import json
 import os
 import shutil
-import socket
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
 
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def start_server(cli, model, threads, extra):
-    port = free_port()
-    proc = subprocess.Popen([cli, "serve", "--model", model, "--port", str(port), "-t", str(threads)] + extra,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    for _ in range(600):
-        try:
-            c = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
-            c.request("GET", "/health")
-            if c.getresponse().status == 200:
-                return proc, port
-        except OSError:
-            time.sleep(0.05)
-    proc.kill()
-    raise RuntimeError("rewind serve did not start: " + proc.stderr.read())
+from serve_bench import free_port, start_server
 
 
 def stop_server(proc):

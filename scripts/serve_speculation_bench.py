@@ -13,21 +13,16 @@ that every configuration returns the same text (greedy speculation is exact).
 """
 import argparse
 import json
-import socket
 import statistics
 import subprocess
 import threading
 import time
 import urllib.request
 
+from serve_bench import free_port
+
 PROMPT = ("And God said, Let there be light: and there was light. And God saw the light, that it was good: "
           "and God divided the light from the darkness. And God said, Let there be light")
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def post(port, body):

@@ -485,6 +485,14 @@ std::optional<Model> load_draft(const DraftChoice& choice, const Model& target, 
   return draft;
 }
 
+OnePrompt::OnePrompt(const CLI::App& cmd, const std::string& model_dir, const PromptChoice& prompt_choice,
+                     const DraftChoice& choice, std::int64_t max_new, const std::optional<std::int64_t>& ctx_size)
+    : prompt(prompt_choice.read(cmd)), model(load_model(model_dir)), tokenizer(load_tokenizer(model_dir, model)),
+      draft(load_draft(choice, model, tokenizer)), tokens(encode_for_generation(tokenizer, prompt, "the prompt")) {
+  check_context(static_cast<std::int64_t>(tokens.size()), max_new, resolve_ctx_size(ctx_size, model),
+                ctx_size.has_value(), "the prompt");
+}
+
 std::unique_ptr<DraftSource> make_source(const DraftChoice& choice, const std::optional<Model>& draft,
                                          const SamplingParams& sampling, std::int64_t max_prefill_rows) {
   if (draft) return std::make_unique<ModelDraft>(*draft, sampling, choice.num_draft, max_prefill_rows);

@@ -267,6 +267,20 @@ class StdoutStream {
 // (Model::weight_format); empty without --draft.
 std::optional<Model> load_draft(const DraftChoice& choice, const Model& target, const Tokenizer& target_tokenizer);
 
+// What generate and verify decode one prompt (--prompt / --prompt-file)
+// with, loaded in the order they report bad input in: the prompt, the model,
+// its tokenizer, the --draft model, then the prompt's tokens, refused
+// (check_context) when they and max_new new tokens would not fit.
+struct OnePrompt {
+  OnePrompt(const CLI::App& cmd, const std::string& model_dir, const PromptChoice& prompt_choice,
+            const DraftChoice& choice, std::int64_t max_new, const std::optional<std::int64_t>& ctx_size);
+  const std::string prompt;
+  const Model model;
+  const Tokenizer tokenizer;
+  const std::optional<Model> draft;
+  const std::vector<std::int32_t> tokens;
+};
+
 // The chain draft source: the draft model, else prompt lookup.
 std::unique_ptr<DraftSource> make_source(const DraftChoice& choice, const std::optional<Model>& draft,
                                          const SamplingParams& sampling, std::int64_t max_prefill_rows);

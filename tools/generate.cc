@@ -122,13 +122,8 @@ int run_generate(const CLI::App& cmd, const std::string& model_dir, const Prompt
     return run_generate_batch(cmd, model_dir, prompt_choice, max_new, choice, sampling, prefix_choice, stats_wanted,
                               ctx_size);
   }
-  const std::string prompt = prompt_choice.read(cmd);
-  const Model model = load_model(model_dir);
-  const Tokenizer tokenizer = load_tokenizer(model_dir, model);
-  const std::optional<Model> draft = load_draft(choice, model, tokenizer);
-  const std::vector<std::int32_t> tokens = encode_for_generation(tokenizer, prompt, "the prompt");
-  check_context(static_cast<std::int64_t>(tokens.size()), max_new, resolve_ctx_size(ctx_size, model),
-                ctx_size.has_value(), "the prompt");
+  const OnePrompt one(cmd, model_dir, prompt_choice, choice, max_new, ctx_size);
+  const auto& [prompt, model, tokenizer, draft, tokens] = one;
   const std::unique_ptr<PrefixCache> prefix = prefix_choice.open(cmd, model);
   GenerationOptions options;
   options.max_new_tokens = max_new;

@@ -56,31 +56,25 @@ void print_family(const ModelConfig& c) {
               mix_text.c_str(), variants.empty() ? "" : "; ", variants.c_str());
 }
 
-// The shape of one layer of kind `kind`, for its line of the layer list.
-std::string layer_detail(const ModelConfig& c, LayerKind kind) {
+// The shape of layer `layer`, of kind `kind`, for its line of the layer list.
+std::string layer_detail(const ModelConfig& c, LayerKind kind, std::int64_t layer) {
   std::string detail;
-  switch (kind) {
-    case LayerKind::FullAttention:
-    case LayerKind::SlidingAttention:
+  switch (runtime_layer_kind(kind, layer)) {
+    case RuntimeLayerKind::FullAttention:
+    case RuntimeLayerKind::SlidingAttention:
       detail = std::to_string(c.num_attention_heads) + " heads / " + std::to_string(c.num_key_value_heads) +
                " kv heads x " + std::to_string(c.head_dim);
       if (kind == LayerKind::SlidingAttention) detail += ", window " + std::to_string(c.sliding_window);
       break;
-    case LayerKind::LinearAttention:
+    case RuntimeLayerKind::LinearAttention:
       detail = "Gated DeltaNet, conv " + std::to_string(c.linear_conv_dim()) +
                " x K=" + std::to_string(c.linear_conv_kernel_dim) + ", state [" +
                std::to_string(c.linear_num_value_heads) + ", " + std::to_string(c.linear_key_head_dim) + ", " +
                std::to_string(c.linear_value_head_dim) + "]";
       break;
-    case LayerKind::Conv:
+    case RuntimeLayerKind::Conv:
       detail = "short conv, " + std::to_string(c.hidden_size) + " channels x K=" + std::to_string(c.conv_L_cache);
       break;
-    case LayerKind::ChunkedAttention:
-    case LayerKind::Hybrid:
-    case LayerKind::HybridSliding:
-    case LayerKind::SparseAttention:
-    case LayerKind::Moe:
-    case LayerKind::Mlp: break;  // a ModelConfig never holds them
   }
   return detail;
 }
@@ -122,7 +116,7 @@ int run_inspect(const std::string& model_dir, std::int64_t rollback) {
   print_family(c);
   for (std::size_t i = 0; i < c.layer_types.size(); ++i) {
     const LayerKind kind = c.layer_types[i];
-    const std::string detail = layer_detail(c, kind);
+    const std::string detail = layer_detail(c, kind, static_cast<std::int64_t>(i));
     const std::string t(layer_kind_name(kind));
     std::printf("  layer %2zu  %-18s %s\n", i, t.c_str(), detail.c_str());
   }

@@ -207,6 +207,16 @@ def l2norm(x, eps=1e-6):
     return x * (1.0 / torch.sqrt(x.pow(2).sum(-1, keepdim=True) + eps))
 
 
+def gated_delta_step(S, q, k, v, g, beta, t):
+    """Token t of the recurrence of kernels.cc from state S [B, H, Dk, Dv]:
+    (the state after it, its output [B, H, Dv])."""
+    S = S * g[:, t].exp()[..., None, None]
+    kv = (S * k[:, t, :, :, None]).sum(-2)
+    delta = (v[:, t] - kv) * beta[:, t, :, None]
+    S = S + k[:, t, :, :, None] * delta[:, :, None, :]
+    return S, (S * q[:, t, :, :, None]).sum(-2)
+
+
 def recurrent_gated_delta_rule(q, k, v, g, beta):
     """The per-token recurrence of kernels.cc (the reference the chunked form
     is tested against). q, k: [B, T, H, Dk]; v: [B, T, H, Dv]; g, beta:
@@ -215,11 +225,8 @@ def recurrent_gated_delta_rule(q, k, v, g, beta):
     S = q.new_zeros(B, H, Dk, v.shape[-1])
     out = []
     for t in range(T):
-        S = S * g[:, t].exp()[..., None, None]
-        kv = (S * k[:, t, :, :, None]).sum(-2)
-        delta = (v[:, t] - kv) * beta[:, t, :, None]
-        S = S + k[:, t, :, :, None] * delta[:, :, None, :]
-        out.append((S * q[:, t, :, :, None]).sum(-2))
+        S, o = gated_delta_step(S, q, k, v, g, beta, t)
+        out.append(o)
     return torch.stack(out, 1)
 
 
@@ -328,11 +335,8 @@ class GatedDeltaNet(nn.Module):
         S = update.previous().clone()
         out = []
         for t in range(T):
-            S = S * g[:, t].exp()[..., None, None]
-            kv = (S * k[:, t, :, :, None]).sum(-2)
-            delta = (v[:, t] - kv) * beta[:, t, :, None]
-            S = S + k[:, t, :, :, None] * delta[:, :, None, :]
-            out.append((S * q[:, t, :, :, None]).sum(-2))
+            S, o = gated_delta_step(S, q, k, v, g, beta, t)
+            out.append(o)
             update.next(t + 1).copy_(S)
         update.commit()
         return torch.stack(out, 1)

@@ -295,16 +295,22 @@ TEST_P(BatchOps, TouchEveryStoredTensorIncludingSnapshots) {
   ASSERT_EQ(cache_step(b.cache, b.ref, 2, ++salt), "");
   ASSERT_EQ(verify(b.cache, b.ref), "");
 
+  // After operation `op`: the cache as the reference, then again after a
+  // rollback of `back` positions (the snapshots were re-batched too: it
+  // restores the chosen rows) and a step of `step` tokens.
+  auto verify_rollback = [&](const std::string& op, i64 back, i64 step) {
+    ASSERT_EQ(verify(b.cache, b.ref), "") << "after " << op;
+    b.cache.crop(-back);
+    b.ref.crop(-back);
+    ASSERT_EQ(verify(b.cache, b.ref), "") << "crop(-" << back << ") after " << op;
+    ASSERT_EQ(cache_step(b.cache, b.ref, step, ++salt), "");
+  };
+
   // select: any order, repeats.
   const std::vector<i64> sel = {2, 0, 2};
   b.cache.batch_select_indices(sel);
   b.ref.batch_apply(sel);
-  ASSERT_EQ(verify(b.cache, b.ref), "") << "after batch_select_indices";
-  // The snapshots were re-batched too: a rollback restores the selected rows.
-  b.cache.crop(-2);
-  b.ref.crop(-2);
-  ASSERT_EQ(verify(b.cache, b.ref), "") << "crop(-2) after batch_select_indices";
-  ASSERT_EQ(cache_step(b.cache, b.ref, 2, ++salt), "");
+  ASSERT_NO_FATAL_FAILURE(verify_rollback("batch_select_indices", 2, 2));
 
   const std::vector<i64> two = {1, 0};
   b.cache.batch_select_indices(two);
@@ -312,20 +318,12 @@ TEST_P(BatchOps, TouchEveryStoredTensorIncludingSnapshots) {
   b.cache.batch_repeat_interleave(2);  // rows 1, 1, 0, 0 of the original order
   b.ref.batch_apply(b.ref.layers[0].repeat_indices(2));
   EXPECT_EQ(b.cache.layer(0).batch_size(), 4);
-  ASSERT_EQ(verify(b.cache, b.ref), "") << "after batch_repeat_interleave";
-  b.cache.crop(-1);
-  b.ref.crop(-1);
-  ASSERT_EQ(verify(b.cache, b.ref), "") << "crop(-1) after batch_repeat_interleave";
-  ASSERT_EQ(cache_step(b.cache, b.ref, 3, ++salt), "");
+  ASSERT_NO_FATAL_FAILURE(verify_rollback("batch_repeat_interleave", 1, 3));
 
   const std::vector<i64> beams = {3, 1, 0, 2};
   b.cache.reorder_cache(beams);
   b.ref.batch_apply(beams);
-  ASSERT_EQ(verify(b.cache, b.ref), "") << "after reorder_cache";
-  b.cache.crop(-3);
-  b.ref.crop(-3);
-  ASSERT_EQ(verify(b.cache, b.ref), "") << "crop(-3) after reorder_cache";
-  ASSERT_EQ(cache_step(b.cache, b.ref, 1, ++salt), "");
+  ASSERT_NO_FATAL_FAILURE(verify_rollback("reorder_cache", 3, 1));
   ASSERT_EQ(verify(b.cache, b.ref), "");
 }
 

@@ -24,7 +24,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 import rewind  # noqa: E402
-from test_inplace_conv import causal_conv1d_update  # noqa: E402
+from test_inplace_conv import ShortConv as InplaceShortConv, causal_conv1d_update  # noqa: E402
 
 D, H, HD, K, V, CHUNK = 8, 2, 4, 3, 13, 4
 GDN_HEADS, GDN_DIM = 2, 3
@@ -45,14 +45,9 @@ def conv_step(layer_idx, x, weight, cache, has_previous):
     return torch.stack([(window[..., j:j + K] * weight).sum(-1) for j in range(q)], dim=-1)
 
 
-class ShortConv(torch.nn.Module):
-    def __init__(self, layer_idx):
-        super().__init__()
-        self.layer_idx = layer_idx
-        self.in_proj = torch.nn.Linear(D, 3 * D, bias=False)
-        self.weight = torch.nn.Parameter(torch.randn(D, K) * 0.5)
-        self.out_proj = torch.nn.Linear(D, D, bias=False)
-
+# test_inplace_conv's projections and taps, built with its D and K (the same
+# as this file's), under this file's forward.
+class ShortConv(InplaceShortConv):
     def forward(self, h, mask, start, cache):
         has_previous = cache is not None and cache.has_previous_state(self.layer_idx)
         own = mask[:, start:start + h.shape[1]].to(h.dtype)

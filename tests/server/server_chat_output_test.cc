@@ -44,21 +44,18 @@ class TaggedChatServerTest : public ::testing::Test {
     omp_set_num_threads(1);
     dir_ = std::filesystem::temp_directory_path() / ("rwd_tagged_chat_" + std::to_string(::getpid()));
     make_chat_model(dir_, kTaggedTemplate);
-    model_ = new Model(Model::load(model_dir()));
-    tokenizer_ = new Tokenizer(rwd::runtime::tokenizer_for_model(model_dir(), model_->config()));
+    load_model(model_dir(), model_, tokenizer_);
     ServerOptions o;
     o.model_dir = dir_.string();
     o.model_name = "kjv-tagged";
     o.port = 0;
     o.max_batch = 2;
     o.threads = 1;
-    server_ = new Server(o);
-    port_ = server_->start();
+    port_ = start_server(o, server_);
   }
   static void TearDownTestSuite() {
     delete server_;
-    delete tokenizer_;
-    delete model_;
+    unload_model(model_, tokenizer_);
     std::filesystem::remove_all(dir_);
   }
 

@@ -80,11 +80,7 @@ std::string complete(int port, const std::string& prompt, std::int64_t max_token
     if (!res || res->status != 200) return {};
     return json::parse(res->body)["choices"][0]["text"].get<std::string>();
   }
-  httplib::Request req;
-  req.method = "POST";
-  req.path = "/v1/completions";
-  req.set_header("Content-Type", "application/json");
-  req.body = body.dump();
+  httplib::Request req = completion_request(body);
   std::string events;
   req.content_receiver = [&](const char* data, std::size_t n, std::uint64_t, std::uint64_t) {
     events.append(data, n);

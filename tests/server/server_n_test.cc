@@ -81,8 +81,7 @@ class ServerNTest : public ::testing::Test {
  public:
   static void SetUpTestSuite() {
     omp_set_num_threads(1);  // as server_test.cc: the test's decoding beside the server's
-    model_ = new Model(Model::load(model_dir()));
-    tokenizer_ = new Tokenizer(rwd::runtime::tokenizer_for_model(model_dir(), model_->config()));
+    load_model(model_dir(), model_, tokenizer_);
     // The model again with a chat template (server_test.cc's ChatServerTest).
     dir_ = std::filesystem::temp_directory_path() / ("rwd_n_server_" + std::to_string(::getpid()));
     rwt::server::make_chat_model(dir_,
@@ -96,15 +95,13 @@ class ServerNTest : public ::testing::Test {
     o.max_prefill_rows = 16;  // the prompts go in several rounds
     o.prefix_interval = 16;   // and store prefix-cache entries: a repeated prompt is restored, then forked
     o.threads = 1;
-    server_ = new Server(o);
-    port_ = server_->start();
+    port_ = start_server(o, server_);
     baseline_ = new ServerCounters(server_->counters());
   }
   static void TearDownTestSuite() {
     delete server_;
     delete baseline_;
-    delete tokenizer_;
-    delete model_;
+    unload_model(model_, tokenizer_);
     std::filesystem::remove_all(dir_);
   }
 
@@ -394,11 +391,8 @@ TEST_F(ServerNTest, ConcurrentRequestsWithForksStayWithinMaxBatch) {
 TEST_F(ServerNTest, AClientThatLeavesCancelsEveryChoice) {
   const ServerCounters before = server_->counters();
   httplib::Client client("127.0.0.1", port_);
-  httplib::Request req;
-  req.method = "POST";
-  req.path = "/v1/completions";
-  req.set_header("Content-Type", "application/json");
-  req.body = json{{"prompt", kPrompt}, {"max_tokens", 3000}, {"temperature", 0}, {"n", 3}, {"stream", true}}.dump();
+  httplib::Request req = completion_request(
+      json{{"prompt", kPrompt}, {"max_tokens", 3000}, {"temperature", 0}, {"n", 3}, {"stream", true}});
   int chunks = 0;
   req.content_receiver = [&](const char*, std::size_t, std::uint64_t, std::uint64_t) { return ++chunks < 2; };
   client.send(req);  // the receiver's false closes the connection

@@ -54,13 +54,9 @@ class ServerPrefix : public ::testing::Test {
  protected:
   static void SetUpTestSuite() {
     omp_set_num_threads(1);
-    model_ = new Model(Model::load(model_dir()));
-    tokenizer_ = new Tokenizer(rwd::runtime::tokenizer_for_model(model_dir(), model_->config()));
+    load_model(model_dir(), model_, tokenizer_);
   }
-  static void TearDownTestSuite() {
-    delete tokenizer_;
-    delete model_;
-  }
+  static void TearDownTestSuite() { unload_model(model_, tokenizer_); }
   void SetUp() override {
     dir_ = std::filesystem::temp_directory_path() / ("rwd_server_prefix_" + std::to_string(::getpid()) + "_" +
                                                      ::testing::UnitTest::GetInstance()->current_test_info()->name());

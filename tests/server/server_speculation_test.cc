@@ -131,13 +131,9 @@ class ServerSpeculationTest : public ::testing::Test {
  public:
   static void SetUpTestSuite() {
     omp_set_num_threads(1);  // the test's own decoding beside the server's (as server_test.cc)
-    model_ = new Model(Model::load(target_dir()));
-    tokenizer_ = new Tokenizer(rwd::runtime::tokenizer_for_model(target_dir(), model_->config()));
+    load_model(target_dir(), model_, tokenizer_);
   }
-  static void TearDownTestSuite() {
-    delete tokenizer_;
-    delete model_;
-  }
+  static void TearDownTestSuite() { unload_model(model_, tokenizer_); }
 
   std::vector<std::int32_t> encode(const std::string& text) { return tokenizer_->encode(text, true); }
 
@@ -406,11 +402,8 @@ TEST_F(ServerSpeculationTest, StopStringsAndCancellationStillWork) {
   EXPECT_EQ(a.finish_reason, "stop");
   // A client that leaves mid-stream: its sequence (and its draft state) goes.
   httplib::Client client("127.0.0.1", s.port);
-  httplib::Request req;
-  req.method = "POST";
-  req.path = "/v1/completions";
-  req.set_header("Content-Type", "application/json");
-  req.body = json{{"prompt", kPrompts[2]}, {"max_tokens", 3000}, {"temperature", 0}, {"stream", true}}.dump();
+  httplib::Request req = completion_request(
+      json{{"prompt", kPrompts[2]}, {"max_tokens", 3000}, {"temperature", 0}, {"stream", true}});
   int chunks = 0;
   req.content_receiver = [&](const char*, std::size_t, std::uint64_t, std::uint64_t) { return ++chunks < 2; };
   client.send(req);

@@ -49,8 +49,7 @@ class ServerTest : public ::testing::Test {
     // teams spinning at their barriers on a loaded machine take turns for
     // each core (correctness does not depend on it: batch invariance).
     omp_set_num_threads(1);
-    model_ = new Model(Model::load(model_dir()));
-    tokenizer_ = new Tokenizer(rwd::runtime::tokenizer_for_model(model_dir(), model_->config()));
+    load_model(model_dir(), model_, tokenizer_);
     ServerOptions o;
     o.model_dir = model_dir();
     o.port = 0;
@@ -58,13 +57,11 @@ class ServerTest : public ::testing::Test {
     o.max_body_bytes = 256 * 1024;
     o.max_prefill_rows = 16;  // long prompts go in several rounds, beside decoding sequences
     o.threads = 1;
-    server_ = new Server(o);
-    port_ = server_->start();
+    port_ = start_server(o, server_);
   }
   static void TearDownTestSuite() {
     delete server_;
-    delete tokenizer_;
-    delete model_;
+    unload_model(model_, tokenizer_);
   }
 
   static Solo solo(const std::string& text, std::int64_t max_tokens, float temperature = 0.0f, std::uint64_t seed = 0) {
@@ -277,11 +274,8 @@ TEST_F(ServerTest, ConcurrentRequestsEachEqualTheirSoloDecoding) {
 TEST_F(ServerTest, ClientThatLeavesMidStreamHasItsSequenceRemoved) {
   const rwd::server::ServerCounters before = server_->counters();
   httplib::Client client("127.0.0.1", port_);
-  httplib::Request req;
-  req.method = "POST";
-  req.path = "/v1/completions";
-  req.set_header("Content-Type", "application/json");
-  req.body = json{{"prompt", kPrompts[0]}, {"max_tokens", 3000}, {"temperature", 0}, {"stream", true}}.dump();
+  httplib::Request req = completion_request(
+      json{{"prompt", kPrompts[0]}, {"max_tokens", 3000}, {"temperature", 0}, {"stream", true}});
   int chunks = 0;
   req.content_receiver = [&](const char*, std::size_t, std::uint64_t, std::uint64_t) { return ++chunks < 2; };
   client.send(req);  // the receiver's false closes the connection
@@ -400,21 +394,18 @@ class ChatServerTest : public ::testing::Test {
     omp_set_num_threads(1);
     dir_ = std::filesystem::temp_directory_path() / ("rwd_chat_server_" + std::to_string(::getpid()));
     rwt::server::make_chat_model(dir_, kChatTemplate);
-    model_ = new Model(Model::load(model_dir()));
-    tokenizer_ = new Tokenizer(rwd::runtime::tokenizer_for_model(model_dir(), model_->config()));
+    load_model(model_dir(), model_, tokenizer_);
     ServerOptions o;
     o.model_dir = dir_.string();
     o.model_name = "kjv-chat";
     o.port = 0;
     o.max_batch = 4;
     o.threads = 1;
-    server_ = new Server(o);
-    port_ = server_->start();
+    port_ = start_server(o, server_);
   }
   static void TearDownTestSuite() {
     delete server_;
-    delete tokenizer_;
-    delete model_;
+    unload_model(model_, tokenizer_);
     std::filesystem::remove_all(dir_);
   }
 
@@ -607,11 +598,8 @@ TEST(ServerLifecycle, StopDrainsTheStreamUnderWay) {
   std::thread client_thread([&] {
     httplib::Client client("127.0.0.1", port);
     client.set_read_timeout(120, 0);
-    httplib::Request req;
-    req.method = "POST";
-    req.path = "/v1/completions";
-    req.set_header("Content-Type", "application/json");
-    req.body = json{{"prompt", kPrompts[0]}, {"max_tokens", 200}, {"temperature", 0}, {"stream", true}}.dump();
+    httplib::Request req = completion_request(
+        json{{"prompt", kPrompts[0]}, {"max_tokens", 200}, {"temperature", 0}, {"stream", true}});
     req.content_receiver = [&](const char* data, std::size_t n, std::uint64_t, std::uint64_t) {
       body.append(data, n);
       first_chunk = true;
@@ -683,11 +671,8 @@ TEST(ServerLifecycle, FullQueueGets429) {
     // machine before its first token, leaving its job queued: the wait for
     // `waiting == 1` below would then see the holder, not the waiter.
     client.set_read_timeout(120, 0);
-    httplib::Request req;
-    req.method = "POST";
-    req.path = "/v1/completions";
-    req.set_header("Content-Type", "application/json");
-    req.body = json{{"prompt", kPrompts[0]}, {"max_tokens", 16000}, {"temperature", 0}, {"stream", true}}.dump();
+    httplib::Request req = completion_request(
+        json{{"prompt", kPrompts[0]}, {"max_tokens", 16000}, {"temperature", 0}, {"stream", true}});
     req.content_receiver = [&](const char*, std::size_t, std::uint64_t, std::uint64_t) {
       streaming = true;
       return !release;

@@ -4,6 +4,7 @@
 #pragma once
 
 #include <gtest/gtest.h>
+#include <httplib.h>
 
 #include <filesystem>
 #include <fstream>
@@ -39,6 +40,34 @@ inline void make_chat_model(const std::filesystem::path& dir, const std::string&
   std::filesystem::remove(dir / "model.safetensors");
   std::filesystem::create_symlink(model_dir() + "/model.safetensors", dir / "model.safetensors");
   std::ofstream(dir / "tokenizer_config.json") << json{{"chat_template", chat_template}}.dump();
+}
+
+// The model of `dir` and its tokenizer, as a suite's reference decoding
+// holds them from SetUpTestSuite to unload_model (which deletes them).
+inline void load_model(const std::string& dir, Model*& model, Tokenizer*& tokenizer) {
+  model = new Model(Model::load(dir));
+  tokenizer = new Tokenizer(rwd::runtime::tokenizer_for_model(dir, model->config()));
+}
+inline void unload_model(Model* model, Tokenizer* tokenizer) {
+  delete tokenizer;
+  delete model;
+}
+
+// A suite's server, started with `options`; returns its port.
+inline int start_server(const ServerOptions& options, Server*& server) {
+  server = new Server(options);
+  return server->start();
+}
+
+// A POST of `body` to /v1/completions, for a test that reads the response
+// as it comes (its content_receiver).
+inline httplib::Request completion_request(const json& body) {
+  httplib::Request req;
+  req.method = "POST";
+  req.path = "/v1/completions";
+  req.set_header("Content-Type", "application/json");
+  req.body = body.dump();
+  return req;
 }
 
 // The data lines of an SSE body, without "data: ", each checked to be one.

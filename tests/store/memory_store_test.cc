@@ -14,17 +14,13 @@ namespace rwd {
 namespace {
 
 using store_test::bytes_of;
+using store_test::expect_round_trip;
 using store_test::filled;
 
 TEST(MemoryStore, RoundTripsBinaryValuesAndReportsMissingKeys) {
   auto store = make_memory_store(0);
   const std::string text("a\0b\xff\x00z", 6);
-  EXPECT_FALSE(store->get("k").has_value());
-  EXPECT_FALSE(store->contains("k"));
-  EXPECT_TRUE(store->put("k", bytes_of(text)));
-  EXPECT_TRUE(store->contains("k"));
-  EXPECT_EQ(store->get("k"), bytes_of(text));
-  EXPECT_TRUE(store->put("empty", {}));
+  expect_round_trip(*store, text);
   EXPECT_EQ(store->get("empty"), std::vector<std::byte>{});
   EXPECT_EQ(store->bytes_used(), 6u);
   // Replacing a value replaces its bytes.

@@ -23,6 +23,8 @@
 #include <string>
 #include <vector>
 
+#include <gtest/gtest.h>
+
 #include "rewind/store.h"
 
 namespace rwd::store_test {
@@ -34,6 +36,17 @@ inline std::vector<std::byte> bytes_of(const std::string& s) {
 }
 
 inline std::vector<std::byte> filled(std::size_t n, unsigned char c) { return std::vector<std::byte>(n, std::byte{c}); }
+
+// The round trip every store's test starts with, on an empty `store`: "k"
+// missing, then holding `text`, then an empty value put under "empty".
+inline void expect_round_trip(BlobStore& store, const std::string& text) {
+  EXPECT_FALSE(store.get("k").has_value());
+  EXPECT_FALSE(store.contains("k"));
+  EXPECT_TRUE(store.put("k", bytes_of(text)));
+  EXPECT_TRUE(store.contains("k"));
+  EXPECT_EQ(store.get("k"), bytes_of(text));
+  EXPECT_TRUE(store.put("empty", {}));
+}
 
 inline std::uint64_t splitmix64(std::uint64_t x) {
   x += 0x9e3779b97f4a7c15ULL;

@@ -142,6 +142,18 @@ std::vector<double> rope_inv_freq(const ModelConfig& config);
 // full_attention, sliding_attention, linear_attention (Gated DeltaNet), conv.
 const std::vector<LayerKind>& supported_layer_kinds();
 
+// The kinds of supported_layer_kinds(), for the switches that build,
+// shape or describe a layer: each names every one, so that the compiler
+// points at each switch a newly implemented kind needs, and none lists the
+// library's kinds that the runtime refuses.
+enum class RuntimeLayerKind : std::uint8_t { FullAttention, SlidingAttention, LinearAttention, Conv };
+
+// `kind`, of layer `layer`, as a RuntimeLayerKind. Throws FormatError
+// ("config.json: layer type '...' of layer N is not implemented by the
+// runtime") for a kind outside supported_layer_kinds(), which a parsed
+// ModelConfig never holds.
+RuntimeLayerKind runtime_layer_kind(LayerKind kind, std::int64_t layer);
+
 // Parses and validates config.json text. The family comes from model_type
 // (docs/model-format.md lists the keys each reads); a config of another
 // architecture (a model_type or a transformers class in "architectures"
