@@ -9,19 +9,19 @@ both scripts): `rewind init-random --dtype bf16` of bench/llamacpp/configs/MODEL
 quantized to Q8_0 by llama-quantize; llama.cpp is built from the snapshot at --llama-src (kept outside this
 tree) into LLAMA_SRC/build-rewind-sbs, llama-server included.
 
-Each run starts every server in turn (rewind bf16 and Q8; llama-server f16, bf16 and Q8_0), each with the
-same slots (rewind --max-batch B, llama-server -np B with one unified KV cache), the same compute threads and
-enough HTTP threads, on a free port of 127.0.0.1. The time from starting the process to /health answering 200
-is its start-up figure. Then, for each client count C, C concurrent clients (standard library: http.client
-and threads) send max(2 C, 8) streamed /v1/completions requests, greedy, each with a prompt of
---prompt-tokens token ids (the same ids for both servers, so tokenization plays no part) drawn afresh for every
-request of the run: no request shares a prefix with an earlier one, so neither server's prefix reuse helps.
-Each asks for --max-tokens tokens (`ignore_eos` for llama-server; rewind stops at EOS, and its tokens/s counts
-the tokens it did generate, from `usage`). Figures per run: aggregate completion tokens/s over the wall time,
-time to first token p50 / p99 (sending the request to its first non-empty text event). The table gives medians
-over the runs with [min-max]. In the first run, --check-alone prompts of the largest client count are sent again
-one at a time: "batched = alone" counts the greedy texts that equal what the same prompt got inside the batch
-(rewind promises all of them; llama.cpp's results may depend on what else is batched).
+Each run starts every server in turn (rewind bf16 and Q8; llama-server f16, bf16 and Q8_0), each with the same
+slots (rewind --max-batch B, llama-server -np B with one unified KV cache), the same compute threads and enough
+HTTP threads, its output in OUT/serve-ENGINE-WEIGHTS.log, on a free port of 127.0.0.1. The time from starting the
+process to /health answering 200 is its start-up figure. Then, for each client count C, C concurrent clients
+(standard library: http.client and threads) send max(2 C, 8) streamed /v1/completions requests, greedy, each with a
+prompt of --prompt-tokens token ids (the same ids for both servers, so tokenization plays no part) drawn afresh for
+every request of the run: no request shares a prefix with an earlier one, so neither server's prefix reuse helps.
+Each asks for --max-tokens tokens (`ignore_eos` for llama-server; rewind stops at EOS, and its tokens/s counts the
+tokens it did generate, from `usage`). Figures per run: aggregate completion tokens/s over the wall time, time to
+first token p50 / p99 (sending the request to its first non-empty text event). The table gives medians over the
+runs with [min-max]. In the first run, --check-alone prompts of the largest client count are sent again one at a
+time: "batched = alone" counts the greedy texts that equal what the same prompt got inside the batch (rewind
+promises all of them; llama.cpp's results may depend on what else is batched).
 """
 
 import argparse
@@ -54,14 +54,17 @@ def get(port, path, timeout=5):
         conn.close()
 
 
-def start(cmd, port, threads, what):
-    """Starts a server and waits for /health 200: (process, seconds from start to healthy)."""
+def start(cmd, port, threads, what, log_path):
+    """Starts a server, its output to `log_path` (a pipe nobody reads would fill and stall a server that logs
+    every request, as llama-server does), and waits for /health 200: (process, seconds from start to healthy)."""
     t0 = time.perf_counter()
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-                            env=dict(os.environ, OMP_NUM_THREADS=str(threads)))
+    with open(log_path, "w") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT,
+                                env=dict(os.environ, OMP_NUM_THREADS=str(threads)))
     while True:
         if proc.poll() is not None:
-            raise RuntimeError(f"{what} exited with {proc.returncode}: {proc.stderr.read()[-3000:]}")
+            with open(log_path, errors="replace") as f:
+                raise RuntimeError(f"{what} exited with {proc.returncode}: {f.read()[-3000:]}")
         try:
             if get(port, "/health", timeout=1)[0] == 200:
                 return proc, time.perf_counter() - t0
@@ -80,8 +83,6 @@ def stop(proc):
     except subprocess.TimeoutExpired:
         proc.kill()
         proc.wait()
-    # Drain the pipe so a chatty server never blocks on a full one before the next starts.
-    proc.stderr.read()
 
 
 def stream_one(port, prompt, max_tokens):
@@ -139,7 +140,8 @@ def main():
         for engine, weights in engines:
             port = serve_bench.free_port()
             cmd = server_command(engine, weights, args, model_dir, ggufs, port, max(args.clients) + 4)
-            proc, startup = start(cmd, port, args.threads, f"{engine} {weights}")
+            proc, startup = start(cmd, port, args.threads, f"{engine} {weights}",
+                                  os.path.join(args.out, f"serve-{engine}-{weights}.log"))
             try:
                 rows = [("startup_s", startup)]
                 stream_one(port, [rng.randrange(32, 127) for _ in range(8)], 4)  # first-request warm-up
