@@ -171,15 +171,19 @@ test-guarded: deps
 	$(GUARDED_BUILD)/tests/rewind_store_tests --gtest_brief=1
 
 # ThreadSanitizer: threads decoding with their own caches over shared
-# weights (tests/runtime/concurrency_test.cc). OpenMP stays at one thread:
-# libgomp is not instrumented and would only add false reports. ASLR is
-# switched off for the run (setarch -R): libtsan of GCC 12 cannot map its
-# shadow memory under the 32-bit mmap randomisation of current kernels.
+# weights (tests/runtime/concurrency_test.cc), each running its kernels on
+# two threads of the kernels' pool, the pool itself
+# (tests/runtime/kernels/parallel_test.cc) and the kernels' thread-count
+# tests. The kernels' threads are rewind's own (runtime/kernels/parallel.cc);
+# OpenMP only supplies the thread-count setting, so uninstrumented libgomp
+# runs no code here. ASLR is switched off for the run (setarch -R): libtsan
+# of GCC 12 cannot map its shadow memory under the 32-bit mmap randomisation
+# of current kernels.
 test-tsan: deps
 	cmake -S . -B $(TSAN_BUILD) -DCMAKE_BUILD_TYPE=Debug -DREWIND_TSAN=ON -DREWIND_BUILD_BENCH=OFF -DREWIND_BUILD_PYTHON=OFF $(CMAKE_FLAGS)
 	cmake --build $(TSAN_BUILD) -j $(JOBS) --target rewind_runtime_tests
-	OMP_NUM_THREADS=1 TSAN_OPTIONS=halt_on_error=1 setarch $$(uname -m) -R \
-	  $(TSAN_BUILD)/tests/rewind_runtime_tests --gtest_filter='Concurrency.*'
+	OMP_NUM_THREADS=2 TSAN_OPTIONS=halt_on_error=1 setarch $$(uname -m) -R \
+	  $(TSAN_BUILD)/tests/rewind_runtime_tests --gtest_filter='Concurrency.*:ParallelFor.*:*.IndependentOfThreadCount:*.RowsAreBatchAndThreadInvariant'
 
 # libFuzzer targets (clang, ASan + UBSan), each run for FUZZ_SECONDS from the
 # seed corpus in fuzz/corpus/ (new inputs go to $(FUZZ_BUILD)/corpus, not the

@@ -19,10 +19,12 @@
 // the baseline.
 #pragma once
 
-#include <omp.h>
 #include <cstdint>
+#include <memory>
+#include <type_traits>
 
 #include "kernel_isa.h"
+#include "parallel.h"
 #include "runtime/kernels.h"
 
 // Hot loops other than matmul are also compiled for AVX2 and AVX-512F and
@@ -62,17 +64,19 @@ inline constexpr int kLanes = 8;
 // team costs a few microseconds).
 inline constexpr int64_t kParallelWork = int64_t{1} << 16;
 
-// Runs body(i) for i in [0, n), split statically across the OpenMP team when
-// `worth_it` and more than one thread is allowed; otherwise on the calling
-// thread without entering a parallel region at all (libgomp makes a futex
-// system call per region even for a team of one, a few microseconds each,
-// and a forward runs dozens of kernels). Which thread runs which i never
-// changes a result: bodies write disjoint outputs.
+// Runs body(i) for i in [0, n) across threads when `worth_it` and more than
+// one thread is allowed; otherwise on the calling thread without waking any
+// (a few microseconds each time, and a forward runs dozens of kernels).
+// Which thread runs which i never changes a result: bodies write disjoint
+// outputs.
 template <class F>
 void parallel_for(int64_t n, bool worth_it, F&& body) {
-  if (worth_it && n > 1 && omp_get_max_threads() > 1) {
-#pragma omp parallel for schedule(static)
-    for (int64_t i = 0; i < n; ++i) body(i);
+  const int threads = worth_it && n > 1 ? max_threads() : 1;
+  if (threads > 1) {
+    using Body = std::remove_reference_t<F>;
+    run_parallel(
+        n, threads, [](void* ctx, int64_t i) { (*static_cast<Body*>(ctx))(i); },
+        const_cast<void*>(static_cast<const void*>(std::addressof(body))));
   } else {
     for (int64_t i = 0; i < n; ++i) body(i);
   }

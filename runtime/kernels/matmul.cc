@@ -1,7 +1,6 @@
 // matmul's packed weights (PackedMatrix) and its driver: how the output
 // panels are split into blocks and across threads. The arithmetic is in the
 // per-ISA copies (matmul_internal.h), picked by matmul_dispatch.cc.
-#include <omp.h>
 #include <algorithm>
 #include <cassert>
 #include <cmath>
@@ -250,6 +249,11 @@ namespace {
 constexpr std::size_t kPrefetchMatrixBytes = 256 * 1024;
 constexpr int64_t kPrefetchAheadBytes = 4096;
 
+// Blocks per thread when one group of rows is split across threads: the
+// threads take blocks as they come (parallel.cc), so a thread the OS
+// deschedules holds up at most the block it has started.
+constexpr int64_t kBlocksPerThread = 4;
+
 int64_t matmul_prefetch_bytes(const PackedMatrix& w) {
   return w.bytes() >= kPrefetchMatrixBytes ? kPrefetchAheadBytes : 0;
 }
@@ -258,7 +262,7 @@ int64_t matmul_prefetch_bytes(const PackedMatrix& w) {
 
 void matmul(const float* x, int64_t rows, const PackedMatrix& w, float* y, const float* bias) {
   if (rows <= 0 || w.out() <= 0) return;
-  const bool worth_threads = rows * w.in() * w.out() >= kParallelWork && omp_get_max_threads() > 1;
+  const bool worth_threads = rows * w.in() * w.out() >= kParallelWork && max_threads() > 1;
   const int64_t ahead = matmul_prefetch_bytes(w);
   int64_t block = matmul_block_panels(w.in());
   const bool wide = matmul_isa() == MatmulIsa::Avx512;
@@ -278,8 +282,8 @@ void matmul(const float* x, int64_t rows, const PackedMatrix& w, float* y, const
     // bytes per weight, go the other way since matmul fuses its multiply-
     // adds: four streams at once took that model's f16 one-token forward
     // from 1.88 to 1.50 ms.
-    const int64_t threads = worth_threads ? omp_get_max_threads() : 1;
-    block = ((w.panels() + threads - 1) / threads + 3) / 4 * 4;
+    const int64_t parts = worth_threads ? max_threads() * kBlocksPerThread : 1;
+    block = ((w.panels() + parts - 1) / parts + 3) / 4 * 4;
   } else if (wide && rows > max_group) {
     // Several groups over L2 blocks: a whole number of the widest micro-
     // kernel's panels (4 for groups of 6 rows, 3 for 8), so that no group

@@ -166,7 +166,7 @@ struct GenerationStats {
   std::size_t peak_cache_bytes = 0;    // reserved by the target (+ draft) caches
   std::int64_t prefix_hit_tokens = 0;  // prompt tokens restored from the prefix cache
   std::optional<std::uint64_t> seed;   // the sampling seed; empty for greedy decoding
-  int threads = 1;                     // OpenMP threads the forwards could use
+  int threads = 1;                     // threads the forwards could use (the setting)
 
   // ---- batched calls (generate_batch, speculative_generate_batch) --------
   // Each sequence's own statistics in prompt order, seconds counted from

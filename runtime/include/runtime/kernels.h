@@ -3,7 +3,7 @@
 // Contract: every kernel is batch invariant. The bits of one output row (one
 // token) depend only on that row's inputs and on the sizes that define the
 // operation (in, dim, head_dim, ...), never on how many rows are processed
-// in the same call, on their order, or on the number of OpenMP threads.
+// in the same call, on their order, or on the number of threads.
 // Speculative decoding relies on this: verifying K + 1 draft tokens in one
 // forward must give exactly the logits of K + 1 single-token forwards, so
 // speculative and greedy decoding emit the same tokens bit for bit.
@@ -26,7 +26,8 @@
 // and strides count elements. Arguments are not validated (hot path); the
 // REQUIRES lines are the caller's obligations (checked by assert in debug
 // builds where cheap). Outputs must not alias inputs unless stated.
-// Depends on the C++ standard library, OpenMP and rewind/dtype.h only.
+// Depends on the C++ standard library, OpenMP (its thread-count setting
+// only: the threads are the kernels' own pool) and rewind/dtype.h only.
 #pragma once
 
 #include <cmath>

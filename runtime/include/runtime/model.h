@@ -22,7 +22,9 @@
 // is what makes speculative decoding provably lossless here.
 //
 // Thread safety: a Model is immutable after construction and may be shared
-// by threads, each with its own Cache. forward() uses OpenMP inside.
+// by threads, each with its own Cache. forward() runs its kernels on the
+// calling thread and the kernels' thread pool (threads: the calling
+// thread's OpenMP setting, omp_set_num_threads / OMP_NUM_THREADS).
 #pragma once
 
 #include <cstdint>
