@@ -154,8 +154,14 @@ TEST(ParallelFor, ACallerFinishesAloneWhileEveryPoolThreadIsHeldUp) {
 }
 
 // Not in ThreadSanitizer's run (Makefile): TSan refuses threads started
-// after a fork.
+// after a fork. Skipped under AddressSanitizer: GCC 12's libasan lets a
+// forked child of a threaded process create threads that never start (seen
+// here: pthread_create succeeds, the thread's function is not entered in
+// 10 s), so the child would see no pool thread whatever the pool does.
 TEST(ParallelForFork, AChildProcessRunsJobsOnThreadsOfItsOwn) {
+#if defined(__SANITIZE_ADDRESS__)
+  GTEST_SKIP() << "AddressSanitizer's runtime does not start threads in a forked child";
+#endif
   std::atomic<int> warm{0};
   run(64, 4, [&](int64_t) { warm++; });  // the parent's pool threads exist
   ASSERT_EQ(warm.load(), 64);
