@@ -29,11 +29,10 @@ LONG_PROMPT = (("In the beginning God created the heaven and the earth. And the 
 
 
 def generate(rewind, model, threads, prompt, new_tokens):
-    env = dict(os.environ, OMP_NUM_THREADS=str(threads))
     out = subprocess.run([rewind, "generate", "--model", model, "--prompt", prompt, "-n", str(new_tokens),
                           "--threads", str(threads), "--stats"],
-                         env=env, check=True, capture_output=True, text=True).stdout
-    return json.loads(out[out.rindex("\n{") + 1:] if "\n{" in out else out[out.index("{"):])
+                         check=True, capture_output=True, text=True).stdout
+    return json.loads(out.strip().splitlines()[-1])  # --stats prints its JSON as the last line
 
 
 def start_hogs(n):
