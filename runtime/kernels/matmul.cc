@@ -262,7 +262,8 @@ int64_t matmul_prefetch_bytes(const PackedMatrix& w) {
 
 void matmul(const float* x, int64_t rows, const PackedMatrix& w, float* y, const float* bias) {
   if (rows <= 0 || w.out() <= 0) return;
-  const bool worth_threads = rows * w.in() * w.out() >= kParallelWork && max_threads() > 1;
+  const int threads = max_threads();
+  const bool worth_threads = rows * w.in() * w.out() >= kParallelWork && threads > 1;
   const int64_t ahead = matmul_prefetch_bytes(w);
   int64_t block = matmul_block_panels(w.in());
   const bool wide = matmul_isa() == MatmulIsa::Avx512;
@@ -282,7 +283,7 @@ void matmul(const float* x, int64_t rows, const PackedMatrix& w, float* y, const
     // bytes per weight, go the other way since matmul fuses its multiply-
     // adds: four streams at once took that model's f16 one-token forward
     // from 1.88 to 1.50 ms.
-    const int64_t parts = worth_threads ? max_threads() * kBlocksPerThread : 1;
+    const int64_t parts = worth_threads ? threads * kBlocksPerThread : 1;
     block = ((w.panels() + parts - 1) / parts + 3) / 4 * 4;
   } else if (wide && rows > max_group) {
     // Several groups over L2 blocks: a whole number of the widest micro-
