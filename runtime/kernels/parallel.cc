@@ -19,9 +19,11 @@
 // is done, so the caller's lambda outlives every call to it.
 #include <algorithm>
 #include <atomic>
+#include <cassert>
 #include <chrono>
 #include <cstdint>
 #include <exception>
+#include <limits>
 #include <mutex>
 #include <thread>
 #include <utility>
@@ -244,6 +246,7 @@ int max_threads() {
 }
 
 void run_parallel(std::int64_t n, int threads, ParallelTask task, void* ctx) {
+  assert(n <= std::numeric_limits<std::int64_t>::max() - kMaxHelpers - 1);
   if (n <= 0) return;
   if (threads <= 1 || n == 1 || t_inside) {
     for (std::int64_t i = 0; i < n; ++i) task(ctx, i);

@@ -19,6 +19,7 @@ using ParallelTask = void (*)(void* ctx, std::int64_t i);
 // The calling thread takes indices like the pool threads, so a pool thread
 // that is slow to wake delays nothing it has not started. Inside a task, and
 // for threads <= 1, everything runs on the calling thread.
+// REQUIRES: n <= INT64_MAX - 256 (each thread counts one past n when done).
 void run_parallel(std::int64_t n, int threads, ParallelTask task, void* ctx);
 
 }  // namespace rwd::runtime::kernels::detail
