@@ -266,9 +266,10 @@ void bind_model_cache(py::module_& m) {
 }
 
 // Model.load: the weights and the tokenizer read without the GIL.
-std::shared_ptr<PyModel> load_model(const std::string& dir, const std::optional<std::string>& weights) {
+std::shared_ptr<PyModel> load_model(const std::string& dir, const std::optional<std::string>& weights, bool pack) {
   rwd::runtime::LoadOptions options;
   if (weights) options.weights = rwd::runtime::weight_format_from_name(*weights, "Model.load: weights");
+  options.pack = pack ? rwd::runtime::LoadOptions::Pack::kIfCurrent : rwd::runtime::LoadOptions::Pack::kNever;
   std::shared_ptr<PyModel> loaded;
   {
     py::gil_scoped_release nogil;
@@ -300,10 +301,18 @@ py::array_t<float> forward_tokens(const PyModel& self, py::object tokens, PyMode
 
 void bind_model(py::module_& m) {
   py::class_<PyModel, std::shared_ptr<PyModel>>(m, "Model", "The reference runtime's hybrid decoder (runtime/model.h).")
-      .def_static("load", &load_model, py::arg("directory"), py::arg("weights") = py::none(),
+      .def_static("load", &load_model, py::arg("directory"), py::arg("weights") = py::none(), py::arg("pack") = true,
                   "Loads DIR/config.json, DIR/model.safetensors (or its shards) and DIR/tokenizer.json when present; "
                   "weights='q8' quantizes the linear weights at load, a Q8 checkpoint (rewind quantize) loads as q8 by "
-                  "itself and refuses weights='as-stored' (docs/quantization.md).")
+                  "itself and refuses weights='as-stored' (docs/quantization.md). A current pack file of those "
+                  "weights in DIR (rewind pack) is mapped instead of packing unless pack=False "
+                  "(docs/model-format.md); pack_path and pack_note say what happened.")
+      .def_property_readonly(
+          "pack_path", [](const PyModel& self) { return self.model.pack_path(); },
+          "The pack file the matrices are mapped from, or '' (packed at load).")
+      .def_property_readonly(
+          "pack_note", [](const PyModel& self) { return self.model.pack_note(); },
+          "Why a pack file in the directory was not used, or ''.")
       .def_property_readonly(
           "weights",
           [](const PyModel& self) { return std::string(rwd::runtime::weight_format_name(self.model.weight_format())); })

@@ -1,9 +1,12 @@
 #include "runtime/model.h"
 
 #include <algorithm>
+#include <cassert>
 #include <cmath>
 #include <cstring>
+#include <filesystem>
 #include <limits>
+#include <map>
 #include <optional>
 
 #if defined(__GLIBC__)
@@ -172,15 +175,6 @@ std::string fingerprint_of(const ModelWeights& weights, WeightFormat format) {
   return "rewind-hybrid-" + hex;
 }
 
-// Rows [first + g * stride, ... + count) for g = 0, 1, ..., groups - 1 of
-// `m`, gathered in that order and packed.
-k::PackedMatrix gathered_rows(const MatrixSource& m, std::int64_t groups, std::int64_t stride, std::int64_t first,
-                              std::int64_t count, WeightFormat format, const std::string& what) {
-  std::vector<RowRange> ranges;
-  for (std::int64_t g = 0; g < groups; ++g) ranges.push_back({g * stride + first, count});
-  return gathered(m, ranges, format, what);
-}
-
 // glibc raises its mmap threshold as large blocks are freed, so released
 // weights end up as free heap pages it keeps; handing them back after each
 // release keeps freed and packed copies from adding up while loading.
@@ -197,7 +191,12 @@ void return_freed_memory() {
 // it is packed, so loading holds at most one layer's matrices twice.
 class Model::Packer {
  public:
-  explicit Packer(Model& model) : m_(model), c_(model.weights_.config()) {}
+  Packer(Model& model, const PackFile* pack, std::vector<PackedMatrixRecord>* record)
+      : m_(model), c_(model.weights_.config()), pack_(pack), record_(record) {
+    for (WeightSpec& s : expected_weights(c_)) {
+      if (s.matmul) shapes_.emplace(std::move(s.name), std::move(s.shape));
+    }
+  }
 
   std::string name(std::int64_t layer, WeightRole role) const { return weight_name(c_, layer, role); }
   // A small tensor (norm, conv, gate parameters) as f32 for the kernels: an
@@ -232,31 +231,63 @@ class Model::Packer {
     m_.weights_.release(n);
     return m_.folded_.emplace_back(std::move(taps)).data();
   }
-  // The linear weight of `role` packed; the original is released.
-  k::PackedMatrix linear(std::int64_t layer, WeightRole role) {
-    k::PackedMatrix m = packed(m_.weights_, name(layer, role), m_.weight_format_);
-    m_.weights_.release(name(layer, role));
+  // The matrix the model holds under `key` (out x in): the pack's next one
+  // when the model is mapped from a pack, else what `produce` packs (then
+  // recorded for a pack being written). One order for both: a pack holds
+  // the matrices in the order they are made here.
+  template <class Produce>
+  k::PackedMatrix matrix(const std::string& key, std::int64_t out, std::int64_t in, Produce&& produce) {
+    if (pack_ != nullptr) return pack_->take(next_++, key, out, in);
+    k::PackedMatrix m = produce();
+    assert(m.out() == out && m.in() == in);
+    if (record_ != nullptr) record_->push_back({key, m.element(), m.out(), m.in(), m.storage()});
     return m;
   }
+  // The [out, in] shape of matmul weight `n`, as config.json implies it.
+  const std::vector<std::int64_t>& shape(const std::string& n) const { return shapes_.at(n); }
+  // The matmul weight `n` packed; the original is released.
+  k::PackedMatrix whole(const std::string& n) {
+    k::PackedMatrix m = matrix(n, shape(n)[0], shape(n)[1], [&] { return packed(m_.weights_, n, m_.weight_format_); });
+    if (!m_.weights_.matmul_omitted()) m_.weights_.release(n);
+    return m;
+  }
+  // The linear weight of `role` packed; the original is released.
+  k::PackedMatrix linear(std::int64_t layer, WeightRole role) { return whole(name(layer, role)); }
   // Layer i's weights; the originals are released when it returns.
   LayerWeights layer(std::int64_t i);
 
  private:
   void attention(std::int64_t i, LayerWeights& w);
   void gated_deltanet(std::int64_t i, LayerWeights& w);
-  // A fused tensor split with gathered_rows, released once its layer is packed.
+  // A fused tensor split into row groups, released once its layer is
+  // packed (its source is not read when the matrices come from a pack).
   MatrixSource fused(std::int64_t layer, WeightRole role) {
     fused_.push_back(name(layer, role));
+    if (m_.weights_.matmul_omitted()) return {nullptr, DType::F32, nullptr, 0, shape(fused_.back())[1]};
     return source_of(m_.weights_, fused_.back());
   }
-  // gathered_rows of the fused tensor just taken, in the model's format.
-  k::PackedMatrix gathered(const MatrixSource& t, std::int64_t groups, std::int64_t stride, std::int64_t first,
-                           std::int64_t count) {
-    return gathered_rows(t, groups, stride, first, count, m_.weight_format_, "tensor '" + fused_.back() + "'");
+  // Rows `ranges` of fused tensor `t` (named `n`) as the matrix "n#part".
+  k::PackedMatrix part(const MatrixSource& t, const std::string& n, const char* part,
+                       const std::vector<RowRange>& ranges) {
+    std::int64_t rows = 0;
+    for (const RowRange& r : ranges) rows += r.count;
+    return matrix(n + "#" + part, rows, t.in,
+                  [&] { return rwd::runtime::gathered(t, ranges, m_.weight_format_, "tensor '" + n + "'"); });
+  }
+  // part() of rows [first + g * stride, ... + count) for g in [0, groups).
+  k::PackedMatrix part(const MatrixSource& t, const std::string& n, const char* name, std::int64_t groups,
+                       std::int64_t stride, std::int64_t first, std::int64_t count) {
+    std::vector<RowRange> ranges;
+    for (std::int64_t g = 0; g < groups; ++g) ranges.push_back({g * stride + first, count});
+    return part(t, n, name, ranges);
   }
 
   Model& m_;
   const ModelConfig& c_;
+  const PackFile* pack_;
+  std::vector<PackedMatrixRecord>* record_;
+  std::size_t next_ = 0;  // the pack's next matrix
+  std::map<std::string, std::vector<std::int64_t>, std::less<>> shapes_;
   std::vector<std::string> fused_;
 };
 
@@ -264,8 +295,9 @@ void Model::Packer::attention(std::int64_t i, LayerWeights& w) {
   if (c_.attn_output_gate) {
     // q_proj: per head, head_dim query rows then head_dim gate rows.
     const MatrixSource q = fused(i, WeightRole::AttnQ);
-    w.wq = gathered(q, c_.num_attention_heads, 2 * c_.head_dim, 0, c_.head_dim);
-    w.wgate = gathered(q, c_.num_attention_heads, 2 * c_.head_dim, c_.head_dim, c_.head_dim);
+    const std::string& n = fused_.back();
+    w.wq = part(q, n, "q", c_.num_attention_heads, 2 * c_.head_dim, 0, c_.head_dim);
+    w.wgate = part(q, n, "gate", c_.num_attention_heads, 2 * c_.head_dim, c_.head_dim, c_.head_dim);
   } else {
     w.wq = linear(i, WeightRole::AttnQ);
   }
@@ -288,18 +320,18 @@ void Model::Packer::gated_deltanet(std::int64_t i, LayerWeights& w) {
     const std::int64_t r = c_.linear_num_value_heads / nk, rv = r * c_.linear_value_head_dim;
     const std::int64_t group = 2 * kd + 2 * rv;
     const MatrixSource qkvz = fused(i, WeightRole::GdnQkvz);
+    const std::string qkvz_name = name(i, WeightRole::GdnQkvz);
     const MatrixSource ba = fused(i, WeightRole::GdnBa);
+    const std::string ba_name = name(i, WeightRole::GdnBa);
     std::vector<RowRange> qkv;
-    for (std::int64_t part : {std::int64_t{0}, kd, 2 * kd}) {  // q, k, v blocks of each group
-      const std::int64_t count = part == 2 * kd ? rv : kd;
-      for (std::int64_t g = 0; g < nk; ++g) qkv.push_back({g * group + part, count});
+    for (std::int64_t first : {std::int64_t{0}, kd, 2 * kd}) {  // q, k, v blocks of each group
+      const std::int64_t count = first == 2 * kd ? rv : kd;
+      for (std::int64_t g = 0; g < nk; ++g) qkv.push_back({g * group + first, count});
     }
-    w.in_qkv = rwd::runtime::gathered(qkvz, qkv, m_.weight_format_, "tensor '" + name(i, WeightRole::GdnQkvz) + "'");
-    w.in_z = gathered_rows(qkvz, nk, group, 2 * kd + rv, rv, m_.weight_format_,
-                           "tensor '" + name(i, WeightRole::GdnQkvz) + "'");
-    const std::string ba_what = "tensor '" + name(i, WeightRole::GdnBa) + "'";
-    w.in_b = gathered_rows(ba, nk, 2 * r, 0, r, m_.weight_format_, ba_what);
-    w.in_a = gathered_rows(ba, nk, 2 * r, r, r, m_.weight_format_, ba_what);
+    w.in_qkv = part(qkvz, qkvz_name, "qkv", qkv);
+    w.in_z = part(qkvz, qkvz_name, "z", nk, group, 2 * kd + rv, rv);
+    w.in_b = part(ba, ba_name, "b", nk, 2 * r, 0, r);
+    w.in_a = part(ba, ba_name, "a", nk, 2 * r, r, r);
   } else {
     w.in_qkv = linear(i, WeightRole::GdnQkv);
     w.in_z = linear(i, WeightRole::GdnZ);
@@ -338,7 +370,9 @@ Model::LayerWeights Model::Packer::layer(std::int64_t i) {
       w.out = linear(i, WeightRole::ConvOut);
       break;
   }
-  for (const auto& n : fused_) m_.weights_.release(n);
+  if (!m_.weights_.matmul_omitted()) {
+    for (const auto& n : fused_) m_.weights_.release(n);
+  }
   fused_.clear();
   return_freed_memory();
   return w;
@@ -368,24 +402,33 @@ WeightFormat resolved_format(const ModelWeights& weights, const LoadOptions& opt
 
 }  // namespace
 
-Model::Model(ModelWeights weights, LoadOptions options)
+Model::Model(ModelWeights weights, LoadOptions options) : Model(std::move(weights), options, nullptr, nullptr) {}
+
+Model::Model(ModelWeights weights, LoadOptions options, const PackFile* pack, std::vector<PackedMatrixRecord>* record)
     : weights_(std::move(weights)), weight_format_(resolved_format(weights_, options)) {
   const ModelConfig& c = weights_.config();
   // rope_inv_freq(c) is theta^(-2j / d), scaled where the config says so
   // (Llama 3), so one cache serves either.
   rope_cache_ = std::make_unique<kernels::RopeCache>(rope_inv_freq(c));
-  for (const auto& name : weights_.names()) parameter_count_ += weights_.get(name).numel();
-  for (const auto& name : weights_.q8_names())
-    parameter_count_ += weights_.q8_weight(name)->out * weights_.q8_weight(name)->in;
-  fingerprint_ = fingerprint_of(weights_, weight_format_);  // before packing releases the originals
-  Packer packer(*this);
+  if (pack != nullptr) {
+    // The pack recorded what the model it was made from computed, so the
+    // matrices' bytes are neither counted nor hashed again.
+    assert(weights_.matmul_omitted() && pack->info().weights == weight_format_name(weight_format_));
+    parameter_count_ = pack->info().parameter_count;
+    fingerprint_ = pack->info().fingerprint;
+  } else {
+    for (const auto& name : weights_.names()) parameter_count_ += weights_.get(name).numel();
+    for (const auto& name : weights_.q8_names())
+      parameter_count_ += weights_.q8_weight(name)->out * weights_.q8_weight(name)->in;
+    fingerprint_ = fingerprint_of(weights_, weight_format_);  // before packing releases the originals
+  }
+  Packer packer(*this, pack, record);
   const std::string embed_name = packer.name(0, WeightRole::Embed);
   final_norm_ = packer.norm(packer.name(0, WeightRole::FinalNorm));
-  lm_head_ = packed(weights_, c.tie_word_embeddings ? embed_name : packer.name(0, WeightRole::LmHead), weight_format_);
   // A tied embedding is looked up in the packed output matrix (the same
   // values), so the model holds it once.
+  lm_head_ = packer.whole(c.tie_word_embeddings ? embed_name : packer.name(0, WeightRole::LmHead));
   embed_ = c.tie_word_embeddings ? nullptr : &weights_.get(embed_name);
-  weights_.release(c.tie_word_embeddings ? embed_name : packer.name(0, WeightRole::LmHead));
   return_freed_memory();
   for (std::int64_t i = 0; i < c.num_hidden_layers; ++i) {
     if (c.layer_types[static_cast<std::size_t>(i)] == LayerKind::FullAttention ||
@@ -420,7 +463,79 @@ void Model::embed_row(std::int32_t token, float* dst) const {
   }
 }
 
-Model Model::load(const std::string& dir, LoadOptions options) { return Model(ModelWeights::load(dir), options); }
+namespace {
+
+// The pack of `dir` that Model::load may map for `options`, opened and
+// checked against the directory's files; null when there is none or it is
+// not current (then *note says why).
+std::optional<PackFile> current_pack(const std::string& dir, const LoadOptions& options, std::string* note) {
+  if (options.pack == LoadOptions::Pack::kNever) return std::nullopt;
+  // Without a weights option a float checkpoint loads as stored and a Q8
+  // checkpoint as q8; the pack records which kind it came from.
+  std::vector<std::string> formats;
+  if (options.weights) {
+    formats.emplace_back(weight_format_name(*options.weights));
+  } else {
+    formats = {weight_format_name(WeightFormat::kAsStored), weight_format_name(WeightFormat::kQ8)};
+  }
+  for (const std::string& format : formats) {
+    const std::string path = (std::filesystem::path(dir) / pack_file_name(format)).string();
+    if (!std::filesystem::exists(path)) continue;
+    std::string why;
+    try {
+      PackFile pack = PackFile::open(path);
+      why = pack_mismatch(pack, dir, format);
+      if (why.empty() && !options.weights && format == weight_format_name(WeightFormat::kQ8) &&
+          !pack.info().from_q8_checkpoint) {
+        why = "it holds weights quantized at load, which only --weights q8 asks for";
+      }
+      if (why.empty()) return pack;
+    } catch (const FormatError& e) {
+      why = e.what();
+    }
+    *note = path + " not used: " + why + " (rewind pack rewrites it)";
+    // An as-stored pack is never a Q8 checkpoint's: a q8 pack beside it
+    // was asked for with --weights q8 and is not this load's.
+    break;
+  }
+  return std::nullopt;
+}
+
+}  // namespace
+
+Model Model::load(const std::string& dir, LoadOptions options) {
+  std::string note;
+  const std::optional<PackFile> pack = current_pack(dir, options, &note);
+  if (!pack) {
+    Model m(ModelWeights::load(dir), options);
+    m.pack_note_ = note;
+    return m;
+  }
+  Model m(ModelWeights::load(dir, ModelWeights::Matmul::kCheckOnly), options, &*pack, nullptr);
+  m.pack_path_ = pack->path();
+  return m;
+}
+
+PackResult write_pack_file(const std::string& dir, LoadOptions options) {
+  // Taken before the files are read: one that changes while it is packed
+  // no longer matches, and the pack is not used.
+  PackInfo info;
+  info.sources = pack_sources(dir);
+  ModelWeights weights = ModelWeights::load(dir);
+  info.from_q8_checkpoint = weights.q8();
+  std::vector<PackedMatrixRecord> records;
+  options.pack = LoadOptions::Pack::kNever;
+  const Model m(std::move(weights), options, nullptr, &records);
+  info.weights = weight_format_name(m.weight_format());
+  info.fingerprint = m.fingerprint();
+  info.parameter_count = m.parameter_count();
+  PackResult result;
+  result.path = (std::filesystem::path(dir) / pack_file_name(info.weights)).string();
+  result.weights = info.weights;
+  result.matrices = static_cast<std::int64_t>(records.size());
+  result.file_bytes = write_pack(result.path, records, info);
+  return result;
+}
 
 Cache Model::make_cache() const {
   const ModelConfig& c = config();

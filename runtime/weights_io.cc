@@ -326,7 +326,9 @@ const TensorEntry* find_weight(const Checkpoint& ck, const WeightSpec& spec, con
 
 }  // namespace
 
-ModelWeights ModelWeights::load(const std::string& dir) {
+ModelWeights ModelWeights::load(const std::string& dir) { return load(dir, Matmul::kLoad); }
+
+ModelWeights ModelWeights::load(const std::string& dir, Matmul matmul) {
   const std::string config_path = (fs::path(dir) / "config.json").string();
   const std::string generation_path = (fs::path(dir) / "generation_config.json").string();
   ModelWeights w;
@@ -390,7 +392,12 @@ ModelWeights ModelWeights::load(const std::string& dir) {
   // mapped pages of each tensor are dropped once it is copied, so the
   // process holds the file's bytes about once, not twice, while loading.
   std::size_t next_q8 = 0;
+  w.matmul_omitted_ = matmul == Matmul::kCheckOnly;
   for (std::size_t i = 0; i < specs.size(); ++i) {
+    if (w.matmul_omitted_ && specs[i].matmul) {
+      if (entries[i] == nullptr) ++next_q8;
+      continue;
+    }
     if (entries[i] == nullptr) {
       w.q8_.emplace(specs[i].name, q8_weights[next_q8++]);
       w.q8_names_.push_back(specs[i].name);

@@ -1561,6 +1561,7 @@ Model load_draft(const std::string& dir, const Model& target, const Tokenizer& t
   runtime::LoadOptions load;
   load.weights = target.weight_format();
   Model draft = Model::load(dir, load);
+  if (!draft.pack_note().empty()) std::fprintf(stderr, "rewind serve: note: %s\n", draft.pack_note().c_str());
   const runtime::ModelConfig& t = target.config();
   const runtime::ModelConfig& d = draft.config();
   const auto describe = [](const runtime::ModelConfig& c) {
@@ -1621,6 +1622,8 @@ Server::Server(ServerOptions options) {
         "draft_dir (" + options.draft_dir + ") and lookup (" + std::to_string(options.lookup) +
             ") exclude each other: speculate with a draft model or with prompt lookup");
   Model model = Model::load(options.model_dir, options.load);
+  // A stale pack file costs the start-up time it was written to save.
+  if (!model.pack_note().empty()) std::fprintf(stderr, "rewind serve: note: %s\n", model.pack_note().c_str());
   Tokenizer tokenizer = runtime::tokenizer_for_model(options.model_dir, model.config());
   std::optional<Model> draft;
   if (!options.draft_dir.empty()) draft = load_draft(options.draft_dir, model, tokenizer);

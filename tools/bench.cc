@@ -98,7 +98,7 @@ Command add_bench_command(CLI::App& app, SharedFlags& shared) {
       ->check(integer_in(1, 64))
       ->default_str("2,3,4,5,6,7,8");
   ben->add_option("--json", f.json, "also write the rows as JSON to this file")->default_str("none");
-  add_weights_option(ben, shared.weights);
+  add_weights_option(ben, shared);
   add_threads_option(ben, shared.threads);
   return {ben, [ben, flags] {
             const BenchFlags& o = *flags;

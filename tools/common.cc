@@ -295,14 +295,17 @@ void add_threads_option(CLI::App* cmd, std::optional<int>& threads) {
       ->default_str("1 or $OMP_NUM_THREADS");
 }
 
-void add_weights_option(CLI::App* cmd, std::optional<std::string>& weights) {
-  cmd->add_option("--weights", weights,
+void add_weights_option(CLI::App* cmd, SharedFlags& shared) {
+  cmd->add_option("--weights", shared.weights,
                   "how the linear weights are held: as-stored (the checkpoint's dtype, exact) or q8 (int8 "
                   "blocks of 32 with a bf16 scale each, quantized at load: about half of bf16's bytes; "
                   "docs/quantization.md). A checkpoint written by `rewind quantize` loads as q8 without the flag "
                   "and refuses as-stored")
       ->check(CLI::IsMember({"as-stored", "q8"}))
       ->default_str("as the checkpoint holds them");
+  cmd->add_flag("--no-pack", shared.no_pack,
+                "load the weights from the checkpoint even when a current pack file of them is in the model "
+                "directory (rewind pack: mapped in place instead of packed at load)");
 }
 
 void add_ctx_option(CLI::App* cmd, std::optional<std::int64_t>& ctx_size) {
@@ -361,14 +364,22 @@ namespace {
 LoadOptions chosen_load_options;
 }  // namespace
 
-void set_load_options(const std::optional<std::string>& weights) {
+void set_load_options(const std::optional<std::string>& weights, bool no_pack) {
   chosen_load_options.weights.reset();
   if (weights) chosen_load_options.weights = weight_format_from_name(*weights, "--weights");
+  chosen_load_options.pack = no_pack ? LoadOptions::Pack::kNever : LoadOptions::Pack::kIfCurrent;
 }
 
 LoadOptions load_options() { return chosen_load_options; }
 
-Model load_model(const std::string& dir) { return Model::load(dir, chosen_load_options); }
+Model load_model(const std::string& dir) { return loaded_model(dir, chosen_load_options); }
+
+Model loaded_model(const std::string& dir, const LoadOptions& options) {
+  Model m = Model::load(dir, options);
+  // A stale pack costs the load time it was written to save: say so.
+  if (!m.pack_note().empty()) std::fprintf(stderr, "rewind: note: %s\n", m.pack_note().c_str());
+  return m;
+}
 
 void set_threads(const std::optional<int>& threads) {
   if (threads) {
@@ -454,7 +465,7 @@ std::optional<Model> load_draft(const DraftChoice& choice, const Model& target, 
   // Q8 checkpoint's Q8: the draft only proposes).
   LoadOptions options;
   if (target.weight_format() == WeightFormat::kQ8) options.weights = WeightFormat::kQ8;
-  Model draft = Model::load(choice.draft_dir, options);
+  Model draft = loaded_model(choice.draft_dir, options);
   const ModelConfig& t = target.config();
   const ModelConfig& d = draft.config();
   // A draft proposes token ids the target scores: the vocabularies must be

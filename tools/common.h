@@ -50,6 +50,7 @@ struct Command {
 struct SharedFlags {
   std::optional<int> threads;          // -t / --threads (set_threads)
   std::optional<std::string> weights;  // --weights FORMAT (set_load_options); unset: as the checkpoint holds them
+  bool no_pack = false;                // --no-pack: never map a pack file (LoadOptions::Pack::kNever)
 };
 
 // ---- option values -----------------------------------------------------------------
@@ -202,8 +203,9 @@ void add_prompts_option(CLI::App* cmd, PromptChoice& prompt, const char* what);
 void add_draft_options(CLI::App* cmd, DraftChoice& choice);
 // -t / --threads.
 void add_threads_option(CLI::App* cmd, std::optional<int>& threads);
-// --weights as-stored|q8: how the loaded models hold their linear weights.
-void add_weights_option(CLI::App* cmd, std::optional<std::string>& weights);
+// --weights as-stored|q8: how the loaded models hold their linear weights;
+// --no-pack: load them from the checkpoint even when a pack file is there.
+void add_weights_option(CLI::App* cmd, SharedFlags& shared);
 // -c / --ctx-size.
 void add_ctx_option(CLI::App* cmd, std::optional<std::int64_t>& ctx_size);
 // --temperature, --top-k, --top-p, -s / --seed.
@@ -214,11 +216,15 @@ void add_sampling_options(CLI::App* cmd, SamplingChoice& sampling);
 // Makes load_model use the --weights format in `weights` ("as-stored" or
 // "q8", as add_weights_option allows; unset: as the checkpoint holds its
 // weights). Throws InvalidArgument otherwise.
-void set_load_options(const std::optional<std::string>& weights);
+// With no_pack, models never map a pack file (rewind pack).
+void set_load_options(const std::optional<std::string>& weights, bool no_pack);
 // The options set_load_options chose (default: as the checkpoint holds them).
 LoadOptions load_options();
 // Model::load(dir, load_options()): the model a subcommand runs.
 Model load_model(const std::string& dir);
+// Model::load(dir, options), printing its pack_note() (a pack file found and
+// not used) to stderr as "rewind: note: ...".
+Model loaded_model(const std::string& dir, const LoadOptions& options);
 
 // The OpenMP thread count: --threads N, else OMP_NUM_THREADS when the user
 // set it, else one thread (common.cc says why).

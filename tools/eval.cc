@@ -63,7 +63,7 @@ Command add_eval_command(CLI::App& app, SharedFlags& shared) {
                   "tokens each window moves on, in [1, --context]; earlier tokens of a window are context only "
                   "(default: --context, disjoint windows)")
       ->check(integer_in(0, std::numeric_limits<std::int64_t>::max()));
-  add_weights_option(evl, shared.weights);
+  add_weights_option(evl, shared);
   add_threads_option(evl, shared.threads);
   return {evl, [flags] { return run_eval(*flags); }};
 }

@@ -189,7 +189,7 @@ Command add_generate_command(CLI::App& app, SharedFlags& shared) {
       ->check(integer_in(0, std::int64_t{1} << 50));
   add_draft_options(gen, f.choice);
   add_sampling_options(gen, f.sampling);
-  add_weights_option(gen, shared.weights);
+  add_weights_option(gen, shared);
   add_threads_option(gen, shared.threads);
   add_ctx_option(gen, f.ctx_size);
   gen->add_flag("--stats", f.stats,

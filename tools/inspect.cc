@@ -124,6 +124,13 @@ int run_inspect(const std::string& model_dir, std::int64_t rollback) {
   std::printf("weights in memory: %s (%s); peak resident memory of this process: %s\n",
               human_bytes(static_cast<double>(model.weight_bytes())).c_str(),
               q8 ? "matmul weights as q8" : "in the stored dtype", peak.c_str());
+  if (!model.pack_path().empty()) {
+    std::printf("matrices: mapped from pack file %s\n", model.pack_path().c_str());
+  } else if (!model.pack_note().empty()) {
+    std::printf("matrices: packed at load; %s\n", model.pack_note().c_str());
+  } else {
+    std::printf("matrices: packed at load (no pack file; rewind pack writes one)\n");
+  }
   std::printf("KV bytes per token (full-attention layers, f32): %s\n",
               human_bytes(static_cast<double>(model.kv_bytes_per_token())).c_str());
   std::printf("fixed state bytes per sequence (sliding windows + conv + recurrent states): %s\n",

@@ -48,6 +48,7 @@ Command add_forward_cost_command(CLI::App& app, SharedFlags& shared);
 Command add_snapshot_command(CLI::App& app, SharedFlags& shared);
 Command add_init_random_command(CLI::App& app, SharedFlags& shared);
 Command add_quantize_command(CLI::App& app, SharedFlags& shared);
+Command add_pack_command(CLI::App& app, SharedFlags& shared);
 #ifdef REWIND_HAVE_SERVER
 Command add_serve_command(CLI::App& app, SharedFlags& shared);
 #endif
@@ -72,6 +73,7 @@ int main(int argc, char** argv) {
       add_generate_command(app, shared), add_verify_command(app, shared),      add_eval_command(app, shared),
       add_inspect_command(app, shared),  add_bench_command(app, shared),       add_forward_cost_command(app, shared),
       add_snapshot_command(app, shared), add_init_random_command(app, shared), add_quantize_command(app, shared),
+      add_pack_command(app, shared),
   };
 #ifdef REWIND_HAVE_SERVER
   commands.push_back(add_serve_command(app, shared));
@@ -92,7 +94,7 @@ int main(int argc, char** argv) {
   }
   try {
     set_threads(shared.threads);
-    set_load_options(shared.weights);
+    set_load_options(shared.weights, shared.no_pack);
     for (const Command& command : commands) {
       if (*command.app) return command.run();
     }

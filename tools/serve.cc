@@ -111,7 +111,7 @@ Command add_serve_command(CLI::App& app, SharedFlags& shared) {
   cmd->add_option("--port", f.port, "port to listen on (0: a free one, printed at start)")->check(integer_in(0, 65535));
   cmd->add_option("--max-batch", f.max_batch, "sequences decoding at once; later requests wait and join")
       ->check(integer_in(1, 4096));
-  add_weights_option(cmd, shared.weights);
+  add_weights_option(cmd, shared);
   add_threads_option(cmd, shared.threads);
   cmd->add_option("--http-threads", f.http_threads, "threads serving connections (a streaming client holds one)")
       ->check(integer_in(1, 4096));

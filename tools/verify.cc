@@ -175,7 +175,7 @@ Command add_verify_command(CLI::App& app, SharedFlags& shared) {
                   "decode greedily and speculatively this many times each, alternating; every run is "
                   "checked and tok/s (end to end, prefill included) are medians")
       ->check(integer_in(1, 100));
-  add_weights_option(ver, shared.weights);
+  add_weights_option(ver, shared);
   add_threads_option(ver, shared.threads);
   add_ctx_option(ver, f.ctx_size);
   return {ver, [ver, flags] {

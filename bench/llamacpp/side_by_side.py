@@ -19,9 +19,13 @@ engine in turn at each thread count (so that drift on a shared machine hits both
 - decode: rewind `generate --stats -n 65` from a 4-token prompt, decode_tokens_per_second (64 tokens);
   llama-bench `-p 0 -n 64`;
 - load: the wall time of one process that loads the model and computes one token from a one-token prompt
-  (rewind generate; llama-completion -c 1024 --no-warmup), warm page cache.
+  (rewind generate; llama-completion -c 1024 --no-warmup), warm page cache. rewind's model directory holds
+  the pack files `rewind pack` writes (as stored and q8, made once, as the GGUF files are), which its loads
+  map, as llama.cpp maps its GGUF; "bf16 no pack" / "q8 no pack" rows load the same checkpoint with
+  --no-pack (packing at load, and for q8 quantizing at load).
 
-rewind's weights: as stored (bf16) and `--weights q8`; llama.cpp's: bf16, f16 and Q8_0. Every figure goes to
+rewind's weights: as stored (bf16) and `--weights q8`; llama.cpp's: bf16, f16 and Q8_0. --load-only measures
+the load column alone. Every figure goes to
 OUT/results.jsonl as it is measured; the end prints medians with [min-max] per engine, dtype and threads.
 """
 
@@ -113,6 +117,10 @@ def prepare(name, args, tools):
             log(f"{name}: to_gguf {t}")
             run([sys.executable, os.path.join(REPO, "bench", "llamacpp", "to_gguf.py"), d, ggufs[t], "--outtype", t,
                  "--gguf-py", os.path.join(args.llama_src, "gguf-py"), "--pre", "gpt-2"])
+    for weights in ("as-stored", "q8"):
+        if not os.path.exists(os.path.join(d, f"rewind.{weights}.pack")):
+            log(f"{name}: rewind pack --weights {weights}")
+            run([args.rewind, "pack", "-m", d, "--weights", weights])
     ggufs["q8_0"] = os.path.join(args.out, f"{name}-q8_0.gguf")
     if not os.path.exists(ggufs["q8_0"]):
         log(f"{name}: llama-quantize Q8_0")
@@ -151,6 +159,7 @@ def main():
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--rewind", default=os.path.join(REPO, "build", "tools", "rewind"))
     ap.add_argument("--jobs", type=int, default=2)
+    ap.add_argument("--load-only", action="store_true", help="measure the load column only")
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
     if not os.path.exists(args.rewind):
@@ -183,22 +192,26 @@ def main():
             for threads in args.threads:
                 for weights in ("bf16", "q8"):
                     w = "as-stored" if weights == "bf16" else "q8"
-                    s = rewind_stats(args, model, long_prompt, 1, threads, w)
-                    record(model=name, engine="rewind", weights=weights, threads=threads, what="prefill_tok_s",
-                           value=s["prompt_tokens"] / s["time_to_first_token_s"], run=r)
-                    s = rewind_stats(args, model, short_prompt, 65, threads, w)
-                    record(model=name, engine="rewind", weights=weights, threads=threads, what="decode_tok_s",
-                           value=s["decode_tokens_per_second"], run=r)
+                    if not args.load_only:
+                        s = rewind_stats(args, model, long_prompt, 1, threads, w)
+                        record(model=name, engine="rewind", weights=weights, threads=threads, what="prefill_tok_s",
+                               value=s["prompt_tokens"] / s["time_to_first_token_s"], run=r)
+                        s = rewind_stats(args, model, short_prompt, 65, threads, w)
+                        record(model=name, engine="rewind", weights=weights, threads=threads, what="decode_tok_s",
+                               value=s["decode_tokens_per_second"], run=r)
                     cmd = [args.rewind, "generate", "-m", model, "--prompt-file", one_prompt, "-n", "1", "-t",
-                           str(threads)] + (["--weights", "q8"] if weights == "q8" else [])
+                           str(threads), "--weights", w]
                     record(model=name, engine="rewind", weights=weights, threads=threads, what="load_s",
                            value=wall(cmd, threads), run=r)
+                    record(model=name, engine="rewind", weights=weights + " no pack", threads=threads,
+                           what="load_s", value=wall(cmd + ["--no-pack"], threads), run=r)
                 for weights in ("bf16", "f16", "q8_0"):
                     g = ggufs[weights]
-                    record(model=name, engine="llama.cpp", weights=weights, threads=threads, what="prefill_tok_s",
-                           value=llama_bench(tools, g, threads, n_prompt, 0), run=r)
-                    record(model=name, engine="llama.cpp", weights=weights, threads=threads, what="decode_tok_s",
-                           value=llama_bench(tools, g, threads, 0, 64), run=r)
+                    if not args.load_only:
+                        record(model=name, engine="llama.cpp", weights=weights, threads=threads,
+                               what="prefill_tok_s", value=llama_bench(tools, g, threads, n_prompt, 0), run=r)
+                        record(model=name, engine="llama.cpp", weights=weights, threads=threads,
+                               what="decode_tok_s", value=llama_bench(tools, g, threads, 0, 64), run=r)
                     # -c: llama.cpp allocates the whole context's KV cache up front (the model's 40,960
                     # tokens by default: gigabytes), rewind as tokens come.
                     cmd = [tools["llama-completion"], "-m", g, "-f", one_prompt, "-n", "1", "-t", str(threads),
@@ -210,8 +223,9 @@ def main():
     print("|---|---|---|---|---|---|---|")
     for name in args.models:
         for threads in args.threads:
-            for engine, weights in (("rewind", "bf16"), ("llama.cpp", "bf16"), ("llama.cpp", "f16"),
-                                    ("rewind", "q8"), ("llama.cpp", "q8_0")):
+            for engine, weights in (("rewind", "bf16"), ("rewind", "bf16 no pack"), ("llama.cpp", "bf16"),
+                                    ("llama.cpp", "f16"), ("rewind", "q8"), ("rewind", "q8 no pack"),
+                                    ("llama.cpp", "q8_0")):
                 cells = []
                 for what in ("prefill_tok_s", "decode_tok_s", "load_s"):
                     v = figures.get((name, engine, weights, threads, what), [])

@@ -21,12 +21,24 @@ class Model:
         self._core = core
 
     @classmethod
-    def load(cls, directory: str, weights: Optional[str] = None) -> "Model":
+    def load(cls, directory: str, weights: Optional[str] = None, pack: bool = True) -> "Model":
         """Loads a model directory (config.json + model.safetensors). ``weights="q8"`` quantizes the linear weights
         at load, as the CLI's ``--weights q8``; ``None`` loads them as the checkpoint holds them (a Q8 checkpoint
-        written by ``rewind quantize`` as q8, any other as stored; docs/quantization.md). Raises FormatError for
-        malformed files, InvalidArgument for another ``weights`` and for ``"as-stored"`` with a Q8 checkpoint."""
-        return cls(_rw.Model.load(str(directory), weights))
+        written by ``rewind quantize`` as q8, any other as stored; docs/quantization.md). A current pack file of
+        those weights in the directory (``rewind pack``) is mapped instead of packing unless ``pack=False``
+        (docs/model-format.md). Raises FormatError for malformed files, InvalidArgument for another ``weights`` and
+        for ``"as-stored"`` with a Q8 checkpoint."""
+        return cls(_rw.Model.load(str(directory), weights, pack))
+
+    @property
+    def pack_path(self) -> str:
+        """The pack file the matrices are mapped from, or "" (packed at load)."""
+        return self._core.pack_path
+
+    @property
+    def pack_note(self) -> str:
+        """Why a pack file in the directory was not used, or ""."""
+        return self._core.pack_note
 
     @property
     def weights(self) -> str:

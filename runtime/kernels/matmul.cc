@@ -84,8 +84,9 @@ PackedMatrix PackedMatrix::packed_from(const T* w, int64_t out, int64_t in, Elem
   m.element_ = element;
   const auto n = static_cast<std::size_t>(m.panels() * in * kPanel);
   if (n == 0) return m;
-  m.data_ = allocate_panels(n * sizeof(T));
-  pack_panels(w, out, in, m.panels(), static_cast<T*>(static_cast<void*>(m.data_.get())));
+  m.owned_ = allocate_panels(n * sizeof(T));
+  m.data_ = m.owned_.get();
+  pack_panels(w, out, in, m.panels(), static_cast<T*>(static_cast<void*>(m.owned_.get())));
   return m;
 }
 
@@ -94,6 +95,20 @@ PackedMatrix::PackedMatrix(const float* w, int64_t out, int64_t in)
 
 PackedMatrix PackedMatrix::from_bf16(const std::uint16_t* w, int64_t out, int64_t in) {
   return packed_from(w, out, in, Element::BF16);
+}
+
+PackedMatrix PackedMatrix::view_of(std::shared_ptr<const void> owner, const std::byte* data, Element element,
+                                   int64_t out, int64_t in) {
+  assert(out >= 0 && in >= 0);
+  PackedMatrix m;
+  m.out_ = out;
+  m.in_ = in;
+  m.element_ = element;
+  if (m.bytes() == 0) return m;
+  assert(data != nullptr && reinterpret_cast<std::uintptr_t>(data) % 64 == 0);
+  m.owner_ = std::move(owner);
+  m.data_ = data;
+  return m;
 }
 
 PackedMatrix PackedMatrix::from_f16(const std::uint16_t* w, int64_t out, int64_t in) {
@@ -155,13 +170,14 @@ PackedMatrix PackedMatrix::from_q8(const void* w, Element source, int64_t out, i
   m.element_ = Element::Q8;
   const std::size_t total = m.bytes();
   if (total == 0) return m;
-  m.data_ = allocate_panels(total);
-  std::memset(m.data_.get(), 0, total);
+  m.owned_ = allocate_panels(total);
+  m.data_ = m.owned_.get();
+  std::memset(m.owned_.get(), 0, total);
   const int64_t blocks = (in + kQ8Block - 1) / kQ8Block;
   std::vector<float> row(static_cast<std::size_t>(in));
   for (int64_t o = 0; o < out; ++o) {
     const int64_t l = o % kPanel;
-    std::byte* panel = m.data_.get() + static_cast<std::size_t>(o / kPanel) * m.panel_bytes();
+    std::byte* panel = m.owned_.get() + static_cast<std::size_t>(o / kPanel) * m.panel_bytes();
     source_row(w, source, o, in, row.data());
     for (int64_t b = 0; b < blocks; ++b) {
       const int64_t first = b * kQ8Block, n = std::min(kQ8Block, in - first);
@@ -205,12 +221,13 @@ PackedMatrix PackedMatrix::from_q8_blocks(const std::int8_t* q, const std::byte*
   m.element_ = Element::Q8;
   const std::size_t total = m.bytes();
   if (total == 0) return m;
-  m.data_ = allocate_panels(total);
-  std::memset(m.data_.get(), 0, total);
+  m.owned_ = allocate_panels(total);
+  m.data_ = m.owned_.get();
+  std::memset(m.owned_.get(), 0, total);
   const int64_t blocks = (in + kQ8Block - 1) / kQ8Block;
   for (int64_t o = 0; o < out; ++o) {
     const int64_t l = o % kPanel;
-    std::byte* panel = m.data_.get() + static_cast<std::size_t>(o / kPanel) * m.panel_bytes();
+    std::byte* panel = m.owned_.get() + static_cast<std::size_t>(o / kPanel) * m.panel_bytes();
     const std::int8_t* row = q + o * in;
     const std::byte* row_scales = scales + static_cast<std::size_t>(o * blocks) * 2;
     for (int64_t b = 0; b < blocks; ++b) {

@@ -116,6 +116,27 @@ def test_q8_checkpoint_loads_as_q8_and_equals_quantizing_at_load(tmp_path):
         rewind.Model.load(str(out), weights="as-stored")
 
 
+def test_a_pack_file_is_mapped_and_gives_the_same_logits(tmp_path):
+    cli = os.path.join(os.path.dirname(rewind.__file__), "..", "..", "tools", "rewind")
+    if not os.path.exists(cli):
+        pytest.skip("no rewind CLI beside the module (installed by pip): `make test-python` runs this test")
+    d = tmp_path / "kjv-hybrid"
+    d.mkdir()
+    for name in ("config.json", "model.safetensors"):
+        with open(os.path.join(TARGET, name), "rb") as src, open(d / name, "wb") as dst:
+            dst.write(src.read())
+    subprocess.run([cli, "pack", "--model", str(d)], check=True, capture_output=True)
+    mapped, packed = rewind.Model.load(str(d)), rewind.Model.load(str(d), pack=False)
+    assert mapped.pack_path == str(d / "rewind.as-stored.pack") and packed.pack_path == ""
+    prompt = mapped.encode("And the LORD spake unto Moses")
+    a = mapped.forward(prompt, mapped.make_cache(), all_logits=True)
+    b = packed.forward(prompt, packed.make_cache(), all_logits=True)
+    assert a.tobytes() == b.tobytes()  # bit for bit
+    os.utime(d / "model.safetensors", (1, 1))  # the checkpoint "changed": the pack no longer serves it
+    stale = rewind.Model.load(str(d))
+    assert stale.pack_path == "" and "model.safetensors changed" in stale.pack_note
+
+
 def test_sampling_is_seeded(target):
     prompt = target.encode("Thou shalt")
     a, s = target.generate(prompt, max_new_tokens=20, temperature=0.8, top_k=20, seed=7, stop_at_eos=False)

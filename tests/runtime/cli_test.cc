@@ -165,6 +165,43 @@ TEST_F(Cli, QuantizeWritesACheckpointThatGeneratesTheTokensOfWeightsQ8) {
   fs::remove_all(out);
 }
 
+// rewind pack writes the pack file that later runs map: the same tokens as
+// without it (logits are compared bit for bit in pack_file_test.cc),
+// inspect says where the matrices come from, and a stale pack is named on
+// stderr, not used.
+TEST_F(Cli, PackWritesAFileThatLaterRunsMapWithTheSameTokens) {
+  const std::string dir = dir_ + "/packed";
+  fs::remove_all(dir);
+  fs::copy(dir_ + "/target", dir);
+  const CliResult p = run_cli("pack --model " + quote(dir));
+  ASSERT_EQ(p.status, 0) << p.all();
+  const std::string pack = dir + "/rewind.as-stored.pack";
+  EXPECT_NE(p.out.find("wrote " + pack + ": "), std::string::npos) << p.all();
+  EXPECT_NE(p.err.find("pack: loading and packing " + dir), std::string::npos) << p.all();
+  const std::string args = " --prompt 'in the beginning' --max-new-tokens 24";
+  const CliResult mapped = run_cli("generate --model " + quote(dir) + args);
+  const CliResult packed = run_cli("generate --model " + quote(dir) + " --no-pack" + args);
+  ASSERT_EQ(mapped.status, 0) << mapped.all();
+  EXPECT_EQ(mapped.out, packed.out);
+  EXPECT_EQ(mapped.err, "");
+  EXPECT_NE(run_cli("inspect --model " + quote(dir)).out.find("matrices: mapped from pack file " + pack),
+            std::string::npos);
+  EXPECT_NE(run_cli("inspect" + model("target")).out.find("matrices: packed at load (no pack file"), std::string::npos);
+  // The q8 pack serves --weights q8.
+  ASSERT_EQ(run_cli("pack --model " + quote(dir) + " --weights q8").status, 0);
+  EXPECT_EQ(run_cli("generate --model " + quote(dir) + " --weights q8" + args).out,
+            run_cli("generate" + model("target") + " --weights q8" + args).out);
+  // Stale: the checkpoint rewritten after the pack.
+  const fs::path file = dir + "/model.safetensors";
+  fs::last_write_time(file, fs::last_write_time(file) + std::chrono::seconds(2));
+  const CliResult stale = run_cli("generate --model " + quote(dir) + args);
+  ASSERT_EQ(stale.status, 0) << stale.all();
+  EXPECT_EQ(stale.out, packed.out);
+  EXPECT_NE(stale.err.find("rewind: note: " + pack + " not used: model.safetensors changed"), std::string::npos)
+      << stale.err;
+  fs::remove_all(dir);
+}
+
 TEST_F(Cli, VerifyRepeatsChecksEveryRunAndReportsMedians) {
   const CliResult r = run_cli("verify" + model("target") + " --draft " + quote(dir_ + "/draft") +
                               " --prompt 'in the beginning' --max-new-tokens 24 --repeats 3");
@@ -934,7 +971,8 @@ TEST_F(Cli, VersionPrintsTheProjectVersion) {
 TEST_F(Cli, MisspeltSubcommandsAndFlagsGetADidYouMean) {
 #ifdef REWIND_HAVE_SERVER
   const std::string all =
-      "(subcommands: generate, verify, eval, inspect, bench, forward-cost, snapshot, init-random, quantize, serve)";
+      "(subcommands: generate, verify, eval, inspect, bench, forward-cost, snapshot, init-random, quantize, pack, "
+      "serve)";
 #else
   const std::string all =
       "(subcommands: generate, verify, eval, inspect, bench, forward-cost, snapshot, init-random, quantize)";

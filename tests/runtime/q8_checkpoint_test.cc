@@ -20,6 +20,7 @@
 #include <string>
 #include <vector>
 
+#include "model_test_util.h"
 #include "rewind/error.h"
 #include "runtime/generate.h"
 #include "runtime/kernels.h"
@@ -51,22 +52,6 @@ class Q8Checkpoint : public ::testing::Test {
 
   fs::path root_;
 };
-
-// Every logit of `prompt` (all rows) under `m`.
-std::vector<float> logits_of(const Model& m, const std::string& prompt) {
-  const std::vector<std::int32_t> tokens = encode_prompt(prompt, m.config());
-  Cache cache = m.make_cache();
-  std::vector<float> logits;
-  m.forward(tokens, cache, logits, true);
-  return logits;
-}
-
-GenerationOptions greedy(std::int64_t n) {
-  GenerationOptions o;
-  o.max_new_tokens = n;
-  o.stop_at_eos = false;
-  return o;
-}
 
 // Loading `quantized` equals loading `original` with kQ8: the same logits
 // bit for bit, the same greedy tokens, memory and parameter count.

@@ -183,12 +183,23 @@ class PackedMatrix {
   // is the matrix itself, byte for byte. REQUIRES: out, in >= 0. Throws
   // std::bad_alloc.
   static PackedMatrix from_q8_blocks(const std::int8_t* q, const std::byte* scales, std::int64_t out, std::int64_t in);
+  // The out x in matrix of `element` whose panels are the bytes at `data`
+  // (bytes() of them, as storage() gives them), used in place: nothing is
+  // copied, and `owner` (a mapped pack file, runtime/pack_file.h) keeps
+  // them valid for as long as the matrix or a matrix moved from it lives.
+  // REQUIRES: out, in >= 0; data is 64-byte aligned (or null when bytes()
+  // is 0) and stays unchanged.
+  static PackedMatrix view_of(std::shared_ptr<const void> owner, const std::byte* data, Element element,
+                              std::int64_t out, std::int64_t in);
   // A moved-from matrix is the empty 0 x 0 one.
   PackedMatrix(PackedMatrix&& other) noexcept
-      : data_(std::move(other.data_)), out_(std::exchange(other.out_, 0)), in_(std::exchange(other.in_, 0)),
+      : owned_(std::move(other.owned_)), owner_(std::move(other.owner_)), data_(std::exchange(other.data_, nullptr)),
+        out_(std::exchange(other.out_, 0)), in_(std::exchange(other.in_, 0)),
         element_(std::exchange(other.element_, Element::F32)) {}
   PackedMatrix& operator=(PackedMatrix&& other) noexcept {
-    data_ = std::move(other.data_);
+    owned_ = std::move(other.owned_);
+    owner_ = std::move(other.owner_);
+    data_ = std::exchange(other.data_, nullptr);
     out_ = std::exchange(other.out_, 0);
     in_ = std::exchange(other.in_, 0);
     element_ = std::exchange(other.element_, Element::F32);
@@ -211,7 +222,7 @@ class PackedMatrix {
   // Panel p: [in][kPanelWidth] elements of element(): floats, or uint16 bit
   // patterns; for Q8 its blocks as described above. REQUIRES: 0 <= p <
   // panels().
-  const void* panel_data(std::int64_t p) const { return data_.get() + static_cast<std::size_t>(p) * panel_bytes(); }
+  const void* panel_data(std::int64_t p) const { return data_ + static_cast<std::size_t>(p) * panel_bytes(); }
   // Panel p as floats. REQUIRES: 0 <= p < panels() and element() == F32.
   const float* panel(std::int64_t p) const { return static_cast<const float*>(panel_data(p)); }
   // w[o, i] as packed (as f32; for Q8 q * s, exact). REQUIRES: 0 <= o <
@@ -241,6 +252,19 @@ class PackedMatrix {
   void q8_row(std::int64_t o, std::int8_t* q, std::uint16_t* scales) const;
   // Bytes of the packed storage (padding included).
   std::size_t bytes() const { return static_cast<std::size_t>(panels()) * panel_bytes(); }
+  // bytes() of an out x in matrix of `element`. REQUIRES: out, in >= 0.
+  static std::size_t storage_bytes(Element element, std::int64_t out, std::int64_t in) {
+    PackedMatrix shape;
+    shape.element_ = element;
+    shape.out_ = out;
+    shape.in_ = in;
+    return shape.bytes();
+  }
+  // The packed storage: every panel in order, bytes() bytes (what view_of
+  // takes back).
+  std::span<const std::byte> storage() const { return {data_, bytes()}; }
+  // Whether the panels are another object's bytes (view_of), not a copy.
+  bool is_view() const { return data_ != nullptr && owned_ == nullptr; }
 
  private:
   struct AlignedFree {
@@ -250,7 +274,10 @@ class PackedMatrix {
   template <class T>
   static PackedMatrix packed_from(const T* w, std::int64_t out, std::int64_t in, Element element);
   static std::unique_ptr<std::byte[], AlignedFree> allocate_panels(std::size_t bytes);
-  std::unique_ptr<std::byte[], AlignedFree> data_;
+  // Panels this matrix allocated, or null for a view_of.
+  std::unique_ptr<std::byte[], AlignedFree> owned_;
+  std::shared_ptr<const void> owner_;  // what holds a view_of's panels
+  const std::byte* data_ = nullptr;    // owned_ or the viewed bytes
   std::int64_t out_ = 0;
   std::int64_t in_ = 0;
   Element element_ = Element::F32;

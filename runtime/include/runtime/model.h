@@ -40,6 +40,7 @@
 #include "rewind/sequences.h"
 #include "runtime/kernels.h"
 #include "runtime/model_config.h"
+#include "runtime/pack_file.h"
 #include "runtime/weights_io.h"
 
 namespace rwd::runtime {
@@ -84,6 +85,21 @@ struct LoadOptions {
   // asks for the checkpoint's float dtype, which a Q8 checkpoint no longer
   // has (refused).
   std::optional<WeightFormat> weights;
+  // Whether Model::load maps the matrices from a pack file of these weights
+  // in the model directory (`rewind pack`, write_pack_file below,
+  // runtime/pack_file.h): kIfCurrent uses one while the files it was made
+  // from are unchanged and loads from those files otherwise (pack_note()
+  // says why); kNever always loads from the files.
+  enum class Pack : std::uint8_t { kIfCurrent, kNever };
+  Pack pack = Pack::kIfCurrent;
+};
+
+// What write_pack_file wrote.
+struct PackResult {
+  std::string path;
+  std::string weights;  // weight_format_name of the matrices packed
+  std::int64_t matrices = 0;
+  std::uint64_t file_bytes = 0;
 };
 
 class Model {
@@ -94,8 +110,14 @@ class Model {
   // InvalidArgument for kAsStored with the weights of a Q8 checkpoint
   // (ModelWeights::q8: they are packed as they are, never dequantized).
   explicit Model(ModelWeights weights, LoadOptions options = {});
-  // Loads DIR/config.json + DIR/model.safetensors. Throws FormatError /
-  // rwd::Error as ModelWeights::load and the constructor do.
+  // Loads DIR/config.json + DIR/model.safetensors. With a current pack file
+  // of the weights asked for in DIR (LoadOptions::pack), the matrices are
+  // views of its mapping instead of packed copies (nothing else differs:
+  // the same logits, bit for bit, and the same fingerprint); the
+  // safetensors' matmul weights are then checked but not read. Throws
+  // FormatError / rwd::Error as ModelWeights::load and the constructor do,
+  // and FormatError when a pack that matches the files does not match the
+  // model (a pack written by another build).
   static Model load(const std::string& dir, LoadOptions options = {});
 
   Model(Model&&) noexcept = default;
@@ -125,6 +147,12 @@ class Model {
   // How the linear weights are held (LoadOptions::weights; kQ8 for a Q8
   // checkpoint).
   WeightFormat weight_format() const { return weight_format_; }
+  // The pack file the matrices are mapped from, or empty (Model::load).
+  const std::string& pack_path() const { return pack_path_; }
+  // Why Model::load found a pack file and did not use it ("DIR/rewind.
+  // as-stored.pack not used: model.safetensors changed since it was
+  // written ..."), or empty.
+  const std::string& pack_note() const { return pack_note_; }
 
   // An empty cache for one sequence (batch 1) with one layer per model layer.
   Cache make_cache() const;
@@ -312,6 +340,11 @@ class Model {
   void run_layers(std::span<const std::int32_t> tokens, detail::CacheRows& cache, Scratch& scratch) const;
   // Packs the weights in the constructor (model.cc).
   class Packer;
+  // The constructor, taking the matrices from `pack` in order (weights
+  // from ModelWeights::load(dir, kCheckOnly)) when it is not null, and
+  // appending each matrix it packs to `record` when that is not null.
+  Model(ModelWeights weights, LoadOptions options, const PackFile* pack, std::vector<PackedMatrixRecord>* record);
+  friend PackResult write_pack_file(const std::string& dir, LoadOptions options);
 
   // Config, embedding, norms, conv and gate parameters (F32, or BF16 / F16 as
   // stored); the linear weights are released as each is packed (their
@@ -322,6 +355,7 @@ class Model {
   std::deque<std::vector<float>> folded_;
   std::int64_t parameter_count_ = 0;
   std::string fingerprint_;
+  std::string pack_path_, pack_note_;
   WeightFormat weight_format_ = WeightFormat::kAsStored;
   bool has_attention_ = false;  // any full / sliding attention layer (needs RoPE)
   // The RoPE angles of the positions seen so far (kernels::RopeCache: at
@@ -339,6 +373,15 @@ class Model {
   const float* final_norm_ = nullptr;  // [d]
   kernels::PackedMatrix lm_head_;      // [vocab, d] (a copy of the embedding when tied)
 };
+
+// Writes the pack file (runtime/pack_file.h) of model directory `dir` for
+// the weights `options` asks for, as DIR/pack_file_name(format): every
+// matrix exactly as Model::load packs it without a pack, so loading with
+// the pack gives a model bit-identical to loading without it, with the
+// same fingerprint. Replaces an older pack of that format atomically.
+// Throws as Model::load does, and rwd::Error when the file cannot be
+// written (nothing is left behind then).
+PackResult write_pack_file(const std::string& dir, LoadOptions options = {});
 
 // Byte-level tokenizer: a text becomes BOS (when config.add_bos) followed by its bytes.
 std::vector<std::int32_t> encode_prompt(const std::string& text, const ModelConfig& config);

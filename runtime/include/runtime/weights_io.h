@@ -77,6 +77,12 @@ class ModelWeights {
   // rwd::Error when a file cannot be read. Messages name the file and the
   // tensor. Everything is checked before anything is kept.
   static ModelWeights load(const std::string& dir);
+  // As load(dir), but with kCheckOnly the matmul weights (WeightSpec::matmul)
+  // are checked as above and then neither copied nor kept: names() and
+  // q8_names() omit them and matmul_omitted() is true (Model::load, when a
+  // pack file supplies them packed, runtime/pack_file.h).
+  enum class Matmul : std::uint8_t { kLoad, kCheckOnly };
+  static ModelWeights load(const std::string& dir, Matmul matmul);
 
   // Weights from tensors already in memory (another loader, or a test
   // that alters a checkpoint): `tensors` must hold exactly
@@ -117,6 +123,8 @@ class ModelWeights {
   const Q8Weight* q8_weight(std::string_view name) const;
   // Names of the Q8 weights, in expected_weights() order.
   const std::vector<std::string>& q8_names() const { return q8_names_; }
+  // Whether load(dir, Matmul::kCheckOnly) left the matmul weights out.
+  bool matmul_omitted() const { return matmul_omitted_; }
 
  private:
   ModelConfig config_;
@@ -127,6 +135,7 @@ class ModelWeights {
   // The mapped files of a Q8 checkpoint, until the last Q8 weight is released.
   std::shared_ptr<const std::vector<SafetensorsFile>> mapped_;
   bool from_q8_ = false;
+  bool matmul_omitted_ = false;
 };
 
 // Same as ModelWeights::load(dir). A directory holds config.json, then
