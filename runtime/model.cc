@@ -295,7 +295,7 @@ void Model::Packer::attention(std::int64_t i, LayerWeights& w) {
   if (c_.attn_output_gate) {
     // q_proj: per head, head_dim query rows then head_dim gate rows.
     const MatrixSource q = fused(i, WeightRole::AttnQ);
-    const std::string& n = fused_.back();
+    const std::string n = fused_.back();
     w.wq = part(q, n, "q", c_.num_attention_heads, 2 * c_.head_dim, 0, c_.head_dim);
     w.wgate = part(q, n, "gate", c_.num_attention_heads, 2 * c_.head_dim, c_.head_dim, c_.head_dim);
   } else {
@@ -490,7 +490,7 @@ std::optional<PackFile> current_pack(const std::string& dir, const LoadOptions& 
         why = "it holds weights quantized at load, which only --weights q8 asks for";
       }
       if (why.empty()) return pack;
-    } catch (const FormatError& e) {
+    } catch (const Error& e) {  // malformed, unreadable, or its directory unlistable: load without it
       why = e.what();
     }
     *note = path + " not used: " + why + " (rewind pack rewrites it)";
