@@ -64,7 +64,7 @@ void PackedMatrix::AlignedFree::operator()(std::byte* p) const { ::operator dele
 // advised: rounding the block up instead would have reserved up to 2 MiB
 // more per matrix (a third more for a 3 MiB one); the tail stays in small
 // pages.
-std::unique_ptr<std::byte[], PackedMatrix::AlignedFree> PackedMatrix::allocate_panels(std::size_t bytes) {
+std::byte* PackedMatrix::allocate_panels(std::size_t bytes) {
   constexpr std::size_t kHugePage = std::size_t{2} << 20;
   const std::size_t alignment = bytes < kHugePage ? 64 : kHugePage;
   std::unique_ptr<std::byte[], AlignedFree> p(
@@ -72,7 +72,9 @@ std::unique_ptr<std::byte[], PackedMatrix::AlignedFree> PackedMatrix::allocate_p
 #if defined(MADV_HUGEPAGE)
   if (alignment == kHugePage) (void)madvise(p.get(), bytes / kHugePage * kHugePage, MADV_HUGEPAGE);
 #endif
-  return p;
+  owned_ = std::move(p);
+  data_ = owned_.get();
+  return owned_.get();
 }
 
 template <class T>
@@ -84,9 +86,7 @@ PackedMatrix PackedMatrix::packed_from(const T* w, int64_t out, int64_t in, Elem
   m.element_ = element;
   const auto n = static_cast<std::size_t>(m.panels() * in * kPanel);
   if (n == 0) return m;
-  m.owned_ = allocate_panels(n * sizeof(T));
-  m.data_ = m.owned_.get();
-  pack_panels(w, out, in, m.panels(), static_cast<T*>(static_cast<void*>(m.owned_.get())));
+  pack_panels(w, out, in, m.panels(), static_cast<T*>(static_cast<void*>(m.allocate_panels(n * sizeof(T)))));
   return m;
 }
 
@@ -170,14 +170,13 @@ PackedMatrix PackedMatrix::from_q8(const void* w, Element source, int64_t out, i
   m.element_ = Element::Q8;
   const std::size_t total = m.bytes();
   if (total == 0) return m;
-  m.owned_ = allocate_panels(total);
-  m.data_ = m.owned_.get();
-  std::memset(m.owned_.get(), 0, total);
+  std::byte* const panels = m.allocate_panels(total);
+  std::memset(panels, 0, total);
   const int64_t blocks = (in + kQ8Block - 1) / kQ8Block;
   std::vector<float> row(static_cast<std::size_t>(in));
   for (int64_t o = 0; o < out; ++o) {
     const int64_t l = o % kPanel;
-    std::byte* panel = m.owned_.get() + static_cast<std::size_t>(o / kPanel) * m.panel_bytes();
+    std::byte* panel = panels + static_cast<std::size_t>(o / kPanel) * m.panel_bytes();
     source_row(w, source, o, in, row.data());
     for (int64_t b = 0; b < blocks; ++b) {
       const int64_t first = b * kQ8Block, n = std::min(kQ8Block, in - first);
@@ -221,13 +220,12 @@ PackedMatrix PackedMatrix::from_q8_blocks(const std::int8_t* q, const std::byte*
   m.element_ = Element::Q8;
   const std::size_t total = m.bytes();
   if (total == 0) return m;
-  m.owned_ = allocate_panels(total);
-  m.data_ = m.owned_.get();
-  std::memset(m.owned_.get(), 0, total);
+  std::byte* const panels = m.allocate_panels(total);
+  std::memset(panels, 0, total);
   const int64_t blocks = (in + kQ8Block - 1) / kQ8Block;
   for (int64_t o = 0; o < out; ++o) {
     const int64_t l = o % kPanel;
-    std::byte* panel = m.owned_.get() + static_cast<std::size_t>(o / kPanel) * m.panel_bytes();
+    std::byte* panel = panels + static_cast<std::size_t>(o / kPanel) * m.panel_bytes();
     const std::int8_t* row = q + o * in;
     const std::byte* row_scales = scales + static_cast<std::size_t>(o * blocks) * 2;
     for (int64_t b = 0; b < blocks; ++b) {

@@ -263,8 +263,6 @@ class PackedMatrix {
   // The packed storage: every panel in order, bytes() bytes (what view_of
   // takes back).
   std::span<const std::byte> storage() const { return {data_, bytes()}; }
-  // Whether the panels are another object's bytes (view_of), not a copy.
-  bool is_view() const { return data_ != nullptr && owned_ == nullptr; }
 
  private:
   struct AlignedFree {
@@ -273,7 +271,9 @@ class PackedMatrix {
   };
   template <class T>
   static PackedMatrix packed_from(const T* w, std::int64_t out, std::int64_t in, Element element);
-  static std::unique_ptr<std::byte[], AlignedFree> allocate_panels(std::size_t bytes);
+  // Allocates `bytes` of panels as this matrix's own storage (owned_ and
+  // data_) and returns them for filling.
+  std::byte* allocate_panels(std::size_t bytes);
   // Panels this matrix allocated, or null for a view_of.
   std::unique_ptr<std::byte[], AlignedFree> owned_;
   std::shared_ptr<const void> owner_;  // what holds a view_of's panels
