@@ -1557,9 +1557,11 @@ namespace {
 // The draft model of `dir` (ServerOptions::draft_dir), loaded as the target
 // holds its weights. Its token ids must mean what the target's mean: the
 // same vocabulary size, BOS and its use, EOS ids and tokenizer vocabulary.
-Model load_draft(const std::string& dir, const Model& target, const Tokenizer& target_tokenizer) {
+Model load_draft(const std::string& dir, const Model& target, const Tokenizer& target_tokenizer,
+                 runtime::LoadOptions::Pack pack) {
   runtime::LoadOptions load;
   load.weights = target.weight_format();
+  load.pack = pack;  // the target's --no-pack holds for the draft too
   Model draft = Model::load(dir, load);
   if (!draft.pack_note().empty()) std::fprintf(stderr, "rewind serve: note: %s\n", draft.pack_note().c_str());
   const runtime::ModelConfig& t = target.config();
@@ -1626,7 +1628,7 @@ Server::Server(ServerOptions options) {
   if (!model.pack_note().empty()) std::fprintf(stderr, "rewind serve: note: %s\n", model.pack_note().c_str());
   Tokenizer tokenizer = runtime::tokenizer_for_model(options.model_dir, model.config());
   std::optional<Model> draft;
-  if (!options.draft_dir.empty()) draft = load_draft(options.draft_dir, model, tokenizer);
+  if (!options.draft_dir.empty()) draft = load_draft(options.draft_dir, model, tokenizer, options.load.pack);
   const std::int64_t trained = model.config().max_position_embeddings;
   if (trained > 0 && options.context > trained) {
     throw InvalidArgument("server option context " + std::to_string(options.context) +

@@ -465,6 +465,7 @@ std::optional<Model> load_draft(const DraftChoice& choice, const Model& target, 
   // Q8 checkpoint's Q8: the draft only proposes).
   LoadOptions options;
   if (target.weight_format() == WeightFormat::kQ8) options.weights = WeightFormat::kQ8;
+  options.pack = chosen_load_options.pack;  // --no-pack holds for the draft too
   Model draft = loaded_model(choice.draft_dir, options);
   const ModelConfig& t = target.config();
   const ModelConfig& d = draft.config();
