@@ -118,9 +118,9 @@ def prepare(name, args, tools):
             run([sys.executable, os.path.join(REPO, "bench", "llamacpp", "to_gguf.py"), d, ggufs[t], "--outtype", t,
                  "--gguf-py", os.path.join(args.llama_src, "gguf-py"), "--pre", "gpt-2"])
     for weights in ("as-stored", "q8"):
-        if not os.path.exists(os.path.join(d, f"rewind.{weights}.pack")):
-            log(f"{name}: rewind pack --weights {weights}")
-            run([args.rewind, "pack", "-m", d, "--weights", weights])
+        # Every time: a pack an older build wrote may be of another version.
+        log(f"{name}: rewind pack --weights {weights}")
+        run([args.rewind, "pack", "-m", d, "--weights", weights])
     ggufs["q8_0"] = os.path.join(args.out, f"{name}-q8_0.gguf")
     if not os.path.exists(ggufs["q8_0"]):
         log(f"{name}: llama-quantize Q8_0")

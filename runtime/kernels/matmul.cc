@@ -159,6 +159,20 @@ std::int8_t q8_nearest(float v, float s) {
   return static_cast<std::int8_t>(q);
 }
 
+// The stored byte of q: q + 128 (kernels.h).
+std::byte q8_stored(std::int8_t q) { return static_cast<std::byte>(static_cast<unsigned char>(q) ^ 0x80u); }
+
+// Q8 panels of `bytes` at p with every scale 0 and every value q = 0 (the
+// byte 128), which is what padding holds.
+std::byte* clear_q8_panels(std::byte* p, std::size_t bytes) {
+  constexpr auto kBlockBytes = static_cast<std::size_t>(PackedMatrix::kQ8BlockBytes);
+  for (std::size_t b = 0; b < bytes; b += kBlockBytes) {
+    std::memset(p + b, 0, kPanel * 2);
+    std::memset(p + b + kPanel * 2, 0x80, kBlockBytes - kPanel * 2);
+  }
+  return p;
+}
+
 }  // namespace
 
 PackedMatrix PackedMatrix::from_q8(const void* w, Element source, int64_t out, int64_t in, int64_t* non_finite) {
@@ -170,8 +184,7 @@ PackedMatrix PackedMatrix::from_q8(const void* w, Element source, int64_t out, i
   m.element_ = Element::Q8;
   const std::size_t total = m.bytes();
   if (total == 0) return m;
-  std::byte* const panels = m.allocate_panels(total);
-  std::memset(panels, 0, total);
+  std::byte* const panels = clear_q8_panels(m.allocate_panels(total), total);
   const int64_t blocks = (in + kQ8Block - 1) / kQ8Block;
   std::vector<float> row(static_cast<std::size_t>(in));
   for (int64_t o = 0; o < out; ++o) {
@@ -206,7 +219,7 @@ PackedMatrix PackedMatrix::from_q8(const void* w, Element source, int64_t out, i
       const std::uint16_t scale_bits = q8_scale_bits(max_abs);
       std::memcpy(block + l * 2, &scale_bits, sizeof scale_bits);
       const float s = bf16_to_f32(scale_bits);
-      for (int64_t k = 0; k < n; ++k) block[kPanel * 2 + k * kPanel + l] = static_cast<std::byte>(q8_nearest(v[k], s));
+      for (int64_t k = 0; k < n; ++k) block[q8_value_offset(l, k)] = q8_stored(q8_nearest(v[k], s));
     }
   }
   return m;
@@ -220,8 +233,7 @@ PackedMatrix PackedMatrix::from_q8_blocks(const std::int8_t* q, const std::byte*
   m.element_ = Element::Q8;
   const std::size_t total = m.bytes();
   if (total == 0) return m;
-  std::byte* const panels = m.allocate_panels(total);
-  std::memset(panels, 0, total);
+  std::byte* const panels = clear_q8_panels(m.allocate_panels(total), total);
   const int64_t blocks = (in + kQ8Block - 1) / kQ8Block;
   for (int64_t o = 0; o < out; ++o) {
     const int64_t l = o % kPanel;
@@ -232,7 +244,7 @@ PackedMatrix PackedMatrix::from_q8_blocks(const std::int8_t* q, const std::byte*
       const int64_t first = b * kQ8Block, n = std::min(kQ8Block, in - first);
       std::byte* block = panel + b * kQ8BlockBytes;
       std::memcpy(block + l * 2, row_scales + b * 2, 2);
-      for (int64_t k = 0; k < n; ++k) block[kPanel * 2 + k * kPanel + l] = static_cast<std::byte>(row[first + k]);
+      for (int64_t k = 0; k < n; ++k) block[q8_value_offset(l, k)] = q8_stored(row[first + k]);
     }
   }
   return m;
@@ -247,7 +259,9 @@ void PackedMatrix::q8_row(int64_t o, std::int8_t* q, std::uint16_t* scales) cons
     const int64_t first = b * kQ8Block, n = std::min(kQ8Block, in_ - first);
     const std::byte* block = panel + b * kQ8BlockBytes;
     std::memcpy(scales + b, block + l * 2, 2);
-    for (int64_t k = 0; k < n; ++k) q[first + k] = static_cast<std::int8_t>(block[kPanel * 2 + k * kPanel + l]);
+    for (int64_t k = 0; k < n; ++k) {
+      q[first + k] = static_cast<std::int8_t>(static_cast<unsigned char>(block[q8_value_offset(l, k)]) ^ 0x80u);
+    }
   }
 }
 
@@ -273,10 +287,85 @@ int64_t matmul_prefetch_bytes(const PackedMatrix& w) {
   return w.bytes() >= kPrefetchMatrixBytes ? kPrefetchAheadBytes : 0;
 }
 
+// x: [rows, in] quantized for a Q8 matrix into `storage` (Q8Rows): per row
+// and block of 32 inputs, a = the largest |x|; d = a / 127 and each value
+// the integer nearest to x / d (ties to even; within [-127, 127] since
+// |x| <= a), both divisions in f32. A block of zeros has d = 0, and one
+// holding an infinity or a NaN d = NaN and values 0, so that its outputs
+// are NaN as the f32 matmul's would be. Plain scalar code, the same in
+// every build, since every instruction-set copy reads what it makes.
+Q8Rows quantize_q8_rows(const float* x, int64_t rows, int64_t in, std::vector<std::byte>& storage) {
+  const int64_t blocks = (in + PackedMatrix::kQ8Block - 1) / PackedMatrix::kQ8Block;
+  const auto n = static_cast<std::size_t>(rows * blocks);
+  storage.resize(n * (PackedMatrix::kQ8Block + sizeof(float) + sizeof(std::int32_t)));
+  auto* values = reinterpret_cast<std::int8_t*>(storage.data());
+  auto* scale = reinterpret_cast<float*>(storage.data() + n * PackedMatrix::kQ8Block);
+  auto* sum = reinterpret_cast<std::int32_t*>(storage.data() + n * (PackedMatrix::kQ8Block + sizeof(float)));
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t b = 0; b < blocks; ++b) {
+      const float* xb = x + r * in + b * PackedMatrix::kQ8Block;
+      const int64_t count = std::min(PackedMatrix::kQ8Block, in - b * PackedMatrix::kQ8Block);
+      const std::size_t at = static_cast<std::size_t>(r * blocks + b);
+      std::int8_t* q = values + at * PackedMatrix::kQ8Block;
+      float a = 0.0f;
+      bool finite = true;
+      for (int64_t k = 0; k < count; ++k) {
+        const float m = std::abs(xb[k]);
+        finite &= m <= std::numeric_limits<float>::max();
+        a = std::max(a, m);
+      }
+      std::int32_t total = 0;
+      if (!finite || a == 0.0f) {
+        std::memset(q, 0, PackedMatrix::kQ8Block);
+        scale[at] = finite ? 0.0f : std::numeric_limits<float>::quiet_NaN();
+      } else {
+        const float d = a / 127.0f;
+        for (int64_t k = 0; k < PackedMatrix::kQ8Block; ++k) {
+          const float v = k < count ? std::clamp(std::nearbyint(xb[k] / d), -127.0f, 127.0f) : 0.0f;
+          q[k] = static_cast<std::int8_t>(v);
+          total += q[k];
+        }
+        scale[at] = d;
+      }
+      sum[at] = total;
+    }
+  }
+  return Q8Rows{values, scale, sum, blocks};
+}
+
+// Panels per block of a Q8 matmul of more rows than one group: about
+// 128 KiB of blocks, which every group of rows then reads from L2.
+int64_t q8_block_panels(int64_t in) {
+  const auto panel_bytes = static_cast<int64_t>(PackedMatrix::storage_bytes(PackedMatrix::Element::Q8, kPanel, in));
+  return std::max<int64_t>(4, int64_t{128} * 1024 / std::max<int64_t>(panel_bytes, 1) / 4 * 4);
+}
+
+// Q8: the rows quantized once, then the panels split across the threads as
+// for one group of rows; with more rows than the smallest copy's group (4,
+// AVX2 and baseline), in L2-sized blocks that each group reads from L2.
+void matmul_q8(const float* x, int64_t rows, const PackedMatrix& w, float* y, const float* bias) {
+  std::vector<std::byte> storage;
+  const Q8Rows q = quantize_q8_rows(x, rows, w.in(), storage);
+  const int threads = max_threads();
+  const bool worth_threads = rows * w.in() * w.out() >= kParallelWork && threads > 1;
+  const int64_t ahead = matmul_prefetch_bytes(w);
+  const int64_t parts = worth_threads ? threads * kBlocksPerThread : 1;
+  int64_t block = ((w.panels() + parts - 1) / parts + 3) / 4 * 4;
+  if (rows > 4) block = std::min(block, q8_block_panels(w.in()));
+  const int64_t num_blocks = (w.panels() + block - 1) / block;
+  parallel_for(num_blocks, num_blocks > 1 && worth_threads, [&](int64_t b) {
+    matmul_q8_block(q, rows, w, y, bias, b * block, std::min(w.panels(), (b + 1) * block), ahead);
+  });
+}
+
 }  // namespace
 
 void matmul(const float* x, int64_t rows, const PackedMatrix& w, float* y, const float* bias) {
   if (rows <= 0 || w.out() <= 0) return;
+  if (w.element() == PackedMatrix::Element::Q8) {
+    matmul_q8(x, rows, w, y, bias);
+    return;
+  }
   const int threads = max_threads();
   const bool worth_threads = rows * w.in() * w.out() >= kParallelWork && threads > 1;
   const int64_t ahead = matmul_prefetch_bytes(w);

@@ -85,29 +85,57 @@ struct F16SoftwarePanels {
     return a;
   }
 };
-// Q8 rows in the two registers (the generic Q8Panels' 16-lane vectors
-// would go through the stack, as above).
-struct Q8Panels {
-  static constexpr bool kQ8 = true;
-  REWIND_INLINE static void load_q8_scales(const unsigned char* block, Reg* out) {
-    out[0] = Bf16Panels::widen(static_cast<const std::uint16_t*>(static_cast<const void*>(block)));
-    out[1] = Bf16Panels::widen(static_cast<const std::uint16_t*>(static_cast<const void*>(block)) + 8);
-  }
-  REWIND_INLINE static __m256 widen(const unsigned char* p) {
-    return _mm256_cvtepi32_ps(
-        _mm256_cvtepi8_epi32(_mm_loadl_epi64(static_cast<const __m128i*>(static_cast<const void*>(p)))));
-  }
-  REWIND_INLINE static void load_q8(const unsigned char* row, const Reg* scale, Reg* out) {
-    out[0] = _mm256_mul_ps(widen(row), scale[0]);
-    out[1] = _mm256_mul_ps(widen(row + 8), scale[1]);
-  }
-};
 REWIND_INLINE Reg multiply_add(float x, Reg w, Reg acc) { return _mm256_fmadd_ps(_mm256_set1_ps(x), w, acc); }
 constexpr bool kWide = false;
+
+// Q8 with AVX2's u8 x s8 multiply (vpmaddubsw), whose pair sums saturate at
+// 16 bits: the stored bytes q + 128 times an activation could reach 64770,
+// so the weights are first made signed (q, the byte xor 128) and given the
+// activation's sign (vpsignb), and the activation's magnitude is the
+// unsigned operand: pairs of q * x then stay within 2 * 127 * 127.
+struct Q8Dot {
+  struct IAcc {
+    __m256i lo, hi;
+  };
+  struct Bx {
+    __m256i q, magnitude;
+  };
+  REWIND_INLINE static IAcc start(std::int32_t) { return {_mm256_setzero_si256(), _mm256_setzero_si256()}; }
+  REWIND_INLINE static Bx broadcast(const std::int8_t* q4) {
+    std::int32_t four;
+    __builtin_memcpy(&four, q4, sizeof four);
+    const __m256i q = _mm256_set1_epi32(four);
+    return {q, _mm256_sign_epi8(q, q)};
+  }
+  // 8 outputs' sums of 4 products from 32 stored bytes.
+  REWIND_INLINE static __m256i dot8(const unsigned char* w32, const Bx& bx) {
+    const __m256i stored = _mm256_loadu_si256(static_cast<const __m256i*>(static_cast<const void*>(w32)));
+    const __m256i q = _mm256_xor_si256(stored, _mm256_set1_epi8(static_cast<char>(0x80)));
+    const __m256i pairs = _mm256_maddubs_epi16(bx.magnitude, _mm256_sign_epi8(q, bx.q));
+    return _mm256_madd_epi16(pairs, _mm256_set1_epi16(1));
+  }
+  REWIND_INLINE static IAcc dot(IAcc acc, const unsigned char* w64, const Bx& bx) {
+    return {_mm256_add_epi32(acc.lo, dot8(w64, bx)), _mm256_add_epi32(acc.hi, dot8(w64 + 32, bx))};
+  }
+  REWIND_INLINE static void finish(const IAcc& acc, const unsigned char* scales, float d, float* f) {
+    const __m256 dv = _mm256_set1_ps(d);
+    const auto* s = static_cast<const std::uint16_t*>(static_cast<const void*>(scales));
+    const __m256 lo = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc.lo), _mm256_mul_ps(Bf16Panels::widen(s), dv),
+                                      _mm256_load_ps(f));
+    const __m256 hi = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc.hi), _mm256_mul_ps(Bf16Panels::widen(s + 8), dv),
+                                      _mm256_load_ps(f + 8));
+    _mm256_store_ps(f, lo);
+    _mm256_store_ps(f + 8, hi);
+  }
+};
+// 16 registers: two rows of two panels hold 8 sums and 4 broadcasts.
+constexpr int kQ8MaxRows = 4;
+constexpr int q8_panels_for_rows(int rows) { return rows <= 2 ? 2 : 1; }
 
 }  // namespace
 
 #include "matmul_micro.inc"
+#include "matmul_q8.inc"
 
 }  // namespace rwd::runtime::kernels::detail::avx2
 

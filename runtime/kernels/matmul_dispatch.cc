@@ -37,6 +37,35 @@ MatmulIsa matmul_isa() {
 #endif
 }
 
+MatmulIsa matmul_q8_isa() {
+#if defined(REWIND_MATMUL_ISA_KERNELS)
+  static const MatmulIsa isa = [] {
+    const MatmulIsa wide = matmul_isa();
+    if (wide == MatmulIsa::Avx512 && __builtin_cpu_supports("avx512vnni")) return MatmulIsa::Avx512;
+    if (wide != MatmulIsa::Baseline && __builtin_cpu_supports("avx2")) return MatmulIsa::Avx2;
+    return MatmulIsa::Baseline;
+  }();
+  return isa;
+#else
+  return MatmulIsa::Baseline;
+#endif
+}
+
+void matmul_q8_block(const Q8Rows& x, int64_t rows, const PackedMatrix& w, float* y, const float* bias, int64_t p_begin,
+                     int64_t p_end, int64_t ahead) {
+  switch (matmul_q8_isa()) {
+#if defined(REWIND_MATMUL_ISA_KERNELS)
+    case MatmulIsa::Avx512: avx512_vnni::matmul_q8_block(x, rows, w, y, bias, p_begin, p_end, ahead); return;
+    case MatmulIsa::Avx2: avx2::matmul_q8_block(x, rows, w, y, bias, p_begin, p_end, ahead); return;
+#else
+    case MatmulIsa::Avx512:
+    case MatmulIsa::Avx2:
+#endif
+    case MatmulIsa::Baseline: break;
+  }
+  baseline::matmul_q8_block(x, rows, w, y, bias, p_begin, p_end, ahead);
+}
+
 bool f16_software_forced() {
   static const bool forced = environment_flag("REWIND_MATMUL_F16_SOFTWARE");
   return forced;

@@ -101,6 +101,41 @@ void matmul_block(const float* x, int64_t rows, const PackedMatrix& w, float* y,
                   int64_t p_end, int64_t ahead, bool f16_software);
 }
 
+// Rows of activations quantized for a Q8 matrix (matmul.cc,
+// quantize_q8_rows; docs/quantization.md): per row r and block b of 32
+// inputs (the last one zero-padded), values[(r * blocks + b) * 32 + k] in
+// [-127, 127], the block's scale scale[r * blocks + b] (0 for an all-zero
+// block, NaN where the block holds a non-finite input, whose values are
+// then 0) and the sum of its values sum[r * blocks + b].
+struct Q8Rows {
+  const std::int8_t* values;
+  const float* scale;
+  const std::int32_t* sum;
+  std::int64_t blocks;
+};
+
+// Panels [p_begin, p_end) of every row of x (rows quantized rows) times the
+// Q8 matrix w, into y: [rows, w.out()] (+ bias), in the copy
+// matmul_q8_isa() picks: AVX-512 with VNNI, else AVX2, else the baseline;
+// REWIND_MATMUL_NARROW and REWIND_MATMUL_BASELINE hold as for matmul_isa().
+// Every copy gives the same bits. `ahead`: bytes to prefetch ahead in each
+// panel stream, 0 for none.
+MatmulIsa matmul_q8_isa();
+void matmul_q8_block(const Q8Rows& x, int64_t rows, const PackedMatrix& w, float* y, const float* bias, int64_t p_begin,
+                     int64_t p_end, int64_t ahead);
+namespace baseline {
+void matmul_q8_block(const Q8Rows& x, int64_t rows, const PackedMatrix& w, float* y, const float* bias, int64_t p_begin,
+                     int64_t p_end, int64_t ahead);
+}
+namespace avx2 {
+void matmul_q8_block(const Q8Rows& x, int64_t rows, const PackedMatrix& w, float* y, const float* bias, int64_t p_begin,
+                     int64_t p_end, int64_t ahead);
+}
+namespace avx512_vnni {
+void matmul_q8_block(const Q8Rows& x, int64_t rows, const PackedMatrix& w, float* y, const float* bias, int64_t p_begin,
+                     int64_t p_end, int64_t ahead);
+}
+
 // bf16 bits are the high half of the f32 bits.
 struct Bf16Panels {
   using Stored = std::uint16_t;
@@ -109,31 +144,6 @@ struct Bf16Panels {
     __builtin_memcpy(&h, p, sizeof h);
     return bits_as_floats(__builtin_convertvector(h, PanelRowBits) << 16);
   }
-};
-
-// Q8 panels (kernels.h): a block's 16 bf16 scales widened to f32 (a shift),
-// and one row of 16 int8 widened and multiplied by them, exactly (q * s
-// has at most 16 significant bits). Reg is the including copy's panel row
-// (PanelRow here; the AVX2 copy has its own loads).
-struct Q8Panels {
-  static constexpr bool kQ8 = true;
-  REWIND_INLINE static PanelRow scales(const unsigned char* block) {
-    PanelRow16 h;
-    __builtin_memcpy(&h, block, sizeof h);
-    return bits_as_floats(__builtin_convertvector(h, PanelRowBits) << 16);
-  }
-  REWIND_INLINE static void load_q8_scales(const unsigned char* block, PanelRow* out) { out[0] = scales(block); }
-  REWIND_INLINE static void load_q8(const unsigned char* row, const PanelRow* scale, PanelRow* out) {
-    typedef signed char PanelRow8 __attribute__((vector_size(kPanel)));
-    PanelRow8 q;
-    __builtin_memcpy(&q, row, sizeof q);
-    out[0] = __builtin_convertvector(q, PanelRow) * scale[0];
-  }
-};
-// Whether E is a Q8 panel loader (matmul_micro.inc picks its block loop).
-template <class E>
-inline constexpr bool is_q8_panels = requires {
-  E::kQ8;
 };
 
 // IEEE binary16 to f32 without F16C, exactly (the values vcvtph2ps gives):

@@ -243,8 +243,8 @@ TEST_F(PackFileTest, MalformedPacksAreRefusedNamingTheFileAndTheProblem) {
   expect_refused("too short for a pack file");
   write_bytes(pack, "XWDPACK1" + good.substr(8));
   expect_refused("no RWDPACK1 magic");
-  edit_index(pack, "\"version\":1", "\"version\":2");
-  expect_refused("pack version 2; this build reads version 1 only");
+  edit_index(pack, "\"version\":2", "\"version\":1");
+  expect_refused("pack version 1; this build reads version 2 only");
   edit_index(pack, "\"panel_width\":16", "\"panel_width\":32");
   expect_refused("panels of another layout");
   edit_index(pack, "\"offset\":4096", "\"offset\":4097");

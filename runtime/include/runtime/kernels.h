@@ -137,12 +137,17 @@ inline float softplus(float x) { return x > 20.0f ? x : std::log1p(std::exp(x));
 // blocks of kQ8Block = 32 consecutive inputs of one output, each block with
 // one bf16 scale s, the weight standing for q * s (docs/quantization.md).
 // Panel p then holds, per block b of inputs: the 16 lanes' scales (bf16,
-// 32 bytes), then w[p * 16 + l, b * 32 + k] as int8 at k * 16 + l (512
-// bytes; zeros past `out` and past `in`). A bf16 scale has 8 significant
-// bits and q at most 8, so q * s is exact in f32: matmul widens q, multiplies
-// it by s and goes on as for f32, and its results are bit for bit those of
-// the f32 matrix of the dequantized values. Holds 64-byte aligned storage of
-// its own (the source can be freed after packing); movable, not copyable.
+// 32 bytes), then 512 bytes of values: w[p * 16 + l, b * 32 + k] at
+// q8_value_offset(l, k), as the byte q + 128 (groups of 4 consecutive inputs
+// of one output in 4 bytes, 16 outputs per 64 bytes: the operand layout of
+// an int8 dot-product instruction; 128, q = 0, past `out` and past `in`).
+// matmul multiplies such a matrix with activations quantized the same way
+// (docs/quantization.md, "Kernels"): per row and block, int8 values and an
+// f32 scale, the block's products summed exactly in int32, then scaled and
+// accumulated in f32; identical bits in every instruction-set copy, and
+// each row's results independent of the other rows. Holds 64-byte aligned
+// storage of its own (the source can be freed after packing); movable, not
+// copyable.
 class PackedMatrix {
  public:
   static constexpr std::int64_t kPanelWidth = 16;
@@ -150,6 +155,11 @@ class PackedMatrix {
   // scales, then 32 x 16 int8).
   static constexpr std::int64_t kQ8Block = 32;
   static constexpr std::int64_t kQ8BlockBytes = kPanelWidth * 2 + kQ8Block * kPanelWidth;
+  // Where, in one block of a Q8 panel, the value of lane l (output) and input
+  // k of the block lies. REQUIRES: 0 <= l < 16, 0 <= k < 32.
+  static constexpr std::int64_t q8_value_offset(std::int64_t l, std::int64_t k) {
+    return kPanelWidth * 2 + k / 4 * (4 * kPanelWidth) + l * 4 + k % 4;
+  }
   // How the elements are stored.
   enum class Element : std::uint8_t { F32, BF16, F16, Q8 };
 
@@ -233,7 +243,8 @@ class PackedMatrix {
       const auto* block = static_cast<const std::byte*>(panel_data(o / kPanelWidth)) + i / kQ8Block * kQ8BlockBytes;
       std::uint16_t scale;
       std::memcpy(&scale, block + l * 2, sizeof scale);
-      const auto q = static_cast<std::int8_t>(block[kPanelWidth * 2 + i % kQ8Block * kPanelWidth + l]);
+      const auto q = static_cast<std::int8_t>(static_cast<unsigned char>(block[q8_value_offset(l, i % kQ8Block)]) ^
+                                              0x80u);
       return static_cast<float>(q) * bf16_to_f32(scale);
     }
     const std::int64_t k = i * kPanelWidth + l;

@@ -37,7 +37,9 @@
 
 namespace rwd::runtime {
 
-inline constexpr int kPackFileVersion = 1;
+// Version 2: Q8 panels with the values in groups of four inputs (kernels.h);
+// a version 1 pack is stale and rewritten by `rewind pack`.
+inline constexpr int kPackFileVersion = 2;
 inline constexpr std::size_t kPackAlignment = 4096;
 
 // A file a pack depends on, as it was when the pack was written.
