@@ -191,8 +191,8 @@ test-tsan: deps
 fuzz: deps
 	CC=clang CXX=clang++ cmake -S . -B $(FUZZ_BUILD) -DCMAKE_BUILD_TYPE=RelWithDebInfo -DREWIND_FUZZ=ON \
 	  -DREWIND_BUILD_TESTS=OFF -DREWIND_BUILD_BENCH=OFF -DREWIND_BUILD_PYTHON=OFF $(CMAKE_FLAGS)
-	cmake --build $(FUZZ_BUILD) -j $(JOBS) --target fuzz_safetensors fuzz_config fuzz_cache_ops fuzz_sequences fuzz_snapshot fuzz_tree fuzz_tokenizer fuzz_decode fuzz_cache_adopt fuzz_chat_output
-	@for t in fuzz_safetensors fuzz_config fuzz_cache_ops fuzz_sequences fuzz_snapshot fuzz_tree fuzz_tokenizer fuzz_decode fuzz_cache_adopt fuzz_chat_output; do \
+	cmake --build $(FUZZ_BUILD) -j $(JOBS) --target fuzz_safetensors fuzz_pack fuzz_config fuzz_cache_ops fuzz_sequences fuzz_snapshot fuzz_tree fuzz_tokenizer fuzz_decode fuzz_cache_adopt fuzz_chat_output
+	@for t in fuzz_safetensors fuzz_pack fuzz_config fuzz_cache_ops fuzz_sequences fuzz_snapshot fuzz_tree fuzz_tokenizer fuzz_decode fuzz_cache_adopt fuzz_chat_output; do \
 	  c=$${t#fuzz_}; mkdir -p $(FUZZ_BUILD)/corpus/$$c $(FUZZ_BUILD)/artifacts; \
 	  echo "== $$t for $(FUZZ_SECONDS) s"; \
 	  OMP_NUM_THREADS=1 $(FUZZ_BUILD)/fuzz/$$t -max_total_time=$(FUZZ_SECONDS) -rss_limit_mb=2048 -timeout=20 \

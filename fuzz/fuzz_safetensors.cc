@@ -2,38 +2,18 @@
 // must either open, with every entry's bytes inside the file, or raise
 // rwd::FormatError; nothing else (no crash, no other exception, no huge
 // allocation: libFuzzer's -rss_limit_mb catches those).
-#include <sys/mman.h>
-#include <unistd.h>
-
 #include <cstddef>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
 #include <string>
 
+#include "fuzz_support.h"
 #include "rewind/error.h"
 #include "runtime/safetensors.h"
 
-namespace {
-
-// An in-memory file the reader can open by path.
-int memory_file() {
-  static const int fd = memfd_create("rewind_fuzz_safetensors", 0);
-  return fd;
-}
-
-}  // namespace
-
 extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size) {
-  const int fd = memory_file();
-  if (fd < 0 || ftruncate(fd, 0) != 0) std::abort();
-  std::size_t written = 0;
-  while (written < size) {
-    const ssize_t n = pwrite(fd, data + written, size - written, static_cast<off_t>(written));
-    if (n <= 0) std::abort();
-    written += static_cast<std::size_t>(n);
-  }
-  const std::string path = "/proc/self/fd/" + std::to_string(fd);
+  const std::string path = rwt::memory_file_with("rewind_fuzz_safetensors", data, size);
   try {
     const auto file = rwd::runtime::SafetensorsFile::open(path);
     const auto* begin = reinterpret_cast<const std::byte*>(data);

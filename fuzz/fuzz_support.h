@@ -1,6 +1,7 @@
 // What the fuzz targets share: the reader that turns input bytes into
-// choices, and path counters (REWIND_FUZZ_STATS=1 prints how often each path
-// ran when the process ends, docs/reliability.md).
+// choices, path counters (REWIND_FUZZ_STATS=1 prints how often each path
+// ran when the process ends, docs/reliability.md), and an in-memory file
+// for the readers that open a path.
 #pragma once
 
 #include <array>
@@ -8,6 +9,10 @@
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
+#include <string>
+
+#include <sys/mman.h>
+#include <unistd.h>
 
 namespace rwt {
 
@@ -50,5 +55,19 @@ class FuzzStats {
   const char* const (&names_)[N];
   std::array<unsigned long long, N> counts_{};
 };
+
+// The path of an in-memory file (one per process, named `name`) that now
+// holds exactly data[0, size); aborts when it cannot be written.
+inline std::string memory_file_with(const char* name, const std::uint8_t* data, std::size_t size) {
+  static const int fd = memfd_create(name, 0);
+  if (fd < 0 || ftruncate(fd, 0) != 0) std::abort();
+  std::size_t written = 0;
+  while (written < size) {
+    const ssize_t n = pwrite(fd, data + written, size - written, static_cast<off_t>(written));
+    if (n <= 0) std::abort();
+    written += static_cast<std::size_t>(n);
+  }
+  return "/proc/self/fd/" + std::to_string(fd);
+}
 
 }  // namespace rwt

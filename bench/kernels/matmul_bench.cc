@@ -3,7 +3,7 @@
 // rows (1: a decoding step; K + 1: a verification forward) and the element
 // type (0 f32, 1 f16, 2 bf16, 3 Q8 quantized from the f32 values). Shapes: one of the shipped target's
 // projections (192 inputs, 512 outputs: resident in L2 / L3) and a Qwen3-size
-// one (1024 x 4096, streamed from memory). Counter: flops_per_second (2 per
+// one (1024 x 4096: 4-16 MB, past L2; from L3 or memory, by CPU). Counter: flops_per_second (2 per
 // multiply-add). Which instruction-set copy runs follows the CPU and the
 // REWIND_MATMUL_* environment overrides (docs/building.md).
 #include <benchmark/benchmark.h>

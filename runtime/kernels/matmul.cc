@@ -274,17 +274,26 @@ namespace {
 // forward of a 26M-parameter model held as f32 cost 2.27x a one-token one
 // before, 1.31x now, docs/performance.md section 12). A model that fits in
 // L3 gains nothing from it and lost about 2 % to the extra instructions,
-// hence the size test.
+// hence the size test. With fewer than 4 rows the CPU's own prefetcher
+// streams the panels faster: on an AMD Zen 4 the one-token forward of a
+// 354M-parameter bf16 model took 29.5 ms without software prefetch and 34
+// with it, two and three rows 31-33 against 35 (four rows are even, five
+// and six 1.1x faster with it; docs/performance.md section 11). Q8 matmul
+// never prefetches: there every row count up to 6 was faster without
+// (one row 17.0 ms against 23.7, five 27.2 against 34.8).
 constexpr std::size_t kPrefetchMatrixBytes = 256 * 1024;
 constexpr int64_t kPrefetchAheadBytes = 4096;
+constexpr int64_t kPrefetchMinRows = 4;
 
 // Blocks per thread when one group of rows is split across threads: the
 // threads take blocks as they come (parallel.cc), so a thread the OS
 // deschedules holds up at most the block it has started.
 constexpr int64_t kBlocksPerThread = 4;
 
-int64_t matmul_prefetch_bytes(const PackedMatrix& w) {
-  return w.bytes() >= kPrefetchMatrixBytes ? kPrefetchAheadBytes : 0;
+bool streamed(const PackedMatrix& w) { return w.bytes() >= kPrefetchMatrixBytes; }
+
+int64_t matmul_prefetch_bytes(const PackedMatrix& w, int64_t rows) {
+  return streamed(w) && rows >= kPrefetchMinRows ? kPrefetchAheadBytes : 0;
 }
 
 // x: [rows, in] quantized for a Q8 matrix into `storage` (Q8Rows): per row
@@ -348,13 +357,12 @@ void matmul_q8(const float* x, int64_t rows, const PackedMatrix& w, float* y, co
   const Q8Rows q = quantize_q8_rows(x, rows, w.in(), storage);
   const int threads = max_threads();
   const bool worth_threads = rows * w.in() * w.out() >= kParallelWork && threads > 1;
-  const int64_t ahead = matmul_prefetch_bytes(w);
   const int64_t parts = worth_threads ? threads * kBlocksPerThread : 1;
   int64_t block = ((w.panels() + parts - 1) / parts + 3) / 4 * 4;
   if (rows > 4) block = std::min(block, q8_block_panels(w.in()));
   const int64_t num_blocks = (w.panels() + block - 1) / block;
   parallel_for(num_blocks, num_blocks > 1 && worth_threads, [&](int64_t b) {
-    matmul_q8_block(q, rows, w, y, bias, b * block, std::min(w.panels(), (b + 1) * block), ahead);
+    matmul_q8_block(q, rows, w, y, bias, b * block, std::min(w.panels(), (b + 1) * block));
   });
 }
 
@@ -368,11 +376,11 @@ void matmul(const float* x, int64_t rows, const PackedMatrix& w, float* y, const
   }
   const int threads = max_threads();
   const bool worth_threads = rows * w.in() * w.out() >= kParallelWork && threads > 1;
-  const int64_t ahead = matmul_prefetch_bytes(w);
+  const int64_t ahead = matmul_prefetch_bytes(w, rows);
   int64_t block = matmul_block_panels(w.in());
   const bool wide = matmul_isa() == MatmulIsa::Avx512;
   const int64_t max_group = wide ? wide_group_rows(w.element(), ahead) : kMaxGroupRows;
-  const bool streamed_f32_rows = rows <= 2 && ahead != 0 && w.element() == PackedMatrix::Element::F32;
+  const bool streamed_f32_rows = rows <= 2 && streamed(w) && w.element() == PackedMatrix::Element::F32;
   if (rows <= max_group && !streamed_f32_rows) {
     // One group of rows passes over the weights once, so L2-sized blocks
     // buy nothing; small ones cost: a block of 2 or 5 panels left the 4-
@@ -380,7 +388,7 @@ void matmul(const float* x, int64_t rows, const PackedMatrix& w, float* y, const
     // 1-panel tail, one accumulator waiting on its own adds. Blocks here are
     // the panels split across the threads, in multiples of 4 (the shipped
     // target's one-token forward: 90 -> 79 us). Except for one or two rows
-    // of an f32 matrix streamed from memory (prefetched): there its L2
+    // of an f32 matrix streamed from memory: there its L2
     // blocks (2 panels of 512 inputs) run two panels at a time, and that
     // was faster than four streams at once (a 26M-parameter f32 model's
     // two-token forward: 2.67 ms against 2.79). f16 / bf16 panels, half the

@@ -52,18 +52,18 @@ MatmulIsa matmul_q8_isa() {
 }
 
 void matmul_q8_block(const Q8Rows& x, int64_t rows, const PackedMatrix& w, float* y, const float* bias, int64_t p_begin,
-                     int64_t p_end, int64_t ahead) {
+                     int64_t p_end) {
   switch (matmul_q8_isa()) {
 #if defined(REWIND_MATMUL_ISA_KERNELS)
-    case MatmulIsa::Avx512: avx512_vnni::matmul_q8_block(x, rows, w, y, bias, p_begin, p_end, ahead); return;
-    case MatmulIsa::Avx2: avx2::matmul_q8_block(x, rows, w, y, bias, p_begin, p_end, ahead); return;
+    case MatmulIsa::Avx512: avx512_vnni::matmul_q8_block(x, rows, w, y, bias, p_begin, p_end); return;
+    case MatmulIsa::Avx2: avx2::matmul_q8_block(x, rows, w, y, bias, p_begin, p_end); return;
 #else
     case MatmulIsa::Avx512:
     case MatmulIsa::Avx2:
 #endif
     case MatmulIsa::Baseline: break;
   }
-  baseline::matmul_q8_block(x, rows, w, y, bias, p_begin, p_end, ahead);
+  baseline::matmul_q8_block(x, rows, w, y, bias, p_begin, p_end);
 }
 
 bool f16_software_forced() {

@@ -118,22 +118,21 @@ struct Q8Rows {
 // Q8 matrix w, into y: [rows, w.out()] (+ bias), in the copy
 // matmul_q8_isa() picks: AVX-512 with VNNI, else AVX2, else the baseline;
 // REWIND_MATMUL_NARROW and REWIND_MATMUL_BASELINE hold as for matmul_isa().
-// Every copy gives the same bits. `ahead`: bytes to prefetch ahead in each
-// panel stream, 0 for none.
+// Every copy gives the same bits. No software prefetch (matmul.cc).
 MatmulIsa matmul_q8_isa();
 void matmul_q8_block(const Q8Rows& x, int64_t rows, const PackedMatrix& w, float* y, const float* bias, int64_t p_begin,
-                     int64_t p_end, int64_t ahead);
+                     int64_t p_end);
 namespace baseline {
 void matmul_q8_block(const Q8Rows& x, int64_t rows, const PackedMatrix& w, float* y, const float* bias, int64_t p_begin,
-                     int64_t p_end, int64_t ahead);
+                     int64_t p_end);
 }
 namespace avx2 {
 void matmul_q8_block(const Q8Rows& x, int64_t rows, const PackedMatrix& w, float* y, const float* bias, int64_t p_begin,
-                     int64_t p_end, int64_t ahead);
+                     int64_t p_end);
 }
 namespace avx512_vnni {
 void matmul_q8_block(const Q8Rows& x, int64_t rows, const PackedMatrix& w, float* y, const float* bias, int64_t p_begin,
-                     int64_t p_end, int64_t ahead);
+                     int64_t p_end);
 }
 
 // bf16 bits are the high half of the f32 bits.

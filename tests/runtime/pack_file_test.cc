@@ -302,5 +302,21 @@ TEST_F(PackFileTest, WritePackRefusesBadRecordsAndWritesNothing) {
             std::memcmp(PackFile::open(path("p")).take(0, "a", 40, 8).storage().data(), m.storage().data(), m.bytes()));
 }
 
+// The fuzzer's seed (fuzz/corpus/pack/valid, written by hand from
+// docs/model-format.md) opens: it stays a valid pack of this version.
+TEST(PackFileSeed, TheFuzzSeedIsAValidPack) {
+  const PackFile pack = PackFile::open(std::string(REWIND_SOURCE_DIR) + "/fuzz/corpus/pack/valid");
+  ASSERT_EQ(pack.size(), 3u);
+  EXPECT_EQ(pack.matrix(0).key, "model.layers.0.mlp.up_proj.weight");
+  EXPECT_EQ(pack.matrix(1).element, kernels::PackedMatrix::Element::Q8);
+  EXPECT_EQ(pack.matrix(1).offset, 2 * kPackAlignment);
+  const kernels::PackedMatrix up = pack.take(0, "model.layers.0.mlp.up_proj.weight", 2, 3);
+  EXPECT_EQ(up.at(1, 2), 1.0f);  // bf16 0x3F80 in lanes 0 and 1
+  const kernels::PackedMatrix down = pack.take(1, "model.layers.0.mlp.down_proj.weight", 3, 40);
+  // Lane l, input k of block 0: the byte (k / 4 * 7 + l) % 255, minus 128, times the scale 0x3C00 (2^-7).
+  EXPECT_EQ(down.at(2, 9), static_cast<float>((9 / 4 * 7 + 2) % 255 - 128) * 0.0078125f);
+  EXPECT_EQ(pack.take(2, "model.norm_like", 0, 5).bytes(), 0u);
+}
+
 }  // namespace
 }  // namespace rwd::runtime

@@ -25,6 +25,7 @@
 // are fine.
 #pragma once
 
+#include <cassert>
 #include <cstddef>
 #include <cstdint>
 #include <memory>
@@ -102,6 +103,18 @@ class PackFile {
   const PackInfo& info() const { return info_; }
   std::size_t size() const { return matrices_.size(); }
   std::uint64_t file_bytes() const { return file_bytes_; }
+  // Where matrix `index` lies and what it is, as the index says.
+  struct Entry {
+    std::string key;
+    kernels::PackedMatrix::Element element;
+    std::int64_t out, in;
+    std::uint64_t offset;  // of its panels, from the start of the file
+  };
+  // REQUIRES: index < size().
+  const Entry& matrix(std::size_t index) const {
+    assert(index < matrices_.size());
+    return matrices_[index];
+  }
   // Matrix `index` as a view of the mapping (kernels::PackedMatrix::view_of;
   // it keeps the mapping alive). Throws FormatError naming the file when
   // there is no such index or the matrix there is not `key` of out x in:
@@ -109,12 +122,6 @@ class PackFile {
   kernels::PackedMatrix take(std::size_t index, std::string_view key, std::int64_t out, std::int64_t in) const;
 
  private:
-  struct Entry {
-    std::string key;
-    kernels::PackedMatrix::Element element;
-    std::int64_t out, in;
-    std::uint64_t offset;
-  };
   std::string path_;
   PackInfo info_;
   std::vector<Entry> matrices_;
