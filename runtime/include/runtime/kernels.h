@@ -303,8 +303,11 @@ class PackedMatrix {
 // weight panel, and panels are visited in blocks that stay in L2 while all
 // rows pass over them, so one call with K + 1 rows costs far less than K + 1
 // one-row calls (the point of verifying draft tokens in one forward).
-// Multithreaded over blocks of output panels. REQUIRES: rows >= 0; y does
-// not alias x.
+// Multithreaded over blocks of output panels. For a Q8 w the sums are
+// instead int8 dot products over each row quantized per block of 32 inputs,
+// scaled per block (see PackedMatrix): still each output's bits from its
+// own row and weights only, on every CPU. REQUIRES: rows >= 0; y does not
+// alias x.
 void matmul(const float* x, std::int64_t rows, const PackedMatrix& w, float* y, const float* bias = nullptr);
 
 // The fixed-order dot product of the norms and attention scores (matmul
