@@ -241,7 +241,7 @@ TEST(KernelsMatmulQ8, ActivationsAtTheInt8LimitsAndNonFiniteInputs) {
 }
 
 TEST(KernelsMatmulQ8, RowsAreBatchAndThreadInvariant) {
-  // 64 KiB past the prefetch threshold (a streamed matrix) and a small one.
+  // One of about 300 KB (in L2-sized blocks of 12 panels for more than 4 rows) and a small one.
   for (const auto& [in, out] : {std::pair<std::int64_t, std::int64_t>{544, 520}, {72, 45}}) {
     const Vec w = test_weights(out, in, 3);
     const PackedMatrix q = PackedMatrix::from_q8(w.data(), Element::F32, out, in);
