@@ -233,9 +233,8 @@ struct KVSegment {
 // A batch of sequences reads each sequence's keys and values once a round,
 // block after block at scattered addresses: the hardware prefetchers lose
 // the stream at every block, and attention waited on memory for most of its
-// time (16 prompts of the shipped target while this machine's share of L3
-// was a few MB: docs/performance.md section 16). Prefetching changes no
-// result.
+// time (16 prompts of the shipped target while the machine's share of L3
+// was a few MB). Prefetching changes no result.
 struct RowPrefetcher {
   const KVSegment* segment;
   const KVSegment* segments_end;

@@ -58,12 +58,11 @@ void PackedMatrix::AlignedFree::operator()(std::byte* p) const { ::operator dele
 // "madvise" setting requires): matmul streams such a matrix from memory,
 // and with 4 KiB pages every 4 KiB of it took a TLB miss. The one-token
 // forward of a 26M-parameter f32 model (104 MB of weights), six
-// alternating runs: median about 5.9 ms before, 5.3 after
-// (docs/performance.md section 16). The advice is a hint: refused, the
-// memory is the same, in small pages. Only the whole huge pages are
-// advised: rounding the block up instead would have reserved up to 2 MiB
-// more per matrix (a third more for a 3 MiB one); the tail stays in small
-// pages.
+// alternating runs: median about 5.9 ms before, 5.3 after. The advice is
+// a hint: refused, the memory is the same, in small pages. Only the whole
+// huge pages are advised: rounding the block up instead would have reserved
+// up to 2 MiB more per matrix (a third more for a 3 MiB one); the tail
+// stays in small pages.
 std::byte* PackedMatrix::allocate_panels(std::size_t bytes) {
   constexpr std::size_t kHugePage = std::size_t{2} << 20;
   const std::size_t alignment = bytes < kHugePage ? 64 : kHugePage;
@@ -272,7 +271,7 @@ namespace {
 // there, without software prefetch, a forward of several rows stalled on
 // its loads instead of overlapping them with the arithmetic (a 5-token
 // forward of a 26M-parameter model held as f32 cost 2.27x a one-token one
-// before, 1.31x now, docs/performance.md section 12). A model that fits in
+// before, 1.31x now, docs/performance.md section 2). A model that fits in
 // L3 gains nothing from it and lost about 2 % to the extra instructions,
 // hence the size test. With fewer than 4 rows the CPU's own prefetcher
 // streams the panels faster: on an AMD Zen 4 the one-token forward of a
