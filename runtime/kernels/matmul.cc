@@ -258,9 +258,7 @@ void PackedMatrix::q8_row(int64_t o, std::int8_t* q, std::uint16_t* scales) cons
     const int64_t first = b * kQ8Block, n = std::min(kQ8Block, in_ - first);
     const std::byte* block = panel + b * kQ8BlockBytes;
     std::memcpy(scales + b, block + l * 2, 2);
-    for (int64_t k = 0; k < n; ++k) {
-      q[first + k] = static_cast<std::int8_t>(static_cast<unsigned char>(block[q8_value_offset(l, k)]) ^ 0x80u);
-    }
+    for (int64_t k = 0; k < n; ++k) q[first + k] = q8_value(block[q8_value_offset(l, k)]);
   }
 }
 
@@ -293,6 +291,19 @@ bool streamed(const PackedMatrix& w) { return w.bytes() >= kPrefetchMatrixBytes;
 
 int64_t matmul_prefetch_bytes(const PackedMatrix& w, int64_t rows) {
   return streamed(w) && rows >= kPrefetchMinRows ? kPrefetchAheadBytes : 0;
+}
+
+// Whether a product of `rows` rows with w is worth splitting across threads.
+bool worth_threads(int64_t rows, const PackedMatrix& w) {
+  return rows * w.in() * w.out() >= kParallelWork && max_threads() > 1;
+}
+
+// Panels per block when one pass over w is split across the threads (or
+// not, when it is not worth it): kBlocksPerThread blocks per thread, in
+// multiples of 4 panels.
+int64_t thread_split_panels(const PackedMatrix& w, bool split) {
+  const int64_t parts = split ? max_threads() * kBlocksPerThread : 1;
+  return ((w.panels() + parts - 1) / parts + 3) / 4 * 4;
 }
 
 // x: [rows, in] quantized for a Q8 matrix into `storage` (Q8Rows): per row
@@ -354,13 +365,11 @@ int64_t q8_block_panels(int64_t in) {
 void matmul_q8(const float* x, int64_t rows, const PackedMatrix& w, float* y, const float* bias) {
   std::vector<std::byte> storage;
   const Q8Rows q = quantize_q8_rows(x, rows, w.in(), storage);
-  const int threads = max_threads();
-  const bool worth_threads = rows * w.in() * w.out() >= kParallelWork && threads > 1;
-  const int64_t parts = worth_threads ? threads * kBlocksPerThread : 1;
-  int64_t block = ((w.panels() + parts - 1) / parts + 3) / 4 * 4;
+  const bool split = worth_threads(rows, w);
+  int64_t block = thread_split_panels(w, split);
   if (rows > 4) block = std::min(block, q8_block_panels(w.in()));
   const int64_t num_blocks = (w.panels() + block - 1) / block;
-  parallel_for(num_blocks, num_blocks > 1 && worth_threads, [&](int64_t b) {
+  parallel_for(num_blocks, num_blocks > 1 && split, [&](int64_t b) {
     matmul_q8_block(q, rows, w, y, bias, b * block, std::min(w.panels(), (b + 1) * block));
   });
 }
@@ -373,8 +382,7 @@ void matmul(const float* x, int64_t rows, const PackedMatrix& w, float* y, const
     matmul_q8(x, rows, w, y, bias);
     return;
   }
-  const int threads = max_threads();
-  const bool worth_threads = rows * w.in() * w.out() >= kParallelWork && threads > 1;
+  const bool split = worth_threads(rows, w);
   const int64_t ahead = matmul_prefetch_bytes(w, rows);
   int64_t block = matmul_block_panels(w.in());
   const bool wide = matmul_isa() == MatmulIsa::Avx512;
@@ -394,8 +402,7 @@ void matmul(const float* x, int64_t rows, const PackedMatrix& w, float* y, const
     // bytes per weight, go the other way since matmul fuses its multiply-
     // adds: four streams at once took that model's f16 one-token forward
     // from 1.88 to 1.50 ms.
-    const int64_t parts = worth_threads ? threads * kBlocksPerThread : 1;
-    block = ((w.panels() + parts - 1) / parts + 3) / 4 * 4;
+    block = thread_split_panels(w, split);
   } else if (wide && rows > max_group) {
     // Several groups over L2 blocks: a whole number of the widest micro-
     // kernel's panels (4 for groups of 6 rows, 3 for 8), so that no group
@@ -405,7 +412,7 @@ void matmul(const float* x, int64_t rows, const PackedMatrix& w, float* y, const
     block = std::max<int64_t>(step, block / step * step);
   }
   const int64_t num_blocks = (w.panels() + block - 1) / block;
-  const bool parallel = num_blocks > 1 && worth_threads;
+  const bool parallel = num_blocks > 1 && split;
   parallel_for(num_blocks, parallel, [&](int64_t b) {
     matmul_block(x, rows, w, y, bias, b * block, std::min(w.panels(), (b + 1) * block), ahead);
   });

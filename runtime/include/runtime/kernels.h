@@ -160,6 +160,10 @@ class PackedMatrix {
   static constexpr std::int64_t q8_value_offset(std::int64_t l, std::int64_t k) {
     return kPanelWidth * 2 + k / 4 * (4 * kPanelWidth) + l * 4 + k % 4;
   }
+  // The value q a stored Q8 byte (q + 128) stands for.
+  static constexpr std::int8_t q8_value(std::byte stored) {
+    return static_cast<std::int8_t>(static_cast<int>(stored) - 128);
+  }
   // How the elements are stored.
   enum class Element : std::uint8_t { F32, BF16, F16, Q8 };
 
@@ -243,9 +247,7 @@ class PackedMatrix {
       const auto* block = static_cast<const std::byte*>(panel_data(o / kPanelWidth)) + i / kQ8Block * kQ8BlockBytes;
       std::uint16_t scale;
       std::memcpy(&scale, block + l * 2, sizeof scale);
-      const auto q = static_cast<std::int8_t>(static_cast<unsigned char>(block[q8_value_offset(l, i % kQ8Block)]) ^
-                                              0x80u);
-      return static_cast<float>(q) * bf16_to_f32(scale);
+      return static_cast<float>(q8_value(block[q8_value_offset(l, i % kQ8Block)])) * bf16_to_f32(scale);
     }
     const std::int64_t k = i * kPanelWidth + l;
     if (element_ == Element::F32) return panel(o / kPanelWidth)[k];
